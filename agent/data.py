@@ -1,0 +1,624 @@
+"""Datasets and their partition across a fleet: pure functions, deterministic for a seed.
+
+A `Dataset` is one pool of labelled samples. `partition` splits it into a train pool and a test
+pool, deals the train pool out to the agents (IID, Dirichlet label skew, pathological classes,
+or the dataset's natural groups), splits each agent's share into train and validation, and
+draws each agent a test set with its own label mix. Every agent process of a fleet can run the
+same call with the same seed and keep its own entry, so the data never has to travel.
+"""
+
+from __future__ import annotations
+
+import codecs
+import math
+import pickle
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+BUILTIN_DATASETS = ("digits", "mnist1d", "synthetic")
+USER_DATASETS = ("npz", "imagefolder", "cifar10")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+CIFAR10_FILES = tuple(f"data_batch_{i}" for i in range(1, 6)) + ("test_batch",)
+CIFAR10_CLASSES = (
+    "airplane",
+    "automobile",
+    "bird",
+    "cat",
+    "deer",
+    "dog",
+    "frog",
+    "horse",
+    "ship",
+    "truck",
+)
+
+
+@dataclass(frozen=True, eq=False)
+class Dataset:
+    """A pool of samples: x float32 of shape (n, *input_shape), y int64 in [0, num_classes).
+
+    `groups` (int64 per sample, or None) names the source each sample came from (the device
+    that generated it in `synthetic`); the `natural` partition deals whole groups to agents.
+    Construction validates everything, so no loader can hand out a malformed dataset.
+    Datasets, splits and agent data compare by identity (arrays have no single truth value).
+    """
+
+    name: str
+    x: np.ndarray
+    y: np.ndarray
+    num_classes: int
+    input_shape: tuple[int, ...]
+    class_names: tuple[str, ...] = ()
+    groups: np.ndarray | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.x.dtype != np.float32 or self.y.dtype != np.int64:
+            raise ValueError(
+                f"{self.name}: x must be float32 and y int64, got {self.x.dtype} and {self.y.dtype}"
+            )
+        if self.y.ndim != 1 or len(self.x) != len(self.y):
+            raise ValueError(
+                f"{self.name}: x has {len(self.x)} samples but y has shape "
+                f"{self.y.shape}; need one label per sample"
+            )
+        if len(self.y) == 0:
+            raise ValueError(f"{self.name}: no samples")
+        if tuple(self.x.shape[1:]) != tuple(self.input_shape):
+            raise ValueError(
+                f"{self.name}: samples have shape {self.x.shape[1:]}, expected {self.input_shape}"
+            )
+        if self.num_classes < 2 or self.y.min() < 0 or self.y.max() >= self.num_classes:
+            raise ValueError(
+                f"{self.name}: labels must lie in [0, {self.num_classes}) with at "
+                f"least 2 classes, got [{self.y.min()}, {self.y.max()}]"
+            )
+        if self.class_names and len(self.class_names) != self.num_classes:
+            raise ValueError(
+                f"{self.name}: {len(self.class_names)} class names for {self.num_classes} classes"
+            )
+        if self.groups is not None and self.groups.shape != self.y.shape:
+            raise ValueError(f"{self.name}: groups must have one entry per sample")
+        if not np.isfinite(self.x).all():
+            raise ValueError(f"{self.name}: x holds NaN or infinite values")
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+
+@dataclass(frozen=True, eq=False)
+class Split:
+    """Samples of one agent's split; `idx` are their positions in the source Dataset."""
+
+    x: np.ndarray
+    y: np.ndarray
+    idx: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+
+@dataclass(frozen=True, eq=False)
+class AgentData:
+    """One agent's data: train and val come from its share, test from the held-out pool."""
+
+    agent: int
+    train: Split
+    val: Split
+    test: Split
+    num_classes: int
+    input_shape: tuple[int, ...]
+
+
+def label_counts(y: np.ndarray, num_classes: int) -> np.ndarray:
+    """Number of samples per class, length num_classes."""
+    return np.bincount(y, minlength=num_classes)
+
+
+# ---------------------------------------------------------------- built-in datasets
+
+
+def load_digits() -> Dataset:
+    """scikit-learn's 1,797 8x8 handwritten digits as 1x8x8 images in [0, 1] (bundled, no
+    download; the data is fixed, so there is nothing to seed)."""
+    from sklearn.datasets import load_digits as sk_digits
+
+    bunch = sk_digits()
+    x = (bunch.images / 16.0).astype(np.float32)[:, None, :, :]
+    return Dataset(
+        "digits", x, bunch.target.astype(np.int64), 10, (1, 8, 8), tuple(str(c) for c in range(10))
+    )
+
+
+def load_mnist1d(seed: int) -> Dataset:
+    """MNIST-1D generated locally: its default 4,000 + 1,000 samples merged into one pool of
+    shape 1x40 (partition makes its own test split).
+
+    Only `make_dataset` is called, which generates; `get_dataset` would download. It seeds the
+    global `random` and `np.random` generators with args.seed, so both are saved and restored
+    around the call: the result depends on `seed` alone and the caller's RNG state is untouched
+    (not thread-safe: do not use the global numpy RNG in another thread meanwhile).
+    """
+    from mnist1d.data import get_dataset_args, make_dataset
+
+    args = get_dataset_args()
+    args.seed = seed
+    np_state, py_state = np.random.get_state(), random.getstate()
+    try:
+        data = make_dataset(args)
+    finally:
+        np.random.set_state(np_state)
+        random.setstate(py_state)
+    x = np.concatenate([data["x"], data["x_test"]]).astype(np.float32)[:, None, :]
+    y = np.concatenate([data["y"], data["y_test"]]).astype(np.int64)
+    return Dataset("mnist1d", x, y, 10, (1, x.shape[-1]), tuple(str(c) for c in range(10)))
+
+
+def load_synthetic(
+    seed: int,
+    alpha: float = 1.0,
+    beta: float = 1.0,
+    groups: int = 30,
+    samples_per_group: int = 200,
+    dim: int = 60,
+    num_classes: int = 10,
+) -> Dataset:
+    """Synthetic(alpha, beta) of the FedProx paper (Li et al., 2020): each group (device) k has
+    its own logistic model and its own feature distribution, so groups are non-IID in both
+    p(x) and p(y|x).
+
+    u_k ~ N(0, alpha), W_k ~ N(u_k, 1) (dim x classes), b_k ~ N(u_k, 1); B_k ~ N(0, beta),
+    v_k ~ N(B_k, 1) (dim), x ~ N(v_k, diag(j^-1.2)), y = argmax(x W_k + b_k). Unlike the
+    paper's log-normal sizes, every group has `samples_per_group` samples so that agents are
+    comparable. `groups` records each sample's group for the `natural` partition; other
+    partitions treat the pool as one labelled set.
+    """
+    if alpha < 0 or beta < 0 or groups < 1:
+        raise ValueError(
+            f"synthetic needs alpha, beta >= 0 and groups >= 1, got {alpha}, {beta}, {groups}"
+        )
+    rng = np.random.default_rng(seed)
+    scale = np.arange(1, dim + 1) ** -0.6  # std of x per feature: sqrt(j^-1.2)
+    xs, ys = [], []
+    for _ in range(groups):
+        u = rng.normal(0.0, math.sqrt(alpha))
+        w = rng.normal(u, 1.0, (dim, num_classes))
+        b = rng.normal(u, 1.0, num_classes)
+        v = rng.normal(rng.normal(0.0, math.sqrt(beta), dim), 1.0)
+        x = v + rng.standard_normal((samples_per_group, dim)) * scale
+        xs.append(x)
+        ys.append(np.argmax(x @ w + b, axis=1))
+    return Dataset(
+        "synthetic",
+        np.concatenate(xs).astype(np.float32),
+        np.concatenate(ys).astype(np.int64),
+        num_classes,
+        (dim,),
+        tuple(str(c) for c in range(num_classes)),
+        np.repeat(np.arange(groups, dtype=np.int64), samples_per_group),
+    )
+
+
+# ---------------------------------------------------------------- the user's own data
+
+
+def load_npz(path: str | Path) -> Dataset:
+    """An .npz with `x` (n, *input_shape), channels first, and integer labels `y` (n,).
+
+    uint8 x is scaled to [0, 1]; other numeric types are used as they are. An optional scalar
+    `num_classes` overrides max(y) + 1. Loaded with allow_pickle=False: no code runs on load.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"npz file not found: {path}")
+    with np.load(path, allow_pickle=False) as npz:
+        missing = {"x", "y"} - set(npz.files)
+        if missing:
+            raise ValueError(f"{path}: missing array(s) {sorted(missing)}; found {npz.files}")
+        x, y = npz["x"], npz["y"]
+        num_classes = int(npz["num_classes"]) if "num_classes" in npz.files else None
+    if x.ndim < 2 or not np.issubdtype(x.dtype, np.number):
+        raise ValueError(f"{path}: x must be numeric with shape (n, ...), got {x.dtype} {x.shape}")
+    if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
+        raise ValueError(f"{path}: y must be a 1-D integer array, got {y.dtype} {y.shape}")
+    if len(x) != len(y):
+        raise ValueError(f"{path}: x has {len(x)} samples but y has {len(y)} labels")
+    if len(y) and y.min() < 0:
+        raise ValueError(f"{path}: labels must be >= 0, got {y.min()}")
+    xf = x.astype(np.float32) / 255.0 if x.dtype == np.uint8 else x.astype(np.float32)
+    classes = num_classes if num_classes is not None else int(y.max()) + 1 if len(y) else 0
+    return Dataset("npz", xf, y.astype(np.int64), classes, tuple(x.shape[1:]))
+
+
+def load_imagefolder(
+    path: str | Path, size: tuple[int, int] = (32, 32), grayscale: bool = False
+) -> Dataset:
+    """Images in one sub-folder per class (class index = sorted folder name), read with
+    Pillow, resized to size = (height, width), as 1xHxW (grayscale) or 3xHxW in [0, 1].
+
+    Files other than .png/.jpg/.jpeg and hidden entries are skipped.
+    """
+    try:
+        from PIL import Image, UnidentifiedImageError
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("imagefolder datasets need Pillow: pip install pillow") from exc
+
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"image folder not found: {root}")
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if len(classes) < 2:
+        raise ValueError(
+            f"{root}: need one sub-folder per class and at least 2 classes, found {classes}"
+        )
+    mode = "L" if grayscale else "RGB"
+    xs, ys = [], []
+    for label, name in enumerate(classes):
+        files = sorted(
+            f
+            for f in (root / name).iterdir()
+            if f.suffix.lower() in IMAGE_SUFFIXES and not f.name.startswith(".")
+        )
+        if not files:
+            raise ValueError(f"{root / name}: no {'/'.join(IMAGE_SUFFIXES)} images")
+        for file in files:
+            try:
+                with Image.open(file) as img:
+                    img = img.convert(mode).resize((size[1], size[0]), Image.Resampling.BILINEAR)
+                    arr = np.asarray(img, dtype=np.float32) / 255.0
+            except (OSError, UnidentifiedImageError) as exc:
+                raise ValueError(f"{file}: not a readable image ({exc})") from exc
+            xs.append(arr[None] if grayscale else arr.transpose(2, 0, 1))
+            ys.append(label)
+    return Dataset(
+        "imagefolder",
+        np.stack(xs),
+        np.asarray(ys, dtype=np.int64),
+        len(classes),
+        tuple(xs[0].shape),
+        tuple(classes),
+    )
+
+
+_RECONSTRUCT = np.empty(0).__reduce__()[0]  # numpy's array rebuilder, whatever its module
+
+
+class _CifarUnpickler(pickle.Unpickler):
+    """Resolves only what a CIFAR-10 batch holds (dicts, lists, bytes and one uint8 array),
+    so a tampered file raises instead of running code."""
+
+    _ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"): _RECONSTRUCT,  # written by numpy 1.x
+        ("numpy._core.multiarray", "_reconstruct"): _RECONSTRUCT,  # written by numpy 2.x
+        ("numpy", "ndarray"): np.ndarray,
+        ("numpy", "dtype"): np.dtype,
+        ("_codecs", "encode"): codecs.encode,  # bytes as pickled by Python 3, protocol 2
+    }
+
+    def find_class(self, module: str, name: str) -> object:
+        try:
+            return self._ALLOWED[(module, name)]
+        except KeyError:
+            raise pickle.UnpicklingError(f"forbidden global {module}.{name}") from None
+
+
+def load_cifar10(path: str | Path) -> Dataset:
+    """CIFAR-10 in its official python format from a local folder (or its
+    cifar-10-batches-py sub-folder): every present file of data_batch_1..5 and test_batch,
+    merged into one pool of 3x32x32 images in [0, 1] (partition makes its own test split).
+
+    These files are pickles written by Python 2, so they are read with pickle and
+    encoding='bytes'; this is done only for this user-supplied local format, never for
+    anything received over the network, and through an unpickler that allows only numpy
+    arrays, so a tampered file raises ValueError instead of running code.
+    """
+    root = Path(path)
+    if (root / "cifar-10-batches-py").is_dir():
+        root = root / "cifar-10-batches-py"
+    if not root.is_dir():
+        raise FileNotFoundError(f"CIFAR-10 folder not found: {root}")
+    files = [root / name for name in CIFAR10_FILES if (root / name).is_file()]
+    if not files:
+        raise FileNotFoundError(f"{root}: none of the CIFAR-10 batches {CIFAR10_FILES}")
+    xs, ys = [], []
+    for file in files:
+        try:
+            with file.open("rb") as fh:
+                batch = _CifarUnpickler(fh, encoding="bytes").load()
+        except (pickle.UnpicklingError, EOFError, ValueError, TypeError) as exc:
+            raise ValueError(f"{file}: not a CIFAR-10 python batch ({exc})") from exc
+        if not isinstance(batch, dict) or b"data" not in batch or b"labels" not in batch:
+            raise ValueError(f"{file}: expected a dict with b'data' and b'labels'")
+        data, labels = np.asarray(batch[b"data"]), np.asarray(batch[b"labels"])
+        if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
+            raise ValueError(
+                f"{file}: data must be uint8 of shape (n, 3072), got {data.dtype} {data.shape}"
+            )
+        if labels.shape != (len(data),):
+            raise ValueError(f"{file}: {len(data)} images but labels of shape {labels.shape}")
+        if not np.issubdtype(labels.dtype, np.integer) or labels.min() < 0 or labels.max() > 9:
+            raise ValueError(f"{file}: labels must be integers in [0, 9]")
+        xs.append(data.reshape(-1, 3, 32, 32))
+        ys.append(labels.astype(np.int64))
+    x = np.concatenate(xs).astype(np.float32) / 255.0
+    return Dataset("cifar10", x, np.concatenate(ys), 10, (3, 32, 32), CIFAR10_CLASSES)
+
+
+def _numbers(spec: str, text: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",")]
+    except ValueError:
+        raise ValueError(f"bad dataset spec {spec!r}: {text!r} is not a list of numbers") from None
+
+
+def load_dataset(spec: str, *, seed: int) -> Dataset:
+    """Load a dataset by spec: `digits`, `mnist1d`, `synthetic[:ALPHA,BETA[,GROUPS]]`,
+    `npz:PATH`, `imagefolder:PATH` (32x32 RGB; call load_imagefolder for other sizes) or
+    `cifar10:PATH`. `seed` drives the generated datasets; loaded data does not need it."""
+    kind, _, arg = spec.partition(":")
+    if kind in USER_DATASETS:
+        if not arg:
+            raise ValueError(f"dataset spec {spec!r} needs a path: {kind}:PATH")
+        loader = {"npz": load_npz, "imagefolder": load_imagefolder, "cifar10": load_cifar10}
+        return loader[kind](arg)
+    if kind == "synthetic":
+        params = _numbers(spec, arg) if arg else []
+        if len(params) not in (0, 2, 3):
+            raise ValueError(f"bad dataset spec {spec!r}: use synthetic:ALPHA,BETA[,GROUPS]")
+        if len(params) == 3 and not params[2].is_integer():
+            raise ValueError(f"bad dataset spec {spec!r}: GROUPS must be an integer")
+        alpha, beta = params[:2] if params else (1.0, 1.0)
+        groups = int(params[2]) if len(params) == 3 else 30
+        return load_synthetic(seed, alpha, beta, groups)
+    if kind in ("digits", "mnist1d"):
+        if arg:
+            raise ValueError(f"dataset {kind!r} takes no argument, got {spec!r}")
+        return load_digits() if kind == "digits" else load_mnist1d(seed)
+    known = ", ".join([*BUILTIN_DATASETS, *(f"{k}:PATH" for k in USER_DATASETS)])
+    raise ValueError(f"unknown dataset {spec!r}; known: {known}")
+
+
+# ---------------------------------------------------------------- partitions
+
+
+def _parse_partition(spec: str, num_classes_present: int) -> tuple[str, float]:
+    kind, _, arg = spec.partition(":")
+    if kind in ("iid", "natural"):
+        if arg:
+            raise ValueError(f"partition {kind!r} takes no argument, got {spec!r}")
+        return kind, 0.0
+    try:
+        value = float(arg)
+    except ValueError:
+        value = math.nan
+    if kind == "dirichlet":
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"bad partition {spec!r}: dirichlet:ALPHA needs ALPHA > 0")
+        return kind, value
+    if kind == "pathological":
+        if not (value.is_integer() and 1 <= value <= num_classes_present):
+            raise ValueError(
+                f"bad partition {spec!r}: pathological:N needs an integer N in "
+                f"[1, {num_classes_present}] (classes present)"
+            )
+        return kind, value
+    raise ValueError(
+        f"unknown partition {spec!r}; known: iid, dirichlet:ALPHA, "
+        f"pathological:CLASSES_PER_AGENT, natural"
+    )
+
+
+def _train_test_pools(
+    strata: np.ndarray, test_fraction: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """Stratified split: each stratum with n >= 2 puts round(n f), clipped to [1, n-1], into
+    the test pool; singletons stay in the train pool."""
+    train, test = [], []
+    for s in np.unique(strata):
+        idx = rng.permutation(np.flatnonzero(strata == s))
+        n_test = 0 if len(idx) < 2 else min(max(round(len(idx) * test_fraction), 1), len(idx) - 1)
+        test.append(idx[:n_test])
+        train.append(idx[n_test:])
+    return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
+
+
+def _dirichlet(
+    y: np.ndarray,
+    pool: np.ndarray,
+    num_agents: int,
+    alpha: float,
+    min_samples: int,
+    rng: np.random.Generator,
+) -> list[np.ndarray]:
+    """Per class, proportions over agents ~ Dir(alpha), as in NIID-Bench (Li et al., 2022):
+    an agent already holding its even share (n/K) gets no more, and the whole draw is repeated
+    (up to 100 times) until every agent has min_samples. If no draw succeeds (tiny alpha, many
+    agents), the last one is rebalanced: agents short of min_samples take random samples from
+    the largest agents, which keeps the skew of everyone else."""
+    parts: list[list[int]] = []
+    for _ in range(100):
+        parts = [[] for _ in range(num_agents)]
+        for c in np.unique(y[pool]):
+            idx = rng.permutation(pool[y[pool] == c])
+            p = rng.dirichlet(np.full(num_agents, alpha))
+            sizes = np.array([len(q) for q in parts])
+            capped = p * (sizes < len(pool) / num_agents)
+            p = capped / capped.sum() if capped.sum() > 0 else p / p.sum()
+            cuts = (np.cumsum(p)[:-1] * len(idx)).astype(int)
+            for q, chunk in zip(parts, np.split(idx, cuts), strict=True):
+                q.extend(chunk.tolist())
+        if min(len(q) for q in parts) >= min_samples:
+            return [np.sort(np.asarray(q, dtype=np.int64)) for q in parts]
+    for k in range(num_agents):
+        while len(parts[k]) < min_samples:
+            donor = max(range(num_agents), key=lambda j: len(parts[j]))
+            take = min(min_samples - len(parts[k]), len(parts[donor]) - min_samples)
+            moved = set(rng.choice(parts[donor], take, replace=False).tolist())
+            parts[donor] = [i for i in parts[donor] if i not in moved]
+            parts[k].extend(sorted(moved))
+    return [np.sort(np.asarray(q, dtype=np.int64)) for q in parts]
+
+
+def _pathological(
+    y: np.ndarray, pool: np.ndarray, num_agents: int, per_agent: int, rng: np.random.Generator
+) -> list[np.ndarray]:
+    """Each agent gets exactly `per_agent` distinct classes, chosen at random among the least
+    used so far (so classes are spread evenly over agents); each class's samples are then
+    split evenly among the agents that hold it."""
+    classes = np.unique(y[pool])
+    usage = np.zeros(len(classes))
+    holders: list[list[int]] = [[] for _ in classes]
+    for k in range(num_agents):
+        chosen = np.argsort(usage + rng.random(len(classes)) * 0.5, kind="stable")[:per_agent]
+        usage[chosen] += 1
+        for c in chosen:
+            holders[c].append(k)
+    parts: list[list[np.ndarray]] = [[] for _ in range(num_agents)]
+    for c, agents in zip(classes, holders, strict=True):
+        if agents:
+            idx = rng.permutation(pool[y[pool] == c])
+            for k, chunk in zip(agents, np.array_split(idx, len(agents)), strict=True):
+                parts[k].append(chunk)
+    return [np.sort(np.concatenate(p)) for p in parts]
+
+
+def _natural(
+    groups: np.ndarray, pool: np.ndarray, num_agents: int, rng: np.random.Generator
+) -> list[np.ndarray]:
+    """Groups shuffled and dealt round-robin: each agent holds whole groups."""
+    ids = rng.permutation(np.unique(groups))
+    if num_agents > len(ids):
+        raise ValueError(f"natural partition: {num_agents} agents but only {len(ids)} groups")
+    return [pool[np.isin(groups[pool], ids[k::num_agents])] for k in range(num_agents)]
+
+
+def _val_mask(y: np.ndarray, val_fraction: float, rng: np.random.Generator) -> np.ndarray:
+    """Exactly floor(n f) validation samples, stratified: systematic sampling over the
+    samples sorted by label (random order within a label), so every label gets its share +-1."""
+    order = np.lexsort((rng.random(len(y)), y))
+    pos = np.arange(len(y))
+    chosen = np.floor((pos + 1) * val_fraction) > np.floor(pos * val_fraction)
+    mask = np.zeros(len(y), dtype=bool)
+    mask[order[chosen]] = True
+    return mask
+
+
+def _allocate(total: int, weights: np.ndarray) -> np.ndarray:
+    """Split `total` into integer parts proportional to weights (largest remainder)."""
+    exact = total * weights / weights.sum()
+    counts = np.floor(exact).astype(np.int64)
+    short = total - int(counts.sum())
+    counts[np.argsort(-(exact - counts), kind="stable")[:short]] += 1
+    return counts
+
+
+def partition(
+    dataset: Dataset,
+    num_agents: int,
+    spec: str = "iid",
+    *,
+    seed: int,
+    val_fraction: float = 0.3,
+    test_fraction: float = 0.2,
+    test_size: int | None = None,
+    min_samples: int = 10,
+) -> list[AgentData]:
+    """Deal `dataset` out to `num_agents` agents; deterministic for (dataset, arguments, seed).
+
+    1. Test pool: test_fraction of every class (of every (group, class) when the dataset has
+       groups) is held out; the rest is the train pool.
+    2. The train pool is dealt by `spec`: `iid` (shuffled, even sizes), `dirichlet:ALPHA`
+       (label skew, see `_dirichlet`), `pathological:N` (exactly N classes per agent) or
+       `natural` (whole groups per agent, for datasets with groups such as `synthetic`).
+       Every agent gets at least `min_samples` (train + val); dirichlet re-draws or
+       rebalances to ensure it, the others raise ValueError when they cannot.
+    3. Each agent's share is split into train and val: exactly floor(n * val_fraction) val
+       samples, stratified by label (default 0.3 = 1 - lambda of ALGORITHMS.md section 2).
+    4. Test set: by default round(n * test_fraction / (1 - test_fraction)) samples for an
+       agent with n samples, so that its test-to-train ratio is the global one (or
+       `test_size` each), allocated over classes in proportion to its train label counts
+       (largest remainder) and drawn from the test pool (restricted to the agent's own
+       groups under `natural`). Within a class, sampling is without replacement unless the
+       pool holds fewer samples than needed, then with replacement. Agents draw independently,
+       so two agents may share test samples; a test sample is never anyone's training sample.
+    """
+    if num_agents < 1:
+        raise ValueError(f"num_agents must be >= 1, got {num_agents}")
+    if not 0 <= val_fraction < 1 or not 0 < test_fraction < 1:
+        raise ValueError(
+            f"need 0 <= val_fraction < 1 and 0 < test_fraction < 1, got "
+            f"{val_fraction} and {test_fraction}"
+        )
+    if min_samples < 1 or (test_size is not None and test_size < 0):
+        raise ValueError("min_samples must be >= 1 and test_size >= 0")
+    y, c, groups = dataset.y, dataset.num_classes, dataset.groups
+    kind, value = _parse_partition(spec, len(np.unique(y)))
+    if kind == "natural" and groups is None:
+        raise ValueError(
+            f"partition 'natural' needs a dataset with groups; {dataset.name!r} has none"
+        )
+    if num_agents > len(y):
+        raise ValueError(f"{num_agents} agents but only {len(y)} samples")
+    rng = np.random.default_rng(seed)
+    strata = y if groups is None else groups * c + y
+    pool, test_pool = _train_test_pools(strata, test_fraction, rng)
+    if num_agents * min_samples > len(pool):
+        raise ValueError(
+            f"{num_agents} agents x {min_samples} samples need more than the "
+            f"{len(pool)} samples of the train pool"
+        )
+
+    if kind == "iid":
+        shares = [np.sort(s) for s in np.array_split(rng.permutation(pool), num_agents)]
+    elif kind == "dirichlet":
+        shares = _dirichlet(y, pool, num_agents, value, min_samples, rng)
+    elif kind == "pathological":
+        shares = _pathological(y, pool, num_agents, int(value), rng)
+    else:
+        shares = _natural(groups, pool, num_agents, rng)
+    smallest = min(range(num_agents), key=lambda k: len(shares[k]))
+    if len(shares[smallest]) < min_samples:
+        raise ValueError(
+            f"partition {spec!r} gives agent {smallest} only "
+            f"{len(shares[smallest])} samples (< min_samples={min_samples}); "
+            f"use fewer agents"
+        )
+
+    ratio = test_fraction / (1 - test_fraction)
+    agents = []
+    for k, share in enumerate(shares):
+        is_val = _val_mask(y[share], val_fraction, rng)
+        train_idx, val_idx = share[~is_val], share[is_val]
+        candidates = test_pool
+        if kind == "natural" and groups is not None:
+            candidates = test_pool[np.isin(groups[test_pool], groups[share])]
+        train_counts = label_counts(y[train_idx], c)
+        available = label_counts(y[candidates], c)
+        weights = train_counts * (available > 0)
+        n_test = round(len(share) * ratio) if test_size is None else test_size
+        per_class = _allocate(n_test, weights) if weights.sum() else np.zeros(c, np.int64)
+        test_idx = np.concatenate(
+            [np.zeros(0, np.int64)]
+            + [
+                rng.choice(candidates[y[candidates] == cls], n, replace=n > available[cls])
+                for cls, n in enumerate(per_class)
+                if n > 0
+            ]
+        )
+        agents.append(
+            AgentData(
+                k,
+                _split(dataset, train_idx),
+                _split(dataset, val_idx),
+                _split(dataset, test_idx),
+                c,
+                dataset.input_shape,
+            )
+        )
+    return agents
+
+
+def _split(dataset: Dataset, idx: np.ndarray) -> Split:
+    return Split(dataset.x[idx], dataset.y[idx], idx)

@@ -1,0 +1,360 @@
+"""DA-DPFL sparse-model math: masks, aggregation, RigL, PQI pruning (ALGORITHMS.md section 1).
+
+Pure, deterministic functions over state dicts (name -> float tensor) and masks (name -> bool
+tensor, for the prunable Conv/Linear weights only). Nothing here touches the global RNG: random
+draws take an explicit ``torch.Generator``. Functions return new dicts and never modify their
+inputs, except ``apply_masks_`` whose trailing underscore says it works in place.
+
+Conventions shared by every function:
+
+* Ties in magnitude or gradient rankings go to the lower flat index (stable sorts), so the same
+  inputs always give the same masks.
+* Counts derived from floats (``ceil(alpha n)``, ``floor(d min(...))``) allow a relative slack
+  of ``_EPS``, so a value that is an integer up to float error (``0.29 * 100`` is
+  ``28.999999999999996``) is treated as that integer.
+* Aggregations visit agents in sorted-id order and accumulate in float64, so a networked run and
+  the in-process simulator produce bit-identical models whatever order models arrived in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+
+State = dict[str, torch.Tensor]
+Masks = dict[str, torch.Tensor]
+
+_EPS = 1e-9
+
+
+def _ceil(x: float) -> int:
+    return math.ceil(x - _EPS * max(1.0, abs(x)))
+
+
+def _floor(x: float) -> int:
+    return math.floor(x + _EPS * max(1.0, abs(x)))
+
+
+# --------------------------------------------------------------------------- initial masks (1.1)
+
+
+def erk_densities(shapes: Mapping[str, Sequence[int]], density: float) -> dict[str, float]:
+    """Erdos-Renyi-Kernel per-layer densities (ALGORITHMS.md 1.1).
+
+    density_l = eps * sum(dims_l) / prod(dims_l), with eps chosen so that
+    sum_l density_l n_l = density * sum_l n_l. A layer whose density would exceed 1 is made
+    dense and eps is re-solved over the others. Raising eps only ever makes more layers
+    saturate (re-solving after removing a saturated layer cannot lower eps), so saturating every
+    offender at once per iteration gives the same fixed point as one at a time.
+    """
+    if not 0.0 < density <= 1.0:
+        raise ValueError(f"density must be in (0, 1], got {density}")
+    sizes = {name: math.prod(shape) for name, shape in shapes.items()}
+    if any(n == 0 for n in sizes.values()):
+        raise ValueError("prunable tensors must be non-empty")
+    raw = {name: sum(shape) / sizes[name] for name, shape in shapes.items()}
+    budget = density * sum(sizes.values())
+    dense: set[str] = set()
+    while True:
+        free = [name for name in shapes if name not in dense]
+        remaining = budget - sum(sizes[name] for name in dense)
+        weight = sum(raw[name] * sizes[name] for name in free)
+        eps = remaining / weight if weight > 0 else 0.0
+        over = {name for name in free if eps * raw[name] > 1.0}
+        if not over:
+            break
+        dense |= over
+    return {name: 1.0 if name in dense else eps * raw[name] for name in shapes}
+
+
+def random_masks(
+    shapes: Mapping[str, Sequence[int]],
+    densities: Mapping[str, float],
+    generator: torch.Generator,
+) -> Masks:
+    """Per-agent random masks with exactly round(density_l n_l) ones per layer (1.1).
+
+    Positions are a uniform random subset (``torch.randperm``). Layers are drawn in sorted-name
+    order so the masks depend only on (shapes, densities, generator state), not on dict order;
+    the returned dict keeps the order of ``shapes``. ``round`` is Python's (half to even).
+    """
+    out: Masks = {}
+    for name in sorted(shapes):
+        shape = tuple(shapes[name])
+        n = math.prod(shape)
+        keep = round(densities[name] * n)
+        flat = torch.zeros(n, dtype=torch.bool)
+        flat[torch.randperm(n, generator=generator)[:keep]] = True
+        out[name] = flat.view(shape)
+    return {name: out[name] for name in shapes}
+
+
+def apply_masks(state: Mapping[str, torch.Tensor], masks: Mapping[str, torch.Tensor]) -> State:
+    """Return a new state whose masked tensors are exactly +0.0 outside the mask.
+
+    Every tensor in the result is a fresh copy (unmasked ones are cloned), so later in-place
+    training on the result cannot alter ``state``.
+    """
+    return {
+        name: torch.where(masks[name], t, torch.zeros_like(t)) if name in masks else t.clone()
+        for name, t in state.items()
+    }
+
+
+def apply_masks_(state: Mapping[str, torch.Tensor], masks: Mapping[str, torch.Tensor]) -> None:
+    """In-place ``apply_masks`` for the training loop (re-mask after every optimizer step, 1.5).
+
+    Works on parameters too (call under ``torch.no_grad()``); writes +0.0 outside the mask.
+    """
+    for name, mask in masks.items():
+        state[name].masked_fill_(~mask, 0.0)
+
+
+def sparsity(masks: Mapping[str, torch.Tensor]) -> float:
+    """Fraction of pruned entries over all prunable tensors (0.0 when there are none)."""
+    total = sum(m.numel() for m in masks.values())
+    kept = sum(int(m.sum()) for m in masks.values())
+    return 1.0 - kept / total if total else 0.0
+
+
+def density_per_layer(masks: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    """Kept fraction of each prunable tensor."""
+    return {name: int(m.sum()) / m.numel() for name, m in masks.items()}
+
+
+def state_nonzeros(state: Mapping[str, torch.Tensor]) -> int:
+    """Number of nonzero entries over every tensor of a state (for accounting, 1.10)."""
+    return sum(int(torch.count_nonzero(t)) for t in state.values())
+
+
+# ------------------------------------------------------------------------- aggregation (1.4)
+
+
+def _check_floating(states: Sequence[Mapping[str, torch.Tensor]]) -> list[str]:
+    names = list(states[0])
+    for state in states:
+        if list(state) != names:
+            raise ValueError("all states must have the same tensor names in the same order")
+        bad = [n for n, t in state.items() if not torch.is_floating_point(t)]
+        if bad:
+            raise ValueError(f"only floating tensors are exchanged; got non-floating {bad}")
+    return names
+
+
+def aggregate_weighted(
+    states: Mapping[str, Mapping[str, torch.Tensor]], weights: Mapping[str, float]
+) -> State:
+    """Weighted mean sum_j a_j w_j / sum_j a_j of every tensor (FedAvg: a_j = sample count).
+
+    Agents are summed in sorted-id order in float64; the result has each tensor's dtype.
+    """
+    if not states:
+        raise ValueError("nothing to aggregate")
+    ids = sorted(states)
+    if any(weights[i] < 0 for i in ids) or sum(weights[i] for i in ids) <= 0:
+        raise ValueError("weights must be non-negative with a positive total")
+    names = _check_floating([states[i] for i in ids])
+    total = math.fsum(weights[i] for i in ids)
+    out: State = {}
+    for name in names:
+        acc = torch.zeros_like(states[ids[0]][name], dtype=torch.float64)
+        for i in ids:
+            acc += states[i][name].to(torch.float64) * weights[i]
+        out[name] = (acc / total).to(states[ids[0]][name].dtype)
+    return out
+
+
+def aggregate_mean(states: Mapping[str, Mapping[str, torch.Tensor]]) -> State:
+    """Plain mean of every tensor over the agents (DFedAvgM, unweighted FedAvg; 1.4 dense part)."""
+    return aggregate_weighted(states, dict.fromkeys(states, 1.0))
+
+
+def aggregate_masked(
+    models: Mapping[str, tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]],
+    own_mask: Mapping[str, torch.Tensor],
+) -> State:
+    """Mask-based aggregation, eq. 7 (ALGORITHMS.md 1.4).
+
+    ``models`` maps agent id -> (state, mask the sender trained with) for S = G_k^t + {k}.
+    Prunable tensors (the keys of ``own_mask``): agg[e] = sum_j w_j[e] / sum_j m_j[e] where the
+    count is positive, else 0, then multiplied by k's own mask. Each sender's weights are
+    multiplied by its own mask first, so a stray nonzero outside a sender's mask can never leak
+    into the average while not being counted. Every other tensor (biases, norms): plain mean
+    over S. Agents are visited in sorted-id order and sums are taken in float64, so the result
+    does not depend on arrival order.
+    """
+    if not models:
+        raise ValueError("nothing to aggregate")
+    ids = sorted(models)
+    names = _check_floating([models[i][0] for i in ids])
+    prunable = set(own_mask)
+    for i in ids:
+        if set(models[i][1]) != prunable:
+            raise ValueError(f"mask of {i!r} does not cover the same prunable tensors")
+    dense = aggregate_mean(
+        {i: {n: t for n, t in models[i][0].items() if n not in prunable} for i in ids}
+    )
+    out: State = {}
+    for name in names:
+        if name not in prunable:
+            out[name] = dense[name]
+            continue
+        ref = models[ids[0]][0][name]
+        num = torch.zeros_like(ref, dtype=torch.float64)
+        cnt = torch.zeros_like(ref, dtype=torch.int64)
+        for i in ids:
+            state, mask = models[i]
+            num += torch.where(mask[name], state[name].to(torch.float64), 0.0)
+            cnt += mask[name]
+        agg = torch.where(cnt > 0, num / cnt.clamp(min=1), 0.0)
+        out[name] = torch.where(own_mask[name], agg, 0.0).to(ref.dtype)
+    return out
+
+
+# -------------------------------------------------------------------------------- RigL (1.6)
+
+
+def rigl_alpha(t: int, total_rounds: int, a: float = 0.3) -> float:
+    """Cosine-annealed drop fraction alpha_t = (a/2)(1 + cos(pi t / T)) (1.6)."""
+    if total_rounds <= 0:
+        raise ValueError("total_rounds must be positive")
+    return a / 2 * (1 + math.cos(math.pi * t / total_rounds))
+
+
+def _smallest_active(magnitude: torch.Tensor, active: torch.Tensor, count: int) -> torch.Tensor:
+    """Flat indices of the ``count`` active entries of smallest magnitude (ties: lower index)."""
+    score = torch.where(active, magnitude.to(torch.float64), math.inf)
+    return torch.sort(score, stable=True).indices[:count]
+
+
+def rigl_update(
+    weights: Mapping[str, torch.Tensor],
+    masks: Mapping[str, torch.Tensor],
+    dense_grads: Mapping[str, torch.Tensor],
+    alpha: float,
+) -> Masks:
+    """One RigL drop-and-regrow step per prunable layer (ALGORITHMS.md 1.6); returns new masks.
+
+    With n active weights in a layer: drop the ceil(alpha n) active weights of smallest |w| and
+    regrow as many previously inactive positions with the largest |dense gradient|; positions
+    dropped in this step are not eligible, so the layer's count is unchanged. When fewer than
+    ceil(alpha n) inactive positions exist, only as many are dropped as can be regrown.
+    Ties go to the lower flat index on both sides.
+
+    New weights are ``apply_masks(weights, new_masks)``: dropped positions become 0 and regrown
+    ones start at 0 because the input weights are exactly 0 outside the old mask (the stored
+    model is always masked, 1.5-1.6).
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    out: Masks = {}
+    for name, mask in masks.items():
+        active = mask.flatten()
+        n_active = int(active.sum())
+        k = min(_ceil(alpha * n_active), active.numel() - n_active)
+        new = active.clone()
+        if k > 0:
+            new[_smallest_active(weights[name].flatten().abs(), active, k)] = False
+            grow = torch.where(active, -math.inf, dense_grads[name].flatten().abs().double())
+            new[torch.sort(grow, descending=True, stable=True).indices[:k]] = True
+        out[name] = new.view(mask.shape)
+    return out
+
+
+# ---------------------------------------------------------------------------- PQI pruning (1.9)
+
+
+def _lp_norm(x: torch.Tensor, p: float) -> float:
+    return float(x.abs().pow(p).sum().pow(1.0 / p))
+
+
+def pqi(x: torch.Tensor, p: float = 0.5, q: float = 1.0) -> float:
+    """PQ Index of a layer's active weights: 1 - d^(1/q - 1/p) ||x||_p / ||x||_q (1.9).
+
+    0 for a vector of equal magnitudes, up to 1 - d^(1/q - 1/p) for a single nonzero. Computed
+    in float64. Degenerate inputs (no entries, or all zero) return 0.0: there is nothing to
+    measure, and ``pqi_prune_count`` prunes nothing for them.
+    """
+    x = x.detach().flatten().to(torch.float64)
+    d = x.numel()
+    if d == 0 or not bool(x.any()):
+        return 0.0
+    return 1.0 - d ** (1.0 / q - 1.0 / p) * _lp_norm(x, p) / _lp_norm(x, q)
+
+
+def pqi_prune_count(
+    x: torch.Tensor,
+    p: float = 0.5,
+    q: float = 1.0,
+    eta_c: float = 0.0,
+    gamma: float = 1.0,
+    beta: float = 0.9,
+) -> int:
+    """Number of weights PQI pruning removes from a layer with active weights x (1.9).
+
+    r = d (1 + eta_c)^(-q/(q-p)) (1 - PQI)^(p/(q-p)) is the lower bound on weights to keep;
+    c = floor(d min(gamma (1 - r/d), beta)), clamped at 0 (r > d can occur for eta_c < 0).
+    No entries or all-zero entries: prune nothing.
+    """
+    if not 0.0 < p < q:
+        raise ValueError(f"need 0 < p < q, got p={p}, q={q}")
+    d = x.numel()
+    if d == 0 or not bool(x.any()):
+        return 0
+    r = d * (1.0 + eta_c) ** (-q / (q - p)) * (1.0 - pqi(x, p, q)) ** (p / (q - p))
+    return max(0, _floor(d * min(gamma * (1.0 - r / d), beta)))
+
+
+def _trim_to_budget(counts: dict[str, int], budget: int) -> dict[str, int]:
+    """Scale per-layer counts down proportionally so they sum exactly to ``budget``.
+
+    Largest-remainder rounding in exact integer arithmetic: floor(c_l B / C) each, then one
+    more to the layers with the largest remainders (ties: sorted layer name).
+    """
+    total = sum(counts.values())
+    if total <= budget:
+        return dict(counts)
+    out = {name: c * budget // total for name, c in counts.items()}
+    by_remainder = sorted(counts, key=lambda name: (-(counts[name] * budget % total), name))
+    for name in by_remainder[: budget - sum(out.values())]:
+        out[name] += 1
+    return out
+
+
+def pqi_prune(
+    weights: Mapping[str, torch.Tensor],
+    masks: Mapping[str, torch.Tensor],
+    *,
+    p: float = 0.5,
+    q: float = 1.0,
+    eta_c: float = 0.0,
+    gamma: float = 1.0,
+    beta: float = 0.9,
+    target_sparsity: float = 0.8,
+) -> Masks:
+    """One sparse-to-sparser event (ALGORITHMS.md 1.9, Algorithm 2); returns new masks.
+
+    Per prunable layer, c_l = ``pqi_prune_count`` of its active weights, and the c_l active
+    weights of smallest |w| are pruned (ties: lower flat index). Total sparsity never passes
+    s* = ``target_sparsity``: the step may prune at most B = floor(A - (1 - s*) N) weights
+    (A active, N prunable entries); if sum c_l > B, every c_l is scaled down proportionally with
+    largest-remainder rounding so the step prunes exactly B, landing on s* up to one weight.
+    Already at or past s*: nothing changes. New weights are ``apply_masks(weights, new_masks)``.
+    """
+    total = sum(m.numel() for m in masks.values())
+    active = sum(int(m.sum()) for m in masks.values())
+    budget = max(0, _floor(active - (1.0 - target_sparsity) * total))
+    counts = {
+        name: pqi_prune_count(weights[name][mask], p, q, eta_c, gamma, beta)
+        for name, mask in masks.items()
+    }
+    counts = _trim_to_budget(counts, budget)
+    out: Masks = {}
+    for name, mask in masks.items():
+        flat = mask.flatten().clone()
+        if counts[name]:
+            flat[_smallest_active(weights[name].flatten().abs(), flat, counts[name])] = False
+        out[name] = flat.view(mask.shape)
+    return out

@@ -1,0 +1,327 @@
+"""Strategies: what one agent does in one round, as small pluggable objects.
+
+A strategy owns the math of a round (aggregate, train, vote, prune, update the mask) and
+nothing of the runtime: it never waits, sends or sleeps. The in-process simulator and the
+networked agent both hand it the same inputs (the agent's state, the models it holds from its
+neighbours) and get the same outputs (its new state and the model it publishes), which is
+what makes a networked run reproduce a simulated one.
+
+Presets (ALGORITHMS.md section 1 and its baselines):
+
+    dadpfl     sparse, mask-based aggregation, waits for up to N prior neighbours, RigL,
+               further PQI pruning at the voted times
+    dispfl     dadpfl with N = 0 and no further pruning
+    dfedavgm   dense, neighbour averaging, local SGD with momentum 0.9
+    local      dense, no communication
+    fedavg     centralized, sample-weighted averaging; accuracy of the global model
+    fedavg-ft  fedavg whose accuracy is that of each agent's model after local training
+               (the global model fine-tuned for E epochs on the agent's data)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from agent import pruning, sparse
+from agent.models import forward_flops
+from agent.sparse import Masks, State
+from agent.training import SGDConfig, dense_gradients, derive_seed, evaluate, train_local
+
+PRESETS = ("dadpfl", "dispfl", "dfedavgm", "local", "fedavg", "fedavg-ft")
+
+
+@dataclass(frozen=True)
+class StrategyConfig:
+    """Every hyper-parameter of a run; defaults are ALGORITHMS.md's decisions."""
+
+    strategy: str = "dadpfl"
+    rounds: int = 30
+    neighbours: int = 5
+    max_wait: int = 2
+    topology: str = "random"
+    epochs: int = 5
+    batch_size: int = 128
+    lr: float = 0.1
+    lr_decay: float = 0.998
+    weight_decay: float = 5e-4
+    momentum: float = 0.0
+    density: float = 0.5
+    rigl_a: float = 0.3
+    rigl_batches: int = 1
+    delta_pr: float = 0.02
+    delta_v: float = 0.5
+    schedule_b: float = 0.0
+    schedule_c: float = 1.3
+    pqi_p: float = 0.5
+    pqi_q: float = 1.0
+    pqi_eta_c: float = 0.0
+    pqi_gamma: float = 1.0
+    pqi_beta: float = 0.9
+    target_sparsity: float = 0.8
+    fp16: bool = False
+
+    @property
+    def sgd(self) -> SGDConfig:
+        return SGDConfig(
+            lr=self.lr,
+            lr_decay=self.lr_decay,
+            momentum=self.momentum,
+            weight_decay=self.weight_decay,
+            batch_size=self.batch_size,
+            epochs=self.epochs,
+        )
+
+
+def preset(name: str, **overrides: object) -> StrategyConfig:
+    """The configuration of a named preset, with explicit overrides applied on top.
+
+    The preset fixes what defines the method (DisPFL never waits and never prunes further,
+    DFedAvgM uses momentum 0.9); anything else stays as given.
+    """
+    if name not in PRESETS:
+        raise ValueError(f"unknown strategy {name!r}; known: {', '.join(PRESETS)}")
+    fixed: dict[str, object] = {"strategy": name}
+    if name == "dispfl":
+        fixed["max_wait"] = 0
+    if name == "dfedavgm":
+        fixed |= {"max_wait": 0, "momentum": overrides.get("momentum") or 0.9}
+    return StrategyConfig(**{**overrides, **fixed})
+
+
+@dataclass(frozen=True)
+class Published:
+    """The model an agent makes available to its neighbours after a round."""
+
+    weights: State
+    masks: Masks | None
+    num_samples: int
+
+
+@dataclass
+class AgentState:
+    """Everything an agent carries from one round to the next (and checkpoints)."""
+
+    agent_id: str
+    weights: State
+    masks: Masks | None
+    init_weights: State
+    distances: list[float] = field(default_factory=list)
+    round: int = 0
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """One agent's round: its new state, what it publishes, and the figures to report."""
+
+    state: AgentState
+    published: Published
+    loss: float
+    accuracy: float
+    train_loss: float
+    train_flops: int
+    vote: bool | None
+    score: float | None
+    pruned: bool
+
+
+@dataclass(frozen=True)
+class LocalData:
+    """One agent's local data as tensors (train for training, test for accuracy)."""
+
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+
+
+class Learner:
+    """The pieces every round needs: a model to compute with, its shapes and the config.
+
+    One `Learner` serves every agent of a simulation (the model module is only a compute
+    buffer: weights are loaded from the agent's state each time).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        input_shape: tuple[int, ...],
+        prunable: list[str],
+        config: StrategyConfig,
+        seed: int,
+    ) -> None:
+        self.model = model
+        self.input_shape = input_shape
+        self.prunable = prunable
+        self.config = config
+        self.seed = seed
+        self.initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self.dense_flops = forward_flops(model, input_shape)
+        self.sparse = config.strategy in ("dadpfl", "dispfl")
+        self.prunes_further = config.strategy == "dadpfl"
+        self.decentralized = config.strategy in ("dadpfl", "dispfl", "dfedavgm")
+        self._shapes = {name: tuple(self.initial[name].shape) for name in prunable}
+        self._densities = (
+            sparse.erk_densities(self._shapes, config.density) if self.sparse else None
+        )
+
+    def generator(self, purpose: str, agent_id: str, round_: int) -> torch.Generator:
+        return torch.Generator().manual_seed(derive_seed(self.seed, purpose, agent_id, round_))
+
+    def initial_masks(self, agent_id: str) -> Masks | None:
+        """The agent's ERK mask, drawn from (fleet seed, agent id) alone (1.1).
+
+        Any agent can therefore recompute any other agent's starting model w0 (.) m_j, so
+        round 1 needs no initial exchange of models.
+        """
+        if self._densities is None:
+            return None
+        generator = self.generator("mask", agent_id, 0)
+        return sparse.random_masks(self._shapes, self._densities, generator)
+
+    def init_agent(self, agent_id: str) -> AgentState:
+        masks = self.initial_masks(agent_id)
+        weights = sparse.apply_masks(self.initial, masks) if masks else dict(self.initial)
+        return AgentState(agent_id, weights, masks, init_weights=weights)
+
+    def published(self, state: AgentState, num_samples: int) -> Published:
+        return Published(state.weights, state.masks, num_samples)
+
+    def train_flops(self, masks: Masks | None, samples: int) -> int:
+        """3 x forward FLOPs of the (masked) model x samples: forward + backward (1.10)."""
+        per_sample = (
+            forward_flops(self.model, self.input_shape, masks) if masks else self.dense_flops
+        )
+        return 3 * per_sample * samples
+
+    def aggregate(self, agent: AgentState, inbox: dict[str, Published]) -> State:
+        """Mask-based aggregation for sparse strategies (eq. 7), plain mean for dense ones."""
+        if not inbox:
+            return agent.weights
+        if agent.masks is not None:
+            models = {j: (p.weights, p.masks or {}) for j, p in inbox.items()}
+            models[agent.agent_id] = (agent.weights, agent.masks)
+            return sparse.aggregate_masked(models, agent.masks)
+        states = {j: p.weights for j, p in inbox.items()}
+        states[agent.agent_id] = agent.weights
+        return sparse.aggregate_mean(states)
+
+    def local_round(
+        self,
+        agent: AgentState,
+        data: LocalData,
+        inbox: dict[str, Published],
+        round_: int,
+        prune_now: bool,
+    ) -> RoundResult:
+        """One decentralized round of agent k: aggregate, train, vote, prune, RigL, evaluate.
+
+        The order follows the paper's Algorithm 1: the vote scores the freshly trained model,
+        further pruning (when `prune_now` and sparsity < s*) precedes the RigL update, and the
+        reported accuracy is that of the model the agent keeps and publishes.
+        """
+        cfg = self.config
+        start = self.aggregate(agent, inbox)
+        trained = train_local(
+            self.model,
+            start,
+            agent.masks,
+            data.x_train,
+            data.y_train,
+            cfg.sgd,
+            round_,
+            self.generator("train", agent.agent_id, round_),
+        )
+        flops = self.train_flops(agent.masks, trained.samples)
+        weights, masks = trained.state, agent.masks
+        vote = score = None
+        distances = agent.distances
+        pruned = False
+        if self.sparse and masks is not None:
+            distance = pruning.distance_from_init(weights, agent.init_weights, self.prunable)
+            distances = [*agent.distances, distance]
+            previous = distances[-2] if len(distances) > 1 else 0.0
+            score = pruning.detection_score(distance, previous, distances[0])
+            vote = pruning.vote(score, cfg.delta_pr)
+            if self.prunes_further and prune_now and sparse.sparsity(masks) < cfg.target_sparsity:
+                masks = sparse.pqi_prune(
+                    weights,
+                    masks,
+                    p=cfg.pqi_p,
+                    q=cfg.pqi_q,
+                    eta_c=cfg.pqi_eta_c,
+                    gamma=cfg.pqi_gamma,
+                    beta=cfg.pqi_beta,
+                    target_sparsity=cfg.target_sparsity,
+                )
+                weights = sparse.apply_masks(weights, masks)
+                pruned = True
+            grads, grad_samples = dense_gradients(
+                self.model,
+                weights,
+                self.prunable,
+                data.x_train,
+                data.y_train,
+                cfg.batch_size,
+                cfg.rigl_batches,
+                self.generator("rigl", agent.agent_id, round_),
+            )
+            flops += 3 * self.dense_flops * grad_samples
+            masks = sparse.rigl_update(
+                weights, masks, grads, sparse.rigl_alpha(round_, cfg.rounds, cfg.rigl_a)
+            )
+            weights = sparse.apply_masks(weights, masks)
+        loss, accuracy = evaluate(self.model, weights, data.x_test, data.y_test)
+        new_state = dataclasses.replace(
+            agent, weights=weights, masks=masks, distances=distances, round=round_
+        )
+        return RoundResult(
+            state=new_state,
+            published=Published(weights, masks, len(data.y_train)),
+            loss=loss,
+            accuracy=accuracy,
+            train_loss=trained.mean_loss,
+            train_flops=flops,
+            vote=vote,
+            score=None if score is None or math.isinf(score) else score,
+            pruned=pruned,
+        )
+
+    def central_train(
+        self, agent: AgentState, data: LocalData, global_weights: State, round_: int
+    ) -> RoundResult:
+        """A participant's part of a centralized round: train from the global model.
+
+        Accuracy here is the fine-tuned model's (fedavg-ft); fedavg reports the new global
+        model's accuracy, which the aggregator computes with `evaluate_on`.
+        """
+        trained = train_local(
+            self.model,
+            global_weights,
+            None,
+            data.x_train,
+            data.y_train,
+            self.config.sgd,
+            round_,
+            self.generator("train", agent.agent_id, round_),
+        )
+        loss, accuracy = evaluate(self.model, trained.state, data.x_test, data.y_test)
+        new_state = dataclasses.replace(agent, weights=trained.state, round=round_)
+        return RoundResult(
+            state=new_state,
+            published=Published(trained.state, None, len(data.y_train)),
+            loss=loss,
+            accuracy=accuracy,
+            train_loss=trained.mean_loss,
+            train_flops=self.train_flops(None, trained.samples),
+            vote=None,
+            score=None,
+            pruned=False,
+        )
+
+    def evaluate_on(self, weights: State, data: LocalData) -> tuple[float, float]:
+        return evaluate(self.model, weights, data.x_test, data.y_test)

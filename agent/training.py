@@ -1,0 +1,143 @@
+"""Local training and evaluation: the compute an agent does each round, and nothing else.
+
+Every function takes the model weights as a state dict and returns new tensors, so the
+simulator and the networked agent call the same code with the same inputs and get the same
+numbers. Randomness (batch order) comes from an explicit generator derived by `derive_seed`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from agent.sparse import Masks, State, apply_masks_
+
+
+@dataclass(frozen=True)
+class SGDConfig:
+    """Local SGD of ALGORITHMS.md 1.5: lr 0.1 x 0.998^t, weight decay 5e-4, no momentum."""
+
+    lr: float = 0.1
+    lr_decay: float = 0.998
+    momentum: float = 0.0
+    weight_decay: float = 5e-4
+    batch_size: int = 128
+    epochs: int = 5
+
+    def lr_at(self, round_: int) -> float:
+        return self.lr * self.lr_decay**round_
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    state: State
+    mean_loss: float
+    samples: int
+
+
+def derive_seed(*parts: object) -> int:
+    """A 63-bit seed from any labels (fleet seed, agent id, round, purpose), stable everywhere.
+
+    sha256 rather than Python's hash(), which is salted per process.
+    """
+    digest = hashlib.sha256(repr(parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def _batches(n: int, batch_size: int, generator: torch.Generator) -> list[torch.Tensor]:
+    order = torch.randperm(n, generator=generator)
+    return list(order.split(min(batch_size, n)))
+
+
+def train_local(
+    model: nn.Module,
+    state: State,
+    masks: Masks | None,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    config: SGDConfig,
+    round_: int,
+    generator: torch.Generator,
+) -> TrainResult:
+    """E epochs of (masked) SGD from `state`; weights outside the mask stay exactly 0.
+
+    The mask is re-applied after every optimizer step (ALGORITHMS.md 1.5), which keeps a
+    pruned weight at zero even with weight decay or momentum.
+    """
+    model.load_state_dict(state)
+    model.train()
+    optimizer = torch.optim.SGD(
+        model.parameters(),
+        lr=config.lr_at(round_),
+        momentum=config.momentum,
+        weight_decay=config.weight_decay,
+    )
+    params = dict(model.named_parameters())
+    masked = {name: (params[name], mask) for name, mask in (masks or {}).items()}
+    total_loss, steps, samples = 0.0, 0, 0
+    for _ in range(config.epochs):
+        for batch in _batches(len(y), config.batch_size, generator):
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(x[batch]), y[batch])
+            loss.backward()
+            optimizer.step()
+            with torch.no_grad():
+                for param, mask in masked.values():
+                    param.mul_(mask)
+            total_loss += loss.item()
+            steps += 1
+            samples += len(batch)
+    new_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if masks:
+        apply_masks_(new_state, masks)
+    return TrainResult(new_state, total_loss / max(steps, 1), samples)
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, state: State, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024
+) -> tuple[float, float]:
+    """(mean cross-entropy loss, accuracy) of `state` on (x, y), model in eval mode."""
+    if len(y) == 0:
+        return float("nan"), float("nan")
+    model.load_state_dict(state)
+    model.eval()
+    loss, correct = 0.0, 0
+    for start in range(0, len(y), batch_size):
+        logits = model(x[start : start + batch_size])
+        target = y[start : start + batch_size]
+        loss += F.cross_entropy(logits, target, reduction="sum").item()
+        correct += int((logits.argmax(1) == target).sum())
+    return loss / len(y), correct / len(y)
+
+
+def dense_gradients(
+    model: nn.Module,
+    state: State,
+    names: list[str],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    batch_size: int,
+    num_batches: int,
+    generator: torch.Generator,
+) -> tuple[dict[str, torch.Tensor], int]:
+    """Cross-entropy gradient of the named (masked) weights as if they were dense, for RigL.
+
+    Model in eval mode, mean over `num_batches` local batches (ALGORITHMS.md 1.6). Returns the
+    gradients and the number of samples used, for FLOP accounting.
+    """
+    model.load_state_dict(state)
+    model.eval()
+    model.zero_grad(set_to_none=True)
+    batches = _batches(len(y), batch_size, generator)[:num_batches]
+    for batch in batches:
+        loss = F.cross_entropy(model(x[batch]), y[batch]) / len(batches)
+        loss.backward()
+    params = dict(model.named_parameters())
+    grads = {name: params[name].grad.detach().clone() for name in names}
+    model.zero_grad(set_to_none=True)
+    return grads, sum(len(b) for b in batches)

@@ -1,0 +1,70 @@
+"""Between torch state dicts and protocol messages: what an agent actually puts on the wire.
+
+The simulator counts bytes with the same encoder the networked agent sends with, so reported
+traffic is the size of real messages, not an estimate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from agent.sparse import Masks, State
+from protocol import messages
+from protocol.limits import DEFAULT_LIMITS, Limits
+from protocol.tensors import decode_tensors, encode_tensors
+
+
+def encode_state(weights: State, masks: Masks | None = None, *, fp16: bool = False) -> bytes:
+    """Encode weights, sending only the kept values of each masked tensor."""
+    arrays = {name: tensor.detach().cpu().numpy() for name, tensor in weights.items()}
+    mask_arrays = {name: mask.cpu().numpy() for name, mask in (masks or {}).items()}
+    return encode_tensors(arrays, mask_arrays, fp16=fp16)
+
+
+def decode_state(
+    data: bytes,
+    expected: Mapping[str, tuple[tuple[int, ...], str]],
+    *,
+    limits: Limits = DEFAULT_LIMITS,
+) -> tuple[State, Masks]:
+    """Decode weights and the sender's masks, checked against the agreed model's shapes."""
+    decoded = decode_tensors(data, limits=limits, expected=expected, require_finite=True)
+    weights = {name: torch.from_numpy(t.values) for name, t in decoded.items()}
+    masks = {name: torch.from_numpy(t.mask) for name, t in decoded.items() if t.mask is not None}
+    return weights, masks
+
+
+def expected_shapes(weights: State) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The (shape, dtype) of every tensor of a model, for `decode_state`'s validation."""
+    return {
+        name: (tuple(t.shape), str(np.dtype(str(t.dtype).removeprefix("torch."))))
+        for name, t in weights.items()
+    }
+
+
+def model_message(
+    *,
+    fleet: str,
+    sender: str,
+    run_id: str,
+    round_: int,
+    weights: State,
+    masks: Masks | None,
+    num_samples: int,
+    fp16: bool = False,
+    key: bytes | None = None,
+) -> bytes:
+    """The full `Model` message an agent publishes after a round."""
+    body = encode_state(weights, masks, fp16=fp16)
+    message = messages.Model(
+        fleet=fleet,
+        sender=sender,
+        run_id=run_id,
+        round=round_,
+        tensors=body,
+        num_samples=num_samples,
+    )
+    return messages.encode(message, key=key)

@@ -1,0 +1,223 @@
+"""The `coordinator` command: host a broker, follow the fleet, report its status."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from coordinator.fleet import AgentEntry, FleetView, describe_since
+from protocol import messages, topics
+from protocol.cli import BROKER, NAME, read_key, wait_for_signal
+from protocol.mqtt import BrokerAddress, MqttTransport, TransportOptions
+
+console = Console()
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
+def main(verbose: int) -> None:
+    """Optional gateway side of an edge fleet: broker, roster, status and aggregation."""
+    level = (logging.WARNING, logging.INFO, logging.DEBUG)[min(verbose, 2)]
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+@main.command()
+@click.option("--broker", type=BROKER, help="Use this broker instead of starting one.")
+@click.option(
+    "--host", default="0.0.0.0", show_default=True, help="Address the embedded broker binds."
+)
+@click.option(
+    "--port",
+    default=1883,
+    show_default=True,
+    type=click.IntRange(1, 65535),
+    help="Port of the embedded broker.",
+)
+@click.option("--fleet", default="default", show_default=True, type=NAME, help="Fleet to follow.")
+@click.option(
+    "--mdns",
+    "mdns_interfaces",
+    multiple=True,
+    metavar="IP",
+    help="Announce the broker over mDNS on the interface with this address (repeatable). "
+    "Off unless given.",
+)
+@click.option(
+    "--key-file",
+    type=click.Path(exists=True, dir_okay=False),
+    help="File holding the fleet key that signs and checks every message.",
+)
+def serve(
+    broker: BrokerAddress | None,
+    host: str,
+    port: int,
+    fleet: str,
+    mdns_interfaces: tuple[str, ...],
+    key_file: str | None,
+) -> None:
+    """Host the fleet's broker (unless --broker is given) and follow the fleet until Ctrl-C."""
+    from coordinator.broker import EmbeddedBroker
+
+    key = read_key(key_file)
+    embedded = None
+    if broker is None:
+        embedded = EmbeddedBroker(host=host, port=port)
+        try:
+            embedded.start()
+        except OSError as exc:
+            raise click.ClickException(
+                f"cannot start the embedded broker on {host}:{port}: {exc}"
+            ) from None
+        console.print(f"embedded MQTT broker listening on [bold]{host}:{port}[/]")
+        broker = BrokerAddress("127.0.0.1" if host in ("0.0.0.0", "") else host, port)
+    else:
+        console.print(f"using MQTT broker at [bold]{broker.host}:{broker.port}[/]")
+
+    since = time.time()
+    presence_topic = topics.presence(fleet, "coordinator")
+
+    def presence(online: bool) -> bytes:
+        return messages.encode(
+            messages.Presence(
+                fleet=fleet, sender="coordinator", online=online, since=since, role="coordinator"
+            ),
+            key=key,
+        )
+
+    transport = MqttTransport(
+        broker,
+        TransportOptions(client_id=f"coordinator-{fleet}"),
+        will=(presence_topic, presence(False)),
+        birth=(presence_topic, presence(True)),
+    )
+    view = FleetView(key=key)
+
+    def on_fleet_message(topic: str, payload: bytes) -> None:
+        entry = view.feed(topic, payload)
+        if entry is not None and entry.agent != "coordinator":
+            console.print(describe_entry(entry))
+
+    transport.subscribe(topics.presence(fleet), on_fleet_message)
+    transport.subscribe(topics.status(fleet), on_fleet_message)
+    transport.start()
+
+    discovery = None
+    if mdns_interfaces:
+        from protocol.discovery import Discovery
+
+        discovery = Discovery(interfaces=list(mdns_interfaces))
+        # An mDNS address record needs an IP: the embedded broker is reached on the interface
+        # it is announced on; an external broker's host name is resolved here.
+        announced = mdns_interfaces[0] if embedded else socket.gethostbyname(broker.host)
+        discovery.advertise_broker(announced, broker.port)
+        console.print(f"announcing the broker over mDNS on {', '.join(mdns_interfaces)}")
+
+    console.print(f"following fleet [bold]{fleet}[/]; press Ctrl-C to stop")
+    try:
+        wait_for_signal()
+    finally:
+        console.print("stopping")
+        if transport.connected:
+            transport.publish(presence_topic, presence(False), retain=True).wait_for_publish(5)
+        transport.stop()
+        if discovery is not None:
+            discovery.close()
+        if embedded is not None:
+            embedded.stop()
+    console.print("stopped")
+
+
+def describe_entry(entry: AgentEntry) -> str:
+    state = "[green]online[/]" if entry.online else "[red]offline[/]"
+    extra = f" {entry.state}" if entry.state else ""
+    return f"{entry.fleet}/{entry.agent}: {state}{extra} (since {describe_since(entry.since)})"
+
+
+@main.command()
+@click.option(
+    "--broker",
+    type=BROKER,
+    default="127.0.0.1:1883",
+    show_default=True,
+    help="Broker to read the fleet's retained messages from.",
+)
+@click.option("--fleet", default=None, type=NAME, help="Only this fleet (default: every fleet).")
+@click.option(
+    "--wait",
+    "wait_s",
+    default=1.0,
+    show_default=True,
+    type=click.FloatRange(0, 60),
+    help="Seconds to collect retained messages after subscribing.",
+)
+@click.option(
+    "--timeout",
+    "timeout_s",
+    default=5.0,
+    show_default=True,
+    type=click.FloatRange(0.1, 600),
+    help="Give up if the broker is unreachable this long.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.option(
+    "--key-file",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Fleet key to check message signatures with.",
+)
+def status(
+    broker: BrokerAddress,
+    fleet: str | None,
+    wait_s: float,
+    timeout_s: float,
+    as_json: bool,
+    key_file: str | None,
+) -> None:
+    """Print who is in the fleet, online or offline and since when, from retained messages."""
+    view = FleetView(key=read_key(key_file))
+    lock = threading.Lock()
+
+    def on_message(topic: str, payload: bytes) -> None:
+        with lock:
+            view.feed(topic, payload)
+
+    transport = MqttTransport(broker, TransportOptions(client_id=None))
+    target = fleet or "+"
+    transport.subscribe(topics.presence(target), on_message)
+    transport.subscribe(topics.status(target), on_message)
+    transport.start()
+    try:
+        if not transport.wait_connected(timeout_s):
+            raise click.ClickException(
+                f"cannot reach the MQTT broker at {broker.host}:{broker.port} within {timeout_s:g}s"
+            )
+        time.sleep(wait_s)
+    finally:
+        transport.stop()
+    with lock:
+        entries = view.entries()
+    if as_json:
+        click.echo(json.dumps([vars(e) for e in entries], indent=2))
+        return
+    if not entries:
+        console.print("no agents have announced themselves on this broker")
+        return
+    table = Table("fleet", "agent", "role", "presence", "since", "state", "round", "profile")
+    for e in entries:
+        table.add_row(
+            e.fleet,
+            e.agent,
+            e.role,
+            "[green]online[/]" if e.online else "[red]offline[/]",
+            describe_since(e.since),
+            e.state + (" (stopped)" if e.stopped else ""),
+            str(e.round) if e.state else "",
+            e.profile,
+        )
+    console.print(table)

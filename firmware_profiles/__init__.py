@@ -1,0 +1,11 @@
+"""Device profiles as data (TOML) and their loader; see loader.py."""
+
+from firmware_profiles.loader import (
+    PROFILE_PATH_ENV,
+    DeviceProfile,
+    ProfileError,
+    list_profiles,
+    load_profile,
+)
+
+__all__ = ["PROFILE_PATH_ENV", "DeviceProfile", "ProfileError", "list_profiles", "load_profile"]

@@ -1,0 +1,138 @@
+"""Load and validate device profiles: the figures budgets, emulation and the energy model use.
+
+Profiles are plain TOML so that a user can describe their own board without writing code:
+bundled ones live next to this module, user ones in the directories named by
+EDGEFL_PROFILE_PATH (searched first, so a user can override a bundled profile with figures
+measured on their own device) or at any path given directly.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, get_type_hints
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+PROFILE_PATH_ENV = "EDGEFL_PROFILE_PATH"
+BUNDLED_DIR = Path(__file__).resolve().parent
+_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
+
+
+class ProfileError(ValueError):
+    """A profile that cannot be found or is invalid; the message names the file and field."""
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """One device's compute, memory, power and link figures (units in the field names)."""
+
+    name: str
+    description: str
+    peak_fp32_gflops: float
+    memory_mb: int
+    idle_power_w: float
+    max_power_w: float
+    link_bandwidth_mbps: float
+    radio_power_w: float
+    cpu_cores: int
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+
+_REQUIRED: dict[str, type] = {
+    name: kind for name, kind in get_type_hints(DeviceProfile).items() if name != "sources"
+}
+_FIGURES = {name: kind for name, kind in _REQUIRED.items() if kind in (int, float)}
+_ACCEPTED = {str: (str,), int: (int,), float: (int, float)}  # TOML writes 10 for 10.0
+
+
+def _check(data: Mapping[str, Any], where: str) -> DeviceProfile:
+    def fail(key: str, problem: str) -> ProfileError:
+        return ProfileError(f"{where}: field {key!r}: {problem}")
+
+    for key in data:
+        if key not in _REQUIRED and key != "sources":
+            raise fail(key, f"unknown field; expected {', '.join(_REQUIRED)} and [sources]")
+    for key, kind in _REQUIRED.items():
+        if key not in data:
+            raise fail(key, "missing")
+        value = data[key]
+        if isinstance(value, bool) or not isinstance(value, _ACCEPTED[kind]):
+            raise fail(key, f"expected {kind.__name__}, got {type(value).__name__} {value!r}")
+        if key in _FIGURES and not (value > 0 and (kind is int or math.isfinite(value))):
+            raise fail(key, f"must be a positive finite number, got {value!r}")
+    if not _NAME.match(data["name"]):
+        raise fail("name", f"{data['name']!r} is not 1-64 of a-z 0-9 _ . - (it goes on the wire)")
+    if data["idle_power_w"] > data["max_power_w"]:
+        raise fail(
+            "idle_power_w",
+            f"{data['idle_power_w']} W is above max_power_w {data['max_power_w']} W",
+        )
+    sources = data.get("sources", {})
+    if not isinstance(sources, dict):
+        raise fail("sources", "expected a table of field = source text")
+    for key, text in sources.items():
+        if key not in _FIGURES:
+            raise fail(f"sources.{key}", f"not a figure; expected one of {', '.join(_FIGURES)}")
+        if not isinstance(text, str):
+            raise fail(f"sources.{key}", f"expected str, got {type(text).__name__}")
+    figures = {key: kind(data[key]) for key, kind in _FIGURES.items()}
+    return DeviceProfile(
+        name=data["name"],
+        description=data["description"],
+        sources=MappingProxyType(dict(sources)),
+        **figures,
+    )
+
+
+def _search_dirs() -> list[Path]:
+    user = [Path(d) for d in os.environ.get(PROFILE_PATH_ENV, "").split(os.pathsep) if d]
+    return [*user, BUNDLED_DIR]
+
+
+def list_profiles() -> list[str]:
+    """Names of the bundled profiles and of those in EDGEFL_PROFILE_PATH."""
+    return sorted({p.stem for d in _search_dirs() if d.is_dir() for p in d.glob("*.toml")})
+
+
+def _load_file(path: Path) -> DeviceProfile:
+    try:
+        with path.open("rb") as stream:
+            data = tomllib.load(stream)
+    except OSError as exc:
+        raise ProfileError(f"{path}: cannot read profile: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ProfileError(f"{path}: not valid TOML: {exc}") from None
+    return _check(data, str(path))
+
+
+def load_profile(name_or_path: str | os.PathLike[str]) -> DeviceProfile:
+    """Load a profile by name (EDGEFL_PROFILE_PATH, then bundled) or by a file's path.
+
+    Anything that is not a plain name (it holds a path separator or ends in .toml) is a path.
+    """
+    text = os.fspath(name_or_path)
+    if not _NAME.match(text) or text.endswith(".toml"):
+        return _load_file(Path(text))
+    for directory in _search_dirs():
+        candidate = directory / f"{text}.toml"
+        if candidate.is_file():
+            profile = _load_file(candidate)
+            if profile.name != text:
+                raise ProfileError(
+                    f"{candidate}: field 'name': {profile.name!r} does not match the file name"
+                )
+            return profile
+    raise ProfileError(
+        f"unknown device profile {text!r}; known profiles: {', '.join(list_profiles())} "
+        f"(add your own by path or in a directory listed in {PROFILE_PATH_ENV})"
+    )

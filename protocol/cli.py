@@ -1,0 +1,64 @@
+"""Command-line pieces shared by `edge-agent` and `coordinator`."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import click
+
+from protocol import topics
+from protocol.errors import ProtocolError
+from protocol.mqtt import BrokerAddress
+
+
+class BrokerType(click.ParamType):
+    """HOST[:PORT] parsed into a BrokerAddress, with click's one-line error on bad input."""
+
+    name = "HOST[:PORT]"
+
+    def convert(self, value, param, ctx):  # type: ignore[no-untyped-def]
+        if isinstance(value, BrokerAddress):
+            return value
+        try:
+            return BrokerAddress.parse(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+class NameType(click.ParamType):
+    """A fleet or agent name, which must be usable as one MQTT topic level."""
+
+    name = "NAME"
+
+    def convert(self, value, param, ctx):  # type: ignore[no-untyped-def]
+        try:
+            return topics.check_name(value, param.name if param else "name")
+        except ProtocolError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+BROKER = BrokerType()
+NAME = NameType()
+
+
+def read_key(path: str | None) -> bytes | None:
+    """The fleet key signs every message; it lives in a file so it stays out of `ps`."""
+    if path is None:
+        return None
+    with open(path, "rb") as handle:
+        key = handle.read().strip()
+    if len(key) < 16:
+        raise click.BadParameter(
+            f"{path}: a fleet key needs at least 16 bytes", param_hint="--key-file"
+        )
+    return key
+
+
+def wait_for_signal() -> None:
+    """Block until SIGINT or SIGTERM, so Ctrl-C and service managers both stop cleanly."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(0.5):
+        pass

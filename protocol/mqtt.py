@@ -1,0 +1,499 @@
+"""MQTT transport: a paho-mqtt client that chunks, reassembles, deduplicates and reconnects.
+
+It carries opaque payloads (knows nothing of training or tensors) and provides:
+
+- connection with capped exponential backoff, retried forever, the first attempt included,
+  so an agent may start before its broker;
+- a retained birth message republished on every (re)connect and a retained last will, each
+  framed with a fresh message id every time so receivers never mistake a new presence for
+  a redelivery of an old one;
+- QoS 1 publishing of payloads of any size: above `chunk_size` they are split into frames
+  (`protocol.chunking`), so one publish of a 20 MB model uploads it once for all subscribers;
+- handlers that see each message once per message id, however often the broker redelivers
+  it, and frames that are malformed or corrupt dropped with a logged reason and a counter;
+- a bounded outgoing queue: `publish` waits for room and raises PublishQueueFull after
+  `queue_timeout_s`, so a long broker outage cannot eat the device's memory.
+
+Design choices: MQTT 3.1.1 (both amqtt and mosquitto speak it fully) with clean sessions;
+subscriptions are restored by the client on every connect, which also works after a broker
+restart that lost all sessions, where a persistent session would not help. The price: what
+others publish while this client is offline is lost to it, except retained messages; the
+protocol copes with that through straggler timeouts and retained status. Our own unacked
+QoS 1 frames are kept and resent after a reconnect. Handlers run on one dispatcher thread,
+in arrival order, never on paho's network thread, so a slow handler cannot stall keepalive
+pings or acknowledgements (deliveries wait in memory for a slow handler).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import secrets
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import paho.mqtt.client as paho
+from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
+
+from protocol.chunking import DEFAULT_CHUNK_SIZE, Reassembler, split
+from protocol.errors import ProtocolError
+from protocol.limits import DEFAULT_LIMITS, Limits
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[str, bytes], None]
+"""Called with (topic, whole payload) once per message."""
+
+
+class PublishQueueFull(RuntimeError):
+    """The outgoing queue stayed full for `queue_timeout_s` (broker gone or link too slow)."""
+
+
+@dataclass(frozen=True)
+class BrokerAddress:
+    host: str
+    port: int = 1883
+
+    @classmethod
+    def parse(cls, text: str, default_port: int = 1883) -> BrokerAddress:
+        """Parse `host`, `host:port`, `[v6addr]` or `[v6addr]:port`."""
+        text = text.strip()
+        host, port = text, str(default_port)
+        if text.startswith("["):
+            end = text.find("]")
+            if end < 0 or (text[end + 1 :] and not text[end + 1 :].startswith(":")):
+                raise ValueError(f"bad broker address {text!r}: expected [v6addr] or [v6addr]:port")
+            host, port = text[1:end], text[end + 2 :] or port
+        elif text.count(":") == 1:
+            host, port = text.split(":")
+        if not host or any(c.isspace() or c in "/@" for c in host):
+            raise ValueError(f"bad broker address {text!r}: expected host or host:port")
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"bad broker port in {text!r}: expected a number in 1..65535")
+        return cls(host, int(port))
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class TlsOptions:
+    """Passed through to paho's tls_set; `insecure` skips the broker hostname check."""
+
+    ca_certs: str | None = None
+    certfile: str | None = None
+    keyfile: str | None = None
+    insecure: bool = False
+
+
+@dataclass(frozen=True)
+class TransportOptions:
+    client_id: str | None = None
+    """None: a random id. Two live clients with one id keep kicking each other off."""
+    username: str | None = None
+    password: str | None = None
+    tls: TlsOptions | None = None
+    keepalive_s: int = 30
+    """The broker declares the client dead (and publishes its will) after 1.5 x this."""
+    backoff_min_s: float = 0.5
+    backoff_max_s: float = 30.0
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    max_queued: int = 512
+    """QoS 1 frames published but not yet acknowledged by the broker (512 x 256 KiB)."""
+    queue_timeout_s: float = 30.0
+    reassembly_timeout_s: float = 120.0
+    max_buffered_bytes: int = 1 << 29
+    limits: Limits = DEFAULT_LIMITS
+
+
+class Publication:
+    """A publish in flight; published once the broker acknowledged every QoS 1 frame of it.
+
+    Mirrors paho's MQTTMessageInfo, except that wait_for_publish returns False on timeout
+    instead of raising. QoS 0 publications count as published at once: nobody acks them.
+    """
+
+    def __init__(self, transport: MqttTransport, frames: int) -> None:
+        self._transport = transport
+        self._remaining = frames
+
+    def is_published(self) -> bool:
+        return self._transport._until(lambda: self._remaining == 0, 0.0)
+
+    def wait_for_publish(self, timeout_s: float | None = None) -> bool:
+        """Block until published or timeout (None: no timeout); True when published."""
+        return self._transport._until(lambda: self._remaining == 0, timeout_s)
+
+
+@dataclass
+class _Subscription:
+    qos: int
+    handlers: list[Handler]
+
+
+class MqttTransport:
+    """One connection to one broker; see the module docstring for what it guarantees.
+
+    `will` and `birth` are (topic, payload) pairs, both retained with QoS 1 and small (one
+    frame). A clean `stop()` does not fire the will (MQTT semantics): publish the offline
+    presence yourself first and wait for it: `transport.publish(...).wait_for_publish(5)`.
+    """
+
+    def __init__(
+        self,
+        broker: BrokerAddress,
+        options: TransportOptions | None = None,
+        *,
+        will: tuple[str, bytes] | None = None,
+        birth: tuple[str, bytes] | None = None,
+    ) -> None:
+        self.broker = broker
+        self.options = options = options or TransportOptions()
+        for name, message in (("will", will), ("birth", birth)):
+            if message is not None and len(message[1]) > options.chunk_size:
+                raise ValueError(f"{name} payload must fit in one frame ({options.chunk_size} B)")
+        self._will = will
+        self._birth = birth
+        self._client_id = options.client_id or f"edgefl-{secrets.token_hex(6)}"
+        self._reassembler = Reassembler(
+            options.limits,
+            options.reassembly_timeout_s,
+            max_buffered_bytes=options.max_buffered_bytes,
+        )
+        self._stats: Counter[str] = Counter()
+        self._stats_lock = threading.Lock()
+        # Subscriptions and connection state.
+        self._sub_cond = threading.Condition()
+        self._subs: dict[str, _Subscription] = {}
+        self._unacked_subscribes: set[int] = set()
+        self._connected = False
+        # Outgoing queue accounting. paho calls on_publish while holding its own message
+        # lock, and publish() takes that lock while we hold _pub_lock, so on_publish must not
+        # take _pub_lock: it only appends the mid to _acks (under _ack_cond, to wake waiters)
+        # and _settle() matches acks to publications later, under _pub_lock.
+        self._pub_lock = threading.Lock()
+        self._pending: dict[int, Publication] = {}
+        self._acks: deque[int] = deque()
+        self._ack_cond = threading.Condition()
+        self._ack_seq = 0
+        self._stopped = False
+        self._deliveries: queue.SimpleQueue[tuple[str, bytes, list[Handler]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._dispatcher: threading.Thread | None = None
+        self._client = self._make_client()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start connecting in the background; returns at once (see wait_connected)."""
+        if self._dispatcher is not None or self._stopped:
+            raise RuntimeError("a transport starts once")
+        self._dispatcher = threading.Thread(
+            target=self._dispatch_loop, name=f"mqtt-dispatch-{self.client_id}", daemon=True
+        )
+        self._dispatcher.start()
+        self._client.connect_async(self.broker.host, self.broker.port, self.options.keepalive_s)
+        self._client.loop_start()
+        log.info("connecting to MQTT broker %s as %s", self.broker, self.client_id)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Disconnect cleanly (no will), stop the network thread, drain pending handlers."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._client.disconnect()
+        self._client.loop_stop()
+        with self._sub_cond:
+            self._connected = False
+            self._sub_cond.notify_all()
+        if self._dispatcher is not None:
+            self._deliveries.put(None)
+            self._dispatcher.join(timeout_s)
+        log.info("disconnected from MQTT broker %s", self.broker)
+
+    def __enter__(self) -> MqttTransport:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def client_id(self) -> str:
+        return self._client_id
+
+    @property
+    def connected(self) -> bool:
+        return self._connected
+
+    def wait_connected(self, timeout_s: float) -> bool:
+        with self._sub_cond:
+            return self._sub_cond.wait_for(lambda: self._connected, timeout_s)
+
+    def wait_subscribed(self, timeout_s: float) -> bool:
+        """Wait until connected and every subscription is acknowledged on this connection."""
+        with self._sub_cond:
+            return self._sub_cond.wait_for(
+                lambda: self._connected and not self._unacked_subscribes, timeout_s
+            )
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counters: published_/received_ messages, frames, bytes; connects, reconnects;
+        dropped_frames and dropped.<reason>; handler_errors; reassembly.<event>."""
+        with self._stats_lock:
+            stats = dict(self._stats)
+        stats["reconnects"] = max(0, stats.get("connects", 0) - 1)
+        stats.update({f"reassembly.{k}": v for k, v in self._reassembler.counts.items()})
+        return stats
+
+    # -- publishing ------------------------------------------------------------------------
+
+    def publish(
+        self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False
+    ) -> Publication:
+        """Publish `payload` (chunked above chunk_size) and return at once when it is queued.
+
+        QoS 1 frames wait in a bounded queue until the broker acknowledges them, and are
+        resent after a reconnect. When the queue lacks room for all frames of this message,
+        this waits up to queue_timeout_s and then raises PublishQueueFull; a message with
+        more frames than max_queued can never fit and raises ValueError. Retained messages
+        must fit in one frame (a broker retains packets, not messages).
+        """
+        if self._stopped:
+            raise RuntimeError("transport is stopped")
+        frames = split(payload, self.options.chunk_size)
+        if retain and len(frames) > 1:
+            raise ValueError(
+                f"retained payload of {len(payload)} bytes exceeds one frame "
+                f"({self.options.chunk_size} bytes)"
+            )
+        tracked = len(frames) if qos > 0 else 0
+        if tracked > self.options.max_queued:
+            raise ValueError(
+                f"message of {len(frames)} frames can never fit the outgoing queue of "
+                f"{self.options.max_queued}: raise max_queued or chunk_size"
+            )
+        publication = Publication(self, tracked)
+
+        def send() -> None:
+            for frame in frames:
+                info = self._client.publish(topic, frame, qos=qos, retain=retain)
+                if qos > 0:
+                    self._pending[info.mid] = publication
+                elif info.rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
+                    self._count("dropped_qos0_frames")
+
+        if not self._until(
+            lambda: len(self._pending) + tracked <= self.options.max_queued,
+            self.options.queue_timeout_s,
+            then=send,
+        ):
+            raise PublishQueueFull(
+                f"outgoing queue full ({len(self._pending)} of {self.options.max_queued} "
+                f"frames unacknowledged for {self.options.queue_timeout_s} s); "
+                f"connected={self.connected}"
+            )
+        self._count("published_messages")
+        self._count("published_frames", len(frames))
+        self._count("published_bytes", sum(map(len, frames)))
+        return publication
+
+    def _until(
+        self,
+        ready: Callable[[], bool],
+        timeout_s: float | None,
+        then: Callable[[], None] | None = None,
+    ) -> bool:
+        """Wait until ready() holds under _pub_lock (then run then() under it); False on timeout."""
+        deadline = math.inf if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            seq = self._ack_seq
+            with self._pub_lock:
+                self._settle()
+                if ready():
+                    if then is not None:
+                        then()
+                    return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            with self._ack_cond:
+                if self._ack_seq == seq:
+                    self._ack_cond.wait(None if remaining == math.inf else remaining)
+
+    def _settle(self) -> None:
+        """Apply broker acknowledgements to their publications; caller holds _pub_lock."""
+        while self._acks:
+            publication = self._pending.pop(self._acks.popleft(), None)
+            if publication is not None:  # None: birth, QoS 0, or a mid from before a stop
+                publication._remaining -= 1
+
+    # -- subscribing -----------------------------------------------------------------------
+
+    def subscribe(self, topic_filter: str, handler: Handler, qos: int = 1) -> None:
+        """Call handler(topic, payload) for each whole message matching topic_filter.
+
+        Handlers run on the dispatcher thread, one message at a time in arrival order; an
+        exception is logged and counted and does not stop the others. The subscription is
+        restored on every reconnect; see wait_subscribed.
+        """
+        with self._sub_cond:
+            sub = self._subs.setdefault(topic_filter, _Subscription(qos, []))
+            sub.qos = max(sub.qos, qos)
+            sub.handlers.append(handler)
+            if self._connected:
+                self._send_subscribe([(topic_filter, sub.qos)])
+
+    def unsubscribe(self, topic_filter: str) -> None:
+        """Drop every handler of topic_filter and the broker subscription."""
+        with self._sub_cond:
+            if self._subs.pop(topic_filter, None) is not None and self._connected:
+                self._client.unsubscribe(topic_filter)
+
+    def _send_subscribe(self, filters: list[tuple[str, int]]) -> None:
+        """Caller holds _sub_cond, so the SUBACK cannot be handled before the mid is noted."""
+        rc, mid = self._client.subscribe(filters)
+        if rc == MQTTErrorCode.MQTT_ERR_SUCCESS and mid is not None:
+            self._unacked_subscribes.add(mid)
+
+    # -- paho callbacks (network thread: quick, never raise) ---------------------------------
+
+    def _make_client(self) -> paho.Client:
+        options = self.options
+        client = paho.Client(
+            CallbackAPIVersion.VERSION2,
+            client_id=self._client_id,
+            clean_session=True,
+            protocol=paho.MQTTv311,
+        )
+        client.suppress_exceptions = True
+        client.reconnect_delay_set(options.backoff_min_s, options.backoff_max_s)  # type: ignore[arg-type]
+        if options.username is not None:
+            client.username_pw_set(options.username, options.password)
+        if options.tls is not None:
+            client.tls_set(
+                ca_certs=options.tls.ca_certs,
+                certfile=options.tls.certfile,
+                keyfile=options.tls.keyfile,
+            )
+            client.tls_insecure_set(options.tls.insecure)
+        client.on_pre_connect = self._on_pre_connect
+        client.on_connect = self._on_connect
+        client.on_connect_fail = self._on_connect_fail
+        client.on_disconnect = self._on_disconnect
+        client.on_subscribe = self._on_subscribe
+        client.on_publish = self._on_publish
+        client.on_message = self._on_message
+        return client
+
+    def _on_pre_connect(self, client: paho.Client, userdata: Any) -> None:
+        if self._will is not None:
+            topic, payload = self._will
+            client.will_set(topic, split(payload, self.options.chunk_size)[0], qos=1, retain=True)
+
+    def _on_connect(
+        self, client: paho.Client, userdata: Any, flags: Any, reason: Any, properties: Any
+    ) -> None:
+        if reason.is_failure:
+            log.error("MQTT broker %s refused the connection: %s", self.broker, reason)
+            return
+        self._count("connects")
+        log.info("connected to MQTT broker %s", self.broker)
+        if self._birth is not None:
+            topic, payload = self._birth
+            frame = split(payload, self.options.chunk_size)[0]
+            client.publish(topic, frame, qos=1, retain=True)
+            self._count("published_frames")
+            self._count("published_bytes", len(frame))
+        with self._sub_cond:
+            self._unacked_subscribes.clear()
+            if self._subs:
+                self._send_subscribe([(f, s.qos) for f, s in self._subs.items()])
+            self._connected = True
+            self._sub_cond.notify_all()
+
+    def _on_connect_fail(self, client: paho.Client, userdata: Any) -> None:
+        log.debug("MQTT broker %s unreachable; retrying with backoff", self.broker)
+
+    def _on_disconnect(
+        self, client: paho.Client, userdata: Any, flags: Any, reason: Any, properties: Any
+    ) -> None:
+        with self._sub_cond:
+            self._connected = False
+            self._unacked_subscribes.clear()
+            self._sub_cond.notify_all()
+        if not self._stopped:
+            log.warning("lost MQTT broker %s (%s); reconnecting", self.broker, reason)
+
+    def _on_subscribe(
+        self, client: paho.Client, userdata: Any, mid: int, reasons: list[Any], properties: Any
+    ) -> None:
+        refused = [r for r in reasons if r.is_failure]
+        if refused:
+            log.error("MQTT broker %s refused a subscription: %s", self.broker, refused)
+            self._count("subscribe_refused", len(refused))
+        with self._sub_cond:
+            self._unacked_subscribes.discard(mid)
+            self._sub_cond.notify_all()
+
+    def _on_publish(
+        self, client: paho.Client, userdata: Any, mid: int, reason: Any, properties: Any
+    ) -> None:
+        with self._ack_cond:
+            self._acks.append(mid)
+            self._ack_seq += 1
+            self._ack_cond.notify_all()
+
+    def _on_message(self, client: paho.Client, userdata: Any, message: paho.MQTTMessage) -> None:
+        topic = "<not utf-8>"
+        try:
+            self._count("received_frames")
+            self._count("received_bytes", len(message.payload))
+            topic = message.topic
+            payload = self._reassembler.feed(topic, message.payload)
+        except (ProtocolError, UnicodeDecodeError) as exc:
+            self._drop(getattr(exc, "reason", "malformed"), exc, topic)
+            return
+        except Exception as exc:  # never let a bad frame kill the network thread
+            self._drop("internal", exc, topic)
+            return
+        if payload is None:
+            return
+        with self._sub_cond:
+            handlers = [
+                h
+                for f, sub in self._subs.items()
+                if paho.topic_matches_sub(f, topic)
+                for h in sub.handlers
+            ]
+        self._count("received_messages")
+        if handlers:
+            self._deliveries.put((topic, payload, handlers))
+
+    def _drop(self, reason: str, exc: Exception, topic: str) -> None:
+        self._count("dropped_frames")
+        self._count(f"dropped.{reason}")
+        log.warning("dropped a frame on %r: %s", topic[:200], exc)
+
+    # -- handlers --------------------------------------------------------------------------
+
+    def _dispatch_loop(self) -> None:
+        while (delivery := self._deliveries.get()) is not None:
+            topic, payload, handlers = delivery
+            for handler in handlers:
+                try:
+                    handler(topic, payload)
+                except Exception:
+                    self._count("handler_errors")
+                    log.exception("handler %r failed on a message on %s", handler, topic)
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._stats_lock:
+            self._stats[key] += n

@@ -1,0 +1,291 @@
+"""The model codec: an ordered set of named, optionally masked tensors as one msgpack message.
+
+Wire form: ``[FORMAT, [record, ...]]`` with one record per tensor,
+``[name, dtype, shape, mask, fp16, values]``: ``dtype`` a numpy dtype name, ``shape`` a list of
+ints, ``mask`` nil (no mask sent) or a :mod:`protocol.masks` encoding, ``fp16`` true when float
+values travel as float16, and ``values`` a bin of the kept values only, little-endian, in
+flat C order. Blobs are msgpack bin, so a large model costs a handful of memcpys, not
+per-element msgpack work.
+
+The decoder checks every declared size against :class:`Limits` and against the others before
+it builds any output: what it allocates ahead of validation is proportional to the input.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+
+from protocol.errors import ProtocolError
+from protocol.limits import DEFAULT_LIMITS, Limits
+from protocol.masks import EncodedMask, MaskKind, MaskPlan, bin_header, decode_mask, encode_mask
+
+FORMAT = 1
+DTYPES = frozenset(
+    ["bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64"]
+    + ["float16", "float32", "float64"]
+)
+_FP16 = np.dtype("<f2")
+# Boolean indexing beats flatnonzero+take only for nearly full masks (branch prediction).
+_DENSE = 0.92
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class DecodedTensor:
+    """A received tensor: dense ``values`` (zero where masked out) and the mask if one was sent."""
+
+    values: np.ndarray
+    mask: np.ndarray | None
+
+
+def lower_bound_bytes(size: int, kept: int, value_bytes: int = 4) -> float:
+    """Bytes any lossless code needs for ``kept`` raw values among ``size`` positions.
+
+    That is the values themselves plus log2(binomial(size, kept)) bits to say which they are.
+    """
+    log2_choices = (
+        math.lgamma(size + 1) - math.lgamma(kept + 1) - math.lgamma(size - kept + 1)
+    ) / math.log(2)
+    return kept * value_bytes + log2_choices / 8
+
+
+def encode_tensors(
+    tensors: Mapping[str, np.ndarray],
+    masks: Mapping[str, np.ndarray] | None = None,
+    *,
+    fp16: bool = False,
+) -> bytes:
+    """Encode ``tensors`` in order; ``masks[name]`` (bool, same shape) selects kept values.
+
+    ``fp16`` sends float32/float64 values as float16 (halving them); other dtypes are unchanged.
+    Raises ValueError for unnamed tensors, unsupported dtypes, masks that are not bool arrays of
+    the tensor's shape or name no tensor, and finite values that overflow float16.
+    """
+    masks = masks or {}
+    unknown = set(masks) - set(tensors)
+    if unknown:
+        raise ValueError(f"masks for unknown tensors: {sorted(unknown)}")
+    parts: list[bytes | np.ndarray] = [b"\x92", msgpack.packb(FORMAT), _array_header(len(tensors))]
+    for name, array in tensors.items():
+        parts += _encode_tensor(name, np.asarray(array), masks.get(name), fp16)
+    return b"".join(parts)
+
+
+def _array_header(length: int) -> bytes:
+    if length < 16:
+        return bytes([0x90 | length])
+    if length < 1 << 16:
+        return b"\xdc" + length.to_bytes(2, "big")
+    return b"\xdd" + length.to_bytes(4, "big")
+
+
+def _encode_tensor(
+    name: str, array: np.ndarray, mask: np.ndarray | None, fp16: bool
+) -> list[bytes | np.ndarray]:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"tensor names must be non-empty strings, got {name!r}")
+    if array.dtype.name not in DTYPES:
+        raise ValueError(f"tensor {name!r}: unsupported dtype {array.dtype}")
+    flat = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).reshape(-1)
+    if mask is None:
+        mask_parts: tuple[bytes | np.ndarray, ...] = (b"\xc0",)
+        values = flat
+    else:
+        mask = np.asarray(mask)
+        if mask.dtype != np.bool_ or mask.shape != array.shape:
+            raise ValueError(
+                f"tensor {name!r}: mask must be bool of shape {array.shape}, "
+                f"got {mask.dtype} {mask.shape}"
+            )
+        flat_mask = np.ascontiguousarray(mask).reshape(-1)
+        encoded = encode_mask(flat_mask)
+        mask_parts = encoded.parts
+        values = _gather(flat, flat_mask, encoded)
+    half = fp16 and array.dtype.kind == "f" and array.dtype.itemsize > 2
+    if half:
+        values = _to_fp16(name, values)
+    return [
+        b"\x96",
+        msgpack.packb(name),
+        msgpack.packb(array.dtype.name),
+        msgpack.packb(array.shape),
+        *mask_parts,
+        b"\xc3" if half else b"\xc2",
+        bin_header(values.nbytes),
+        values,
+    ]
+
+
+def _gather(flat: np.ndarray, mask: np.ndarray, encoded: EncodedMask) -> np.ndarray:
+    if encoded.kind == MaskKind.FULL:
+        return flat
+    if encoded.indices is not None:
+        return flat.take(encoded.indices)
+    if encoded.kept >= _DENSE * flat.size:
+        return flat[mask]
+    return np.compress(mask, flat)
+
+
+def _to_fp16(name: str, values: np.ndarray) -> np.ndarray:
+    half = values.astype(_FP16)
+    overflow = ~np.isfinite(half)
+    if overflow.any() and np.isfinite(values[overflow]).any():
+        raise ValueError(f"tensor {name!r}: finite values overflow float16")
+    return half
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Plan:
+    """A validated record; ``values`` is a zero-copy view of the received kept values."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    mask: MaskPlan | None
+    values: np.ndarray
+
+
+def decode_tensors(
+    data: bytes | memoryview,
+    *,
+    limits: Limits = DEFAULT_LIMITS,
+    expected: Mapping[str, tuple[tuple[int, ...], str]] | None = None,
+    require_finite: bool = False,
+) -> dict[str, DecodedTensor]:
+    """Decode a message from :func:`encode_tensors`, in the order it was encoded.
+
+    ``expected`` maps every name the message must hold (no more, no fewer, any order) to its
+    ``(shape, dtype)``. ``require_finite`` rejects NaN and infinite values. Any malformed,
+    oversized or unexpected input raises :class:`ProtocolError`; all records are validated
+    before any dense output is allocated.
+    """
+    records = _unpack(data, limits)
+    plans: list[_Plan] = []
+    names: set[str] = set()
+    total = 0
+    for index, record in enumerate(records):
+        try:
+            plan = _parse(record, limits, expected, require_finite)
+        except ProtocolError as exc:
+            name = record[0] if type(record) is list and record and type(record[0]) is str else ""
+            raise ProtocolError(f"tensor {index} {_brief(name)}: {exc}") from None
+        if plan.name in names:
+            raise ProtocolError(f"duplicate tensor name {plan.name!r}")
+        names.add(plan.name)
+        total += math.prod(plan.shape)
+        if total > limits.max_total_elements:
+            raise ProtocolError(f"more than {limits.max_total_elements} elements in total")
+        plans.append(plan)
+    if expected is not None and names != set(expected):
+        missing = sorted(set(expected) - names)[:8]
+        raise ProtocolError(f"missing expected tensors {missing}")
+    try:
+        return {plan.name: _build(plan) for plan in plans}
+    except MemoryError:  # within limits, but more than this device has
+        raise ProtocolError("not enough memory for the declared tensors") from None
+
+
+def _unpack(data: bytes | memoryview, limits: Limits) -> list:
+    try:
+        view = memoryview(data).cast("B")
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"tensor message must be contiguous bytes: {exc}") from None
+    if view.nbytes > limits.max_message_bytes:
+        raise ProtocolError(f"message of {view.nbytes} bytes exceeds {limits.max_message_bytes}")
+    try:
+        message = msgpack.unpackb(
+            view,
+            raw=False,
+            use_list=True,
+            max_str_len=4 * limits.max_name_length,
+            max_bin_len=view.nbytes,
+            max_array_len=max(limits.max_tensors, limits.max_ndim, 6),
+            max_map_len=0,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises many types; all mean the same to a receiver
+        raise ProtocolError(f"invalid msgpack: {type(exc).__name__}: {exc}") from None
+    if type(message) is not list or len(message) != 2 or type(message[1]) is not list:
+        raise ProtocolError("tensor message must be [format, [records]]")
+    if type(message[0]) is not int or message[0] != FORMAT:
+        raise ProtocolError(f"unsupported tensor format {_brief(message[0])}")
+    if len(message[1]) > limits.max_tensors:
+        raise ProtocolError(f"{len(message[1])} tensors exceed the limit {limits.max_tensors}")
+    return message[1]
+
+
+def _brief(value: object) -> str:
+    """Untrusted values in error messages, cut short so logs stay readable."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _parse(
+    record: object,
+    limits: Limits,
+    expected: Mapping[str, tuple[tuple[int, ...], str]] | None,
+    require_finite: bool,
+) -> _Plan:
+    if type(record) is not list or len(record) != 6:
+        raise ProtocolError("record must be [name, dtype, shape, mask, fp16, values]")
+    name, dtype_name, shape, mask, half, payload = record
+    if type(name) is not str or not 1 <= len(name) <= limits.max_name_length:
+        raise ProtocolError(f"name must be a string of 1 to {limits.max_name_length} chars")
+    if type(dtype_name) is not str or dtype_name not in DTYPES:
+        raise ProtocolError(f"unsupported dtype {_brief(dtype_name)}")
+    dtype = np.dtype(dtype_name)
+    if type(shape) is not list or len(shape) > limits.max_ndim:
+        raise ProtocolError(f"shape must be a list of at most {limits.max_ndim} dims")
+    if any(type(dim) is not int or dim < 0 for dim in shape):
+        raise ProtocolError(f"shape {_brief(shape)} must hold non-negative integers")
+    shape = tuple(shape)
+    size = math.prod(shape)
+    # Zero-size tensors count their other dims too: numpy cannot even describe (0, 2**62).
+    if math.prod(dim for dim in shape if dim) > limits.max_tensor_elements:
+        raise ProtocolError(f"shape {list(shape)} exceeds {limits.max_tensor_elements} elements")
+    if expected is not None:
+        if name not in expected:
+            raise ProtocolError("not an expected tensor")
+        want_shape, want_dtype = expected[name]
+        if shape != tuple(want_shape) or dtype != np.dtype(want_dtype):
+            raise ProtocolError(
+                f"got {dtype_name}{list(shape)}, expected {np.dtype(want_dtype)}{list(want_shape)}"
+            )
+    plan = None if mask is None else decode_mask(mask, size)
+    kept = size if plan is None else plan.kept
+    if type(half) is not bool or (half and dtype.kind != "f"):
+        raise ProtocolError("fp16 flag must be a bool, true only for float dtypes")
+    wire = _FP16 if half else dtype.newbyteorder("<")
+    if type(payload) is not bytes or len(payload) != kept * wire.itemsize:
+        got = len(payload) if type(payload) is bytes else type(payload).__name__
+        raise ProtocolError(f"values must be {kept} x {wire.itemsize} bytes, got {got}")
+    values = np.frombuffer(payload, dtype=wire)
+    if dtype.kind == "b" and values.size and values.view(np.uint8).max() > 1:
+        raise ProtocolError("bool values must be 0 or 1")
+    if require_finite and dtype.kind == "f" and not np.isfinite(values).all():
+        raise ProtocolError("values are not all finite")
+    return _Plan(name, dtype, shape, plan, values)
+
+
+def _build(plan: _Plan) -> DecodedTensor:
+    mask_plan, values, shape = plan.mask, plan.values, plan.shape
+    if mask_plan is None or mask_plan.kind == MaskKind.FULL:
+        dense = values.astype(plan.dtype)
+        mask = None if mask_plan is None else np.ones(shape, dtype=bool)
+        return DecodedTensor(dense.reshape(shape), mask)
+    dense = np.zeros(mask_plan.size, dtype=plan.dtype)
+    if mask_plan.kind == MaskKind.EF_KEPT:
+        dense[mask_plan.positions] = values
+        mask = np.zeros(mask_plan.size, dtype=bool)
+        mask[mask_plan.positions] = True
+    else:
+        mask = mask_plan.expand()
+        if mask_plan.kept >= _DENSE * mask_plan.size:
+            dense[mask] = values
+        elif mask_plan.kept:
+            dense[np.flatnonzero(mask)] = values
+    return DecodedTensor(dense.reshape(shape), mask.reshape(shape))

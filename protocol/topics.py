@@ -1,0 +1,72 @@
+"""MQTT topic names: lower case, general to specific, no leading slash.
+
+fl/v1/<fleet>/presence/<agent>            retained birth / last will
+fl/v1/<fleet>/status/<agent>              retained status
+fl/v1/<fleet>/run                         retained run config and roster
+fl/v1/<fleet>/round/<t>/<kind>/<agent>    model, vote, divergence, request, update
+fl/v1/<fleet>/round/<t>/global            the aggregate of a centralized round
+"""
+
+from __future__ import annotations
+
+import re
+
+from protocol.errors import ProtocolError
+
+PREFIX = "fl/v1"
+ROUND_KINDS = ("model", "vote", "divergence", "request", "update")
+_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
+
+
+def check_name(name: str, what: str = "name") -> str:
+    """Fleet and agent names become topic levels, so they must not hold '/', '+' or '#'."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ProtocolError(
+            f"invalid {what} {name!r}: use 1-64 of a-z 0-9 _ . - starting with a letter or digit"
+        )
+    return name
+
+
+def fleet_root(fleet: str) -> str:
+    """The topic prefix of one fleet, or of every fleet for the wildcard '+'."""
+    return f"{PREFIX}/{fleet if fleet == '+' else check_name(fleet, 'fleet')}"
+
+
+def presence(fleet: str, agent: str = "+") -> str:
+    return f"{fleet_root(fleet)}/presence/{agent if agent == '+' else check_name(agent, 'agent')}"
+
+
+def status(fleet: str, agent: str = "+") -> str:
+    return f"{fleet_root(fleet)}/status/{agent if agent == '+' else check_name(agent, 'agent')}"
+
+
+def run(fleet: str) -> str:
+    return f"{fleet_root(fleet)}/run"
+
+
+def round_topic(fleet: str, round_: int | str, kind: str, agent: str = "+") -> str:
+    if kind not in ROUND_KINDS:
+        raise ValueError(f"unknown round message kind {kind!r}; expected one of {ROUND_KINDS}")
+    who = agent if agent == "+" else check_name(agent, "agent")
+    return f"{fleet_root(fleet)}/round/{round_}/{kind}/{who}"
+
+
+def global_model(fleet: str, round_: int | str) -> str:
+    return f"{fleet_root(fleet)}/round/{round_}/global"
+
+
+def parse(topic: str) -> tuple[str, str, dict[str, str]]:
+    """Split a topic into (fleet, kind, fields); raises ProtocolError for foreign topics."""
+    parts = topic.split("/")
+    if len(parts) < 4 or "/".join(parts[:2]) != PREFIX:
+        raise ProtocolError(f"not a fleet topic: {topic!r}")
+    fleet, rest = parts[2], parts[3:]
+    if rest[0] in ("presence", "status") and len(rest) == 2:
+        return fleet, rest[0], {"agent": rest[1]}
+    if rest == ["run"]:
+        return fleet, "run", {}
+    if rest[0] == "round" and len(rest) == 3 and rest[2] == "global":
+        return fleet, "global", {"round": rest[1]}
+    if rest[0] == "round" and len(rest) == 4 and rest[2] in ROUND_KINDS:
+        return fleet, rest[2], {"round": rest[1], "agent": rest[3]}
+    raise ProtocolError(f"unknown fleet topic: {topic!r}")

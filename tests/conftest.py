@@ -1,0 +1,153 @@
+"""Fixtures that run real MQTT brokers (amqtt and mosquitto) on loopback ports.
+
+Each broker runs in a child process so a test can kill it (SIGKILL, like a crash) and start
+it again on the same port.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from protocol.mqtt import BrokerAddress
+
+REPO = Path(__file__).resolve().parent.parent
+BROKER_START_TIMEOUT_S = 20.0
+
+
+def _unused_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _require(tool: str) -> str:
+    """Path of a broker tool; a missing one skips the test, or fails it when CI is set."""
+    path = shutil.which(tool) or next(
+        (p for p in (f"/usr/sbin/{tool}", f"/usr/bin/{tool}") if os.access(p, os.X_OK)), None
+    )
+    if path is None:
+        reason = f"{tool} is not installed (Debian: apt-get install mosquitto openssl)"
+        if os.environ.get("CI"):
+            pytest.fail(f"{reason}; CI must run the mosquitto tests")
+        pytest.skip(reason)
+    return path
+
+
+class BrokerProcess:
+    """A broker child process on a fixed loopback port; start, kill and start again."""
+
+    def __init__(self, kind: str, command: list[str], port: int, log_path: Path) -> None:
+        self.kind = kind
+        self.address = BrokerAddress("127.0.0.1", port)
+        self._command = command
+        self._log_path = log_path
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        assert self._process is None, "broker already running"
+        with open(self._log_path, "ab") as log:
+            self._process = subprocess.Popen(
+                self._command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT
+            )
+        deadline = time.monotonic() + BROKER_START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                break
+            try:
+                socket.create_connection((self.address.host, self.address.port), 0.5).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        self.kill()
+        pytest.fail(f"{self.kind} broker did not start:\n{self._log_path.read_text()[-3000:]}")
+
+    def kill(self) -> None:
+        """SIGKILL: the broker dies without closing anything, like a crash or power loss."""
+        if self._process is not None:
+            self._process.send_signal(signal.SIGKILL)
+            self._process.wait(10)
+            self._process = None
+
+
+def _amqtt(tmp_path: Path) -> BrokerProcess:
+    port = _unused_port()
+    command = [sys.executable, "-m", "coordinator.broker", "--host", "127.0.0.1"]
+    return BrokerProcess("amqtt", command + ["--port", str(port)], port, tmp_path / "amqtt.log")
+
+
+def _mosquitto(tmp_path: Path, access: str = "allow_anonymous true\n") -> BrokerProcess:
+    binary, port = _require("mosquitto"), _unused_port()
+    config = tmp_path / "mosquitto.conf"
+    config.write_text(
+        f"listener {port} 127.0.0.1\n{access}persistence false\n"
+        "log_dest stdout\nlog_type error\nlog_type warning\nlog_type notice\n"
+    )
+    return BrokerProcess("mosquitto", [binary, "-c", str(config)], port, tmp_path / "mosquitto.log")
+
+
+def _running(broker: BrokerProcess) -> Iterator[BrokerProcess]:
+    broker.start()
+    try:
+        yield broker
+    finally:
+        broker.kill()
+
+
+@pytest.fixture
+def unused_port() -> int:
+    """A loopback TCP port that was free a moment ago."""
+    return _unused_port()
+
+
+@pytest.fixture
+def amqtt_broker(tmp_path: Path) -> Iterator[BrokerProcess]:
+    yield from _running(_amqtt(tmp_path))
+
+
+@pytest.fixture
+def mosquitto_broker(tmp_path: Path) -> Iterator[BrokerProcess]:
+    yield from _running(_mosquitto(tmp_path))
+
+
+@pytest.fixture(params=["amqtt", pytest.param("mosquitto", marks=pytest.mark.mosquitto)])
+def broker(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BrokerProcess]:
+    """Each test that uses it runs once against amqtt and once against mosquitto."""
+    make = _amqtt if request.param == "amqtt" else _mosquitto
+    yield from _running(make(tmp_path))
+
+
+@pytest.fixture
+def mosquitto_tls_broker(tmp_path: Path) -> Iterator[tuple[BrokerProcess, Path]]:
+    """mosquitto over TLS (self-signed certificate for 127.0.0.1, returned as the CA) that
+    admits only user `alice` with password `secret`."""
+    openssl, mosquitto_passwd = _require("openssl"), _require("mosquitto_passwd")
+    cert, key, passwords = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "passwords"
+    subprocess.run(
+        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
+        + ["-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost"]
+        + ["-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True,
+        capture_output=True,
+    )
+    subprocess.run(
+        [mosquitto_passwd, "-b", "-c", str(passwords), "alice", "secret"],
+        check=True,
+        capture_output=True,
+    )
+    # `user root`: as root, mosquitto would otherwise drop privileges before reading the key.
+    access = (
+        f"certfile {cert}\nkeyfile {key}\npassword_file {passwords}\n"
+        "allow_anonymous false\nuser root\n"
+    )
+    for broker in _running(_mosquitto(tmp_path, access)):
+        yield broker, cert

@@ -1,0 +1,62 @@
+"""How the coordinator folds retained presence and status messages into the fleet table."""
+
+from __future__ import annotations
+
+from coordinator.fleet import FleetView, describe_since
+from protocol import messages as m
+from protocol import topics
+
+
+def _presence(agent: str, online: bool, since: float = 100.0, fleet: str = "lab") -> bytes:
+    return m.encode(m.Presence(fleet=fleet, sender=agent, online=online, since=since, profile="pi"))
+
+
+def test_presence_and_status_make_one_entry_per_agent() -> None:
+    view = FleetView()
+    view.feed(topics.presence("lab", "b"), _presence("b", True))
+    view.feed(topics.presence("lab", "a"), _presence("a", True))
+    view.feed(
+        topics.status("lab", "a"),
+        m.encode(m.Status(fleet="lab", sender="a", round=4, state="training")),
+    )
+    view.feed(topics.presence("lab", "a"), _presence("a", False, since=200.0))
+    entries = view.entries()
+    assert [e.agent for e in entries] == ["a", "b"]
+    a, b = entries
+    assert (a.online, a.since, a.state, a.round, a.profile) == (False, 200.0, "training", 4, "pi")
+    assert b.online and b.state == ""
+
+
+def test_spoofed_malformed_and_foreign_messages_are_counted_not_applied() -> None:
+    view = FleetView()
+    assert view.feed(topics.presence("lab", "a"), _presence("mallory", True)) is None
+    assert view.feed(topics.presence("lab", "a"), _presence("a", True, fleet="other")) is None
+    assert view.feed(topics.presence("lab", "a"), b"\x00garbage") is None
+    assert view.feed("some/other/topic", _presence("a", True)) is None
+    assert view.entries() == []
+    assert view.rejected == 4
+
+
+def test_signed_fleets_ignore_unsigned_presence() -> None:
+    key = b"k" * 16
+    view = FleetView(key=key)
+    view.feed(topics.presence("lab", "a"), _presence("a", True))
+    signed = m.encode(m.Presence(fleet="lab", sender="b", online=True, since=1.0), key=key)
+    view.feed(topics.presence("lab", "b"), signed)
+    assert [e.agent for e in view.entries()] == ["b"]
+    assert view.rejected == 1
+
+
+def test_a_cleared_retained_message_forgets_the_agent() -> None:
+    view = FleetView()
+    view.feed(topics.presence("lab", "a"), _presence("a", True))
+    view.feed(topics.presence("lab", "a"), b"")
+    assert view.entries() == []
+
+
+def test_ages_read_naturally() -> None:
+    assert describe_since(1000.0, now=1042.0) == "42s ago"
+    assert describe_since(1000.0, now=1000.0 + 185) == "3m05s ago"
+    assert describe_since(1000.0, now=1000.0 + 3 * 3600 + 5 * 60) == "3h05m ago"
+    assert describe_since(1000.0, now=1000.0 + 2 * 86400 + 3600) == "2d01h ago"
+    assert describe_since(0.0) == "unknown"
