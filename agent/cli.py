@@ -5,14 +5,14 @@ from __future__ import annotations
 import logging
 import re
 import socket
-import time
 
 import click
 from rich.console import Console
 
 from protocol import messages, topics
-from protocol.cli import BROKER, NAME, read_key, wait_for_signal
-from protocol.mqtt import BrokerAddress, MqttTransport, TransportOptions
+from protocol.cli import BROKER, NAME, read_key, stop_on_signal, wait_for
+from protocol.membership import Identity, connect, leave
+from protocol.mqtt import BrokerAddress
 
 console = Console(stderr=True)
 
@@ -58,6 +58,7 @@ def main(
     verbose: int,
 ) -> None:
     """Run an edge agent: announce it to the fleet and keep it online until Ctrl-C."""
+    stop = stop_on_signal()
     level = (logging.WARNING, logging.INFO, logging.DEBUG)[min(verbose, 2)]
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from firmware_profiles import ProfileError, load_profile
@@ -67,46 +68,25 @@ def main(
     except ProfileError as exc:
         raise click.BadParameter(str(exc), param_hint="--profile") from None
     profile_name = device.name if device else ""
-    key = read_key(key_file)
-    since = time.time()
-    presence_topic = topics.presence(fleet, agent_id)
-
-    def presence(online: bool) -> bytes:
-        message = messages.Presence(
-            fleet=fleet, sender=agent_id, online=online, since=since, profile=profile_name
-        )
-        return messages.encode(message, key=key)
-
-    status = messages.encode(messages.Status(fleet=fleet, sender=agent_id, state="idle"), key=key)
-    transport = MqttTransport(
-        broker,
-        TransportOptions(client_id=f"{fleet}-{agent_id}"),
-        will=(presence_topic, presence(False)),
-        birth=(presence_topic, presence(True)),
-    )
-    transport.start()
-    transport.publish(topics.status(fleet, agent_id), status, retain=True)
-
+    identity = Identity(fleet, agent_id, profile=profile_name, key=read_key(key_file))
+    transport = connect(broker, identity)
     discovery = None
-    if mdns_interfaces:
-        from protocol.discovery import AgentAdvert, Discovery
-
-        discovery = Discovery(interfaces=list(mdns_interfaces))
-        discovery.advertise_agent(
-            AgentAdvert(
-                agent_id=agent_id,
-                fleet=fleet,
-                broker=f"{broker.host}:{broker.port}",
-                profile=profile_name,
-            )
-        )
-    console.print(f"agent {agent_id} joining fleet {fleet} via {broker.host}:{broker.port}")
     try:
-        wait_for_signal()
+        status = messages.Status(fleet=fleet, sender=agent_id, state="idle")
+        transport.publish(
+            topics.status(fleet, agent_id), messages.encode(status, key=identity.key), retain=True
+        )
+        if mdns_interfaces:
+            from protocol.discovery import AgentAdvert, Discovery
+
+            discovery = Discovery(interfaces=list(mdns_interfaces))
+            discovery.advertise_agent(
+                AgentAdvert(agent_id, fleet, str(broker), profile=profile_name)
+            )
+        console.print(f"agent {agent_id} joining fleet {fleet} via {broker}")
+        wait_for(stop)
     finally:
-        if transport.connected:
-            transport.publish(presence_topic, presence(False), retain=True).wait_for_publish(5)
-        transport.stop()
+        leave(transport, identity)
         if discovery is not None:
             discovery.close()
     console.print(f"agent {agent_id} stopped")

@@ -12,9 +12,10 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from coordinator.fleet import AgentEntry, FleetView, describe_since
-from protocol import messages, topics
-from protocol.cli import BROKER, NAME, read_key, wait_for_signal
+from coordinator.fleet import AgentEntry, FleetView, describe_presence
+from protocol import topics
+from protocol.cli import BROKER, NAME, read_key, stop_on_signal, wait_for
+from protocol.membership import Identity, connect, leave
 from protocol.mqtt import BrokerAddress, MqttTransport, TransportOptions
 
 console = Console()
@@ -63,6 +64,7 @@ def serve(
     key_file: str | None,
 ) -> None:
     """Host the fleet's broker (unless --broker is given) and follow the fleet until Ctrl-C."""
+    stop = stop_on_signal()
     from coordinator.broker import EmbeddedBroker
 
     key = read_key(key_file)
@@ -80,23 +82,7 @@ def serve(
     else:
         console.print(f"using MQTT broker at [bold]{broker.host}:{broker.port}[/]")
 
-    since = time.time()
-    presence_topic = topics.presence(fleet, "coordinator")
-
-    def presence(online: bool) -> bytes:
-        return messages.encode(
-            messages.Presence(
-                fleet=fleet, sender="coordinator", online=online, since=since, role="coordinator"
-            ),
-            key=key,
-        )
-
-    transport = MqttTransport(
-        broker,
-        TransportOptions(client_id=f"coordinator-{fleet}"),
-        will=(presence_topic, presence(False)),
-        birth=(presence_topic, presence(True)),
-    )
+    identity = Identity(fleet, "coordinator", role="coordinator", key=key)
     view = FleetView(key=key)
 
     def on_fleet_message(topic: str, payload: bytes) -> None:
@@ -104,29 +90,25 @@ def serve(
         if entry is not None and entry.agent != "coordinator":
             console.print(describe_entry(entry))
 
-    transport.subscribe(topics.presence(fleet), on_fleet_message)
-    transport.subscribe(topics.status(fleet), on_fleet_message)
-    transport.start()
-
+    transport = connect(broker, identity)
     discovery = None
-    if mdns_interfaces:
-        from protocol.discovery import Discovery
-
-        discovery = Discovery(interfaces=list(mdns_interfaces))
-        # An mDNS address record needs an IP: the embedded broker is reached on the interface
-        # it is announced on; an external broker's host name is resolved here.
-        announced = mdns_interfaces[0] if embedded else socket.gethostbyname(broker.host)
-        discovery.advertise_broker(announced, broker.port)
-        console.print(f"announcing the broker over mDNS on {', '.join(mdns_interfaces)}")
-
-    console.print(f"following fleet [bold]{fleet}[/]; press Ctrl-C to stop")
     try:
-        wait_for_signal()
+        transport.subscribe(topics.presence(fleet), on_fleet_message)
+        transport.subscribe(topics.status(fleet), on_fleet_message)
+        if mdns_interfaces:
+            from protocol.discovery import Discovery
+
+            discovery = Discovery(interfaces=list(mdns_interfaces))
+            # An mDNS address record needs an IP: the embedded broker is reached on the
+            # interface it is announced on; an external broker's host name is resolved here.
+            announced = mdns_interfaces[0] if embedded else socket.gethostbyname(broker.host)
+            discovery.advertise_broker(announced, broker.port)
+            console.print(f"announcing the broker over mDNS on {', '.join(mdns_interfaces)}")
+        console.print(f"following fleet [bold]{fleet}[/]; press Ctrl-C to stop")
+        wait_for(stop)
     finally:
         console.print("stopping")
-        if transport.connected:
-            transport.publish(presence_topic, presence(False), retain=True).wait_for_publish(5)
-        transport.stop()
+        leave(transport, identity)
         if discovery is not None:
             discovery.close()
         if embedded is not None:
@@ -135,9 +117,8 @@ def serve(
 
 
 def describe_entry(entry: AgentEntry) -> str:
-    state = "[green]online[/]" if entry.online else "[red]offline[/]"
-    extra = f" {entry.state}" if entry.state else ""
-    return f"{entry.fleet}/{entry.agent}: {state}{extra} (since {describe_since(entry.since)})"
+    state = f", {entry.state}" if entry.state else ""
+    return f"{entry.fleet}/{entry.agent}: {describe_presence(entry)}{state}"
 
 
 @main.command()
@@ -208,15 +189,16 @@ def status(
     if not entries:
         console.print("no agents have announced themselves on this broker")
         return
-    table = Table("fleet", "agent", "role", "presence", "since", "state", "round", "profile")
+    table = Table("fleet", "agent", "role", "presence", "state", "round", "profile")
+    for column in table.columns:
+        column.overflow = "fold"
     for e in entries:
         table.add_row(
             e.fleet,
             e.agent,
             e.role,
-            "[green]online[/]" if e.online else "[red]offline[/]",
-            describe_since(e.since),
-            e.state + (" (stopped)" if e.stopped else ""),
+            f"[{'green' if e.online else 'red'}]{describe_presence(e)}[/]",
+            e.state + (" (stopped early)" if e.stopped else ""),
             str(e.round) if e.state else "",
             e.profile,
         )

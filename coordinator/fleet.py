@@ -26,6 +26,7 @@ class AgentEntry:
     since: float = 0.0
     role: str = "agent"
     profile: str = ""
+    reason: str = ""
     state: str = ""
     round: int = 0
     stopped: bool = False
@@ -66,6 +67,7 @@ class FleetView:
         if isinstance(message, messages.Presence):
             entry.online, entry.since = message.online, message.since
             entry.role, entry.profile = message.role, message.profile or entry.profile
+            entry.reason = message.reason
         elif isinstance(message, messages.Status):
             entry.state, entry.round, entry.stopped = message.state, message.round, message.stopped
             entry.metrics = message.metrics
@@ -73,6 +75,15 @@ class FleetView:
 
     def entries(self) -> list[AgentEntry]:
         return [self._entries[k] for k in sorted(self._entries)]
+
+
+def describe_presence(entry: AgentEntry, now: float | None = None) -> str:
+    """Presence in words: since when online or offline, and whether it crashed or stopped."""
+    if entry.online:
+        return f"online since {describe_since(entry.since, now)}"
+    if entry.reason == "lost":
+        return f"lost (came online {describe_since(entry.since, now)})"
+    return f"offline since {describe_since(entry.since, now)}"
 
 
 def describe_since(since: float, now: float | None = None) -> str:

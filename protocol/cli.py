@@ -33,7 +33,7 @@ class NameType(click.ParamType):
 
     def convert(self, value, param, ctx):  # type: ignore[no-untyped-def]
         try:
-            return topics.check_name(value, param.name if param else "name")
+            return topics.check_name(value, param.opts[0].lstrip("-") if param else "name")
         except ProtocolError as exc:
             self.fail(str(exc), param, ctx)
 
@@ -55,10 +55,19 @@ def read_key(path: str | None) -> bytes | None:
     return key
 
 
-def wait_for_signal() -> None:
-    """Block until SIGINT or SIGTERM, so Ctrl-C and service managers both stop cleanly."""
+def stop_on_signal() -> threading.Event:
+    """An event set by SIGINT or SIGTERM, so Ctrl-C and service managers stop cleanly.
+
+    Call it first thing: a signal that arrives while the program is still starting up is
+    then remembered and honoured once start-up is done, instead of killing it half-way.
+    """
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def wait_for(stop: threading.Event) -> None:
+    """Block until `stop` is set; short waits keep the main thread responsive to signals."""
     while not stop.wait(0.5):
         pass

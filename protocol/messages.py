@@ -63,13 +63,18 @@ class Message:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Presence(Message):
-    """Retained birth message, and (with online=False) the last will."""
+    """Retained birth message, and (online=False) the last will or a clean goodbye.
+
+    `reason` tells an offline message's cause: "lost" (the will, sent by the broker; `since`
+    is then when the member came online) or "shutdown" (`since` is when it stopped).
+    """
 
     TYPE = MessageType.PRESENCE
     online: bool
     since: float
     role: str = "agent"
     profile: str = ""
+    reason: str = ""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -26,6 +26,7 @@ pings or acknowledgements (deliveries wait in memory for a slow handler).
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 import queue
@@ -71,6 +72,10 @@ class BrokerAddress:
             host, port = text[1:end], text[end + 2 :] or port
         elif text.count(":") == 1:
             host, port = text.split(":")
+        elif ":" in text and not _is_ipv6(text):
+            raise ValueError(
+                f"bad broker address {text!r}: expected host, host:port or [v6addr]:port"
+            )
         if not host or any(c.isspace() or c in "/@" for c in host):
             raise ValueError(f"bad broker address {text!r}: expected host or host:port")
         if not port.isdigit() or not 0 < int(port) < 65536:
@@ -79,6 +84,13 @@ class BrokerAddress:
 
     def __str__(self) -> str:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+def _is_ipv6(text: str) -> bool:
+    try:
+        return isinstance(ipaddress.ip_address(text), ipaddress.IPv6Address)
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
