@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,35 +36,40 @@ from agent.training import SGDConfig, dense_gradients, derive_seed, evaluate, tr
 PRESETS = ("dadpfl", "dispfl", "dfedavgm", "local", "fedavg", "fedavg-ft")
 
 
+def param(default: Any, help: str) -> Any:
+    """A config field with its help text, so the CLI flags document themselves."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class StrategyConfig:
     """Every hyper-parameter of a run; defaults are ALGORITHMS.md's decisions."""
 
-    strategy: str = "dadpfl"
-    rounds: int = 30
-    neighbours: int = 5
-    max_wait: int = 2
-    topology: str = "random"
-    epochs: int = 5
-    batch_size: int = 128
-    lr: float = 0.1
-    lr_decay: float = 0.998
-    weight_decay: float = 5e-4
-    momentum: float = 0.0
-    density: float = 0.5
-    rigl_a: float = 0.3
-    rigl_batches: int = 1
-    delta_pr: float = 0.02
-    delta_v: float = 0.5
-    schedule_b: float = 0.0
-    schedule_c: float = 1.3
-    pqi_p: float = 0.5
-    pqi_q: float = 1.0
-    pqi_eta_c: float = 0.0
-    pqi_gamma: float = 1.0
-    pqi_beta: float = 0.9
-    target_sparsity: float = 0.8
-    fp16: bool = False
+    strategy: str = param("dadpfl", "Algorithm preset: " + ", ".join(PRESETS) + ".")
+    rounds: int = param(30, "Communication rounds T.")
+    neighbours: int = param(5, "Neighbours M per agent and round (decentralized strategies).")
+    max_wait: int = param(2, "Max prior neighbours N an agent waits for (0: fully parallel).")
+    topology: str = param("random", "Neighbour topology: random, ring or full.")
+    epochs: int = param(5, "Local epochs E per round.")
+    batch_size: int = param(128, "Local batch size (the local set if smaller).")
+    lr: float = param(0.1, "Initial learning rate.")
+    lr_decay: float = param(0.998, "Learning-rate decay per round: lr x decay^t.")
+    weight_decay: float = param(5e-4, "SGD weight decay.")
+    momentum: float = param(0.0, "SGD momentum (dfedavgm uses 0.9).")
+    density: float = param(0.5, "Initial ERK density of the sparse models (1 - sparsity).")
+    rigl_a: float = param(0.3, "RigL drop fraction a: alpha_t = a/2 (1 + cos(pi t / T)).")
+    rigl_batches: int = param(1, "Local batches for RigL's dense gradient.")
+    delta_pr: float = param(0.02, "Pruning-time detection threshold delta_pr.")
+    delta_v: float = param(0.5, "Fraction of votes that decides the first pruning time t*.")
+    schedule_b: float = param(0.0, "Pruning schedule delay b: I_tau = ceil((t* + b) / c^(tau-1)).")
+    schedule_c: float = param(1.3, "Pruning schedule factor c.")
+    pqi_p: float = param(0.5, "PQI norm p.")
+    pqi_q: float = param(1.0, "PQI norm q.")
+    pqi_eta_c: float = param(0.0, "PQI compression hyper-parameter eta_c.")
+    pqi_gamma: float = param(1.0, "PQI scaling factor gamma.")
+    pqi_beta: float = param(0.9, "PQI cap beta on the fraction pruned per layer and event.")
+    target_sparsity: float = param(0.8, "Target sparsity s* that further pruning stops at.")
+    fp16: bool = param(False, "Send model values as fp16.")
 
     @property
     def sgd(self) -> SGDConfig:
@@ -77,20 +83,24 @@ class StrategyConfig:
         )
 
 
-def preset(name: str, **overrides: object) -> StrategyConfig:
+def preset(name: str, **overrides: Any) -> StrategyConfig:
     """The configuration of a named preset, with explicit overrides applied on top.
 
-    The preset fixes what defines the method (DisPFL never waits and never prunes further,
-    DFedAvgM uses momentum 0.9); anything else stays as given.
+    A preset fixes what defines its method (DisPFL never waits, DFedAvgM uses momentum 0.9);
+    an override that contradicts it is an error rather than silently ignored.
     """
     if name not in PRESETS:
         raise ValueError(f"unknown strategy {name!r}; known: {', '.join(PRESETS)}")
-    fixed: dict[str, object] = {"strategy": name}
+    fixed: dict[str, Any] = {}
     if name == "dispfl":
-        fixed["max_wait"] = 0
-    if name == "dfedavgm":
-        fixed |= {"max_wait": 0, "momentum": overrides.get("momentum") or 0.9}
-    return StrategyConfig(**{**overrides, **fixed})
+        fixed = {"max_wait": 0}
+    elif name == "dfedavgm":
+        fixed = {"max_wait": 0, "momentum": 0.9}
+    for key, value in fixed.items():
+        if key in overrides and overrides[key] != value:
+            flag = "--" + key.replace("_", "-")
+            raise ValueError(f"{name} fixes {flag} to {value}; got {overrides[key]}")
+    return StrategyConfig(**{**overrides, **fixed, "strategy": name})
 
 
 @dataclass(frozen=True)

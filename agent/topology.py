@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 Topology = Literal["random", "ring", "full"]
+TOPOLOGIES: tuple[str, ...] = typing.get_args(Topology)
 
 
 def _canonical_roster(roster: Sequence[str]) -> list[str]:

@@ -4,15 +4,28 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 from coordinator.fleet import AgentEntry, FleetView, describe_presence
+from coordinator.options import experiment_config, experiment_options
+from coordinator.plots import write_plots
 from protocol import topics
 from protocol.cli import BROKER, NAME, read_key, stop_on_signal, wait_for
 from protocol.membership import Identity, connect, leave
@@ -203,3 +216,93 @@ def status(
             e.profile,
         )
     console.print(table)
+
+
+class ConfigError(click.ClickException):
+    """An impossible configuration: one line on stderr, exit status 2 like a bad flag."""
+
+    exit_code = 2
+
+
+@main.command()
+@experiment_options
+@click.option(
+    "--report",
+    "report_path",
+    type=click.Path(dir_okay=False),
+    default="report.json",
+    show_default=True,
+    help="Where to write the JSON report.",
+)
+@click.option(
+    "--plot",
+    "plot_dir",
+    type=click.Path(file_okay=False),
+    help="Also write PNG plots into this folder.",
+)
+def simulate(report_path: str, plot_dir: str | None, **values: object) -> None:
+    """Run a whole fleet in one process (no network) and write the JSON report."""
+    from coordinator.simulate import Simulation
+
+    try:
+        config = experiment_config(values)
+        simulation = Simulation(config)
+    except (ValueError, OSError) as exc:
+        raise ConfigError(str(exc)) from None
+    cfg = config.learning
+    console.print(
+        f"simulating [bold]{cfg.strategy}[/] on {config.dataset} ({simulation.model_name}), "
+        f"{config.agents} agents, {cfg.rounds} rounds, partition {config.partition}, "
+        f"seed {config.seed}"
+    )
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+    ) as progress:
+        task = progress.add_task("round 1", total=cfg.rounds * config.agents)
+
+        def advance(round_: int, _agent: str) -> None:
+            progress.update(task, advance=1, description=f"round {round_}/{cfg.rounds}")
+
+        report = simulation.run(advance)
+    write_json(report_path, report)
+    console.print(summary_table(report))
+    console.print(f"report written to [bold]{report_path}[/]")
+    if plot_dir:
+        for path in write_plots(report, plot_dir):
+            console.print(f"plot written to {path}")
+
+
+def write_json(path: str, data: object) -> None:
+    """Write atomically (temporary file, fsync, rename): a crash never leaves half a report."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(
+        "w", dir=target.parent, prefix=f".{target.name}.", delete=False
+    ) as handle:
+        json.dump(data, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(handle.name, target)
+
+
+def summary_table(report: dict) -> Table:
+    summary = report["summary"]
+    table = Table("figure", "value", title=f"{report['config']['learning']['strategy']} summary")
+    rows = [
+        ("mean accuracy (final round)", f"{summary['mean_accuracy']:.4f}"),
+        ("mean sparsity (final round)", f"{summary['mean_sparsity']:.3f}"),
+        ("busiest agent bytes", f"{summary['busiest_agent_bytes']:,} ({summary['busiest_agent']})"),
+        ("total bytes", f"{summary['total_bytes']:,}"),
+        ("total training FLOPs", f"{summary['total_train_flops']:.3e}"),
+        ("first pruning time t*", str(summary["t_star"])),
+        ("rounds", str(summary["rounds"])),
+        ("wall time", f"{summary['wall_seconds']:.1f} s"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    return table

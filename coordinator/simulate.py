@@ -20,7 +20,14 @@ import torch
 
 from agent import data as datasets
 from agent import models, pruning, sparse, topology
-from agent.strategies import Learner, LocalData, Published, RoundResult, StrategyConfig
+from agent.strategies import (
+    Learner,
+    LocalData,
+    Published,
+    RoundResult,
+    StrategyConfig,
+    param,
+)
 from agent.wire import model_message
 from protocol import messages
 
@@ -32,12 +39,20 @@ COORDINATOR = "coordinator"
 class ExperimentConfig:
     """What to learn on and how: data, fleet size, seed, and the strategy's hyper-parameters."""
 
-    dataset: str = "mnist1d"
-    model: str | None = None
-    agents: int = 20
-    partition: str = "dirichlet:0.3"
-    seed: int = 1
-    threads: int = 1
+    dataset: str = param(
+        "mnist1d",
+        "Dataset: digits, mnist1d, synthetic[:ALPHA,BETA], npz:PATH, imagefolder:PATH or "
+        "cifar10:PATH.",
+    )
+    model: str | None = param(
+        None, f"Model: {', '.join(models.MODEL_NAMES)} [default: per dataset]."
+    )
+    agents: int = param(20, "Number of agents K.")
+    partition: str = param(
+        "dirichlet:0.3", "Data partition: iid, dirichlet:ALPHA, pathological:CLASSES or natural."
+    )
+    seed: int = param(1, "Fleet seed: data split, initial weights, masks, neighbours, order.")
+    threads: int = param(1, "Torch threads (results are reproducible for a given count).")
     learning: StrategyConfig = field(default_factory=StrategyConfig)
 
     def validate(self) -> None:

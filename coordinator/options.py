@@ -1,0 +1,68 @@
+"""Command-line flags for an experiment, generated from the config dataclasses.
+
+Every hyper-parameter of ExperimentConfig and StrategyConfig becomes a flag with the field's
+help text and default, so `simulate` (and later `emulate`) expose all of them without a
+hand-kept list that could drift from the code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from agent.strategies import PRESETS, StrategyConfig, preset
+from agent.topology import TOPOLOGIES
+from coordinator.simulate import ExperimentConfig
+
+_TYPES = {int: int, float: float, str: str}
+
+
+def _fields() -> list[tuple[dataclasses.Field, Any]]:
+    """(field, its type) for every experiment and strategy parameter, in display order."""
+    pairs = []
+    for cls in (ExperimentConfig, StrategyConfig):
+        hints = typing.get_type_hints(cls)
+        pairs += [(f, hints[f.name]) for f in dataclasses.fields(cls) if f.name != "learning"]
+    return pairs
+
+
+def _option(field: dataclasses.Field, hint: Any) -> Callable[[Callable], Callable]:
+    flag = "--" + field.name.replace("_", "-")
+    help_text = field.metadata.get("help", "")
+    if hint is bool:
+        return click.option(f"{flag}/--no-{flag[2:]}", default=None, help=help_text)
+    kind = next((_TYPES[t] for t in typing.get_args(hint) or (hint,) if t in _TYPES), str)
+    if field.name == "strategy":
+        kind = click.Choice(PRESETS)
+    elif field.name == "topology":
+        kind = click.Choice(TOPOLOGIES)
+    default = field.default if field.default is not dataclasses.MISSING else None
+    shown = f" [default: {default}]" if default is not None else ""
+    return click.option(flag, type=kind, default=None, help=help_text + shown)
+
+
+def experiment_options(command: Callable) -> Callable:
+    """Decorate a click command with one flag per experiment and strategy parameter."""
+    for field, hint in reversed(_fields()):
+        command = _option(field, hint)(command)
+    return command
+
+
+def experiment_config(values: dict[str, Any]) -> ExperimentConfig:
+    """Build and validate the config from parsed flags; only flags given override defaults.
+
+    Raises ValueError with a one-sentence reason for an impossible combination.
+    """
+    given = {k: v for k, v in values.items() if v is not None}
+    strategy_names = {f.name for f in dataclasses.fields(StrategyConfig)}
+    learning = {k: v for k, v in given.items() if k in strategy_names and k != "strategy"}
+    experiment = {k: v for k, v in given.items() if k not in strategy_names}
+    config = ExperimentConfig(
+        **experiment, learning=preset(given.get("strategy", "dadpfl"), **learning)
+    )
+    config.validate()
+    return config

@@ -1,0 +1,50 @@
+"""PNG plots of a run report: what a researcher looks at first."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+
+
+def _mean(record: dict[str, Any], key: str) -> float:
+    agents = record["agents"].values()
+    return sum(a[key] for a in agents) / len(agents)
+
+
+def write_plots(report: dict[str, Any], folder: str | Path) -> list[Path]:
+    """Accuracy and sparsity per round, and accuracy against cumulative bytes on the wire."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rounds = report["rounds"]
+    t = [r["round"] for r in rounds]
+    accuracy = [_mean(r, "accuracy") for r in rounds]
+    sparsity = [_mean(r, "sparsity") for r in rounds]
+    cumulative, total = [], 0
+    for r in rounds:
+        total += sum(a["bytes_sent"] + a["bytes_received"] for a in r["agents"].values())
+        total += sum(r.get("coordinator", {}).get(k, 0) for k in ("sent", "received"))
+        cumulative.append(total / 1e6)
+    name = report["config"]["learning"]["strategy"]
+    written = []
+    for filename, x, y, xlabel, ylabel in (
+        ("accuracy.png", t, accuracy, "round", "mean personalized test accuracy"),
+        ("sparsity.png", t, sparsity, "round", "mean sparsity"),
+        ("accuracy_vs_bytes.png", cumulative, accuracy, "cumulative traffic (MB)", "accuracy"),
+    ):
+        figure, axes = plt.subplots(figsize=(6, 4))
+        axes.plot(x, y, marker="." if len(x) < 60 else None, label=name)
+        axes.set_xlabel(xlabel)
+        axes.set_ylabel(ylabel)
+        axes.grid(alpha=0.3)
+        axes.legend()
+        figure.tight_layout()
+        path = folder / filename
+        figure.savefig(path, dpi=120)
+        plt.close(figure)
+        written.append(path)
+    return written

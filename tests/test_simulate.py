@@ -1,0 +1,224 @@
+"""The in-process simulator: round semantics, accounting, determinism, and its CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent import topology
+from agent.strategies import Published, preset
+from agent.wire import model_message
+from coordinator.simulate import ExperimentConfig, Simulation, simulate
+
+REPO = Path(__file__).resolve().parent.parent
+SUMMARY_KEYS = {
+    "mean_accuracy",
+    "mean_sparsity",
+    "busiest_agent_bytes",
+    "total_bytes",
+    "total_train_flops",
+    "wall_seconds",
+    "rounds",
+    "t_star",
+}
+
+
+def small(strategy: str = "dadpfl", agents: int = 6, **learning: object) -> ExperimentConfig:
+    learning = {"rounds": 3, "neighbours": 3, "epochs": 1, **learning}
+    return ExperimentConfig(
+        dataset="mnist1d",
+        agents=agents,
+        partition="dirichlet:0.5",
+        seed=3,
+        learning=preset(strategy, **learning),
+    )
+
+
+def without_wall_time(report: dict) -> dict:
+    return {**report, "summary": {**report["summary"], "wall_seconds": None}}
+
+
+def test_the_same_seed_gives_the_identical_report() -> None:
+    first, second = simulate(small()), simulate(small())
+    assert without_wall_time(first) == without_wall_time(second)
+    assert set(first["summary"]) >= SUMMARY_KEYS
+    other_seed = simulate(ExperimentConfig(**{**small().__dict__, "seed": 4}))
+    assert other_seed["rounds"][-1]["agents"] != first["rounds"][-1]["agents"]
+
+
+def test_agents_see_this_rounds_prior_models_and_last_rounds_others() -> None:
+    simulation = Simulation(small(max_wait=2, rounds=3, neighbours=4))
+    published: dict[tuple[int, str], Published] = {}
+    seen: list[tuple[int, str, dict[str, Published]]] = []
+    original = simulation.learner.local_round
+
+    def recording_round(agent, data, inbox, round_, prune_now):
+        result = original(agent, data, inbox, round_, prune_now)
+        published[(round_, agent.agent_id)] = result.published
+        seen.append((round_, agent.agent_id, dict(inbox)))
+        return result
+
+    simulation.learner.local_round = recording_round
+    report = simulation.run()
+    waited = 0
+    for round_, k, inbox in seen:
+        order = report["rounds"][round_ - 1]["order"]
+        neighbours = topology.neighbours(3, round_, simulation.roster, k, 4)
+        prior, posterior = topology.prior_posterior(order, neighbours, k, 2)
+        assert set(inbox) == set(neighbours)
+        for j in prior:
+            assert inbox[j] is published[(round_, j)]
+            waited += 1
+        for j in posterior:
+            if round_ > 1:
+                assert inbox[j] is published[(round_ - 1, j)]
+            else:
+                assert inbox[j].weights.keys() == simulation.learner.initial.keys()
+    assert waited > 0, "the configuration should make some agents wait"
+
+
+def test_traffic_is_the_size_of_the_real_messages() -> None:
+    simulation = Simulation(small("dispfl", rounds=2))
+    report = simulation.run()
+    second = report["rounds"][1]["agents"]
+    state = simulation.states["agent-000"]
+    size = len(
+        model_message(
+            fleet="sim",
+            sender="agent-000",
+            run_id="sim",
+            round_=2,
+            weights=state.weights,
+            masks=state.masks,
+            num_samples=len(simulation.data["agent-000"].y_train),
+        )
+    )
+    assert second["agent-000"]["bytes_sent"] == size
+    first = report["rounds"][0]["agents"]
+    assert all(a["bytes_received"] == 0 for a in first.values()), "round-0 models are derivable"
+    assert all(a["bytes_received"] > 0 for a in second.values())
+    assert sum(a["bytes_sent"] for a in second.values()) < sum(
+        a["bytes_received"] for a in second.values()
+    ), "one publish reaches several neighbours"
+    kept = sum(int(m.sum()) for m in state.masks.values())
+    dense = sum(w.numel() for n, w in state.weights.items() if n not in state.masks)
+    assert second["agent-000"]["nonzeros_sent"] == kept + dense
+
+
+def test_further_pruning_starts_after_the_vote_and_stops_at_the_target() -> None:
+    report = simulate(
+        small(rounds=6, delta_pr=100.0, target_sparsity=0.7, pqi_eta_c=1.0, pqi_gamma=0.9)
+    )
+    assert report["summary"]["t_star"] == 1
+    sparsity = [max(a["sparsity"] for a in r["agents"].values()) for r in report["rounds"]]
+    assert sparsity[0] == pytest.approx(0.5, abs=0.01)
+    assert sparsity[-1] > 0.6
+    assert all(s <= 0.7 + 1e-3 for s in sparsity)
+    assert report["rounds"][0]["agents"]["agent-000"]["vote"] is True
+    assert not any(a["pruned"] for a in report["rounds"][0]["agents"].values())
+
+
+def test_dispfl_never_prunes_further_and_never_waits() -> None:
+    report = simulate(small("dispfl", rounds=3, delta_pr=100.0))
+    assert report["summary"]["t_star"] is None
+    assert report["summary"]["mean_sparsity"] == pytest.approx(0.5, abs=0.01)
+
+
+@pytest.mark.parametrize("strategy", ["dfedavgm", "local", "fedavg", "fedavg-ft"])
+def test_baselines_run_on_the_same_code(strategy: str) -> None:
+    report = simulate(small(strategy, rounds=2))
+    summary = report["summary"]
+    assert summary["mean_sparsity"] == 0.0
+    assert 0.0 < summary["mean_accuracy"] <= 1.0
+    assert summary["total_train_flops"] > 0
+    if strategy == "local":
+        assert summary["total_bytes"] == 0
+    if strategy.startswith("fedavg"):
+        assert summary["busiest_agent"] == "coordinator"
+        assert "coordinator" in report["rounds"][0]
+
+
+def test_fedavg_and_fedavg_ft_differ_only_in_what_they_evaluate() -> None:
+    plain, tuned = simulate(small("fedavg", rounds=2)), simulate(small("fedavg-ft", rounds=2))
+    assert plain["summary"]["total_train_flops"] == tuned["summary"]["total_train_flops"]
+    assert plain["summary"]["total_bytes"] == tuned["summary"]["total_bytes"]
+    assert plain["summary"]["mean_accuracy"] != tuned["summary"]["mean_accuracy"]
+
+
+def test_sparse_training_costs_fewer_flops_than_dense() -> None:
+    sparse_run = simulate(small("dispfl", rounds=1))
+    dense_run = simulate(small("local", rounds=1))
+    assert sparse_run["summary"]["total_train_flops"] < dense_run["summary"]["total_train_flops"]
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    code = "from coordinator.cli import main; main(prog_name='coordinator')"
+    return subprocess.run(
+        [sys.executable, "-c", code, "simulate", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PYTHONPATH": str(REPO), "COLUMNS": "120", "PATH": "/usr/bin:/bin"},
+    )
+
+
+def test_cli_writes_the_report_and_plots(tmp_path: Path) -> None:
+    result = _cli(
+        "--strategy",
+        "dadpfl",
+        "--dataset",
+        "mnist1d",
+        "--agents",
+        "5",
+        "--rounds",
+        "2",
+        "--partition",
+        "dirichlet:0.3",
+        "--neighbours",
+        "2",
+        "--max-wait",
+        "1",
+        "--seed",
+        "1",
+        "--epochs",
+        "1",
+        "--report",
+        "out/report.json",
+        "--plot",
+        "plots",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "out/report.json").read_text())
+    assert set(report) == {"config", "rounds", "summary"}
+    assert set(report["summary"]) >= SUMMARY_KEYS
+    assert report["config"]["learning"]["max_wait"] == 1
+    assert len(report["rounds"]) == 2 and len(report["rounds"][0]["agents"]) == 5
+    for name in ("accuracy.png", "sparsity.png", "accuracy_vs_bytes.png"):
+        assert (tmp_path / "plots" / name).read_bytes()[:4] == b"\x89PNG"
+    assert "mean accuracy" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--agents", "4", "--neighbours", "5"], "--neighbours must be between 1 and"),
+        (["--dataset", "nope"], "unknown dataset 'nope'"),
+        (["--partition", "dirichlet:x"], "dirichlet"),
+        (["--strategy", "dispfl", "--max-wait", "2"], "dispfl fixes --max-wait to 0"),
+        (["--strategy", "bogus"], "Invalid value for '--strategy'"),
+        (["--rounds", "many"], "'many' is not a valid integer"),
+        (["--dataset", "npz:/no/such/file.npz"], "/no/such/file.npz"),
+    ],
+)
+def test_cli_bad_configurations_get_one_clear_line(tmp_path: Path, args, message) -> None:
+    result = _cli(*args, cwd=tmp_path)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "report.json").exists()
