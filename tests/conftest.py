@@ -17,8 +17,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from protocol.mqtt import BrokerAddress
+
+# One intra-op thread: the suite's models are tiny, and two threads per test process fight
+# over two cores with the brokers and agents the tests start.
+torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parent.parent
 BROKER_START_TIMEOUT_S = 20.0

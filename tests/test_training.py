@@ -1,0 +1,144 @@
+"""Local training, the strategy's round, and the torch <-> wire bridge."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agent import sparse
+from agent.models import build_model, forward_flops, prunable_names
+from agent.strategies import Learner, LocalData, Published, preset
+from agent.training import SGDConfig, derive_seed, evaluate, train_local
+from agent.wire import decode_state, encode_state, expected_shapes
+from protocol.errors import ProtocolError
+
+INPUT = (1, 40)
+
+
+def _setup(strategy: str = "dadpfl", **overrides: object) -> tuple[Learner, LocalData]:
+    model = build_model("cnn1d", INPUT, 10, seed=0)
+    config = preset(strategy, rounds=10, epochs=1, batch_size=16, **overrides)
+    learner = Learner(model, INPUT, prunable_names(model), config, seed=5)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(48, *INPUT, generator=g), torch.randint(0, 10, (48,), generator=g)
+    return learner, LocalData(x[:32], y[:32], x[32:], y[32:])
+
+
+def test_masked_sgd_keeps_pruned_weights_exactly_zero() -> None:
+    learner, data = _setup()
+    agent = learner.init_agent("a")
+    config = SGDConfig(lr=0.5, momentum=0.9, weight_decay=0.01, batch_size=8, epochs=2)
+    result = train_local(
+        learner.model,
+        agent.weights,
+        agent.masks,
+        data.x_train,
+        data.y_train,
+        config,
+        1,
+        torch.Generator().manual_seed(1),
+    )
+    for name, mask in agent.masks.items():
+        assert torch.all(result.state[name][~mask] == 0)
+        assert torch.any(result.state[name][mask] != agent.weights[name][mask])
+    assert result.samples == 2 * 32
+    assert result.mean_loss > 0
+
+
+def test_training_is_a_pure_function_of_its_inputs() -> None:
+    learner, data = _setup()
+    agent = learner.init_agent("a")
+    runs = [
+        train_local(
+            learner.model,
+            agent.weights,
+            agent.masks,
+            data.x_train,
+            data.y_train,
+            SGDConfig(epochs=1, batch_size=8),
+            3,
+            torch.Generator().manual_seed(7),
+        ).state
+        for _ in range(2)
+    ]
+    assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
+    assert torch.equal(
+        agent.weights["features.0.weight"], learner.init_agent("a").weights["features.0.weight"]
+    )
+
+
+def test_derived_seeds_are_stable_and_distinct() -> None:
+    assert derive_seed(1, "train", "a", 3) == derive_seed(1, "train", "a", 3)
+    assert derive_seed(1, "train", "a", 3) != derive_seed(1, "train", "b", 3)
+    assert derive_seed(1, "train", "a", 3) == 8891325487050540596
+    assert 0 <= derive_seed("x") < 2**63
+
+
+def test_every_agent_can_derive_every_other_agents_starting_mask() -> None:
+    learner, _ = _setup()
+    again, _ = _setup()
+    a, b = learner.initial_masks("a"), again.initial_masks("a")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    c = learner.initial_masks("c")
+    assert any(not torch.equal(a[k], c[k]) for k in a)
+    assert sparse.sparsity(a) == pytest.approx(0.5, abs=0.01)
+
+
+def test_a_round_publishes_an_exactly_masked_model_and_counts_its_flops() -> None:
+    learner, data = _setup()
+    agent = learner.init_agent("a")
+    neighbour = learner.init_agent("b")
+    inbox = {"b": Published(neighbour.weights, neighbour.masks, 32)}
+    result = learner.local_round(agent, data, inbox, 1, prune_now=False)
+    published = result.published
+    for name, mask in published.masks.items():
+        assert torch.all(published.weights[name][~mask] == 0)
+        assert int(mask.sum()) == int(agent.masks[name].sum()), "RigL keeps layer density"
+    sparse_per_sample = forward_flops(learner.model, INPUT, agent.masks)
+    rigl = 3 * learner.dense_flops * 16
+    assert result.train_flops == 3 * sparse_per_sample * 32 + rigl
+    assert result.state.round == 1 and len(result.state.distances) == 1
+    assert result.score == 1.0 and result.vote is False
+
+
+def test_dense_strategies_average_plainly_and_never_mask() -> None:
+    learner, data = _setup("dfedavgm")
+    agent = learner.init_agent("a")
+    assert agent.masks is None
+    result = learner.local_round(agent, data, {}, 1, prune_now=False)
+    assert result.published.masks is None and result.vote is None
+    assert result.train_flops == 3 * learner.dense_flops * 32
+
+
+def test_evaluate_reports_loss_and_accuracy() -> None:
+    learner, data = _setup()
+    loss, accuracy = evaluate(learner.model, learner.initial, data.x_test, data.y_test)
+    assert loss > 0 and 0 <= accuracy <= 1
+    empty = evaluate(learner.model, learner.initial, data.x_test[:0], data.y_test[:0])
+    assert all(value != value for value in empty), "no test data: NaN, not a made-up number"
+
+
+def test_the_wire_round_trip_restores_weights_and_masks() -> None:
+    learner, _ = _setup()
+    agent = learner.init_agent("a")
+    weights, masks = decode_state(
+        encode_state(agent.weights, agent.masks), expected_shapes(agent.weights)
+    )
+    assert all(torch.equal(weights[k], agent.weights[k]) for k in weights)
+    assert all(torch.equal(masks[k], agent.masks[k]) for k in masks)
+    half, _ = decode_state(
+        encode_state(agent.weights, agent.masks, fp16=True), expected_shapes(agent.weights)
+    )
+    assert all(torch.allclose(half[k], agent.weights[k], atol=1e-3) for k in half)
+
+
+def test_the_wire_rejects_a_model_of_another_shape_or_with_nan() -> None:
+    learner, _ = _setup()
+    agent = learner.init_agent("a")
+    other = build_model("mlp", (40,), 10, seed=0).state_dict()
+    with pytest.raises(ProtocolError):
+        decode_state(encode_state(other), expected_shapes(agent.weights))
+    poisoned = {k: v.clone() for k, v in agent.weights.items()}
+    poisoned["classifier.bias"][0] = float("nan")
+    with pytest.raises(ProtocolError):
+        decode_state(encode_state(poisoned), expected_shapes(agent.weights))
