@@ -23,8 +23,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from agent.options import experiment_config, experiment_options
 from coordinator.fleet import AgentEntry, FleetView, describe_presence
-from coordinator.options import experiment_config, experiment_options
 from coordinator.plots import write_plots
 from protocol import topics
 from protocol.cli import BROKER, NAME, read_key, stop_on_signal, wait_for

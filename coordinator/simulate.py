@@ -13,69 +13,17 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from agent import data as datasets
-from agent import models, pruning, sparse, topology
-from agent.strategies import (
-    Learner,
-    LocalData,
-    Published,
-    RoundResult,
-    StrategyConfig,
-    param,
-)
+from agent import pruning, sparse, topology
+from agent.experiment import ExperimentConfig, build_workload
+from agent.strategies import Published, RoundResult
 from agent.wire import model_message
 from protocol import messages
 
 FLEET = "sim"
 COORDINATOR = "coordinator"
-
-
-@dataclass(frozen=True)
-class ExperimentConfig:
-    """What to learn on and how: data, fleet size, seed, and the strategy's hyper-parameters."""
-
-    dataset: str = param(
-        "mnist1d",
-        "Dataset: digits, mnist1d, synthetic[:ALPHA,BETA], npz:PATH, imagefolder:PATH or "
-        "cifar10:PATH.",
-    )
-    model: str | None = param(
-        None, f"Model: {', '.join(models.MODEL_NAMES)} [default: per dataset]."
-    )
-    agents: int = param(20, "Number of agents K.")
-    partition: str = param(
-        "dirichlet:0.3", "Data partition: iid, dirichlet:ALPHA, pathological:CLASSES or natural."
-    )
-    seed: int = param(1, "Fleet seed: data split, initial weights, masks, neighbours, order.")
-    threads: int = param(1, "Torch threads (results are reproducible for a given count).")
-    learning: StrategyConfig = field(default_factory=StrategyConfig)
-
-    def validate(self) -> None:
-        """Reject impossible configurations with one clear sentence each."""
-        cfg = self.learning
-        if self.agents < 1:
-            raise ValueError(f"need at least 1 agent, got {self.agents}")
-        if cfg.rounds < 1 or cfg.epochs < 1 or cfg.batch_size < 1:
-            raise ValueError("rounds, epochs and batch size must be at least 1")
-        decentralized = cfg.strategy in ("dadpfl", "dispfl", "dfedavgm")
-        if decentralized and cfg.topology == "random" and not 1 <= cfg.neighbours < self.agents:
-            raise ValueError(
-                f"--neighbours must be between 1 and agents - 1 = {self.agents - 1} "
-                f"for {cfg.strategy}, got {cfg.neighbours}"
-            )
-        if cfg.max_wait < 0:
-            raise ValueError(f"--max-wait must be >= 0, got {cfg.max_wait}")
-        if not 0 < cfg.density <= 1:
-            raise ValueError(f"--density must be in (0, 1], got {cfg.density}")
-        if not 0 <= cfg.target_sparsity < 1:
-            raise ValueError(f"--target-sparsity must be in [0, 1), got {cfg.target_sparsity}")
-        if self.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {self.threads}")
 
 
 @dataclass
@@ -97,27 +45,11 @@ class Simulation:
         config.validate()
         self.config = config
         cfg = config.learning
-        torch.set_num_threads(config.threads)
-        dataset = datasets.load_dataset(config.dataset, seed=config.seed)
-        parts = datasets.partition(dataset, config.agents, config.partition, seed=config.seed)
-        model_name = config.model or models.default_model(config.dataset.split(":")[0])
-        model = models.build_model(
-            model_name, dataset.input_shape, dataset.num_classes, seed=config.seed
-        )
-        self.model_name = model_name
-        self.learner = Learner(
-            model, dataset.input_shape, models.prunable_names(model), cfg, config.seed
-        )
         self.roster = [f"agent-{k:03d}" for k in range(config.agents)]
-        self.data = {
-            agent_id: LocalData(
-                torch.from_numpy(part.train.x),
-                torch.from_numpy(part.train.y),
-                torch.from_numpy(part.test.x),
-                torch.from_numpy(part.test.y),
-            )
-            for agent_id, part in zip(self.roster, parts, strict=True)
-        }
+        workload = build_workload(config, self.roster)
+        self.model_name = workload.model_name
+        self.learner = workload.learner
+        self.data = workload.data
         self.states = {agent_id: self.learner.init_agent(agent_id) for agent_id in self.roster}
         self.plan = pruning.PruningPlan(cfg.rounds, cfg.schedule_b, cfg.schedule_c)
 

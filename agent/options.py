@@ -14,9 +14,9 @@ from typing import Any
 
 import click
 
+from agent.experiment import ExperimentConfig
 from agent.strategies import PRESETS, StrategyConfig, preset
 from agent.topology import TOPOLOGIES
-from coordinator.simulate import ExperimentConfig
 
 _TYPES = {int: int, float: float, str: str}
 
