@@ -1,20 +1,31 @@
-"""The `edge-agent` command: join a fleet over MQTT and stay reachable until stopped."""
+"""The `edge-agent` command: join a fleet over MQTT, learn with it, stay reachable."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import logging
 import re
 import socket
+import threading
+import time
+from pathlib import Path
 
 import click
 from rich.console import Console
 
+from agent.experiment import ExperimentConfig, build_workload, config_from_dict
+from agent.options import experiment_config, experiment_options
+from agent.runtime import AgentRuntime, Run, Timeouts
 from protocol import messages, topics
 from protocol.cli import BROKER, NAME, read_key, stop_on_signal, wait_for
+from protocol.errors import ProtocolError
 from protocol.membership import Identity, connect, leave
-from protocol.mqtt import BrokerAddress
+from protocol.mqtt import BrokerAddress, MqttTransport
 
 console = Console(stderr=True)
+log = logging.getLogger(__name__)
 
 
 def default_agent_id() -> str:
@@ -23,8 +34,77 @@ def default_agent_id() -> str:
     return (name or "agent")[:64]
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--broker", type=BROKER, required=True, help="MQTT broker of the fleet.")
+def flags_run_id(fleet: str, roster: list[str], config: ExperimentConfig) -> str:
+    """A run id every agent started with the same flags computes alike, with no coordinator."""
+    text = json.dumps([fleet, sorted(roster), dataclasses.asdict(config)], sort_keys=True)
+    return "run-" + hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def wait_for_run(
+    transport: MqttTransport,
+    fleet: str,
+    key: bytes | None,
+    stop: threading.Event,
+    patience_s: float | None,
+) -> Run | None:
+    """The coordinator's retained run message; None if none came within `patience_s`."""
+    found: list[Run] = []
+    ready = threading.Event()
+
+    def on_run(_topic: str, payload: bytes) -> None:
+        try:
+            message = messages.decode(payload, key=key)
+            if not isinstance(message, messages.RunConfig) or message.fleet != fleet:
+                raise ProtocolError("not a run configuration of this fleet")
+            run = Run(
+                message.run_id, tuple(sorted(message.roster)), config_from_dict(message.config)
+            )
+        except (ProtocolError, ValueError) as exc:
+            log.warning("ignoring run message: %s", exc)
+            return
+        found.append(run)
+        ready.set()
+
+    transport.subscribe(topics.run(fleet), on_run)
+    deadline = None if patience_s is None else time.monotonic() + patience_s
+    while not ready.wait(0.5):
+        if stop.is_set() or (deadline is not None and time.monotonic() > deadline):
+            return None
+    return found[-1]
+
+
+def wait_for_roster(
+    transport: MqttTransport,
+    fleet: str,
+    me: str,
+    expect: int,
+    key: bytes | None,
+    stop: threading.Event,
+) -> list[str] | None:
+    """The first `expect` agents seen online on the fleet's presence topics (self included)."""
+    online: dict[str, bool] = {}
+    lock = threading.Lock()
+
+    def on_presence(_topic: str, payload: bytes) -> None:
+        try:
+            message = messages.decode(payload, key=key)
+        except ProtocolError:
+            return
+        if isinstance(message, messages.Presence) and message.role == "agent":
+            with lock:
+                online[message.sender] = message.online
+
+    transport.subscribe(topics.presence(fleet), on_presence)
+    while not stop.wait(0.5):
+        with lock:
+            peers = sorted(a for a, up in online.items() if up)
+        if len(peers) >= expect and me in peers:
+            return peers[:expect]
+    return None
+
+
+@click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--broker", type=BROKER, help="MQTT broker of the fleet (required to run).")
 @click.option("--fleet", default="default", show_default=True, type=NAME, help="Fleet to join.")
 @click.option(
     "--id",
@@ -34,6 +114,40 @@ def default_agent_id() -> str:
     help="This agent's id in the fleet [default: the host name].",
 )
 @click.option("--profile", default=None, help="Device profile name or TOML file.")
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Where checkpoints, the round log and the ONNX model go [default: ~/.edgefl/FLEET/ID].",
+)
+@click.option(
+    "--expect",
+    type=click.IntRange(1),
+    default=None,
+    help="Without a coordinator: wait for this many agents (self included) and run "
+    "with the experiment flags below.",
+)
+@click.option(
+    "--round-timeout",
+    type=click.FloatRange(0.1),
+    default=120.0,
+    show_default=True,
+    help="Seconds to wait for a neighbour's model before going on without it.",
+)
+@click.option(
+    "--vote-timeout",
+    type=click.FloatRange(0.1),
+    default=60.0,
+    show_default=True,
+    help="Seconds to wait for a round's votes before counting missing ones as 0.",
+)
+@click.option(
+    "--linger",
+    type=click.FloatRange(0),
+    default=60.0,
+    show_default=True,
+    help="After the last round, keep serving neighbours this long at most.",
+)
 @click.option(
     "--mdns",
     "mdns_interfaces",
@@ -48,16 +162,33 @@ def default_agent_id() -> str:
     help="File holding the fleet key that signs and checks every message.",
 )
 @click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
+@experiment_options
+@click.pass_context
 def main(
-    broker: BrokerAddress,
+    ctx: click.Context,
+    broker: BrokerAddress | None,
     fleet: str,
     agent_id: str,
     profile: str | None,
+    state_dir: str | None,
+    expect: int | None,
+    round_timeout: float,
+    vote_timeout: float,
+    linger: float,
     mdns_interfaces: tuple[str, ...],
     key_file: str | None,
     verbose: int,
+    **experiment: object,
 ) -> None:
-    """Run an edge agent: announce it to the fleet and keep it online until Ctrl-C."""
+    """Run an edge agent: join the fleet, learn with it, and keep serving until Ctrl-C.
+
+    The run configuration comes from the coordinator's retained run message, or, with
+    --expect N, from this agent's own experiment flags (every agent must get the same).
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    if broker is None:
+        raise click.UsageError("Missing option '--broker'.")
     stop = stop_on_signal()
     level = (logging.WARNING, logging.INFO, logging.DEBUG)[min(verbose, 2)]
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -65,28 +196,96 @@ def main(
 
     try:
         device = load_profile(profile) if profile else None
-    except ProfileError as exc:
-        raise click.BadParameter(str(exc), param_hint="--profile") from None
+        own_config = experiment_config(experiment) if expect else None
+    except (ProfileError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
     profile_name = device.name if device else ""
     identity = Identity(fleet, agent_id, profile=profile_name, key=read_key(key_file))
+    folder = Path(state_dir) if state_dir else Path.home() / ".edgefl" / fleet / agent_id
     transport = connect(broker, identity)
     discovery = None
     try:
-        status = messages.Status(fleet=fleet, sender=agent_id, state="idle")
-        transport.publish(
-            topics.status(fleet, agent_id), messages.encode(status, key=identity.key), retain=True
-        )
         if mdns_interfaces:
             from protocol.discovery import AgentAdvert, Discovery
 
             discovery = Discovery(interfaces=list(mdns_interfaces))
-            discovery.advertise_agent(
-                AgentAdvert(agent_id, fleet, str(broker), profile=profile_name)
-            )
+            discovery.advertise_agent(AgentAdvert(agent_id, fleet, str(broker), profile_name))
         console.print(f"agent {agent_id} joining fleet {fleet} via {broker}")
+        publish_idle(transport, identity)
+        run = wait_for_run(transport, fleet, identity.key, stop, 3.0 if expect else None)
+        if run is None and own_config is not None and not stop.is_set():
+            console.print(f"no coordinator run message; waiting for {expect} agents")
+            roster = wait_for_roster(transport, fleet, agent_id, expect, identity.key, stop)
+            if roster is not None:
+                config = dataclasses.replace(own_config, agents=len(roster))
+                run = Run(flags_run_id(fleet, roster, config), tuple(roster), config)
+        if run is not None and not stop.is_set():
+            learn(
+                run,
+                agent_id,
+                fleet,
+                transport,
+                folder,
+                identity.key,
+                stop,
+                Timeouts(round_s=round_timeout, vote_s=vote_timeout, linger_s=linger),
+            )
         wait_for(stop)
     finally:
         leave(transport, identity)
         if discovery is not None:
             discovery.close()
     console.print(f"agent {agent_id} stopped")
+
+
+def publish_idle(transport: MqttTransport, identity: Identity) -> None:
+    status = messages.Status(fleet=identity.fleet, sender=identity.sender, state="idle")
+    transport.publish(
+        topics.status(identity.fleet, identity.sender),
+        messages.encode(status, key=identity.key),
+        retain=True,
+    )
+
+
+def learn(
+    run: Run,
+    agent_id: str,
+    fleet: str,
+    transport: MqttTransport,
+    folder: Path,
+    key: bytes | None,
+    stop: threading.Event,
+    timeouts: Timeouts,
+) -> None:
+    """Run the rounds of `run` (resuming from a checkpoint), then stop the program."""
+    if agent_id not in run.roster:
+        console.print(f"agent {agent_id} is not in the roster of run {run.run_id}; idling")
+        return
+    console.print(
+        f"run {run.run_id}: {run.config.learning.strategy}, {len(run.roster)} agents, "
+        f"{run.config.learning.rounds} rounds; state in {folder}"
+    )
+    workload = build_workload(run.config, list(run.roster), agents=[agent_id])
+
+    def report(record: dict) -> None:
+        console.print(
+            f"round {record['round']}: accuracy {record['accuracy']:.4f}, "
+            f"sparsity {record['sparsity']:.3f}, waited {record['wait_s']:.2f}s"
+            + (f", stragglers {record['stragglers']}" if record["stragglers"] else "")
+        )
+
+    runtime = AgentRuntime(
+        agent_id=agent_id,
+        fleet=fleet,
+        run=run,
+        workload=workload,
+        transport=transport,
+        state_dir=folder,
+        timeouts=timeouts,
+        key=key,
+        on_round=report,
+        stop=stop,
+    )
+    runtime.run()
+    console.print(f"run {run.run_id} finished")
+    stop.set()

@@ -59,6 +59,9 @@ class ExperimentConfig:
             raise ValueError(f"--target-sparsity must be in [0, 1), got {cfg.target_sparsity}")
         if self.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
+        if cfg.schedule_b < 0:
+            # t_1 = 2 t* + b >= 2 t* lets networked agents decide with old votes only.
+            raise ValueError(f"--schedule-b must be >= 0, got {cfg.schedule_b}")
 
 
 @dataclass
@@ -102,3 +105,14 @@ def build_workload(
         if agent_id in wanted
     }
     return Workload(model_name, learner, data)
+
+
+def config_from_dict(data: dict) -> ExperimentConfig:
+    """Rebuild a config sent as plain data (the coordinator's run message); ValueError if bad."""
+    try:
+        learning = StrategyConfig(**data.get("learning", {}))
+        config = ExperimentConfig(**{**data, "learning": learning})
+    except TypeError as exc:
+        raise ValueError(f"bad run configuration: {exc}") from None
+    config.validate()
+    return config

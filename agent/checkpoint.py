@@ -1,0 +1,88 @@
+"""Atomic checkpoints: an agent never loses a completed round, nor reads half a file.
+
+Written as temporary file + fsync + rename + fsync of the folder, so after a crash or a power
+loss the checkpoint is either the previous round's or this round's, never a mix. Read with
+`torch.load(weights_only=True)`: a checkpoint holds tensors and plain data only, so loading
+one cannot run code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint exists but cannot be used (corrupt, another format, another run)."""
+
+
+def _fsync_folder(folder: Path) -> None:
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def atomic_write(path: Path, write: Any) -> None:
+    """Call `write(handle)` on a temporary file beside `path`, then move it into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(descriptor, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    _fsync_folder(path.parent)
+
+
+def save(path: Path, payload: dict[str, Any]) -> None:
+    atomic_write(path, lambda handle: torch.save({"format": FORMAT, **payload}, handle))
+
+
+def load(path: Path) -> dict[str, Any] | None:
+    """The saved payload, or None when there is no checkpoint yet."""
+    if not path.exists():
+        return None
+    try:
+        payload = torch.load(path, weights_only=True)
+    except Exception as exc:  # torch raises many types for damaged files
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a checkpoint of format {FORMAT}")
+    return payload
+
+
+def append_record(path: Path, record: dict[str, Any]) -> None:
+    """Append one JSON line and fsync, so the per-round log survives a crash."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write(json.dumps(record) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def read_records(path: Path) -> dict[int, dict[str, Any]]:
+    """Per-round records by round; a round redone after a crash keeps its last record, and a
+    torn last line (a crash mid-write) is skipped."""
+    records: dict[int, dict[str, Any]] = {}
+    if not path.exists():
+        return records
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        records[int(record["round"])] = record
+    return records

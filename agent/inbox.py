@@ -1,0 +1,165 @@
+"""What an agent has received from its peers, and waiting for what it still needs.
+
+Handlers run on the transport's dispatcher thread and only validate and store; the round loop
+waits here with timeouts. Everything is keyed by (round, sender) and the first copy wins, so
+a model delivered twice (QoS 1 redelivery, or re-sent on request) changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from agent.strategies import Published
+from agent.wire import decode_state
+from protocol import messages, topics
+from protocol.errors import ProtocolError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What a valid message for this run looks like."""
+
+    fleet: str
+    run_id: str
+    roster: frozenset[str]
+    shapes: dict[str, tuple[tuple[int, ...], str]]
+    key: bytes | None = None
+
+
+class Inbox:
+    def __init__(self, expected: Expected) -> None:
+        self.expected = expected
+        self._models: dict[tuple[int, str], Published] = {}
+        self._votes: dict[int, dict[str, bool]] = {}
+        self._changed = threading.Condition()
+        self.rejected = 0
+
+    def _decode(self, topic: str, payload: bytes, kind: str) -> messages.Message | None:
+        try:
+            fleet, topic_kind, fields = topics.parse(topic)
+            message = messages.decode(payload, key=self.expected.key)
+            if (
+                topic_kind != kind
+                or message.TYPE.value != kind
+                or fleet != self.expected.fleet
+                or message.fleet != fleet
+                or message.sender != fields["agent"]
+                or message.sender not in self.expected.roster
+                or fields.get("round", str(message.round)) != str(message.round)
+            ):
+                raise ProtocolError(f"{kind} message does not match its topic")
+        except ProtocolError as exc:
+            self.rejected += 1
+            log.warning("rejected message on %s: %s", topic, exc)
+            return None
+        if message.run_id != self.expected.run_id:
+            return None
+        return message
+
+    def on_model(self, topic: str, payload: bytes) -> None:
+        message = self._decode(topic, payload, "model")
+        if not isinstance(message, messages.Model):
+            return
+        key = (message.round, message.sender)
+        with self._changed:
+            if key in self._models:
+                return
+        try:
+            weights, masks = decode_state(message.tensors, self.expected.shapes)
+        except ProtocolError as exc:
+            self.rejected += 1
+            log.warning("rejected model from %s: %s", message.sender, exc)
+            return
+        published = Published(weights, masks or None, message.num_samples)
+        with self._changed:
+            if key not in self._models:
+                self._models[key] = published
+                self._changed.notify_all()
+
+    def on_vote(self, topic: str, payload: bytes) -> None:
+        message = self._decode(topic, payload, "vote")
+        if isinstance(message, messages.Vote):
+            self.record_votes(message.sender, {message.round: message.vote})
+
+    def decode_request(self, topic: str, payload: bytes) -> messages.Request | None:
+        message = self._decode(topic, payload, "request")
+        return message if isinstance(message, messages.Request) else None
+
+    def on_status(self, topic: str, payload: bytes) -> None:
+        """Retained statuses carry each agent's vote history: a restarted agent's way to
+        learn the votes it missed while it was down."""
+        message = self._decode(topic, payload, "status")
+        if isinstance(message, messages.Status):
+            history = message.metrics.get("votes")
+            if isinstance(history, str) and set(history) <= {"0", "1"}:
+                self.record_votes(
+                    message.sender, {r: v == "1" for r, v in enumerate(history, start=1)}
+                )
+
+    def record_votes(self, sender: str, votes: dict[int, bool]) -> None:
+        with self._changed:
+            for round_, vote in votes.items():
+                self._votes.setdefault(round_, {}).setdefault(sender, vote)
+            self._changed.notify_all()
+
+    def put_model(self, round_: int, sender: str, published: Published) -> None:
+        """Store a model restored from a checkpoint (or derived locally)."""
+        with self._changed:
+            self._models.setdefault((round_, sender), published)
+
+    def model(self, round_: int, sender: str) -> Published | None:
+        with self._changed:
+            return self._models.get((round_, sender))
+
+    def latest(self, sender: str, up_to: int) -> tuple[int, Published] | None:
+        """The newest model of `sender` from a round <= up_to, for a straggler fallback."""
+        with self._changed:
+            rounds = [r for (r, s) in self._models if s == sender and r <= up_to]
+            if not rounds:
+                return None
+            newest = max(rounds)
+            return newest, self._models[(newest, sender)]
+
+    def wait_models(
+        self, needed: Iterable[tuple[int, str]], timeout_s: float
+    ) -> set[tuple[int, str]]:
+        """Wait until every (round, sender) is here or the timeout passes; returns the missing."""
+        needed = set(needed)
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while True:
+                missing = {k for k in needed if k not in self._models}
+                remaining = deadline - time.monotonic()
+                if not missing or remaining <= 0:
+                    return missing
+                self._changed.wait(min(remaining, 0.5))
+
+    def wait_votes(self, round_: int, roster: Iterable[str], timeout_s: float) -> dict[str, bool]:
+        """The votes of round_ once all of the roster voted, or what arrived by the timeout."""
+        roster = set(roster)
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while True:
+                votes = dict(self._votes.get(round_, {}))
+                if roster <= set(votes) or time.monotonic() >= deadline:
+                    return votes
+                self._changed.wait(min(deadline - time.monotonic(), 0.5))
+
+    def votes_snapshot(self) -> dict[int, dict[str, bool]]:
+        with self._changed:
+            return {r: dict(v) for r, v in self._votes.items()}
+
+    def forget_before(self, round_: int) -> None:
+        """Drop models older than round_ (except each sender's newest, kept as a fallback)."""
+        with self._changed:
+            newest: dict[str, int] = {}
+            for r, s in self._models:
+                newest[s] = max(r, newest.get(s, r))
+            for key in [k for k in self._models if k[0] < round_ and newest[k[1]] != k[0]]:
+                del self._models[key]

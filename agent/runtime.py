@@ -1,0 +1,409 @@
+"""The networked agent's round loop: wait for what the round needs, compute, publish, persist.
+
+The math is `Learner.local_round`, the very function the simulator calls; this module only
+decides when it has the inputs. For round t agent k needs this round's models of its prior
+neighbours and last round's models of the others (ALGORITHMS.md 1.3), exactly what the
+simulator hands it, so with no faults a networked run reproduces a simulated one. A
+neighbour that does not deliver within the round timeout is a straggler: the agent asks for
+the model again while it waits, then falls back to the newest model it holds and records it.
+
+Pruning needs the fleet's votes (1.7-1.8). The first further pruning is at t_1 = 2 t* + b, so
+deciding whether round t prunes needs only the tallies of rounds <= t / 2: the agent waits
+for those (missing votes count 0 after the vote timeout), which keeps the fleet loosely
+coupled instead of adding a barrier every round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agent import checkpoint, pruning, sparse, topology
+from agent.experiment import ExperimentConfig, Workload
+from agent.inbox import Expected, Inbox
+from agent.strategies import AgentState, Published, RoundResult
+from agent.wire import expected_shapes, model_message
+from protocol import messages, topics
+from protocol.mqtt import MqttTransport
+
+log = logging.getLogger(__name__)
+
+LOOKAHEAD_ROUNDS = 4
+KEEP_OWN_ROUNDS = 4
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    round_s: float = 120.0
+    """How long to wait for a neighbour's model before treating it as a straggler."""
+    request_every_s: float = 5.0
+    """While waiting, ask for missing models again this often (they may have been lost)."""
+    vote_s: float = 60.0
+    """How long to wait for a round's votes before counting the missing ones as 0."""
+    linger_s: float = 60.0
+    """After the last round, keep answering requests until the fleet is done or this passes."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """The agreed run: its id, the sorted roster and the experiment configuration."""
+
+    run_id: str
+    roster: tuple[str, ...]
+    config: ExperimentConfig
+
+
+class AgentRuntime:
+    """Runs the decentralized rounds of one agent over an already started transport."""
+
+    def __init__(
+        self,
+        *,
+        agent_id: str,
+        fleet: str,
+        run: Run,
+        workload: Workload,
+        transport: MqttTransport,
+        state_dir: Path,
+        timeouts: Timeouts = Timeouts(),
+        key: bytes | None = None,
+        on_round: Callable[[dict[str, Any]], None] | None = None,
+        stop: threading.Event | None = None,
+    ) -> None:
+        self.me = agent_id
+        self.fleet = fleet
+        self.run_info = run
+        self.config = run.config
+        self.cfg = run.config.learning
+        self.roster = sorted(run.roster)
+        self.learner = workload.learner
+        self.data = workload.data[agent_id]
+        self.transport = transport
+        self.state_dir = state_dir
+        self.timeouts = timeouts
+        self.key = key
+        self.on_round = on_round
+        self.stop = stop or threading.Event()
+        self.inbox = Inbox(
+            Expected(
+                fleet=fleet,
+                run_id=run.run_id,
+                roster=frozenset(self.roster),
+                shapes=expected_shapes(self.learner.initial),
+                key=key,
+            )
+        )
+        self.state: AgentState = self.learner.init_agent(agent_id)
+        self.plan = pruning.PruningPlan(self.cfg.rounds, self.cfg.schedule_b, self.cfg.schedule_c)
+        self.settled_round = 0
+        self.own: dict[int, bytes] = {}
+        self.votes: dict[int, bool] = {}
+        self.subscribed: set[str] = set()
+        self._bytes = (0, 0)
+        self.checkpoint_path = state_dir / "checkpoint.pt"
+        self.records_path = state_dir / "rounds.jsonl"
+
+    # ------------------------------------------------------------------ wiring
+
+    def _topic(self, round_: int, kind: str, agent: str) -> str:
+        return topics.round_topic(self.fleet, round_, kind, agent)
+
+    def _subscribe_common(self) -> None:
+        self.transport.subscribe(topics.round_topic(self.fleet, "+", "vote"), self.inbox.on_vote)
+        self.transport.subscribe(topics.round_topic(self.fleet, "+", "request"), self._serve)
+        self.transport.subscribe(topics.status(self.fleet), self.inbox.on_status)
+
+    def _needs(self, round_: int) -> set[tuple[int, str]]:
+        """(round, sender) of every model round `round_` aggregates (1.3)."""
+        if self.cfg.strategy == "local":
+            return set()
+        seed, roster = self.config.seed, self.roster
+        order = topology.reuse_order(seed, round_, roster)
+        mine = topology.neighbours(
+            seed, round_, roster, self.me, self.cfg.neighbours, self.cfg.topology
+        )
+        prior, posterior = topology.prior_posterior(order, mine, self.me, self.cfg.max_wait)
+        return {(round_, j) for j in prior} | {(round_ - 1, j) for j in posterior}
+
+    def _subscribe_ahead(self, round_: int) -> None:
+        """Subscribe to the models of the next few rounds before anyone publishes them."""
+        wanted = set()
+        for upcoming in range(round_, min(round_ + LOOKAHEAD_ROUNDS, self.cfg.rounds) + 1):
+            wanted |= {self._topic(r, "model", j) for r, j in self._needs(upcoming) if r >= 1}
+        for topic in sorted(wanted - self.subscribed):
+            self.transport.subscribe(topic, self.inbox.on_model)
+        for topic in self.subscribed - wanted:
+            self.transport.unsubscribe(topic)
+        self.subscribed = wanted
+
+    def _serve(self, topic: str, payload: bytes) -> None:
+        """Answer a neighbour that asks for one of our recent models (it missed it)."""
+        request = self.inbox.decode_request(topic, payload)
+        if request is None or request.target != self.me:
+            return
+        data = self.own.get(request.round)
+        if data is not None:
+            log.info("re-sending round %d model to %s", request.round, request.sender)
+            self.transport.publish(self._topic(request.round, "model", self.me), data)
+
+    def _request(self, missing: set[tuple[int, str]]) -> None:
+        for round_, target in sorted(missing):
+            message = messages.Request(
+                fleet=self.fleet,
+                sender=self.me,
+                run_id=self.run_info.run_id,
+                round=round_,
+                target=target,
+            )
+            self.transport.publish(
+                self._topic(round_, "request", self.me), messages.encode(message, key=self.key)
+            )
+
+    # ------------------------------------------------------------------ round
+
+    def _gather(self, round_: int) -> tuple[dict[str, Published], list[str]]:
+        """The inbox of round `round_` and the stragglers among its senders."""
+        needs = self._needs(round_)
+        for r, j in needs:
+            if r == 0:
+                self.inbox.put_model(0, j, self.learner.published(self.learner.init_agent(j), 0))
+        deadline = time.monotonic() + self.timeouts.round_s
+        missing = self.inbox.wait_models(
+            needs, min(self.timeouts.request_every_s, self.timeouts.round_s)
+        )
+        while missing and time.monotonic() < deadline and not self.stop.is_set():
+            self._request(missing)
+            wait = min(self.timeouts.request_every_s, deadline - time.monotonic())
+            missing = self.inbox.wait_models(missing, max(wait, 0.0))
+        inbox: dict[str, Published] = {}
+        stragglers = []
+        for r, j in sorted(needs):
+            model = self.inbox.model(r, j)
+            if model is None:
+                stragglers.append(j)
+                fallback = self.inbox.latest(j, r)
+                model = (
+                    fallback[1]
+                    if fallback
+                    else self.learner.published(self.learner.init_agent(j), 0)
+                )
+                log.warning("round %d: %s did not deliver its round %d model in time", round_, j, r)
+            inbox[j] = model
+        return inbox, stragglers
+
+    def _prune_now(self, round_: int) -> bool:
+        """Settle the tallies of rounds <= round_ // 2, then ask the plan."""
+        if not self.learner.prunes_further:
+            return False
+        while self.settled_round < round_ // 2:
+            r = self.settled_round + 1
+            votes = self.inbox.wait_votes(r, self.roster, self.timeouts.vote_s)
+            self.plan.observe(r, pruning.tally(votes, self.roster, self.cfg.delta_v))
+            self.settled_round = r
+        return self.plan.is_pruning_round(round_)
+
+    def _publish(self, round_: int, result: RoundResult) -> int:
+        """Publish the model (once for all receivers) and the vote; returns nonzeros sent."""
+        published = result.published
+        data = model_message(
+            fleet=self.fleet,
+            sender=self.me,
+            run_id=self.run_info.run_id,
+            round_=round_,
+            weights=published.weights,
+            masks=published.masks,
+            num_samples=published.num_samples,
+            fp16=self.cfg.fp16,
+            key=self.key,
+        )
+        if self.cfg.strategy != "local":
+            self.own[round_] = data
+            for old in [r for r in self.own if r <= round_ - KEEP_OWN_ROUNDS]:
+                del self.own[old]
+            self.transport.publish(self._topic(round_, "model", self.me), data)
+        if result.vote is not None and self.learner.prunes_further:
+            self.votes[round_] = result.vote
+            self.inbox.record_votes(self.me, {round_: result.vote})
+            vote = messages.Vote(
+                fleet=self.fleet,
+                sender=self.me,
+                run_id=self.run_info.run_id,
+                round=round_,
+                vote=result.vote,
+                score=result.score if result.score is not None else 0.0,
+            )
+            encoded = messages.encode(vote, key=self.key)
+            self.transport.publish(self._topic(round_, "vote", self.me), encoded)
+        masks = published.masks or {}
+        nonzeros = sum(int(m.sum()) for m in masks.values()) + sum(
+            w.numel() for n, w in published.weights.items() if n not in masks
+        )
+        return nonzeros
+
+    def _status(self, state: str, round_: int, metrics: dict[str, Any]) -> None:
+        history = "".join("1" if self.votes.get(r) else "0" for r in range(1, round_ + 1))
+        message = messages.Status(
+            fleet=self.fleet,
+            sender=self.me,
+            run_id=self.run_info.run_id,
+            round=round_,
+            state=state,
+            metrics={**metrics, "votes": history if self.learner.prunes_further else ""},
+        )
+        self.transport.publish(
+            topics.status(self.fleet, self.me), messages.encode(message, key=self.key), retain=True
+        )
+
+    def run_round(self, round_: int) -> dict[str, Any]:
+        started = time.monotonic()
+        self._subscribe_ahead(round_)
+        inbox, stragglers = self._gather(round_)
+        waited = time.monotonic() - started
+        prune_now = self._prune_now(round_)
+        result = self.learner.local_round(self.state, self.data, inbox, round_, prune_now)
+        self.state = result.state
+        nonzeros = self._publish(round_, result)
+        stats = self.transport.stats
+        sent = stats.get("published_bytes", 0) - self._bytes[0]
+        received = stats.get("received_bytes", 0) - self._bytes[1]
+        self._bytes = (stats.get("published_bytes", 0), stats.get("received_bytes", 0))
+        record = {
+            "round": round_,
+            "agent": self.me,
+            "accuracy": result.accuracy,
+            "loss": result.loss,
+            "train_loss": result.train_loss,
+            "sparsity": sparse.sparsity(result.state.masks) if result.state.masks else 0.0,
+            "bytes_sent": sent,
+            "bytes_received": received,
+            "nonzeros_sent": nonzeros,
+            "train_flops": result.train_flops,
+            "p_k": 1.0,
+            "vote": result.vote,
+            "score": result.score,
+            "pruned": result.pruned,
+            "stragglers": stragglers,
+            "wait_s": round(waited, 3),
+            "t_star": self.plan.t_star,
+        }
+        self._persist(round_, record)
+        self._status(
+            "training" if round_ < self.cfg.rounds else "done",
+            round_,
+            {
+                k: record[k]
+                for k in (
+                    "accuracy",
+                    "sparsity",
+                    "p_k",
+                    "bytes_sent",
+                    "bytes_received",
+                    "stragglers",
+                    "t_star",
+                )
+            },
+        )
+        self.inbox.forget_before(round_ - 1)
+        if self.on_round:
+            self.on_round(record)
+        return record
+
+    # ------------------------------------------------------------------ persistence
+
+    def _persist(self, round_: int, record: dict[str, Any]) -> None:
+        """Log the round, then checkpoint: a crash after this never repeats or loses it."""
+        checkpoint.append_record(self.records_path, record)
+        held = {
+            f"{r}|{j}": {"weights": p.weights, "masks": p.masks or {}}
+            for r in (round_, round_ + 1)
+            for j in self.roster
+            if (p := self.inbox.model(r, j)) is not None
+        }
+        checkpoint.save(
+            self.checkpoint_path,
+            {
+                "run_id": self.run_info.run_id,
+                "agent": self.me,
+                "round": round_,
+                "weights": self.state.weights,
+                "masks": self.state.masks or {},
+                "distances": self.state.distances,
+                "own": dict(self.own),
+                "held": held,
+                "votes": self.votes,
+                "settled_round": self.settled_round,
+                "t_star": self.plan.t_star,
+            },
+        )
+
+    def restore(self) -> int:
+        """Resume from the checkpoint of this run, if any; returns the last completed round."""
+        saved = checkpoint.load(self.checkpoint_path)
+        if saved is None:
+            return 0
+        if saved["run_id"] != self.run_info.run_id or saved["agent"] != self.me:
+            log.warning("ignoring checkpoint of another run or agent in %s", self.checkpoint_path)
+            return 0
+        masks = saved["masks"] or None
+        self.state = dataclasses.replace(
+            self.state,
+            weights=saved["weights"],
+            masks=masks,
+            distances=list(saved["distances"]),
+            round=saved["round"],
+        )
+        self.own = dict(saved["own"])
+        self.votes = {int(r): bool(v) for r, v in saved["votes"].items()}
+        self.inbox.record_votes(self.me, self.votes)
+        for key, model in saved["held"].items():
+            r, j = key.split("|")
+            self.inbox.put_model(int(r), j, Published(model["weights"], model["masks"] or None, 0))
+        self.plan = pruning.PruningPlan(
+            self.cfg.rounds, self.cfg.schedule_b, self.cfg.schedule_c, t_star=saved["t_star"]
+        )
+        self.plan._last_round = saved["settled_round"]
+        self.settled_round = saved["settled_round"]
+        log.info("resuming after round %d from %s", saved["round"], self.checkpoint_path)
+        return int(saved["round"])
+
+    # ------------------------------------------------------------------ main
+
+    def run(self) -> None:
+        self._subscribe_common()
+        done = self.restore()
+        if done:
+            for round_, data in self.own.items():
+                self.transport.publish(self._topic(round_, "model", self.me), data)
+        for round_ in range(done + 1, self.cfg.rounds + 1):
+            if self.stop.is_set():
+                return
+            self.run_round(round_)
+        self._linger()
+
+    def _linger(self) -> None:
+        """Keep answering requests until every other agent reports done (or time runs out)."""
+        finished: set[str] = set()
+
+        def on_status(topic: str, payload: bytes) -> None:
+            try:
+                message = messages.decode(payload, key=self.key)
+            except Exception:
+                return
+            if (
+                isinstance(message, messages.Status)
+                and message.run_id == self.run_info.run_id
+                and message.state == "done"
+            ):
+                finished.add(message.sender)
+
+        self.transport.subscribe(topics.status(self.fleet), on_status)
+        deadline = time.monotonic() + self.timeouts.linger_s
+        while time.monotonic() < deadline and not set(self.roster) <= finished | {self.me}:
+            if self.stop.wait(0.2):
+                return
