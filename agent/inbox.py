@@ -39,6 +39,7 @@ class Inbox:
         self._votes: dict[int, dict[str, bool]] = {}
         self._changed = threading.Condition()
         self.rejected = 0
+        self.finished: set[str] = set()
 
     def _decode(self, topic: str, payload: bytes, kind: str) -> messages.Message | None:
         try:
@@ -96,6 +97,10 @@ class Inbox:
         learn the votes it missed while it was down."""
         message = self._decode(topic, payload, "status")
         if isinstance(message, messages.Status):
+            if message.state == "done":
+                with self._changed:
+                    self.finished.add(message.sender)
+                    self._changed.notify_all()
             history = message.metrics.get("votes")
             if isinstance(history, str) and set(history) <= {"0", "1"}:
                 self.record_votes(
@@ -151,9 +156,16 @@ class Inbox:
                     return votes
                 self._changed.wait(min(deadline - time.monotonic(), 0.5))
 
-    def votes_snapshot(self) -> dict[int, dict[str, bool]]:
+    def wait_finished(self, agents: Iterable[str], stop: threading.Event, timeout_s: float) -> None:
+        """Wait until every agent reported its last round done, `stop` is set, or timeout."""
+        agents = set(agents)
+        deadline = time.monotonic() + timeout_s
         with self._changed:
-            return {r: dict(v) for r, v in self._votes.items()}
+            while not agents <= self.finished and not stop.is_set():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                self._changed.wait(min(remaining, 0.2))
 
     def forget_before(self, round_: int) -> None:
         """Drop models older than round_ (except each sender's newest, kept as a fallback)."""

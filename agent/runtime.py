@@ -317,8 +317,12 @@ class AgentRuntime:
     # ------------------------------------------------------------------ persistence
 
     def _persist(self, round_: int, record: dict[str, Any]) -> None:
-        """Log the round, then checkpoint: a crash after this never repeats or loses it."""
-        checkpoint.append_record(self.records_path, record)
+        """Checkpoint (with the round's record), then log the record.
+
+        A crash before the checkpoint redoes the round; a crash between the two is repaired
+        by `restore`, which logs the checkpoint's record if it is missing: no round is ever
+        lost or logged twice.
+        """
         held = {
             f"{r}|{j}": {"weights": p.weights, "masks": p.masks or {}}
             for r in (round_, round_ + 1)
@@ -339,8 +343,10 @@ class AgentRuntime:
                 "votes": self.votes,
                 "settled_round": self.settled_round,
                 "t_star": self.plan.t_star,
+                "record": record,
             },
         )
+        checkpoint.append_record(self.records_path, record)
 
     def restore(self) -> int:
         """Resume from the checkpoint of this run, if any; returns the last completed round."""
@@ -350,6 +356,8 @@ class AgentRuntime:
         if saved["run_id"] != self.run_info.run_id or saved["agent"] != self.me:
             log.warning("ignoring checkpoint of another run or agent in %s", self.checkpoint_path)
             return 0
+        if saved["round"] not in checkpoint.read_records(self.records_path):
+            checkpoint.append_record(self.records_path, saved["record"])
         masks = saved["masks"] or None
         self.state = dataclasses.replace(
             self.state,
@@ -388,22 +396,5 @@ class AgentRuntime:
 
     def _linger(self) -> None:
         """Keep answering requests until every other agent reports done (or time runs out)."""
-        finished: set[str] = set()
-
-        def on_status(topic: str, payload: bytes) -> None:
-            try:
-                message = messages.decode(payload, key=self.key)
-            except Exception:
-                return
-            if (
-                isinstance(message, messages.Status)
-                and message.run_id == self.run_info.run_id
-                and message.state == "done"
-            ):
-                finished.add(message.sender)
-
-        self.transport.subscribe(topics.status(self.fleet), on_status)
-        deadline = time.monotonic() + self.timeouts.linger_s
-        while time.monotonic() < deadline and not set(self.roster) <= finished | {self.me}:
-            if self.stop.wait(0.2):
-                return
+        others = set(self.roster) - {self.me}
+        self.inbox.wait_finished(others, self.stop, self.timeouts.linger_s)

@@ -306,3 +306,107 @@ def summary_table(report: dict) -> Table:
     for name, value in rows:
         table.add_row(name, value)
     return table
+
+
+@main.command()
+@experiment_options
+@click.option("--broker", type=BROKER, help="Use this broker [default: start an embedded one].")
+@click.option(
+    "--profiles",
+    default="x86-laptop",
+    show_default=True,
+    help="Device profile of every agent, or 'mixed' for all bundled profiles in turn.",
+)
+@click.option(
+    "--workdir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Agents' state folders and logs [default: a new temporary folder].",
+)
+@click.option(
+    "--round-timeout",
+    type=click.FloatRange(0.1),
+    default=120.0,
+    show_default=True,
+    help="Seconds an agent waits for a neighbour's model before going on without it.",
+)
+@click.option(
+    "--report",
+    "report_path",
+    type=click.Path(dir_okay=False),
+    default="report.json",
+    show_default=True,
+    help="Where to write the JSON report.",
+)
+@click.option(
+    "--plot",
+    "plot_dir",
+    type=click.Path(file_okay=False),
+    help="Also write PNG plots into this folder.",
+)
+def emulate(
+    broker: BrokerAddress | None,
+    profiles: str,
+    workdir: str | None,
+    round_timeout: float,
+    report_path: str,
+    plot_dir: str | None,
+    **values: object,
+) -> None:
+    """Run a fleet of real edge-agent processes over MQTT and write the same report as simulate."""
+    from coordinator.broker import EmbeddedBroker
+    from coordinator.emulate import Emulation, EmulationOptions
+    from firmware_profiles import ProfileError, list_profiles, load_profile
+
+    try:
+        config = experiment_config(values)
+        names = tuple(list_profiles()) if profiles == "mixed" else (profiles,)
+        for name in names:
+            load_profile(name)
+    except (ValueError, ProfileError) as exc:
+        raise ConfigError(str(exc)) from None
+    folder = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="emulate-"))
+    embedded = None
+    if broker is None:
+        embedded = EmbeddedBroker(host="127.0.0.1", port=free_port())
+        embedded.start()
+        broker = embedded.address
+    options = EmulationOptions(workdir=folder, profiles=names, round_timeout_s=round_timeout)
+    emulation = Emulation(config, broker, options)
+    cfg = config.learning
+    console.print(
+        f"emulating [bold]{cfg.strategy}[/]: {config.agents} agent processes on {config.dataset}, "
+        f"{cfg.rounds} rounds, broker {broker}{' (embedded)' if embedded else ''}, "
+        f"logs in {folder}"
+    )
+    try:
+        with Progress(
+            TextColumn("agent-rounds"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+        ) as progress:
+            task = progress.add_task("rounds", total=cfg.rounds * config.agents)
+            report = emulation.run(lambda done: progress.update(task, completed=done))
+    except TimeoutError as exc:
+        raise click.ClickException(f"{exc}; see the agent logs in {folder}") from None
+    finally:
+        if embedded is not None:
+            embedded.stop()
+    write_json(report_path, report)
+    if report["rounds"]:
+        console.print(summary_table(report))
+    failed = report["summary"]["failed_agents"]
+    if failed:
+        console.print(f"[red]agents that failed[/]: {failed} (logs in {folder})")
+    console.print(f"report written to [bold]{report_path}[/]")
+    if plot_dir and report["rounds"]:
+        for path in write_plots(report, plot_dir):
+            console.print(f"plot written to {path}")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

@@ -372,6 +372,7 @@ class MqttTransport:
     def _send_subscribe(self, filters: list[tuple[str, int]]) -> None:
         """Caller holds _sub_cond, so the SUBACK cannot be handled before the mid is noted."""
         rc, mid = self._client.subscribe(filters)
+        log.debug("subscribing to %s: rc %s, mid %s", [f for f, _ in filters], rc, mid)
         if rc == MQTTErrorCode.MQTT_ERR_SUCCESS and mid is not None:
             self._unacked_subscribes.add(mid)
 
@@ -469,6 +470,13 @@ class MqttTransport:
             self._count("received_frames")
             self._count("received_bytes", len(message.payload))
             topic = message.topic
+            handlers = self._handlers_for(topic)
+            if not handlers:
+                # Some brokers (amqtt) push retained messages a client never subscribed to.
+                # Feeding them would mark their ids as seen and swallow the real delivery
+                # that follows the subscription.
+                self._count("unsubscribed_frames")
+                return
             payload = self._reassembler.feed(topic, message.payload)
         except (ProtocolError, UnicodeDecodeError) as exc:
             self._drop(getattr(exc, "reason", "malformed"), exc, topic)
@@ -478,16 +486,18 @@ class MqttTransport:
             return
         if payload is None:
             return
+        self._count("received_messages")
+        log.debug("received %d bytes on %s", len(payload), topic)
+        self._deliveries.put((topic, payload, handlers))
+
+    def _handlers_for(self, topic: str) -> list[Handler]:
         with self._sub_cond:
-            handlers = [
+            return [
                 h
                 for f, sub in self._subs.items()
                 if paho.topic_matches_sub(f, topic)
                 for h in sub.handlers
             ]
-        self._count("received_messages")
-        if handlers:
-            self._deliveries.put((topic, payload, handlers))
 
     def _drop(self, reason: str, exc: Exception, topic: str) -> None:
         self._count("dropped_frames")

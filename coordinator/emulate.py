@@ -1,0 +1,198 @@
+"""`coordinator emulate`: a whole fleet of real agent processes on one machine, over MQTT.
+
+The coordinator publishes the run (configuration and roster, retained), starts one
+`edge-agent` process per agent, follows their statuses for progress, and when they are done
+assembles the same report schema as `simulate` from each agent's own round log. Traffic in
+this report is what each agent's MQTT connection actually carried (frames, including
+statuses and re-sent models), so it is a little above the simulator's message sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from agent import checkpoint, topology
+from agent.experiment import ExperimentConfig
+from coordinator.simulate import summarize
+from protocol import messages, topics
+from protocol.membership import Identity, connect, leave
+from protocol.mqtt import BrokerAddress
+
+RECORD_FIELDS = (
+    "accuracy",
+    "loss",
+    "train_loss",
+    "sparsity",
+    "bytes_sent",
+    "bytes_received",
+    "nonzeros_sent",
+    "train_flops",
+    "p_k",
+    "vote",
+    "score",
+    "pruned",
+    "stragglers",
+    "wait_s",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class EmulationOptions:
+    workdir: Path
+    profiles: tuple[str, ...] = ("x86-laptop",)
+    round_timeout_s: float = 120.0
+    vote_timeout_s: float = 60.0
+    linger_s: float = 30.0
+    verbose: int = 0
+    """Log level of the agents (1: info, 2: debug)."""
+    run_timeout_s: float | None = None
+    """Give up on agents still running after this long (default: scaled to the run)."""
+
+
+class Emulation:
+    def __init__(
+        self, config: ExperimentConfig, broker: BrokerAddress, options: EmulationOptions
+    ) -> None:
+        config.validate()
+        self.config = config
+        self.broker = broker
+        self.options = options
+        self.run_id = f"run-{uuid.uuid4().hex[:12]}"
+        self.fleet = f"emu-{self.run_id[4:12]}"
+        self.roster = [f"agent-{k:03d}" for k in range(config.agents)]
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self.progress: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def profile_of(self, index: int) -> str:
+        return self.options.profiles[index % len(self.options.profiles)]
+
+    def agent_command(self, index: int) -> list[str]:
+        agent_id = self.roster[index]
+        return [
+            sys.executable, "-m", "agent",
+            "--broker", str(self.broker), "--fleet", self.fleet, "--id", agent_id,
+            "--profile", self.profile_of(index),
+            "--state-dir", str(self.options.workdir / agent_id),
+            "--round-timeout", str(self.options.round_timeout_s),
+            "--vote-timeout", str(self.options.vote_timeout_s),
+            "--linger", str(self.options.linger_s),
+            *(["-" + "v" * self.options.verbose] if self.options.verbose else []),
+        ]  # fmt: skip
+
+    def start_agent(self, index: int) -> subprocess.Popen[bytes]:
+        agent_id = self.roster[index]
+        log_path = self.options.workdir / f"{agent_id}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:
+            process = subprocess.Popen(
+                self.agent_command(index),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        self.processes[agent_id] = process
+        return process
+
+    def _on_status(self, _topic: str, payload: bytes) -> None:
+        try:
+            message = messages.decode(payload)
+        except Exception:
+            return
+        if isinstance(message, messages.Status) and message.run_id == self.run_id:
+            with self._lock:
+                self.progress[message.sender] = max(
+                    self.progress.get(message.sender, 0), message.round
+                )
+
+    def run(self, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+        started = time.perf_counter()
+        identity = Identity(self.fleet, "coordinator", role="coordinator")
+        transport = connect(self.broker, identity)
+        try:
+            transport.subscribe(topics.status(self.fleet), self._on_status)
+            run = messages.RunConfig(
+                fleet=self.fleet,
+                sender="coordinator",
+                run_id=self.run_id,
+                roster=self.roster,
+                seed=self.config.seed,
+                config=dataclasses.asdict(self.config),
+            )
+            transport.publish(topics.run(self.fleet), messages.encode(run), retain=True)
+            for index in range(len(self.roster)):
+                self.start_agent(index)
+            self._wait(progress)
+        finally:
+            for process in self.processes.values():
+                if process.poll() is None:
+                    process.kill()
+                    process.wait(10)
+            leave(transport, identity)
+        return self.report(time.perf_counter() - started)
+
+    def _wait(self, progress: Callable[[int], None] | None) -> None:
+        rounds = self.config.learning.rounds
+        limit = self.options.run_timeout_s or (
+            120.0 + rounds * (self.options.round_timeout_s + 30.0)
+        )
+        deadline = time.monotonic() + limit
+        while any(p.poll() is None for p in self.processes.values()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"agents still running after {limit:.0f} s")
+            if progress:
+                with self._lock:
+                    progress(sum(self.progress.values()))
+            time.sleep(0.2)
+        if progress:
+            progress(rounds * len(self.roster))
+
+    def report(self, wall: float) -> dict[str, Any]:
+        """The simulate report schema, assembled from the agents' round logs."""
+        logs = {
+            agent_id: checkpoint.read_records(self.options.workdir / agent_id / "rounds.jsonl")
+            for agent_id in self.roster
+        }
+        rounds = []
+        t_star = None
+        for t in range(1, self.config.learning.rounds + 1):
+            agents = {}
+            for agent_id, records in logs.items():
+                if t in records:
+                    agents[agent_id] = {k: records[t].get(k) for k in RECORD_FIELDS}
+                    t_star = t_star or records[t].get("t_star")
+            if not agents:
+                break
+            rounds.append({
+                "round": t,
+                "order": topology.reuse_order(self.config.seed, t, self.roster),
+                "agents": agents,
+                "t_star": t_star,
+            })  # fmt: skip
+        missing = {a: p.returncode for a, p in self.processes.items() if p.returncode != 0}
+        return {
+            "config": {
+                **dataclasses.asdict(self.config),
+                "roster": self.roster,
+                "run_id": self.run_id,
+                "broker": str(self.broker),
+                "profiles": {a: self.profile_of(i) for i, a in enumerate(self.roster)},
+            },
+            "rounds": rounds,
+            "summary": {
+                **(summarize(rounds, t_star, wall) if rounds else {"rounds": 0, "t_star": None}),
+                "failed_agents": missing,
+                "stragglers": sorted(
+                    {s for r in rounds for a in r["agents"].values() for s in a["stragglers"]}
+                ),
+            },
+        }
