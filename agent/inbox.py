@@ -40,8 +40,11 @@ class Inbox:
         self._changed = threading.Condition()
         self.rejected = 0
         self.finished: set[str] = set()
+        self.offline: set[str] = set()
 
-    def _decode(self, topic: str, payload: bytes, kind: str) -> messages.Message | None:
+    def _decode(
+        self, topic: str, payload: bytes, kind: str, check_run: bool = True
+    ) -> messages.Message | None:
         try:
             fleet, topic_kind, fields = topics.parse(topic)
             message = messages.decode(payload, key=self.expected.key)
@@ -59,7 +62,7 @@ class Inbox:
             self.rejected += 1
             log.warning("rejected message on %s: %s", topic, exc)
             return None
-        if message.run_id != self.expected.run_id:
+        if check_run and message.run_id != self.expected.run_id:
             return None
         return message
 
@@ -107,6 +110,17 @@ class Inbox:
                     message.sender, {r: v == "1" for r, v in enumerate(history, start=1)}
                 )
 
+    def on_presence(self, topic: str, payload: bytes) -> None:
+        """Track who is offline, so nobody waits out a timeout for an agent known gone."""
+        message = self._decode(topic, payload, "presence", check_run=False)
+        if isinstance(message, messages.Presence):
+            with self._changed:
+                if message.online:
+                    self.offline.discard(message.sender)
+                else:
+                    self.offline.add(message.sender)
+                self._changed.notify_all()
+
     def record_votes(self, sender: str, votes: dict[int, bool]) -> None:
         with self._changed:
             for round_, vote in votes.items():
@@ -152,7 +166,7 @@ class Inbox:
         with self._changed:
             while True:
                 votes = dict(self._votes.get(round_, {}))
-                if roster <= set(votes) or time.monotonic() >= deadline:
+                if roster - self.offline <= set(votes) or time.monotonic() >= deadline:
                     return votes
                 self._changed.wait(min(deadline - time.monotonic(), 0.5))
 
@@ -161,7 +175,7 @@ class Inbox:
         agents = set(agents)
         deadline = time.monotonic() + timeout_s
         with self._changed:
-            while not agents <= self.finished and not stop.is_set():
+            while not agents <= self.finished | self.offline and not stop.is_set():
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return

@@ -118,6 +118,7 @@ class AgentRuntime:
         self.transport.subscribe(topics.round_topic(self.fleet, "+", "vote"), self.inbox.on_vote)
         self.transport.subscribe(topics.round_topic(self.fleet, "+", "request"), self._serve)
         self.transport.subscribe(topics.status(self.fleet), self.inbox.on_status)
+        self.transport.subscribe(topics.presence(self.fleet), self.inbox.on_presence)
 
     def _needs(self, round_: int) -> set[tuple[int, str]]:
         """(round, sender) of every model round `round_` aggregates (1.3)."""
