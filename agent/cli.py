@@ -16,6 +16,7 @@ import click
 from rich.console import Console
 
 from agent.experiment import ExperimentConfig, build_workload, config_from_dict
+from agent.onnx_export import OnnxModel, export_onnx, load_inputs
 from agent.options import experiment_config, experiment_options
 from agent.runtime import AgentRuntime, Run, Timeouts
 from protocol import messages, topics
@@ -287,5 +288,71 @@ def learn(
         stop=stop,
     )
     runtime.run()
-    console.print(f"run {run.run_id} finished")
+    if runtime.state.round == run.config.learning.rounds:
+        path = export_onnx(
+            workload.learner.model,
+            runtime.state.weights,
+            workload.learner.input_shape,
+            folder / "model.onnx",
+            metadata={
+                "agent": agent_id,
+                "run_id": run.run_id,
+                "round": str(runtime.state.round),
+                "model": workload.model_name,
+                "strategy": run.config.learning.strategy,
+            },
+        )
+        console.print(f"run {run.run_id} finished; personalized model exported to {path}")
     stop.set()
+
+
+@main.command()
+@click.argument("inputs", type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "--model",
+    "model_path",
+    type=click.Path(exists=True, dir_okay=False),
+    required=True,
+    help="The exported model (STATE_DIR/model.onnx).",
+)
+@click.option(
+    "--threads",
+    type=click.IntRange(1),
+    default=1,
+    show_default=True,
+    help="onnxruntime intra-op threads.",
+)
+@click.option(
+    "--latency-samples",
+    type=click.IntRange(0),
+    default=200,
+    show_default=True,
+    help="Samples to time one at a time for the per-sample latency.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (predictions and latency).")
+def predict(
+    inputs: str, model_path: str, threads: int, latency_samples: int, as_json: bool
+) -> None:
+    """Classify INPUTS (.npy, or .npz with x) with an exported personalized model."""
+    try:
+        model = OnnxModel.load(model_path, threads=threads)
+        x = load_inputs(inputs, model.input_shape)
+    except (ValueError, FileNotFoundError) as exc:
+        raise click.ClickException(str(exc)) from None
+    classes = model.predict(x).argmax(axis=1).tolist()
+    stats = model.benchmark(x[:latency_samples]) if latency_samples else None
+    if as_json:
+        click.echo(
+            json.dumps(
+                {"predictions": classes, "latency": dataclasses.asdict(stats) if stats else None}
+            )
+        )
+        return
+    click.echo(" ".join(map(str, classes)))
+    if stats:
+        console.print(
+            f"per-sample latency over {stats.samples} samples: mean "
+            f"{stats.mean_ms:.3f} ms, p50 {stats.p50_ms:.3f} ms, p95 "
+            f"{stats.p95_ms:.3f} ms; {stats.throughput_per_s:,.0f} samples/s at batch "
+            f"{stats.batch_size}"
+        )

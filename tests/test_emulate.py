@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import json
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from agent import checkpoint
 from agent.experiment import ExperimentConfig
+from agent.onnx_export import OnnxModel
 from agent.strategies import preset
 from coordinator.emulate import Emulation, EmulationOptions
-from coordinator.simulate import simulate
+from coordinator.simulate import Simulation, simulate
 
 AGENTS = 6
 
@@ -63,10 +69,73 @@ def test_emulate_gives_the_numbers_of_simulate(amqtt_broker, tmp_path: Path, lea
     emulated = Emulation(cfg, amqtt_broker.address, options(tmp_path)).run()
     assert emulated["summary"]["failed_agents"] == {}
     assert emulated["summary"]["stragglers"] == []
-    assert_same_learning(emulated, simulate(cfg))
+    simulation = Simulation(cfg)
+    assert_same_learning(emulated, simulation.run())
+    assert_onnx_models_match_torch(simulation, tmp_path / "fleet")
     if learning.get("delta_pr"):
         assert emulated["summary"]["t_star"] == 1
         assert emulated["summary"]["mean_sparsity"] > 0.5
+
+
+def assert_onnx_models_match_torch(simulation: Simulation, workdir: Path) -> None:
+    """Every agent exported its personalized model; onnxruntime agrees with torch."""
+    model = simulation.learner.model
+    for agent_id, state in simulation.states.items():
+        exported = OnnxModel.load(workdir / agent_id / "model.onnx", threads=1)
+        assert exported.metadata["agent"] == agent_id
+        x = simulation.data[agent_id].x_test
+        model.load_state_dict(state.weights)
+        model.eval()
+        with torch.no_grad():
+            expected = model(x).numpy()
+        assert np.abs(exported.predict(x.numpy()) - expected).max() <= 1e-5
+
+
+def test_edge_agent_predict_reports_classes_and_latency(tmp_path: Path) -> None:
+    from agent.models import build_model
+    from agent.onnx_export import export_onnx
+
+    model = build_model("cnn1d", (1, 40), 10, seed=0)
+    export_onnx(model, model.state_dict(), (1, 40), tmp_path / "model.onnx")
+    x = np.random.default_rng(0).normal(size=(5, 1, 40)).astype(np.float32)
+    np.savez(tmp_path / "inputs.npz", x=x)
+    code = "from agent.cli import main; main(prog_name='edge-agent')"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            "predict",
+            str(tmp_path / "inputs.npz"),
+            "--model",
+            str(tmp_path / "model.onnx"),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parent.parent,
+    )
+    assert result.returncode == 0, result.stderr
+    answer = json.loads(result.stdout)
+    assert len(answer["predictions"]) == 5
+    assert answer["latency"]["samples"] == 5 and answer["latency"]["mean_ms"] > 0
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            "predict",
+            str(tmp_path / "model.onnx"),
+            "--model",
+            str(tmp_path / "model.onnx"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parent.parent,
+    )
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr
 
 
 def run_in_background(emulation: Emulation) -> tuple[threading.Thread, dict]:
