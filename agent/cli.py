@@ -10,15 +10,26 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import click
 from rich.console import Console
 
-from agent.experiment import ExperimentConfig, build_workload, config_from_dict
+from agent.budget import Budget, BudgetLimits, RoundWork, compute_budget, read_device
+from agent.experiment import (
+    ExperimentConfig,
+    Workload,
+    build_workload,
+    config_from_dict,
+    nominal_budgets,
+    profile_names,
+)
 from agent.onnx_export import OnnxModel, export_onnx, load_inputs
 from agent.options import experiment_config, experiment_options
 from agent.runtime import AgentRuntime, Run, Timeouts
+from agent.throttle import Throttle
+from firmware_profiles import DeviceProfile, ProfileError, load_profile
 from protocol import messages, topics
 from protocol.cli import BROKER, NAME, read_key, stop_on_signal, wait_for
 from protocol.errors import ProtocolError
@@ -193,8 +204,6 @@ def main(
     stop = stop_on_signal()
     level = (logging.WARNING, logging.INFO, logging.DEBUG)[min(verbose, 2)]
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from firmware_profiles import ProfileError, load_profile
-
     try:
         device = load_profile(profile) if profile else None
         own_config = experiment_config(experiment) if expect else None
@@ -230,6 +239,7 @@ def main(
                 identity.key,
                 stop,
                 Timeouts(round_s=round_timeout, vote_s=vote_timeout, linger_s=linger),
+                device,
             )
         wait_for(stop)
     finally:
@@ -248,6 +258,42 @@ def publish_idle(transport: MqttTransport, identity: Identity) -> None:
     )
 
 
+def budget_source(
+    run: Run, agent_id: str, workload: Workload, device: DeviceProfile | None
+) -> tuple[Callable[[], Budget | None] | None, Throttle | None]:
+    """Where p_k comes from, and whether this agent's speed and link are emulated.
+
+    A run with `profiles` is an emulated fleet: each agent budgets as an idle board of its
+    profile (the simulator computes the same) and is throttled to its speed and link.
+    Otherwise an agent with a --profile is a real board and measures itself each round.
+    """
+    budgets = nominal_budgets(run.config, workload, list(run.roster))
+    if agent_id in budgets:
+        names = profile_names(run.config.profiles)
+        board = load_profile(names[sorted(run.roster).index(agent_id) % len(names)])
+        return (lambda: budgets[agent_id]), Throttle(board)
+    if device is None:
+        return None, None
+    cfg, learner = run.config.learning, workload.learner
+    work = RoundWork.for_model(
+        learner.model,
+        learner.input_shape,
+        samples=len(workload.data[agent_id].y_train),
+        epochs=cfg.epochs,
+        batch_size=cfg.batch_size,
+        dense_grad_samples=cfg.rigl_batches * cfg.batch_size if learner.sparse else 0,
+        held_models=cfg.neighbours,
+    )
+    limits = BudgetLimits(round_time_s=run.config.round_time_s)
+    readings = [read_device()]
+
+    def measure() -> Budget:
+        readings[0] = read_device(readings[0])
+        return compute_budget(device, readings[0], work, limits)
+
+    return measure, None
+
+
 def learn(
     run: Run,
     agent_id: str,
@@ -257,6 +303,7 @@ def learn(
     key: bytes | None,
     stop: threading.Event,
     timeouts: Timeouts,
+    device: DeviceProfile | None,
 ) -> None:
     """Run the rounds of `run` (resuming from a checkpoint), then stop the program."""
     if agent_id not in run.roster:
@@ -271,10 +318,12 @@ def learn(
     def report(record: dict) -> None:
         console.print(
             f"round {record['round']}: accuracy {record['accuracy']:.4f}, "
-            f"sparsity {record['sparsity']:.3f}, waited {record['wait_s']:.2f}s"
+            f"p_k {record['p_k']:.3f}, sparsity {record['sparsity']:.3f}, "
+            f"waited {record['wait_s']:.2f}s"
             + (f", stragglers {record['stragglers']}" if record["stragglers"] else "")
         )
 
+    budget, throttle = budget_source(run, agent_id, workload, device)
     runtime = AgentRuntime(
         agent_id=agent_id,
         fleet=fleet,
@@ -286,6 +335,8 @@ def learn(
         key=key,
         on_round=report,
         stop=stop,
+        budget=budget,
+        throttle=throttle,
     )
     runtime.run()
     if runtime.state.round == run.config.learning.rounds:

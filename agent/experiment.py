@@ -15,6 +15,15 @@ import torch
 
 from agent import data as datasets
 from agent import models
+from agent.budget import (
+    Budget,
+    BudgetLimits,
+    RoundWork,
+    compute_budget,
+    density_cap,
+    nominal_reading,
+)
+from agent.sparse import Masks
 from agent.strategies import Learner, LocalData, StrategyConfig, param
 
 
@@ -36,6 +45,12 @@ class ExperimentConfig:
     )
     seed: int = param(1, "Fleet seed: data split, initial weights, masks, neighbours, order.")
     threads: int = param(1, "Torch threads (results are reproducible for a given count).")
+    profiles: str = param(
+        "",
+        "Device profile of every agent, or 'mixed' for the bundled profiles in turn; sets each "
+        "agent's budget p_k, which caps the density of its sparse model [default: none, p_k=1].",
+    )
+    round_time_s: float = param(60.0, "Seconds of local training a device may spend per round.")
     learning: StrategyConfig = field(default_factory=StrategyConfig)
 
     def validate(self) -> None:
@@ -59,6 +74,10 @@ class ExperimentConfig:
             raise ValueError(f"--target-sparsity must be in [0, 1), got {cfg.target_sparsity}")
         if self.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
+        if self.round_time_s <= 0:
+            raise ValueError(f"--round-time-s must be > 0, got {self.round_time_s}")
+        if self.profiles:
+            profile_names(self.profiles)
         if cfg.schedule_b < 0:
             # t_1 = 2 t* + b >= 2 t* lets networked agents decide with old votes only.
             raise ValueError(f"--schedule-b must be >= 0, got {cfg.schedule_b}")
@@ -105,6 +124,54 @@ def build_workload(
         if agent_id in wanted
     }
     return Workload(model_name, learner, data)
+
+
+def profile_names(spec: str) -> list[str]:
+    """The profiles agents take in turn (by their place in the sorted roster)."""
+    from firmware_profiles import ProfileError, list_profiles, load_profile
+
+    names = list_profiles() if spec == "mixed" else [spec]
+    try:
+        return [load_profile(name).name for name in names]
+    except ProfileError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def nominal_budgets(
+    config: ExperimentConfig, workload: Workload, roster: list[str]
+) -> dict[str, Budget]:
+    """Each agent's budget on an idle board of its profile: deterministic, so the simulator
+    and an emulated fleet agree on p_k (a real device reads itself each round instead)."""
+    from firmware_profiles import load_profile
+
+    if not config.profiles:
+        return {}
+    names = profile_names(config.profiles)
+    cfg, learner = config.learning, workload.learner
+    budgets = {}
+    for index, agent_id in enumerate(sorted(roster)):
+        if agent_id not in workload.data:
+            continue
+        profile = load_profile(names[index % len(names)])
+        work = RoundWork.for_model(
+            learner.model,
+            learner.input_shape,
+            samples=len(workload.data[agent_id].y_train),
+            epochs=cfg.epochs,
+            batch_size=cfg.batch_size,
+            dense_grad_samples=cfg.rigl_batches * cfg.batch_size if learner.sparse else 0,
+            held_models=cfg.neighbours if learner.decentralized else 1,
+        )
+        limits = BudgetLimits(round_time_s=config.round_time_s)
+        budgets[agent_id] = compute_budget(profile, nominal_reading(profile), work, limits)
+    return budgets
+
+
+def capped_density(learner: Learner, budget: Budget | None, masks: Masks | None) -> float | None:
+    """The density the budget allows this round's sparse model (None: no cap applies)."""
+    if budget is None or masks is None:
+        return None
+    return density_cap(budget.p_k, learner.config.density, learner.flops_per_density(masks))
 
 
 def config_from_dict(data: dict) -> ExperimentConfig:

@@ -25,9 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from agent import checkpoint, pruning, sparse, topology
-from agent.experiment import ExperimentConfig, Workload
+from agent.budget import Budget
+from agent.experiment import ExperimentConfig, Workload, capped_density
 from agent.inbox import Expected, Inbox
 from agent.strategies import AgentState, Published, RoundResult
+from agent.throttle import Throttle
 from agent.wire import expected_shapes, model_message
 from protocol import messages, topics
 from protocol.mqtt import MqttTransport
@@ -75,6 +77,8 @@ class AgentRuntime:
         key: bytes | None = None,
         on_round: Callable[[dict[str, Any]], None] | None = None,
         stop: threading.Event | None = None,
+        budget: Callable[[], Budget | None] | None = None,
+        throttle: Throttle | None = None,
     ) -> None:
         self.me = agent_id
         self.fleet = fleet
@@ -90,6 +94,8 @@ class AgentRuntime:
         self.key = key
         self.on_round = on_round
         self.stop = stop or threading.Event()
+        self.budget = budget or (lambda: None)
+        self.throttle = throttle
         self.inbox = Inbox(
             Expected(
                 fleet=fleet,
@@ -227,6 +233,8 @@ class AgentRuntime:
             self.own[round_] = data
             for old in [r for r in self.own if r <= round_ - KEEP_OWN_ROUNDS]:
                 del self.own[old]
+            if self.throttle is not None:
+                self.throttle.before_send(len(data))
             self.transport.publish(self._topic(round_, "model", self.me), data)
         if result.vote is not None and self.learner.prunes_further:
             self.votes[round_] = result.vote
@@ -267,7 +275,17 @@ class AgentRuntime:
         inbox, stragglers = self._gather(round_)
         waited = time.monotonic() - started
         prune_now = self._prune_now(round_)
-        result = self.learner.local_round(self.state, self.data, inbox, round_, prune_now)
+        budget = self.budget()
+        cap = capped_density(self.learner, budget, self.state.masks)
+        computing = time.monotonic()
+        result = self.learner.local_round(
+            self.state, self.data, inbox, round_, prune_now, density_cap=cap
+        )
+        throttled = 0.0
+        if self.throttle is not None:
+            throttled = self.throttle.after_compute(
+                time.monotonic() - computing, result.train_flops
+            )
         self.state = result.state
         nonzeros = self._publish(round_, result)
         stats = self.transport.stats
@@ -285,7 +303,10 @@ class AgentRuntime:
             "bytes_received": received,
             "nonzeros_sent": nonzeros,
             "train_flops": result.train_flops,
-            "p_k": 1.0,
+            "p_k": budget.p_k if budget else 1.0,
+            "limited_by": budget.limited_by if budget else "none",
+            "density_cap": cap,
+            "throttled_s": round(throttled, 3),
             "vote": result.vote,
             "score": result.score,
             "pruned": result.pruned,

@@ -229,6 +229,30 @@ def _smallest_active(magnitude: torch.Tensor, active: torch.Tensor, count: int) 
     return torch.sort(score, stable=True).indices[:count]
 
 
+def prune_to_density(
+    weights: Mapping[str, torch.Tensor], masks: Mapping[str, torch.Tensor], density: float
+) -> Masks:
+    """Masks at (about) `density` overall: each layer keeps round(kept_l x density / current)
+    of its largest-magnitude active weights, so layers shrink in proportion.
+
+    How a device whose budget p_k caps its density gets there (DESIGN.md, resource budget);
+    a no-op when the masks are already at or below `density`.
+    """
+    current = 1.0 - sparsity(masks)
+    if current <= density:
+        return {name: mask.clone() for name, mask in masks.items()}
+    ratio = density / current
+    pruned = {}
+    for name, mask in masks.items():
+        kept = int(mask.sum())
+        drop = kept - max(1, round(kept * ratio)) if kept else 0
+        flat = mask.flatten().clone()
+        magnitude = weights[name].detach().abs().flatten()
+        flat[_smallest_active(magnitude, flat, drop)] = False
+        pruned[name] = flat.view_as(mask)
+    return pruned
+
+
 def rigl_update(
     weights: Mapping[str, torch.Tensor],
     masks: Mapping[str, torch.Tensor],

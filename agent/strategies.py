@@ -227,15 +227,22 @@ class Learner:
         inbox: dict[str, Published],
         round_: int,
         prune_now: bool,
+        density_cap: float | None = None,
     ) -> RoundResult:
         """One decentralized round of agent k: aggregate, train, vote, prune, RigL, evaluate.
 
         The order follows the paper's Algorithm 1: the vote scores the freshly trained model,
         further pruning (when `prune_now` and sparsity < s*) precedes the RigL update, and the
-        reported accuracy is that of the model the agent keeps and publishes.
+        reported accuracy is that of the model the agent keeps and publishes. A `density_cap`
+        below the current density (the device's budget, `agent.budget.density_cap`) prunes
+        the aggregated model to the cap by magnitude before training.
         """
         cfg = self.config
         start = self.aggregate(agent, inbox)
+        if agent.masks is not None and density_cap is not None:
+            capped = sparse.prune_to_density(start, agent.masks, density_cap)
+            agent = dataclasses.replace(agent, masks=capped)
+            start = sparse.apply_masks(start, capped)
         trained = train_local(
             self.model,
             start,
@@ -332,6 +339,12 @@ class Learner:
             score=None,
             pruned=False,
         )
+
+    def flops_per_density(self, masks: Masks) -> float:
+        """FLOP fraction / parameter density of these masks (ERK keeps FLOP-heavy layers
+        denser), for `agent.budget.density_cap`."""
+        density = 1.0 - sparse.sparsity(masks)
+        return forward_flops(self.model, self.input_shape, masks) / self.dense_flops / density
 
     def evaluate_on(self, weights: State, data: LocalData) -> tuple[float, float]:
         return evaluate(self.model, weights, data.x_test, data.y_test)

@@ -312,12 +312,6 @@ def summary_table(report: dict) -> Table:
 @experiment_options
 @click.option("--broker", type=BROKER, help="Use this broker [default: start an embedded one].")
 @click.option(
-    "--profiles",
-    default="x86-laptop",
-    show_default=True,
-    help="Device profile of every agent, or 'mixed' for all bundled profiles in turn.",
-)
-@click.option(
     "--workdir",
     type=click.Path(file_okay=False),
     default=None,
@@ -346,7 +340,6 @@ def summary_table(report: dict) -> Table:
 )
 def emulate(
     broker: BrokerAddress | None,
-    profiles: str,
     workdir: str | None,
     round_timeout: float,
     report_path: str,
@@ -356,14 +349,10 @@ def emulate(
     """Run a fleet of real edge-agent processes over MQTT and write the same report as simulate."""
     from coordinator.broker import EmbeddedBroker
     from coordinator.emulate import Emulation, EmulationOptions
-    from firmware_profiles import ProfileError, list_profiles, load_profile
 
     try:
         config = experiment_config(values)
-        names = tuple(list_profiles()) if profiles == "mixed" else (profiles,)
-        for name in names:
-            load_profile(name)
-    except (ValueError, ProfileError) as exc:
+    except ValueError as exc:
         raise ConfigError(str(exc)) from None
     folder = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="emulate-"))
     embedded = None
@@ -371,7 +360,7 @@ def emulate(
         embedded = EmbeddedBroker(host="127.0.0.1", port=free_port())
         embedded.start()
         broker = embedded.address
-    options = EmulationOptions(workdir=folder, profiles=names, round_timeout_s=round_timeout)
+    options = EmulationOptions(workdir=folder, round_timeout_s=round_timeout)
     emulation = Emulation(config, broker, options)
     cfg = config.learning
     console.print(

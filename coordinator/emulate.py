@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from agent import checkpoint, topology
-from agent.experiment import ExperimentConfig
+from agent.experiment import ExperimentConfig, profile_names
 from coordinator.simulate import summarize
 from protocol import messages, topics
 from protocol.membership import Identity, connect, leave
@@ -48,7 +48,6 @@ RECORD_FIELDS = (
 @dataclasses.dataclass(frozen=True)
 class EmulationOptions:
     workdir: Path
-    profiles: tuple[str, ...] = ("x86-laptop",)
     round_timeout_s: float = 120.0
     vote_timeout_s: float = 60.0
     linger_s: float = 30.0
@@ -73,15 +72,19 @@ class Emulation:
         self.progress: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def profile_of(self, index: int) -> str:
-        return self.options.profiles[index % len(self.options.profiles)]
+    def profile_of(self, index: int) -> str | None:
+        """The run's profile for this agent (its budget and throttle), if the run has any."""
+        if not self.config.profiles:
+            return None
+        names = profile_names(self.config.profiles)
+        return names[index % len(names)]
 
     def agent_command(self, index: int) -> list[str]:
         agent_id = self.roster[index]
         return [
             sys.executable, "-m", "agent",
             "--broker", str(self.broker), "--fleet", self.fleet, "--id", agent_id,
-            "--profile", self.profile_of(index),
+            *(["--profile", profile] if (profile := self.profile_of(index)) else []),
             "--state-dir", str(self.options.workdir / agent_id),
             "--round-timeout", str(self.options.round_timeout_s),
             "--vote-timeout", str(self.options.vote_timeout_s),

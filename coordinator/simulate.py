@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent import pruning, sparse, topology
-from agent.experiment import ExperimentConfig, build_workload
+from agent.experiment import ExperimentConfig, build_workload, capped_density, nominal_budgets
 from agent.strategies import Published, RoundResult
 from agent.wire import model_message
 from protocol import messages
@@ -50,6 +50,7 @@ class Simulation:
         self.model_name = workload.model_name
         self.learner = workload.learner
         self.data = workload.data
+        self.budgets = nominal_budgets(config, workload, self.roster)
         self.states = {agent_id: self.learner.init_agent(agent_id) for agent_id in self.roster}
         self.plan = pruning.PruningPlan(cfg.rounds, cfg.schedule_b, cfg.schedule_c)
 
@@ -120,7 +121,10 @@ class Simulation:
                 inbox = {j: current[j] for j in prior} | {j: previous[j] for j in posterior}
                 traffic[k].received += sum(size[j] for j in prior)
                 traffic[k].received += sum(previous_size[j] for j in posterior)
-                result = self.learner.local_round(self.states[k], self.data[k], inbox, t, prune_now)
+                cap = capped_density(self.learner, self.budgets.get(k), self.states[k].masks)
+                result = self.learner.local_round(
+                    self.states[k], self.data[k], inbox, t, prune_now, density_cap=cap
+                )
                 results[k] = result
                 self.states[k] = result.state
                 current[k] = result.published
@@ -197,7 +201,7 @@ class Simulation:
                 "bytes_received": traffic[k].received,
                 "nonzeros_sent": traffic[k].nonzeros_sent,
                 "train_flops": r.train_flops,
-                "p_k": 1.0,
+                "p_k": self.budgets[k].p_k if k in self.budgets else 1.0,
                 "vote": r.vote,
                 "score": r.score,
                 "pruned": r.pruned,

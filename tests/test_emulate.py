@@ -24,13 +24,17 @@ from coordinator.simulate import Simulation, simulate
 AGENTS = 6
 
 
-def config(strategy: str = "dadpfl", rounds: int = 3, **learning: object) -> ExperimentConfig:
+def config(
+    strategy: str = "dadpfl", rounds: int = 3, profiles: str = "", **learning: object
+) -> ExperimentConfig:
     learning = {"rounds": rounds, "neighbours": 3, "epochs": 1, **learning}
     return ExperimentConfig(
         dataset="mnist1d",
         agents=AGENTS,
         partition="dirichlet:0.5",
         seed=7,
+        profiles=profiles,
+        round_time_s=0.01,
         learning=preset(strategy, **learning),
     )
 
@@ -61,8 +65,9 @@ def options(tmp_path: Path, **overrides: object) -> EmulationOptions:
         {"strategy": "dadpfl", "max_wait": 2},
         {"strategy": "dispfl"},
         {"strategy": "dadpfl", "max_wait": 2, "rounds": 5, "delta_pr": 100.0},
+        {"strategy": "dadpfl", "max_wait": 2, "profiles": "mixed"},
     ],
-    ids=["dadpfl", "dispfl", "dadpfl-pruning"],
+    ids=["dadpfl", "dispfl", "dadpfl-pruning", "dadpfl-budgets"],
 )
 def test_emulate_gives_the_numbers_of_simulate(amqtt_broker, tmp_path: Path, learning) -> None:
     cfg = config(**learning)
@@ -72,6 +77,9 @@ def test_emulate_gives_the_numbers_of_simulate(amqtt_broker, tmp_path: Path, lea
     simulation = Simulation(cfg)
     assert_same_learning(emulated, simulation.run())
     assert_onnx_models_match_torch(simulation, tmp_path / "fleet")
+    if learning.get("profiles"):
+        p_k = {a["p_k"] for r in emulated["rounds"] for a in r["agents"].values()}
+        assert min(p_k) < 0.1 and max(p_k) == 1.0, "mixed boards get different budgets"
     if learning.get("delta_pr"):
         assert emulated["summary"]["t_star"] == 1
         assert emulated["summary"]["mean_sparsity"] > 0.5

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import firmware_profiles
 from agent import topology
 from agent.strategies import Published, preset
 from agent.wire import model_message
@@ -56,8 +57,8 @@ def test_agents_see_this_rounds_prior_models_and_last_rounds_others() -> None:
     seen: list[tuple[int, str, dict[str, Published]]] = []
     original = simulation.learner.local_round
 
-    def recording_round(agent, data, inbox, round_, prune_now):
-        result = original(agent, data, inbox, round_, prune_now)
+    def recording_round(agent, data, inbox, round_, prune_now, **options):
+        result = original(agent, data, inbox, round_, prune_now, **options)
         published[(round_, agent.agent_id)] = result.published
         seen.append((round_, agent.agent_id, dict(inbox)))
         return result
@@ -222,3 +223,22 @@ def test_cli_bad_configurations_get_one_clear_line(tmp_path: Path, args, message
     assert message in result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "report.json").exists()
+
+
+def test_a_weaker_device_trains_fewer_flops_per_round() -> None:
+    """p_k from each agent's profile caps its density: Pi 4 < Orin Nano in FLOPs per sample."""
+    config = ExperimentConfig(**{**small().__dict__, "profiles": "mixed", "round_time_s": 0.01})
+    simulation = Simulation(config)
+    report = simulation.run()
+    last = report["rounds"][-1]["agents"]
+    by_profile = dict(zip(firmware_profiles.list_profiles(), simulation.roster, strict=True))
+    weak, strong = by_profile["raspberry-pi-4"], by_profile["jetson-orin-nano"]
+
+    def per_sample(agent: str) -> float:
+        return last[agent]["train_flops"] / len(simulation.data[agent].y_train)
+
+    assert last[weak]["p_k"] < last[strong]["p_k"] == 1.0
+    assert per_sample(weak) < 0.5 * per_sample(strong)
+    assert last[weak]["sparsity"] > last[strong]["sparsity"]
+    unbudgeted = simulate(small())
+    assert {a["p_k"] for a in unbudgeted["rounds"][-1]["agents"].values()} == {1.0}

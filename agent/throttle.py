@@ -1,0 +1,107 @@
+"""Emulation throttle: an agent on a laptop takes the time its profile's board would take.
+
+Compute. The emulated board trains at the budget's effective rate, peak_fp32_gflops x
+efficiency (`agent.budget`), so a round of F counted training FLOPs takes F / rate seconds
+there; the agent sleeps for whatever its real computation left of that. The target comes from
+FLOPs, not from scaling the host's measured time by a host/board speed ratio, because:
+several emulated agents share the host's cores, and contention would stretch a ratio-scaled
+time but not this one; a host matmul benchmark against a board's datasheet peak compares an
+achieved rate with a peak one; and the budget predicted its p_k with this same model, so an
+emulated board meets exactly the round time its budget planned for. Counted FLOPs shrink with
+density (the papers' convention), so the emulated board runs sparse kernels as fast as dense
+ones. When the host is slower than the board the delay is 0 and the round is simply late.
+
+Link. A transfer of B bytes takes latency + 8 B / (link_bandwidth_mbps x 1e6) seconds on the
+board's link; the agent sleeps that long before it sends and after it receives, since the
+loopback network or LAN of the host takes next to no time itself.
+
+Energy (`energy_j`): the energy a round adds to what the board draws anyway,
+compute_s x (max_power_w - idle_power_w) + radio_s x radio_power_w. The profiles' max power is
+the whole board under load, idle included, so the idle part is taken out: it is spent whether
+the agent trains or not and would only blur a comparison between strategies. The radio draws
+radio_power_w while it sends or receives (the profiles give the transmit draw; receiving
+draws somewhat less, so receive energy is a slight overestimate).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from agent.budget import DEFAULT_EFFICIENCY
+from firmware_profiles import DeviceProfile
+
+
+def compute_delay_s(measured_s: float, flops: float, device_gflops: float) -> float:
+    """Seconds to sleep after `measured_s` of real compute so that the total is the time a
+    device of `device_gflops` effective GFLOP/s takes for `flops`; 0 if the host was slower."""
+    if device_gflops <= 0:
+        raise ValueError(f"device_gflops must be positive, got {device_gflops}")
+    return max(0.0, flops / (device_gflops * 1e9) - measured_s)
+
+
+def link_delay_s(num_bytes: int, bandwidth_mbps: float, latency_s: float = 0.0) -> float:
+    """Seconds that `num_bytes` take on a link of `bandwidth_mbps` megabit/s (10^6 bit/s)."""
+    if bandwidth_mbps <= 0 or latency_s < 0 or num_bytes < 0:
+        raise ValueError(
+            f"need positive bandwidth, non-negative latency and size, got "
+            f"{bandwidth_mbps} Mbit/s, {latency_s} s, {num_bytes} B"
+        )
+    return latency_s + 8 * num_bytes / (bandwidth_mbps * 1e6)
+
+
+def energy_j(
+    profile: DeviceProfile, compute_s: float, tx_bytes: int = 0, rx_bytes: int = 0
+) -> float:
+    """Energy [J] that `compute_s` of training and the transfers add above the board's idle
+    draw (model in the module docstring)."""
+    radio_s = link_delay_s(tx_bytes + rx_bytes, profile.link_bandwidth_mbps)
+    return compute_s * (profile.max_power_w - profile.idle_power_w) + (
+        radio_s * profile.radio_power_w
+    )
+
+
+class Throttle:
+    """Makes one agent's compute and link take its profile's time.
+
+    The agent calls `after_compute` once its local training is done, `before_send` before it
+    publishes bytes and `after_receive` when it takes a received message in. Each sleeps and
+    returns the seconds slept, for the agent's status. Disabled (a real board: its own speed
+    is the truth), every call returns 0 at once.
+    """
+
+    def __init__(
+        self,
+        profile: DeviceProfile,
+        *,
+        efficiency: float = DEFAULT_EFFICIENCY,
+        latency_s: float = 0.0,
+        enabled: bool = True,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        if not 0 < efficiency <= 1:
+            raise ValueError(f"efficiency must be in (0, 1], got {efficiency}")
+        self.profile = profile
+        self.device_gflops = profile.peak_fp32_gflops * efficiency
+        self.latency_s = latency_s
+        self.enabled = enabled
+        self._sleep = sleep
+
+    def _wait(self, seconds: float) -> float:
+        if not self.enabled:
+            return 0.0
+        if seconds > 0:
+            self._sleep(seconds)
+        return seconds
+
+    def after_compute(self, measured_s: float, flops: float) -> float:
+        """Sleep out the rest of the board's time for `flops` counted training FLOPs."""
+        return self._wait(compute_delay_s(measured_s, flops, self.device_gflops))
+
+    def before_send(self, num_bytes: int) -> float:
+        """Sleep for the time `num_bytes` take on the board's uplink."""
+        return self._wait(link_delay_s(num_bytes, self.profile.link_bandwidth_mbps, self.latency_s))
+
+    def after_receive(self, num_bytes: int) -> float:
+        """Sleep for the time `num_bytes` took to arrive over the board's link."""
+        return self._wait(link_delay_s(num_bytes, self.profile.link_bandwidth_mbps, self.latency_s))
