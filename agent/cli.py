@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from agent.budget import Budget, BudgetLimits, RoundWork, compute_budget, read_device
+from agent.budget import Budget, BudgetLimits, compute_budget, read_device
 from agent.experiment import (
     ExperimentConfig,
     Workload,
@@ -24,6 +24,7 @@ from agent.experiment import (
     config_from_dict,
     nominal_budgets,
     profile_names,
+    round_work,
 )
 from agent.onnx_export import OnnxModel, export_onnx, load_inputs
 from agent.options import experiment_config, experiment_options
@@ -31,7 +32,7 @@ from agent.runtime import AgentRuntime, Run, Timeouts
 from agent.throttle import Throttle
 from firmware_profiles import DeviceProfile, ProfileError, load_profile
 from protocol import messages, topics
-from protocol.cli import BROKER, NAME, read_key, stop_on_signal, wait_for
+from protocol.cli import BROKER, NAME, ConfigError, read_key, stop_on_signal, wait_for
 from protocol.errors import ProtocolError
 from protocol.membership import Identity, connect, leave
 from protocol.mqtt import BrokerAddress, MqttTransport
@@ -208,7 +209,7 @@ def main(
         device = load_profile(profile) if profile else None
         own_config = experiment_config(experiment) if expect else None
     except (ProfileError, ValueError) as exc:
-        raise click.ClickException(str(exc)) from None
+        raise ConfigError(str(exc)) from None
     profile_name = device.name if device else ""
     identity = Identity(fleet, agent_id, profile=profile_name, key=read_key(key_file))
     folder = Path(state_dir) if state_dir else Path.home() / ".edgefl" / fleet / agent_id
@@ -274,16 +275,7 @@ def budget_source(
         return (lambda: budgets[agent_id]), Throttle(board)
     if device is None:
         return None, None
-    cfg, learner = run.config.learning, workload.learner
-    work = RoundWork.for_model(
-        learner.model,
-        learner.input_shape,
-        samples=len(workload.data[agent_id].y_train),
-        epochs=cfg.epochs,
-        batch_size=cfg.batch_size,
-        dense_grad_samples=cfg.rigl_batches * cfg.batch_size if learner.sparse else 0,
-        held_models=cfg.neighbours,
-    )
+    work = round_work(run.config, workload.learner, len(workload.data[agent_id].y_train))
     limits = BudgetLimits(round_time_s=run.config.round_time_s)
     readings = [read_device()]
 

@@ -147,24 +147,30 @@ def nominal_budgets(
     if not config.profiles:
         return {}
     names = profile_names(config.profiles)
-    cfg, learner = config.learning, workload.learner
+    learner = workload.learner
     budgets = {}
     for index, agent_id in enumerate(sorted(roster)):
         if agent_id not in workload.data:
             continue
         profile = load_profile(names[index % len(names)])
-        work = RoundWork.for_model(
-            learner.model,
-            learner.input_shape,
-            samples=len(workload.data[agent_id].y_train),
-            epochs=cfg.epochs,
-            batch_size=cfg.batch_size,
-            dense_grad_samples=cfg.rigl_batches * cfg.batch_size if learner.sparse else 0,
-            held_models=cfg.neighbours if learner.decentralized else 1,
-        )
+        work = round_work(config, learner, len(workload.data[agent_id].y_train))
         limits = BudgetLimits(round_time_s=config.round_time_s)
         budgets[agent_id] = compute_budget(profile, nominal_reading(profile), work, limits)
     return budgets
+
+
+def round_work(config: ExperimentConfig, learner: Learner, samples: int) -> RoundWork:
+    """A full dense local round of this run on `samples` samples, for the budget rule."""
+    cfg = config.learning
+    return RoundWork.for_model(
+        learner.model,
+        learner.input_shape,
+        samples=samples,
+        epochs=cfg.epochs,
+        batch_size=cfg.batch_size,
+        dense_grad_samples=cfg.rigl_batches * cfg.batch_size if learner.sparse else 0,
+        held_models=cfg.neighbours if learner.decentralized else 1,
+    )
 
 
 def capped_density(learner: Learner, budget: Budget | None, masks: Masks | None) -> float | None:

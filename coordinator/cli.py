@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -23,11 +23,12 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from agent.checkpoint import atomic_write
 from agent.options import experiment_config, experiment_options
 from coordinator.fleet import AgentEntry, FleetView, describe_presence
 from coordinator.plots import write_plots
 from protocol import topics
-from protocol.cli import BROKER, NAME, read_key, stop_on_signal, wait_for
+from protocol.cli import BROKER, NAME, ConfigError, read_key, stop_on_signal, wait_for
 from protocol.membership import Identity, connect, leave
 from protocol.mqtt import BrokerAddress, MqttTransport, TransportOptions
 
@@ -218,28 +219,27 @@ def status(
     console.print(table)
 
 
-class ConfigError(click.ClickException):
-    """An impossible configuration: one line on stderr, exit status 2 like a bad flag."""
-
-    exit_code = 2
+def report_options(command: Callable) -> Callable:
+    """--report and --plot, shared by simulate and emulate (they write one schema)."""
+    command = click.option(
+        "--plot",
+        "plot_dir",
+        type=click.Path(file_okay=False),
+        help="Also write PNG plots into this folder.",
+    )(command)
+    return click.option(
+        "--report",
+        "report_path",
+        type=click.Path(dir_okay=False),
+        default="report.json",
+        show_default=True,
+        help="Where to write the JSON report.",
+    )(command)
 
 
 @main.command()
 @experiment_options
-@click.option(
-    "--report",
-    "report_path",
-    type=click.Path(dir_okay=False),
-    default="report.json",
-    show_default=True,
-    help="Where to write the JSON report.",
-)
-@click.option(
-    "--plot",
-    "plot_dir",
-    type=click.Path(file_okay=False),
-    help="Also write PNG plots into this folder.",
-)
+@report_options
 def simulate(report_path: str, plot_dir: str | None, **values: object) -> None:
     """Run a whole fleet in one process (no network) and write the JSON report."""
     from coordinator.simulate import Simulation
@@ -269,25 +269,18 @@ def simulate(report_path: str, plot_dir: str | None, **values: object) -> None:
             progress.update(task, advance=1, description=f"round {round_}/{cfg.rounds}")
 
         report = simulation.run(advance)
-    write_json(report_path, report)
-    console.print(summary_table(report))
+    publish_report(report, report_path, plot_dir)
+
+
+def publish_report(report: dict, report_path: str, plot_dir: str | None) -> None:
+    """Write the report atomically (a crash never leaves half of one), show it, plot it."""
+    atomic_write(Path(report_path), lambda f: f.write(json.dumps(report, indent=1).encode()))
+    if report["rounds"]:
+        console.print(summary_table(report))
     console.print(f"report written to [bold]{report_path}[/]")
-    if plot_dir:
+    if plot_dir and report["rounds"]:
         for path in write_plots(report, plot_dir):
             console.print(f"plot written to {path}")
-
-
-def write_json(path: str, data: object) -> None:
-    """Write atomically (temporary file, fsync, rename): a crash never leaves half a report."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(
-        "w", dir=target.parent, prefix=f".{target.name}.", delete=False
-    ) as handle:
-        json.dump(data, handle, indent=1)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(handle.name, target)
 
 
 def summary_table(report: dict) -> Table:
@@ -324,20 +317,7 @@ def summary_table(report: dict) -> Table:
     show_default=True,
     help="Seconds an agent waits for a neighbour's model before going on without it.",
 )
-@click.option(
-    "--report",
-    "report_path",
-    type=click.Path(dir_okay=False),
-    default="report.json",
-    show_default=True,
-    help="Where to write the JSON report.",
-)
-@click.option(
-    "--plot",
-    "plot_dir",
-    type=click.Path(file_okay=False),
-    help="Also write PNG plots into this folder.",
-)
+@report_options
 def emulate(
     broker: BrokerAddress | None,
     workdir: str | None,
@@ -383,16 +363,10 @@ def emulate(
     finally:
         if embedded is not None:
             embedded.stop()
-    write_json(report_path, report)
-    if report["rounds"]:
-        console.print(summary_table(report))
     failed = report["summary"]["failed_agents"]
     if failed:
         console.print(f"[red]agents that failed[/]: {failed} (logs in {folder})")
-    console.print(f"report written to [bold]{report_path}[/]")
-    if plot_dir and report["rounds"]:
-        for path in write_plots(report, plot_dir):
-            console.print(f"plot written to {path}")
+    publish_report(report, report_path, plot_dir)
 
 
 def free_port() -> int:

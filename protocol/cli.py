@@ -71,3 +71,9 @@ def wait_for(stop: threading.Event) -> None:
     """Block until `stop` is set; short waits keep the main thread responsive to signals."""
     while not stop.wait(0.5):
         pass
+
+
+class ConfigError(click.ClickException):
+    """An impossible configuration: one line on stderr, exit status 2 like a bad flag."""
+
+    exit_code = 2
