@@ -294,35 +294,21 @@ def count_params(model: nn.Module, masks: dict[str, Tensor] | None = None) -> in
     )
 
 
-def forward_flops(
-    model: nn.Module, input_shape: tuple[int, ...], masks: dict[str, Tensor] | None = None
-) -> int:
-    """FLOPs of one forward pass of one sample, counting a multiply-accumulate as 2 FLOPs.
+def output_positions(model: nn.Module, input_shape: tuple[int, ...]) -> dict[str, int]:
+    """For each Conv1d, Conv2d and Linear weight (by state-dict name), the number of output
+    positions it is applied at in one forward pass of one sample, read with forward hooks.
 
-    Only Conv1d, Conv2d and Linear layers are counted (norms, activations, pooling, residual
-    additions and bias additions are a small fraction and are ignored). A layer's MACs are
-    its weight count times the number of output positions it is applied at (read with forward
-    hooks); under a mask only kept weights count (dense MACs x layer density).
+    A layer's MACs are its kept weight count times this number, so FLOPs under any mask follow
+    from it without running the model again (`flops_from_positions`).
     """
-    masks = masks or {}
-    unknown = set(masks) - set(prunable_names(model))
-    if unknown:
-        raise ValueError(f"masks for non-prunable or unknown tensors: {sorted(unknown)}")
-    macs: list[int] = []
+    positions: dict[str, int] = {}
 
     def hook(name: str) -> Callable[[nn.Module, tuple[Tensor, ...], Tensor], None]:
         def record(module: nn.Module, _inputs: tuple[Tensor, ...], output: Tensor) -> None:
-            weight = module.weight
-            mask = masks.get(name)
-            if mask is not None and mask.shape != weight.shape:
-                raise ValueError(
-                    f"mask {name} has shape {tuple(mask.shape)}, weight has {tuple(weight.shape)}"
-                )
-            kept = int(mask.count_nonzero()) if mask is not None else weight.numel()
             channels = (
                 output.shape[1] if isinstance(module, nn.Conv1d | nn.Conv2d) else output.shape[-1]
             )
-            macs.append(kept * (output.numel() // channels))
+            positions[name] = positions.get(name, 0) + output.numel() // channels
 
         return record
 
@@ -342,4 +328,46 @@ def forward_flops(
         for h in handles:
             h.remove()
         model.train(was_training)
-    return 2 * sum(macs)
+    return positions
+
+
+def flops_from_positions(
+    positions: dict[str, int],
+    shapes: dict[str, tuple[int, ...]],
+    masks: dict[str, Tensor] | None = None,
+) -> int:
+    """`forward_flops` from `output_positions` and the weights' shapes: 2 x sum over layers of
+    kept weights x output positions (all weights of an unmasked layer are kept)."""
+    masks = masks or {}
+    unknown = set(masks) - set(positions)
+    if unknown:
+        raise ValueError(f"masks for non-prunable or unknown tensors: {sorted(unknown)}")
+    macs = 0
+    for name, count in positions.items():
+        mask, shape = masks.get(name), shapes[name]
+        if mask is not None and tuple(mask.shape) != tuple(shape):
+            raise ValueError(
+                f"mask {name} has shape {tuple(mask.shape)}, weight has {tuple(shape)}"
+            )
+        kept = int(mask.count_nonzero()) if mask is not None else math.prod(shape)
+        macs += kept * count
+    return 2 * macs
+
+
+def forward_flops(
+    model: nn.Module, input_shape: tuple[int, ...], masks: dict[str, Tensor] | None = None
+) -> int:
+    """FLOPs of one forward pass of one sample, counting a multiply-accumulate as 2 FLOPs.
+
+    Only Conv1d, Conv2d and Linear layers are counted (norms, activations, pooling, residual
+    additions and bias additions are a small fraction and are ignored). A layer's MACs are
+    its weight count times the number of output positions it is applied at (read with forward
+    hooks); under a mask only kept weights count (dense MACs x layer density).
+    """
+    masks = masks or {}
+    unknown = set(masks) - set(prunable_names(model))
+    if unknown:
+        raise ValueError(f"masks for non-prunable or unknown tensors: {sorted(unknown)}")
+    positions = output_positions(model, input_shape)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters() if name in positions}
+    return flops_from_positions(positions, shapes, masks)

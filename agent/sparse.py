@@ -193,23 +193,45 @@ def aggregate_masked(
     for i in ids:
         if set(models[i][1]) != prunable:
             raise ValueError(f"mask of {i!r} does not cover the same prunable tensors")
-    dense = aggregate_mean(
-        {i: {n: t for n, t in models[i][0].items() if n not in prunable} for i in ids}
-    )
+    # The prunable tensors of a model are concatenated into one flat vector, and the others
+    # into another: the per-element operations (float64 sums from +0.0 in sorted-id order, one
+    # division) are exactly those of a per-tensor loop, in a few large operations per agent
+    # instead of a few small ones per tensor and agent.
+    ref = models[ids[0]][0]
+    masked_names = [n for n in names if n in prunable]
+    dense_names = [n for n in names if n not in prunable]
+
+    def flat(tensors: Mapping[str, torch.Tensor], which: list[str]) -> torch.Tensor:
+        return torch.cat([tensors[n].reshape(-1) for n in which])
+
     out: State = {}
-    for name in names:
-        if name not in prunable:
-            out[name] = dense[name]
-            continue
-        ref = models[ids[0]][0][name]
-        num = torch.zeros_like(ref, dtype=torch.float64)
-        cnt = torch.zeros_like(ref, dtype=torch.int64)
+    if masked_names:
+        num = torch.zeros(sum(ref[n].numel() for n in masked_names), dtype=torch.float64)
+        cnt = torch.zeros(num.shape, dtype=torch.int64)
         for i in ids:
             state, mask = models[i]
-            num += torch.where(mask[name], state[name].to(torch.float64), 0.0)
-            cnt += mask[name]
+            kept = flat(mask, masked_names)
+            num += torch.where(kept, flat(state, masked_names).to(torch.float64), 0.0)
+            cnt += kept
         agg = torch.where(cnt > 0, num / cnt.clamp(min=1), 0.0)
-        out[name] = torch.where(own_mask[name], agg, 0.0).to(ref.dtype)
+        agg = torch.where(flat(own_mask, masked_names), agg, 0.0)
+        out |= _split(agg, ref, masked_names)
+    if dense_names:  # plain mean, as aggregate_mean: sum of w * 1.0 (== w) over n
+        acc = torch.zeros(sum(ref[n].numel() for n in dense_names), dtype=torch.float64)
+        for i in ids:
+            acc += flat(models[i][0], dense_names).to(torch.float64)
+        out |= _split(acc / math.fsum(1.0 for _ in ids), ref, dense_names)
+    return {name: out[name] for name in names}
+
+
+def _split(flat: torch.Tensor, like: Mapping[str, torch.Tensor], names: list[str]) -> State:
+    """Cut a flat vector back into the named tensors of `like`, in their shapes and dtypes."""
+    out: State = {}
+    offset = 0
+    for name in names:
+        ref = like[name]
+        out[name] = flat[offset : offset + ref.numel()].view(ref.shape).to(ref.dtype)
+        offset += ref.numel()
     return out
 
 

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from agent import pruning, sparse
-from agent.models import forward_flops
+from agent.models import flops_from_positions, output_positions
 from agent.sparse import Masks, State
 from agent.training import SGDConfig, dense_gradients, derive_seed, evaluate, train_local
 
@@ -170,7 +170,10 @@ class Learner:
         self.config = config
         self.seed = seed
         self.initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        self.dense_flops = forward_flops(model, input_shape)
+        # Output positions per layer, read once: FLOPs under a mask need only the kept counts.
+        self._positions = output_positions(model, input_shape)
+        self._weight_shapes = {n: tuple(self.initial[n].shape) for n in self._positions}
+        self.dense_flops = flops_from_positions(self._positions, self._weight_shapes)
         self.sparse = config.strategy in ("dadpfl", "dispfl")
         self.prunes_further = config.strategy == "dadpfl"
         self.decentralized = config.strategy in ("dadpfl", "dispfl", "dfedavgm")
@@ -204,7 +207,9 @@ class Learner:
     def train_flops(self, masks: Masks | None, samples: int) -> int:
         """3 x forward FLOPs of the (masked) model x samples: forward + backward (1.10)."""
         per_sample = (
-            forward_flops(self.model, self.input_shape, masks) if masks else self.dense_flops
+            flops_from_positions(self._positions, self._weight_shapes, masks)
+            if masks
+            else self.dense_flops
         )
         return 3 * per_sample * samples
 
@@ -344,7 +349,8 @@ class Learner:
         """FLOP fraction / parameter density of these masks (ERK keeps FLOP-heavy layers
         denser), for `agent.budget.density_cap`."""
         density = 1.0 - sparse.sparsity(masks)
-        return forward_flops(self.model, self.input_shape, masks) / self.dense_flops / density
+        flops = flops_from_positions(self._positions, self._weight_shapes, masks)
+        return flops / self.dense_flops / density
 
     def evaluate_on(self, weights: State, data: LocalData) -> tuple[float, float]:
         return evaluate(self.model, weights, data.x_test, data.y_test)

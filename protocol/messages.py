@@ -14,6 +14,7 @@ stays free of numpy and of any training code.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import hmac
 import math
@@ -246,11 +247,19 @@ def _verify(data: bytes, signature: Any, key: bytes) -> None:
         raise ProtocolError("bad message signature")
 
 
+@functools.cache
+def _field_hints(cls: type[Message]) -> tuple[tuple[str, Any], ...]:
+    """(name, resolved annotation) of every field of a message class, resolved once: string
+    annotations cost more to evaluate than a whole small message costs to encode."""
+    hints = typing.get_type_hints(cls)
+    return tuple((field.name, hints[field.name]) for field in dataclasses.fields(cls))
+
+
 def _check_fields(message: Message) -> None:
     """Check every field against its annotation, so handlers can trust what they get."""
     check_name(message.fleet, "fleet")
     check_name(message.sender, "sender")
-    hints = typing.get_type_hints(type(message))
+    hints = dict(_field_hints(type(message)))
     for field in dataclasses.fields(message):
         value = getattr(message, field.name)
         if not _conforms(value, hints[field.name]):

@@ -29,6 +29,7 @@ DTYPES = frozenset(
     ["bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64"]
     + ["float16", "float32", "float64"]
 )
+_PACKED_DTYPES = {name: msgpack.packb(name) for name in DTYPES}
 _FP16 = np.dtype("<f2")
 # Boolean indexing beats flatnonzero+take only for nearly full masks (branch prediction).
 _DENSE = 0.92
@@ -88,7 +89,8 @@ def _encode_tensor(
 ) -> list[bytes | np.ndarray]:
     if not isinstance(name, str) or not name:
         raise ValueError(f"tensor names must be non-empty strings, got {name!r}")
-    if array.dtype.name not in DTYPES:
+    dtype_name = array.dtype.name  # a slow property (numpy builds the string each time)
+    if dtype_name not in DTYPES:
         raise ValueError(f"tensor {name!r}: unsupported dtype {array.dtype}")
     flat = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).reshape(-1)
     if mask is None:
@@ -111,7 +113,7 @@ def _encode_tensor(
     return [
         b"\x96",
         msgpack.packb(name),
-        msgpack.packb(array.dtype.name),
+        _PACKED_DTYPES[dtype_name],
         msgpack.packb(array.shape),
         *mask_parts,
         b"\xc3" if half else b"\xc2",

@@ -22,6 +22,8 @@ from coordinator.emulate import Emulation, EmulationOptions
 from coordinator.simulate import Simulation, simulate
 
 AGENTS = 6
+# Real processes on two cores: generous per-test limits, the runs themselves are bounded.
+pytestmark = pytest.mark.timeout(900)
 
 
 def config(
