@@ -159,15 +159,18 @@ class AgentRuntime:
             log.info("re-sending round %d model to %s", request.round, request.sender)
             self.transport.publish(self._topic(request.round, "model", self.me), data)
 
+    def _header(self, round_: int) -> dict[str, Any]:
+        """The envelope fields every message of this agent in this run carries."""
+        return {
+            "fleet": self.fleet,
+            "sender": self.me,
+            "run_id": self.run_info.run_id,
+            "round": round_,
+        }
+
     def _request(self, missing: set[tuple[int, str]]) -> None:
         for round_, target in sorted(missing):
-            message = messages.Request(
-                fleet=self.fleet,
-                sender=self.me,
-                run_id=self.run_info.run_id,
-                round=round_,
-                target=target,
-            )
+            message = messages.Request(**self._header(round_), target=target)
             self.transport.publish(
                 self._topic(round_, "request", self.me), messages.encode(message, key=self.key)
             )
@@ -240,10 +243,7 @@ class AgentRuntime:
             self.votes[round_] = result.vote
             self.inbox.record_votes(self.me, {round_: result.vote})
             vote = messages.Vote(
-                fleet=self.fleet,
-                sender=self.me,
-                run_id=self.run_info.run_id,
-                round=round_,
+                **self._header(round_),
                 vote=result.vote,
                 score=result.score if result.score is not None else 0.0,
             )
@@ -258,10 +258,7 @@ class AgentRuntime:
     def _status(self, state: str, round_: int, metrics: dict[str, Any]) -> None:
         history = "".join("1" if self.votes.get(r) else "0" for r in range(1, round_ + 1))
         message = messages.Status(
-            fleet=self.fleet,
-            sender=self.me,
-            run_id=self.run_info.run_id,
-            round=round_,
+            **self._header(round_),
             state=state,
             metrics={**metrics, "votes": history if self.learner.prunes_further else ""},
         )
