@@ -41,7 +41,16 @@ their data and the learning rate has decayed; 1.8 then schedules the first furth
 2 t* = 354 >= T. DA-DPFL never prunes and is DisPFL plus waiting: +1.4 points, the same bytes
 (+2% for the votes) and FLOPs, sparsity 0.5. b and c cannot move that first pruning earlier
 (b >= 0 only delays it; c only shortens the later intervals), and reaching three pruning
-events would need T > 3.4 t* ~ 600 rounds, twice the budget.
+events would need T > 3.4 t* ~ 600 rounds, twice the budget. Worse, t* grows with T (124 at
+T = 200, 177 at T = 300: ~0.6 T, it tracks RigL's annealed drop fraction), so 2 t* stays past
+T whatever the budget.
+
+With D = ||w - w0|| (the norm, not its square, as the authors' code computes it; proposed,
+not applied) the same default run gives t* = 44, sparsity 0.8 from round ~250, busiest bytes
+0.745x, FLOPs 0.79x (0.69x without RigL's dense-gradient batches, which are a third of
+DisPFL's FLOPs here: one dense pass over each ~56-sample local set per round against five
+half-dense epochs) and final-round ratios 0.49x bytes and 0.61x FLOPs (paper: 0.67x, 0.58x);
+accuracy +1.5 points at seed 1 but -1.7 at seed 2.
 """
 
 from __future__ import annotations
@@ -100,7 +109,8 @@ LAST_K = 10  # rounds averaged for the less noisy "last-10" accuracy
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     d = DEFAULTS
     p.add_argument("--agents", type=int, default=d["agents"], help="number of agents K (>= 50)")
