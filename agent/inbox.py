@@ -54,13 +54,15 @@ class Inbox:
                 or fleet != self.expected.fleet
                 or message.fleet != fleet
                 or message.sender != fields["agent"]
-                or message.sender not in self.expected.roster
                 or fields.get("round", str(message.round)) != str(message.round)
             ):
                 raise ProtocolError(f"{kind} message does not match its topic")
         except ProtocolError as exc:
             self.rejected += 1
             log.warning("rejected message on %s: %s", topic, exc)
+            return None
+        if message.sender not in self.expected.roster:
+            log.debug("ignored %s of %s: not in this run's roster", kind, message.sender)
             return None
         if check_run and message.run_id != self.expected.run_id:
             return None

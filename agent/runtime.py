@@ -310,6 +310,7 @@ class AgentRuntime:
             "stragglers": stragglers,
             "wait_s": round(waited, 3),
             "t_star": self.plan.t_star,
+            "finished_at": time.time(),
         }
         self._persist(round_, record)
         self._status(

@@ -101,7 +101,8 @@ class Emulation:
                 self.agent_command(index),
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                # PYTHONSAFEPATH: `-m agent` must not pick up an `agent` folder in the cwd.
+                env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONSAFEPATH": "1"},
             )
         self.processes[agent_id] = process
         return process

@@ -71,7 +71,13 @@ def options(tmp_path: Path, **overrides: object) -> EmulationOptions:
     ],
     ids=["dadpfl", "dispfl", "dadpfl-pruning", "dadpfl-budgets"],
 )
-def test_emulate_gives_the_numbers_of_simulate(amqtt_broker, tmp_path: Path, learning) -> None:
+def test_emulate_gives_the_numbers_of_simulate(
+    amqtt_broker, tmp_path: Path, monkeypatch, learning
+) -> None:
+    # A folder named like the agent package in the working directory must not shadow it.
+    (tmp_path / "agent").mkdir()
+    (tmp_path / "agent" / "__main__.py").write_text("raise SystemExit(3)\n")
+    monkeypatch.chdir(tmp_path)
     cfg = config(**learning)
     emulated = Emulation(cfg, amqtt_broker.address, options(tmp_path)).run()
     assert emulated["summary"]["failed_agents"] == {}
