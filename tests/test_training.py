@@ -8,7 +8,7 @@ import torch
 from agent import sparse
 from agent.models import build_model, forward_flops, prunable_names
 from agent.strategies import Learner, LocalData, Published, preset
-from agent.training import SGDConfig, derive_seed, evaluate, train_local
+from agent.training import SGDConfig, derive_seed, evaluate, sgd_step_, train_local
 from agent.wire import decode_state, encode_state, expected_shapes
 from protocol.errors import ProtocolError
 
@@ -43,6 +43,31 @@ def test_masked_sgd_keeps_pruned_weights_exactly_zero() -> None:
         assert torch.any(result.state[name][mask] != agent.weights[name][mask])
     assert result.samples == 2 * 32
     assert result.mean_loss > 0
+
+
+@pytest.mark.parametrize("momentum, weight_decay", [(0.0, 5e-4), (0.9, 0.01), (0.5, 0.0)])
+def test_the_sgd_step_is_torchs_sgd_bit_for_bit(momentum: float, weight_decay: float) -> None:
+    config = SGDConfig(lr=0.3, lr_decay=0.9, momentum=momentum, weight_decay=weight_decay)
+    ours, reference = (build_model("cnn1d", INPUT, 10, seed=0) for _ in range(2))
+    optimizer = torch.optim.SGD(
+        reference.parameters(),
+        lr=config.lr_at(2),
+        momentum=momentum,
+        weight_decay=weight_decay,
+    )
+    params, buffers = dict(ours.named_parameters()), {}
+    g = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        x, y = torch.randn(8, *INPUT, generator=g), torch.randint(0, 10, (8,), generator=g)
+        for model in (ours, reference):
+            model.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        with torch.no_grad():
+            sgd_step_(params, buffers, config, 2)
+    want = reference.state_dict()
+    for name, got in ours.state_dict().items():
+        assert torch.equal(got, want[name]), name
 
 
 def test_training_is_a_pure_function_of_its_inputs() -> None:
