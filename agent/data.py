@@ -10,13 +10,22 @@ same call with the same seed and keep its own entry, so the data never has to tr
 from __future__ import annotations
 
 import codecs
+import contextlib
+import logging
 import math
+import os
 import pickle
 import random
+import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 
 import numpy as np
+import platformdirs
+
+log = logging.getLogger(__name__)
 
 BUILTIN_DATASETS = ("digits", "mnist1d", "synthetic")
 USER_DATASETS = ("npz", "imagefolder", "cifar10")
@@ -83,9 +92,22 @@ class Dataset:
             raise ValueError(f"{self.name}: groups must have one entry per sample")
         if not np.isfinite(self.x).all():
             raise ValueError(f"{self.name}: x holds NaN or infinite values")
+        if self.x.strides != _standard_strides(self.x):
+            # PyTorch picks kernels by strides, even those of size-1 dimensions: the same
+            # values laid out as (160, 0, 4) or (160, 160, 4) train to different last bits.
+            object.__setattr__(self, "x", np.array(self.x, order="C"))
 
     def __len__(self) -> int:
         return len(self.y)
+
+
+def _standard_strides(a: np.ndarray) -> tuple[int, ...]:
+    """The strides of a freshly allocated C-ordered array of a's shape and dtype."""
+    strides, step = [], a.itemsize
+    for size in reversed(a.shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
 
 
 @dataclass(frozen=True, eq=False)
@@ -353,10 +375,83 @@ def _numbers(spec: str, text: str) -> list[float]:
         raise ValueError(f"bad dataset spec {spec!r}: {text!r} is not a list of numbers") from None
 
 
+# ---------------------------------------------------------------- dataset cache
+
+CACHE_ENV = "EDGEFL_CACHE_DIR"
+CACHE_FORMAT = 1
+"""Bump when a built-in dataset's preparation changes, so old cache files are not used."""
+
+
+def cache_dir() -> Path | None:
+    """Where built-in datasets are cached: $EDGEFL_CACHE_DIR, else the user cache directory;
+    None (no cache) when the variable is set to an empty string."""
+    configured = os.environ.get(CACHE_ENV)
+    if configured is not None:
+        return Path(configured) if configured else None
+    return Path(platformdirs.user_cache_dir("edgefl")) / "datasets"
+
+
+def cached(key: str, make: Callable[[], Dataset]) -> Dataset:
+    """`make()`'s dataset, read from the cache if an earlier call stored it.
+
+    Generating mnist1d takes seconds of CPU (and importing its generator, another second); a
+    fleet emulated on one machine would pay that once per agent process. A cache file is
+    written atomically, so agents starting together at worst all generate it; a file that
+    cannot be read is regenerated, and an unwritable cache only costs the time.
+    """
+    folder = cache_dir()
+    if folder is None:
+        return make()
+    path = folder / f"{key}-v{CACHE_FORMAT}.npz"
+    if path.exists():
+        try:
+            return _read_cached(path)
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
+            log.warning("dataset cache file %s is unreadable (%s); making it again", path, exc)
+    dataset = make()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            np.savez(
+                f,
+                name=np.array(dataset.name),
+                x=dataset.x,
+                y=dataset.y,
+                num_classes=np.array(dataset.num_classes),
+                input_shape=np.array(dataset.input_shape, dtype=np.int64),
+                class_names=np.array(dataset.class_names, dtype=str),
+                **({} if dataset.groups is None else {"groups": dataset.groups}),
+            )
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("cannot cache dataset in %s: %s", folder, exc)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+    return dataset
+
+
+def _read_cached(path: Path) -> Dataset:
+    with np.load(path, allow_pickle=False) as f:
+        return Dataset(
+            str(f["name"]),
+            f["x"],
+            f["y"],
+            int(f["num_classes"]),
+            tuple(int(d) for d in f["input_shape"]),
+            tuple(str(c) for c in f["class_names"]),
+            f["groups"] if "groups" in f.files else None,
+        )
+
+
+# ---------------------------------------------------------------- loading by spec
+
+
 def load_dataset(spec: str, *, seed: int) -> Dataset:
     """Load a dataset by spec: `digits`, `mnist1d`, `synthetic[:ALPHA,BETA[,GROUPS]]`,
     `npz:PATH`, `imagefolder:PATH` (32x32 RGB; call load_imagefolder for other sizes) or
-    `cifar10:PATH`. `seed` drives the generated datasets; loaded data does not need it."""
+    `cifar10:PATH`. `seed` drives the generated datasets; loaded data does not need it.
+    Built-in datasets come from the dataset cache (see `cached`) once made."""
     kind, _, arg = spec.partition(":")
     if kind in USER_DATASETS:
         if not arg:
@@ -371,11 +466,18 @@ def load_dataset(spec: str, *, seed: int) -> Dataset:
             raise ValueError(f"bad dataset spec {spec!r}: GROUPS must be an integer")
         alpha, beta = params[:2] if params else (1.0, 1.0)
         groups = int(params[2]) if len(params) == 3 else 30
-        return load_synthetic(seed, alpha, beta, groups)
+        return cached(
+            f"synthetic-{alpha!r}-{beta!r}-{groups}-seed{seed}",
+            lambda: load_synthetic(seed, alpha, beta, groups),
+        )
+    if kind == "digits" and not arg:
+        return cached(f"digits-sklearn{metadata.version('scikit-learn')}", load_digits)
+    if kind == "mnist1d" and not arg:
+        return cached(
+            f"mnist1d{metadata.version('mnist1d')}-seed{seed}", lambda: load_mnist1d(seed)
+        )
     if kind in ("digits", "mnist1d"):
-        if arg:
-            raise ValueError(f"dataset {kind!r} takes no argument, got {spec!r}")
-        return load_digits() if kind == "digits" else load_mnist1d(seed)
+        raise ValueError(f"dataset {kind!r} takes no argument, got {spec!r}")
     known = ", ".join([*BUILTIN_DATASETS, *(f"{k}:PATH" for k in USER_DATASETS)])
     raise ValueError(f"unknown dataset {spec!r}; known: {known}")
 

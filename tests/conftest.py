@@ -26,6 +26,17 @@ from protocol.mqtt import BrokerAddress
 torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True, scope="session")
+def dataset_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """One dataset cache for the session (agent processes inherit it), not the user's."""
+    folder = tmp_path_factory.mktemp("dataset-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("EDGEFL_CACHE_DIR", str(folder))
+        yield folder
+
+
 BROKER_START_TIMEOUT_S = 20.0
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from agent import data
 from agent.data import (
     Dataset,
     load_cifar10,
@@ -60,8 +61,8 @@ def test_mnist1d_is_seeded_and_leaves_global_rng_alone() -> None:
     np.random.seed(123)
     random.seed(123)
     before_np, before_py = np.random.get_state()[1].copy(), random.getstate()
-    a, b = load_dataset("mnist1d", seed=1), load_dataset("mnist1d", seed=1)
-    c = load_dataset("mnist1d", seed=2)
+    a, b = data.load_mnist1d(seed=1), data.load_mnist1d(seed=1)
+    c = data.load_mnist1d(seed=2)
     assert np.array_equal(a.x, b.x) and np.array_equal(a.y, b.y)
     assert not np.array_equal(a.x, c.x)
     assert np.array_equal(np.random.get_state()[1], before_np)
@@ -413,3 +414,85 @@ def test_bad_partition_parameters_raise(digits: Dataset) -> None:
     for kwargs in ({"val_fraction": 1.0}, {"test_fraction": 0.0}, {"min_samples": 0}):
         with pytest.raises(ValueError):
             partition(digits, 2, "iid", seed=0, **kwargs)
+
+
+# ---------------------------------------------------------------- dataset cache
+
+
+def tiny(name: str = "tiny") -> Dataset:
+    x = np.arange(12, dtype=np.float32).reshape(6, 1, 2)
+    y = np.array([0, 1, 0, 1, 2, 2], dtype=np.int64)
+    return Dataset(name, x, y, 3, (1, 2), ("a", "b", "c"), np.arange(6, dtype=np.int64))
+
+
+def counting(make):
+    calls = []
+
+    def wrapped():
+        calls.append(1)
+        return make()
+
+    return wrapped, calls
+
+
+def assert_same(a: Dataset, b: Dataset) -> None:
+    assert (a.name, a.num_classes, a.input_shape, a.class_names) == (
+        b.name,
+        b.num_classes,
+        b.input_shape,
+        b.class_names,
+    )
+    assert np.array_equal(a.x, b.x) and np.array_equal(a.y, b.y)
+    assert (a.groups is None) == (b.groups is None)
+    if a.groups is not None:
+        assert np.array_equal(a.groups, b.groups)
+
+
+def test_cache_makes_a_dataset_once(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(data.CACHE_ENV, str(tmp_path))
+    make, calls = counting(tiny)
+    first, second = data.cached("k", make), data.cached("k", make)
+    assert len(calls) == 1
+    assert_same(first, tiny())
+    assert_same(second, tiny())
+
+
+def test_cached_mnist1d_equals_the_generated_one(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(data.CACHE_ENV, str(tmp_path))
+    load_dataset("mnist1d", seed=3)
+    assert len(list(tmp_path.glob("mnist1d*-seed3-*.npz"))) == 1
+    assert_same(load_dataset("mnist1d", seed=3), data.load_mnist1d(3))
+
+
+def test_unreadable_cache_file_is_made_again(tmp_path, monkeypatch, caplog) -> None:
+    monkeypatch.setenv(data.CACHE_ENV, str(tmp_path))
+    data.cached("k", tiny)
+    (cache_file,) = tmp_path.glob("k-*.npz")
+    cache_file.write_bytes(b"PK\x03\x04 truncated")
+    make, calls = counting(tiny)
+    assert_same(data.cached("k", make), tiny())
+    assert len(calls) == 1 and "unreadable" in caplog.text
+    assert_same(data.cached("k", make), tiny())
+    assert len(calls) == 1
+
+
+def test_unwritable_or_disabled_cache_still_gives_the_data(tmp_path, monkeypatch) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv(data.CACHE_ENV, str(blocker / "cache"))
+    assert_same(data.cached("k", tiny), tiny())
+    monkeypatch.setenv(data.CACHE_ENV, "")
+    make, calls = counting(tiny)
+    data.cached("k", make), data.cached("k", make)
+    assert len(calls) == 2
+
+
+def test_the_same_values_get_the_same_memory_layout() -> None:
+    """Torch kernels depend on strides, so two layouts of one dataset would train apart."""
+    flat = np.random.default_rng(0).random((40, 8), dtype=np.float32)
+    y = np.arange(40, dtype=np.int64) % 4
+    views = [flat[:, None, :], flat.reshape(40, 1, 8).copy()]
+    assert views[0].strides != views[1].strides
+    parts = [partition(Dataset("d", x, y, 4, (1, 8)), 2, "iid", seed=0) for x in views]
+    for a, b in zip(*parts, strict=True):
+        assert a.train.x.strides == b.train.x.strides and a.test.x.strides == b.test.x.strides
