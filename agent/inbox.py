@@ -39,6 +39,7 @@ class Inbox:
         self._votes: dict[int, dict[str, bool]] = {}
         self._changed = threading.Condition()
         self.rejected = 0
+        self.ready: set[str] = set()
         self.finished: set[str] = set()
         self.offline: set[str] = set()
 
@@ -102,10 +103,11 @@ class Inbox:
         learn the votes it missed while it was down."""
         message = self._decode(topic, payload, "status")
         if isinstance(message, messages.Status):
-            if message.state == "done":
-                with self._changed:
+            with self._changed:
+                self.ready.add(message.sender)
+                if message.state == "done":
                     self.finished.add(message.sender)
-                    self._changed.notify_all()
+                self._changed.notify_all()
             history = message.metrics.get("votes")
             if isinstance(history, str) and set(history) <= {"0", "1"}:
                 self.record_votes(
@@ -172,15 +174,30 @@ class Inbox:
                     return votes
                 self._changed.wait(min(deadline - time.monotonic(), 0.5))
 
-    def wait_finished(self, agents: Iterable[str], stop: threading.Event, timeout_s: float) -> None:
-        """Wait until every agent reported its last round done, `stop` is set, or timeout."""
-        agents = set(agents)
+    def wait_ready(
+        self, agents: Iterable[str], stop: threading.Event, timeout_s: float
+    ) -> set[str]:
+        """Wait until every agent has subscribed (its first status of this run says so), is
+        offline, `stop` is set, or timeout; returns the agents not heard from."""
+        return self._wait_all(set(agents), self.ready, stop, timeout_s)
+
+    def wait_finished(
+        self, agents: Iterable[str], stop: threading.Event, timeout_s: float
+    ) -> set[str]:
+        """Wait until every agent reported its last round done, is offline, `stop` is set, or
+        timeout; returns the agents still running."""
+        return self._wait_all(set(agents), self.finished, stop, timeout_s)
+
+    def _wait_all(
+        self, agents: set[str], group: set[str], stop: threading.Event, timeout_s: float
+    ) -> set[str]:
         deadline = time.monotonic() + timeout_s
         with self._changed:
-            while not agents <= self.finished | self.offline and not stop.is_set():
+            while True:
+                waiting = agents - group - self.offline
                 remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return
+                if not waiting or stop.is_set() or remaining <= 0:
+                    return waiting
                 self._changed.wait(min(remaining, 0.2))
 
     def forget_before(self, round_: int) -> None:

@@ -408,11 +408,28 @@ class AgentRuntime:
         if done:
             for round_, data in self.own.items():
                 self.transport.publish(self._topic(round_, "model", self.me), data)
+        else:
+            self._start_together()
         for round_ in range(done + 1, self.cfg.rounds + 1):
             if self.stop.is_set():
                 return
             self.run_round(round_)
         self._linger()
+
+    def _start_together(self) -> None:
+        """Subscribe, say so in a status, and wait (at most a round timeout) for the others.
+
+        A model published before its receiver subscribed is lost to it, and the receiver only
+        asks for it again after `request_every_s`: without this barrier, agents of a fleet
+        that start seconds apart would wait that long in their first rounds. (A resumed agent
+        skips it: the others are past it, and it republishes its recent models.)
+        """
+        self._subscribe_ahead(1)
+        self._status("ready", 0, {})
+        others = set(self.roster) - {self.me}
+        absent = self.inbox.wait_ready(others, self.stop, self.timeouts.round_s)
+        if absent:
+            log.warning("starting without %s: not heard from in time", ", ".join(sorted(absent)))
 
     def _linger(self) -> None:
         """Keep answering requests until every other agent reports done (or time runs out)."""

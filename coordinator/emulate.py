@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from agent import checkpoint, topology
+from agent.data import load_dataset
 from agent.experiment import ExperimentConfig, profile_names
 from coordinator.simulate import summarize
 from protocol import messages, topics
@@ -120,6 +121,9 @@ class Emulation:
 
     def run(self, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
         started = time.perf_counter()
+        # Once here rather than in every agent: fills the dataset cache the agents read, and a
+        # bad --dataset fails now, not in N processes.
+        load_dataset(self.config.dataset, seed=self.config.seed)
         identity = Identity(self.fleet, "coordinator", role="coordinator")
         transport = connect(self.broker, identity)
         try:
