@@ -19,6 +19,7 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
@@ -35,8 +36,32 @@ class BrokerStartError(OSError):
     """The embedded broker could not start (most often: the port is already taken)."""
 
 
+class _SnapshotDict(dict):
+    """A dict whose iteration walks a copy of its entries.
+
+    amqtt walks its subscription table with awaits inside the loop (publishing retained
+    messages to a client that connects, filtering each broadcast); another client that
+    (un)subscribes meanwhile changes the table, and the walk dies with "dictionary changed
+    size during iteration": a connecting client's session handler, or a broadcast, is lost.
+    Seen with 16 or more agents connecting at once.
+    """
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(list(dict.keys(self)))
+
+    def keys(self) -> list[Any]:  # type: ignore[override]
+        return list(dict.keys(self))
+
+    def values(self) -> list[Any]:  # type: ignore[override]
+        return list(dict.values(self))
+
+    def items(self) -> list[tuple[Any, Any]]:  # type: ignore[override]
+        return list(dict.items(self))
+
+
 class _KeepaliveBroker(Broker):
-    """amqtt's broker with MQTT's keepalive rule enforced.
+    """amqtt's broker with MQTT's keepalive rule enforced, and its subscription table safe to
+    change while it is walked (see _SnapshotDict).
 
     amqtt notices a client that closed its socket, but never drops one that merely went
     silent (its read timeout handler does nothing). A device that loses power or network
@@ -44,6 +69,10 @@ class _KeepaliveBroker(Broker):
     client silent for 1.5 x its keepalive is disconnected as MQTT 3.1.1 (3.1.2.10) requires,
     which publishes its will.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._subscriptions = _SnapshotDict(self._subscriptions)
 
     async def _initialize_client_session(self, *args: Any, **kwargs: Any) -> Any:
         handler, session = await super()._initialize_client_session(*args, **kwargs)

@@ -389,3 +389,19 @@ def test_a_retained_message_pushed_before_subscribing_is_still_delivered_after(
             received, handler = collector()
             late.subscribe(topic, handler)
             assert received.get(timeout=WAIT_S) == (topic, b"the run")
+
+
+def test_the_embedded_brokers_subscription_table_can_change_while_walked(unused_port) -> None:
+    """amqtt walks this table across awaits while other clients (un)subscribe; with a plain
+    dict a client connecting amid a crowd lost its session (seen with 16 agents starting)."""
+    with EmbeddedBroker("127.0.0.1", unused_port) as embedded:
+        table = embedded._broker._subscriptions
+        table.update({"a/1": [], "a/2": []})
+        walked = []
+        for topic in table:
+            walked.append(topic)
+            table[f"{topic}/new"] = []
+            table.pop("a/2", None)
+        for topic, _ in table.items():
+            del table[topic]
+        assert walked == ["a/1", "a/2"] and not table
