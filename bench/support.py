@@ -1,0 +1,98 @@
+"""What every benchmark records besides its figures: the machine, and a JSON file written whole."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import platform
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from protocol.mqtt import BrokerAddress
+
+
+def environment() -> dict[str, Any]:
+    """The machine and versions a result was measured on."""
+    import torch
+
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+    }
+    if hasattr(os, "getloadavg"):
+        env["loadavg"] = list(os.getloadavg())
+    return env
+
+
+def write_json(path: pathlib.Path, data: Any) -> None:
+    """Write atomically, so an interrupted run never leaves half a result file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------ fleets
+
+
+@contextlib.contextmanager
+def broker(spec: str, workdir: pathlib.Path) -> Iterator[BrokerAddress]:
+    """A broker for an emulated fleet: `embedded` (amqtt in this process, what `coordinator
+    emulate` starts), `mosquitto` (a child process on a free loopback port) or HOST:PORT."""
+    from coordinator.broker import EmbeddedBroker
+    from coordinator.cli import free_port
+
+    if spec == "embedded":
+        with EmbeddedBroker(host="127.0.0.1", port=free_port()) as embedded:
+            yield embedded.address
+        return
+    if spec != "mosquitto":
+        yield BrokerAddress.parse(spec)
+        return
+    binary = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
+    port = free_port()
+    config = workdir / "mosquitto.conf"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n")
+    process = subprocess.Popen([binary, "-c", str(config)], stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+                break
+            if time.monotonic() > deadline or process.poll() is not None:
+                raise RuntimeError(f"mosquitto did not start on port {port}")
+            time.sleep(0.05)
+        yield BrokerAddress("127.0.0.1", port)
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def fleet_round_ends(workdir: pathlib.Path, roster: list[str]) -> dict[int, float]:
+    """Round -> the time (epoch seconds) the last agent finished it, from the round logs."""
+    from agent import checkpoint
+
+    ends: dict[int, float] = {}
+    for agent_id in roster:
+        for round_, record in checkpoint.read_records(workdir / agent_id / "rounds.jsonl").items():
+            ends[round_] = max(ends.get(round_, 0.0), record["finished_at"])
+    return ends
+
+
+def steady_round_s(ends: dict[int, float]) -> float | None:
+    """Seconds per round after the first: (end of the last round - end of the first) / rounds
+    between. Start-up (process start, imports, connecting) lands in round 1, not here."""
+    if len(ends) < 2:
+        return None
+    first, last = min(ends), max(ends)
+    return (ends[last] - ends[first]) / (last - first)
