@@ -24,7 +24,7 @@ from agent.budget import (
     nominal_reading,
 )
 from agent.sparse import Masks
-from agent.strategies import Learner, LocalData, StrategyConfig, param
+from agent.strategies import DECENTRALIZED, Learner, LocalData, StrategyConfig, param
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class ExperimentConfig:
             raise ValueError(f"need at least 1 agent, got {self.agents}")
         if cfg.rounds < 1 or cfg.epochs < 1 or cfg.batch_size < 1:
             raise ValueError("rounds, epochs and batch size must be at least 1")
-        decentralized = cfg.strategy in ("dadpfl", "dispfl", "dfedavgm")
+        decentralized = cfg.strategy in DECENTRALIZED
         if decentralized and cfg.topology == "random" and not 1 <= cfg.neighbours < self.agents:
             raise ValueError(
                 f"--neighbours must be between 1 and agents - 1 = {self.agents - 1} "
@@ -72,6 +72,10 @@ class ExperimentConfig:
             raise ValueError(f"--density must be in (0, 1], got {cfg.density}")
         if not 0 <= cfg.target_sparsity < 1:
             raise ValueError(f"--target-sparsity must be in [0, 1), got {cfg.target_sparsity}")
+        if not 0 < cfg.ssm_fraction <= 1:
+            raise ValueError(f"--ssm-fraction must be in (0, 1], got {cfg.ssm_fraction}")
+        if cfg.ldf_n < 1:
+            raise ValueError(f"--ldf-n must be >= 1, got {cfg.ldf_n}")
         if self.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
         if self.round_time_s <= 0:
@@ -119,6 +123,8 @@ def build_workload(
             torch.from_numpy(part.train.y),
             torch.from_numpy(part.test.x),
             torch.from_numpy(part.test.y),
+            torch.from_numpy(part.val.x),
+            torch.from_numpy(part.val.y),
         )
         for agent_id, part in zip(sorted(roster), parts, strict=True)
         if agent_id in wanted

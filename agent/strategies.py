@@ -16,11 +16,16 @@ Presets (ALGORITHMS.md section 1 and its baselines):
     fedavg     centralized, sample-weighted averaging; accuracy of the global model
     fedavg-ft  fedavg whose accuracy is that of each agent's model after local training
                (the global model fine-tuned for E epochs on the agent's data)
+
+and the centralized ones of ALGORITHMS.md sections 2 to 4 (fedspu, feddrop, fedadam,
+fedadam-top, fedadam-ssm, fedldf), whose rounds live in `agent.central`. Early stopping
+(`early_stop`, section 2) applies to every strategy.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +38,20 @@ from agent.models import flops_from_positions, output_positions
 from agent.sparse import Masks, State
 from agent.training import SGDConfig, dense_gradients, derive_seed, evaluate, train_local
 
-PRESETS = ("dadpfl", "dispfl", "dfedavgm", "local", "fedavg", "fedavg-ft")
+DECENTRALIZED = ("dadpfl", "dispfl", "dfedavgm")
+CENTRALIZED = (
+    "fedavg",
+    "fedavg-ft",
+    "fedspu",
+    "feddrop",
+    "fedadam",
+    "fedadam-top",
+    "fedadam-ssm",
+    "fedldf",
+)
+PRESETS = (*DECENTRALIZED, "local", *CENTRALIZED)
+ADAM_FAMILY = ("fedadam", "fedadam-top", "fedadam-ssm")
+STOP_LAMBDA = 0.7
 
 
 def param(default: Any, help: str) -> Any:
@@ -52,8 +70,8 @@ class StrategyConfig:
     topology: str = param("random", "Neighbour topology: random, ring or full.")
     epochs: int = param(5, "Local epochs E per round.")
     batch_size: int = param(128, "Local batch size (the local set if smaller).")
-    lr: float = param(0.1, "Initial learning rate.")
-    lr_decay: float = param(0.998, "Learning-rate decay per round: lr x decay^t.")
+    lr: float = param(0.1, "Initial learning rate (FedAdam presets: 1e-3).")
+    lr_decay: float = param(0.998, "Learning-rate decay per round: lr x decay^t (FedAdam: 1).")
     weight_decay: float = param(5e-4, "SGD weight decay.")
     momentum: float = param(0.0, "SGD momentum (dfedavgm uses 0.9).")
     density: float = param(0.5, "Initial ERK density of the sparse models (1 - sparsity).")
@@ -70,6 +88,11 @@ class StrategyConfig:
     pqi_beta: float = param(0.9, "PQI cap beta on the fraction pruned per layer and event.")
     target_sparsity: float = param(0.8, "Target sparsity s* that further pruning stops at.")
     fp16: bool = param(False, "Send model values as fp16.")
+    early_stop: bool = param(
+        False, "Stop an agent once L = 0.7 L_train + 0.3 L_val rises from its previous round."
+    )
+    ssm_fraction: float = param(0.05, "FedAdam-SSM/-Top: fraction alpha of deltas kept (top-k).")
+    ldf_n: int = param(4, "FedLDF: participants n uploading each layer (top-n divergence).")
 
     @property
     def sgd(self) -> SGDConfig:
@@ -92,15 +115,18 @@ def preset(name: str, **overrides: Any) -> StrategyConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown strategy {name!r}; known: {', '.join(PRESETS)}")
     fixed: dict[str, Any] = {}
+    defaults: dict[str, Any] = {}
     if name == "dispfl":
         fixed = {"max_wait": 0}
     elif name == "dfedavgm":
         fixed = {"max_wait": 0, "momentum": 0.9}
+    elif name in ADAM_FAMILY:
+        defaults = {"lr": 1e-3, "lr_decay": 1.0}  # ALGORITHMS.md 3: Adam at lr 1e-3
     for key, value in fixed.items():
         if key in overrides and overrides[key] != value:
             flag = "--" + key.replace("_", "-")
             raise ValueError(f"{name} fixes {flag} to {value}; got {overrides[key]}")
-    return StrategyConfig(**{**overrides, **fixed, "strategy": name})
+    return StrategyConfig(**{**defaults, **overrides, **fixed, "strategy": name})
 
 
 @dataclass(frozen=True)
@@ -141,12 +167,15 @@ class RoundResult:
 
 @dataclass(frozen=True)
 class LocalData:
-    """One agent's local data as tensors (train for training, test for accuracy)."""
+    """One agent's local data as tensors: train for training, test for accuracy, validation
+    for early stopping."""
 
     x_train: torch.Tensor
     y_train: torch.Tensor
     x_test: torch.Tensor
     y_test: torch.Tensor
+    x_val: torch.Tensor
+    y_val: torch.Tensor
 
 
 class Learner:
@@ -176,7 +205,7 @@ class Learner:
         self.dense_flops = flops_from_positions(self._positions, self._weight_shapes)
         self.sparse = config.strategy in ("dadpfl", "dispfl")
         self.prunes_further = config.strategy == "dadpfl"
-        self.decentralized = config.strategy in ("dadpfl", "dispfl", "dfedavgm")
+        self.decentralized = config.strategy in DECENTRALIZED
         self._shapes = {name: tuple(self.initial[name].shape) for name in prunable}
         self._densities = (
             sparse.erk_densities(self._shapes, config.density) if self.sparse else None
@@ -204,14 +233,24 @@ class Learner:
     def published(self, state: AgentState, num_samples: int) -> Published:
         return Published(state.weights, state.masks, num_samples)
 
+    def forward_flops(self, masks: Masks | None) -> int:
+        """Forward FLOPs per sample with the conv/linear weights of `masks` (other entries of
+        `masks`, such as biases, are ignored; None: dense)."""
+        if not masks:
+            return self.dense_flops
+        weights = {n: m for n, m in masks.items() if n in self._positions}
+        return flops_from_positions(self._positions, self._weight_shapes, weights)
+
     def train_flops(self, masks: Masks | None, samples: int) -> int:
         """3 x forward FLOPs of the (masked) model x samples: forward + backward (1.10)."""
-        per_sample = (
-            flops_from_positions(self._positions, self._weight_shapes, masks)
-            if masks
-            else self.dense_flops
-        )
-        return 3 * per_sample * samples
+        return 3 * self.forward_flops(masks) * samples
+
+    @functools.cached_property
+    def layer_groups(self) -> dict[str, list[str]]:
+        """FedLDF's layers: each weight with its bias and norm parameters."""
+        from agent.ldf import layer_groups
+
+        return layer_groups(self.model)
 
     def aggregate(self, agent: AgentState, inbox: dict[str, Published]) -> State:
         """Mask-based aggregation for sparse strategies (eq. 7), plain mean for dense ones."""
@@ -351,6 +390,13 @@ class Learner:
         density = 1.0 - sparse.sparsity(masks)
         flops = flops_from_positions(self._positions, self._weight_shapes, masks)
         return flops / self.dense_flops / density
+
+    def stopping_loss(self, weights: State, train_loss: float, data: LocalData) -> float:
+        """L_t = 0.7 L_train + 0.3 L_val (ALGORITHMS.md 2): L_train this round's mean training
+        loss, L_val the trained model's loss on the validation split, in eval mode. An agent
+        stops once L_t exceeds its previous L (NaN, e.g. without a validation split, never)."""
+        val_loss, _ = evaluate(self.model, weights, data.x_val, data.y_val)
+        return STOP_LAMBDA * train_loss + (1.0 - STOP_LAMBDA) * val_loss
 
     def evaluate_on(self, weights: State, data: LocalData) -> tuple[float, float]:
         return evaluate(self.model, weights, data.x_test, data.y_test)

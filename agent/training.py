@@ -105,17 +105,27 @@ def train_local(
     config: SGDConfig,
     round_: int,
     generator: torch.Generator,
+    *,
+    frozen: Masks | None = None,
 ) -> TrainResult:
     """E epochs of (masked) SGD from `state`; weights outside the mask stay exactly 0.
 
     The mask is re-applied after every optimizer step (ALGORITHMS.md 1.5), which keeps a
-    pruned weight at zero even with weight decay or momentum.
+    pruned weight at zero even with weight decay or momentum. `frozen` holds FedSPU's active
+    masks (True = trainable, ALGORITHMS.md 2): entries where it is False are put back to
+    their starting values after every step, so they come out bit-identical whatever the
+    gradient, weight decay or momentum did, while still taking part in the forward pass.
     """
     load_weights(model, state)
     model.train()
     params = dict(model.named_parameters())
     momentum_buffers: dict[str, torch.Tensor] = {}
     masked = {name: (params[name], mask) for name, mask in (masks or {}).items()}
+    kept = {
+        name: (params[name], trainable, params[name].detach().clone())
+        for name, trainable in (frozen or {}).items()
+        if not bool(trainable.all())
+    }
     total_loss, steps, samples = 0.0, 0, 0
     for _ in range(config.epochs):
         for batch in _batches(len(y), config.batch_size, generator):
@@ -124,6 +134,8 @@ def train_local(
             loss.backward()
             with torch.no_grad():
                 sgd_step_(params, momentum_buffers, config, round_)
+                for param, trainable, start in kept.values():
+                    param.copy_(torch.where(trainable, param, start))
                 for param, mask in masked.values():
                     param.mul_(mask)
             total_loss += loss.item()

@@ -296,6 +296,17 @@ def summary_table(report: dict) -> Table:
         ("rounds", str(summary["rounds"])),
         ("wall time", f"{summary['wall_seconds']:.1f} s"),
     ]
+    stopped = summary.get("stopped") or {}
+    if stopped:
+        saved = sum(s["saved_rounds"] for s in stopped.values())
+        rows.append(
+            (
+                "stopped early",
+                f"{len(stopped)} agents, {saved} agent-rounds, "
+                f"{sum(s['saved_flops'] for s in stopped.values()):.3e} FLOPs, "
+                f"{sum(s['saved_bytes'] for s in stopped.values()):,} bytes saved",
+            )
+        )
     for name, value in rows:
         table.add_row(name, value)
     return table

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent import pruning, sparse, topology
+from agent.central import Aggregate, Fit, Payload, central_strategy
 from agent.experiment import ExperimentConfig, build_workload, capped_density, nominal_budgets
 from agent.strategies import Published, RoundResult
-from agent.wire import model_message
+from agent.wire import encode_state, model_message
 from protocol import messages
 
 FLEET = "sim"
@@ -53,6 +54,9 @@ class Simulation:
         self.budgets = nominal_budgets(config, workload, self.roster)
         self.states = {agent_id: self.learner.init_agent(agent_id) for agent_id in self.roster}
         self.plan = pruning.PruningPlan(cfg.rounds, cfg.schedule_b, cfg.schedule_c)
+        self.stopping_losses: dict[str, float] = {}
+        self.stopped: dict[str, int] = {}
+        """Agent -> the round after which it stopped (early stopping)."""
 
     def run(self, progress: ProgressCallback | None = None) -> dict[str, Any]:
         started = time.perf_counter()
@@ -68,7 +72,10 @@ class Simulation:
                 "roster": self.roster,
             },
             "rounds": rounds,
-            "summary": summarize(rounds, self.plan.t_star, time.perf_counter() - started),
+            "summary": {
+                **summarize(rounds, self.plan.t_star, time.perf_counter() - started),
+                "stopped": stopped_summary(rounds, self.stopped, cfg.rounds),
+            },
         }
 
     def _message_size(self, round_: int, sender: str, published: Published) -> tuple[int, int]:
@@ -90,6 +97,18 @@ class Simulation:
             else sum(w.numel() for w in published.weights.values())
         )
         return len(data), nonzeros
+
+    def _stops(self, agent_id: str, round_: int, weights: sparse.State, train_loss: float) -> bool:
+        """Early stopping (ALGORITHMS.md 2): whether the agent stops after this round."""
+        if not self.config.learning.early_stop:
+            return False
+        loss = self.learner.stopping_loss(weights, train_loss, self.data[agent_id])
+        previous = self.stopping_losses.get(agent_id)
+        self.stopping_losses[agent_id] = loss
+        if previous is not None and loss > previous:
+            self.stopped[agent_id] = round_
+            return True
+        return False
 
     def _decentralized(self, progress: ProgressCallback | None) -> list[dict[str, Any]]:
         cfg = self.config.learning
@@ -117,6 +136,10 @@ class Simulation:
             traffic = {k: Traffic() for k in roster}
             results: dict[str, RoundResult] = {}
             for k in order:
+                if k in self.stopped:  # its neighbours keep using its last model
+                    current[k], size[k] = previous[k], 0
+                    results[k] = idle_result(rounds[-1]["agents"][k], self.states[k])
+                    continue
                 prior, posterior = topology.prior_posterior(order, neighbours[k], k, cfg.max_wait)
                 inbox = {j: current[j] for j in prior} | {j: previous[j] for j in posterior}
                 traffic[k].received += sum(size[j] for j in prior)
@@ -128,6 +151,7 @@ class Simulation:
                 results[k] = result
                 self.states[k] = result.state
                 current[k] = result.published
+                self._stops(k, t, result.state.weights, result.train_loss)
                 if communicates:
                     size[k], nonzeros = self._message_size(t, k, result.published)
                     traffic[k].sent += size[k]
@@ -137,49 +161,118 @@ class Simulation:
                 if progress:
                     progress(t, k)
             if votes_matter:
-                for k in roster:
+                voters = [k for k in roster if results[k].vote is not None]
+                for k in voters:
                     traffic[k].sent += vote_bytes
-                    traffic[k].received += vote_bytes * (len(roster) - 1)
-                votes = {k: bool(r.vote) for k, r in results.items()}
+                    traffic[k].received += vote_bytes * (len(voters) - 1)
+                votes = {k: bool(results[k].vote) for k in voters}
                 self.plan.observe(t, pruning.tally(votes, roster, cfg.delta_v))
             previous, previous_size = current, size
             rounds.append(self._round_record(t, results, traffic, order))
+            if len(self.stopped) == len(roster):
+                break
         return rounds
 
     def _centralized(self, progress: ProgressCallback | None) -> list[dict[str, Any]]:
-        cfg = self.config.learning
-        global_weights = dict(self.learner.initial)
-        rounds = []
-        for t in range(1, cfg.rounds + 1):
+        """Participants fit from the aggregator's state, the aggregator combines the uploads
+        (`agent.central`); traffic is the real messages: uploads (and FedLDF's divergence
+        vectors, requests and selected layers), per-agent downloads, one broadcast."""
+        strategy = central_strategy(self.config.learning.strategy)
+        server = strategy.init_server(self.learner)
+        rounds: list[dict[str, Any]] = []
+        for t in range(1, self.config.learning.rounds + 1):
             traffic = {k: Traffic() for k in [*self.roster, COORDINATOR]}
             results: dict[str, RoundResult] = {}
+            fits: dict[str, Fit] = {}
             for k in self.roster:
-                result = self.learner.central_train(self.states[k], self.data[k], global_weights, t)
-                results[k] = result
-                self.states[k] = result.state
-                sent, nonzeros = self._message_size(t, k, result.published)
-                traffic[k].sent += sent
-                traffic[k].nonzeros_sent += nonzeros
-                traffic[COORDINATOR].received += sent
+                if k in self.stopped:
+                    results[k] = idle_result(rounds[-1]["agents"][k], self.states[k])
+                    continue
+                p_k = self.budgets[k].p_k if k in self.budgets else self._static_tier(k)
+                fits[k] = strategy.fit(self.learner, self.states[k], self.data[k], server, t, p_k)
+                self.states[k] = fits[k].state
                 if progress:
                     progress(t, k)
-            global_weights = sparse.aggregate_weighted(
-                {k: r.published.weights for k, r in results.items()},
-                {k: float(r.published.num_samples) for k, r in results.items()},
-            )
-            global_size, global_nonzeros = self._message_size(
-                t, COORDINATOR, Published(global_weights, None, 0)
-            )
-            traffic[COORDINATOR].sent += global_size
-            traffic[COORDINATOR].nonzeros_sent += global_nonzeros
-            for k in self.roster:
-                traffic[k].received += global_size
-            if cfg.strategy == "fedavg":
-                for k in self.roster:
-                    loss, accuracy = self.learner.evaluate_on(global_weights, self.data[k])
-                    results[k] = dataclasses.replace(results[k], loss=loss, accuracy=accuracy)
+            aggregate = strategy.aggregate(self.learner, server, fits)
+            server = aggregate.server
+            self._central_traffic(t, fits, aggregate, traffic)
+            for k, fit in fits.items():
+                evaluated = fit.state.weights if strategy.personal else server.weights
+                loss, accuracy = self.learner.evaluate_on(evaluated, self.data[k])
+                results[k] = RoundResult(
+                    state=fit.state,
+                    published=Published(fit.state.weights, None, fit.num_samples),
+                    loss=loss,
+                    accuracy=accuracy,
+                    train_loss=fit.train_loss,
+                    train_flops=fit.train_flops,
+                    vote=None,
+                    score=None,
+                    pruned=False,
+                )
+                self._stops(k, t, fit.state.weights, fit.train_loss)
             rounds.append(self._round_record(t, results, traffic, self.roster))
+            if len(self.stopped) == len(self.roster):
+                break
         return rounds
+
+    def _static_tier(self, agent_id: str) -> float:
+        """p_k without device profiles: FedSPU's paper tiers 0.2, 0.4, ..., 1.0 in turn (by
+        the agent's place in the roster); with profiles the measured budget decides."""
+        return STATIC_TIERS[self.roster.index(agent_id) % len(STATIC_TIERS)]
+
+    def _payload_size(
+        self, kind: type[messages.Message], t: int, sender: str, payload: Payload
+    ) -> int:
+        body = encode_state(payload.weights, payload.masks, fp16=self.config.learning.fp16)
+        header = {"fleet": FLEET, "sender": sender, "run_id": "sim", "round": t}
+        if kind is messages.Global:
+            return len(messages.encode(messages.Global(**header, tensors=body)))
+        return len(messages.encode(messages.Update(**header, tensors=body, num_samples=1)))
+
+    def _central_traffic(
+        self, t: int, fits: dict[str, Fit], aggregate: Aggregate, traffic: dict[str, Traffic]
+    ) -> None:
+        coordinator = traffic[COORDINATOR]
+        header = {"fleet": FLEET, "run_id": "sim", "round": t}
+        broadcast = 0
+        if aggregate.broadcast.weights:
+            broadcast = self._payload_size(messages.Global, t, COORDINATOR, aggregate.broadcast)
+            coordinator.sent += broadcast
+            coordinator.nonzeros_sent += payload_nonzeros(aggregate.broadcast)
+        for k, fit in fits.items():
+            sent = [fit.upload] if fit.upload.weights else []
+            if k in aggregate.uploads and aggregate.uploads[k].weights:
+                sent.append(aggregate.uploads[k])
+            up = sum(self._payload_size(messages.Update, t, k, p) for p in sent)
+            if fit.divergence is not None:
+                up += len(
+                    messages.encode(
+                        messages.Divergence(
+                            **header,
+                            sender=k,
+                            layers=list(fit.divergence),
+                            values=list(fit.divergence.values()),
+                        )
+                    )
+                )
+            down = broadcast
+            if fit.download is not None:
+                size = self._payload_size(messages.Global, t, COORDINATOR, fit.download)
+                down += size
+                coordinator.sent += size
+                coordinator.nonzeros_sent += payload_nonzeros(fit.download)
+            if k in aggregate.requests:
+                request = messages.Request(
+                    **header, sender=COORDINATOR, target=k, layers=aggregate.requests[k]
+                )
+                size = len(messages.encode(request))
+                down += size
+                coordinator.sent += size
+            traffic[k].sent += up
+            traffic[k].received += down
+            traffic[k].nonzeros_sent += sum(payload_nonzeros(p) for p in sent)
+            coordinator.received += up
 
     def _round_record(
         self,
@@ -211,6 +304,50 @@ class Simulation:
             record["coordinator"] = dataclasses.asdict(traffic[COORDINATOR])
         record["t_star"] = self.plan.t_star
         return record
+
+
+STATIC_TIERS = (0.2, 0.4, 0.6, 0.8, 1.0)
+
+
+def payload_nonzeros(payload: Payload) -> int:
+    """Values a payload carries: the kept entries of masked tensors, all of the others."""
+    masks = payload.masks or {}
+    return sum(int(masks[n].sum()) if n in masks else t.numel() for n, t in payload.weights.items())
+
+
+def idle_result(last: dict[str, Any], state: sparse.State) -> RoundResult:
+    """A stopped agent's round: it keeps its model and figures, and spends nothing."""
+    return RoundResult(
+        state=state,
+        published=Published(state.weights, state.masks, 0),
+        loss=last["loss"],
+        accuracy=last["accuracy"],
+        train_loss=last["train_loss"],
+        train_flops=0,
+        vote=None,
+        score=None,
+        pruned=False,
+    )
+
+
+def stopped_summary(
+    rounds: list[dict[str, Any]], stopped: dict[str, int], limit: int
+) -> dict[str, dict[str, Any]]:
+    """Per stopped agent: when, and what it saved against training to the round limit
+    (rounds not run, and its mean FLOPs and bytes per round run, times those rounds)."""
+    out = {}
+    for agent_id, round_ in sorted(stopped.items()):
+        ran = [r["agents"][agent_id] for r in rounds[:round_]]
+        saved_rounds = limit - round_
+        flops = sum(a["train_flops"] for a in ran) / len(ran)
+        traffic = sum(a["bytes_sent"] + a["bytes_received"] for a in ran) / len(ran)
+        out[agent_id] = {
+            "round": round_,
+            "saved_rounds": saved_rounds,
+            "saved_flops": round(flops * saved_rounds),
+            "saved_bytes": round(traffic * saved_rounds),
+        }
+    return out
 
 
 def summarize(rounds: list[dict[str, Any]], t_star: int | None, wall: float) -> dict[str, Any]:

@@ -21,7 +21,7 @@ def _setup(strategy: str = "dadpfl", **overrides: object) -> tuple[Learner, Loca
     learner = Learner(model, INPUT, prunable_names(model), config, seed=5)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(48, *INPUT, generator=g), torch.randint(0, 10, (48,), generator=g)
-    return learner, LocalData(x[:32], y[:32], x[32:], y[32:])
+    return learner, LocalData(x[:32], y[:32], x[32:40], y[32:40], x[40:], y[40:])
 
 
 def test_masked_sgd_keeps_pruned_weights_exactly_zero() -> None:

@@ -1,0 +1,113 @@
+"""The centralized strategies of ALGORITHMS.md 2-4 and early stopping, through the simulator."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent.strategies import CENTRALIZED, preset
+from coordinator.simulate import STATIC_TIERS, ExperimentConfig, Simulation, simulate
+
+AGENTS = 5
+
+
+def config(strategy: str, rounds: int = 2, **learning: object) -> ExperimentConfig:
+    return ExperimentConfig(
+        dataset="mnist1d",
+        agents=AGENTS,
+        partition="dirichlet:0.5",
+        seed=3,
+        learning=preset(strategy, rounds=rounds, epochs=1, neighbours=3, **learning),
+    )
+
+
+def agent_figures(report: dict, key: str, round_index: int = 0) -> dict[str, float]:
+    return {k: a[key] for k, a in report["rounds"][round_index]["agents"].items()}
+
+
+@pytest.mark.parametrize("strategy", CENTRALIZED)
+def test_every_centralized_strategy_learns_and_reports(strategy: str) -> None:
+    report = simulate(config(strategy))
+    summary = report["summary"]
+    assert summary["rounds"] == 2 and summary["busiest_agent"] == "coordinator"
+    assert 0.0 < summary["mean_accuracy"] <= 1.0 and summary["total_train_flops"] > 0
+    for record in report["rounds"]:
+        assert set(record["agents"]) == set(report["config"]["roster"])
+        assert all(
+            a["bytes_sent"] > 0 and a["bytes_received"] > 0 for a in record["agents"].values()
+        )
+        assert record["coordinator"]["received"] == sum(
+            a["bytes_sent"] for a in record["agents"].values()
+        )
+
+
+def test_fedldf_with_every_participant_per_layer_is_fedavg() -> None:
+    fedavg = simulate(config("fedavg", rounds=3))
+    ldf = simulate(config("fedldf", rounds=3, ldf_n=AGENTS))
+    for t in range(3):
+        assert agent_figures(ldf, "accuracy", t) == agent_figures(fedavg, "accuracy", t)
+        assert agent_figures(ldf, "loss", t) == agent_figures(fedavg, "loss", t)
+
+
+def test_fedldf_uploads_n_of_k_of_the_layers() -> None:
+    fedavg = simulate(config("fedavg", rounds=1))
+    ldf = simulate(config("fedldf", rounds=1, ldf_n=1))
+    uploaded = fedavg["rounds"][0]["coordinator"]["received"]
+    ldf_uploaded = ldf["rounds"][0]["coordinator"]["received"]
+    # One participant per layer: the model once, plus divergence vectors and message headers.
+    assert ldf_uploaded < uploaded / AGENTS + 4_000
+
+
+def test_fedadam_uploads_shrink_with_one_shared_mask() -> None:
+    sent = {
+        s: sum(agent_figures(simulate(config(s, rounds=1)), "bytes_sent").values())
+        for s in ("fedadam", "fedadam-top", "fedadam-ssm")
+    }
+    assert sent["fedadam-ssm"] < sent["fedadam-top"] < sent["fedadam"]
+
+
+def test_fedspu_and_federated_dropout_move_the_same_active_part() -> None:
+    spu, drop = simulate(config("fedspu", rounds=1)), simulate(config("feddrop", rounds=1))
+    assert agent_figures(spu, "bytes_sent") == agent_figures(drop, "bytes_sent")
+    assert agent_figures(spu, "bytes_received") == agent_figures(drop, "bytes_received")
+    # Dropout trains the sub-model only; FedSPU still runs the frozen part forward (the same
+    # when every neuron is active: the last agent's tier is 1.0).
+    spu_flops, drop_flops = agent_figures(spu, "train_flops"), agent_figures(drop, "train_flops")
+    *partial, full = sorted(spu_flops)
+    assert all(drop_flops[k] < spu_flops[k] for k in partial)
+    assert drop_flops[full] == spu_flops[full]
+
+
+def test_without_profiles_fedspu_uses_the_papers_tiers() -> None:
+    simulation = Simulation(config("fedspu", rounds=1))
+    tiers = [simulation._static_tier(k) for k in simulation.roster]
+    assert tiers == list(STATIC_TIERS[:AGENTS])
+    flops = agent_figures(simulation.run(), "train_flops")
+    per_sample = {k: flops[k] / len(simulation.data[k].y_train) for k in flops}
+    ordered = [per_sample[k] for k in simulation.roster]
+    assert ordered == sorted(ordered)
+
+
+@pytest.mark.parametrize("strategy", ["fedavg-ft", "dadpfl", "fedspu"])
+def test_a_stopped_agent_keeps_its_model_and_spends_nothing(strategy: str) -> None:
+    report = simulate(config(strategy, rounds=8, early_stop=True))
+    stopped = report["summary"]["stopped"]
+    assert stopped, "with one local epoch per round some agent's loss rises within 8 rounds"
+    for agent_id, info in stopped.items():
+        after = [r["agents"][agent_id] for r in report["rounds"][info["round"] :]]
+        last = report["rounds"][info["round"] - 1]["agents"][agent_id]
+        for record in after:
+            assert record["train_flops"] == 0 and record["bytes_sent"] == 0
+            assert record["accuracy"] == last["accuracy"]
+        assert info["saved_rounds"] == 8 - info["round"]
+        assert info["saved_flops"] > 0 and info["saved_bytes"] > 0
+
+
+def test_the_run_ends_when_every_agent_has_stopped() -> None:
+    report = simulate(config("fedavg-ft", rounds=40, early_stop=True, lr=0.5))
+    stopped = report["summary"]["stopped"]
+    assert len(stopped) == AGENTS
+    assert report["summary"]["rounds"] == max(i["round"] for i in stopped.values()) < 40
+
+
+def test_without_early_stopping_nobody_stops() -> None:
+    assert simulate(config("fedavg-ft", rounds=4))["summary"]["stopped"] == {}
