@@ -29,6 +29,7 @@ from agent.experiment import (
 from agent.onnx_export import OnnxModel, export_onnx, load_inputs
 from agent.options import experiment_config, experiment_options
 from agent.runtime import AgentRuntime, Run, Timeouts
+from agent.strategies import AgentState
 from agent.throttle import Throttle
 from firmware_profiles import DeviceProfile, ProfileError, load_profile
 from protocol import messages, topics
@@ -315,6 +316,22 @@ def learn(
             + (f", stragglers {record['stragglers']}" if record["stragglers"] else "")
         )
 
+    def export(state: AgentState) -> None:
+        path = export_onnx(
+            workload.learner.model,
+            state.weights,
+            workload.learner.input_shape,
+            folder / "model.onnx",
+            metadata={
+                "agent": agent_id,
+                "run_id": run.run_id,
+                "round": str(state.round),
+                "model": workload.model_name,
+                "strategy": run.config.learning.strategy,
+            },
+        )
+        console.print(f"run {run.run_id}: personalized model final, exported to {path}")
+
     budget, throttle = budget_source(run, agent_id, workload, device)
     runtime = AgentRuntime(
         agent_id=agent_id,
@@ -326,26 +343,12 @@ def learn(
         timeouts=timeouts,
         key=key,
         on_round=report,
+        on_finish=export,
         stop=stop,
         budget=budget,
         throttle=throttle,
     )
     runtime.run()
-    if runtime.state.round == run.config.learning.rounds:
-        path = export_onnx(
-            workload.learner.model,
-            runtime.state.weights,
-            workload.learner.input_shape,
-            folder / "model.onnx",
-            metadata={
-                "agent": agent_id,
-                "run_id": run.run_id,
-                "round": str(runtime.state.round),
-                "model": workload.model_name,
-                "strategy": run.config.learning.strategy,
-            },
-        )
-        console.print(f"run {run.run_id} finished; personalized model exported to {path}")
     stop.set()
 
 

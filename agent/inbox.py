@@ -41,6 +41,8 @@ class Inbox:
         self.rejected = 0
         self.ready: set[str] = set()
         self.finished: set[str] = set()
+        self.stopped: dict[str, int] = {}
+        """Agents stopped early -> their last round; their later models will never come."""
         self.offline: set[str] = set()
 
     def _decode(
@@ -105,8 +107,10 @@ class Inbox:
         if isinstance(message, messages.Status):
             with self._changed:
                 self.ready.add(message.sender)
-                if message.state == "done":
+                if message.state == "done" or message.stopped:
                     self.finished.add(message.sender)
+                if message.stopped:
+                    self.stopped[message.sender] = message.round
                 self._changed.notify_all()
             history = message.metrics.get("votes")
             if isinstance(history, str) and set(history) <= {"0", "1"}:
@@ -152,12 +156,17 @@ class Inbox:
     def wait_models(
         self, needed: Iterable[tuple[int, str]], timeout_s: float
     ) -> set[tuple[int, str]]:
-        """Wait until every (round, sender) is here or the timeout passes; returns the missing."""
+        """Wait until every (round, sender) is here, or will never come (its sender stopped
+        early before that round), or the timeout passes; returns the missing."""
         needed = set(needed)
         deadline = time.monotonic() + timeout_s
         with self._changed:
             while True:
-                missing = {k for k in needed if k not in self._models}
+                missing = {
+                    (r, j)
+                    for r, j in needed
+                    if (r, j) not in self._models and r <= self.stopped.get(j, r)
+                }
                 remaining = deadline - time.monotonic()
                 if not missing or remaining <= 0:
                     return missing
@@ -170,7 +179,8 @@ class Inbox:
         with self._changed:
             while True:
                 votes = dict(self._votes.get(round_, {}))
-                if roster - self.offline <= set(votes) or time.monotonic() >= deadline:
+                stopped = {j for j, last in self.stopped.items() if last < round_}
+                if roster - self.offline - stopped <= set(votes) or time.monotonic() >= deadline:
                     return votes
                 self._changed.wait(min(deadline - time.monotonic(), 0.5))
 

@@ -28,7 +28,7 @@ from agent import checkpoint, pruning, sparse, topology
 from agent.budget import Budget
 from agent.experiment import ExperimentConfig, Workload, capped_density
 from agent.inbox import Expected, Inbox
-from agent.strategies import AgentState, Published, RoundResult
+from agent.strategies import AgentState, Published, RoundResult, early_stop_savings
 from agent.throttle import Throttle
 from agent.wire import expected_shapes, model_message
 from protocol import messages, topics
@@ -76,6 +76,7 @@ class AgentRuntime:
         timeouts: Timeouts = Timeouts(),
         key: bytes | None = None,
         on_round: Callable[[dict[str, Any]], None] | None = None,
+        on_finish: Callable[[AgentState], None] | None = None,
         stop: threading.Event | None = None,
         budget: Callable[[], Budget | None] | None = None,
         throttle: Throttle | None = None,
@@ -93,6 +94,8 @@ class AgentRuntime:
         self.timeouts = timeouts
         self.key = key
         self.on_round = on_round
+        self.on_finish = on_finish
+        """Called once the model is final, before lingering (the CLI exports it to ONNX)."""
         self.stop = stop or threading.Event()
         self.budget = budget or (lambda: None)
         self.throttle = throttle
@@ -108,6 +111,8 @@ class AgentRuntime:
         self.state: AgentState = self.learner.init_agent(agent_id)
         self.plan = pruning.PruningPlan(self.cfg.rounds, self.cfg.schedule_b, self.cfg.schedule_c)
         self.settled_round = 0
+        self.stopping_loss: float | None = None
+        self.stopped_round: int | None = None
         self.own: dict[int, bytes] = {}
         self.votes: dict[int, bool] = {}
         self.subscribed: set[str] = set()
@@ -138,11 +143,18 @@ class AgentRuntime:
         prior, posterior = topology.prior_posterior(order, mine, self.me, self.cfg.max_wait)
         return {(round_, j) for j in prior} | {(round_ - 1, j) for j in posterior}
 
+    def _sources(self, needs: set[tuple[int, str]]) -> dict[tuple[int, str], tuple[int, str]]:
+        """The model that stands for each need: an agent that stopped early after round s is
+        represented by its round-s model in every later round."""
+        stopped = dict(self.inbox.stopped)
+        return {(r, j): (min(r, stopped.get(j, r)), j) for r, j in needs}
+
     def _subscribe_ahead(self, round_: int) -> None:
         """Subscribe to the models of the next few rounds before anyone publishes them."""
         wanted = set()
         for upcoming in range(round_, min(round_ + LOOKAHEAD_ROUNDS, self.cfg.rounds) + 1):
-            wanted |= {self._topic(r, "model", j) for r, j in self._needs(upcoming) if r >= 1}
+            sources = self._sources(self._needs(upcoming)).values()
+            wanted |= {self._topic(r, "model", j) for r, j in sources if r >= 1}
         for topic in sorted(wanted - self.subscribed):
             self.transport.subscribe(topic, self.inbox.on_model)
         for topic in self.subscribed - wanted:
@@ -184,17 +196,29 @@ class AgentRuntime:
             if r == 0:
                 self.inbox.put_model(0, j, self.learner.published(self.learner.init_agent(j), 0))
         deadline = time.monotonic() + self.timeouts.round_s
-        missing = self.inbox.wait_models(
-            needs, min(self.timeouts.request_every_s, self.timeouts.round_s)
+        sources = self._sources(needs)
+        self._request(
+            {src for need, src in sources.items() if src != need and not self.inbox.model(*src)}
         )
-        while missing and time.monotonic() < deadline and not self.stop.is_set():
+        wait = min(self.timeouts.request_every_s, self.timeouts.round_s)
+        while True:
+            missing = self.inbox.wait_models(set(sources.values()), max(wait, 0.0))
+            if (now := self._sources(needs)) != sources:
+                # A neighbour stopped early meanwhile: fetch its last model now (this agent
+                # may never have subscribed to it).
+                self._subscribe_ahead(round_)
+                changed = set(now.values()) - set(sources.values())
+                self._request({k for k in changed if self.inbox.model(*k) is None})
+                sources = now
+                continue
+            if not missing or time.monotonic() >= deadline or self.stop.is_set():
+                break
             self._request(missing)
             wait = min(self.timeouts.request_every_s, deadline - time.monotonic())
-            missing = self.inbox.wait_models(missing, max(wait, 0.0))
         inbox: dict[str, Published] = {}
         stragglers = []
         for r, j in sorted(needs):
-            model = self.inbox.model(r, j)
+            model = self.inbox.model(*sources[(r, j)])
             if model is None:
                 stragglers.append(j)
                 fallback = self.inbox.latest(j, r)
@@ -255,12 +279,27 @@ class AgentRuntime:
         )
         return nonzeros
 
+    def _savings(self, round_: int) -> dict[str, Any]:
+        """What stopping after `round_` saves, for the status (from the round log)."""
+        records = checkpoint.read_records(self.records_path)
+        ran = [records[r] for r in sorted(records) if r <= round_]
+        return {"saved": early_stop_savings(ran, round_, self.cfg.rounds)}
+
+    def _stops(self, result: RoundResult) -> bool:
+        """Early stopping (ALGORITHMS.md 2): whether this round's loss rose from the last."""
+        if not self.cfg.early_stop:
+            return False
+        loss = self.learner.stopping_loss(result.state.weights, result.train_loss, self.data)
+        previous, self.stopping_loss = self.stopping_loss, loss
+        return previous is not None and loss > previous
+
     def _status(self, state: str, round_: int, metrics: dict[str, Any]) -> None:
         history = "".join("1" if self.votes.get(r) else "0" for r in range(1, round_ + 1))
         message = messages.Status(
             **self._header(round_),
             state=state,
             metrics={**metrics, "votes": history if self.learner.prunes_further else ""},
+            stopped=self.stopped_round is not None,
         )
         self.transport.publish(
             topics.status(self.fleet, self.me), messages.encode(message, key=self.key), retain=True
@@ -284,6 +323,7 @@ class AgentRuntime:
                 time.monotonic() - computing, result.train_flops
             )
         self.state = result.state
+        stops = self._stops(result)
         nonzeros = self._publish(round_, result)
         stats = self.transport.stats
         sent = stats.get("published_bytes", 0) - self._bytes[0]
@@ -310,11 +350,16 @@ class AgentRuntime:
             "stragglers": stragglers,
             "wait_s": round(waited, 3),
             "t_star": self.plan.t_star,
+            "stopped": stops,
             "finished_at": time.time(),
         }
         self._persist(round_, record)
+        saved: dict[str, Any] = {}
+        if stops:
+            self.stopped_round = round_
+            saved = self._savings(round_)
         self._status(
-            "training" if round_ < self.cfg.rounds else "done",
+            "stopped" if stops else "training" if round_ < self.cfg.rounds else "done",
             round_,
             {
                 k: record[k]
@@ -327,7 +372,8 @@ class AgentRuntime:
                     "stragglers",
                     "t_star",
                 )
-            },
+            }
+            | saved,
         )
         self.inbox.forget_before(round_ - 1)
         if self.on_round:
@@ -363,6 +409,7 @@ class AgentRuntime:
                 "votes": self.votes,
                 "settled_round": self.settled_round,
                 "t_star": self.plan.t_star,
+                "stopping_loss": self.stopping_loss,
                 "record": record,
             },
         )
@@ -397,6 +444,9 @@ class AgentRuntime:
         )
         self.plan._last_round = saved["settled_round"]
         self.settled_round = saved["settled_round"]
+        self.stopping_loss = saved.get("stopping_loss")
+        if saved["record"].get("stopped"):
+            self.stopped_round = int(saved["round"])
         log.info("resuming after round %d from %s", saved["round"], self.checkpoint_path)
         return int(saved["round"])
 
@@ -411,10 +461,20 @@ class AgentRuntime:
         else:
             self._start_together()
         for round_ in range(done + 1, self.cfg.rounds + 1):
-            if self.stop.is_set():
-                return
+            if self.stop.is_set() or self.stopped_round is not None:
+                break
             self.run_round(round_)
-        self._linger()
+        if self.stopped_round is not None:
+            log.info("stopped early after round %d: its loss rose", self.stopped_round)
+        if self.finished and self.on_finish:
+            self.on_finish(self.state)
+        if not self.stop.is_set():
+            self._linger()
+
+    @property
+    def finished(self) -> bool:
+        """Trained its last round, or stopped early: its model is final."""
+        return self.state.round == self.cfg.rounds or self.stopped_round is not None
 
     def _start_together(self) -> None:
         """Subscribe, say so in a status, and wait (at most a round timeout) for the others.
@@ -432,6 +492,13 @@ class AgentRuntime:
             log.warning("starting without %s: not heard from in time", ", ".join(sorted(absent)))
 
     def _linger(self) -> None:
-        """Keep answering requests until every other agent reports done (or time runs out)."""
+        """Keep answering requests until every other agent reports done (or time runs out).
+
+        An agent that stopped early stays for the rest of the run: its neighbours keep
+        using, and may still ask for, its last model."""
         others = set(self.roster) - {self.me}
-        self.inbox.wait_finished(others, self.stop, self.timeouts.linger_s)
+        timeout = self.timeouts.linger_s
+        if self.stopped_round is not None:
+            rounds_left = self.cfg.rounds - self.stopped_round
+            timeout += rounds_left * (self.timeouts.round_s + self.timeouts.vote_s)
+        self.inbox.wait_finished(others, self.stop, timeout)

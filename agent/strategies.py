@@ -129,6 +129,22 @@ def preset(name: str, **overrides: Any) -> StrategyConfig:
     return StrategyConfig(**{**defaults, **overrides, **fixed, "strategy": name})
 
 
+def early_stop_savings(records: list[dict[str, Any]], stop_round: int, limit: int) -> dict:
+    """What an agent that stopped after `stop_round` saved against training to round `limit`:
+    the rounds not run, and its mean training FLOPs and link bytes per round run (from its
+    round `records`) times those rounds."""
+    saved_rounds = limit - stop_round
+    ran = max(len(records), 1)
+    flops = sum(r["train_flops"] for r in records) / ran
+    traffic = sum(r["bytes_sent"] + r["bytes_received"] for r in records) / ran
+    return {
+        "round": stop_round,
+        "saved_rounds": saved_rounds,
+        "saved_flops": round(flops * saved_rounds),
+        "saved_bytes": round(traffic * saved_rounds),
+    }
+
+
 @dataclass(frozen=True)
 class Published:
     """The model an agent makes available to its neighbours after a round."""

@@ -25,7 +25,7 @@ from rich.table import Table
 
 from agent.checkpoint import atomic_write
 from agent.options import experiment_config, experiment_options
-from coordinator.fleet import AgentEntry, FleetView, describe_presence
+from coordinator.fleet import AgentEntry, FleetView, describe_presence, describe_state
 from coordinator.plots import write_plots
 from protocol import topics
 from protocol.cli import BROKER, NAME, ConfigError, read_key, stop_on_signal, wait_for
@@ -131,7 +131,7 @@ def serve(
 
 
 def describe_entry(entry: AgentEntry) -> str:
-    state = f", {entry.state}" if entry.state else ""
+    state = f", {describe_state(entry)}" if entry.state else ""
     return f"{entry.fleet}/{entry.agent}: {describe_presence(entry)}{state}"
 
 
@@ -212,7 +212,7 @@ def status(
             e.agent,
             e.role,
             f"[{'green' if e.online else 'red'}]{describe_presence(e)}[/]",
-            e.state + (" (stopped early)" if e.stopped else ""),
+            describe_state(e),
             str(e.round) if e.state else "",
             e.profile,
         )
@@ -339,10 +339,11 @@ def emulate(
 ) -> None:
     """Run a fleet of real edge-agent processes over MQTT and write the same report as simulate."""
     from coordinator.broker import EmbeddedBroker
-    from coordinator.emulate import Emulation, EmulationOptions
+    from coordinator.emulate import Emulation, EmulationOptions, check_emulated
 
     try:
         config = experiment_config(values)
+        check_emulated(config)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     folder = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="emulate-"))

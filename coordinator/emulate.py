@@ -23,7 +23,8 @@ from typing import Any
 from agent import checkpoint, topology
 from agent.data import load_dataset
 from agent.experiment import ExperimentConfig, profile_names
-from coordinator.simulate import summarize
+from agent.strategies import CENTRALIZED, DECENTRALIZED
+from coordinator.simulate import stopped_summary, summarize
 from protocol import messages, topics
 from protocol.membership import Identity, connect, leave
 from protocol.mqtt import BrokerAddress
@@ -43,7 +44,20 @@ RECORD_FIELDS = (
     "pruned",
     "stragglers",
     "wait_s",
+    "stopped",
 )
+IDLE = {
+    "bytes_sent": 0,
+    "bytes_received": 0,
+    "nonzeros_sent": 0,
+    "train_flops": 0,
+    "vote": None,
+    "score": None,
+    "pruned": False,
+    "stragglers": [],
+    "wait_s": 0.0,
+}
+"""A stopped agent's record in the rounds after it stopped: its figures stay, it spends nothing."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,11 +72,22 @@ class EmulationOptions:
     """Give up on agents still running after this long (default: scaled to the run)."""
 
 
+def check_emulated(config: ExperimentConfig) -> None:
+    """Reject what an emulated fleet cannot run (yet), with one clear sentence."""
+    config.validate()
+    if config.learning.strategy in CENTRALIZED:
+        raise ValueError(
+            f"{config.learning.strategy} is centralized: emulate runs the decentralized "
+            f"strategies ({', '.join(DECENTRALIZED)}) and local; use simulate for "
+            f"{', '.join(CENTRALIZED)}"
+        )
+
+
 class Emulation:
     def __init__(
         self, config: ExperimentConfig, broker: BrokerAddress, options: EmulationOptions
     ) -> None:
-        config.validate()
+        check_emulated(config)
         self.config = config
         self.broker = broker
         self.options = options
@@ -172,13 +197,19 @@ class Emulation:
         }
         rounds = []
         t_star = None
+        stopped = {
+            agent_id: t for agent_id, records in logs.items() for t, r in records.items()
+            if r.get("stopped")
+        }  # fmt: skip
         for t in range(1, self.config.learning.rounds + 1):
             agents = {}
             for agent_id, records in logs.items():
                 if t in records:
                     agents[agent_id] = {k: records[t].get(k) for k in RECORD_FIELDS}
                     t_star = t_star or records[t].get("t_star")
-            if not agents:
+                elif t > stopped.get(agent_id, t):
+                    agents[agent_id] = {**rounds[-1]["agents"][agent_id], **IDLE}
+            if not agents or len(stopped) == len(self.roster) and t > max(stopped.values()):
                 break
             rounds.append({
                 "round": t,
@@ -198,6 +229,7 @@ class Emulation:
             "rounds": rounds,
             "summary": {
                 **(summarize(rounds, t_star, wall) if rounds else {"rounds": 0, "t_star": None}),
+                "stopped": stopped_summary(rounds, stopped, self.config.learning.rounds),
                 "failed_agents": missing,
                 "stragglers": sorted(
                     {s for r in rounds for a in r["agents"].values() for s in a["stragglers"]}

@@ -86,6 +86,20 @@ def describe_presence(entry: AgentEntry, now: float | None = None) -> str:
     return f"offline since {describe_since(entry.since, now)}"
 
 
+def describe_state(entry: AgentEntry) -> str:
+    """The agent's state in words; an agent that stopped early says when and what it saved."""
+    if not entry.stopped:
+        return entry.state
+    text = f"stopped early after round {entry.round}"
+    saved = entry.metrics.get("saved")
+    if isinstance(saved, dict) and {"saved_rounds", "saved_flops", "saved_bytes"} <= saved.keys():
+        text += (
+            f": saved {saved['saved_rounds']} rounds, {saved['saved_flops']:.2e} FLOPs, "
+            f"{saved['saved_bytes']:,} bytes"
+        )
+    return text
+
+
 def describe_since(since: float, now: float | None = None) -> str:
     """A short human age such as '42s ago' or '3h05m ago' for a Unix timestamp."""
     if since <= 0:

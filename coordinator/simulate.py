@@ -19,7 +19,7 @@ from typing import Any
 from agent import pruning, sparse, topology
 from agent.central import Aggregate, Fit, Payload, central_strategy
 from agent.experiment import ExperimentConfig, build_workload, capped_density, nominal_budgets
-from agent.strategies import Published, RoundResult
+from agent.strategies import Published, RoundResult, early_stop_savings
 from agent.wire import encode_state, model_message
 from protocol import messages
 
@@ -298,6 +298,7 @@ class Simulation:
                 "vote": r.vote,
                 "score": r.score,
                 "pruned": r.pruned,
+                "stopped": k in self.stopped,
             }
         record: dict[str, Any] = {"round": t, "order": order, "agents": agents}
         if COORDINATOR in traffic:
@@ -333,21 +334,13 @@ def idle_result(last: dict[str, Any], state: sparse.State) -> RoundResult:
 def stopped_summary(
     rounds: list[dict[str, Any]], stopped: dict[str, int], limit: int
 ) -> dict[str, dict[str, Any]]:
-    """Per stopped agent: when, and what it saved against training to the round limit
-    (rounds not run, and its mean FLOPs and bytes per round run, times those rounds)."""
-    out = {}
-    for agent_id, round_ in sorted(stopped.items()):
-        ran = [r["agents"][agent_id] for r in rounds[:round_]]
-        saved_rounds = limit - round_
-        flops = sum(a["train_flops"] for a in ran) / len(ran)
-        traffic = sum(a["bytes_sent"] + a["bytes_received"] for a in ran) / len(ran)
-        out[agent_id] = {
-            "round": round_,
-            "saved_rounds": saved_rounds,
-            "saved_flops": round(flops * saved_rounds),
-            "saved_bytes": round(traffic * saved_rounds),
-        }
-    return out
+    """Per agent stopped early: when, and what it saved (`early_stop_savings`)."""
+    return {
+        agent_id: early_stop_savings(
+            [r["agents"][agent_id] for r in rounds[:round_]], round_, limit
+        )
+        for agent_id, round_ in sorted(stopped.items())
+    }
 
 
 def summarize(rounds: list[dict[str, Any]], t_star: int | None, wall: float) -> dict[str, Any]:

@@ -68,8 +68,9 @@ def options(tmp_path: Path, **overrides: object) -> EmulationOptions:
         {"strategy": "dispfl"},
         {"strategy": "dadpfl", "max_wait": 2, "rounds": 5, "delta_pr": 100.0},
         {"strategy": "dadpfl", "max_wait": 2, "profiles": "mixed"},
+        {"strategy": "dadpfl", "max_wait": 2, "rounds": 6, "early_stop": True},
     ],
-    ids=["dadpfl", "dispfl", "dadpfl-pruning", "dadpfl-budgets"],
+    ids=["dadpfl", "dispfl", "dadpfl-pruning", "dadpfl-budgets", "dadpfl-early-stop"],
 )
 def test_emulate_gives_the_numbers_of_simulate(
     amqtt_broker, tmp_path: Path, monkeypatch, learning
@@ -83,7 +84,16 @@ def test_emulate_gives_the_numbers_of_simulate(
     assert emulated["summary"]["failed_agents"] == {}
     assert emulated["summary"]["stragglers"] == []
     simulation = Simulation(cfg)
-    assert_same_learning(emulated, simulation.run())
+    simulated = simulation.run()
+    assert_same_learning(emulated, simulated)
+    # Saved bytes differ: emulate counts what each connection carried (statuses included).
+    stopped = {
+        a: (s["round"], s["saved_flops"]) for a, s in simulated["summary"]["stopped"].items()
+    }
+    assert {
+        a: (s["round"], s["saved_flops"]) for a, s in emulated["summary"]["stopped"].items()
+    } == stopped
+    assert emulated["summary"]["rounds"] == simulated["summary"]["rounds"]
     assert_onnx_models_match_torch(simulation, tmp_path / "fleet")
     if learning.get("profiles"):
         p_k = {a["p_k"] for r in emulated["rounds"] for a in r["agents"].values()}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from coordinator.fleet import FleetView, describe_since
+from coordinator.fleet import FleetView, describe_since, describe_state
 from protocol import messages as m
 from protocol import topics
 
@@ -60,3 +60,19 @@ def test_ages_read_naturally() -> None:
     assert describe_since(1000.0, now=1000.0 + 3 * 3600 + 5 * 60) == "3h05m ago"
     assert describe_since(1000.0, now=1000.0 + 2 * 86400 + 3600) == "2d01h ago"
     assert describe_since(0.0) == "unknown"
+
+
+def test_an_agent_stopped_early_says_when_and_what_it_saved() -> None:
+    view = FleetView()
+    saved = {"round": 7, "saved_rounds": 23, "saved_flops": 4.5e9, "saved_bytes": 1_234_567}
+    status = m.Status(
+        fleet="lab", sender="a", round=7, state="stopped", stopped=True, metrics={"saved": saved}
+    )
+    entry = view.feed(topics.status("lab", "a"), m.encode(status))
+    assert entry is not None and entry.stopped
+    assert describe_state(entry) == (
+        "stopped early after round 7: saved 23 rounds, 4.50e+09 FLOPs, 1,234,567 bytes"
+    )
+    training = m.Status(fleet="lab", sender="b", round=3, state="training")
+    other = view.feed(topics.status("lab", "b"), m.encode(training))
+    assert other is not None and describe_state(other) == "training"
