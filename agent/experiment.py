@@ -74,6 +74,8 @@ class ExperimentConfig:
             raise ValueError(f"--target-sparsity must be in [0, 1), got {cfg.target_sparsity}")
         if not 0 < cfg.ssm_fraction <= 1:
             raise ValueError(f"--ssm-fraction must be in (0, 1], got {cfg.ssm_fraction}")
+        if cfg.stop_patience < 1:
+            raise ValueError(f"--stop-patience must be >= 1, got {cfg.stop_patience}")
         if cfg.ldf_n < 1:
             raise ValueError(f"--ldf-n must be >= 1, got {cfg.ldf_n}")
         if self.threads < 1:

@@ -28,7 +28,13 @@ from agent import checkpoint, pruning, sparse, topology
 from agent.budget import Budget
 from agent.experiment import ExperimentConfig, Workload, capped_density
 from agent.inbox import Expected, Inbox
-from agent.strategies import AgentState, Published, RoundResult, early_stop_savings
+from agent.strategies import (
+    AgentState,
+    Published,
+    RoundResult,
+    StopWatch,
+    early_stop_savings,
+)
 from agent.throttle import Throttle
 from agent.wire import expected_shapes, model_message
 from protocol import messages, topics
@@ -111,7 +117,7 @@ class AgentRuntime:
         self.state: AgentState = self.learner.init_agent(agent_id)
         self.plan = pruning.PruningPlan(self.cfg.rounds, self.cfg.schedule_b, self.cfg.schedule_c)
         self.settled_round = 0
-        self.stopping_loss: float | None = None
+        self.stop_watch = StopWatch()
         self.stopped_round: int | None = None
         self.own: dict[int, bytes] = {}
         self.votes: dict[int, bool] = {}
@@ -290,8 +296,8 @@ class AgentRuntime:
         if not self.cfg.early_stop:
             return False
         loss = self.learner.stopping_loss(result.state.weights, result.train_loss, self.data)
-        previous, self.stopping_loss = self.stopping_loss, loss
-        return previous is not None and loss > previous
+        self.stop_watch, stops = self.stop_watch.after(loss, self.cfg.stop_patience)
+        return stops
 
     def _status(self, state: str, round_: int, metrics: dict[str, Any]) -> None:
         history = "".join("1" if self.votes.get(r) else "0" for r in range(1, round_ + 1))
@@ -409,7 +415,7 @@ class AgentRuntime:
                 "votes": self.votes,
                 "settled_round": self.settled_round,
                 "t_star": self.plan.t_star,
-                "stopping_loss": self.stopping_loss,
+                "stop_watch": dataclasses.asdict(self.stop_watch),
                 "record": record,
             },
         )
@@ -444,7 +450,7 @@ class AgentRuntime:
         )
         self.plan._last_round = saved["settled_round"]
         self.settled_round = saved["settled_round"]
-        self.stopping_loss = saved.get("stopping_loss")
+        self.stop_watch = StopWatch(**saved["stop_watch"])
         if saved["record"].get("stopped"):
             self.stopped_round = int(saved["round"])
         log.info("resuming after round %d from %s", saved["round"], self.checkpoint_path)

@@ -91,6 +91,7 @@ class StrategyConfig:
     early_stop: bool = param(
         False, "Stop an agent once L = 0.7 L_train + 0.3 L_val rises from its previous round."
     )
+    stop_patience: int = param(1, "Early stopping: consecutive rises of L that stop an agent.")
     ssm_fraction: float = param(0.05, "FedAdam-SSM/-Top: fraction alpha of deltas kept (top-k).")
     ldf_n: int = param(4, "FedLDF: participants n uploading each layer (top-n divergence).")
 
@@ -127,6 +128,23 @@ def preset(name: str, **overrides: Any) -> StrategyConfig:
             flag = "--" + key.replace("_", "-")
             raise ValueError(f"{name} fixes {flag} to {value}; got {overrides[key]}")
     return StrategyConfig(**{**defaults, **overrides, **fixed, "strategy": name})
+
+
+@dataclass(frozen=True)
+class StopWatch:
+    """An agent's early-stopping state: its last loss L and how many rounds in a row L rose.
+
+    ALGORITHMS.md 2 stops at the first rise (patience 1); a larger `stop_patience` waits for
+    that many consecutive rises, for noisy local losses."""
+
+    previous: float | None = None
+    rises: int = 0
+
+    def after(self, loss: float, patience: int) -> tuple[StopWatch, bool]:
+        """The state after a round with loss `loss`, and whether the agent stops."""
+        rose = self.previous is not None and loss > self.previous
+        watch = StopWatch(loss, self.rises + 1 if rose else 0)
+        return watch, watch.rises >= patience
 
 
 def early_stop_savings(records: list[dict[str, Any]], stop_round: int, limit: int) -> dict:

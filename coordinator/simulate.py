@@ -19,7 +19,7 @@ from typing import Any
 from agent import pruning, sparse, topology
 from agent.central import Aggregate, Fit, Payload, central_strategy
 from agent.experiment import ExperimentConfig, build_workload, capped_density, nominal_budgets
-from agent.strategies import Published, RoundResult, early_stop_savings
+from agent.strategies import Published, RoundResult, StopWatch, early_stop_savings
 from agent.wire import encode_state, model_message
 from protocol import messages
 
@@ -54,7 +54,7 @@ class Simulation:
         self.budgets = nominal_budgets(config, workload, self.roster)
         self.states = {agent_id: self.learner.init_agent(agent_id) for agent_id in self.roster}
         self.plan = pruning.PruningPlan(cfg.rounds, cfg.schedule_b, cfg.schedule_c)
-        self.stopping_losses: dict[str, float] = {}
+        self.stop_watches: dict[str, StopWatch] = {}
         self.stopped: dict[str, int] = {}
         """Agent -> the round after which it stopped (early stopping)."""
 
@@ -103,12 +103,11 @@ class Simulation:
         if not self.config.learning.early_stop:
             return False
         loss = self.learner.stopping_loss(weights, train_loss, self.data[agent_id])
-        previous = self.stopping_losses.get(agent_id)
-        self.stopping_losses[agent_id] = loss
-        if previous is not None and loss > previous:
+        watch = self.stop_watches.get(agent_id, StopWatch())
+        self.stop_watches[agent_id], stops = watch.after(loss, self.config.learning.stop_patience)
+        if stops:
             self.stopped[agent_id] = round_
-            return True
-        return False
+        return stops
 
     def _decentralized(self, progress: ProgressCallback | None) -> list[dict[str, Any]]:
         cfg = self.config.learning

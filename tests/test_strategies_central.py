@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.strategies import CENTRALIZED, preset
+from agent.strategies import CENTRALIZED, StopWatch, preset
 from coordinator.simulate import STATIC_TIERS, ExperimentConfig, Simulation, simulate
 
 AGENTS = 5
@@ -111,3 +111,28 @@ def test_the_run_ends_when_every_agent_has_stopped() -> None:
 
 def test_without_early_stopping_nobody_stops() -> None:
     assert simulate(config("fedavg-ft", rounds=4))["summary"]["stopped"] == {}
+
+
+@pytest.mark.parametrize("variant", ["fedadam-ssm", "fedadam-top"])
+def test_keeping_every_delta_is_dense_fedadam(variant: str) -> None:
+    dense = simulate(config("fedadam", rounds=2))
+    kept = simulate(config(variant, rounds=2, ssm_fraction=1.0))
+    for t in range(2):
+        assert agent_figures(kept, "accuracy", t) == agent_figures(dense, "accuracy", t)
+
+
+@pytest.mark.parametrize(
+    ("losses", "patience", "stops_after"),
+    [
+        ([3.0, 2.0, 2.5, 1.0], 1, 3),  # ALGORITHMS.md 2: the first rise stops
+        ([3.0, 2.0, 2.5, 1.0, 1.5, 1.6], 2, 6),  # a rise, a fall, then two rises in a row
+        ([3.0, float("nan"), 4.0, 5.0], 1, 4),  # NaN never counts as a rise
+    ],
+)
+def test_the_stop_rule_counts_consecutive_rises(losses, patience, stops_after) -> None:
+    watch, stopped_at = StopWatch(), None
+    for round_, loss in enumerate(losses, start=1):
+        watch, stops = watch.after(loss, patience)
+        if stops and stopped_at is None:
+            stopped_at = round_
+    assert stopped_at == stops_after
