@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from agent import data as datasets
-from agent import models
+from agent import models, sparse
 from agent.budget import (
     Budget,
     BudgetLimits,
@@ -24,7 +24,14 @@ from agent.budget import (
     nominal_reading,
 )
 from agent.sparse import Masks
-from agent.strategies import DECENTRALIZED, Learner, LocalData, StrategyConfig, param
+from agent.strategies import (
+    DECENTRALIZED,
+    REDUCE_MODES,
+    Learner,
+    LocalData,
+    StrategyConfig,
+    param,
+)
 
 
 @dataclass(frozen=True)
@@ -74,6 +81,8 @@ class ExperimentConfig:
             raise ValueError(f"--target-sparsity must be in [0, 1), got {cfg.target_sparsity}")
         if not 0 < cfg.ssm_fraction <= 1:
             raise ValueError(f"--ssm-fraction must be in (0, 1], got {cfg.ssm_fraction}")
+        if cfg.reduce not in REDUCE_MODES:
+            raise ValueError(f"--reduce must be one of {', '.join(REDUCE_MODES)}, got {cfg.reduce}")
         if cfg.stop_patience < 1:
             raise ValueError(f"--stop-patience must be >= 1, got {cfg.stop_patience}")
         if cfg.ldf_n < 1:
@@ -186,6 +195,46 @@ def capped_density(learner: Learner, budget: Budget | None, masks: Masks | None)
     if budget is None or masks is None:
         return None
     return density_cap(budget.p_k, learner.config.density, learner.flops_per_density(masks))
+
+
+FREEZE_MIN_ACTIVE = 0.5
+"""`--reduce auto` freezes when that leaves at least this fraction of neurons training."""
+MIN_ACTIVE = 0.05
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """How an agent cuts this round's compute to its budget (ALGORITHMS.md 5)."""
+
+    density_cap: float | None = None
+    """Prune the aggregated model to this density first (DA-DPFL's way)."""
+    active_fraction: float | None = None
+    """Train only this fraction of the neurons, freezing the rest (FedSPU's way)."""
+
+
+def local_reduction(learner: Learner, budget: Budget | None, masks: Masks | None) -> Reduction:
+    """`--reduce`: prune (cap the density), freeze (train a fraction of the neurons, the rest
+    frozen and kept), or auto (freeze if at least half the neurons can still train, else prune).
+
+    p_k is the fraction of a dense round's FLOPs the agent can afford; a full round of the
+    sparse model costs c = its FLOP density. Frozen weights skip their backward pass (2/3 of
+    their cost), so training a fraction a of the weights costs c (1 + 2a) / 3, and
+    a = (3 p_k / c - 1) / 2 meets the budget; taking a as the neuron fraction errs on the
+    cheap side (a weight trains only when both its neurons do). Freezing cannot cut the
+    forward pass: an agent that far short of its budget needs pruning, which auto picks.
+    """
+    if budget is None or masks is None:
+        return Reduction()
+    cost = learner.flops_per_density(masks) * (1.0 - sparse.sparsity(masks))
+    mode = learner.config.reduce
+    active = (3.0 * budget.p_k / cost - 1.0) / 2.0
+    if mode == "auto":
+        mode = "freeze" if active >= FREEZE_MIN_ACTIVE else "prune"
+    if mode == "freeze":
+        if active >= 1.0:
+            return Reduction()
+        return Reduction(active_fraction=max(active, MIN_ACTIVE))
+    return Reduction(density_cap=capped_density(learner, budget, masks))
 
 
 def config_from_dict(data: dict) -> ExperimentConfig:

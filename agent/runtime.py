@@ -26,7 +26,7 @@ from typing import Any
 
 from agent import checkpoint, pruning, sparse, topology
 from agent.budget import Budget
-from agent.experiment import ExperimentConfig, Workload, capped_density
+from agent.experiment import ExperimentConfig, Workload, local_reduction
 from agent.inbox import Expected, Inbox
 from agent.strategies import (
     AgentState,
@@ -318,10 +318,16 @@ class AgentRuntime:
         waited = time.monotonic() - started
         prune_now = self._prune_now(round_)
         budget = self.budget()
-        cap = capped_density(self.learner, budget, self.state.masks)
+        reduction = local_reduction(self.learner, budget, self.state.masks)
         computing = time.monotonic()
         result = self.learner.local_round(
-            self.state, self.data, inbox, round_, prune_now, density_cap=cap
+            self.state,
+            self.data,
+            inbox,
+            round_,
+            prune_now,
+            density_cap=reduction.density_cap,
+            active_fraction=reduction.active_fraction,
         )
         throttled = 0.0
         if self.throttle is not None:
@@ -348,7 +354,8 @@ class AgentRuntime:
             "train_flops": result.train_flops,
             "p_k": budget.p_k if budget else 1.0,
             "limited_by": budget.limited_by if budget else "none",
-            "density_cap": cap,
+            "density_cap": reduction.density_cap,
+            "active_fraction": reduction.active_fraction,
             "throttled_s": round(throttled, 3),
             "vote": result.vote,
             "score": result.score,

@@ -52,6 +52,7 @@ CENTRALIZED = (
 PRESETS = (*DECENTRALIZED, "local", *CENTRALIZED)
 ADAM_FAMILY = ("fedadam", "fedadam-top", "fedadam-ssm")
 STOP_LAMBDA = 0.7
+REDUCE_MODES = ("prune", "freeze", "auto")
 
 
 def param(default: Any, help: str) -> Any:
@@ -88,6 +89,11 @@ class StrategyConfig:
     pqi_beta: float = param(0.9, "PQI cap beta on the fraction pruned per layer and event.")
     target_sparsity: float = param(0.8, "Target sparsity s* that further pruning stops at.")
     fp16: bool = param(False, "Send model values as fp16.")
+    reduce: str = param(
+        "prune",
+        "How a sparse agent cuts compute to its budget p_k: prune (cap its density), freeze "
+        "(train a p_k fraction of its neurons, FedSPU-style) or auto (freeze at p_k >= 0.5).",
+    )
     early_stop: bool = param(
         False, "Stop an agent once L = 0.7 L_train + 0.3 L_val rises from its previous round."
     )
@@ -306,6 +312,7 @@ class Learner:
         round_: int,
         prune_now: bool,
         density_cap: float | None = None,
+        active_fraction: float | None = None,
     ) -> RoundResult:
         """One decentralized round of agent k: aggregate, train, vote, prune, RigL, evaluate.
 
@@ -313,7 +320,8 @@ class Learner:
         further pruning (when `prune_now` and sparsity < s*) precedes the RigL update, and the
         reported accuracy is that of the model the agent keeps and publishes. A `density_cap`
         below the current density (the device's budget, `agent.budget.density_cap`) prunes
-        the aggregated model to the cap by magnitude before training.
+        the aggregated model to the cap by magnitude before training; an `active_fraction`
+        instead trains that fraction of the neurons and freezes the rest (`--reduce`).
         """
         cfg = self.config
         start = self.aggregate(agent, inbox)
@@ -321,6 +329,12 @@ class Learner:
             capped = sparse.prune_to_density(start, agent.masks, density_cap)
             agent = dataclasses.replace(agent, masks=capped)
             start = sparse.apply_masks(start, capped)
+        active = None
+        if active_fraction is not None:
+            from agent.freezing import active_masks
+
+            generator = self.generator("active", agent.agent_id, round_)
+            active = active_masks(self.model, start, active_fraction, generator)
         trained = train_local(
             self.model,
             start,
@@ -330,8 +344,15 @@ class Learner:
             cfg.sgd,
             round_,
             self.generator("train", agent.agent_id, round_),
+            frozen=active,
         )
-        flops = self.train_flops(agent.masks, trained.samples)
+        if active is None:
+            flops = self.train_flops(agent.masks, trained.samples)
+        else:  # forward through the sparse model, backward through its active part only
+            trainable = {n: m & active[n] for n, m in (agent.masks or {}).items()}
+            flops = (self.forward_flops(agent.masks) + 2 * self.forward_flops(trainable)) * (
+                trained.samples
+            )
         weights, masks = trained.state, agent.masks
         vote = score = None
         distances = agent.distances

@@ -18,7 +18,7 @@ from typing import Any
 
 from agent import pruning, sparse, topology
 from agent.central import Aggregate, Fit, Payload, central_strategy
-from agent.experiment import ExperimentConfig, build_workload, capped_density, nominal_budgets
+from agent.experiment import ExperimentConfig, build_workload, local_reduction, nominal_budgets
 from agent.strategies import Published, RoundResult, StopWatch, early_stop_savings
 from agent.wire import encode_state, model_message
 from protocol import messages
@@ -143,9 +143,15 @@ class Simulation:
                 inbox = {j: current[j] for j in prior} | {j: previous[j] for j in posterior}
                 traffic[k].received += sum(size[j] for j in prior)
                 traffic[k].received += sum(previous_size[j] for j in posterior)
-                cap = capped_density(self.learner, self.budgets.get(k), self.states[k].masks)
+                reduction = local_reduction(self.learner, self.budgets.get(k), self.states[k].masks)
                 result = self.learner.local_round(
-                    self.states[k], self.data[k], inbox, t, prune_now, density_cap=cap
+                    self.states[k],
+                    self.data[k],
+                    inbox,
+                    t,
+                    prune_now,
+                    density_cap=reduction.density_cap,
+                    active_fraction=reduction.active_fraction,
                 )
                 results[k] = result
                 self.states[k] = result.state

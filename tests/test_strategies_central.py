@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
+from agent.experiment import MIN_ACTIVE, Reduction, local_reduction
 from agent.strategies import CENTRALIZED, StopWatch, preset
 from coordinator.simulate import STATIC_TIERS, ExperimentConfig, Simulation, simulate
 
@@ -136,3 +139,63 @@ def test_the_stop_rule_counts_consecutive_rises(losses, patience, stops_after) -
         if stops and stopped_at is None:
             stopped_at = round_
     assert stopped_at == stops_after
+
+
+def reduction_at(p_k: float, mode: str):
+    """local_reduction for a cnn1d DA-DPFL agent at density 0.5 whose budget is p_k."""
+    learner = Simulation(config("dadpfl", reduce=mode)).learner
+    masks = learner.init_agent("agent-000").masks
+    budget = SimpleNamespace(p_k=p_k)
+    cost = learner.flops_per_density(masks) * 0.5
+    return local_reduction(learner, budget, masks), cost
+
+
+def test_reduce_prunes_or_freezes_to_the_budget() -> None:
+    (_, cost) = reduction_at(1.0, "prune")
+    affordable, short, far_short = cost * 1.01, cost * 0.8, cost * 0.3
+    for mode in ("freeze", "auto"):
+        assert reduction_at(affordable, mode)[0] == Reduction()
+    assert reduction_at(affordable, "prune")[0].density_cap >= 0.5  # a cap that prunes nothing
+    pruned, _ = reduction_at(short, "prune")
+    assert pruned.density_cap is not None and pruned.density_cap < 0.5
+    assert pruned.active_fraction is None
+    # Freezing a fraction a costs c (1 + 2a) / 3: a = (3 x 0.8 - 1) / 2 = 0.7 here.
+    frozen, _ = reduction_at(short, "freeze")
+    assert frozen.density_cap is None and frozen.active_fraction == pytest.approx(0.7)
+    assert reduction_at(short, "auto")[0] == frozen
+    # Far short, freezing cannot get there (a < 0.5): auto prunes; freeze trains the minimum.
+    assert reduction_at(far_short, "auto")[0].density_cap is not None
+    assert reduction_at(far_short, "freeze")[0].active_fraction == MIN_ACTIVE
+
+
+def test_freezing_trains_fewer_flops_and_keeps_the_density() -> None:
+    def run(reduce: str, profiles: str) -> dict:
+        return simulate(
+            ExperimentConfig(
+                dataset="mnist1d",
+                agents=6,
+                partition="dirichlet:0.5",
+                seed=3,
+                profiles=profiles,
+                round_time_s=0.01,
+                learning=preset("dadpfl", rounds=1, epochs=1, neighbours=3, reduce=reduce),
+            )
+        )
+
+    frozen, full = run("freeze", "mixed"), run("freeze", "")
+    short = {k for k, a in agent_figures(run("prune", "mixed"), "sparsity").items() if a > 0.51}
+    assert short, "a weak board must be short of its budget"
+    frozen_flops, full_flops = (
+        agent_figures(frozen, "train_flops"),
+        agent_figures(full, "train_flops"),
+    )
+    assert all(frozen_flops[k] < full_flops[k] for k in short)
+    assert all(frozen_flops[k] == full_flops[k] for k in set(full_flops) - short)
+    assert all(
+        s == pytest.approx(0.5, abs=0.01) for s in agent_figures(frozen, "sparsity").values()
+    )
+
+
+def test_an_unknown_reduce_mode_is_refused() -> None:
+    with pytest.raises(ValueError, match="--reduce"):
+        ExperimentConfig(learning=preset("dadpfl", reduce="squash")).validate()
