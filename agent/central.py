@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from agent import adam, freezing, ldf, sparse
 from agent.sparse import Masks, State
 from agent.strategies import AgentState, Learner, LocalData
-from agent.training import train_local
+from agent.training import TrainResult, train_local
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,38 @@ def _sample_weights(fits: Mapping[str, Fit]) -> dict[str, float]:
     return {k: float(f.num_samples) for k, f in fits.items()}
 
 
+def _train(
+    learner: Learner,
+    agent: AgentState,
+    data: LocalData,
+    start: State,
+    round_: int,
+    *,
+    masks: Masks | None = None,
+    frozen: Masks | None = None,
+) -> TrainResult:
+    """The participant's local SGD from `start` (the same call for every SGD strategy)."""
+    return train_local(
+        learner.model,
+        start,
+        masks,
+        data.x_train,
+        data.y_train,
+        learner.config.sgd,
+        round_,
+        learner.generator("train", agent.agent_id, round_),
+        frozen=frozen,
+    )
+
+
+def _active(
+    learner: Learner, agent: AgentState, server: ServerState, round_: int, p_k: float
+) -> Masks:
+    """This round's active neurons of a FedSPU / dropout participant, drawn from its seed."""
+    generator = learner.generator("active", agent.agent_id, round_)
+    return freezing.active_masks(learner.model, server.weights, p_k, generator)
+
+
 class FedAvg(CentralStrategy):
     name = "fedavg"
 
@@ -118,16 +150,7 @@ class FedAvg(CentralStrategy):
         round_: int,
         p_k: float,
     ) -> Fit:
-        trained = train_local(
-            learner.model,
-            server.weights,
-            None,
-            data.x_train,
-            data.y_train,
-            learner.config.sgd,
-            round_,
-            learner.generator("train", agent.agent_id, round_),
-        )
+        trained = _train(learner, agent, data, server.weights, round_)
         return Fit(
             state=dataclasses.replace(agent, weights=trained.state, round=round_),
             upload=Payload(trained.state),
@@ -165,21 +188,9 @@ class FedSPU(CentralStrategy):
         round_: int,
         p_k: float,
     ) -> Fit:
-        active = freezing.active_masks(
-            learner.model, server.weights, p_k, learner.generator("active", agent.agent_id, round_)
-        )
+        active = _active(learner, agent, server, round_, p_k)
         start = freezing.overwrite_active(agent.weights, server.weights, active)
-        trained = train_local(
-            learner.model,
-            start,
-            None,
-            data.x_train,
-            data.y_train,
-            learner.config.sgd,
-            round_,
-            learner.generator("train", agent.agent_id, round_),
-            frozen=active,
-        )
+        trained = _train(learner, agent, data, start, round_, frozen=active)
         # Forward through the whole model, backward only through what trains.
         flops = (learner.forward_flops(None) + 2 * learner.forward_flops(active)) * trained.samples
         return Fit(
@@ -216,19 +227,9 @@ class FedDropout(FedSPU):
         round_: int,
         p_k: float,
     ) -> Fit:
-        active = freezing.active_masks(
-            learner.model, server.weights, p_k, learner.generator("active", agent.agent_id, round_)
-        )
-        trained = train_local(
-            learner.model,
-            freezing.submodel(server.weights, active),
-            active,
-            data.x_train,
-            data.y_train,
-            learner.config.sgd,
-            round_,
-            learner.generator("train", agent.agent_id, round_),
-        )
+        active = _active(learner, agent, server, round_, p_k)
+        start = freezing.submodel(server.weights, active)
+        trained = _train(learner, agent, data, start, round_, masks=active)
         return Fit(
             state=dataclasses.replace(agent, weights=trained.state, round=round_),
             upload=Payload(trained.state, active),

@@ -57,11 +57,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import multiprocessing as mp
 import os
 import pathlib
-import platform
 import queue
 import statistics
 import sys
@@ -70,6 +68,8 @@ from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.support import environment, write_json  # noqa: E402
 
 STRATEGIES = ("dadpfl", "dispfl", "dfedavgm", "fedavg")
 # Ablations of DA-DPFL, accepted by --strategies: its waiting alone (further pruning off:
@@ -495,27 +495,6 @@ def tables(results: dict[str, dict[str, Any]], comparison: dict[str, Any] | None
         cmp.add_row("rounds that pruned further", rounds_text(c["pruning_rounds"]), "", "", "")
         out.append(cmp)
     return out
-
-
-def environment() -> dict[str, Any]:
-    import torch
-
-    env = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-    }
-    if hasattr(os, "getloadavg"):
-        env["loadavg"] = list(os.getloadavg())
-    return env
-
-
-def write_json(path: pathlib.Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
 
 
 # ------------------------------------------------------------------------------------ main
