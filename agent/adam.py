@@ -25,10 +25,9 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from agent.sparse import Masks, State, aggregate_weighted
-from agent.training import _batches, load_weights
+from agent.training import load_weights, minibatch_epochs
 
 MODE_SSM = "ssm"  # FedAdam-SSM: one top-k mask of |dW| sparsifies dW, dM and dV
 MODE_TOP = "top"  # FedAdam-Top: each delta sparsified by its own top-k mask
@@ -108,19 +107,17 @@ def train_adam(
         raise ValueError("m and v must hold exactly the model's parameters")
     new_m = {name: m[name].detach().clone() for name in params}
     new_v = {name: v[name].detach().clone() for name in params}
-    total_loss, steps, samples = 0.0, 0, 0
-    for _ in range(config.epochs):
-        for batch in _batches(len(y), config.batch_size, generator):
-            model.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(x[batch]), y[batch])
-            loss.backward()
-            with torch.no_grad():
-                _adam_step_(params, new_m, new_v, config)
-            total_loss += loss.item()
-            steps += 1
-            samples += len(batch)
+    mean_loss, samples = minibatch_epochs(
+        model,
+        x,
+        y,
+        config.epochs,
+        config.batch_size,
+        generator,
+        lambda: _adam_step_(params, new_m, new_v, config),
+    )
     new_weights = {k: t.detach().clone() for k, t in model.state_dict().items()}
-    return AdamResult(new_weights, new_m, new_v, total_loss / max(steps, 1), samples)
+    return AdamResult(new_weights, new_m, new_v, mean_loss, samples)
 
 
 def deltas(new: Mapping[str, torch.Tensor], old: Mapping[str, torch.Tensor]) -> State:

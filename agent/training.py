@@ -8,6 +8,7 @@ numbers. Randomness (batch order) comes from an explicit generator derived by `d
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -126,25 +127,47 @@ def train_local(
         for name, trainable in (frozen or {}).items()
         if not bool(trainable.all())
     }
+
+    def step() -> None:
+        sgd_step_(params, momentum_buffers, config, round_)
+        for param, trainable, start in kept.values():
+            param.copy_(torch.where(trainable, param, start))
+        for param, mask in masked.values():
+            param.mul_(mask)
+
+    mean_loss, samples = minibatch_epochs(
+        model, x, y, config.epochs, config.batch_size, generator, step
+    )
+    new_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if masks:
+        apply_masks_(new_state, masks)
+    return TrainResult(new_state, mean_loss, samples)
+
+
+def minibatch_epochs(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    epochs: int,
+    batch_size: int,
+    generator: torch.Generator,
+    step: Callable[[], None],
+) -> tuple[float, int]:
+    """`epochs` passes of cross-entropy minibatches in `_batches` order, calling `step` (in
+    no_grad) after each backward; returns (mean batch loss, samples seen). The loop every
+    local optimizer shares, so SGD and Adam see the same batches for the same generator."""
     total_loss, steps, samples = 0.0, 0, 0
-    for _ in range(config.epochs):
-        for batch in _batches(len(y), config.batch_size, generator):
+    for _ in range(epochs):
+        for batch in _batches(len(y), batch_size, generator):
             model.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(x[batch]), y[batch])
             loss.backward()
             with torch.no_grad():
-                sgd_step_(params, momentum_buffers, config, round_)
-                for param, trainable, start in kept.values():
-                    param.copy_(torch.where(trainable, param, start))
-                for param, mask in masked.values():
-                    param.mul_(mask)
+                step()
             total_loss += loss.item()
             steps += 1
             samples += len(batch)
-    new_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    if masks:
-        apply_masks_(new_state, masks)
-    return TrainResult(new_state, total_loss / max(steps, 1), samples)
+    return total_loss / max(steps, 1), samples
 
 
 @torch.no_grad()
