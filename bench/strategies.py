@@ -29,12 +29,12 @@ What the default run shows (seed 1, 210 s; bench/results/strategies.json):
 * FedSPU over dropout: shown, +12.6 points on mnist1d (0.728 vs 0.601) and +12.2 on digits
   (0.986 vs 0.864) with identical bytes; dropout trains fewer FLOPs (0.73x and 0.68x).
 * FedAdam-SSM: NOT shown. Per round it uploads least (0.91x Top's uplink, 0.065x dense
-  FedAdam's, on both datasets), but it learns slower than Top at alpha = 0.05 (mnist1d 0.301 vs 0.322) and on
-  digits stalls at 0.24 (Top 0.88, dense 0.975), so Top reaches the common target with less
-  uplink. With alpha = 1 both equal dense FedAdam exactly (a test), so the masks are applied
-  as specified; a likely cause: with one mask taken from |dW|, the second moment is only
-  updated where the weights moved most, the global V stays at 0 elsewhere, and every round's
-  local Adam restarts there with steps of ~3 lr.
+  FedAdam's, on both datasets), but it learns slower than Top at alpha = 0.05 (mnist1d
+  0.301 vs 0.322) and on digits stalls at 0.24 (Top 0.88, dense 0.975), so Top reaches the
+  common target with less uplink. With alpha = 1 both equal dense FedAdam exactly (a test),
+  so the masks are applied as specified; a likely cause: with one mask taken from |dW|, the
+  second moment is only updated where the weights moved most, the global V stays at 0
+  elsewhere, and every round's local Adam restarts there with steps of ~3 lr.
 * FedLDF: upload 0.204x FedAvg's (n/K = 0.2) as the paper says, but accuracy NOT within a
   point: -10.4 points on mnist1d (0.385 vs 0.488), -3.0 on digits (0.947 vs 0.977).
 * Early stopping with ALGORITHMS.md's rule (stop at the first rise of L): NOT shown. It cuts
