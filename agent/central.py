@@ -23,8 +23,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from agent import adam, freezing, ldf, sparse
+from agent.budget import active_fraction
 from agent.sparse import Masks, State
-from agent.strategies import AgentState, Learner, LocalData
+from agent.strategies import AgentState, Learner, LocalData, frozen_training_flops
 from agent.training import TrainResult, train_local
 
 
@@ -188,11 +189,10 @@ class FedSPU(CentralStrategy):
         round_: int,
         p_k: float,
     ) -> Fit:
-        active = _active(learner, agent, server, round_, p_k)
+        active = _active(learner, agent, server, round_, active_fraction(p_k))
         start = freezing.overwrite_active(agent.weights, server.weights, active)
         trained = _train(learner, agent, data, start, round_, frozen=active)
-        # Forward through the whole model, backward only through what trains.
-        flops = (learner.forward_flops(None) + 2 * learner.forward_flops(active)) * trained.samples
+        flops = frozen_training_flops(learner, None, active) * trained.samples
         return Fit(
             state=dataclasses.replace(agent, weights=trained.state, round=round_),
             upload=Payload(trained.state, active),
@@ -214,7 +214,10 @@ class FedSPU(CentralStrategy):
 
 
 class FedDropout(FedSPU):
-    """Train the sub-model of the active neurons; the dropped rest is not kept."""
+    """Train the sub-model of the active neurons; the dropped rest is not kept.
+
+    Its accuracy is the trained sub-model's: in federated dropout that is the model an agent
+    has and would run (FedSPU's comparison is of these local models)."""
 
     name = "feddrop"
 

@@ -21,6 +21,7 @@ from agent.experiment import (
     ExperimentConfig,
     Workload,
     build_workload,
+    check_networked,
     config_from_dict,
     nominal_budgets,
     profile_names,
@@ -70,9 +71,9 @@ def wait_for_run(
             message = messages.decode(payload, key=key)
             if not isinstance(message, messages.RunConfig) or message.fleet != fleet:
                 raise ProtocolError("not a run configuration of this fleet")
-            run = Run(
-                message.run_id, tuple(sorted(message.roster)), config_from_dict(message.config)
-            )
+            config = config_from_dict(message.config)
+            check_networked(config)
+            run = Run(message.run_id, tuple(sorted(message.roster)), config)
         except (ProtocolError, ValueError) as exc:
             log.warning("ignoring run message: %s", exc)
             return
@@ -209,6 +210,8 @@ def main(
     try:
         device = load_profile(profile) if profile else None
         own_config = experiment_config(experiment) if expect else None
+        if own_config is not None:
+            check_networked(own_config)
     except (ProfileError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
     profile_name = device.name if device else ""

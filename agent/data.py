@@ -403,11 +403,12 @@ def cached(key: str, make: Callable[[], Dataset]) -> Dataset:
     if folder is None:
         return make()
     path = folder / f"{key}-v{CACHE_FORMAT}.npz"
-    if path.exists():
-        try:
-            return _read_cached(path)
-        except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
-            log.warning("dataset cache file %s is unreadable (%s); making it again", path, exc)
+    try:
+        return _read_cached(path)
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
+        log.warning("dataset cache file %s is unreadable (%s); making it again", path, exc)
     dataset = make()
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from agent import data as datasets
-from agent import models, sparse
+from agent import models
 from agent.budget import (
     Budget,
     BudgetLimits,
@@ -25,6 +25,7 @@ from agent.budget import (
 )
 from agent.sparse import Masks
 from agent.strategies import (
+    CENTRALIZED,
     DECENTRALIZED,
     REDUCE_MODES,
     Learner,
@@ -217,17 +218,18 @@ def local_reduction(learner: Learner, budget: Budget | None, masks: Masks | None
     frozen and kept), or auto (freeze if at least half the neurons can still train, else prune).
 
     p_k is the fraction of a dense round's FLOPs the agent can afford; a full round of the
-    sparse model costs c = its FLOP density. Frozen weights skip their backward pass (2/3 of
-    their cost), so training a fraction a of the weights costs c (1 + 2a) / 3, and
-    a = (3 p_k / c - 1) / 2 meets the budget; taking a as the neuron fraction errs on the
-    cheap side (a weight trains only when both its neurons do). Freezing cannot cut the
-    forward pass: an agent that far short of its budget needs pruning, which auto picks.
+    sparse model costs c, its FLOP fraction. A frozen weight skips only its weight-gradient
+    pass, a third of its cost (`frozen_training_flops`), so training a fraction a of the
+    weights costs c (2 + a) / 3 and a = 3 p_k / c - 2 meets the budget; taking a as the
+    neuron fraction errs on the cheap side (a weight trains only when both its neurons do).
+    Freezing cannot go below 2/3 of a round: an agent further short needs pruning, which
+    auto picks.
     """
     if budget is None or masks is None:
         return Reduction()
-    cost = learner.flops_per_density(masks) * (1.0 - sparse.sparsity(masks))
+    cost = learner.forward_flops(masks) / learner.dense_flops
     mode = learner.config.reduce
-    active = (3.0 * budget.p_k / cost - 1.0) / 2.0
+    active = 3.0 * budget.p_k / cost - 2.0
     if mode == "auto":
         mode = "freeze" if active >= FREEZE_MIN_ACTIVE else "prune"
     if mode == "freeze":
@@ -235,6 +237,17 @@ def local_reduction(learner: Learner, budget: Budget | None, masks: Masks | None
             return Reduction()
         return Reduction(active_fraction=max(active, MIN_ACTIVE))
     return Reduction(density_cap=capped_density(learner, budget, masks))
+
+
+def check_networked(config: ExperimentConfig) -> None:
+    """Reject what networked agents cannot run (yet), with one clear sentence."""
+    config.validate()
+    if config.learning.strategy in CENTRALIZED:
+        raise ValueError(
+            f"{config.learning.strategy} is centralized: networked agents run the "
+            f"decentralized strategies ({', '.join(DECENTRALIZED)}) and local; use simulate "
+            f"for {', '.join(CENTRALIZED)}"
+        )
 
 
 def config_from_dict(data: dict) -> ExperimentConfig:

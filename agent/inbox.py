@@ -129,6 +129,11 @@ class Inbox:
                     self.offline.add(message.sender)
                 self._changed.notify_all()
 
+    def stopped_agents(self) -> dict[str, int]:
+        """A copy of who stopped early and after which round."""
+        with self._changed:
+            return dict(self.stopped)
+
     def record_votes(self, sender: str, votes: dict[int, bool]) -> None:
         with self._changed:
             for round_, vote in votes.items():

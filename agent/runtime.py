@@ -152,7 +152,7 @@ class AgentRuntime:
     def _sources(self, needs: set[tuple[int, str]]) -> dict[tuple[int, str], tuple[int, str]]:
         """The model that stands for each need: an agent that stopped early after round s is
         represented by its round-s model in every later round."""
-        stopped = dict(self.inbox.stopped)
+        stopped = self.inbox.stopped_agents()
         return {(r, j): (min(r, stopped.get(j, r)), j) for r, j in needs}
 
     def _subscribe_ahead(self, round_: int) -> None:
@@ -244,7 +244,9 @@ class AgentRuntime:
         while self.settled_round < round_ // 2:
             r = self.settled_round + 1
             votes = self.inbox.wait_votes(r, self.roster, self.timeouts.vote_s)
-            self.plan.observe(r, pruning.tally(votes, self.roster, self.cfg.delta_v))
+            stopped = self.inbox.stopped_agents()
+            voters = [j for j in self.roster if stopped.get(j, r) >= r]
+            self.plan.observe(r, pruning.tally(votes, voters, self.cfg.delta_v))
             self.settled_round = r
         return self.plan.is_pruning_round(round_)
 
@@ -402,10 +404,14 @@ class AgentRuntime:
         by `restore`, which logs the checkpoint's record if it is missing: no round is ever
         lost or logged twice.
         """
+        # This round's and next round's models, and the last models of agents that stopped
+        # early that the next round uses (they may have left by the time we restart).
+        keys = {(r, j) for r in (round_, round_ + 1) for j in self.roster}
+        if round_ < self.cfg.rounds:
+            keys |= set(self._sources(self._needs(round_ + 1)).values())
         held = {
             f"{r}|{j}": {"weights": p.weights, "masks": p.masks or {}}
-            for r in (round_, round_ + 1)
-            for j in self.roster
+            for r, j in sorted(keys)
             if (p := self.inbox.model(r, j)) is not None
         }
         checkpoint.save(
@@ -457,7 +463,7 @@ class AgentRuntime:
         )
         self.plan._last_round = saved["settled_round"]
         self.settled_round = saved["settled_round"]
-        self.stop_watch = StopWatch(**saved["stop_watch"])
+        self.stop_watch = StopWatch(**saved.get("stop_watch", {}))
         if saved["record"].get("stopped"):
             self.stopped_round = int(saved["round"])
         log.info("resuming after round %d from %s", saved["round"], self.checkpoint_path)
@@ -471,6 +477,8 @@ class AgentRuntime:
         if done:
             for round_, data in self.own.items():
                 self.transport.publish(self._topic(round_, "model", self.me), data)
+            if self.stopped_round is not None:  # the crash may have come before the status
+                self._status("stopped", done, self._savings(done))
         else:
             self._start_together()
         for round_ in range(done + 1, self.cfg.rounds + 1):

@@ -153,6 +153,15 @@ class StopWatch:
         return watch, watch.rises >= patience
 
 
+def frozen_training_flops(learner: Learner, masks: Masks | None, active: Masks) -> int:
+    """Training FLOPs per sample with frozen weights: the forward pass and the input-gradient
+    pass run through every kept weight (frozen neurons still pass gradients back to active
+    ones), the weight-gradient pass only through the active ones: 2 F + F_active."""
+    masks = masks or {}
+    trainable = {n: a & masks[n] if n in masks else a for n, a in active.items()}
+    return 2 * learner.forward_flops(masks or None) + learner.forward_flops(trainable)
+
+
 def early_stop_savings(records: list[dict[str, Any]], stop_round: int, limit: int) -> dict:
     """What an agent that stopped after `stop_round` saved against training to round `limit`:
     the rounds not run, and its mean training FLOPs and link bytes per round run (from its
@@ -348,11 +357,8 @@ class Learner:
         )
         if active is None:
             flops = self.train_flops(agent.masks, trained.samples)
-        else:  # forward through the sparse model, backward through its active part only
-            trainable = {n: m & active[n] for n, m in (agent.masks or {}).items()}
-            flops = (self.forward_flops(agent.masks) + 2 * self.forward_flops(trainable)) * (
-                trained.samples
-            )
+        else:
+            flops = frozen_training_flops(self, agent.masks, active) * trained.samples
         weights, masks = trained.state, agent.masks
         vote = score = None
         distances = agent.distances
@@ -405,38 +411,6 @@ class Learner:
             vote=vote,
             score=None if score is None or math.isinf(score) else score,
             pruned=pruned,
-        )
-
-    def central_train(
-        self, agent: AgentState, data: LocalData, global_weights: State, round_: int
-    ) -> RoundResult:
-        """A participant's part of a centralized round: train from the global model.
-
-        Accuracy here is the fine-tuned model's (fedavg-ft); fedavg reports the new global
-        model's accuracy, which the aggregator computes with `evaluate_on`.
-        """
-        trained = train_local(
-            self.model,
-            global_weights,
-            None,
-            data.x_train,
-            data.y_train,
-            self.config.sgd,
-            round_,
-            self.generator("train", agent.agent_id, round_),
-        )
-        loss, accuracy = evaluate(self.model, trained.state, data.x_test, data.y_test)
-        new_state = dataclasses.replace(agent, weights=trained.state, round=round_)
-        return RoundResult(
-            state=new_state,
-            published=Published(trained.state, None, len(data.y_train)),
-            loss=loss,
-            accuracy=accuracy,
-            train_loss=trained.mean_loss,
-            train_flops=self.train_flops(None, trained.samples),
-            vote=None,
-            score=None,
-            pruned=False,
         )
 
     def flops_per_density(self, masks: Masks) -> float:

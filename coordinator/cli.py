@@ -338,13 +338,16 @@ def emulate(
     **values: object,
 ) -> None:
     """Run a fleet of real edge-agent processes over MQTT and write the same report as simulate."""
+    from agent.data import load_dataset
+    from agent.experiment import check_networked
     from coordinator.broker import EmbeddedBroker
-    from coordinator.emulate import Emulation, EmulationOptions, check_emulated
+    from coordinator.emulate import Emulation, EmulationOptions
 
     try:
         config = experiment_config(values)
-        check_emulated(config)
-    except ValueError as exc:
+        check_networked(config)
+        load_dataset(config.dataset, seed=config.seed)  # a bad --dataset fails here, in one line
+    except (ValueError, OSError) as exc:
         raise ConfigError(str(exc)) from None
     folder = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="emulate-"))
     embedded = None

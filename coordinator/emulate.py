@@ -22,8 +22,7 @@ from typing import Any
 
 from agent import checkpoint, topology
 from agent.data import load_dataset
-from agent.experiment import ExperimentConfig, profile_names
-from agent.strategies import CENTRALIZED, DECENTRALIZED
+from agent.experiment import ExperimentConfig, check_networked, profile_names
 from coordinator.simulate import stopped_summary, summarize
 from protocol import messages, topics
 from protocol.membership import Identity, connect, leave
@@ -72,22 +71,11 @@ class EmulationOptions:
     """Give up on agents still running after this long (default: scaled to the run)."""
 
 
-def check_emulated(config: ExperimentConfig) -> None:
-    """Reject what an emulated fleet cannot run (yet), with one clear sentence."""
-    config.validate()
-    if config.learning.strategy in CENTRALIZED:
-        raise ValueError(
-            f"{config.learning.strategy} is centralized: emulate runs the decentralized "
-            f"strategies ({', '.join(DECENTRALIZED)}) and local; use simulate for "
-            f"{', '.join(CENTRALIZED)}"
-        )
-
-
 class Emulation:
     def __init__(
         self, config: ExperimentConfig, broker: BrokerAddress, options: EmulationOptions
     ) -> None:
-        check_emulated(config)
+        check_networked(config)
         self.config = config
         self.broker = broker
         self.options = options

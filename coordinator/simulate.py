@@ -39,6 +39,34 @@ class Traffic:
 ProgressCallback = Callable[[int, str], None]
 
 
+@dataclass
+class Deliveries:
+    """Who received which model, for the traffic of agents that stopped early: one that
+    stopped after round s stands in with its round-s model, which a receiver that never got
+    it fetches once (the stopped agent re-sends it on request)."""
+
+    final_size: dict[str, int] = dataclasses.field(default_factory=dict)
+    held: set[tuple[str, str, int]] = dataclasses.field(default_factory=set)
+
+    def count(
+        self,
+        traffic: dict[str, Traffic],
+        receiver: str,
+        sender: str,
+        needed: int,
+        fresh_size: int,
+        stopped: dict[str, int],
+    ) -> None:
+        """Charge the delivery of `sender`'s round-`needed` model (`fresh_size` bytes)."""
+        source = min(needed, stopped.get(sender, needed))
+        cost = fresh_size
+        if source != needed:
+            cost = 0 if (receiver, sender, source) in self.held else self.final_size[sender]
+            traffic[sender].sent += cost
+        self.held.add((receiver, sender, source))
+        traffic[receiver].received += cost
+
+
 class Simulation:
     """One run: builds the fleet, runs the rounds, and collects the report."""
 
@@ -121,6 +149,7 @@ class Simulation:
             k: self.learner.published(s, len(self.data[k].y_train)) for k, s in self.states.items()
         }
         previous_size = dict.fromkeys(roster, 0)  # round-0 models are derivable: never sent
+        deliveries = Deliveries()
         rounds = []
         for t in range(1, cfg.rounds + 1):
             order = topology.reuse_order(seed, t, roster)
@@ -141,8 +170,10 @@ class Simulation:
                     continue
                 prior, posterior = topology.prior_posterior(order, neighbours[k], k, cfg.max_wait)
                 inbox = {j: current[j] for j in prior} | {j: previous[j] for j in posterior}
-                traffic[k].received += sum(size[j] for j in prior)
-                traffic[k].received += sum(previous_size[j] for j in posterior)
+                for j in prior:
+                    deliveries.count(traffic, k, j, t, size[j], self.stopped)
+                for j in posterior:
+                    deliveries.count(traffic, k, j, t - 1, previous_size[j], self.stopped)
                 reduction = local_reduction(self.learner, self.budgets.get(k), self.states[k].masks)
                 result = self.learner.local_round(
                     self.states[k],
@@ -159,6 +190,7 @@ class Simulation:
                 self._stops(k, t, result.state.weights, result.train_loss)
                 if communicates:
                     size[k], nonzeros = self._message_size(t, k, result.published)
+                    deliveries.final_size[k] = size[k]
                     traffic[k].sent += size[k]
                     traffic[k].nonzeros_sent += nonzeros
                 else:
@@ -171,7 +203,8 @@ class Simulation:
                     traffic[k].sent += vote_bytes
                     traffic[k].received += vote_bytes * (len(voters) - 1)
                 votes = {k: bool(results[k].vote) for k in voters}
-                self.plan.observe(t, pruning.tally(votes, roster, cfg.delta_v))
+                active = [k for k in roster if self.stopped.get(k, t) >= t]
+                self.plan.observe(t, pruning.tally(votes, active, cfg.delta_v))
             previous, previous_size = current, size
             rounds.append(self._round_record(t, results, traffic, order))
             if len(self.stopped) == len(roster):
@@ -184,6 +217,7 @@ class Simulation:
         vectors, requests and selected layers), per-agent downloads, one broadcast."""
         strategy = central_strategy(self.config.learning.strategy)
         server = strategy.init_server(self.learner)
+        p_k: dict[str, float] = {}  # what each agent trained with (budget or static tier)
         rounds: list[dict[str, Any]] = []
         for t in range(1, self.config.learning.rounds + 1):
             traffic = {k: Traffic() for k in [*self.roster, COORDINATOR]}
@@ -193,8 +227,10 @@ class Simulation:
                 if k in self.stopped:
                     results[k] = idle_result(rounds[-1]["agents"][k], self.states[k])
                     continue
-                p_k = self.budgets[k].p_k if k in self.budgets else self._static_tier(k)
-                fits[k] = strategy.fit(self.learner, self.states[k], self.data[k], server, t, p_k)
+                p_k[k] = self.budgets[k].p_k if k in self.budgets else self._static_tier(k)
+                fits[k] = strategy.fit(
+                    self.learner, self.states[k], self.data[k], server, t, p_k[k]
+                )
                 self.states[k] = fits[k].state
                 if progress:
                     progress(t, k)
@@ -216,7 +252,7 @@ class Simulation:
                     pruned=False,
                 )
                 self._stops(k, t, fit.state.weights, fit.train_loss)
-            rounds.append(self._round_record(t, results, traffic, self.roster))
+            rounds.append(self._round_record(t, results, traffic, self.roster, p_k))
             if len(self.stopped) == len(self.roster):
                 break
         return rounds
@@ -285,7 +321,9 @@ class Simulation:
         results: dict[str, RoundResult],
         traffic: dict[str, Traffic],
         order: list[str],
+        p_k: dict[str, float] | None = None,
     ) -> dict[str, Any]:
+        p_k = {k: b.p_k for k, b in self.budgets.items()} | (p_k or {})
         agents = {}
         for k in self.roster:
             r = results[k]
@@ -299,7 +337,7 @@ class Simulation:
                 "bytes_received": traffic[k].received,
                 "nonzeros_sent": traffic[k].nonzeros_sent,
                 "train_flops": r.train_flops,
-                "p_k": self.budgets[k].p_k if k in self.budgets else 1.0,
+                "p_k": p_k.get(k, 1.0),
                 "vote": r.vote,
                 "score": r.score,
                 "pruned": r.pruned,

@@ -142,6 +142,11 @@ def test_status_says_when_the_broker_is_unreachable(unused_port: int) -> None:
         ([*COORDINATOR, "serve", "--key-file", "/nonexistent/key"], "does not exist"),
         ([*COORDINATOR, "bogus"], "No such command"),
         ([*COORDINATOR, "emulate", "--strategy", "fedavg"], "fedavg is centralized"),
+        ([*COORDINATOR, "emulate", "--dataset", "npz:/no/such.npz"], "/no/such.npz"),
+        (
+            [*EDGE_AGENT, "--broker", "127.0.0.1", "--expect", "2", "--strategy", "fedspu"],
+            "fedspu is centralized",
+        ),
         ([*EDGE_AGENT], "Missing option '--broker'"),
         ([*EDGE_AGENT, "--broker", "127.0.0.1", "--profile", "no-such-board"], "jetson-nano"),
         ([*EDGE_AGENT, "--broker", "127.0.0.1", "--id", "UPPER"], "invalid id 'UPPER'"),

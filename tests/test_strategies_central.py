@@ -84,7 +84,9 @@ def test_without_profiles_fedspu_uses_the_papers_tiers() -> None:
     simulation = Simulation(config("fedspu", rounds=1))
     tiers = [simulation._static_tier(k) for k in simulation.roster]
     assert tiers == list(STATIC_TIERS[:AGENTS])
-    flops = agent_figures(simulation.run(), "train_flops")
+    report = simulation.run()
+    assert list(agent_figures(report, "p_k").values()) == tiers
+    flops = agent_figures(report, "train_flops")
     per_sample = {k: flops[k] / len(simulation.data[k].y_train) for k in flops}
     ordered = [per_sample[k] for k in simulation.roster]
     assert ordered == sorted(ordered)
@@ -99,7 +101,10 @@ def test_a_stopped_agent_keeps_its_model_and_spends_nothing(strategy: str) -> No
         after = [r["agents"][agent_id] for r in report["rounds"][info["round"] :]]
         last = report["rounds"][info["round"] - 1]["agents"][agent_id]
         for record in after:
-            assert record["train_flops"] == 0 and record["bytes_sent"] == 0
+            # It trains and receives nothing; it only re-sends its last model to neighbours
+            # that never had it (each fetches it once).
+            assert record["train_flops"] == 0 and record["bytes_received"] == 0
+            assert record["bytes_sent"] <= last["bytes_sent"] * (AGENTS - 1)
             assert record["accuracy"] == last["accuracy"]
         assert info["saved_rounds"] == 8 - info["round"]
         assert info["saved_flops"] > 0 and info["saved_bytes"] > 0
@@ -142,30 +147,33 @@ def test_the_stop_rule_counts_consecutive_rises(losses, patience, stops_after) -
 
 
 def reduction_at(p_k: float, mode: str):
-    """local_reduction for a cnn1d DA-DPFL agent at density 0.5 whose budget is p_k."""
+    """local_reduction for a cnn1d DA-DPFL agent at density 0.5 whose budget is p_k, and the
+    FLOP fraction c of a full round of its model."""
     learner = Simulation(config("dadpfl", reduce=mode)).learner
     masks = learner.init_agent("agent-000").masks
     budget = SimpleNamespace(p_k=p_k)
-    cost = learner.flops_per_density(masks) * 0.5
+    cost = learner.forward_flops(masks) / learner.dense_flops
     return local_reduction(learner, budget, masks), cost
 
 
 def test_reduce_prunes_or_freezes_to_the_budget() -> None:
     (_, cost) = reduction_at(1.0, "prune")
-    affordable, short, far_short = cost * 1.01, cost * 0.8, cost * 0.3
+    affordable, short, shorter = cost * 1.01, cost * 0.9, cost * 0.75
     for mode in ("freeze", "auto"):
         assert reduction_at(affordable, mode)[0] == Reduction()
     assert reduction_at(affordable, "prune")[0].density_cap >= 0.5  # a cap that prunes nothing
     pruned, _ = reduction_at(short, "prune")
     assert pruned.density_cap is not None and pruned.density_cap < 0.5
     assert pruned.active_fraction is None
-    # Freezing a fraction a costs c (1 + 2a) / 3: a = (3 x 0.8 - 1) / 2 = 0.7 here.
+    # Freezing a fraction a costs c (2 + a) / 3: a = 3 x 0.9 - 2 = 0.7 here.
     frozen, _ = reduction_at(short, "freeze")
     assert frozen.density_cap is None and frozen.active_fraction == pytest.approx(0.7)
     assert reduction_at(short, "auto")[0] == frozen
-    # Far short, freezing cannot get there (a < 0.5): auto prunes; freeze trains the minimum.
-    assert reduction_at(far_short, "auto")[0].density_cap is not None
-    assert reduction_at(far_short, "freeze")[0].active_fraction == MIN_ACTIVE
+    # At 0.75 c only a = 0.25 could train: auto prunes instead; freeze trains that quarter.
+    assert reduction_at(shorter, "auto")[0].density_cap is not None
+    assert reduction_at(shorter, "freeze")[0].active_fraction == pytest.approx(0.25)
+    # Below 2/3 c freezing cannot meet the budget at all: it trains the minimum.
+    assert reduction_at(cost * 0.5, "freeze")[0].active_fraction == MIN_ACTIVE
 
 
 def test_freezing_trains_fewer_flops_and_keeps_the_density() -> None:
