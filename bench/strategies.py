@@ -24,10 +24,12 @@ Directions (each printed as shown / NOT shown, with its numbers):
   boards with a tight round time (budgets from ~0.05 to 1), plain (prune to the budget)
   against `--reduce freeze`, `--reduce auto`, and auto with fp16 values on the wire.
 
-What the default run shows (seed 1, 210 s; bench/results/strategies.json):
+What the default run shows (seed 1, 202 s; bench/results/strategies.json):
 
 * FedSPU over dropout: shown, +12.6 points on mnist1d (0.728 vs 0.601) and +12.2 on digits
-  (0.986 vs 0.864) with identical bytes; dropout trains fewer FLOPs (0.73x and 0.68x).
+  (0.986 vs 0.864) with identical bytes; dropout trains fewer FLOPs (0.57x and 0.51x: a
+  frozen neuron still runs forward and passes gradients back; FedSPU trains 0.82x and 0.81x
+  FedAvg's).
 * FedAdam-SSM: NOT shown. Per round it uploads least (0.91x Top's uplink, 0.065x dense
   FedAdam's, on both datasets), but it learns slower than Top at alpha = 0.05 (mnist1d
   0.301 vs 0.322) and on digits stalls at 0.24 (Top 0.88, dense 0.975), so Top reaches the
