@@ -15,7 +15,7 @@ from typing import Any
 import click
 
 from agent.experiment import ExperimentConfig
-from agent.strategies import PRESETS, StrategyConfig, preset
+from agent.strategies import PRESETS, REDUCE_MODES, StrategyConfig, preset
 from agent.topology import TOPOLOGIES
 
 _TYPES = {int: int, float: float, str: str}
@@ -40,6 +40,8 @@ def _option(field: dataclasses.Field, hint: Any) -> Callable[[Callable], Callabl
         kind = click.Choice(PRESETS)
     elif field.name == "topology":
         kind = click.Choice(TOPOLOGIES)
+    elif field.name == "reduce":
+        kind = click.Choice(REDUCE_MODES)
     default = field.default if field.default is not dataclasses.MISSING else None
     shown = f" [default: {default}]" if default is not None else ""
     return click.option(flag, type=kind, default=None, help=help_text + shown)
@@ -61,8 +63,21 @@ def experiment_config(values: dict[str, Any]) -> ExperimentConfig:
     strategy_names = {f.name for f in dataclasses.fields(StrategyConfig)}
     learning = {k: v for k, v in given.items() if k in strategy_names and k != "strategy"}
     experiment = {k: v for k, v in given.items() if k not in strategy_names}
-    config = ExperimentConfig(
-        **experiment, learning=preset(given.get("strategy", "dadpfl"), **learning)
-    )
+    strategy = given.get("strategy", "dadpfl")
+    for name, applies, where in FLAG_SCOPES:
+        if name in learning and not applies(strategy, learning):
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} has no effect here: it applies to {where}")
+    config = ExperimentConfig(**experiment, learning=preset(strategy, **learning))
     config.validate()
     return config
+
+
+FLAG_SCOPES: tuple[tuple[str, Callable[[str, dict[str, Any]], bool], str], ...] = (
+    ("reduce", lambda s, _: s in ("dadpfl", "dispfl"), "the sparse strategies dadpfl and dispfl"),
+    ("ssm_fraction", lambda s, _: s in ("fedadam-top", "fedadam-ssm"), "fedadam-top, fedadam-ssm"),
+    ("ldf_n", lambda s, _: s == "fedldf", "fedldf"),
+    ("stop_patience", lambda _, given: bool(given.get("early_stop")), "runs with --early-stop"),
+)
+"""Strategy flags that only some strategies read: given elsewhere, they are an error, not a
+silent no-op."""

@@ -215,6 +215,12 @@ def test_cli_writes_the_report_and_plots(tmp_path: Path) -> None:
         (["--strategy", "bogus"], "Invalid value for '--strategy'"),
         (["--rounds", "many"], "'many' is not a valid integer"),
         (["--dataset", "npz:/no/such/file.npz"], "/no/such/file.npz"),
+        (["--strategy", "fedavg", "--reduce", "freeze"], "--reduce has no effect here"),
+        (["--reduce", "squash"], "Invalid value for '--reduce'"),
+        (["--strategy", "fedadam", "--ssm-fraction", "0.1"], "--ssm-fraction has no effect"),
+        (["--strategy", "fedavg", "--ldf-n", "2"], "--ldf-n has no effect here"),
+        (["--stop-patience", "3"], "applies to runs with --early-stop"),
+        (["--strategy", "fedldf", "--ldf-n", "0"], "--ldf-n must be >= 1"),
     ],
 )
 def test_cli_bad_configurations_get_one_clear_line(tmp_path: Path, args, message) -> None:
