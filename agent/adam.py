@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from agent.sparse import Masks, State, aggregate_weighted
+from agent.sparse import Masks, State, aggregate_weighted, apply_masks
 from agent.training import load_weights, minibatch_epochs
 
 MODE_SSM = "ssm"  # FedAdam-SSM: one top-k mask of |dW| sparsifies dW, dM and dV
@@ -155,7 +155,7 @@ def sparsify(state: Mapping[str, torch.Tensor], mask: Mapping[str, torch.Tensor]
     """`state` with every entry outside `mask` set to +0.0 (new tensors)."""
     if state.keys() != mask.keys():
         raise ValueError("state and mask must hold the same tensor names")
-    return {name: torch.where(mask[name], t, torch.zeros_like(t)) for name, t in state.items()}
+    return apply_masks(state, mask)
 
 
 def compress(

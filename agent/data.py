@@ -10,7 +10,6 @@ same call with the same seed and keep its own entry, so the data never has to tr
 from __future__ import annotations
 
 import codecs
-import contextlib
 import logging
 import math
 import os
@@ -24,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 import platformdirs
+
+from agent.checkpoint import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -410,25 +411,19 @@ def cached(key: str, make: Callable[[], Dataset]) -> Dataset:
     except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
         log.warning("dataset cache file %s is unreadable (%s); making it again", path, exc)
     dataset = make()
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    arrays = {
+        "name": np.array(dataset.name),
+        "x": dataset.x,
+        "y": dataset.y,
+        "num_classes": np.array(dataset.num_classes),
+        "input_shape": np.array(dataset.input_shape, dtype=np.int64),
+        "class_names": np.array(dataset.class_names, dtype=str),
+        **({} if dataset.groups is None else {"groups": dataset.groups}),
+    }
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            np.savez(
-                f,
-                name=np.array(dataset.name),
-                x=dataset.x,
-                y=dataset.y,
-                num_classes=np.array(dataset.num_classes),
-                input_shape=np.array(dataset.input_shape, dtype=np.int64),
-                class_names=np.array(dataset.class_names, dtype=str),
-                **({} if dataset.groups is None else {"groups": dataset.groups}),
-            )
-        os.replace(tmp, path)
+        atomic_write(path, lambda handle: np.savez(handle, **arrays))
     except OSError as exc:
         log.warning("cannot cache dataset in %s: %s", folder, exc)
-        with contextlib.suppress(OSError):
-            tmp.unlink()
     return dataset
 
 

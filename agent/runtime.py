@@ -36,7 +36,7 @@ from agent.strategies import (
     early_stop_savings,
 )
 from agent.throttle import Throttle
-from agent.wire import expected_shapes, model_message
+from agent.wire import expected_shapes, model_message, values_sent
 from protocol import messages, topics
 from protocol.mqtt import MqttTransport
 
@@ -281,11 +281,7 @@ class AgentRuntime:
             )
             encoded = messages.encode(vote, key=self.key)
             self.transport.publish(self._topic(round_, "vote", self.me), encoded)
-        masks = published.masks or {}
-        nonzeros = sum(int(m.sum()) for m in masks.values()) + sum(
-            w.numel() for n, w in published.weights.items() if n not in masks
-        )
-        return nonzeros
+        return values_sent(published.weights, published.masks)
 
     def _savings(self, round_: int) -> dict[str, Any]:
         """What stopping after `round_` saves, for the status (from the round log)."""

@@ -37,6 +37,13 @@ def decode_state(
     return weights, masks
 
 
+def values_sent(weights: State, masks: Masks | None = None) -> int:
+    """How many values `encode_state(weights, masks)` carries: the kept entries of masked
+    tensors, every entry of the others."""
+    masks = masks or {}
+    return sum(int(masks[n].sum()) if n in masks else t.numel() for n, t in weights.items())
+
+
 def expected_shapes(weights: State) -> dict[str, tuple[tuple[int, ...], str]]:
     """The (shape, dtype) of every tensor of a model, for `decode_state`'s validation."""
     return {

@@ -338,25 +338,22 @@ def emulate(
     **values: object,
 ) -> None:
     """Run a fleet of real edge-agent processes over MQTT and write the same report as simulate."""
-    from agent.data import load_dataset
-    from agent.experiment import check_networked
     from coordinator.broker import EmbeddedBroker
     from coordinator.emulate import Emulation, EmulationOptions
 
+    embedded = None if broker else EmbeddedBroker(host="127.0.0.1", port=free_port())
+    broker = embedded.address if embedded else broker
+    folder = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="emulate-"))
+    options = EmulationOptions(workdir=folder, round_timeout_s=round_timeout)
     try:
         config = experiment_config(values)
-        check_networked(config)
-        load_dataset(config.dataset, seed=config.seed)  # a bad --dataset fails here, in one line
+        emulation = Emulation(config, broker, options)
     except (ValueError, OSError) as exc:
+        if not workdir:
+            folder.rmdir()
         raise ConfigError(str(exc)) from None
-    folder = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="emulate-"))
-    embedded = None
-    if broker is None:
-        embedded = EmbeddedBroker(host="127.0.0.1", port=free_port())
+    if embedded:
         embedded.start()
-        broker = embedded.address
-    options = EmulationOptions(workdir=folder, round_timeout_s=round_timeout)
-    emulation = Emulation(config, broker, options)
     cfg = config.learning
     console.print(
         f"emulating [bold]{cfg.strategy}[/]: {config.agents} agent processes on {config.dataset}, "

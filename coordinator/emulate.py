@@ -76,6 +76,9 @@ class Emulation:
         self, config: ExperimentConfig, broker: BrokerAddress, options: EmulationOptions
     ) -> None:
         check_networked(config)
+        # Once here rather than in every agent: fills the dataset cache the agents read, and a
+        # bad --dataset fails now (ValueError or OSError), not in N processes.
+        load_dataset(config.dataset, seed=config.seed)
         self.config = config
         self.broker = broker
         self.options = options
@@ -134,9 +137,6 @@ class Emulation:
 
     def run(self, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
         started = time.perf_counter()
-        # Once here rather than in every agent: fills the dataset cache the agents read, and a
-        # bad --dataset fails now, not in N processes.
-        load_dataset(self.config.dataset, seed=self.config.seed)
         identity = Identity(self.fleet, "coordinator", role="coordinator")
         transport = connect(self.broker, identity)
         try:

@@ -20,7 +20,7 @@ from agent import pruning, sparse, topology
 from agent.central import Aggregate, Fit, Payload, central_strategy
 from agent.experiment import ExperimentConfig, build_workload, local_reduction, nominal_budgets
 from agent.strategies import Published, RoundResult, StopWatch, early_stop_savings
-from agent.wire import encode_state, model_message
+from agent.wire import encode_state, model_message, values_sent
 from protocol import messages
 
 FLEET = "sim"
@@ -118,13 +118,7 @@ class Simulation:
             num_samples=published.num_samples,
             fp16=self.config.learning.fp16,
         )
-        nonzeros = (
-            sum(int(m.sum()) for m in published.masks.values())
-            + sum(w.numel() for n, w in published.weights.items() if n not in published.masks)
-            if published.masks
-            else sum(w.numel() for w in published.weights.values())
-        )
-        return len(data), nonzeros
+        return len(data), values_sent(published.weights, published.masks)
 
     def _stops(self, agent_id: str, round_: int, weights: sparse.State, train_loss: float) -> bool:
         """Early stopping (ALGORITHMS.md 2): whether the agent stops after this round."""
@@ -278,9 +272,10 @@ class Simulation:
         header = {"fleet": FLEET, "run_id": "sim", "round": t}
         broadcast = 0
         if aggregate.broadcast.weights:
-            broadcast = self._payload_size(messages.Global, t, COORDINATOR, aggregate.broadcast)
+            payload = aggregate.broadcast
+            broadcast = self._payload_size(messages.Global, t, COORDINATOR, payload)
             coordinator.sent += broadcast
-            coordinator.nonzeros_sent += payload_nonzeros(aggregate.broadcast)
+            coordinator.nonzeros_sent += values_sent(payload.weights, payload.masks)
         for k, fit in fits.items():
             sent = [fit.upload] if fit.upload.weights else []
             if k in aggregate.uploads and aggregate.uploads[k].weights:
@@ -302,7 +297,7 @@ class Simulation:
                 size = self._payload_size(messages.Global, t, COORDINATOR, fit.download)
                 down += size
                 coordinator.sent += size
-                coordinator.nonzeros_sent += payload_nonzeros(fit.download)
+                coordinator.nonzeros_sent += values_sent(fit.download.weights, fit.download.masks)
             if k in aggregate.requests:
                 request = messages.Request(
                     **header, sender=COORDINATOR, target=k, layers=aggregate.requests[k]
@@ -312,7 +307,7 @@ class Simulation:
                 coordinator.sent += size
             traffic[k].sent += up
             traffic[k].received += down
-            traffic[k].nonzeros_sent += sum(payload_nonzeros(p) for p in sent)
+            traffic[k].nonzeros_sent += sum(values_sent(p.weights, p.masks) for p in sent)
             coordinator.received += up
 
     def _round_record(
@@ -351,12 +346,6 @@ class Simulation:
 
 
 STATIC_TIERS = (0.2, 0.4, 0.6, 0.8, 1.0)
-
-
-def payload_nonzeros(payload: Payload) -> int:
-    """Values a payload carries: the kept entries of masked tensors, all of the others."""
-    masks = payload.masks or {}
-    return sum(int(masks[n].sum()) if n in masks else t.numel() for n, t in payload.weights.items())
 
 
 def idle_result(last: dict[str, Any], state: sparse.State) -> RoundResult:
