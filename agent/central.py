@@ -3,6 +3,20 @@
 Strategy. Pure math: nothing here waits or sends. The driver (the simulator, or the
 coordinator and agents over MQTT) moves the `Payload`s and counts their encoded bytes.
 
+A round, in the order the messages flow:
+
+    download   (FedSPU family) the aggregator sends each participant the global values of
+               its active part, drawn from the participant's seed and its announced p_k
+    fit        the participant trains and says what it uploads (FedLDF: nothing yet, only
+               its per-layer divergence)
+    select     (FedLDF) the aggregator asks each participant for the layers it was picked for
+    respond    (FedLDF) the participant's upload of exactly those layers
+    aggregate  the aggregator combines the uploads it received; its broadcast goes to all
+    receive    each participant updates its view of the server state from the broadcast
+
+The aggregator sees only `Upload`s (a payload as it came off the wire and a sample count),
+so the coordinator over MQTT and the simulator call `aggregate` with the same inputs.
+
     fedavg       sample-weighted mean of full local models; accuracy of the global model
     fedavg-ft    fedavg, accuracy of each agent's fine-tuned model
     fedspu       FedSPU (ALGORITHMS.md 2): a random fraction p_k of the neurons trains, the rest
@@ -20,13 +34,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+import torch
 
 from agent import adam, freezing, ldf, sparse
 from agent.budget import active_fraction
 from agent.sparse import Masks, State
 from agent.strategies import AgentState, Learner, LocalData, frozen_training_flops
 from agent.training import TrainResult, train_local
+from agent.wire import decode_state, expected_shapes
+from protocol.errors import ProtocolError
+from protocol.limits import DEFAULT_LIMITS
 
 
 @dataclass(frozen=True)
@@ -48,43 +67,54 @@ class ServerState:
 
 @dataclass(frozen=True)
 class Fit:
-    """One participant's round: its new state, what it received and uploads, its figures."""
+    """One participant's round: its new state, what it uploads, its figures."""
 
     state: AgentState
     upload: Payload
     num_samples: int
     train_loss: float
     train_flops: int
-    download: Payload | None = None
-    """What it received for this round alone (FedSPU: the global values of its active part);
-    None when the round's global model reached it as the previous broadcast."""
     divergence: dict[str, float] | None = None
     """FedLDF: per-layer divergence, sent before any tensor."""
-    delta: tuple[State, State, State] | None = None
-    """Adam family: the compressed (zero-filled) deltas of weights, first and second moment."""
+
+
+@dataclass(frozen=True)
+class Upload:
+    """What the aggregator received from one participant."""
+
+    payload: Payload
+    num_samples: int
 
 
 @dataclass(frozen=True)
 class Aggregate:
-    """The aggregator's round: its new state, the broadcast, and per-participant extras."""
+    """The aggregator's round: its new state and what it broadcasts (empty: nothing)."""
 
     server: ServerState
     broadcast: Payload
-    uploads: dict[str, Payload] = field(default_factory=dict)
-    """Tensors asked for after the first upload (FedLDF: each participant's selected layers)."""
-    requests: dict[str, list[str]] = field(default_factory=dict)
-    """FedLDF: the layers each participant was asked for."""
 
 
 class CentralStrategy:
-    """The contract: `fit` for every participant, then `aggregate` over their `Fit`s."""
+    """The contract: `download`, `fit`, (`select`, `respond`), `aggregate`, `receive`."""
 
     name = ""
     personal = False
     """Whether an agent's accuracy is its own model's (True) or the new global model's."""
+    downloads = False
+    """Whether each participant fetches its own part of the global model every round."""
+    asks_layers = False
+    """Whether the aggregator asks for layers after reading divergence vectors (FedLDF)."""
+    broadcasts = True
+    """Whether a round ends with a broadcast every participant applies (`receive`)."""
 
     def init_server(self, learner: Learner) -> ServerState:
         return ServerState(dict(learner.initial))
+
+    def download(
+        self, learner: Learner, server: ServerState, agent_id: str, round_: int, p_k: float
+    ) -> Payload:
+        """The part of the global model participant `agent_id` receives this round."""
+        raise NotImplementedError(f"{self.name} broadcasts; participants download nothing")
 
     def fit(
         self,
@@ -97,14 +127,67 @@ class CentralStrategy:
     ) -> Fit:
         raise NotImplementedError
 
+    def select(
+        self, learner: Learner, divergences: Mapping[str, dict[str, float]]
+    ) -> dict[str, list[str]]:
+        """The layers to ask each participant for (only strategies that `asks_layers`)."""
+        raise NotImplementedError(f"{self.name} asks for no layers")
+
+    def respond(self, learner: Learner, fit: Fit, layers: list[str]) -> Payload:
+        """A participant's upload of the layers it was asked for."""
+        raise NotImplementedError(f"{self.name} asks for no layers")
+
     def aggregate(
-        self, learner: Learner, server: ServerState, fits: Mapping[str, Fit]
+        self, learner: Learner, server: ServerState, uploads: Mapping[str, Upload]
     ) -> Aggregate:
         raise NotImplementedError
 
+    def receive(self, view: ServerState, broadcast: Payload) -> ServerState:
+        """A participant's view of the server state after this round's broadcast."""
+        return ServerState(dict(broadcast.weights)) if broadcast.weights else view
 
-def _sample_weights(fits: Mapping[str, Fit]) -> dict[str, float]:
-    return {k: float(f.num_samples) for k, f in fits.items()}
+    def upload_shapes(self, learner: Learner, layers: list[str] | None = None) -> Shapes | None:
+        """(shape, dtype) of each tensor an upload carries, for validation before decoding;
+        None when some sizes are only known from the masks it carries (`check_payload`)."""
+        names = learner.initial if layers is None else ldf_names(learner, layers)
+        return {n: s for n, s in expected_shapes(learner.initial).items() if n in names}
+
+    def broadcast_shapes(self, learner: Learner) -> Shapes | None:
+        return self.upload_shapes(learner)
+
+    def check_payload(self, learner: Learner, payload: Payload) -> None:
+        """Validate a payload decoded without `upload_shapes`; ValueError if malformed."""
+
+    def decode(self, learner: Learner, data: bytes, shapes: Shapes | None) -> Payload:
+        """A payload off the wire, validated; ProtocolError if it is not what `shapes` (or,
+        where they are None, `check_payload`) says. Without shapes the decoder still refuses,
+        before allocating, more values than three models' worth."""
+        size = sum(t.numel() for t in learner.initial.values())
+        limits = dataclasses.replace(DEFAULT_LIMITS, max_total_elements=3 * size)
+        weights, masks = decode_state(data, shapes, limits=limits)
+        payload = Payload(weights, masks or None)
+        if shapes is None:
+            try:
+                self.check_payload(learner, payload)
+            except ValueError as exc:
+                raise ProtocolError(str(exc)) from None
+        return payload
+
+
+Shapes = dict[str, tuple[tuple[int, ...], str]]
+
+
+def ldf_names(learner: Learner, layers: list[str]) -> set[str]:
+    """The tensor names of FedLDF layers; ValueError for a layer the model does not have."""
+    groups = learner.layer_groups
+    unknown = [layer for layer in layers if layer not in groups]
+    if unknown:
+        raise ValueError(f"unknown layers {unknown[:4]}")
+    return {name for layer in layers for name in groups[layer]}
+
+
+def _sample_weights(uploads: Mapping[str, Upload]) -> dict[str, float]:
+    return {k: float(u.num_samples) for k, u in uploads.items()}
 
 
 def _train(
@@ -132,11 +215,11 @@ def _train(
 
 
 def _active(
-    learner: Learner, agent: AgentState, server: ServerState, round_: int, p_k: float
+    learner: Learner, agent_id: str, server: ServerState, round_: int, fraction: float
 ) -> Masks:
     """This round's active neurons of a FedSPU / dropout participant, drawn from its seed."""
-    generator = learner.generator("active", agent.agent_id, round_)
-    return freezing.active_masks(learner.model, server.weights, p_k, generator)
+    generator = learner.generator("active", agent_id, round_)
+    return freezing.active_masks(learner.model, server.weights, fraction, generator)
 
 
 class FedAvg(CentralStrategy):
@@ -161,10 +244,10 @@ class FedAvg(CentralStrategy):
         )
 
     def aggregate(
-        self, learner: Learner, server: ServerState, fits: Mapping[str, Fit]
+        self, learner: Learner, server: ServerState, uploads: Mapping[str, Upload]
     ) -> Aggregate:
         weights = sparse.aggregate_weighted(
-            {k: f.upload.weights for k, f in fits.items()}, _sample_weights(fits)
+            {k: u.payload.weights for k, u in uploads.items()}, _sample_weights(uploads)
         )
         return Aggregate(ServerState(weights), Payload(weights))
 
@@ -179,6 +262,19 @@ class FedSPU(CentralStrategy):
 
     name = "fedspu"
     personal = True
+    downloads = True
+    broadcasts = False
+
+    def active(
+        self, learner: Learner, server: ServerState, agent_id: str, round_: int, p_k: float
+    ) -> Masks:
+        """This round's active neurons of a participant, drawn from its seed."""
+        return _active(learner, agent_id, server, round_, active_fraction(p_k))
+
+    def download(
+        self, learner: Learner, server: ServerState, agent_id: str, round_: int, p_k: float
+    ) -> Payload:
+        return Payload(server.weights, self.active(learner, server, agent_id, round_, p_k))
 
     def fit(
         self,
@@ -189,7 +285,7 @@ class FedSPU(CentralStrategy):
         round_: int,
         p_k: float,
     ) -> Fit:
-        active = _active(learner, agent, server, round_, active_fraction(p_k))
+        active = self.active(learner, server, agent.agent_id, round_, p_k)
         start = freezing.overwrite_active(agent.weights, server.weights, active)
         trained = _train(learner, agent, data, start, round_, frozen=active)
         flops = frozen_training_flops(learner, None, active) * trained.samples
@@ -199,18 +295,26 @@ class FedSPU(CentralStrategy):
             num_samples=len(data.y_train),
             train_loss=trained.mean_loss,
             train_flops=flops,
-            download=Payload(server.weights, active),
         )
 
     def aggregate(
-        self, learner: Learner, server: ServerState, fits: Mapping[str, Fit]
+        self, learner: Learner, server: ServerState, uploads: Mapping[str, Upload]
     ) -> Aggregate:
         weights = freezing.aggregate_active(
             server.weights,
-            {k: (f.upload.weights, f.upload.masks or {}) for k, f in fits.items()},
-            _sample_weights(fits),
+            {k: (u.payload.weights, _all_masks(u.payload)) for k, u in uploads.items()},
+            _sample_weights(uploads),
         )
         return Aggregate(ServerState(weights), Payload({}))
+
+
+def _all_masks(payload: Payload) -> Masks:
+    """A payload's masks, all True for a tensor sent whole."""
+    masks = payload.masks or {}
+    return {
+        n: masks[n] if n in masks else torch.ones_like(t, dtype=torch.bool)
+        for n, t in payload.weights.items()
+    }
 
 
 class FedDropout(FedSPU):
@@ -221,6 +325,11 @@ class FedDropout(FedSPU):
 
     name = "feddrop"
 
+    def active(
+        self, learner: Learner, server: ServerState, agent_id: str, round_: int, p_k: float
+    ) -> Masks:
+        return _active(learner, agent_id, server, round_, p_k)
+
     def fit(
         self,
         learner: Learner,
@@ -230,7 +339,7 @@ class FedDropout(FedSPU):
         round_: int,
         p_k: float,
     ) -> Fit:
-        active = _active(learner, agent, server, round_, p_k)
+        active = self.active(learner, server, agent.agent_id, round_, p_k)
         start = freezing.submodel(server.weights, active)
         trained = _train(learner, agent, data, start, round_, masks=active)
         return Fit(
@@ -239,7 +348,6 @@ class FedDropout(FedSPU):
             num_samples=len(data.y_train),
             train_loss=trained.mean_loss,
             train_flops=3 * learner.forward_flops(active) * trained.samples,
-            download=Payload(server.weights, active),
         )
 
 
@@ -287,17 +395,21 @@ class FedAdam(CentralStrategy):
             num_samples=len(data.y_train),
             train_loss=result.mean_loss,
             train_flops=learner.train_flops(None, result.samples),
-            delta=(dw, dm, dv),
         )
 
+    @property
+    def broadcast_mode(self) -> str:
+        """The broadcast's layout: dense for FedAdam, else one shared mask (the support)."""
+        return adam.MODE_DENSE if self.mode == adam.MODE_DENSE else adam.MODE_SSM
+
     def aggregate(
-        self, learner: Learner, server: ServerState, fits: Mapping[str, Fit]
+        self, learner: Learner, server: ServerState, uploads: Mapping[str, Upload]
     ) -> Aggregate:
         assert server.m is not None and server.v is not None
-        weights = _sample_weights(fits)
+        weights = _sample_weights(uploads)
+        deltas = {k: _moment_deltas(u.payload) for k, u in uploads.items()}
         agg = [
-            adam.aggregate_deltas({k: f.delta[i] for k, f in fits.items() if f.delta}, weights)
-            for i in range(3)
+            adam.aggregate_deltas({k: d[i] for k, d in deltas.items()}, weights) for i in range(3)
         ]
         new = ServerState(
             adam.apply(server.weights, agg[0]),
@@ -305,11 +417,67 @@ class FedAdam(CentralStrategy):
             adam.apply(server.v, agg[2]),
         )
         support = {n: (agg[0][n] != 0) | (agg[1][n] != 0) | (agg[2][n] != 0) for n in agg[0]}
-        mode = adam.MODE_DENSE if self.mode == adam.MODE_DENSE else adam.MODE_SSM
         return Aggregate(
             new,
-            _moment_payload(*((d, support) for d in agg), mode),  # type: ignore[arg-type]
+            _moment_payload(*((d, support) for d in agg), self.broadcast_mode),  # type: ignore[arg-type]
         )
+
+    def receive(self, view: ServerState, broadcast: Payload) -> ServerState:
+        """Apply the broadcast deltas to W, M and V, as the aggregator did."""
+        assert view.m is not None and view.v is not None
+        dw, dm, dv = _moment_deltas(broadcast)
+        return ServerState(
+            adam.apply(view.weights, dw), adam.apply(view.m, dm), adam.apply(view.v, dv)
+        )
+
+    def upload_shapes(self, learner: Learner, layers: list[str] | None = None) -> Shapes | None:
+        return _moment_shapes(learner) if self.mode != adam.MODE_SSM else None
+
+    def broadcast_shapes(self, learner: Learner) -> Shapes | None:
+        return _moment_shapes(learner) if self.broadcast_mode == adam.MODE_DENSE else None
+
+    def check_payload(self, learner: Learner, payload: Payload) -> None:
+        """An SSM-layout payload: w:<name> in the model's shapes with a mask, m:/v:<name>
+        value vectors as long as that mask's count."""
+        shapes = expected_shapes(learner.initial)
+        masks = payload.masks or {}
+        want = {f"{p}:{n}" for p in "wmv" for n in learner.initial}
+        if set(payload.weights) != want:
+            raise ValueError("a moment payload must hold w:, m: and v: of every tensor")
+        for name, (shape, _dtype) in shapes.items():
+            w = payload.weights[f"w:{name}"]
+            mask = masks.get(f"w:{name}")
+            if tuple(w.shape) != shape or mask is None:
+                raise ValueError(f"w:{name} must have shape {shape} and a mask")
+            count = int(mask.sum())
+            for prefix in "mv":
+                if tuple(payload.weights[f"{prefix}:{name}"].shape) != (count,):
+                    raise ValueError(f"{prefix}:{name} must hold {count} values")
+
+
+def _moment_shapes(learner: Learner) -> Shapes:
+    shapes = expected_shapes(learner.initial)
+    return {f"{p}:{n}": shape for p in "wmv" for n, shape in shapes.items()}
+
+
+def _moment_deltas(payload: Payload) -> tuple[State, State, State]:
+    """The zero-filled deltas of weights, first and second moment a `_moment_payload` carries
+    (in the shared-mask layout the moments' values are scattered back under w's mask)."""
+    masks = payload.masks or {}
+    names = [n.removeprefix("w:") for n in payload.weights if n.startswith("w:")]
+    out: list[State] = [{}, {}, {}]
+    for i, prefix in enumerate("wmv"):
+        for n in names:
+            t = payload.weights[f"{prefix}:{n}"]
+            shape = payload.weights[f"w:{n}"].shape
+            if t.shape != shape:  # a value vector in the order of w's mask
+                full = torch.zeros(shape, dtype=t.dtype)
+                full[masks[f"w:{n}"]] = t
+                t = full
+            elif f"{prefix}:{n}" in masks:
+                t = torch.where(masks[f"{prefix}:{n}"], t, torch.zeros((), dtype=t.dtype))
+            out[i][n] = t
+    return out[0], out[1], out[2]
 
 
 class FedAdamTop(FedAdam):
@@ -346,6 +514,7 @@ class FedLDF(FedAvg):
     """Divergence vectors first; each layer then from its n most divergent participants."""
 
     name = "fedldf"
+    asks_layers = True
 
     def fit(
         self,
@@ -364,26 +533,24 @@ class FedLDF(FedAvg):
             divergence=ldf.divergences(fit.state.weights, server.weights, groups),
         )
 
+    def select(
+        self, learner: Learner, divergences: Mapping[str, dict[str, float]]
+    ) -> dict[str, list[str]]:
+        return ldf.select_layers(divergences, learner.config.ldf_n)
+
+    def respond(self, learner: Learner, fit: Fit, layers: list[str]) -> Payload:
+        return Payload(ldf.partial_state(fit.state.weights, layers, learner.layer_groups))
+
     def aggregate(
-        self, learner: Learner, server: ServerState, fits: Mapping[str, Fit]
+        self, learner: Learner, server: ServerState, uploads: Mapping[str, Upload]
     ) -> Aggregate:
-        groups = learner.layer_groups
-        selected = ldf.select_layers(
-            {k: f.divergence or {} for k, f in fits.items()}, learner.config.ldf_n
-        )
-        uploads = {
-            k: ldf.partial_state(fits[k].state.weights, layers, groups)
-            for k, layers in selected.items()
-        }
         weights = ldf.aggregate_layers(
-            {k: u for k, u in uploads.items() if u}, _sample_weights(fits), groups, server.weights
+            {k: u.payload.weights for k, u in uploads.items() if u.payload.weights},
+            _sample_weights(uploads),
+            learner.layer_groups,
+            server.weights,
         )
-        return Aggregate(
-            ServerState(weights),
-            Payload(weights),
-            uploads={k: Payload(u) for k, u in uploads.items()},
-            requests=selected,
-        )
+        return Aggregate(ServerState(weights), Payload(weights))
 
 
 CENTRAL_STRATEGIES: dict[str, type[CentralStrategy]] = {
@@ -399,6 +566,15 @@ CENTRAL_STRATEGIES: dict[str, type[CentralStrategy]] = {
         FedLDF,
     )
 }
+
+
+STATIC_TIERS = (0.2, 0.4, 0.6, 0.8, 1.0)
+
+
+def static_tier(roster: list[str], agent_id: str) -> float:
+    """p_k without a measured budget: FedSPU's paper tiers 0.2, 0.4, ..., 1.0 in turn, by the
+    agent's place in the sorted roster (with device profiles the budget decides)."""
+    return STATIC_TIERS[sorted(roster).index(agent_id) % len(STATIC_TIERS)]
 
 
 def central_strategy(name: str) -> CentralStrategy:

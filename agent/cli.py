@@ -17,6 +17,7 @@ import click
 from rich.console import Console
 
 from agent.budget import Budget, BudgetLimits, compute_budget, read_device
+from agent.central_runtime import CentralRuntime
 from agent.experiment import (
     ExperimentConfig,
     Workload,
@@ -30,7 +31,7 @@ from agent.experiment import (
 from agent.onnx_export import OnnxModel, export_onnx, load_inputs
 from agent.options import experiment_config, experiment_options
 from agent.runtime import AgentRuntime, Run, Timeouts
-from agent.strategies import AgentState
+from agent.strategies import CENTRALIZED, AgentState
 from agent.throttle import Throttle
 from firmware_profiles import DeviceProfile, ProfileError, load_profile
 from protocol import messages, topics
@@ -72,8 +73,8 @@ def wait_for_run(
             if not isinstance(message, messages.RunConfig) or message.fleet != fleet:
                 raise ProtocolError("not a run configuration of this fleet")
             config = config_from_dict(message.config)
-            check_networked(config)
-            run = Run(message.run_id, tuple(sorted(message.roster)), config)
+            check_networked(config, aggregator=True)
+            run = Run(message.run_id, tuple(sorted(message.roster)), config, message.sender)
         except (ProtocolError, ValueError) as exc:
             log.warning("ignoring run message: %s", exc)
             return
@@ -211,7 +212,7 @@ def main(
         device = load_profile(profile) if profile else None
         own_config = experiment_config(experiment) if expect else None
         if own_config is not None:
-            check_networked(own_config)
+            check_networked(own_config, aggregator=False)
     except (ProfileError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
     profile_name = device.name if device else ""
@@ -336,7 +337,8 @@ def learn(
         console.print(f"run {run.run_id}: personalized model final, exported to {path}")
 
     budget, throttle = budget_source(run, agent_id, workload, device)
-    runtime = AgentRuntime(
+    centralized = run.config.learning.strategy in CENTRALIZED
+    runtime = (CentralRuntime if centralized else AgentRuntime)(
         agent_id=agent_id,
         fleet=fleet,
         run=run,

@@ -28,6 +28,7 @@ from agent.strategies import (
     CENTRALIZED,
     DECENTRALIZED,
     REDUCE_MODES,
+    WIRE_FORMATS,
     Learner,
     LocalData,
     StrategyConfig,
@@ -88,6 +89,10 @@ class ExperimentConfig:
             raise ValueError(f"--stop-patience must be >= 1, got {cfg.stop_patience}")
         if cfg.ldf_n < 1:
             raise ValueError(f"--ldf-n must be >= 1, got {cfg.ldf_n}")
+        if cfg.wire not in WIRE_FORMATS:
+            raise ValueError(f"--wire must be one of {', '.join(WIRE_FORMATS)}, got {cfg.wire}")
+        if not 0 < cfg.delta_fraction <= 1:
+            raise ValueError(f"--delta-fraction must be in (0, 1], got {cfg.delta_fraction}")
         if self.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
         if self.round_time_s <= 0:
@@ -239,14 +244,15 @@ def local_reduction(learner: Learner, budget: Budget | None, masks: Masks | None
     return Reduction(density_cap=capped_density(learner, budget, masks))
 
 
-def check_networked(config: ExperimentConfig) -> None:
-    """Reject what networked agents cannot run (yet), with one clear sentence."""
+def check_networked(config: ExperimentConfig, *, aggregator: bool) -> None:
+    """Reject what networked agents cannot run, with one clear sentence: a centralized
+    strategy needs a coordinator to aggregate (its run message names it)."""
     config.validate()
-    if config.learning.strategy in CENTRALIZED:
+    if config.learning.strategy in CENTRALIZED and not aggregator:
         raise ValueError(
-            f"{config.learning.strategy} is centralized: networked agents run the "
-            f"decentralized strategies ({', '.join(DECENTRALIZED)}) and local; use simulate "
-            f"for {', '.join(CENTRALIZED)}"
+            f"{config.learning.strategy} is centralized: it needs a coordinator to aggregate "
+            f"(coordinator emulate, or a coordinator's run message); without one, agents run "
+            f"the decentralized strategies ({', '.join(DECENTRALIZED)}) and local"
         )
 
 

@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from agent.delta import apply_delta
 from agent.strategies import Published
 from agent.wire import decode_state
 from protocol import messages, topics
@@ -30,6 +31,10 @@ class Expected:
     roster: frozenset[str]
     shapes: dict[str, tuple[tuple[int, ...], str]]
     key: bytes | None = None
+    aggregator: str | None = None
+    """The coordinator aggregating a centralized run (it sends globals and layer requests)."""
+    delta_shapes: dict[str, tuple[tuple[int, ...], str]] | None = None
+    """The tensors of a delta message (`--wire delta`); None: models come whole."""
 
 
 class Inbox:
@@ -44,6 +49,11 @@ class Inbox:
         self.stopped: dict[str, int] = {}
         """Agents stopped early -> their last round; their later models will never come."""
         self.offline: set[str] = set()
+        self._pending: dict[tuple[int, str], tuple[int, Published]] = {}
+        """Deltas waiting for their base: (round, sender) -> (base round, zero-filled delta
+        with its masks)."""
+        self._globals: dict[tuple[int, bool], messages.Global] = {}
+        self._asked: dict[tuple[int, str], messages.Request] = {}
 
     def _decode(
         self, topic: str, payload: bytes, kind: str, check_run: bool = True
@@ -64,7 +74,10 @@ class Inbox:
             self.rejected += 1
             log.warning("rejected message on %s: %s", topic, exc)
             return None
-        if message.sender not in self.expected.roster:
+        if (
+            message.sender not in self.expected.roster
+            and message.sender != self.expected.aggregator
+        ):
             log.debug("ignored %s of %s: not in this run's roster", kind, message.sender)
             return None
         if check_run and message.run_id != self.expected.run_id:
@@ -72,6 +85,8 @@ class Inbox:
         return message
 
     def on_model(self, topic: str, payload: bytes) -> None:
+        """A peer's model, whole or (`base_round` >= 0) as a delta on an earlier one, which
+        is applied once that base is here (`agent.delta`)."""
         message = self._decode(topic, payload, "model")
         if not isinstance(message, messages.Model):
             return
@@ -79,17 +94,97 @@ class Inbox:
         with self._changed:
             if key in self._models:
                 return
+        is_delta = message.base_round >= 0
+        shapes = self.expected.delta_shapes if is_delta else self.expected.shapes
         try:
-            weights, masks = decode_state(message.tensors, self.expected.shapes)
+            if shapes is None:
+                raise ProtocolError("this run sends whole models, not deltas")
+            if is_delta and message.base_round >= message.round:
+                raise ProtocolError(f"delta of round {message.round} on a later base")
+            weights, masks = decode_state(message.tensors, shapes)
         except ProtocolError as exc:
             self.rejected += 1
             log.warning("rejected model from %s: %s", message.sender, exc)
             return
         published = Published(weights, masks or None, message.num_samples)
         with self._changed:
-            if key not in self._models:
+            if key in self._models:
+                return
+            if is_delta:
+                self._pending[key] = (message.base_round, published)
+            else:
                 self._models[key] = published
+            self._resolve(message.sender)
+            self._changed.notify_all()
+
+    def _resolve(self, sender: str) -> None:
+        """Apply `sender`'s pending deltas whose base is here (in round order). Lock held."""
+        for key in sorted(k for k in self._pending if k[1] == sender):
+            base_round, delta = self._pending[key]
+            base = self._models.get((base_round, sender))
+            if key in self._models:
+                del self._pending[key]
+            elif base is not None:
+                del self._pending[key]
+                self._models[key] = apply_delta(
+                    base, delta.weights, delta.masks or {}, delta.num_samples
+                )
+
+    def on_global(self, topic: str, payload: bytes) -> None:
+        """The aggregator's broadcast of a round, or this agent's own part of it (stored
+        undecoded: its tensors are checked by the strategy that knows their layout)."""
+        try:
+            fleet, kind, fields = topics.parse(topic)
+            message = messages.decode(payload, key=self.expected.key)
+            if (
+                kind != "global"
+                or not isinstance(message, messages.Global)
+                or fleet != self.expected.fleet
+                or message.fleet != fleet
+                or fields["round"] != str(message.round)
+            ):
+                raise ProtocolError("global message does not match its topic")
+        except ProtocolError as exc:
+            self.rejected += 1
+            log.warning("rejected message on %s: %s", topic, exc)
+            return
+        if message.sender != self.expected.aggregator or message.run_id != self.expected.run_id:
+            return
+        with self._changed:
+            self._globals.setdefault((message.round, "to" in fields), message)
+            self._changed.notify_all()
+
+    def on_aggregator_request(self, topic: str, payload: bytes) -> None:
+        """The aggregator asking this run's agents for layers (FedLDF)."""
+        message = self.decode_request(topic, payload)
+        if message is not None and message.sender == self.expected.aggregator:
+            with self._changed:
+                self._asked.setdefault((message.round, message.target), message)
                 self._changed.notify_all()
+
+    def wait_global(
+        self,
+        round_: int,
+        addressed: bool,
+        timeout_s: float,
+        *,
+        request: tuple[int, str] | None = None,
+    ) -> messages.Global | None:
+        """The round's broadcast (or with `addressed` this agent's part), or None after the
+        timeout or, with `request` = (round, target), as soon as that layer request is here."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while True:
+                found = self._globals.get((round_, addressed))
+                remaining = deadline - time.monotonic()
+                if found is not None or remaining <= 0 or request in self._asked:
+                    return found
+                self._changed.wait(min(remaining, 0.5))
+
+    def layer_request(self, round_: int, target: str) -> messages.Request | None:
+        """The aggregator's request of `round_` to `target` for layers, if it came."""
+        with self._changed:
+            return self._asked.get((round_, target))
 
     def on_vote(self, topic: str, payload: bytes) -> None:
         message = self._decode(topic, payload, "vote")
@@ -144,6 +239,7 @@ class Inbox:
         """Store a model restored from a checkpoint (or derived locally)."""
         with self._changed:
             self._models.setdefault((round_, sender), published)
+            self._resolve(sender)
 
     def model(self, round_: int, sender: str) -> Published | None:
         with self._changed:
@@ -223,3 +319,9 @@ class Inbox:
                 newest[s] = max(r, newest.get(s, r))
             for key in [k for k in self._models if k[0] < round_ and newest[k[1]] != k[0]]:
                 del self._models[key]
+            for old in [k for k in self._globals if k[0] < round_]:
+                del self._globals[old]
+            for old in [k for k in self._pending if k[0] < round_]:
+                del self._pending[old]
+            for old in [k for k in self._asked if k[0] < round_]:
+                del self._asked[old]

@@ -15,7 +15,14 @@ from typing import Any
 import click
 
 from agent.experiment import ExperimentConfig
-from agent.strategies import PRESETS, REDUCE_MODES, StrategyConfig, preset
+from agent.strategies import (
+    DECENTRALIZED,
+    PRESETS,
+    REDUCE_MODES,
+    WIRE_FORMATS,
+    StrategyConfig,
+    preset,
+)
 from agent.topology import TOPOLOGIES
 
 _TYPES = {int: int, float: float, str: str}
@@ -42,6 +49,8 @@ def _option(field: dataclasses.Field, hint: Any) -> Callable[[Callable], Callabl
         kind = click.Choice(TOPOLOGIES)
     elif field.name == "reduce":
         kind = click.Choice(REDUCE_MODES)
+    elif field.name == "wire":
+        kind = click.Choice(WIRE_FORMATS)
     default = field.default if field.default is not dataclasses.MISSING else None
     shown = f" [default: {default}]" if default is not None else ""
     return click.option(flag, type=kind, default=None, help=help_text + shown)
@@ -77,6 +86,8 @@ FLAG_SCOPES: tuple[tuple[str, Callable[[str, dict[str, Any]], bool], str], ...] 
     ("reduce", lambda s, _: s in ("dadpfl", "dispfl"), "the sparse strategies dadpfl and dispfl"),
     ("ssm_fraction", lambda s, _: s in ("fedadam-top", "fedadam-ssm"), "fedadam-top, fedadam-ssm"),
     ("ldf_n", lambda s, _: s == "fedldf", "fedldf"),
+    ("wire", lambda s, _: s in DECENTRALIZED, "the decentralized strategies"),
+    ("delta_fraction", lambda _, given: given.get("wire") == "delta", "runs with --wire delta"),
     ("stop_patience", lambda _, given: bool(given.get("early_stop")), "runs with --early-stop"),
 )
 """Strategy flags that only some strategies read: given elsewhere, they are an error, not a

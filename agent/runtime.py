@@ -26,6 +26,7 @@ from typing import Any
 
 from agent import checkpoint, pruning, sparse, topology
 from agent.budget import Budget
+from agent.delta import encode_delta
 from agent.experiment import ExperimentConfig, Workload, local_reduction
 from agent.inbox import Expected, Inbox
 from agent.strategies import (
@@ -36,7 +37,7 @@ from agent.strategies import (
     early_stop_savings,
 )
 from agent.throttle import Throttle
-from agent.wire import expected_shapes, model_message, values_sent
+from agent.wire import expected_delta_shapes, expected_shapes, model_message, values_sent
 from protocol import messages, topics
 from protocol.mqtt import MqttTransport
 
@@ -65,10 +66,16 @@ class Run:
     run_id: str
     roster: tuple[str, ...]
     config: ExperimentConfig
+    aggregator: str | None = None
+    """Who aggregates a centralized strategy: the coordinator that published the run."""
 
 
 class AgentRuntime:
-    """Runs the decentralized rounds of one agent over an already started transport."""
+    """Runs the decentralized rounds of one agent over an already started transport.
+
+    The start barrier, statuses, early stopping, checkpoints, resuming and lingering are
+    shared with the centralized rounds (`agent.central_runtime`), which override what a
+    round is."""
 
     def __init__(
         self,
@@ -112,9 +119,19 @@ class AgentRuntime:
                 roster=frozenset(self.roster),
                 shapes=expected_shapes(self.learner.initial),
                 key=key,
+                aggregator=run.aggregator,
+                delta_shapes=(
+                    expected_delta_shapes(
+                        self.learner.initial, self.learner.initial_masks(agent_id)
+                    )
+                    if self.sends_deltas
+                    else None
+                ),
             )
         )
         self.state: AgentState = self.learner.init_agent(agent_id)
+        self.recon = self.learner.published(self.state, 0)
+        """With --wire delta: this agent's model as its peers rebuild it from its deltas."""
         self.plan = pruning.PruningPlan(self.cfg.rounds, self.cfg.schedule_b, self.cfg.schedule_c)
         self.settled_round = 0
         self.stop_watch = StopWatch()
@@ -155,10 +172,23 @@ class AgentRuntime:
         stopped = self.inbox.stopped_agents()
         return {(r, j): (min(r, stopped.get(j, r)), j) for r, j in needs}
 
+    @property
+    def sends_deltas(self) -> bool:
+        return self.cfg.wire == "delta" and self.cfg.strategy != "local"
+
     def _subscribe_ahead(self, round_: int) -> None:
-        """Subscribe to the models of the next few rounds before anyone publishes them."""
+        """Subscribe to the models of the next few rounds before anyone publishes them (with
+        --wire delta to every peer's models: deltas build on each other)."""
         wanted = set()
+        if self.sends_deltas:
+            wanted = {topics.round_topic(self.fleet, "+", "model")}
+            if not self.subscribed:  # round 0 is derivable: the first deltas' base
+                for j in self.roster:
+                    initial = self.learner.init_agent(j)
+                    self.inbox.put_model(0, j, self.learner.published(initial, 0))
         for upcoming in range(round_, min(round_ + LOOKAHEAD_ROUNDS, self.cfg.rounds) + 1):
+            if self.sends_deltas:
+                break
             sources = self._sources(self._needs(upcoming)).values()
             wanted |= {self._topic(r, "model", j) for r, j in sources if r >= 1}
         for topic in sorted(wanted - self.subscribed):
@@ -253,19 +283,29 @@ class AgentRuntime:
     def _publish(self, round_: int, result: RoundResult) -> int:
         """Publish the model (once for all receivers) and the vote; returns nonzeros sent."""
         published = result.published
-        data = model_message(
-            fleet=self.fleet,
-            sender=self.me,
-            run_id=self.run_info.run_id,
-            round_=round_,
-            weights=published.weights,
-            masks=published.masks,
-            num_samples=published.num_samples,
-            fp16=self.cfg.fp16,
-            key=self.key,
-        )
+        message = {
+            "fleet": self.fleet,
+            "sender": self.me,
+            "run_id": self.run_info.run_id,
+            "round_": round_,
+            "num_samples": published.num_samples,
+            "fp16": self.cfg.fp16,
+            "key": self.key,
+        }
+        if self.sends_deltas:
+            values, value_masks, self.recon = encode_delta(
+                published, self.recon, self.cfg.delta_fraction, fp16=self.cfg.fp16
+            )
+            data = model_message(
+                **message, weights=values, masks=value_masks, base_round=round_ - 1
+            )
+            kept = model_message(**message, weights=self.recon.weights, masks=self.recon.masks)
+            sent = Published(values, value_masks, published.num_samples)
+        else:
+            data = kept = model_message(**message, weights=published.weights, masks=published.masks)
+            sent = published
         if self.cfg.strategy != "local":
-            self.own[round_] = data
+            self.own[round_] = kept  # re-sent whole to a peer that asks for it
             for old in [r for r in self.own if r <= round_ - KEEP_OWN_ROUNDS]:
                 del self.own[old]
             if self.throttle is not None:
@@ -281,7 +321,7 @@ class AgentRuntime:
             )
             encoded = messages.encode(vote, key=self.key)
             self.transport.publish(self._topic(round_, "vote", self.me), encoded)
-        return values_sent(published.weights, published.masks)
+        return values_sent(sent.weights, sent.masks)
 
     def _savings(self, round_: int) -> dict[str, Any]:
         """What stopping after `round_` saves, for the status (from the round log)."""
@@ -335,37 +375,42 @@ class AgentRuntime:
         self.state = result.state
         stops = self._stops(result)
         nonzeros = self._publish(round_, result)
+        return self._finish_round(
+            round_,
+            {
+                "round": round_,
+                "agent": self.me,
+                "accuracy": result.accuracy,
+                "loss": result.loss,
+                "train_loss": result.train_loss,
+                "sparsity": sparse.sparsity(result.state.masks) if result.state.masks else 0.0,
+                "nonzeros_sent": nonzeros,
+                "train_flops": result.train_flops,
+                "p_k": budget.p_k if budget else 1.0,
+                "limited_by": budget.limited_by if budget else "none",
+                "density_cap": reduction.density_cap,
+                "active_fraction": reduction.active_fraction,
+                "throttled_s": round(throttled, 3),
+                "vote": result.vote,
+                "score": result.score,
+                "pruned": result.pruned,
+                "stragglers": stragglers,
+                "wait_s": round(waited, 3),
+                "t_star": self.plan.t_star,
+                "stopped": stops,
+            },
+        )
+
+    def _finish_round(self, round_: int, record: dict[str, Any]) -> dict[str, Any]:
+        """Add the round's traffic to its record, persist it, publish the status."""
         stats = self.transport.stats
         sent = stats.get("published_bytes", 0) - self._bytes[0]
         received = stats.get("received_bytes", 0) - self._bytes[1]
         self._bytes = (stats.get("published_bytes", 0), stats.get("received_bytes", 0))
-        record = {
-            "round": round_,
-            "agent": self.me,
-            "accuracy": result.accuracy,
-            "loss": result.loss,
-            "train_loss": result.train_loss,
-            "sparsity": sparse.sparsity(result.state.masks) if result.state.masks else 0.0,
-            "bytes_sent": sent,
-            "bytes_received": received,
-            "nonzeros_sent": nonzeros,
-            "train_flops": result.train_flops,
-            "p_k": budget.p_k if budget else 1.0,
-            "limited_by": budget.limited_by if budget else "none",
-            "density_cap": reduction.density_cap,
-            "active_fraction": reduction.active_fraction,
-            "throttled_s": round(throttled, 3),
-            "vote": result.vote,
-            "score": result.score,
-            "pruned": result.pruned,
-            "stragglers": stragglers,
-            "wait_s": round(waited, 3),
-            "t_star": self.plan.t_star,
-            "stopped": stops,
-            "finished_at": time.time(),
-        }
+        record |= {"bytes_sent": sent, "bytes_received": received, "finished_at": time.time()}
         self._persist(round_, record)
         saved: dict[str, Any] = {}
+        stops = record["stopped"]
         if stops:
             self.stopped_round = round_
             saved = self._savings(round_)
@@ -400,16 +445,6 @@ class AgentRuntime:
         by `restore`, which logs the checkpoint's record if it is missing: no round is ever
         lost or logged twice.
         """
-        # This round's and next round's models, and the last models of agents that stopped
-        # early that the next round uses (they may have left by the time we restart).
-        keys = {(r, j) for r in (round_, round_ + 1) for j in self.roster}
-        if round_ < self.cfg.rounds:
-            keys |= set(self._sources(self._needs(round_ + 1)).values())
-        held = {
-            f"{r}|{j}": {"weights": p.weights, "masks": p.masks or {}}
-            for r, j in sorted(keys)
-            if (p := self.inbox.model(r, j)) is not None
-        }
         checkpoint.save(
             self.checkpoint_path,
             {
@@ -420,15 +455,37 @@ class AgentRuntime:
                 "masks": self.state.masks or {},
                 "distances": self.state.distances,
                 "own": dict(self.own),
-                "held": held,
+                "held": self._held(round_),
                 "votes": self.votes,
                 "settled_round": self.settled_round,
                 "t_star": self.plan.t_star,
                 "stop_watch": dataclasses.asdict(self.stop_watch),
+                "recon": {"weights": self.recon.weights, "masks": self.recon.masks or {}},
                 "record": record,
+                **self._checkpoint_extra(),
             },
         )
         checkpoint.append_record(self.records_path, record)
+
+    def _held(self, round_: int) -> dict[str, dict[str, Any]]:
+        """Peers' models to keep across a restart: this round's and next round's, and the
+        last models of agents that stopped early that the next round uses (they may have
+        left by the time we restart)."""
+        keys = {(r, j) for r in (round_, round_ + 1) for j in self.roster}
+        if round_ < self.cfg.rounds:
+            keys |= set(self._sources(self._needs(round_ + 1)).values())
+        return {
+            f"{r}|{j}": {"weights": p.weights, "masks": p.masks or {}}
+            for r, j in sorted(keys)
+            if (p := self.inbox.model(r, j)) is not None
+        }
+
+    def _checkpoint_extra(self) -> dict[str, Any]:
+        """Further state a subclass checkpoints (read back by `_restore_extra`)."""
+        return {}
+
+    def _restore_extra(self, saved: dict[str, Any]) -> None:
+        """Read back what `_checkpoint_extra` saved."""
 
     def restore(self) -> int:
         """Resume from the checkpoint of this run, if any; returns the last completed round."""
@@ -460,8 +517,12 @@ class AgentRuntime:
         self.plan._last_round = saved["settled_round"]
         self.settled_round = saved["settled_round"]
         self.stop_watch = StopWatch(**saved.get("stop_watch", {}))
+        if "recon" in saved:
+            recon = saved["recon"]
+            self.recon = Published(recon["weights"], recon["masks"] or None, 0)
         if saved["record"].get("stopped"):
             self.stopped_round = int(saved["round"])
+        self._restore_extra(saved)
         log.info("resuming after round %d from %s", saved["round"], self.checkpoint_path)
         return int(saved["round"])
 

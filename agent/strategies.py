@@ -53,6 +53,7 @@ PRESETS = (*DECENTRALIZED, "local", *CENTRALIZED)
 ADAM_FAMILY = ("fedadam", "fedadam-top", "fedadam-ssm")
 STOP_LAMBDA = 0.7
 REDUCE_MODES = ("prune", "freeze", "auto")
+WIRE_FORMATS = ("full", "delta")
 
 
 def param(default: Any, help: str) -> Any:
@@ -100,6 +101,12 @@ class StrategyConfig:
     stop_patience: int = param(1, "Early stopping: consecutive rises of L that stop an agent.")
     ssm_fraction: float = param(0.05, "FedAdam-SSM/-Top: fraction alpha of deltas kept (top-k).")
     ldf_n: int = param(4, "FedLDF: participants n uploading each layer (top-n divergence).")
+    wire: str = param(
+        "full",
+        "What decentralized agents send: full (their sparse model) or delta (the top-k of "
+        "its change since what receivers hold; every agent follows every peer).",
+    )
+    delta_fraction: float = param(0.1, "--wire delta: fraction of the kept entries sent (top-k).")
 
     @property
     def sgd(self) -> SGDConfig:

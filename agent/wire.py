@@ -26,11 +26,12 @@ def encode_state(weights: State, masks: Masks | None = None, *, fp16: bool = Fal
 
 def decode_state(
     data: bytes,
-    expected: Mapping[str, tuple[tuple[int, ...], str]],
+    expected: Mapping[str, tuple[tuple[int, ...], str]] | None,
     *,
     limits: Limits = DEFAULT_LIMITS,
 ) -> tuple[State, Masks]:
-    """Decode weights and the sender's masks, checked against the agreed model's shapes."""
+    """Decode weights and the sender's masks, checked against the agreed model's shapes
+    (None: a layout whose sizes the caller checks after decoding, within `limits`)."""
     decoded = decode_tensors(data, limits=limits, expected=expected, require_finite=True)
     weights = {name: torch.from_numpy(t.values) for name, t in decoded.items()}
     masks = {name: torch.from_numpy(t.mask) for name, t in decoded.items() if t.mask is not None}
@@ -52,6 +53,29 @@ def expected_shapes(weights: State) -> dict[str, tuple[tuple[int, ...], str]]:
     }
 
 
+FLIP = "flip:"
+"""Prefix of the bool tensors of a delta message carrying a tensor's mask where it changed."""
+
+
+def delta_names(weights: State, masks: Masks | None) -> dict[str, str]:
+    """Payload name -> model tensor name of a delta message: every tensor's delta, and each
+    masked tensor's mask flips."""
+    names = {n: n for n in weights}
+    names |= {f"{FLIP}{n}": n for n in masks or {}}
+    return names
+
+
+def expected_delta_shapes(
+    weights: State, masks: Masks | None
+) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The (shape, dtype) of every tensor of a delta message (`agent.delta`)."""
+    shapes = expected_shapes(weights)
+    return {
+        name: shapes[tensor] if name == tensor else (shapes[tensor][0], "bool")
+        for name, tensor in delta_names(weights, masks).items()
+    }
+
+
 def model_message(
     *,
     fleet: str,
@@ -63,8 +87,10 @@ def model_message(
     num_samples: int,
     fp16: bool = False,
     key: bytes | None = None,
+    base_round: int = -1,
 ) -> bytes:
-    """The full `Model` message an agent publishes after a round."""
+    """The `Model` message an agent publishes after a round: its full model, or with
+    `base_round` >= 0 a delta on the model of that round (`agent.delta`)."""
     body = encode_state(weights, masks, fp16=fp16)
     message = messages.Model(
         fleet=fleet,
@@ -73,5 +99,6 @@ def model_message(
         round=round_,
         tensors=body,
         num_samples=num_samples,
+        base_round=base_round,
     )
     return messages.encode(message, key=key)

@@ -22,7 +22,8 @@ Directions (each printed as shown / NOT shown, with its numbers):
   first rise of L) and with `--stop-patience 3` (+es3); rounds = agent-rounds trained.
 * A composition beats plain DA-DPFL on accuracy per busiest-agent byte: DA-DPFL on mixed
   boards with a tight round time (budgets from ~0.05 to 1), plain (prune to the budget)
-  against `--reduce freeze`, `--reduce auto`, and auto with fp16 values on the wire.
+  against `--reduce freeze`, `--reduce auto`, auto with fp16 values on the wire, and
+  `--wire delta` (top 10% of each change, to every peer) alone, with auto, and with fp16.
 
 What the default run shows (seed 1, 202 s; bench/results/strategies.json):
 
@@ -76,6 +77,9 @@ COMPOSITIONS = {
     "dadpfl+freeze@mixed": {"reduce": "freeze"},
     "dadpfl+auto@mixed": {"reduce": "auto"},
     "dadpfl+auto+fp16@mixed": {"reduce": "auto", "fp16": True},
+    "dadpfl+delta@mixed": {"wire": "delta"},
+    "dadpfl+auto+delta@mixed": {"reduce": "auto", "wire": "delta"},
+    "dadpfl+auto+delta+fp16@mixed": {"reduce": "auto", "wire": "delta", "fp16": True},
 }
 """DA-DPFL on budgeted boards: plain (prune to the budget) against compositions."""
 ADAMS = ("fedadam", "fedadam-ssm", "fedadam-top")

@@ -23,6 +23,8 @@ from typing import Any
 from agent import checkpoint, topology
 from agent.data import load_dataset
 from agent.experiment import ExperimentConfig, check_networked, profile_names
+from agent.strategies import CENTRALIZED
+from coordinator.aggregator import Aggregator
 from coordinator.simulate import stopped_summary, summarize
 from protocol import messages, topics
 from protocol.membership import Identity, connect, leave
@@ -75,7 +77,7 @@ class Emulation:
     def __init__(
         self, config: ExperimentConfig, broker: BrokerAddress, options: EmulationOptions
     ) -> None:
-        check_networked(config)
+        check_networked(config, aggregator=True)
         # Once here rather than in every agent: fills the dataset cache the agents read, and a
         # bad --dataset fails now (ValueError or OSError), not in N processes.
         load_dataset(config.dataset, seed=config.seed)
@@ -88,6 +90,8 @@ class Emulation:
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.progress: dict[str, int] = {}
         self._lock = threading.Lock()
+        self.aggregator: Aggregator | None = None
+        """The coordinator's aggregator, for a centralized strategy."""
 
     def profile_of(self, index: int) -> str | None:
         """The run's profile for this agent (its budget and throttle), if the run has any."""
@@ -139,8 +143,26 @@ class Emulation:
         started = time.perf_counter()
         identity = Identity(self.fleet, "coordinator", role="coordinator")
         transport = connect(self.broker, identity)
+        aggregating: threading.Thread | None = None
+        stop = threading.Event()
         try:
             transport.subscribe(topics.status(self.fleet), self._on_status)
+            if self.config.learning.strategy in CENTRALIZED:
+                self.aggregator = Aggregator(
+                    fleet=self.fleet,
+                    run_id=self.run_id,
+                    roster=self.roster,
+                    config=self.config,
+                    transport=transport,
+                    sender=identity.sender,
+                    round_timeout_s=self.options.round_timeout_s,
+                    stop=stop,
+                )
+                self.aggregator.start()
+                aggregating = threading.Thread(
+                    target=self.aggregator.run, name="aggregator", daemon=True
+                )
+                aggregating.start()
             run = messages.RunConfig(
                 fleet=self.fleet,
                 sender="coordinator",
@@ -154,10 +176,13 @@ class Emulation:
                 self.start_agent(index)
             self._wait(progress)
         finally:
+            stop.set()
             for process in self.processes.values():
                 if process.poll() is None:
                     process.kill()
                     process.wait(10)
+            if aggregating is not None:
+                aggregating.join(10)
             leave(transport, identity)
         return self.report(time.perf_counter() - started)
 
@@ -199,13 +224,21 @@ class Emulation:
                     agents[agent_id] = {**rounds[-1]["agents"][agent_id], **IDLE}
             if not agents or len(stopped) == len(self.roster) and t > max(stopped.values()):
                 break
-            rounds.append({
+            record = {
                 "round": t,
                 "order": topology.reuse_order(self.config.seed, t, self.roster),
                 "agents": agents,
                 "t_star": t_star,
-            })  # fmt: skip
+            }
+            if self.aggregator is not None:
+                record["order"] = self.roster
+                if t <= len(self.aggregator.records):
+                    round_record = self.aggregator.records[t - 1]
+                    record["coordinator"] = dataclasses.asdict(round_record.traffic)
+                    record["participants"] = round_record.participants
+            rounds.append(record)
         missing = {a: p.returncode for a, p in self.processes.items() if p.returncode != 0}
+        aggregated = self.aggregator.records if self.aggregator else []
         return {
             "config": {
                 **dataclasses.asdict(self.config),
@@ -221,6 +254,7 @@ class Emulation:
                 "failed_agents": missing,
                 "stragglers": sorted(
                     {s for r in rounds for a in r["agents"].values() for s in a["stragglers"]}
+                    | {s for r in aggregated for s in r.stragglers}
                 ),
             },
         }

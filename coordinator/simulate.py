@@ -16,8 +16,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from agent import pruning, sparse, topology
-from agent.central import Aggregate, Fit, Payload, central_strategy
+from agent import delta, pruning, sparse, topology
+from agent.central import (
+    Aggregate,
+    Fit,
+    Payload,
+    ServerState,
+    Upload,
+    central_strategy,
+    static_tier,
+)
 from agent.experiment import ExperimentConfig, build_workload, local_reduction, nominal_budgets
 from agent.strategies import Published, RoundResult, StopWatch, early_stop_savings
 from agent.wire import encode_state, model_message, values_sent
@@ -106,7 +114,9 @@ class Simulation:
             },
         }
 
-    def _message_size(self, round_: int, sender: str, published: Published) -> tuple[int, int]:
+    def _message_size(
+        self, round_: int, sender: str, published: Published, base_round: int = -1
+    ) -> tuple[int, int]:
         """(encoded bytes, nonzeros) of the Model message carrying `published`."""
         data = model_message(
             fleet=FLEET,
@@ -117,6 +127,7 @@ class Simulation:
             masks=published.masks,
             num_samples=published.num_samples,
             fp16=self.config.learning.fp16,
+            base_round=base_round,
         )
         return len(data), values_sent(published.weights, published.masks)
 
@@ -134,6 +145,9 @@ class Simulation:
     def _decentralized(self, progress: ProgressCallback | None) -> list[dict[str, Any]]:
         cfg = self.config.learning
         communicates = cfg.strategy != "local"
+        # --wire delta: agents send deltas on what everyone holds of them (their
+        # reconstruction, which is what `current` and `previous` then hold), to everyone.
+        deltas = communicates and cfg.wire == "delta"
         votes_matter = self.learner.prunes_further
         vote_bytes = len(
             messages.encode(messages.Vote(fleet=FLEET, sender=self.roster[0], vote=True, score=0.0))
@@ -164,9 +178,9 @@ class Simulation:
                     continue
                 prior, posterior = topology.prior_posterior(order, neighbours[k], k, cfg.max_wait)
                 inbox = {j: current[j] for j in prior} | {j: previous[j] for j in posterior}
-                for j in prior:
+                for j in prior if not deltas else ():
                     deliveries.count(traffic, k, j, t, size[j], self.stopped)
-                for j in posterior:
+                for j in posterior if not deltas else ():
                     deliveries.count(traffic, k, j, t - 1, previous_size[j], self.stopped)
                 reduction = local_reduction(self.learner, self.budgets.get(k), self.states[k].masks)
                 result = self.learner.local_round(
@@ -182,7 +196,15 @@ class Simulation:
                 self.states[k] = result.state
                 current[k] = result.published
                 self._stops(k, t, result.state.weights, result.train_loss)
-                if communicates:
+                if deltas:
+                    values, value_masks, current[k] = delta.encode_delta(
+                        result.published, previous[k], cfg.delta_fraction, fp16=cfg.fp16
+                    )
+                    sent = Published(values, value_masks, result.published.num_samples)
+                    size[k], nonzeros = self._message_size(t, k, sent, base_round=t - 1)
+                    traffic[k].sent += size[k]
+                    traffic[k].nonzeros_sent += nonzeros
+                elif communicates:
                     size[k], nonzeros = self._message_size(t, k, result.published)
                     deliveries.final_size[k] = size[k]
                     traffic[k].sent += size[k]
@@ -191,6 +213,9 @@ class Simulation:
                     size[k] = 0
                 if progress:
                     progress(t, k)
+            if deltas:  # every agent follows every peer
+                for k in roster:
+                    traffic[k].received += sum(size[j] for j in roster if j != k)
             if votes_matter:
                 voters = [k for k in roster if results[k].vote is not None]
                 for k in voters:
@@ -206,9 +231,10 @@ class Simulation:
         return rounds
 
     def _centralized(self, progress: ProgressCallback | None) -> list[dict[str, Any]]:
-        """Participants fit from the aggregator's state, the aggregator combines the uploads
-        (`agent.central`); traffic is the real messages: uploads (and FedLDF's divergence
-        vectors, requests and selected layers), per-agent downloads, one broadcast."""
+        """The rounds of `agent.central`'s contract in one process: downloads, fits,
+        (selection and responses), aggregation. Traffic is the real messages: requests and
+        downloads, uploads (FedLDF: divergence vectors, requests, selected layers), one
+        broadcast."""
         strategy = central_strategy(self.config.learning.strategy)
         server = strategy.init_server(self.learner)
         p_k: dict[str, float] = {}  # what each agent trained with (budget or static tier)
@@ -217,20 +243,36 @@ class Simulation:
             traffic = {k: Traffic() for k in [*self.roster, COORDINATOR]}
             results: dict[str, RoundResult] = {}
             fits: dict[str, Fit] = {}
+            downloads: dict[str, Payload] = {}
             for k in self.roster:
                 if k in self.stopped:
                     results[k] = idle_result(rounds[-1]["agents"][k], self.states[k])
                     continue
-                p_k[k] = self.budgets[k].p_k if k in self.budgets else self._static_tier(k)
-                fits[k] = strategy.fit(
-                    self.learner, self.states[k], self.data[k], server, t, p_k[k]
-                )
+                p_k[k] = self.budgets[k].p_k if k in self.budgets else static_tier(self.roster, k)
+                view = server
+                if strategy.downloads:
+                    downloads[k] = strategy.download(self.learner, server, k, t, p_k[k])
+                    view = ServerState(downloads[k].weights)
+                fits[k] = strategy.fit(self.learner, self.states[k], self.data[k], view, t, p_k[k])
                 self.states[k] = fits[k].state
                 if progress:
                     progress(t, k)
-            aggregate = strategy.aggregate(self.learner, server, fits)
+            requests: dict[str, list[str]] = {}
+            if strategy.asks_layers:
+                requests = strategy.select(
+                    self.learner, {k: f.divergence or {} for k, f in fits.items()}
+                )
+                uploads = {
+                    k: Upload(
+                        strategy.respond(self.learner, fits[k], requests.get(k, [])), f.num_samples
+                    )
+                    for k, f in fits.items()
+                }
+            else:
+                uploads = {k: Upload(f.upload, f.num_samples) for k, f in fits.items()}
+            aggregate = strategy.aggregate(self.learner, server, uploads)
             server = aggregate.server
-            self._central_traffic(t, fits, aggregate, traffic)
+            self._central_traffic(t, fits, uploads, downloads, requests, aggregate, traffic)
             for k, fit in fits.items():
                 evaluated = fit.state.weights if strategy.personal else server.weights
                 loss, accuracy = self.learner.evaluate_on(evaluated, self.data[k])
@@ -251,11 +293,6 @@ class Simulation:
                 break
         return rounds
 
-    def _static_tier(self, agent_id: str) -> float:
-        """p_k without device profiles: FedSPU's paper tiers 0.2, 0.4, ..., 1.0 in turn (by
-        the agent's place in the roster); with profiles the measured budget decides."""
-        return STATIC_TIERS[self.roster.index(agent_id) % len(STATIC_TIERS)]
-
     def _payload_size(
         self, kind: type[messages.Message], t: int, sender: str, payload: Payload
     ) -> int:
@@ -266,7 +303,14 @@ class Simulation:
         return len(messages.encode(messages.Update(**header, tensors=body, num_samples=1)))
 
     def _central_traffic(
-        self, t: int, fits: dict[str, Fit], aggregate: Aggregate, traffic: dict[str, Traffic]
+        self,
+        t: int,
+        fits: dict[str, Fit],
+        uploads: dict[str, Upload],
+        downloads: dict[str, Payload],
+        requests: dict[str, list[str]],
+        aggregate: Aggregate,
+        traffic: dict[str, Traffic],
     ) -> None:
         coordinator = traffic[COORDINATOR]
         header = {"fleet": FLEET, "run_id": "sim", "round": t}
@@ -277,37 +321,36 @@ class Simulation:
             coordinator.sent += broadcast
             coordinator.nonzeros_sent += values_sent(payload.weights, payload.masks)
         for k, fit in fits.items():
-            sent = [fit.upload] if fit.upload.weights else []
-            if k in aggregate.uploads and aggregate.uploads[k].weights:
-                sent.append(aggregate.uploads[k])
-            up = sum(self._payload_size(messages.Update, t, k, p) for p in sent)
+            up = down = 0
+            sent = uploads[k].payload
+            if sent.weights:
+                up += self._payload_size(messages.Update, t, k, sent)
+                traffic[k].nonzeros_sent += values_sent(sent.weights, sent.masks)
             if fit.divergence is not None:
-                up += len(
-                    messages.encode(
-                        messages.Divergence(
-                            **header,
-                            sender=k,
-                            layers=list(fit.divergence),
-                            values=list(fit.divergence.values()),
-                        )
-                    )
+                divergence = messages.Divergence(
+                    **header,
+                    sender=k,
+                    layers=list(fit.divergence),
+                    values=list(fit.divergence.values()),
                 )
-            down = broadcast
-            if fit.download is not None:
-                size = self._payload_size(messages.Global, t, COORDINATOR, fit.download)
+                up += len(messages.encode(divergence))
+            if k in downloads:
+                asked = messages.Request(**header, sender=k, target=COORDINATOR, fraction=1.0)
+                up += len(messages.encode(asked))
+                size = self._payload_size(messages.Global, t, COORDINATOR, downloads[k])
                 down += size
                 coordinator.sent += size
-                coordinator.nonzeros_sent += values_sent(fit.download.weights, fit.download.masks)
-            if k in aggregate.requests:
+                coordinator.nonzeros_sent += values_sent(downloads[k].weights, downloads[k].masks)
+            if k in requests:
                 request = messages.Request(
-                    **header, sender=COORDINATOR, target=k, layers=aggregate.requests[k]
+                    **header, sender=COORDINATOR, target=k, layers=requests[k]
                 )
                 size = len(messages.encode(request))
                 down += size
                 coordinator.sent += size
+            down += broadcast
             traffic[k].sent += up
             traffic[k].received += down
-            traffic[k].nonzeros_sent += sum(values_sent(p.weights, p.masks) for p in sent)
             coordinator.received += up
 
     def _round_record(
@@ -343,9 +386,6 @@ class Simulation:
             record["coordinator"] = dataclasses.asdict(traffic[COORDINATOR])
         record["t_star"] = self.plan.t_star
         return record
-
-
-STATIC_TIERS = (0.2, 0.4, 0.6, 0.8, 1.0)
 
 
 def idle_result(last: dict[str, Any], state: sparse.State) -> RoundResult:

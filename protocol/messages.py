@@ -59,7 +59,13 @@ class Message:
     round: int = 0
 
     def body(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)[4:]}
+        """The fields after the header; a field still at its default is left out (the
+        decoder fills it in), so optional fields cost nothing on the wire when unused."""
+        return {
+            f.name: value
+            for f in dataclasses.fields(self)[4:]
+            if (value := getattr(self, f.name)) != _default(f)
+        }
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -128,11 +134,17 @@ class Divergence(Message):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Request(Message):
-    """Ask `target` for some layers of its model, or for its full model (`layers` empty)."""
+    """Ask `target` for some layers of its model, or for its full model (`layers` empty).
+
+    Sent to the aggregator, `fraction` > 0 asks for this round's part of the global model
+    for the sender training that fraction of its neurons (FedSPU: the aggregator draws the
+    same active neurons from the sender's seed); 0 asks it to re-send the round's broadcast.
+    """
 
     TYPE = MessageType.REQUEST
     target: str
     layers: list[str] = dataclasses.field(default_factory=list)
+    fraction: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -151,6 +163,17 @@ class Global(Message):
     TYPE = MessageType.GLOBAL
     tensors: bytes
     participants: list[str] = dataclasses.field(default_factory=list)
+
+
+def _default(field: dataclasses.Field) -> Any:
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return _NO_DEFAULT
+
+
+_NO_DEFAULT = object()
 
 
 MESSAGE_CLASSES: dict[str, type[Message]] = {

@@ -5,6 +5,7 @@ fl/v1/<fleet>/status/<agent>              retained status
 fl/v1/<fleet>/run                         retained run config and roster
 fl/v1/<fleet>/round/<t>/<kind>/<agent>    model, vote, divergence, request, update
 fl/v1/<fleet>/round/<t>/global            the aggregate of a centralized round
+fl/v1/<fleet>/round/<t>/global/<agent>    one participant's own part of it (FedSPU)
 """
 
 from __future__ import annotations
@@ -51,8 +52,12 @@ def round_topic(fleet: str, round_: int | str, kind: str, agent: str = "+") -> s
     return f"{fleet_root(fleet)}/round/{round_}/{kind}/{who}"
 
 
-def global_model(fleet: str, round_: int | str) -> str:
-    return f"{fleet_root(fleet)}/round/{round_}/global"
+def global_model(fleet: str, round_: int | str, agent: str | None = None) -> str:
+    """The round's broadcast, or with `agent` the part addressed to that participant alone."""
+    topic = f"{fleet_root(fleet)}/round/{round_}/global"
+    if agent is None:
+        return topic
+    return f"{topic}/{agent if agent == '+' else check_name(agent, 'agent')}"
 
 
 def parse(topic: str) -> tuple[str, str, dict[str, str]]:
@@ -67,6 +72,8 @@ def parse(topic: str) -> tuple[str, str, dict[str, str]]:
         return fleet, "run", {}
     if rest[0] == "round" and len(rest) == 3 and rest[2] == "global":
         return fleet, "global", {"round": rest[1]}
+    if rest[0] == "round" and len(rest) == 4 and rest[2] == "global":
+        return fleet, "global", {"round": rest[1], "to": rest[3]}
     if rest[0] == "round" and len(rest) == 4 and rest[2] in ROUND_KINDS:
         return fleet, rest[2], {"round": rest[1], "agent": rest[3]}
     raise ProtocolError(f"unknown fleet topic: {topic!r}")

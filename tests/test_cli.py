@@ -141,7 +141,10 @@ def test_status_says_when_the_broker_is_unreachable(unused_port: int) -> None:
         ([*COORDINATOR, "serve", "--port", "0"], "0 is not in the range"),
         ([*COORDINATOR, "serve", "--key-file", "/nonexistent/key"], "does not exist"),
         ([*COORDINATOR, "bogus"], "No such command"),
-        ([*COORDINATOR, "emulate", "--strategy", "fedavg"], "fedavg is centralized"),
+        (
+            [*COORDINATOR, "emulate", "--strategy", "fedavg", "--wire", "delta"],
+            "--wire has no effect here",
+        ),
         ([*COORDINATOR, "emulate", "--dataset", "npz:/no/such.npz"], "/no/such.npz"),
         (
             [*EDGE_AGENT, "--broker", "127.0.0.1", "--expect", "2", "--strategy", "fedspu"],

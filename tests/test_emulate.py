@@ -69,8 +69,16 @@ def options(tmp_path: Path, **overrides: object) -> EmulationOptions:
         {"strategy": "dadpfl", "max_wait": 2, "rounds": 5, "delta_pr": 100.0},
         {"strategy": "dadpfl", "max_wait": 2, "profiles": "mixed"},
         {"strategy": "dadpfl", "max_wait": 2, "rounds": 6, "early_stop": True},
+        {"strategy": "dadpfl", "max_wait": 2, "rounds": 4, "wire": "delta"},
     ],
-    ids=["dadpfl", "dispfl", "dadpfl-pruning", "dadpfl-budgets", "dadpfl-early-stop"],
+    ids=[
+        "dadpfl",
+        "dispfl",
+        "dadpfl-pruning",
+        "dadpfl-budgets",
+        "dadpfl-early-stop",
+        "dadpfl-delta",
+    ],  # fmt: skip
 )
 def test_emulate_gives_the_numbers_of_simulate(
     amqtt_broker, tmp_path: Path, monkeypatch, learning
@@ -101,6 +109,79 @@ def test_emulate_gives_the_numbers_of_simulate(
     if learning.get("delta_pr"):
         assert emulated["summary"]["t_star"] == 1
         assert emulated["summary"]["mean_sparsity"] > 0.5
+
+
+@pytest.mark.parametrize(
+    "learning",
+    [
+        {"strategy": "fedavg"},
+        {"strategy": "fedspu", "rounds": 6, "early_stop": True},
+        {"strategy": "fedadam-ssm"},
+        {"strategy": "fedldf", "ldf_n": 2},
+    ],
+    ids=["fedavg", "fedspu-early-stop", "fedadam-ssm", "fedldf"],
+)
+def test_the_coordinator_aggregates_centralized_strategies_as_simulate_does(
+    amqtt_broker, tmp_path: Path, learning
+) -> None:
+    cfg = config(**learning)
+    emulated = Emulation(cfg, amqtt_broker.address, options(tmp_path)).run()
+    assert emulated["summary"]["failed_agents"] == {}
+    assert emulated["summary"]["stragglers"] == []
+    simulated = simulate(cfg)
+    assert_same_learning(emulated, simulated)
+    losses = {
+        (r["round"], k): a["loss"] for r in simulated["rounds"] for k, a in r["agents"].items()
+    }
+    assert {
+        (r["round"], k): a["loss"] for r in emulated["rounds"] for k, a in r["agents"].items()
+    } == pytest.approx(losses, abs=1e-6)
+    assert emulated["summary"]["stopped"].keys() == simulated["summary"]["stopped"].keys()
+    if learning.get("early_stop"):
+        assert simulated["summary"]["stopped"], "the case must exercise early stopping"
+    # The same values travel (uploads, downloads, FedLDF's selected layers, the broadcast);
+    # bytes differ only by the envelope (run id) and the statuses an MQTT link also carries.
+    for got, want in zip(emulated["rounds"], simulated["rounds"], strict=True):
+        assert got["coordinator"]["nonzeros_sent"] == want["coordinator"]["nonzeros_sent"]
+        assert got["coordinator"]["sent"] == pytest.approx(want["coordinator"]["sent"], rel=0.02)
+        for k, a in want["agents"].items():
+            assert got["agents"][k]["nonzeros_sent"] == a["nonzeros_sent"], (got["round"], k)
+
+
+def test_a_killed_participant_resumes_and_the_centralized_run_is_unchanged(
+    amqtt_broker, tmp_path: Path
+) -> None:
+    cfg = config("fedadam-ssm", rounds=5)  # its checkpoint holds the server's W, M and V
+    emulation = Emulation(cfg, amqtt_broker.address, options(tmp_path))
+    thread, result = run_in_background(emulation)
+    wait_for_round(emulation, "agent-002", 2)
+    emulation.processes["agent-002"].send_signal(signal.SIGKILL)
+    emulation.processes["agent-002"].wait(10)
+    emulation.start_agent(2)
+    thread.join(600)
+    assert "error" not in result, result.get("error")
+    report = result["report"]
+    assert report["summary"]["stragglers"] == []
+    assert_same_learning(report, simulate(cfg))
+
+
+def test_a_vanished_participant_is_left_out_and_the_centralized_run_finishes(
+    amqtt_broker, tmp_path: Path
+) -> None:
+    cfg = config("fedavg", rounds=4)
+    emulation = Emulation(cfg, amqtt_broker.address, options(tmp_path, round_timeout_s=3.0))
+    thread, result = run_in_background(emulation)
+    wait_for_round(emulation, "agent-004", 1)
+    emulation.processes["agent-004"].send_signal(signal.SIGKILL)
+    thread.join(600)
+    assert "error" not in result, result.get("error")
+    report = result["report"]
+    assert "agent-004" in report["summary"]["stragglers"]
+    assert report["summary"]["failed_agents"] == {"agent-004": -signal.SIGKILL}
+    assert len(report["rounds"]) == 4
+    assert report["rounds"][-1]["participants"] == [
+        f"agent-{k:03d}" for k in range(AGENTS) if k != 4
+    ]
 
 
 def assert_onnx_models_match_torch(simulation: Simulation, workdir: Path) -> None:

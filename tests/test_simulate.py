@@ -221,6 +221,10 @@ def test_cli_writes_the_report_and_plots(tmp_path: Path) -> None:
         (["--strategy", "fedavg", "--ldf-n", "2"], "--ldf-n has no effect here"),
         (["--stop-patience", "3"], "applies to runs with --early-stop"),
         (["--strategy", "fedldf", "--ldf-n", "0"], "--ldf-n must be >= 1"),
+        (["--strategy", "fedavg", "--wire", "delta"], "--wire has no effect here"),
+        (["--delta-fraction", "0.2"], "applies to runs with --wire delta"),
+        (["--wire", "zip"], "Invalid value for '--wire'"),
+        (["--wire", "delta", "--delta-fraction", "1.5"], "--delta-fraction must be in (0, 1]"),
     ],
 )
 def test_cli_bad_configurations_get_one_clear_line(tmp_path: Path, args, message) -> None:
@@ -229,6 +233,22 @@ def test_cli_bad_configurations_get_one_clear_line(tmp_path: Path, args, message
     assert message in result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "report.json").exists()
+
+
+def test_wire_delta_sends_the_top_fraction_of_each_agents_change_to_every_peer() -> None:
+    full = simulate(small(rounds=4))
+    delta = simulate(small(rounds=4, wire="delta", delta_fraction=0.1))
+    agents = full["config"]["roster"]
+    for f, d in zip(full["rounds"], delta["rounds"], strict=True):
+        for k in agents:
+            kept = f["agents"][k]["nonzeros_sent"]  # the whole sparse model's values
+            # the top 10% of the kept entries, plus the mask flips where RigL moved it
+            assert d["agents"][k]["nonzeros_sent"] < 0.45 * kept
+            assert d["agents"][k]["bytes_sent"] < 0.5 * f["agents"][k]["bytes_sent"]
+            # every peer's delta reaches every agent: K - 1 messages, not M models
+            peers_sent = sum(d["agents"][j]["bytes_sent"] for j in agents if j != k)
+            assert d["agents"][k]["bytes_received"] >= peers_sent
+    assert delta["summary"]["mean_accuracy"] > 0.2
 
 
 def test_a_weaker_device_trains_fewer_flops_per_round() -> None:

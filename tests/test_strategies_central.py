@@ -6,9 +6,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from agent.central import STATIC_TIERS, static_tier
 from agent.experiment import MIN_ACTIVE, Reduction, local_reduction
 from agent.strategies import CENTRALIZED, StopWatch, preset
-from coordinator.simulate import STATIC_TIERS, ExperimentConfig, Simulation, simulate
+from coordinator.simulate import ExperimentConfig, Simulation, simulate
 
 AGENTS = 5
 
@@ -82,7 +83,7 @@ def test_fedspu_and_federated_dropout_move_the_same_active_part() -> None:
 
 def test_without_profiles_fedspu_uses_the_papers_tiers() -> None:
     simulation = Simulation(config("fedspu", rounds=1))
-    tiers = [simulation._static_tier(k) for k in simulation.roster]
+    tiers = [static_tier(simulation.roster, k) for k in simulation.roster]
     assert tiers == list(STATIC_TIERS[:AGENTS])
     report = simulation.run()
     assert list(agent_figures(report, "p_k").values()) == tiers
