@@ -165,13 +165,19 @@ class CentralStrategy:
         size = sum(t.numel() for t in learner.initial.values())
         limits = dataclasses.replace(DEFAULT_LIMITS, max_total_elements=3 * size)
         weights, masks = decode_state(data, shapes, limits=limits)
-        payload = Payload(weights, masks or None)
         if shapes is None:
             try:
-                self.check_payload(learner, payload)
+                self.check_payload(learner, Payload(weights, masks or None))
             except ValueError as exc:
                 raise ProtocolError(str(exc)) from None
-        return payload
+        # The model's order, whatever the sender's: aggregation sums in one fixed order.
+        order = {name: i for i, name in enumerate(self.payload_order(learner))}
+        weights = dict(sorted(weights.items(), key=lambda item: order[item[0]]))
+        return Payload(weights, masks or None)
+
+    def payload_order(self, learner: Learner) -> list[str]:
+        """Every tensor name a payload of this strategy may carry, in the model's order."""
+        return list(learner.initial)
 
 
 Shapes = dict[str, tuple[tuple[int, ...], str]]
@@ -433,6 +439,9 @@ class FedAdam(CentralStrategy):
     def upload_shapes(self, learner: Learner, layers: list[str] | None = None) -> Shapes | None:
         return _moment_shapes(learner) if self.mode != adam.MODE_SSM else None
 
+    def payload_order(self, learner: Learner) -> list[str]:
+        return list(_moment_shapes(learner))
+
     def broadcast_shapes(self, learner: Learner) -> Shapes | None:
         return _moment_shapes(learner) if self.broadcast_mode == adam.MODE_DENSE else None
 
@@ -444,6 +453,8 @@ class FedAdam(CentralStrategy):
         want = {f"{p}:{n}" for p in "wmv" for n in learner.initial}
         if set(payload.weights) != want:
             raise ValueError("a moment payload must hold w:, m: and v: of every tensor")
+        if not all(torch.is_floating_point(t) for t in payload.weights.values()):
+            raise ValueError("a moment payload holds floating values only")
         for name, (shape, _dtype) in shapes.items():
             w = payload.weights[f"w:{name}"]
             mask = masks.get(f"w:{name}")
@@ -575,6 +586,17 @@ def static_tier(roster: list[str], agent_id: str) -> float:
     """p_k without a measured budget: FedSPU's paper tiers 0.2, 0.4, ..., 1.0 in turn, by the
     agent's place in the sorted roster (with device profiles the budget decides)."""
     return STATIC_TIERS[sorted(roster).index(agent_id) % len(STATIC_TIERS)]
+
+
+def as_sent(payload: Payload, fp16: bool) -> Payload:
+    """The payload as its receivers decode it: with fp16 on the wire, values rounded so."""
+    if not fp16:
+        return payload
+    rounded = {
+        n: t.half().to(t.dtype) if torch.is_floating_point(t) else t
+        for n, t in payload.weights.items()
+    }
+    return Payload(rounded, payload.masks)
 
 
 def central_strategy(name: str) -> CentralStrategy:

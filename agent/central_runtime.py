@@ -9,17 +9,20 @@ only moves their payloads. Round t of agent k:
     FedLDF          answer the aggregator's `Request` for layers with an `Update` of them
     broadcasting    wait for round/t/global, apply it to the view of the server state
 
-A message that does not come is asked for again every `request_every_s`. If the round's
-global model never comes (the coordinator is down), the agent goes on with the view it holds
-after three round timeouts and names the coordinator as its straggler.
+A message that does not come is asked for again every `request_every_s`. If it never comes
+(the coordinator is down or the agent fell behind) the agent names the coordinator as its
+straggler after three round timeouts: without its part of the global model a FedSPU-family
+agent skips the round's training, and without a broadcast any agent keeps the view it holds.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
 
+from agent.budget import Budget
 from agent.central import Fit, Payload, ServerState, central_strategy, static_tier
 from agent.runtime import AgentRuntime
 from agent.wire import encode_state, values_sent
@@ -108,6 +111,8 @@ class CentralRuntime(AgentRuntime):
                 break
             woken_by = None if answered else (round_, self.me)
             found = self.inbox.wait_global(round_, addressed, wait, request=woken_by)
+            if found is not None and not found.participants and not addressed:
+                return Payload({})  # nobody delivered this round: nothing changes
             if found is not None:
                 shapes = (
                     self.strategy.upload_shapes(self.learner)
@@ -137,9 +142,8 @@ class CentralRuntime(AgentRuntime):
             self._ask(round_, p_k)
             part = self._receive(round_, True, p_k)
             if part is None:
-                stragglers.append(self.aggregator)
-            else:
-                view = ServerState(part.weights)
+                return self._missed_round(round_, p_k, budget)
+            view = ServerState(part.weights)
         waited = time.monotonic() - started
         computing = time.monotonic()
         fit = self.strategy.fit(self.learner, self.state, self.data, view, round_, p_k)
@@ -172,28 +176,63 @@ class CentralRuntime(AgentRuntime):
         stops = self._stops_after(fit)
         return self._finish_round(
             round_,
-            {
-                "round": round_,
-                "agent": self.me,
-                "accuracy": accuracy,
-                "loss": loss,
-                "train_loss": fit.train_loss,
-                "sparsity": 0.0,
-                "nonzeros_sent": self._nonzeros(fit),
-                "train_flops": fit.train_flops,
-                "p_k": p_k,
-                "limited_by": budget.limited_by if budget else "none",
-                "density_cap": None,
-                "active_fraction": None,
-                "throttled_s": round(throttled, 3),
-                "vote": None,
-                "score": None,
-                "pruned": False,
-                "stragglers": sorted(set(stragglers)),
-                "wait_s": round(waited, 3),
-                "t_star": None,
-                "stopped": stops,
-            },
+            self._record(
+                round_,
+                p_k,
+                budget,
+                accuracy=accuracy,
+                loss=loss,
+                train_loss=fit.train_loss,
+                nonzeros_sent=self._nonzeros(fit),
+                train_flops=fit.train_flops,
+                throttled_s=round(throttled, 3),
+                stragglers=sorted(set(stragglers)),
+                wait_s=round(waited, 3),
+                stopped=stops,
+            ),
+        )
+
+    def _record(
+        self, round_: int, p_k: float, budget: Budget | None, **figures: Any
+    ) -> dict[str, Any]:
+        """A round's record in the decentralized runtime's schema (no masks, votes or t*)."""
+        return {
+            "round": round_,
+            "agent": self.me,
+            "sparsity": 0.0,
+            "p_k": p_k,
+            "limited_by": budget.limited_by if budget else "none",
+            "density_cap": None,
+            "active_fraction": None,
+            "vote": None,
+            "score": None,
+            "pruned": False,
+            "t_star": None,
+            **figures,
+        }
+
+    def _missed_round(self, round_: int, p_k: float, budget: Budget | None) -> dict[str, Any]:
+        """A round without this agent's part of the global model: nothing to train from, so
+        it trains nothing and keeps its model (training on a stale view would overwrite its
+        active part with old global values)."""
+        loss, accuracy = self.learner.evaluate_on(self.state.weights, self.data)
+        self.state = dataclasses.replace(self.state, round=round_)
+        return self._finish_round(
+            round_,
+            self._record(
+                round_,
+                p_k,
+                budget,
+                accuracy=accuracy,
+                loss=loss,
+                train_loss=None,
+                nonzeros_sent=0,
+                train_flops=0,
+                throttled_s=0.0,
+                stragglers=[self.aggregator],
+                wait_s=0.0,
+                stopped=False,
+            ),
         )
 
     def _stops_after(self, fit: Fit) -> bool:

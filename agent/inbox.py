@@ -74,10 +74,8 @@ class Inbox:
             self.rejected += 1
             log.warning("rejected message on %s: %s", topic, exc)
             return None
-        if (
-            message.sender not in self.expected.roster
-            and message.sender != self.expected.aggregator
-        ):
+        aggregator = kind == "request" and message.sender == self.expected.aggregator
+        if message.sender not in self.expected.roster and not aggregator:
             log.debug("ignored %s of %s: not in this run's roster", kind, message.sender)
             return None
         if check_run and message.run_id != self.expected.run_id:

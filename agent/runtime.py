@@ -132,6 +132,10 @@ class AgentRuntime:
         self.state: AgentState = self.learner.init_agent(agent_id)
         self.recon = self.learner.published(self.state, 0)
         """With --wire delta: this agent's model as its peers rebuild it from its deltas."""
+        self.whole_after_restart = 0
+        """With --wire delta, models to send whole: after a restart the round redone may
+        differ from what went out before the crash, and peers keep the first copy they got;
+        the round after it, sent whole too, puts sender and receivers back on one copy."""
         self.plan = pruning.PruningPlan(self.cfg.rounds, self.cfg.schedule_b, self.cfg.schedule_c)
         self.settled_round = 0
         self.stop_watch = StopWatch()
@@ -292,7 +296,7 @@ class AgentRuntime:
             "fp16": self.cfg.fp16,
             "key": self.key,
         }
-        if self.sends_deltas:
+        if self.sends_deltas and not self.whole_after_restart:
             values, value_masks, self.recon = encode_delta(
                 published, self.recon, self.cfg.delta_fraction, fp16=self.cfg.fp16
             )
@@ -303,7 +307,8 @@ class AgentRuntime:
             sent = Published(values, value_masks, published.num_samples)
         else:
             data = kept = model_message(**message, weights=published.weights, masks=published.masks)
-            sent = published
+            sent, self.recon = published, published
+            self.whole_after_restart = max(self.whole_after_restart - 1, 0)
         if self.cfg.strategy != "local":
             self.own[round_] = kept  # re-sent whole to a peer that asks for it
             for old in [r for r in self.own if r <= round_ - KEEP_OWN_ROUNDS]:
@@ -460,7 +465,11 @@ class AgentRuntime:
                 "settled_round": self.settled_round,
                 "t_star": self.plan.t_star,
                 "stop_watch": dataclasses.asdict(self.stop_watch),
-                "recon": {"weights": self.recon.weights, "masks": self.recon.masks or {}},
+                "recon": (
+                    {"weights": self.recon.weights, "masks": self.recon.masks or {}}
+                    if self.sends_deltas
+                    else None
+                ),
                 "record": record,
                 **self._checkpoint_extra(),
             },
@@ -517,9 +526,10 @@ class AgentRuntime:
         self.plan._last_round = saved["settled_round"]
         self.settled_round = saved["settled_round"]
         self.stop_watch = StopWatch(**saved.get("stop_watch", {}))
-        if "recon" in saved:
+        if saved.get("recon"):
             recon = saved["recon"]
             self.recon = Published(recon["weights"], recon["masks"] or None, 0)
+        self.whole_after_restart = 2
         if saved["record"].get("stopped"):
             self.stopped_round = int(saved["round"])
         self._restore_extra(saved)

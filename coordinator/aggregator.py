@@ -9,9 +9,11 @@ the uploads as they came off the wire. Round t:
                 participant for its selected layers and their `Update`s)
     aggregate   and publish the broadcast on round/t/global (kept for re-sends on request)
 
-A participant that does not deliver within the round timeout is left out of the round (a
-straggler); one that stopped early (its status says so) or is offline is not waited for.
-Handlers only validate and store; the round loop runs on its own thread.
+A round's timeout runs from its first delivery; a participant that has not delivered by then
+is left out of the round (a straggler). One that stopped early (its status says so) is not
+waited for, nor one that is offline and missed the last round. A broadcast strategy always
+ends a round with a `Global`, empty when nobody delivered. Handlers only validate and store;
+the round loop runs on its own thread, and an error there ends the run (`error`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.central import Payload, Upload, central_strategy
+from agent.central import Payload, Upload, as_sent, central_strategy
 from agent.experiment import ExperimentConfig, build_workload
 from agent.wire import encode_state, values_sent
 from protocol import messages, topics
@@ -95,6 +97,7 @@ class Aggregator:
         self._missed: set[str] = set()
         """Who did not deliver in the last round."""
         self.rejected = 0
+        self.error: Exception | None = None
 
     # ------------------------------------------------------------------ wiring
 
@@ -121,22 +124,26 @@ class Aggregator:
                 or fleet != self.fleet
                 or message.fleet != fleet
                 or message.sender != fields.get("agent")
-                or fields.get("round") != str(message.round)
+                or fields.get("round", str(message.round)) != str(message.round)
             ):
                 raise ProtocolError(f"{kind} message does not match its topic")
         except ProtocolError as exc:
-            self.rejected += 1
-            log.warning("rejected message on %s: %s", topic, exc)
+            self._reject(topic, str(exc))
             return None
         if message.run_id != self.run_id or message.sender not in self.roster:
             return None
-        with self._changed:
-            self._received[message.round] = self._received.get(message.round, 0) + len(payload)
+        if kind != "status":
+            with self._changed:
+                received = self._received.get(message.round, 0)
+                self._received[message.round] = received + len(payload)
         return message
 
     def _on_update(self, topic: str, payload: bytes) -> None:
         message = self._decode(topic, payload, "update")
         if isinstance(message, messages.Update):
+            if message.num_samples < 1:
+                self._reject(topic, "an update must weigh at least one sample")
+                return
             with self._changed:
                 self._updates.setdefault((message.round, message.sender), message)
                 self._changed.notify_all()
@@ -144,6 +151,11 @@ class Aggregator:
     def _on_divergence(self, topic: str, payload: bytes) -> None:
         message = self._decode(topic, payload, "divergence")
         if isinstance(message, messages.Divergence):
+            if sorted(message.layers) != sorted(self.learner.layer_groups) or any(
+                v < 0 for v in message.values
+            ):
+                self._reject(topic, "a divergence vector must give every layer, none negative")
+                return
             with self._changed:
                 self._divergences.setdefault((message.round, message.sender), message)
                 self._changed.notify_all()
@@ -164,16 +176,14 @@ class Aggregator:
         if data is not None:
             self._publish(message.round, topics.global_model(self.fleet, message.round), data)
 
+    def _reject(self, topic: str, reason: str) -> None:
+        with self._changed:
+            self.rejected += 1
+        log.warning("rejected message on %s: %s", topic, reason)
+
     def _on_status(self, topic: str, payload: bytes) -> None:
-        try:
-            message = messages.decode(payload, key=self.key)
-        except ProtocolError:
-            return
-        if (
-            isinstance(message, messages.Status)
-            and message.run_id == self.run_id
-            and message.stopped
-        ):
+        message = self._decode(topic, payload, "status")
+        if isinstance(message, messages.Status) and message.stopped:
             with self._changed:
                 self._stopped[message.sender] = message.round
                 self._changed.notify_all()
@@ -195,10 +205,11 @@ class Aggregator:
 
     def _publish(self, round_: int, topic: str, data: bytes, nonzeros: int = 0) -> None:
         self.transport.publish(topic, data)
-        record = self._record(round_)
-        if record is not None:
-            record.traffic.sent += len(data)
-            record.traffic.nonzeros_sent += nonzeros
+        with self._changed:
+            record = self._record(round_)
+            if record is not None:
+                record.traffic.sent += len(data)
+                record.traffic.nonzeros_sent += nonzeros
 
     def _record(self, round_: int) -> AggregatorRecord | None:
         for record in reversed(self.records):
@@ -308,7 +319,8 @@ class Aggregator:
                 )
                 for k in senders
             }
-            requests = self.strategy.select(self.learner, divergences)
+            selected = self.strategy.select(self.learner, divergences)
+            requests = {k: layers for k, layers in selected.items() if layers}
             for k, layers in sorted(requests.items()):
                 request = messages.Request(**self._header(round_), target=k, layers=layers)
                 topic = topics.round_topic(self.fleet, round_, "request", self.me)
@@ -326,38 +338,44 @@ class Aggregator:
         record.participants = sorted(senders)
         record.stragglers = sorted((set(candidates) - set(senders) - stopped_now) | missing)
         self._missed = set(record.stragglers)
+        broadcast = Payload({})
         if uploads:
             aggregate = self.strategy.aggregate(self.learner, self.server, uploads)
-            self.server = aggregate.server
-            if self.strategy.broadcasts:
-                data = self._global_message(round_, aggregate.broadcast, sorted(uploads))
-                with self._changed:
-                    self._globals[round_] = data
-                    for old in [r for r in self._globals if r <= round_ - KEEP_GLOBALS]:
-                        del self._globals[old]
-                broadcast = aggregate.broadcast
-                self._publish(
-                    round_,
-                    topics.global_model(self.fleet, round_),
-                    data,
-                    values_sent(broadcast.weights, broadcast.masks),
-                )
+            broadcast = aggregate.broadcast
+            if self.strategy.broadcasts:  # hold what participants hold (fp16 rounds it)
+                sent = as_sent(broadcast, self.config.learning.fp16)
+                self.server = self.strategy.receive(self.server, sent)
+            else:
+                self.server = aggregate.server
+        if self.strategy.broadcasts:
+            data = self._global_message(round_, broadcast, sorted(uploads))
+            with self._changed:
+                self._globals[round_] = data
+            self._publish(
+                round_,
+                topics.global_model(self.fleet, round_),
+                data,
+                values_sent(broadcast.weights, broadcast.masks),
+            )
         with self._changed:
             record.traffic.received += self._received.pop(round_, 0)
-            for key in [k for k in self._updates if k[0] < round_]:
-                del self._updates[key]
-            for key in [k for k in self._divergences if k[0] < round_]:
-                del self._divergences[key]
+            for store in (self._updates, self._divergences, self._asks, self._answered):
+                for key in [k for k in store if k[0] < round_]:
+                    del store[key]
+            for r in [r for r in self._globals if r <= round_ - KEEP_GLOBALS]:
+                del self._globals[r]
         return True
 
     def run(self) -> None:
-        """Every round of the run, until everyone stopped early or `stop` is set. (Handlers
-        keep re-sending kept broadcasts on request while the transport is up.)"""
-        for round_ in range(1, self.config.learning.rounds + 1):
-            if self.stop.is_set() or not self.run_round(round_):
-                break
-            log.info(
-                "round %d aggregated from %d participants",
-                round_,
-                len(self.records[-1].participants),
-            )
+        """Every round of the run, until everyone stopped early or `stop` is set (handlers
+        keep re-sending kept broadcasts on request while the transport is up). An error is
+        logged and kept in `error`: the caller ends the run with it."""
+        try:
+            for round_ in range(1, self.config.learning.rounds + 1):
+                if self.stop.is_set() or not self.run_round(round_):
+                    break
+                participants = len(self.records[-1].participants)
+                log.info("round %d aggregated from %d participants", round_, participants)
+        except Exception as exc:
+            log.exception("aggregation failed")
+            self.error = exc

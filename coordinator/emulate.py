@@ -195,6 +195,8 @@ class Emulation:
         while any(p.poll() is None for p in self.processes.values()):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"agents still running after {limit:.0f} s")
+            if self.aggregator is not None and self.aggregator.error is not None:
+                raise RuntimeError(f"the coordinator's aggregation failed: {self.aggregator.error}")
             if progress:
                 with self._lock:
                     progress(sum(self.progress.values()))

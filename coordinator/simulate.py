@@ -23,6 +23,7 @@ from agent.central import (
     Payload,
     ServerState,
     Upload,
+    as_sent,
     central_strategy,
     static_tier,
 )
@@ -194,7 +195,7 @@ class Simulation:
                 )
                 results[k] = result
                 self.states[k] = result.state
-                current[k] = result.published
+                current[k] = sent_model(result.published, cfg.fp16)
                 self._stops(k, t, result.state.weights, result.train_loss)
                 if deltas:
                     values, value_masks, current[k] = delta.encode_delta(
@@ -213,9 +214,10 @@ class Simulation:
                     size[k] = 0
                 if progress:
                     progress(t, k)
-            if deltas:  # every agent follows every peer
+            if deltas:  # every running agent follows every peer
                 for k in roster:
-                    traffic[k].received += sum(size[j] for j in roster if j != k)
+                    if self.stopped.get(k, t) >= t:
+                        traffic[k].received += sum(size[j] for j in roster if j != k)
             if votes_matter:
                 voters = [k for k in roster if results[k].vote is not None]
                 for k in voters:
@@ -237,6 +239,7 @@ class Simulation:
         broadcast."""
         strategy = central_strategy(self.config.learning.strategy)
         server = strategy.init_server(self.learner)
+        fp16 = self.config.learning.fp16
         p_k: dict[str, float] = {}  # what each agent trained with (budget or static tier)
         rounds: list[dict[str, Any]] = []
         for t in range(1, self.config.learning.rounds + 1):
@@ -252,26 +255,34 @@ class Simulation:
                 view = server
                 if strategy.downloads:
                     downloads[k] = strategy.download(self.learner, server, k, t, p_k[k])
-                    view = ServerState(downloads[k].weights)
+                    view = ServerState(as_sent(downloads[k], fp16).weights)
                 fits[k] = strategy.fit(self.learner, self.states[k], self.data[k], view, t, p_k[k])
                 self.states[k] = fits[k].state
                 if progress:
                     progress(t, k)
             requests: dict[str, list[str]] = {}
+            previous_server = server
             if strategy.asks_layers:
-                requests = strategy.select(
+                selected = strategy.select(
                     self.learner, {k: f.divergence or {} for k, f in fits.items()}
                 )
-                uploads = {
-                    k: Upload(
-                        strategy.respond(self.learner, fits[k], requests.get(k, [])), f.num_samples
-                    )
+                requests = {k: layers for k, layers in selected.items() if layers}
+                payloads = {
+                    k: strategy.respond(self.learner, f, requests.get(k, []))
                     for k, f in fits.items()
                 }
             else:
-                uploads = {k: Upload(f.upload, f.num_samples) for k, f in fits.items()}
+                payloads = {k: f.upload for k, f in fits.items()}
+            # What the aggregator decodes (fp16 on the wire rounds the values).
+            uploads = {
+                k: Upload(as_sent(payload, fp16), fits[k].num_samples)
+                for k, payload in payloads.items()
+            }
             aggregate = strategy.aggregate(self.learner, server, uploads)
             server = aggregate.server
+            if strategy.broadcasts:  # the state participants hold (fp16 rounds the broadcast)
+                sent = as_sent(aggregate.broadcast, fp16)
+                server = strategy.receive(previous_server, sent)
             self._central_traffic(t, fits, uploads, downloads, requests, aggregate, traffic)
             for k, fit in fits.items():
                 evaluated = fit.state.weights if strategy.personal else server.weights
@@ -386,6 +397,14 @@ class Simulation:
             record["coordinator"] = dataclasses.asdict(traffic[COORDINATOR])
         record["t_star"] = self.plan.t_star
         return record
+
+
+def sent_model(published: Published, fp16: bool) -> Published:
+    """A model as its receivers decode it (fp16 on the wire rounds its values)."""
+    if not fp16:
+        return published
+    rounded = as_sent(Payload(published.weights), fp16).weights
+    return Published(rounded, published.masks, published.num_samples)
 
 
 def idle_result(last: dict[str, Any], state: sparse.State) -> RoundResult:

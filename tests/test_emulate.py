@@ -116,10 +116,10 @@ def test_emulate_gives_the_numbers_of_simulate(
     [
         {"strategy": "fedavg"},
         {"strategy": "fedspu", "rounds": 6, "early_stop": True},
-        {"strategy": "fedadam-ssm"},
+        {"strategy": "fedadam-ssm", "fp16": True},
         {"strategy": "fedldf", "ldf_n": 2},
     ],
-    ids=["fedavg", "fedspu-early-stop", "fedadam-ssm", "fedldf"],
+    ids=["fedavg", "fedspu-early-stop", "fedadam-ssm-fp16", "fedldf"],
 )
 def test_the_coordinator_aggregates_centralized_strategies_as_simulate_does(
     amqtt_broker, tmp_path: Path, learning
@@ -154,10 +154,7 @@ def test_a_killed_participant_resumes_and_the_centralized_run_is_unchanged(
     cfg = config("fedadam-ssm", rounds=5)  # its checkpoint holds the server's W, M and V
     emulation = Emulation(cfg, amqtt_broker.address, options(tmp_path))
     thread, result = run_in_background(emulation)
-    wait_for_round(emulation, "agent-002", 2)
-    emulation.processes["agent-002"].send_signal(signal.SIGKILL)
-    emulation.processes["agent-002"].wait(10)
-    emulation.start_agent(2)
+    kill_and_restart(emulation, 2, after_round=2)
     thread.join(600)
     assert "error" not in result, result.get("error")
     report = result["report"]
@@ -259,6 +256,15 @@ def run_in_background(emulation: Emulation) -> tuple[threading.Thread, dict]:
     return thread, result
 
 
+def kill_and_restart(emulation: Emulation, index: int, after_round: int) -> None:
+    """SIGKILL an agent once it logged `after_round`, and start it again."""
+    agent = emulation.roster[index]
+    wait_for_round(emulation, agent, after_round)
+    emulation.processes[agent].send_signal(signal.SIGKILL)
+    emulation.processes[agent].wait(10)
+    emulation.start_agent(index)
+
+
 def wait_for_round(emulation: Emulation, agent: str, round_: int, timeout_s: float = 120) -> None:
     path = emulation.options.workdir / agent / "rounds.jsonl"
     deadline = time.monotonic() + timeout_s
@@ -271,10 +277,7 @@ def test_a_killed_agent_resumes_from_its_checkpoint(amqtt_broker, tmp_path: Path
     cfg = config(rounds=5)
     emulation = Emulation(cfg, amqtt_broker.address, options(tmp_path))
     thread, result = run_in_background(emulation)
-    wait_for_round(emulation, "agent-002", 2)
-    emulation.processes["agent-002"].send_signal(signal.SIGKILL)
-    emulation.processes["agent-002"].wait(10)
-    emulation.start_agent(2)
+    kill_and_restart(emulation, 2, after_round=2)
     thread.join(600)
     assert "error" not in result, result.get("error")
     report = result["report"]
