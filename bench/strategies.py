@@ -43,10 +43,14 @@ What the default run shows (seed 1, 202 s; bench/results/strategies.json):
 * Early stopping with ALGORITHMS.md's rule (stop at the first rise of L): NOT shown. It cuts
   74-94% of the agent-rounds but costs 18-69 points: one noisy rise of L after a round or two
   stops an agent. Patience 3 cuts 2-53% and still costs 1.1-45 points.
-* Compositions: shown, but mostly by fp16. Accuracy per busiest-agent MB: plain DA-DPFL 0.108
-  (mnist1d) / 0.216 (digits); --reduce auto 0.111 / 0.217 (+1.7 / +0.5 points of accuracy at
-  the same bytes); auto + fp16 0.205 / 0.400; freeze alone 0.100 / 0.201 (more accurate on
-  digits, +1.8 points, but its weak agents keep their 0.5 density and send more).
+* Compositions: shown. Accuracy per busiest-agent MB: plain DA-DPFL 0.108 (mnist1d) / 0.216
+  (digits); --reduce auto 0.111 / 0.217 (+1.7 / +0.5 points at the same bytes); auto + fp16
+  0.199 / 0.403 (0.54x the bytes, -0.4 / +1.0 points); --wire delta 0.150 / 0.296 (0.69x /
+  0.68x the bytes, -2.9 / -6.3 points: K - 1 = 19 peers' top-10% deltas instead of M = 5
+  models); auto + delta 0.146 / 0.292; auto + delta + fp16 0.186 / 0.385; freeze alone
+  0.100 / 0.201 (more accurate on digits, +1.8 points, but its weak agents keep their 0.5
+  density and send more). (Re-run with the delta compositions: 701 s with --jobs 1 beside
+  the test suite; the other rows did not change.)
 """
 
 from __future__ import annotations
