@@ -46,6 +46,8 @@ class CentralRuntime(AgentRuntime):
         self.strategy = central_strategy(self.cfg.strategy)
         self.view = self.strategy.init_server(self.learner)
         """This agent's copy of the server state: the last broadcast applied."""
+        self.values_sent = 0
+        """Values this round's uploads carried."""
 
     # ------------------------------------------------------------------ wiring
 
@@ -85,6 +87,8 @@ class CentralRuntime(AgentRuntime):
         )
 
     def _send(self, round_: int, payload: Payload, num_samples: int) -> None:
+        """Upload `payload` (counting its values in `values_sent`)."""
+        self.values_sent += values_sent(payload.weights, payload.masks)
         body = encode_state(payload.weights, payload.masks, fp16=self.cfg.fp16)
         update = messages.Update(**self._header(round_), tensors=body, num_samples=num_samples)
         data = messages.encode(update, key=self.key)
@@ -134,6 +138,7 @@ class CentralRuntime(AgentRuntime):
 
     def run_round(self, round_: int) -> dict[str, Any]:
         started = time.monotonic()
+        self.values_sent = 0
         budget = self.budget()
         p_k = budget.p_k if budget else static_tier(self.roster, self.me)
         stragglers: list[str] = []
@@ -183,7 +188,7 @@ class CentralRuntime(AgentRuntime):
                 accuracy=accuracy,
                 loss=loss,
                 train_loss=fit.train_loss,
-                nonzeros_sent=self._nonzeros(fit),
+                nonzeros_sent=self.values_sent,
                 train_flops=fit.train_flops,
                 throttled_s=round(throttled, 3),
                 stragglers=sorted(set(stragglers)),
@@ -241,13 +246,3 @@ class CentralRuntime(AgentRuntime):
         loss = self.learner.stopping_loss(fit.state.weights, fit.train_loss, self.data)
         self.stop_watch, stops = self.stop_watch.after(loss, self.cfg.stop_patience)
         return stops
-
-    def _nonzeros(self, fit: Fit) -> int:
-        """Values this round's upload carried (FedLDF: those of the layers asked for)."""
-        if self.strategy.asks_layers:
-            request = self.inbox.layer_request(fit.state.round, self.me)
-            if request is None:
-                return 0
-            payload = self.strategy.respond(self.learner, fit, list(request.layers))
-            return values_sent(payload.weights, payload.masks)
-        return values_sent(fit.upload.weights, fit.upload.masks)

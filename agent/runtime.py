@@ -190,11 +190,11 @@ class AgentRuntime:
                 for j in self.roster:
                     initial = self.learner.init_agent(j)
                     self.inbox.put_model(0, j, self.learner.published(initial, 0))
-        for upcoming in range(round_, min(round_ + LOOKAHEAD_ROUNDS, self.cfg.rounds) + 1):
-            if self.sends_deltas:
-                break
-            sources = self._sources(self._needs(upcoming)).values()
-            wanted |= {self._topic(r, "model", j) for r, j in sources if r >= 1}
+        else:
+            last = min(round_ + LOOKAHEAD_ROUNDS, self.cfg.rounds)
+            for upcoming in range(round_, last + 1):
+                sources = self._sources(self._needs(upcoming)).values()
+                wanted |= {self._topic(r, "model", j) for r, j in sources if r >= 1}
         for topic in sorted(wanted - self.subscribed):
             self.transport.subscribe(topic, self.inbox.on_model)
         for topic in self.subscribed - wanted:
