@@ -58,7 +58,7 @@ class CentralRuntime(AgentRuntime):
         self.transport.subscribe(topics.global_model(self.fleet, "+"), inbox.on_global)
         self.transport.subscribe(topics.global_model(self.fleet, "+", self.me), inbox.on_global)
         self.transport.subscribe(
-            topics.round_topic(self.fleet, "+", "request", self.aggregator),
+            topics.round_topic(self.fleet, "+", "request", self.aggregator, to=self.me),
             inbox.on_aggregator_request,
         )
 
@@ -83,7 +83,8 @@ class CentralRuntime(AgentRuntime):
             **self._header(round_), target=self.aggregator, fraction=fraction
         )
         self.transport.publish(
-            self._topic(round_, "request", self.me), messages.encode(request, key=self.key)
+            self._topic(round_, "request", self.me, to=self.aggregator),
+            messages.encode(request, key=self.key),
         )
 
     def _send(self, round_: int, payload: Payload, num_samples: int) -> None:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from agent.delta import apply_delta
 from agent.strategies import Published
@@ -35,6 +36,8 @@ class Expected:
     """The coordinator aggregating a centralized run (it sends globals and layer requests)."""
     delta_shapes: dict[str, tuple[tuple[int, ...], str]] | None = None
     """The tensors of a delta message (`--wire delta`); None: models come whole."""
+    layer_groups: dict[str, list[str]] | None = None
+    """`--wire layers`: the model's layers in order, each with its tensors."""
 
 
 class Inbox:
@@ -54,6 +57,9 @@ class Inbox:
         with its masks)."""
         self._globals: dict[tuple[int, bool], messages.Global] = {}
         self._asked: dict[tuple[int, str], messages.Request] = {}
+        self._divergences: dict[tuple[int, str], dict[str, float]] = {}
+        self._layers: dict[tuple[int, str, str], Published] = {}
+        """`--wire layers`: (round, sender, layer) -> that layer of the sender's model."""
 
     def _decode(
         self, topic: str, payload: bytes, kind: str, check_run: bool = True
@@ -68,6 +74,7 @@ class Inbox:
                 or message.fleet != fleet
                 or message.sender != fields["agent"]
                 or fields.get("round", str(message.round)) != str(message.round)
+                or (isinstance(message, messages.Request) and fields.get("to") != message.target)
             ):
                 raise ProtocolError(f"{kind} message does not match its topic")
         except ProtocolError as exc:
@@ -127,6 +134,66 @@ class Inbox:
                 self._models[key] = apply_delta(
                     base, delta.weights, delta.masks or {}, delta.num_samples
                 )
+
+    def on_divergence(self, topic: str, payload: bytes) -> None:
+        """A neighbour's divergence vector (`--wire layers`): one value per layer, >= 0."""
+        message = self._decode(topic, payload, "divergence")
+        if not isinstance(message, messages.Divergence):
+            return
+        groups = self.expected.layer_groups or {}
+        if (
+            sorted(message.layers) != sorted(groups)
+            or len(message.values) != len(message.layers)
+            or any(v < 0 for v in message.values)
+        ):
+            self.rejected += 1
+            log.warning("rejected divergence of %s: not one value >= 0 per layer", message.sender)
+            return
+        values = dict(zip(message.layers, message.values, strict=True))
+        with self._changed:
+            key = (message.round, message.sender)
+            self._divergences.setdefault(key, {layer: values[layer] for layer in groups})
+            self._changed.notify_all()
+
+    def on_layer(self, topic: str, payload: bytes) -> None:
+        """One layer of a neighbour's model (`--wire layers`), checked against the layer's
+        tensors; the layer's index is the last topic level."""
+        if not payload:  # a cleared retained message
+            return
+        message = self._decode(topic, payload, "model")
+        if not isinstance(message, messages.Model):
+            return
+        layers = list(self.expected.layer_groups or {})
+        try:
+            index = int(topics.parse(topic)[2].get("layer", -1))
+            if not 0 <= index < len(layers):
+                raise ProtocolError("not a layer of this model")
+            layer = layers[index]
+            names = (self.expected.layer_groups or {})[layer]
+            shapes = {name: self.expected.shapes[name] for name in names}
+            weights, masks = decode_state(message.tensors, shapes)
+        except ProtocolError as exc:
+            self.rejected += 1
+            log.warning("rejected layer on %s: %s", topic, exc)
+            return
+        with self._changed:
+            key = (message.round, message.sender, layer)
+            self._layers.setdefault(key, Published(weights, masks or None, message.num_samples))
+            self._changed.notify_all()
+
+    def divergence(self, round_: int, sender: str) -> dict[str, float] | None:
+        with self._changed:
+            return self._divergences.get((round_, sender))
+
+    def layers_of(self, round_: int, sender: str, layers: Iterable[str]) -> Published | None:
+        """The layers of `sender`'s round model that are here, as one partial model."""
+        with self._changed:
+            parts = [p for layer in layers if (p := self._layers.get((round_, sender, layer)))]
+        if not parts:
+            return None
+        weights = {n: t for p in parts for n, t in p.weights.items()}
+        masks = {n: m for p in parts for n, m in (p.masks or {}).items()}
+        return Published(weights, masks or None, parts[0].num_samples)
 
     def on_global(self, topic: str, payload: bytes) -> None:
         """The aggregator's broadcast of a round, or this agent's own part of it (stored
@@ -257,14 +324,31 @@ class Inbox:
     ) -> set[tuple[int, str]]:
         """Wait until every (round, sender) is here, or will never come (its sender stopped
         early before that round), or the timeout passes; returns the missing."""
+        return self._wait_missing(needed, self._models, timeout_s)
+
+    def wait_divergences(
+        self, needed: Iterable[tuple[int, str]], timeout_s: float
+    ) -> set[tuple[int, str]]:
+        """`wait_models` for divergence vectors (`--wire layers`)."""
+        return self._wait_missing(needed, self._divergences, timeout_s)
+
+    def wait_layers(
+        self, needed: Iterable[tuple[int, str, str]], timeout_s: float
+    ) -> set[tuple[int, str, str]]:
+        """`wait_models` for (round, sender, layer)s (`--wire layers`)."""
+        return self._wait_missing(needed, self._layers, timeout_s)
+
+    def _wait_missing(self, needed: Iterable[Any], store: Container[Any], timeout_s: float) -> Any:
+        """Wait until every key (round, sender, ...) is in `store` or will never come (its
+        sender stopped early before that round), or the timeout passes; returns the missing."""
         needed = set(needed)
         deadline = time.monotonic() + timeout_s
         with self._changed:
             while True:
                 missing = {
-                    (r, j)
-                    for r, j in needed
-                    if (r, j) not in self._models and r <= self.stopped.get(j, r)
+                    key
+                    for key in needed
+                    if key not in store and key[0] <= self.stopped.get(key[1], key[0])
                 }
                 remaining = deadline - time.monotonic()
                 if not missing or remaining <= 0:
@@ -323,3 +407,9 @@ class Inbox:
                 del self._pending[old]
             for old in [k for k in self._asked if k[0] < round_]:
                 del self._asked[old]
+            for store in (self._divergences, self._layers):
+                newest = {}
+                for key in store:
+                    newest[key[1]] = max(key[0], newest.get(key[1], key[0]))
+                for key in [k for k in store if k[0] < round_ and newest[k[1]] != k[0]]:
+                    del store[key]

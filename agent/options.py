@@ -85,7 +85,11 @@ def experiment_config(values: dict[str, Any]) -> ExperimentConfig:
 FLAG_SCOPES: tuple[tuple[str, Callable[[str, dict[str, Any]], bool], str], ...] = (
     ("reduce", lambda s, _: s in ("dadpfl", "dispfl"), "the sparse strategies dadpfl and dispfl"),
     ("ssm_fraction", lambda s, _: s in ("fedadam-top", "fedadam-ssm"), "fedadam-top, fedadam-ssm"),
-    ("ldf_n", lambda s, _: s == "fedldf", "fedldf"),
+    (
+        "ldf_n",
+        lambda s, given: s == "fedldf" or given.get("wire") == "layers",
+        "fedldf and runs with --wire layers",
+    ),
     ("wire", lambda s, _: s in DECENTRALIZED, "the decentralized strategies"),
     ("delta_fraction", lambda _, given: given.get("wire") == "delta", "runs with --wire delta"),
     ("stop_patience", lambda _, given: bool(given.get("early_stop")), "runs with --early-stop"),

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent import checkpoint, pruning, sparse, topology
+from agent import checkpoint, ldf, pruning, sparse, topology
 from agent.budget import Budget
 from agent.delta import encode_delta
 from agent.experiment import ExperimentConfig, Workload, local_reduction
@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 
 LOOKAHEAD_ROUNDS = 4
 KEEP_OWN_ROUNDS = 4
+LAYER_BATCH_S = 0.2
+"""`--wire layers`: how long a sender collects requests before publishing the layers asked
+for, so that neighbours asking at about the same time share one publish."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,54 @@ class Run:
     config: ExperimentConfig
     aggregator: str | None = None
     """Who aggregates a centralized strategy: the coordinator that published the run."""
+
+
+class LayerServer:
+    """Collects neighbours' requests for layers (--wire layers) and publishes each layer
+    asked for once per batch: the requests that come within `delay_s` of a batch's first
+    share one publish, which reaches every neighbour that subscribed before asking."""
+
+    def __init__(self, publish: Callable[[int, set[str]], int], delay_s: float) -> None:
+        self._publish = publish
+        """Publishes a round's layers; returns the values they carried."""
+        self._delay_s = delay_s
+        self._lock = threading.Lock()
+        self._pending: dict[int, set[str]] = {}
+        self._timer: threading.Timer | None = None
+        self._served = 0
+
+    def ask(self, round_: int, layers: list[str]) -> None:
+        with self._lock:
+            self._pending.setdefault(round_, set()).update(layers)
+            if self._timer is None:
+                self._timer = threading.Timer(self._delay_s, self.flush)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def flush(self) -> None:
+        with self._lock:
+            pending, self._pending, self._timer = self._pending, {}, None
+        for round_, layers in sorted(pending.items()):
+            try:
+                served = self._publish(round_, layers)
+            except Exception:  # the transport stopped, a queue stayed full: they ask again
+                log.exception("could not publish the layers of round %d", round_)
+                continue
+            with self._lock:
+                self._served += served
+
+    def take_served(self) -> int:
+        """Values published since the last call."""
+        with self._lock:
+            served, self._served = self._served, 0
+        return served
+
+    def close(self) -> None:
+        """Drop what is pending (the run is over)."""
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._pending, self._timer = {}, None
 
 
 class AgentRuntime:
@@ -127,6 +178,7 @@ class AgentRuntime:
                     if self.sends_deltas
                     else None
                 ),
+                layer_groups=self.learner.layer_groups if self.layered else None,
             )
         )
         self.state: AgentState = self.learner.init_agent(agent_id)
@@ -141,6 +193,11 @@ class AgentRuntime:
         self.stop_watch = StopWatch()
         self.stopped_round: int | None = None
         self.own: dict[int, bytes] = {}
+        """What this agent published after each recent round (its model, or with --wire
+        layers its divergence vector), re-sent on request."""
+        self.kept: dict[int, Published] = {}
+        """With --wire layers: its recent models, whose layers neighbours ask for."""
+        self.layer_server = LayerServer(self._publish_layers, LAYER_BATCH_S)
         self.votes: dict[int, bool] = {}
         self.subscribed: set[str] = set()
         self._bytes = (0, 0)
@@ -149,12 +206,14 @@ class AgentRuntime:
 
     # ------------------------------------------------------------------ wiring
 
-    def _topic(self, round_: int, kind: str, agent: str) -> str:
-        return topics.round_topic(self.fleet, round_, kind, agent)
+    def _topic(self, round_: int, kind: str, agent: str, to: str | None = None) -> str:
+        return topics.round_topic(self.fleet, round_, kind, agent, to)
 
     def _subscribe_common(self) -> None:
         self.transport.subscribe(topics.round_topic(self.fleet, "+", "vote"), self.inbox.on_vote)
-        self.transport.subscribe(topics.round_topic(self.fleet, "+", "request"), self._serve)
+        self.transport.subscribe(
+            topics.round_topic(self.fleet, "+", "request", to=self.me), self._serve
+        )
         self.transport.subscribe(topics.status(self.fleet), self.inbox.on_status)
         self.transport.subscribe(topics.presence(self.fleet), self.inbox.on_presence)
 
@@ -180,6 +239,16 @@ class AgentRuntime:
     def sends_deltas(self) -> bool:
         return self.cfg.wire == "delta" and self.cfg.strategy != "local"
 
+    @property
+    def layered(self) -> bool:
+        """--wire layers: divergence vectors announce models; receivers fetch chosen layers."""
+        return self.cfg.wire == "layers" and self.cfg.strategy != "local"
+
+    @property
+    def _announcement(self) -> str:
+        """The kind of message that announces an agent's round model."""
+        return "divergence" if self.layered else "model"
+
     def _subscribe_ahead(self, round_: int) -> None:
         """Subscribe to the models of the next few rounds before anyone publishes them (with
         --wire delta to every peer's models: deltas build on each other)."""
@@ -194,22 +263,61 @@ class AgentRuntime:
             last = min(round_ + LOOKAHEAD_ROUNDS, self.cfg.rounds)
             for upcoming in range(round_, last + 1):
                 sources = self._sources(self._needs(upcoming)).values()
-                wanted |= {self._topic(r, "model", j) for r, j in sources if r >= 1}
+                wanted |= {self._topic(r, self._announcement, j) for r, j in sources if r >= 1}
+        handler = self.inbox.on_divergence if self.layered else self.inbox.on_model
         for topic in sorted(wanted - self.subscribed):
-            self.transport.subscribe(topic, self.inbox.on_model)
+            self.transport.subscribe(topic, handler)
         for topic in self.subscribed - wanted:
             self.transport.unsubscribe(topic)
         self.subscribed = wanted
 
     def _serve(self, topic: str, payload: bytes) -> None:
-        """Answer a neighbour that asks for one of our recent models (it missed it)."""
+        """Answer a neighbour that asks for layers of one of our recent models (--wire
+        layers), or for what we published after a round (it missed it)."""
         request = self.inbox.decode_request(topic, payload)
         if request is None or request.target != self.me:
             return
+        if self.layered and request.layers:
+            self.layer_server.ask(request.round, request.layers)
+            return
         data = self.own.get(request.round)
         if data is not None:
-            log.info("re-sending round %d model to %s", request.round, request.sender)
-            self.transport.publish(self._topic(request.round, "model", self.me), data)
+            log.info(
+                "re-sending round %d %s to %s", request.round, self._announcement, request.sender
+            )
+            self.transport.publish(self._topic(request.round, self._announcement, self.me), data)
+
+    def _publish_layers(self, round_: int, layers: set[str]) -> int:
+        """Publish these layers of our round model, each on its own topic, once for every
+        neighbour that asked (called by the `LayerServer`); returns the values sent."""
+        model = self.kept.get(round_)
+        if model is None:
+            return 0
+        served = 0
+        for index, layer in enumerate(self.learner.layer_groups):
+            if layer not in layers:
+                continue
+            part = self.learner.layer_part(model, [layer])
+            data = model_message(
+                **self._model_fields(round_, model.num_samples),
+                weights=part.weights,
+                masks=part.masks,
+            )
+            served += values_sent(part.weights, part.masks)
+            self.transport.publish(topics.layer(self.fleet, round_, self.me, index), data)
+        return served
+
+    def _model_fields(self, round_: int, num_samples: int) -> dict[str, Any]:
+        """The arguments of `model_message` other than the tensors."""
+        return {
+            "fleet": self.fleet,
+            "sender": self.me,
+            "run_id": self.run_info.run_id,
+            "round_": round_,
+            "num_samples": num_samples,
+            "fp16": self.cfg.fp16,
+            "key": self.key,
+        }
 
     def _header(self, round_: int) -> dict[str, Any]:
         """The envelope fields every message of this agent in this run carries."""
@@ -220,11 +328,13 @@ class AgentRuntime:
             "round": round_,
         }
 
-    def _request(self, missing: set[tuple[int, str]]) -> None:
+    def _request(self, missing: set[tuple[int, str]], layers: list[str] | None = None) -> None:
+        """Ask each (round, target) for its model again, or for these `layers` of it."""
         for round_, target in sorted(missing):
-            message = messages.Request(**self._header(round_), target=target)
+            message = messages.Request(**self._header(round_), target=target, layers=layers or [])
             self.transport.publish(
-                self._topic(round_, "request", self.me), messages.encode(message, key=self.key)
+                self._topic(round_, "request", self.me, to=target),
+                messages.encode(message, key=self.key),
             )
 
     # ------------------------------------------------------------------ round
@@ -232,29 +342,13 @@ class AgentRuntime:
     def _gather(self, round_: int) -> tuple[dict[str, Published], list[str]]:
         """The inbox of round `round_` and the stragglers among its senders."""
         needs = self._needs(round_)
+        deadline = time.monotonic() + self.timeouts.round_s
+        if self.layered:
+            return self._gather_layers(round_, needs, deadline)
         for r, j in needs:
             if r == 0:
                 self.inbox.put_model(0, j, self.learner.published(self.learner.init_agent(j), 0))
-        deadline = time.monotonic() + self.timeouts.round_s
-        sources = self._sources(needs)
-        self._request(
-            {src for need, src in sources.items() if src != need and not self.inbox.model(*src)}
-        )
-        wait = min(self.timeouts.request_every_s, self.timeouts.round_s)
-        while True:
-            missing = self.inbox.wait_models(set(sources.values()), max(wait, 0.0))
-            if (now := self._sources(needs)) != sources:
-                # A neighbour stopped early meanwhile: fetch its last model now (this agent
-                # may never have subscribed to it).
-                self._subscribe_ahead(round_)
-                changed = set(now.values()) - set(sources.values())
-                self._request({k for k in changed if self.inbox.model(*k) is None})
-                sources = now
-                continue
-            if not missing or time.monotonic() >= deadline or self.stop.is_set():
-                break
-            self._request(missing)
-            wait = min(self.timeouts.request_every_s, deadline - time.monotonic())
+        sources = self._await(round_, needs, deadline, self.inbox.model, self.inbox.wait_models)
         inbox: dict[str, Published] = {}
         stragglers = []
         for r, j in sorted(needs):
@@ -271,6 +365,95 @@ class AgentRuntime:
             inbox[j] = model
         return inbox, stragglers
 
+    def _await(
+        self,
+        round_: int,
+        needs: set[tuple[int, str]],
+        deadline: float,
+        have: Callable[[int, str], object],
+        wait: Callable[[set[tuple[int, str]], float], set[tuple[int, str]]],
+    ) -> dict[tuple[int, str], tuple[int, str]]:
+        """Wait for the announcement (`have`/`wait`: models, or divergence vectors) of every
+        need's source, asking again for the missing every `request_every_s`, until the
+        deadline; returns the sources, which change when a neighbour stops early meanwhile."""
+        sources = self._sources(needs)
+        self._request({src for need, src in sources.items() if src != need and have(*src) is None})
+        pause = min(self.timeouts.request_every_s, self.timeouts.round_s)
+        while True:
+            missing = wait(set(sources.values()), max(pause, 0.0))
+            if (now := self._sources(needs)) != sources:
+                # A neighbour stopped early meanwhile: fetch its last model now (this agent
+                # may never have subscribed to it).
+                self._subscribe_ahead(round_)
+                changed = set(now.values()) - set(sources.values())
+                self._request({k for k in changed if have(*k) is None})
+                sources = now
+                continue
+            if not missing or time.monotonic() >= deadline or self.stop.is_set():
+                return sources
+            self._request(missing)
+            pause = min(self.timeouts.request_every_s, deadline - time.monotonic())
+
+    def _gather_layers(
+        self, round_: int, needs: set[tuple[int, str]], deadline: float
+    ) -> tuple[dict[str, Published], list[str]]:
+        """--wire layers: wait for the neighbours' divergence vectors, pick per layer the
+        `ldf_n` most diverged (`ldf.select_layers`, as FedLDF's aggregator does), ask each
+        neighbour for its picked layers and wait for them. Round-0 models are derivable and
+        taken whole; a neighbour counts for the layers that came (none if it sent nothing)."""
+        inbox = {
+            j: self.learner.published(self.learner.init_agent(j), 0) for r, j in needs if r == 0
+        }
+        announced = {need for need in needs if need[0] >= 1}
+        sources = self._await(
+            round_, announced, deadline, self.inbox.divergence, self.inbox.wait_divergences
+        )
+        divergences = {
+            j: vector
+            for (_, j), src in sources.items()
+            if (vector := self.inbox.divergence(*src)) is not None
+        }
+        chosen = ldf.select_layers(divergences, self.cfg.ldf_n) if divergences else {}
+        source_of = {j: src for (_, j), src in sources.items()}
+        wanted = {
+            (*source_of[j], layer): self._topic_of_layer(source_of[j], layer)
+            for j, layers in chosen.items()
+            for layer in layers
+        }
+        fetch = {
+            key: topic
+            for key, topic in wanted.items()
+            if not self.inbox.layers_of(*key[:2], [key[2]])
+        }
+        for topic in sorted(set(fetch.values())):
+            self.transport.subscribe(topic, self.inbox.on_layer)
+        self.transport.wait_subscribed(max(deadline - time.monotonic(), 0.0))
+        missing = set(fetch)
+        while missing and not self.stop.is_set():
+            for r, j in sorted({key[:2] for key in missing}):
+                self._request({(r, j)}, [key[2] for key in sorted(missing) if key[:2] == (r, j)])
+            pause = min(self.timeouts.request_every_s, deadline - time.monotonic())
+            missing = self.inbox.wait_layers(missing, max(pause, 0.0))
+            if time.monotonic() >= deadline:
+                break
+        for topic in sorted(set(fetch.values())):
+            self.transport.unsubscribe(topic)
+        stragglers = sorted(
+            {j for (_, j), src in sources.items() if self.inbox.divergence(*src) is None}
+            | {key[1] for key in missing}
+        )
+        for j in stragglers:
+            log.warning("round %d: %s did not deliver in time", round_, j)
+        for j, layers in chosen.items():
+            part = self.inbox.layers_of(*source_of[j], layers)
+            if part is not None:
+                inbox[j] = part
+        return inbox, stragglers
+
+    def _topic_of_layer(self, source: tuple[int, str], layer: str) -> str:
+        index = list(self.learner.layer_groups).index(layer)
+        return topics.layer(self.fleet, source[0], source[1], index)
+
     def _prune_now(self, round_: int) -> bool:
         """Settle the tallies of rounds <= round_ // 2, then ask the plan."""
         if not self.learner.prunes_further:
@@ -285,18 +468,22 @@ class AgentRuntime:
         return self.plan.is_pruning_round(round_)
 
     def _publish(self, round_: int, result: RoundResult) -> int:
-        """Publish the model (once for all receivers) and the vote; returns nonzeros sent."""
+        """Publish the model, or with --wire layers its divergence vector (once for all
+        receivers), and the vote; returns the values sent: the model's, or the layers'
+        published since the last round."""
         published = result.published
-        message = {
-            "fleet": self.fleet,
-            "sender": self.me,
-            "run_id": self.run_info.run_id,
-            "round_": round_,
-            "num_samples": published.num_samples,
-            "fp16": self.cfg.fp16,
-            "key": self.key,
-        }
-        if self.sends_deltas and not self.whole_after_restart:
+        message = self._model_fields(round_, published.num_samples)
+        if self.layered:
+            assert result.divergence is not None
+            divergence = messages.Divergence(
+                **self._header(round_),
+                layers=list(result.divergence),
+                values=list(result.divergence.values()),
+            )
+            data = kept = messages.encode(divergence, key=self.key)
+            self.kept[round_] = published
+            sent = Published({}, None, 0)
+        elif self.sends_deltas and not self.whole_after_restart:
             values, value_masks, self.recon = encode_delta(
                 published, self.recon, self.cfg.delta_fraction, fp16=self.cfg.fp16
             )
@@ -310,12 +497,13 @@ class AgentRuntime:
             sent, self.recon = published, published
             self.whole_after_restart = max(self.whole_after_restart - 1, 0)
         if self.cfg.strategy != "local":
-            self.own[round_] = kept  # re-sent whole to a peer that asks for it
+            self.own[round_] = kept  # re-sent to a peer that asks for it
             for old in [r for r in self.own if r <= round_ - KEEP_OWN_ROUNDS]:
                 del self.own[old]
+                self.kept.pop(old, None)
             if self.throttle is not None:
                 self.throttle.before_send(len(data))
-            self.transport.publish(self._topic(round_, "model", self.me), data)
+            self.transport.publish(self._topic(round_, self._announcement, self.me), data)
         if result.vote is not None and self.learner.prunes_further:
             self.votes[round_] = result.vote
             self.inbox.record_votes(self.me, {round_: result.vote})
@@ -326,7 +514,7 @@ class AgentRuntime:
             )
             encoded = messages.encode(vote, key=self.key)
             self.transport.publish(self._topic(round_, "vote", self.me), encoded)
-        return values_sent(sent.weights, sent.masks)
+        return values_sent(sent.weights, sent.masks) + self.layer_server.take_served()
 
     def _savings(self, round_: int) -> dict[str, Any]:
         """What stopping after `round_` saves, for the status (from the round log)."""
@@ -470,6 +658,10 @@ class AgentRuntime:
                     if self.sends_deltas
                     else None
                 ),
+                "kept": {
+                    r: {"weights": p.weights, "masks": p.masks or {}, "samples": p.num_samples}
+                    for r, p in self.kept.items()
+                },
                 "record": record,
                 **self._checkpoint_extra(),
             },
@@ -530,6 +722,10 @@ class AgentRuntime:
             recon = saved["recon"]
             self.recon = Published(recon["weights"], recon["masks"] or None, 0)
         self.whole_after_restart = 2
+        self.kept = {
+            int(r): Published(p["weights"], p["masks"] or None, p["samples"])
+            for r, p in saved.get("kept", {}).items()
+        }
         if saved["record"].get("stopped"):
             self.stopped_round = int(saved["round"])
         self._restore_extra(saved)
@@ -543,7 +739,7 @@ class AgentRuntime:
         done = self.restore()
         if done:
             for round_, data in self.own.items():
-                self.transport.publish(self._topic(round_, "model", self.me), data)
+                self.transport.publish(self._topic(round_, self._announcement, self.me), data)
             if self.stopped_round is not None:  # the crash may have come before the status
                 self._status("stopped", done, self._savings(done))
         else:
@@ -558,6 +754,7 @@ class AgentRuntime:
             self.on_finish(self.state)
         if not self.stop.is_set():
             self._linger()
+        self.layer_server.close()
 
     @property
     def finished(self) -> bool:

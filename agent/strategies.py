@@ -28,7 +28,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -53,7 +53,7 @@ PRESETS = (*DECENTRALIZED, "local", *CENTRALIZED)
 ADAM_FAMILY = ("fedadam", "fedadam-top", "fedadam-ssm")
 STOP_LAMBDA = 0.7
 REDUCE_MODES = ("prune", "freeze", "auto")
-WIRE_FORMATS = ("full", "delta")
+WIRE_FORMATS = ("full", "delta", "layers")
 
 
 def param(default: Any, help: str) -> Any:
@@ -100,11 +100,16 @@ class StrategyConfig:
     )
     stop_patience: int = param(1, "Early stopping: consecutive rises of L that stop an agent.")
     ssm_fraction: float = param(0.05, "FedAdam-SSM/-Top: fraction alpha of deltas kept (top-k).")
-    ldf_n: int = param(4, "FedLDF: participants n uploading each layer (top-n divergence).")
+    ldf_n: int = param(
+        4,
+        "FedLDF: participants n uploading each layer (top-n divergence); with --wire layers, "
+        "the neighbours each layer is fetched from.",
+    )
     wire: str = param(
         "full",
-        "What decentralized agents send: full (their sparse model) or delta (the top-k of "
-        "its change since what receivers hold; every agent follows every peer).",
+        "What decentralized agents send: full (their sparse model), delta (the top-k of its "
+        "change since what receivers hold; every agent follows every peer) or layers (a "
+        "divergence vector, then the layers each receiver asks for: FedLDF between neighbours).",
     )
     delta_fraction: float = param(0.1, "--wire delta: fraction of the kept entries sent (top-k).")
 
@@ -219,6 +224,8 @@ class RoundResult:
     vote: bool | None
     score: float | None
     pruned: bool
+    divergence: dict[str, float] | None = None
+    """With --wire layers: per layer, how far training moved the model from its aggregate."""
 
 
 @dataclass(frozen=True)
@@ -232,6 +239,9 @@ class LocalData:
     y_test: torch.Tensor
     x_val: torch.Tensor
     y_val: torch.Tensor
+
+
+_Model = TypeVar("_Model", AgentState, Published)
 
 
 class Learner:
@@ -308,10 +318,30 @@ class Learner:
 
         return layer_groups(self.model)
 
+    def layer_part(self, model: Published, layers: list[str]) -> Published:
+        """The tensors of FedLDF `layers` of a model, with their masks: what a neighbour sends
+        when asked for those layers (`--wire layers`)."""
+        groups = self.layer_groups
+        return _restricted(model, [name for layer in layers for name in groups[layer]])
+
     def aggregate(self, agent: AgentState, inbox: dict[str, Published]) -> State:
-        """Mask-based aggregation for sparse strategies (eq. 7), plain mean for dense ones."""
+        """Mask-based aggregation for sparse strategies (eq. 7), plain mean for dense ones.
+
+        A neighbour that sent only some layers (`--wire layers`) counts for those alone: each
+        set of tensors with the same senders is aggregated over them and the agent itself,
+        which per element is exactly the aggregation of whole models."""
         if not inbox:
             return agent.weights
+        by_senders: dict[frozenset[str], list[str]] = {}
+        for name in agent.weights:
+            senders = frozenset(j for j, p in inbox.items() if name in p.weights)
+            by_senders.setdefault(senders, []).append(name)
+        if len(by_senders) > 1 or set(by_senders) != {frozenset(inbox)}:
+            out: State = {}
+            for senders, names in by_senders.items():
+                part = _restricted(agent, names)
+                out |= self.aggregate(part, {j: _restricted(inbox[j], names) for j in senders})
+            return {name: out[name] for name in agent.weights}
         if agent.masks is not None:
             models = {j: (p.weights, p.masks or {}) for j, p in inbox.items()}
             models[agent.agent_id] = (agent.weights, agent.masks)
@@ -405,6 +435,11 @@ class Learner:
             )
             weights = sparse.apply_masks(weights, masks)
         loss, accuracy = evaluate(self.model, weights, data.x_test, data.y_test)
+        divergence = None
+        if cfg.wire == "layers" and self.decentralized:
+            from agent.ldf import divergences
+
+            divergence = divergences(weights, start, self.layer_groups)
         new_state = dataclasses.replace(
             agent, weights=weights, masks=masks, distances=distances, round=round_
         )
@@ -418,6 +453,7 @@ class Learner:
             vote=vote,
             score=None if score is None or math.isinf(score) else score,
             pruned=pruned,
+            divergence=divergence,
         )
 
     def flops_per_density(self, masks: Masks) -> float:
@@ -436,3 +472,10 @@ class Learner:
 
     def evaluate_on(self, weights: State, data: LocalData) -> tuple[float, float]:
         return evaluate(self.model, weights, data.x_test, data.y_test)
+
+
+def _restricted(model: _Model, names: list[str]) -> _Model:
+    """An agent state or published model cut down to the tensors `names` (and their masks)."""
+    weights = {n: model.weights[n] for n in names}
+    masks = None if model.masks is None else {n: model.masks[n] for n in names if n in model.masks}
+    return dataclasses.replace(model, weights=weights, masks=masks)

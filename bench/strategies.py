@@ -22,8 +22,10 @@ Directions (each printed as shown / NOT shown, with its numbers):
   first rise of L) and with `--stop-patience 3` (+es3); rounds = agent-rounds trained.
 * A composition beats plain DA-DPFL on accuracy per busiest-agent byte: DA-DPFL on mixed
   boards with a tight round time (budgets from ~0.05 to 1), plain (prune to the budget)
-  against `--reduce freeze`, `--reduce auto`, auto with fp16 values on the wire, and
-  `--wire delta` (top 10% of each change, to every peer) alone, with auto, and with fp16.
+  against `--reduce freeze`, `--reduce auto`, auto with fp16 values on the wire,
+  `--wire delta` (top 10% of each change, to every peer) alone, with auto, and with fp16,
+  and `--wire layers` (FedLDF between neighbours: each layer from the `--ldf-n` = 1 or 2
+  most diverged neighbours) alone and with auto and fp16.
 
 What the default run shows (seed 1, 202 s; bench/results/strategies.json):
 
@@ -51,6 +53,14 @@ What the default run shows (seed 1, 202 s; bench/results/strategies.json):
   0.100 / 0.201 (more accurate on digits, +1.8 points, but its weak agents keep their 0.5
   density and send more). (Re-run with the delta compositions: 701 s with --jobs 1 beside
   the test suite; the other rows did not change.)
+* --wire layers, the best per byte: with n = 1, 0.284 / 0.807 (busiest agent 0.36x / 0.27x
+  plain's bytes, -4.1 / +0.6 points); n = 2, 0.189 / 0.452 (0.58x / 0.48x, +1.5 / +0.7
+  points: more accurate than plain on both); auto + layers (n = 1) + fp16, 0.531 / 1.317
+  (0.20x / 0.16x, +0.3 / -0.3 points), 4.9x / 6.1x plain DA-DPFL's accuracy per byte. A
+  receiver takes each layer from the neighbours whose layer moved most and gets about n
+  neighbours' worth of layers instead of M models; a sender publishes a layer once for all
+  who ask. (Re-run with the layers compositions: 363 s with --jobs 2; the other rows
+  did not change.)
 """
 
 from __future__ import annotations
@@ -84,6 +94,9 @@ COMPOSITIONS = {
     "dadpfl+delta@mixed": {"wire": "delta"},
     "dadpfl+auto+delta@mixed": {"reduce": "auto", "wire": "delta"},
     "dadpfl+auto+delta+fp16@mixed": {"reduce": "auto", "wire": "delta", "fp16": True},
+    "dadpfl+layers@mixed": {"wire": "layers", "ldf_n": 1},
+    "dadpfl+layers2@mixed": {"wire": "layers", "ldf_n": 2},
+    "dadpfl+auto+layers+fp16@mixed": {"reduce": "auto", "wire": "layers", "ldf_n": 1, "fp16": True},
 }
 """DA-DPFL on budgeted boards: plain (prune to the budget) against compositions."""
 ADAMS = ("fedadam", "fedadam-ssm", "fedadam-top")

@@ -104,12 +104,9 @@ class Aggregator:
     def start(self) -> None:
         """Subscribe; call before the run is published so that no upload is missed."""
         subscribe = self.transport.subscribe
-        for kind, handler in (
-            ("update", self._on_update),
-            ("divergence", self._on_divergence),
-            ("request", self._on_request),
-        ):
-            subscribe(topics.round_topic(self.fleet, "+", kind), handler)
+        subscribe(topics.round_topic(self.fleet, "+", "update"), self._on_update)
+        subscribe(topics.round_topic(self.fleet, "+", "divergence"), self._on_divergence)
+        subscribe(topics.round_topic(self.fleet, "+", "request", to=self.me), self._on_request)
         subscribe(topics.status(self.fleet), self._on_status)
         subscribe(topics.presence(self.fleet), self._on_presence)
 
@@ -125,6 +122,7 @@ class Aggregator:
                 or message.fleet != fleet
                 or message.sender != fields.get("agent")
                 or fields.get("round", str(message.round)) != str(message.round)
+                or (isinstance(message, messages.Request) and fields.get("to") != message.target)
             ):
                 raise ProtocolError(f"{kind} message does not match its topic")
         except ProtocolError as exc:
@@ -323,7 +321,7 @@ class Aggregator:
             requests = {k: layers for k, layers in selected.items() if layers}
             for k, layers in sorted(requests.items()):
                 request = messages.Request(**self._header(round_), target=k, layers=layers)
-                topic = topics.round_topic(self.fleet, round_, "request", self.me)
+                topic = topics.round_topic(self.fleet, round_, "request", self.me, to=k)
                 self._publish(round_, topic, messages.encode(request, key=self.key))
             delivered = self._collect(round_, self._updates, sorted(requests), asked=True)
             uploads = self._uploads(round_, delivered, requests)

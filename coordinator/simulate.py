@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from agent import delta, pruning, sparse, topology
+from agent import delta, ldf, pruning, sparse, topology
 from agent.central import (
     Aggregate,
     Fit,
@@ -46,6 +46,15 @@ class Traffic:
 
 
 ProgressCallback = Callable[[int, str], None]
+
+
+@dataclass(frozen=True)
+class Announced:
+    """A divergence vector an agent published (`--wire layers`): its round, values, size."""
+
+    round: int
+    values: dict[str, float]
+    size: int
 
 
 @dataclass
@@ -149,6 +158,8 @@ class Simulation:
         # --wire delta: agents send deltas on what everyone holds of them (their
         # reconstruction, which is what `current` and `previous` then hold), to everyone.
         deltas = communicates and cfg.wire == "delta"
+        # --wire layers: agents announce divergence vectors; receivers fetch chosen layers.
+        layered = communicates and cfg.wire == "layers"
         votes_matter = self.learner.prunes_further
         vote_bytes = len(
             messages.encode(messages.Vote(fleet=FLEET, sender=self.roster[0], vote=True, score=0.0))
@@ -158,7 +169,10 @@ class Simulation:
             k: self.learner.published(s, len(self.data[k].y_train)) for k, s in self.states.items()
         }
         previous_size = dict.fromkeys(roster, 0)  # round-0 models are derivable: never sent
-        deliveries = Deliveries()
+        previous_divergence: dict[str, Announced] = {}
+        deliveries, announcements = Deliveries(), Deliveries()
+        layers_held: set[tuple[str, str, int, str]] = set()
+        """--wire layers: (receiver, sender, round, layer) delivered."""
         rounds = []
         for t in range(1, cfg.rounds + 1):
             order = topology.reuse_order(seed, t, roster)
@@ -170,18 +184,36 @@ class Simulation:
             prune_now = self.plan.is_pruning_round(t)
             current: dict[str, Published] = {}
             size: dict[str, int] = {}
+            divergence: dict[str, Announced] = {}
+            layers_published: set[tuple[str, int, str]] = set()
+            """(sender, round, layer) published this round: one publish serves every
+            neighbour asking in the same round."""
             traffic = {k: Traffic() for k in roster}
             results: dict[str, RoundResult] = {}
             for k in order:
                 if k in self.stopped:  # its neighbours keep using its last model
                     current[k], size[k] = previous[k], 0
+                    if layered:
+                        divergence[k] = previous_divergence[k]
                     results[k] = idle_result(rounds[-1]["agents"][k], self.states[k])
                     continue
                 prior, posterior = topology.prior_posterior(order, neighbours[k], k, cfg.max_wait)
                 inbox = {j: current[j] for j in prior} | {j: previous[j] for j in posterior}
-                for j in prior if not deltas else ():
+                if layered:
+                    announced = {j: (t, divergence[j]) for j in prior}
+                    announced |= {j: (t - 1, previous_divergence[j]) for j in posterior if t > 1}
+                    inbox = self._fetch_layers(
+                        k,
+                        inbox,
+                        announced,
+                        traffic,
+                        announcements,
+                        layers_published,
+                        layers_held,
+                    )
+                for j in prior if not (deltas or layered) else ():
                     deliveries.count(traffic, k, j, t, size[j], self.stopped)
-                for j in posterior if not deltas else ():
+                for j in posterior if not (deltas or layered) else ():
                     deliveries.count(traffic, k, j, t - 1, previous_size[j], self.stopped)
                 reduction = local_reduction(self.learner, self.budgets.get(k), self.states[k].masks)
                 result = self.learner.local_round(
@@ -197,7 +229,11 @@ class Simulation:
                 self.states[k] = result.state
                 current[k] = sent_model(result.published, cfg.fp16)
                 self._stops(k, t, result.state.weights, result.train_loss)
-                if deltas:
+                if layered:
+                    divergence[k] = self._announce(t, k, result, traffic)
+                    announcements.final_size[k] = divergence[k].size
+                    size[k] = 0
+                elif deltas:
                     values, value_masks, current[k] = delta.encode_delta(
                         result.published, previous[k], cfg.delta_fraction, fp16=cfg.fp16
                     )
@@ -226,11 +262,78 @@ class Simulation:
                 votes = {k: bool(results[k].vote) for k in voters}
                 active = [k for k in roster if self.stopped.get(k, t) >= t]
                 self.plan.observe(t, pruning.tally(votes, active, cfg.delta_v))
-            previous, previous_size = current, size
+            previous, previous_size, previous_divergence = current, size, divergence
             rounds.append(self._round_record(t, results, traffic, order))
             if len(self.stopped) == len(roster):
                 break
         return rounds
+
+    def _announce(
+        self, t: int, k: str, result: RoundResult, traffic: dict[str, Traffic]
+    ) -> Announced:
+        """Publish agent k's round-t divergence vector (`--wire layers`), once for all."""
+        assert result.divergence is not None
+        message = messages.Divergence(
+            fleet=FLEET,
+            sender=k,
+            run_id="sim",
+            round=t,
+            layers=list(result.divergence),
+            values=list(result.divergence.values()),
+        )
+        size = len(messages.encode(message))
+        traffic[k].sent += size
+        return Announced(t, result.divergence, size)
+
+    def _fetch_layers(
+        self,
+        k: str,
+        models: dict[str, Published],
+        announced: dict[str, tuple[int, Announced]],
+        traffic: dict[str, Traffic],
+        announcements: Deliveries,
+        published: set[tuple[str, int, str]],
+        held: set[tuple[str, str, int, str]],
+    ) -> dict[str, Published]:
+        """Agent k's inbox under `--wire layers`: it receives the divergence vectors of its
+        neighbours' models (round-0 models are derivable and taken whole), picks per layer the
+        `ldf_n` most diverged, asks each neighbour for its picked layers and gets them.
+        `announced` maps each neighbour to the round k needs and the vector standing for it
+        (an agent that stopped early stands in with its last). A layer goes out once per
+        round for all who ask (`published`), and k never fetches a layer it `held` already."""
+        inbox = {j: m for j, m in models.items() if j not in announced}
+        for j, (needed, a) in announced.items():
+            announcements.count(traffic, k, j, needed, a.size, self.stopped)
+        chosen = (
+            ldf.select_layers(
+                {j: a.values for j, (_, a) in announced.items()}, self.config.learning.ldf_n
+            )
+            if announced
+            else {}
+        )
+        for j, layers in chosen.items():
+            if not layers:
+                continue
+            r = announced[j][1].round
+            inbox[j] = self.learner.layer_part(models[j], layers)
+            fetch = [layer for layer in layers if (k, j, r, layer) not in held]
+            if not fetch:
+                continue
+            ask = messages.Request(
+                fleet=FLEET, sender=k, run_id="sim", round=r, target=j, layers=fetch
+            )
+            request = len(messages.encode(ask))
+            traffic[k].sent += request
+            traffic[j].received += request
+            for layer in fetch:
+                size, values = self._message_size(r, j, self.learner.layer_part(models[j], [layer]))
+                held.add((k, j, r, layer))
+                traffic[k].received += size
+                if (j, r, layer) not in published:
+                    published.add((j, r, layer))
+                    traffic[j].sent += size
+                    traffic[j].nonzeros_sent += values
+        return inbox
 
     def _centralized(self, progress: ProgressCallback | None) -> list[dict[str, Any]]:
         """The rounds of `agent.central`'s contract in one process: downloads, fits,

@@ -3,7 +3,10 @@
 fl/v1/<fleet>/presence/<agent>            retained birth / last will
 fl/v1/<fleet>/status/<agent>              retained status
 fl/v1/<fleet>/run                         retained run config and roster
-fl/v1/<fleet>/round/<t>/<kind>/<agent>    model, vote, divergence, request, update
+fl/v1/<fleet>/round/<t>/<kind>/<agent>    model, vote, divergence, update
+fl/v1/<fleet>/round/<t>/request/<agent>/<to>  a request, addressed to its target alone
+fl/v1/<fleet>/round/<t>/model/<agent>/<i>     layer i of a model (`--wire layers`: only the
+                                              layers neighbours asked for)
 fl/v1/<fleet>/round/<t>/global            the aggregate of a centralized round
 fl/v1/<fleet>/round/<t>/global/<agent>    one participant's own part of it (FedSPU)
 """
@@ -17,6 +20,7 @@ from protocol.errors import ProtocolError
 PREFIX = "fl/v1"
 ROUND_KINDS = ("model", "vote", "divergence", "request", "update")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
+_INDEX = re.compile(r"^(0|[1-9][0-9]{0,3})$")
 
 
 def check_name(name: str, what: str = "name") -> str:
@@ -45,11 +49,25 @@ def run(fleet: str) -> str:
     return f"{fleet_root(fleet)}/run"
 
 
-def round_topic(fleet: str, round_: int | str, kind: str, agent: str = "+") -> str:
+def round_topic(
+    fleet: str, round_: int | str, kind: str, agent: str = "+", to: str | None = None
+) -> str:
+    """A round message of `agent`, or with `to` one addressed to that agent alone (requests
+    always are: only their target needs them)."""
+    if to is not None and kind != "request":
+        raise ValueError("only requests are addressed to one agent")
     if kind not in ROUND_KINDS:
         raise ValueError(f"unknown round message kind {kind!r}; expected one of {ROUND_KINDS}")
     who = agent if agent == "+" else check_name(agent, "agent")
-    return f"{fleet_root(fleet)}/round/{round_}/{kind}/{who}"
+    topic = f"{fleet_root(fleet)}/round/{round_}/{kind}/{who}"
+    if to is None:
+        return topic
+    return f"{topic}/{to if to == '+' else check_name(to, 'agent')}"
+
+
+def layer(fleet: str, round_: int | str, agent: str, index: int | str) -> str:
+    """Layer `index` (in the model's layer order) of `agent`'s round model."""
+    return f"{round_topic(fleet, round_, 'model', agent)}/{index}"
 
 
 def global_model(fleet: str, round_: int | str, agent: str | None = None) -> str:
@@ -76,4 +94,8 @@ def parse(topic: str) -> tuple[str, str, dict[str, str]]:
         return fleet, "global", {"round": rest[1], "to": rest[3]}
     if rest[0] == "round" and len(rest) == 4 and rest[2] in ROUND_KINDS:
         return fleet, rest[2], {"round": rest[1], "agent": rest[3]}
+    if rest[0] == "round" and len(rest) == 5 and rest[2] == "request":
+        return fleet, "request", {"round": rest[1], "agent": rest[3], "to": rest[4]}
+    if rest[0] == "round" and len(rest) == 5 and rest[2] == "model" and _INDEX.match(rest[4]):
+        return fleet, "model", {"round": rest[1], "agent": rest[3], "layer": rest[4]}
     raise ProtocolError(f"unknown fleet topic: {topic!r}")

@@ -70,6 +70,8 @@ def options(tmp_path: Path, **overrides: object) -> EmulationOptions:
         {"strategy": "dadpfl", "max_wait": 2, "profiles": "mixed"},
         {"strategy": "dadpfl", "max_wait": 2, "rounds": 6, "early_stop": True},
         {"strategy": "dadpfl", "max_wait": 2, "rounds": 4, "wire": "delta"},
+        {"strategy": "dadpfl", "max_wait": 2, "rounds": 4, "wire": "layers", "ldf_n": 1},
+        {"strategy": "dadpfl", "rounds": 6, "early_stop": True, "wire": "layers", "ldf_n": 2},
     ],
     ids=[
         "dadpfl",
@@ -78,6 +80,8 @@ def options(tmp_path: Path, **overrides: object) -> EmulationOptions:
         "dadpfl-budgets",
         "dadpfl-early-stop",
         "dadpfl-delta",
+        "dadpfl-layers",
+        "dadpfl-layers-early-stop",
     ],  # fmt: skip
 )
 def test_emulate_gives_the_numbers_of_simulate(
@@ -273,8 +277,9 @@ def wait_for_round(emulation: Emulation, agent: str, round_: int, timeout_s: flo
         time.sleep(0.05)
 
 
-def test_a_killed_agent_resumes_from_its_checkpoint(amqtt_broker, tmp_path: Path) -> None:
-    cfg = config(rounds=5)
+@pytest.mark.parametrize("wire", [{}, {"wire": "layers", "ldf_n": 1}], ids=["full", "layers"])
+def test_a_killed_agent_resumes_from_its_checkpoint(amqtt_broker, tmp_path: Path, wire) -> None:
+    cfg = config(rounds=5, **wire)
     emulation = Emulation(cfg, amqtt_broker.address, options(tmp_path))
     thread, result = run_in_background(emulation)
     kill_and_restart(emulation, 2, after_round=2)

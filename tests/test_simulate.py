@@ -219,6 +219,7 @@ def test_cli_writes_the_report_and_plots(tmp_path: Path) -> None:
         (["--reduce", "squash"], "Invalid value for '--reduce'"),
         (["--strategy", "fedadam", "--ssm-fraction", "0.1"], "--ssm-fraction has no effect"),
         (["--strategy", "fedavg", "--ldf-n", "2"], "--ldf-n has no effect here"),
+        (["--ldf-n", "2"], "applies to fedldf and runs with --wire layers"),
         (["--stop-patience", "3"], "applies to runs with --early-stop"),
         (["--strategy", "fedldf", "--ldf-n", "0"], "--ldf-n must be >= 1"),
         (["--strategy", "fedavg", "--wire", "delta"], "--wire has no effect here"),

@@ -1,0 +1,195 @@
+"""`--wire layers`: FedLDF's divergence feedback between DA-DPFL neighbours.
+
+Agents announce a divergence vector per round; each receiver picks, per layer, the `ldf_n`
+neighbours that diverged most and fetches only those layers, which senders publish once for
+everyone who asked at about the same time."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from agent.experiment import build_workload
+from agent.inbox import Expected, Inbox
+from agent.runtime import LayerServer
+from agent.strategies import Published, preset
+from agent.wire import expected_shapes, model_message
+from coordinator.simulate import ExperimentConfig, simulate
+from protocol import messages, topics
+
+FLEET, RUN = "lab", "run-1"
+
+
+def small(agents: int = 6, **learning: object) -> ExperimentConfig:
+    learning = {"rounds": 3, "neighbours": 3, "epochs": 1, **learning}
+    return ExperimentConfig(
+        dataset="mnist1d",
+        agents=agents,
+        partition="dirichlet:0.5",
+        seed=3,
+        learning=preset("dadpfl", **learning),
+    )
+
+
+@pytest.fixture(scope="module")
+def learner():
+    config = small(agents=4, wire="layers")
+    return build_workload(config, ["a", "b", "c", "d"]).learner
+
+
+def test_a_neighbour_counts_only_for_the_layers_it_sent(learner) -> None:
+    me, a, b = (learner.init_agent(k) for k in "abc")
+    torch.manual_seed(0)
+    noisy = {n: t + torch.randn_like(t) for n, t in b.weights.items()}
+    b_model = learner.published(b, 1)
+    b_model = Published(noisy, b_model.masks, 1)
+    a_model = learner.published(a, 1)
+    layers = list(learner.layer_groups)
+    picked = layers[:2]
+    partial = learner.aggregate(me, {"a": a_model, "b": learner.layer_part(b_model, picked)})
+    with_b = learner.aggregate(me, {"a": a_model, "b": b_model})
+    without_b = learner.aggregate(me, {"a": a_model})
+    assert list(partial) == list(me.weights)
+    for layer, names in learner.layer_groups.items():
+        want = with_b if layer in picked else without_b
+        for name in names:
+            assert torch.equal(partial[name], want[name]), name
+    assert any(not torch.equal(with_b[n], without_b[n]) for n in learner.layer_groups[picked[0]])
+
+
+def test_with_n_at_least_the_neighbours_every_layer_comes_and_learning_equals_full() -> None:
+    full = simulate(small(rounds=4))
+    layered = simulate(small(rounds=4, wire="layers", ldf_n=3))
+    for f, g in zip(full["rounds"], layered["rounds"], strict=True):
+        for k, agent in f["agents"].items():
+            assert g["agents"][k]["accuracy"] == agent["accuracy"]
+            assert g["agents"][k]["sparsity"] == agent["sparsity"]
+
+
+def test_with_n_1_each_layer_comes_from_one_neighbour_at_a_fraction_of_the_bytes() -> None:
+    full = simulate(small(agents=10, rounds=4))
+    layered = simulate(small(agents=10, rounds=4, wire="layers", ldf_n=1))
+    assert layered["summary"]["total_bytes"] < 0.5 * full["summary"]["total_bytes"]
+    assert layered["summary"]["busiest_agent_bytes"] < 0.75 * full["summary"]["busiest_agent_bytes"]
+    # a receiver gets about one neighbour's worth of layers, not M = 3 models
+    for f, g in zip(full["rounds"][1:], layered["rounds"][1:], strict=True):
+        received = sum(a["bytes_received"] for a in g["agents"].values())
+        assert received < 0.5 * sum(a["bytes_received"] for a in f["agents"].values())
+    assert layered["summary"]["mean_accuracy"] > 0.2
+
+
+# ---------------------------------------------------------------------------- the inbox
+
+GROUPS = {"conv": ["conv.weight", "conv.bias"], "fc": ["fc.weight"]}
+WEIGHTS = {
+    "conv.weight": torch.ones(2, 3),
+    "conv.bias": torch.zeros(2),
+    "fc.weight": torch.arange(4, dtype=torch.float32),
+}
+
+
+def inbox() -> Inbox:
+    return Inbox(
+        Expected(FLEET, RUN, frozenset({"a", "b"}), expected_shapes(WEIGHTS), layer_groups=GROUPS)
+    )
+
+
+def layer_payload(names: list[str], sender: str = "b") -> bytes:
+    return model_message(
+        fleet=FLEET,
+        sender=sender,
+        run_id=RUN,
+        round_=2,
+        weights={n: WEIGHTS[n] for n in names},
+        masks=None,
+        num_samples=7,
+    )
+
+
+def test_layers_are_stored_under_their_index_and_assembled() -> None:
+    box = inbox()
+    box.on_layer(topics.layer(FLEET, 2, "b", 1), layer_payload(["fc.weight"]))
+    box.on_layer(topics.layer(FLEET, 2, "b", 0), layer_payload(["conv.weight", "conv.bias"]))
+    assert box.rejected == 0
+    part = box.layers_of(2, "b", ["fc"])
+    assert part is not None and list(part.weights) == ["fc.weight"] and part.num_samples == 7
+    both = box.layers_of(2, "b", ["conv", "fc"])
+    assert both is not None and set(both.weights) == set(WEIGHTS)
+    assert box.layers_of(2, "a", ["fc"]) is None
+    assert box.wait_layers({(2, "b", "fc"), (2, "b", "conv")}, 0.0) == set()
+
+
+@pytest.mark.parametrize(
+    ("index", "names"),
+    [
+        (0, ["fc.weight"]),  # another layer's tensors under this index
+        (0, ["conv.weight"]),  # part of a layer
+        (2, ["fc.weight"]),  # no such layer
+    ],
+)
+def test_a_layer_that_does_not_match_its_index_is_rejected(index, names) -> None:
+    box = inbox()
+    box.on_layer(topics.layer(FLEET, 2, "b", index), layer_payload(names))
+    assert box.rejected == 1
+    assert box.layers_of(2, "b", list(GROUPS)) is None
+
+
+def divergence_payload(layers: list[str], values: list[float]) -> bytes:
+    message = messages.Divergence(
+        fleet=FLEET, sender="b", run_id=RUN, round=2, layers=layers, values=values
+    )
+    return messages.encode(message)
+
+
+def test_divergence_vectors_must_give_one_value_per_layer() -> None:
+    box = inbox()
+    topic = topics.round_topic(FLEET, 2, "divergence", "b")
+    box.on_divergence(topic, divergence_payload(["fc"], [1.0]))
+    box.on_divergence(topic, divergence_payload(["fc", "conv"], [1.0, -2.0]))
+    assert box.rejected == 2 and box.divergence(2, "b") is None
+    box.on_divergence(topic, divergence_payload(["fc", "conv"], [1.0, 2.0]))
+    assert box.divergence(2, "b") == {"conv": 2.0, "fc": 1.0}
+    assert list(box.divergence(2, "b") or {}) == ["conv", "fc"], "kept in the model's order"
+
+
+# ---------------------------------------------------------------------------- the sender
+
+
+def test_requests_within_a_batch_share_one_publish_and_later_ones_get_another() -> None:
+    published: list[tuple[int, set[str]]] = []
+    done = threading.Event()
+
+    def publish(round_: int, layers: set[str]) -> int:
+        published.append((round_, set(layers)))
+        done.set()
+        return 10 * len(layers)
+
+    server = LayerServer(publish, delay_s=0.2)
+    server.ask(3, ["conv"])
+    server.ask(3, ["fc", "conv"])
+    server.ask(2, ["fc"])
+    assert done.wait(5)
+    time.sleep(0.05)
+    assert sorted(published, key=lambda p: p[0]) == [(2, {"fc"}), (3, {"conv", "fc"})]
+    assert server.take_served() == 30 and server.take_served() == 0
+    done.clear()
+    server.ask(3, ["conv"])
+    assert done.wait(5)
+    assert published[-1] == (3, {"conv"})
+    server.close()
+
+
+def test_requests_are_addressed_and_layers_have_their_own_topics() -> None:
+    request = topics.round_topic(FLEET, 4, "request", "a", to="b")
+    assert request == "fl/v1/lab/round/4/request/a/b"
+    assert topics.parse(request) == ("lab", "request", {"round": "4", "agent": "a", "to": "b"})
+    assert topics.parse(topics.layer(FLEET, 4, "b", 12))[2] == {
+        "round": "4",
+        "agent": "b",
+        "layer": "12",
+    }
+    with pytest.raises(ValueError, match="only requests"):
+        topics.round_topic(FLEET, 4, "model", "a", to="b")
