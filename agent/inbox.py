@@ -165,6 +165,8 @@ class Inbox:
             return
         layers = list(self.expected.layer_groups or {})
         try:
+            if message.base_round >= 0:
+                raise ProtocolError("layers travel whole, not as deltas")
             index = int(topics.parse(topic)[2].get("layer", -1))
             if not 0 <= index < len(layers):
                 raise ProtocolError("not a layer of this model")
@@ -180,6 +182,20 @@ class Inbox:
             key = (message.round, message.sender, layer)
             self._layers.setdefault(key, Published(weights, masks or None, message.num_samples))
             self._changed.notify_all()
+
+    def put_announced(
+        self, round_: int, sender: str, divergence: dict[str, float], layers: dict[str, Published]
+    ) -> None:
+        """Store a divergence vector and layers restored from a checkpoint (--wire layers)."""
+        with self._changed:
+            self._divergences.setdefault((round_, sender), divergence)
+            for layer, part in layers.items():
+                self._layers.setdefault((round_, sender, layer), part)
+
+    def held_layers(self, round_: int, sender: str) -> dict[str, Published]:
+        """The layers of `sender`'s round model that are here, by layer."""
+        with self._changed:
+            return {k[2]: p for k, p in self._layers.items() if k[:2] == (round_, sender)}
 
     def divergence(self, round_: int, sender: str) -> dict[str, float] | None:
         with self._changed:

@@ -86,9 +86,12 @@ class LayerServer:
         self._pending: dict[int, set[str]] = {}
         self._timer: threading.Timer | None = None
         self._served = 0
+        self._closed = False
 
     def ask(self, round_: int, layers: list[str]) -> None:
         with self._lock:
+            if self._closed:
+                return
             self._pending.setdefault(round_, set()).update(layers)
             if self._timer is None:
                 self._timer = threading.Timer(self._delay_s, self.flush)
@@ -114,11 +117,11 @@ class LayerServer:
         return served
 
     def close(self) -> None:
-        """Drop what is pending (the run is over)."""
+        """Drop what is pending and take no more requests (the run is over)."""
         with self._lock:
             if self._timer is not None:
                 self._timer.cancel()
-            self._pending, self._timer = {}, None
+            self._pending, self._timer, self._closed = {}, None, True
 
 
 class AgentRuntime:
@@ -278,7 +281,9 @@ class AgentRuntime:
         if request is None or request.target != self.me:
             return
         if self.layered and request.layers:
-            self.layer_server.ask(request.round, request.layers)
+            known = [layer for layer in request.layers if layer in self.learner.layer_groups]
+            if request.round in self.kept and known:
+                self.layer_server.ask(request.round, known)
             return
         data = self.own.get(request.round)
         if data is not None:
@@ -304,6 +309,8 @@ class AgentRuntime:
                 masks=part.masks,
             )
             served += values_sent(part.weights, part.masks)
+            if self.throttle is not None:
+                self.throttle.before_send(len(data))
             self.transport.publish(topics.layer(self.fleet, round_, self.me, index), data)
         return served
 
@@ -425,19 +432,25 @@ class AgentRuntime:
             for key, topic in wanted.items()
             if not self.inbox.layers_of(*key[:2], [key[2]])
         }
-        for topic in sorted(set(fetch.values())):
-            self.transport.subscribe(topic, self.inbox.on_layer)
-        self.transport.wait_subscribed(max(deadline - time.monotonic(), 0.0))
+        # Layers take a second trip: a vector that came late still gets its layers' time.
+        deadline = max(deadline, time.monotonic() + self.timeouts.request_every_s)
         missing = set(fetch)
-        while missing and not self.stop.is_set():
-            for r, j in sorted({key[:2] for key in missing}):
-                self._request({(r, j)}, [key[2] for key in sorted(missing) if key[:2] == (r, j)])
-            pause = min(self.timeouts.request_every_s, deadline - time.monotonic())
-            missing = self.inbox.wait_layers(missing, max(pause, 0.0))
-            if time.monotonic() >= deadline:
-                break
-        for topic in sorted(set(fetch.values())):
-            self.transport.unsubscribe(topic)
+        try:
+            for topic in sorted(set(fetch.values())):
+                self.transport.subscribe(topic, self.inbox.on_layer)
+            if fetch:
+                self.transport.wait_subscribed(max(deadline - time.monotonic(), 0.0))
+            while missing and not self.stop.is_set():
+                for r, j in sorted({key[:2] for key in missing}):
+                    asked = [key[2] for key in sorted(missing) if key[:2] == (r, j)]
+                    self._request({(r, j)}, asked)
+                pause = min(self.timeouts.request_every_s, deadline - time.monotonic())
+                missing = self.inbox.wait_layers(missing, max(pause, 0.0))
+                if time.monotonic() >= deadline:
+                    break
+        finally:
+            for topic in sorted(set(fetch.values())):
+                self.transport.unsubscribe(topic)
         stragglers = sorted(
             {j for (_, j), src in sources.items() if self.inbox.divergence(*src) is None}
             | {key[1] for key in missing}
@@ -675,11 +688,17 @@ class AgentRuntime:
         keys = {(r, j) for r in (round_, round_ + 1) for j in self.roster}
         if round_ < self.cfg.rounds:
             keys |= set(self._sources(self._needs(round_ + 1)).values())
-        return {
-            f"{r}|{j}": {"weights": p.weights, "masks": p.masks or {}}
-            for r, j in sorted(keys)
-            if (p := self.inbox.model(r, j)) is not None
-        }
+        held: dict[str, dict[str, Any]] = {}
+        for r, j in sorted(keys):
+            if (p := self.inbox.model(r, j)) is not None:
+                held[f"{r}|{j}"] = {"weights": p.weights, "masks": p.masks or {}}
+            elif (vector := self.inbox.divergence(r, j)) is not None:  # --wire layers
+                layers = {
+                    layer: {"weights": p.weights, "masks": p.masks or {}, "samples": p.num_samples}
+                    for layer, p in self.inbox.held_layers(r, j).items()
+                }
+                held[f"{r}|{j}"] = {"divergence": vector, "layers": layers}
+        return held
 
     def _checkpoint_extra(self) -> dict[str, Any]:
         """Further state a subclass checkpoints (read back by `_restore_extra`)."""
@@ -711,7 +730,15 @@ class AgentRuntime:
         self.inbox.record_votes(self.me, self.votes)
         for key, model in saved["held"].items():
             r, j = key.split("|")
-            self.inbox.put_model(int(r), j, Published(model["weights"], model["masks"] or None, 0))
+            if "divergence" in model:
+                layers = {
+                    layer: Published(p["weights"], p["masks"] or None, p["samples"])
+                    for layer, p in model["layers"].items()
+                }
+                self.inbox.put_announced(int(r), j, model["divergence"], layers)
+            else:
+                weights, masks = model["weights"], model["masks"] or None
+                self.inbox.put_model(int(r), j, Published(weights, masks, 0))
         self.plan = pruning.PruningPlan(
             self.cfg.rounds, self.cfg.schedule_b, self.cfg.schedule_c, t_star=saved["t_star"]
         )

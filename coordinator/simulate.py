@@ -300,7 +300,8 @@ class Simulation:
         `ldf_n` most diverged, asks each neighbour for its picked layers and gets them.
         `announced` maps each neighbour to the round k needs and the vector standing for it
         (an agent that stopped early stands in with its last). A layer goes out once per
-        round for all who ask (`published`), and k never fetches a layer it `held` already."""
+        round for all who ask (`published`: agents batch requests, so in emulate a neighbour
+        asking much later costs another publish), and k never fetches a layer it `held`."""
         inbox = {j: m for j, m in models.items() if j not in announced}
         for j, (needed, a) in announced.items():
             announcements.count(traffic, k, j, needed, a.size, self.stopped)

@@ -106,6 +106,8 @@ def test_emulate_gives_the_numbers_of_simulate(
         a: (s["round"], s["saved_flops"]) for a, s in emulated["summary"]["stopped"].items()
     } == stopped
     assert emulated["summary"]["rounds"] == simulated["summary"]["rounds"]
+    if learning.get("early_stop"):
+        assert stopped, "some agents stop early, and their neighbours use their last models"
     assert_onnx_models_match_torch(simulation, tmp_path / "fleet")
     if learning.get("profiles"):
         p_k = {a["p_k"] for r in emulated["rounds"] for a in r["agents"].values()}

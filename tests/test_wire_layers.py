@@ -97,15 +97,16 @@ def inbox() -> Inbox:
     )
 
 
-def layer_payload(names: list[str], sender: str = "b") -> bytes:
+def layer_payload(names: list[str], base_round: int = -1) -> bytes:
     return model_message(
         fleet=FLEET,
-        sender=sender,
+        sender="b",
         run_id=RUN,
         round_=2,
         weights={n: WEIGHTS[n] for n in names},
         masks=None,
         num_samples=7,
+        base_round=base_round,
     )
 
 
@@ -123,18 +124,29 @@ def test_layers_are_stored_under_their_index_and_assembled() -> None:
 
 
 @pytest.mark.parametrize(
-    ("index", "names"),
+    ("index", "names", "base_round"),
     [
-        (0, ["fc.weight"]),  # another layer's tensors under this index
-        (0, ["conv.weight"]),  # part of a layer
-        (2, ["fc.weight"]),  # no such layer
+        (0, ["fc.weight"], -1),  # another layer's tensors under this index
+        (0, ["conv.weight"], -1),  # part of a layer
+        (2, ["fc.weight"], -1),  # no such layer
+        (1, ["fc.weight"], 1),  # a delta
     ],
 )
-def test_a_layer_that_does_not_match_its_index_is_rejected(index, names) -> None:
+def test_a_layer_that_does_not_match_its_index_is_rejected(index, names, base_round) -> None:
     box = inbox()
-    box.on_layer(topics.layer(FLEET, 2, "b", index), layer_payload(names))
+    box.on_layer(topics.layer(FLEET, 2, "b", index), layer_payload(names, base_round=base_round))
     assert box.rejected == 1
     assert box.layers_of(2, "b", list(GROUPS)) is None
+
+
+def test_a_request_must_be_addressed_to_its_target() -> None:
+    box = inbox()
+    request = messages.Request(fleet=FLEET, sender="a", run_id=RUN, round=2, target="b")
+    data = messages.encode(request)
+    assert box.decode_request(topics.round_topic(FLEET, 2, "request", "a", to="a"), data) is None
+    assert box.rejected == 1
+    got = box.decode_request(topics.round_topic(FLEET, 2, "request", "a", to="b"), data)
+    assert got is not None and got.target == "b"
 
 
 def divergence_payload(layers: list[str], values: list[float]) -> bytes:
@@ -160,26 +172,30 @@ def test_divergence_vectors_must_give_one_value_per_layer() -> None:
 
 def test_requests_within_a_batch_share_one_publish_and_later_ones_get_another() -> None:
     published: list[tuple[int, set[str]]] = []
-    done = threading.Event()
+    calls = threading.Semaphore(0)
 
     def publish(round_: int, layers: set[str]) -> int:
         published.append((round_, set(layers)))
-        done.set()
+        calls.release()
         return 10 * len(layers)
 
     server = LayerServer(publish, delay_s=0.2)
     server.ask(3, ["conv"])
     server.ask(3, ["fc", "conv"])
     server.ask(2, ["fc"])
-    assert done.wait(5)
-    time.sleep(0.05)
-    assert sorted(published, key=lambda p: p[0]) == [(2, {"fc"}), (3, {"conv", "fc"})]
-    assert server.take_served() == 30 and server.take_served() == 0
-    done.clear()
+    assert calls.acquire(timeout=5) and calls.acquire(timeout=5)
+    assert published == [(2, {"fc"}), (3, {"conv", "fc"})]
+    served, deadline = 0, time.monotonic() + 5
+    while served < 30 and time.monotonic() < deadline:
+        served += server.take_served()
+        time.sleep(0.01)
+    assert served == 30 and server.take_served() == 0
     server.ask(3, ["conv"])
-    assert done.wait(5)
+    assert calls.acquire(timeout=5)
     assert published[-1] == (3, {"conv"})
     server.close()
+    server.ask(3, ["fc"])
+    assert not calls.acquire(timeout=0.5), "a closed server publishes nothing"
 
 
 def test_requests_are_addressed_and_layers_have_their_own_topics() -> None:
