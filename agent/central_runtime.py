@@ -25,7 +25,7 @@ from typing import Any
 from agent.budget import Budget
 from agent.central import Fit, Payload, ServerState, central_strategy, static_tier
 from agent.runtime import AgentRuntime
-from agent.wire import encode_state, values_sent
+from agent.wire import divergence_message, encode_state, values_sent
 from protocol import messages, topics
 from protocol.errors import ProtocolError
 
@@ -160,14 +160,11 @@ class CentralRuntime(AgentRuntime):
         if fit.upload.weights:
             self._send(round_, fit.upload, fit.num_samples)
         if fit.divergence is not None:
-            divergence = messages.Divergence(
-                **self._header(round_),
-                layers=list(fit.divergence),
-                values=list(fit.divergence.values()),
-            )
             self.transport.publish(
                 self._topic(round_, "divergence", self.me),
-                messages.encode(divergence, key=self.key),
+                divergence_message(
+                    **self._header_fields(round_), divergence=fit.divergence, key=self.key
+                ),
             )
         if self.strategy.broadcasts:
             broadcast = self._receive(

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.delta import apply_delta
+from agent.ldf import checked_divergences
 from agent.strategies import Published
 from agent.wire import decode_state
 from protocol import messages, topics
@@ -140,30 +141,26 @@ class Inbox:
         message = self._decode(topic, payload, "divergence")
         if not isinstance(message, messages.Divergence):
             return
-        groups = self.expected.layer_groups or {}
-        if (
-            sorted(message.layers) != sorted(groups)
-            or len(message.values) != len(message.layers)
-            or any(v < 0 for v in message.values)
-        ):
+        try:
+            vector = checked_divergences(
+                message.layers, message.values, self.expected.layer_groups or {}
+            )
+        except ValueError as exc:
             self.rejected += 1
-            log.warning("rejected divergence of %s: not one value >= 0 per layer", message.sender)
+            log.warning("rejected divergence of %s: %s", message.sender, exc)
             return
-        values = dict(zip(message.layers, message.values, strict=True))
         with self._changed:
-            key = (message.round, message.sender)
-            self._divergences.setdefault(key, {layer: values[layer] for layer in groups})
+            self._divergences.setdefault((message.round, message.sender), vector)
             self._changed.notify_all()
 
     def on_layer(self, topic: str, payload: bytes) -> None:
         """One layer of a neighbour's model (`--wire layers`), checked against the layer's
         tensors; the layer's index is the last topic level."""
-        if not payload:  # a cleared retained message
-            return
         message = self._decode(topic, payload, "model")
         if not isinstance(message, messages.Model):
             return
-        layers = list(self.expected.layer_groups or {})
+        groups = self.expected.layer_groups or {}
+        layers = list(groups)
         try:
             if message.base_round >= 0:
                 raise ProtocolError("layers travel whole, not as deltas")
@@ -171,8 +168,7 @@ class Inbox:
             if not 0 <= index < len(layers):
                 raise ProtocolError("not a layer of this model")
             layer = layers[index]
-            names = (self.expected.layer_groups or {})[layer]
-            shapes = {name: self.expected.shapes[name] for name in names}
+            shapes = {name: self.expected.shapes[name] for name in groups[layer]}
             weights, masks = decode_state(message.tensors, shapes)
         except ProtocolError as exc:
             self.rejected += 1

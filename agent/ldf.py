@@ -65,6 +65,17 @@ def divergences(after: State, received: State, groups: Groups) -> dict[str, floa
     return out
 
 
+def checked_divergences(layers: list[str], values: list[float], groups: Groups) -> dict[str, float]:
+    """A received divergence vector as layer -> value in the model's layer order; raises
+    ValueError unless it gives every layer of `groups` exactly once, none negative."""
+    if sorted(layers) != sorted(groups) or len(values) != len(layers):
+        raise ValueError("a divergence vector must give every layer once")
+    if any(v < 0 for v in values):
+        raise ValueError("a divergence is never negative")
+    given = dict(zip(layers, values, strict=True))
+    return {layer: given[layer] for layer in groups}
+
+
 def select_layers(divergences: Mapping[str, Mapping[str, float]], n: int) -> dict[str, list[str]]:
     """Agent -> layers it must upload: per layer, the n agents with the largest divergence
     (ties: lower agent id), eq. 4 of the paper. Layers keep the order of the first agent's

@@ -37,7 +37,13 @@ from agent.strategies import (
     early_stop_savings,
 )
 from agent.throttle import Throttle
-from agent.wire import expected_delta_shapes, expected_shapes, model_message, values_sent
+from agent.wire import (
+    divergence_message,
+    expected_delta_shapes,
+    expected_shapes,
+    model_message,
+    values_sent,
+)
 from protocol import messages, topics
 from protocol.mqtt import MqttTransport
 
@@ -314,13 +320,16 @@ class AgentRuntime:
             self.transport.publish(topics.layer(self.fleet, round_, self.me, index), data)
         return served
 
+    def _header_fields(self, round_: int) -> dict[str, Any]:
+        """`_header` as `agent.wire`'s message builders take it."""
+        fields = self._header(round_)
+        fields["round_"] = fields.pop("round")
+        return fields
+
     def _model_fields(self, round_: int, num_samples: int) -> dict[str, Any]:
         """The arguments of `model_message` other than the tensors."""
         return {
-            "fleet": self.fleet,
-            "sender": self.me,
-            "run_id": self.run_info.run_id,
-            "round_": round_,
+            **self._header_fields(round_),
             "num_samples": num_samples,
             "fp16": self.cfg.fp16,
             "key": self.key,
@@ -488,12 +497,9 @@ class AgentRuntime:
         message = self._model_fields(round_, published.num_samples)
         if self.layered:
             assert result.divergence is not None
-            divergence = messages.Divergence(
-                **self._header(round_),
-                layers=list(result.divergence),
-                values=list(result.divergence.values()),
+            data = kept = divergence_message(
+                **self._header_fields(round_), divergence=result.divergence, key=self.key
             )
-            data = kept = messages.encode(divergence, key=self.key)
             self.kept[round_] = published
             sent = Published({}, None, 0)
         elif self.sends_deltas and not self.whole_after_restart:

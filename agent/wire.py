@@ -102,3 +102,24 @@ def model_message(
         base_round=base_round,
     )
     return messages.encode(message, key=key)
+
+
+def divergence_message(
+    *,
+    fleet: str,
+    sender: str,
+    run_id: str,
+    round_: int,
+    divergence: Mapping[str, float],
+    key: bytes | None = None,
+) -> bytes:
+    """The `Divergence` message carrying a FedLDF divergence vector (layer -> value)."""
+    message = messages.Divergence(
+        fleet=fleet,
+        sender=sender,
+        run_id=run_id,
+        round=round_,
+        layers=list(divergence),
+        values=list(divergence.values()),
+    )
+    return messages.encode(message, key=key)

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from agent import ldf
 from agent.central import Payload, Upload, as_sent, central_strategy
 from agent.experiment import ExperimentConfig, build_workload
 from agent.wire import encode_state, values_sent
@@ -86,7 +87,7 @@ class Aggregator:
         self.records: list[AggregatorRecord] = []
         self._changed = threading.Condition()
         self._updates: dict[tuple[int, str], messages.Update] = {}
-        self._divergences: dict[tuple[int, str], messages.Divergence] = {}
+        self._divergences: dict[tuple[int, str], dict[str, float]] = {}
         self._asks: dict[tuple[int, str], tuple[int, float]] = {}
         """(round, agent) -> (how many times asked, fraction) for downloads."""
         self._answered: dict[tuple[int, str], int] = {}
@@ -149,13 +150,15 @@ class Aggregator:
     def _on_divergence(self, topic: str, payload: bytes) -> None:
         message = self._decode(topic, payload, "divergence")
         if isinstance(message, messages.Divergence):
-            if sorted(message.layers) != sorted(self.learner.layer_groups) or any(
-                v < 0 for v in message.values
-            ):
-                self._reject(topic, "a divergence vector must give every layer, none negative")
+            try:
+                vector = ldf.checked_divergences(
+                    message.layers, message.values, self.learner.layer_groups
+                )
+            except ValueError as exc:
+                self._reject(topic, str(exc))
                 return
             with self._changed:
-                self._divergences.setdefault((message.round, message.sender), message)
+                self._divergences.setdefault((message.round, message.sender), vector)
                 self._changed.notify_all()
 
     def _on_request(self, topic: str, payload: bytes) -> None:
@@ -307,16 +310,7 @@ class Aggregator:
         self.records.append(record)
         if self.strategy.asks_layers:
             senders = self._collect(round_, self._divergences, candidates)
-            divergences = {
-                k: dict(
-                    zip(
-                        self._divergences[(round_, k)].layers,
-                        self._divergences[(round_, k)].values,
-                        strict=True,
-                    )
-                )
-                for k in senders
-            }
+            divergences = {k: self._divergences[(round_, k)] for k in senders}
             selected = self.strategy.select(self.learner, divergences)
             requests = {k: layers for k, layers in selected.items() if layers}
             for k, layers in sorted(requests.items()):

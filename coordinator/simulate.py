@@ -29,7 +29,7 @@ from agent.central import (
 )
 from agent.experiment import ExperimentConfig, build_workload, local_reduction, nominal_budgets
 from agent.strategies import Published, RoundResult, StopWatch, early_stop_savings
-from agent.wire import encode_state, model_message, values_sent
+from agent.wire import divergence_message, encode_state, model_message, values_sent
 from protocol import messages
 
 FLEET = "sim"
@@ -273,15 +273,11 @@ class Simulation:
     ) -> Announced:
         """Publish agent k's round-t divergence vector (`--wire layers`), once for all."""
         assert result.divergence is not None
-        message = messages.Divergence(
-            fleet=FLEET,
-            sender=k,
-            run_id="sim",
-            round=t,
-            layers=list(result.divergence),
-            values=list(result.divergence.values()),
+        size = len(
+            divergence_message(
+                fleet=FLEET, sender=k, run_id="sim", round_=t, divergence=result.divergence
+            )
         )
-        size = len(messages.encode(message))
         traffic[k].sent += size
         return Announced(t, result.divergence, size)
 
@@ -442,13 +438,11 @@ class Simulation:
                 up += self._payload_size(messages.Update, t, k, sent)
                 traffic[k].nonzeros_sent += values_sent(sent.weights, sent.masks)
             if fit.divergence is not None:
-                divergence = messages.Divergence(
-                    **header,
-                    sender=k,
-                    layers=list(fit.divergence),
-                    values=list(fit.divergence.values()),
+                up += len(
+                    divergence_message(
+                        fleet=FLEET, sender=k, run_id="sim", round_=t, divergence=fit.divergence
+                    )
                 )
-                up += len(messages.encode(divergence))
             if k in downloads:
                 asked = messages.Request(**header, sender=k, target=COORDINATOR, fraction=1.0)
                 up += len(messages.encode(asked))
