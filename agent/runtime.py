@@ -82,23 +82,41 @@ class Run:
 class LayerServer:
     """Collects neighbours' requests for layers (--wire layers) and publishes each layer
     asked for once per batch: the requests that come within `delay_s` of a batch's first
-    share one publish, which reaches every neighbour that subscribed before asking."""
+    share one publish, which reaches every neighbour that subscribed before asking.
 
-    def __init__(self, publish: Callable[[int, set[str]], int], delay_s: float) -> None:
+    A layer small enough to be retained goes out once per round: a neighbour asks only after
+    its subscription is acknowledged, and the broker hands it the retained copy on
+    subscribing, so later askers need no publish. One that asks a second time missed it and
+    gets a new publish."""
+
+    def __init__(
+        self, publish: Callable[[int, set[str]], tuple[int, set[str]]], delay_s: float
+    ) -> None:
         self._publish = publish
-        """Publishes a round's layers; returns the values they carried."""
+        """Publishes a round's layers; returns the values they carried and the layers it
+        published retained."""
         self._delay_s = delay_s
         self._lock = threading.Lock()
         self._pending: dict[int, set[str]] = {}
         self._timer: threading.Timer | None = None
         self._served = 0
         self._closed = False
+        self._retained: dict[int, set[str]] = {}
+        self._askers: dict[tuple[int, str], set[str]] = {}
 
-    def ask(self, round_: int, layers: list[str]) -> None:
+    def ask(self, round_: int, layers: list[str], asker: str) -> None:
         with self._lock:
             if self._closed:
                 return
-            self._pending.setdefault(round_, set()).update(layers)
+            wanted = set()
+            for layer in layers:
+                askers = self._askers.setdefault((round_, layer), set())
+                if layer not in self._retained.get(round_, ()) or asker in askers:
+                    wanted.add(layer)
+                askers.add(asker)
+            if not wanted:
+                return
+            self._pending.setdefault(round_, set()).update(wanted)
             if self._timer is None:
                 self._timer = threading.Timer(self._delay_s, self.flush)
                 self._timer.daemon = True
@@ -109,12 +127,14 @@ class LayerServer:
             pending, self._pending, self._timer = self._pending, {}, None
         for round_, layers in sorted(pending.items()):
             try:
-                served = self._publish(round_, layers)
+                served, retained = self._publish(round_, layers)
             except Exception:  # the transport stopped, a queue stayed full: they ask again
                 log.exception("could not publish the layers of round %d", round_)
                 continue
             with self._lock:
                 self._served += served
+                if not self._closed:
+                    self._retained.setdefault(round_, set()).update(retained)
 
     def take_served(self) -> int:
         """Values published since the last call."""
@@ -122,12 +142,22 @@ class LayerServer:
             served, self._served = self._served, 0
         return served
 
-    def close(self) -> None:
-        """Drop what is pending and take no more requests (the run is over)."""
+    def forget(self, round_: int) -> set[str]:
+        """Stop serving `round_`; returns its layers the broker still retains."""
+        with self._lock:
+            self._askers = {key: a for key, a in self._askers.items() if key[0] != round_}
+            self._pending.pop(round_, None)
+            return self._retained.pop(round_, set())
+
+    def close(self) -> dict[int, set[str]]:
+        """Drop what is pending and take no more requests (the run is over); returns the
+        layers the broker still retains, per round."""
         with self._lock:
             if self._timer is not None:
                 self._timer.cancel()
             self._pending, self._timer, self._closed = {}, None, True
+            retained, self._retained, self._askers = self._retained, {}, {}
+            return retained
 
 
 class AgentRuntime:
@@ -289,7 +319,7 @@ class AgentRuntime:
         if self.layered and request.layers:
             known = [layer for layer in request.layers if layer in self.learner.layer_groups]
             if request.round in self.kept and known:
-                self.layer_server.ask(request.round, known)
+                self.layer_server.ask(request.round, known, request.sender)
             return
         data = self.own.get(request.round)
         if data is not None:
@@ -298,16 +328,15 @@ class AgentRuntime:
             )
             self.transport.publish(self._topic(request.round, self._announcement, self.me), data)
 
-    def _publish_layers(self, round_: int, layers: set[str]) -> int:
+    def _publish_layers(self, round_: int, layers: set[str]) -> tuple[int, set[str]]:
         """Publish these layers of our round model, each on its own topic, once for every
-        neighbour that asked (called by the `LayerServer`); returns the values sent."""
+        neighbour that asked (called by the `LayerServer`), retained when they fit one frame;
+        returns the values sent and the layers retained."""
         model = self.kept.get(round_)
         if model is None:
-            return 0
-        served = 0
-        for index, layer in enumerate(self.learner.layer_groups):
-            if layer not in layers:
-                continue
+            return 0, set()
+        served, retained = 0, set()
+        for layer in (layer for layer in self.learner.layer_groups if layer in layers):
             part = self.learner.layer_part(model, [layer])
             data = model_message(
                 **self._model_fields(round_, model.num_samples),
@@ -317,8 +346,17 @@ class AgentRuntime:
             served += values_sent(part.weights, part.masks)
             if self.throttle is not None:
                 self.throttle.before_send(len(data))
-            self.transport.publish(topics.layer(self.fleet, round_, self.me, index), data)
-        return served
+            retain = self.transport.fits_one_frame(data)
+            topic = self._topic_of_layer((round_, self.me), layer)
+            self.transport.publish(topic, data, retain=retain)
+            if retain:
+                retained.add(layer)
+        return served, retained
+
+    def _clear_layers(self, round_: int, layers: set[str]) -> None:
+        """Delete our retained layers of `round_` from the broker: nobody asks for them now."""
+        for layer in sorted(layers):
+            self.transport.clear_retained(self._topic_of_layer((round_, self.me), layer))
 
     def _header_fields(self, round_: int) -> dict[str, Any]:
         """`_header` as `agent.wire`'s message builders take it."""
@@ -520,6 +558,7 @@ class AgentRuntime:
             for old in [r for r in self.own if r <= round_ - KEEP_OWN_ROUNDS]:
                 del self.own[old]
                 self.kept.pop(old, None)
+                self._clear_layers(old, self.layer_server.forget(old))
             if self.throttle is not None:
                 self.throttle.before_send(len(data))
             self.transport.publish(self._topic(round_, self._announcement, self.me), data)
@@ -787,7 +826,11 @@ class AgentRuntime:
             self.on_finish(self.state)
         if not self.stop.is_set():
             self._linger()
-        self.layer_server.close()
+        for round_, layers in self.layer_server.close().items():
+            try:
+                self._clear_layers(round_, layers)
+            except RuntimeError:  # the transport stopped (a signal): the broker keeps them
+                break
 
     @property
     def finished(self) -> bool:

@@ -31,6 +31,7 @@ from agent.experiment import ExperimentConfig, build_workload, local_reduction, 
 from agent.strategies import Published, RoundResult, StopWatch, early_stop_savings
 from agent.wire import divergence_message, encode_state, model_message, values_sent
 from protocol import messages
+from protocol.chunking import DEFAULT_CHUNK_SIZE
 
 FLEET = "sim"
 COORDINATOR = "coordinator"
@@ -173,6 +174,9 @@ class Simulation:
         deliveries, announcements = Deliveries(), Deliveries()
         layers_held: set[tuple[str, str, int, str]] = set()
         """--wire layers: (receiver, sender, round, layer) delivered."""
+        layers_retained: set[tuple[str, int, str]] = set()
+        """--wire layers: (sender, round, layer) published retained (it fits one frame): the
+        broker hands it to every later asker, in any round."""
         rounds = []
         for t in range(1, cfg.rounds + 1):
             order = topology.reuse_order(seed, t, roster)
@@ -186,8 +190,8 @@ class Simulation:
             size: dict[str, int] = {}
             divergence: dict[str, Announced] = {}
             layers_published: set[tuple[str, int, str]] = set()
-            """(sender, round, layer) published this round: one publish serves every
-            neighbour asking in the same round."""
+            """(sender, round, layer) published this round and not retained (too big for one
+            frame): one publish serves every neighbour asking in the same round."""
             traffic = {k: Traffic() for k in roster}
             results: dict[str, RoundResult] = {}
             for k in order:
@@ -209,6 +213,7 @@ class Simulation:
                         traffic,
                         announcements,
                         layers_published,
+                        layers_retained,
                         layers_held,
                     )
                 for j in prior if not (deltas or layered) else ():
@@ -289,15 +294,18 @@ class Simulation:
         traffic: dict[str, Traffic],
         announcements: Deliveries,
         published: set[tuple[str, int, str]],
+        retained: set[tuple[str, int, str]],
         held: set[tuple[str, str, int, str]],
     ) -> dict[str, Published]:
         """Agent k's inbox under `--wire layers`: it receives the divergence vectors of its
         neighbours' models (round-0 models are derivable and taken whole), picks per layer the
         `ldf_n` most diverged, asks each neighbour for its picked layers and gets them.
         `announced` maps each neighbour to the round k needs and the vector standing for it
-        (an agent that stopped early stands in with its last). A layer goes out once per
-        round for all who ask (`published`: agents batch requests, so in emulate a neighbour
-        asking much later costs another publish), and k never fetches a layer it `held`."""
+        (an agent that stopped early stands in with its last). A layer that fits one frame
+        goes out once, retained, for all who ask in any round (`retained`); a bigger one once
+        per round for all who ask (`published`: agents batch requests, so in emulate a
+        neighbour asking much later costs another publish). k never fetches a layer it
+        `held`."""
         inbox = {j: m for j, m in models.items() if j not in announced}
         for j, (needed, a) in announced.items():
             announcements.count(traffic, k, j, needed, a.size, self.stopped)
@@ -326,8 +334,9 @@ class Simulation:
                 size, values = self._message_size(r, j, self.learner.layer_part(models[j], [layer]))
                 held.add((k, j, r, layer))
                 traffic[k].received += size
-                if (j, r, layer) not in published:
-                    published.add((j, r, layer))
+                served = retained if size <= DEFAULT_CHUNK_SIZE else published
+                if (j, r, layer) not in served:
+                    served.add((j, r, layer))
                     traffic[j].sent += size
                     traffic[j].nonzeros_sent += values
         return inbox

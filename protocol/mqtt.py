@@ -278,14 +278,26 @@ class MqttTransport:
         more frames than max_queued can never fit and raises ValueError. Retained messages
         must fit in one frame (a broker retains packets, not messages).
         """
-        if self._stopped:
-            raise RuntimeError("transport is stopped")
         frames = split(payload, self.options.chunk_size)
         if retain and len(frames) > 1:
             raise ValueError(
                 f"retained payload of {len(payload)} bytes exceeds one frame "
                 f"({self.options.chunk_size} bytes)"
             )
+        return self._send(topic, frames, qos, retain)
+
+    def fits_one_frame(self, payload: bytes) -> bool:
+        """Whether `payload` goes out as one frame, as a retained message must."""
+        return len(payload) <= self.options.chunk_size
+
+    def clear_retained(self, topic: str) -> Publication:
+        """Delete the broker's retained message on `topic`: a retained publish with an empty
+        payload (MQTT 3.1.1, 3.3.1.3), which is not a frame; receivers skip it."""
+        return self._send(topic, [b""], qos=1, retain=True)
+
+    def _send(self, topic: str, frames: list[bytes], qos: int, retain: bool) -> Publication:
+        if self._stopped:
+            raise RuntimeError("transport is stopped")
         tracked = len(frames) if qos > 0 else 0
         if tracked > self.options.max_queued:
             raise ValueError(
@@ -470,6 +482,9 @@ class MqttTransport:
             self._count("received_frames")
             self._count("received_bytes", len(message.payload))
             topic = message.topic
+            if not message.payload:  # a retained message being cleared: no frame, no message
+                self._count("cleared_retained")
+                return
             handlers = self._handlers_for(topic)
             if not handlers:
                 # Some brokers (amqtt) push retained messages a client never subscribed to.

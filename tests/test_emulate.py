@@ -115,6 +115,12 @@ def test_emulate_gives_the_numbers_of_simulate(
     if learning.get("delta_pr"):
         assert emulated["summary"]["t_star"] == 1
         assert emulated["summary"]["mean_sparsity"] > 0.5
+    if learning.get("wire") == "layers":
+        # A served layer is retained: every later asker gets the broker's copy, so the
+        # agents send what the simulator counts (one publish per layer and round).
+        assert emulated["summary"]["total_bytes"] == pytest.approx(
+            simulated["summary"]["total_bytes"], rel=0.1
+        )
 
 
 @pytest.mark.parametrize(

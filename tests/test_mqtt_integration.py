@@ -391,6 +391,34 @@ def test_a_retained_message_pushed_before_subscribing_is_still_delivered_after(
             assert received.get(timeout=WAIT_S) == (topic, b"the run")
 
 
+def test_a_cleared_retained_message_is_gone_and_its_clearing_is_not_a_malformed_frame(
+    broker: BrokerProcess,
+) -> None:
+    """--wire layers retains the layers it serves and clears them when the round ages out:
+    a later subscriber must not get them, and one subscribed at the clearing sees nothing."""
+    kept, gone = f"{FLEET}/layer/0", f"{FLEET}/layer/1"
+    received, handler = collector()
+    with transport(broker.address, "server") as server:
+        assert server.fits_one_frame(b"x" * 1000)
+        assert not server.fits_one_frame(b"x" * (server.options.chunk_size + 1))
+        for topic in (kept, gone):
+            assert server.publish(topic, topic.encode(), retain=True).wait_for_publish(WAIT_S)
+        with transport(broker.address, "watcher", subscribe={f"{FLEET}/layer/#": handler}) as w:
+            assert sorted(received.get(timeout=WAIT_S) for _ in range(2)) == [
+                (kept, kept.encode()),
+                (gone, gone.encode()),
+            ]
+            assert server.clear_retained(gone).wait_for_publish(WAIT_S)
+            assert until(lambda: w.stats.get("cleared_retained", 0) == 1)
+            assert w.stats.get("dropped_frames", 0) == 0
+        late_received, late_handler = collector()
+        with transport(broker.address, "late", subscribe={f"{FLEET}/layer/#": late_handler}):
+            assert late_received.get(timeout=WAIT_S) == (kept, kept.encode())
+            with pytest.raises(queue.Empty):
+                late_received.get(timeout=1.0)
+        assert received.empty()
+
+
 def test_the_embedded_brokers_subscription_table_can_change_while_walked(unused_port) -> None:
     """amqtt walks this table across awaits while other clients (un)subscribe; with a plain
     dict a client connecting amid a crowd lost its session (seen with 16 agents starting)."""

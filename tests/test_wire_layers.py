@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -170,19 +171,27 @@ def test_divergence_vectors_must_give_one_value_per_layer() -> None:
 # ---------------------------------------------------------------------------- the sender
 
 
-def test_requests_within_a_batch_share_one_publish_and_later_ones_get_another() -> None:
+def recording_publisher(
+    retained: set[str] = frozenset(),
+) -> tuple[list[tuple[int, set[str]]], threading.Semaphore, Callable]:
+    """A LayerServer publish callback that records its calls and retains `retained`."""
     published: list[tuple[int, set[str]]] = []
     calls = threading.Semaphore(0)
 
-    def publish(round_: int, layers: set[str]) -> int:
+    def publish(round_: int, layers: set[str]) -> tuple[int, set[str]]:
         published.append((round_, set(layers)))
         calls.release()
-        return 10 * len(layers)
+        return 10 * len(layers), layers & retained
 
+    return published, calls, publish
+
+
+def test_requests_within_a_batch_share_one_publish_and_later_ones_get_another() -> None:
+    published, calls, publish = recording_publisher()
     server = LayerServer(publish, delay_s=0.2)
-    server.ask(3, ["conv"])
-    server.ask(3, ["fc", "conv"])
-    server.ask(2, ["fc"])
+    server.ask(3, ["conv"], "a")
+    server.ask(3, ["fc", "conv"], "b")
+    server.ask(2, ["fc"], "a")
     assert calls.acquire(timeout=5) and calls.acquire(timeout=5)
     assert published == [(2, {"fc"}), (3, {"conv", "fc"})]
     served, deadline = 0, time.monotonic() + 5
@@ -190,12 +199,33 @@ def test_requests_within_a_batch_share_one_publish_and_later_ones_get_another() 
         served += server.take_served()
         time.sleep(0.01)
     assert served == 30 and server.take_served() == 0
-    server.ask(3, ["conv"])
+    server.ask(3, ["conv"], "c")
+    assert calls.acquire(timeout=5)
+    assert published[-1] == (3, {"conv"}), "not retained: a later asker gets a new publish"
+    server.close()
+    server.ask(3, ["fc"], "d")
+    assert not calls.acquire(timeout=0.5), "a closed server publishes nothing"
+
+
+def test_a_retained_layer_is_published_once_a_round_unless_an_asker_missed_it() -> None:
+    published, calls, publish = recording_publisher(retained={"conv"})
+    server = LayerServer(publish, delay_s=0.05)
+    server.ask(3, ["conv", "fc"], "a")
+    assert calls.acquire(timeout=5)
+    deadline = time.monotonic() + 5
+    while not server.take_served() and time.monotonic() < deadline:  # the batch is done
+        time.sleep(0.01)
+    server.ask(3, ["conv"], "b")  # gets the broker's retained copy when it subscribes
+    server.ask(3, ["fc", "conv"], "c")
+    assert calls.acquire(timeout=5)
+    assert published == [(3, {"conv", "fc"}), (3, {"fc"})]
+    server.ask(3, ["conv"], "b")  # b asks again: it missed the retained copy
     assert calls.acquire(timeout=5)
     assert published[-1] == (3, {"conv"})
-    server.close()
-    server.ask(3, ["fc"])
-    assert not calls.acquire(timeout=0.5), "a closed server publishes nothing"
+    assert server.forget(3) == {"conv"}, "what the broker retains, for the sender to clear"
+    server.ask(4, ["conv"], "a")
+    assert calls.acquire(timeout=5)
+    assert server.close() == {4: {"conv"}}
 
 
 def test_requests_are_addressed_and_layers_have_their_own_topics() -> None:
