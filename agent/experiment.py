@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from agent import data as datasets
-from agent import models
+from agent import models, pruning
 from agent.budget import (
     Budget,
     BudgetLimits,
@@ -85,6 +85,11 @@ class ExperimentConfig:
             raise ValueError(f"--ssm-fraction must be in (0, 1], got {cfg.ssm_fraction}")
         if cfg.reduce not in REDUCE_MODES:
             raise ValueError(f"--reduce must be one of {', '.join(REDUCE_MODES)}, got {cfg.reduce}")
+        if cfg.detection_distance not in pruning.DISTANCES:
+            raise ValueError(
+                f"--detection-distance must be one of {', '.join(pruning.DISTANCES)}, "
+                f"got {cfg.detection_distance}"
+            )
         if cfg.stop_patience < 1:
             raise ValueError(f"--stop-patience must be >= 1, got {cfg.stop_patience}")
         if cfg.ldf_n < 1:

@@ -15,6 +15,7 @@ from typing import Any
 import click
 
 from agent.experiment import ExperimentConfig
+from agent.pruning import DISTANCES
 from agent.strategies import (
     DECENTRALIZED,
     PRESETS,
@@ -51,6 +52,8 @@ def _option(field: dataclasses.Field, hint: Any) -> Callable[[Callable], Callabl
         kind = click.Choice(REDUCE_MODES)
     elif field.name == "wire":
         kind = click.Choice(WIRE_FORMATS)
+    elif field.name == "detection_distance":
+        kind = click.Choice(DISTANCES)
     default = field.default if field.default is not dataclasses.MISSING else None
     shown = f" [default: {default}]" if default is not None else ""
     return click.option(flag, type=kind, default=None, help=help_text + shown)
@@ -91,6 +94,7 @@ FLAG_SCOPES: tuple[tuple[str, Callable[[str, dict[str, Any]], bool], str], ...] 
         "fedldf and runs with --wire layers",
     ),
     ("wire", lambda s, _: s in DECENTRALIZED, "the decentralized strategies"),
+    ("detection_distance", lambda s, _: s == "dadpfl", "dadpfl, the strategy that prunes further"),
     ("delta_fraction", lambda _, given: given.get("wire") == "delta", "runs with --wire delta"),
     ("stop_patience", lambda _, given: bool(given.get("early_stop")), "runs with --early-stop"),
 )

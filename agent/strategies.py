@@ -80,6 +80,11 @@ class StrategyConfig:
     rigl_a: float = param(0.3, "RigL drop fraction a: alpha_t = a/2 (1 + cos(pi t / T)).")
     rigl_batches: int = param(1, "Local batches for RigL's dense gradient.")
     delta_pr: float = param(0.02, "Pruning-time detection threshold delta_pr.")
+    detection_distance: str = param(
+        "squared",
+        "Distance D = ||w - w0||^2 of the detection score (squared, ALGORITHMS.md 1.7) or "
+        "||w - w0|| (norm, as the DA-DPFL authors' code computes it).",
+    )
     delta_v: float = param(0.5, "Fraction of votes that decides the first pruning time t*.")
     schedule_b: float = param(0.0, "Pruning schedule delay b: I_tau = ceil((t* + b) / c^(tau-1)).")
     schedule_c: float = param(1.3, "Pruning schedule factor c.")
@@ -311,6 +316,13 @@ class Learner:
         """3 x forward FLOPs of the (masked) model x samples: forward + backward (1.10)."""
         return 3 * self.forward_flops(masks) * samples
 
+    def dense_gradient_flops(self, masks: Masks | None, samples: int) -> int:
+        """RigL's dense-gradient batches (1.10), counted as the RigL paper does (Evci et al.
+        2020, sec. 3: 2 f_S + f_D per sample): the forward pass and the gradient of the
+        inputs go through the masked model, like training's; only the weights' gradient is
+        dense."""
+        return (2 * self.forward_flops(masks) + self.dense_flops) * samples
+
     @functools.cached_property
     def layer_groups(self) -> dict[str, list[str]]:
         """FedLDF's layers: each weight with its bias and norm parameters."""
@@ -401,7 +413,9 @@ class Learner:
         distances = agent.distances
         pruned = False
         if self.sparse and masks is not None:
-            distance = pruning.distance_from_init(weights, agent.init_weights, self.prunable)
+            distance = pruning.distance_from_init(
+                weights, agent.init_weights, self.prunable, cfg.detection_distance
+            )
             distances = [*agent.distances, distance]
             previous = distances[-2] if len(distances) > 1 else 0.0
             score = pruning.detection_score(distance, previous, distances[0])
@@ -429,7 +443,7 @@ class Learner:
                 cfg.rigl_batches,
                 self.generator("rigl", agent.agent_id, round_),
             )
-            flops += 3 * self.dense_flops * grad_samples
+            flops += self.dense_gradient_flops(masks, grad_samples)
             masks = sparse.rigl_update(
                 weights, masks, grads, sparse.rigl_alpha(round_, cfg.rounds, cfg.rigl_a)
             )

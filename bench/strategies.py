@@ -53,18 +53,20 @@ What the default run shows (seed 1, 202 s; bench/results/strategies.json):
   0.100 / 0.201 (more accurate on digits, +1.8 points, but its weak agents keep their 0.5
   density and send more). (Re-run with the delta compositions: 701 s with --jobs 1 beside
   the test suite; the other rows did not change.)
-* --wire layers, the best per byte: with n = 1, 0.284 / 0.807 (busiest agent 0.36x / 0.27x
-  plain's bytes, -4.1 / +0.6 points); n = 2, 0.189 / 0.452 (0.58x / 0.48x, +1.5 / +0.7
-  points: more accurate than plain on both); auto + layers (n = 1) + fp16, 0.531 / 1.317
-  (0.20x / 0.16x, +0.3 / -0.3 points), 4.9x / 6.1x plain DA-DPFL's accuracy per byte. A
+* --wire layers, the best per byte: with n = 1, 0.326 / 0.900 (busiest agent 0.31x / 0.24x
+  plain's bytes, -4.1 / +0.6 points); n = 2, 0.215 / 0.498 (0.51x / 0.44x, +1.5 / +0.7
+  points: more accurate than plain on both); auto + layers (n = 1) + fp16, 0.595 / 1.432
+  (0.18x / 0.15x, +0.3 / -0.3 points), 5.5x / 6.6x plain DA-DPFL's accuracy per byte. A
   receiver takes each layer from the neighbours whose layer moved most and gets about n
-  neighbours' worth of layers instead of M models; a sender publishes a layer once for all
-  who ask in the same round: the simulator's count. The agents batch requests for 0.2 s,
-  and a neighbour asking later gets another publish: emulated by hand (10 agents, M = 3,
-  n = 1, 6 rounds, same accuracies as simulate), total bytes were 1.22x and the busiest
-  agent's 1.42x simulate's count, still 0.48x and 0.79x those of the emulated full wire.
-  (Re-run with the layers compositions: 363 s with --jobs 2; the other rows did not
-  change.)
+  neighbours' worth of layers instead of M models; a sender publishes each layer once, as a
+  retained message the broker hands every later asker (in this round or the next, when the
+  model is a posterior neighbour's): the simulator counts that, and agents do it. Emulated
+  by hand (10 agents, M = 3, n = 1, 6 rounds, same accuracies as simulate), the busiest
+  agent's bytes were 1.03x simulate's count and the total 1.12x (statuses and presence,
+  which simulate leaves out); with batching alone they were 1.42x and 1.22x. (Re-run with
+  retained layers, and RigL's dense gradients counted as 2 f_S + f_D per sample instead of
+  3 f_D, which lowers every sparse run's FLOPs by 20-25%: 370 s with --jobs 2; accuracies
+  and the other rows' bytes did not change.)
 """
 
 from __future__ import annotations

@@ -16,6 +16,9 @@ def test_distance_from_init_hand_worked():
     # (1 + 4) + (3 - 1)^2 = 9 ; the bias is not prunable and does not count.
     assert pr.distance_from_init(state, init, ["w", "v"]) == 9.0
     assert pr.distance_from_init(state, state, ["w", "v"]) == 0.0
+    assert pr.distance_from_init(state, init, ["w", "v"], "norm") == 3.0
+    with pytest.raises(ValueError, match="squared, norm"):
+        pr.distance_from_init(state, init, ["w", "v"], "cube")
 
 
 def test_detection_score_and_vote():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -123,6 +124,36 @@ def test_further_pruning_starts_after_the_vote_and_stops_at_the_target() -> None
     assert not any(a["pruned"] for a in report["rounds"][0]["agents"].values())
 
 
+def test_the_norm_distance_scores_lower_and_votes_earlier_than_the_squared_one() -> None:
+    """D = ||w - w0|| instead of its square: the same training (until a vote passes), and from
+    round 2 every score at most half the squared one while D stays above D^1, so agents vote
+    "settled" earlier. Only the detection score and what follows from it change."""
+    squared = simulate(small(rounds=4, delta_pr=1e-9))
+    norm = simulate(small(rounds=4, delta_pr=1e-9, detection_distance="norm"))
+    for sq_round, norm_round in zip(squared["rounds"], norm["rounds"], strict=True):
+        for agent, sq in sq_round["agents"].items():
+            other = norm_round["agents"][agent]
+            assert other["accuracy"] == sq["accuracy"]
+            if sq_round["round"] == 1:
+                assert other["score"] == sq["score"] == 1.0
+            else:
+                assert 0 < other["score"] <= sq["score"] / 2 + 1e-12
+    threshold = statistics.median(
+        a["score"] for r in squared["rounds"][1:] for a in r["agents"].values()
+    )
+    votes = {
+        kind: sum(
+            a["vote"]
+            for r in simulate(
+                small(rounds=4, delta_pr=threshold, target_sparsity=0.0, detection_distance=kind)
+            )["rounds"]
+            for a in r["agents"].values()
+        )
+        for kind in ("squared", "norm")
+    }
+    assert votes["norm"] > votes["squared"]
+
+
 def test_dispfl_never_prunes_further_and_never_waits() -> None:
     report = simulate(small("dispfl", rounds=3, delta_pr=100.0))
     assert report["summary"]["t_star"] is None
@@ -225,6 +256,8 @@ def test_cli_writes_the_report_and_plots(tmp_path: Path) -> None:
         (["--strategy", "fedavg", "--wire", "delta"], "--wire has no effect here"),
         (["--delta-fraction", "0.2"], "applies to runs with --wire delta"),
         (["--wire", "zip"], "Invalid value for '--wire'"),
+        (["--strategy", "dispfl", "--detection-distance", "norm"], "applies to dadpfl"),
+        (["--detection-distance", "cube"], "Invalid value for '--detection-distance'"),
         (["--wire", "delta", "--delta-fraction", "1.5"], "--delta-fraction must be in (0, 1]"),
     ],
 )

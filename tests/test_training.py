@@ -120,7 +120,7 @@ def test_a_round_publishes_an_exactly_masked_model_and_counts_its_flops() -> Non
         assert torch.all(published.weights[name][~mask] == 0)
         assert int(mask.sum()) == int(agent.masks[name].sum()), "RigL keeps layer density"
     sparse_per_sample = forward_flops(learner.model, INPUT, agent.masks)
-    rigl = 3 * learner.dense_flops * 16
+    rigl = (2 * sparse_per_sample + learner.dense_flops) * 16  # masked fwd and input grad
     assert result.train_flops == 3 * sparse_per_sample * 32 + rigl
     assert result.state.round == 1 and len(result.state.distances) == 1
     assert result.score == 1.0 and result.vote is False
