@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,6 +79,10 @@ class Run:
     """Who aggregates a centralized strategy: the coordinator that published the run."""
 
 
+PublishLayers = Callable[[int, set[str]], Iterator[tuple[str, int, bool]]]
+"""Publishes a round's layers one by one, yielding (layer, values it carried, retained)."""
+
+
 class LayerServer:
     """Collects neighbours' requests for layers (--wire layers) and publishes each layer
     asked for once per batch: the requests that come within `delay_s` of a batch's first
@@ -87,21 +91,24 @@ class LayerServer:
     A layer small enough to be retained goes out once per round: a neighbour asks only after
     its subscription is acknowledged, and the broker hands it the retained copy on
     subscribing, so later askers need no publish. One that asks a second time missed it and
-    gets a new publish."""
+    gets a new publish, and so does everyone after a reconnect (`reconnected`: the broker
+    may have restarted without its retained messages)."""
 
-    def __init__(
-        self, publish: Callable[[int, set[str]], tuple[int, set[str]]], delay_s: float
-    ) -> None:
+    def __init__(self, publish: PublishLayers, delay_s: float) -> None:
         self._publish = publish
-        """Publishes a round's layers; returns the values they carried and the layers it
-        published retained."""
         self._delay_s = delay_s
         self._lock = threading.Lock()
+        self._flushing = threading.Lock()
+        """Held while a batch is published and recorded, so that `forget` and `close`, which
+        wait for it, see every layer it retained."""
         self._pending: dict[int, set[str]] = {}
         self._timer: threading.Timer | None = None
         self._served = 0
         self._closed = False
         self._retained: dict[int, set[str]] = {}
+        """Layers the broker may retain, per round: cleared when the round is forgotten."""
+        self._trusted: dict[int, set[str]] = {}
+        """Retained layers published on the current connection: a new asker has them."""
         self._askers: dict[tuple[int, str], set[str]] = {}
 
     def ask(self, round_: int, layers: list[str], asker: str) -> None:
@@ -111,7 +118,7 @@ class LayerServer:
             wanted = set()
             for layer in layers:
                 askers = self._askers.setdefault((round_, layer), set())
-                if layer not in self._retained.get(round_, ()) or asker in askers:
+                if layer not in self._trusted.get(round_, ()) or asker in askers:
                     wanted.add(layer)
                 askers.add(asker)
             if not wanted:
@@ -123,18 +130,19 @@ class LayerServer:
                 self._timer.start()
 
     def flush(self) -> None:
-        with self._lock:
-            pending, self._pending, self._timer = self._pending, {}, None
-        for round_, layers in sorted(pending.items()):
-            try:
-                served, retained = self._publish(round_, layers)
-            except Exception:  # the transport stopped, a queue stayed full: they ask again
-                log.exception("could not publish the layers of round %d", round_)
-                continue
+        with self._flushing:
             with self._lock:
-                self._served += served
-                if not self._closed:
-                    self._retained.setdefault(round_, set()).update(retained)
+                pending, self._pending, self._timer = self._pending, {}, None
+            for round_, layers in sorted(pending.items()):
+                try:
+                    for layer, values, retained in self._publish(round_, layers):
+                        with self._lock:
+                            self._served += values
+                            if retained:
+                                self._retained.setdefault(round_, set()).add(layer)
+                                self._trusted.setdefault(round_, set()).add(layer)
+                except Exception:  # the transport stopped, a queue stayed full: they ask again
+                    log.exception("could not publish the layers of round %d", round_)
 
     def take_served(self) -> int:
         """Values published since the last call."""
@@ -142,21 +150,34 @@ class LayerServer:
             served, self._served = self._served, 0
         return served
 
-    def forget(self, round_: int) -> set[str]:
-        """Stop serving `round_`; returns its layers the broker still retains."""
+    def reconnected(self) -> None:
+        """Publish again for every asker: the broker may have lost what it retained."""
         with self._lock:
+            self._trusted = {}
+
+    def may_retain(self, round_: int, layers: Iterable[str]) -> None:
+        """Layers the broker may hold from before a restart: cleared with their round."""
+        with self._lock:
+            self._retained.setdefault(round_, set()).update(layers)
+
+    def forget(self, round_: int) -> set[str]:
+        """Stop serving `round_` (after a batch being published); returns its layers the
+        broker may still retain."""
+        with self._flushing, self._lock:
             self._askers = {key: a for key, a in self._askers.items() if key[0] != round_}
             self._pending.pop(round_, None)
+            self._trusted.pop(round_, None)
             return self._retained.pop(round_, set())
 
     def close(self) -> dict[int, set[str]]:
-        """Drop what is pending and take no more requests (the run is over); returns the
-        layers the broker still retains, per round."""
+        """Drop what is pending and take no more requests (the run is over); returns, after
+        a batch being published, the layers the broker may still retain, per round."""
         with self._lock:
             if self._timer is not None:
                 self._timer.cancel()
             self._pending, self._timer, self._closed = {}, None, True
-            retained, self._retained, self._askers = self._retained, {}, {}
+        with self._flushing, self._lock:
+            retained, self._retained, self._trusted, self._askers = self._retained, {}, {}, {}
             return retained
 
 
@@ -237,6 +258,8 @@ class AgentRuntime:
         self.kept: dict[int, Published] = {}
         """With --wire layers: its recent models, whose layers neighbours ask for."""
         self.layer_server = LayerServer(self._publish_layers, LAYER_BATCH_S)
+        self.connects_seen = 0
+        """The transport's connection count when the layer server last heard of it."""
         self.votes: dict[int, bool] = {}
         self.subscribed: set[str] = set()
         self._bytes = (0, 0)
@@ -319,6 +342,10 @@ class AgentRuntime:
         if self.layered and request.layers:
             known = [layer for layer in request.layers if layer in self.learner.layer_groups]
             if request.round in self.kept and known:
+                connects = self.transport.stats.get("connects", 0)
+                if connects != self.connects_seen:
+                    self.connects_seen = connects
+                    self.layer_server.reconnected()
                 self.layer_server.ask(request.round, known, request.sender)
             return
         data = self.own.get(request.round)
@@ -328,14 +355,13 @@ class AgentRuntime:
             )
             self.transport.publish(self._topic(request.round, self._announcement, self.me), data)
 
-    def _publish_layers(self, round_: int, layers: set[str]) -> tuple[int, set[str]]:
+    def _publish_layers(self, round_: int, layers: set[str]) -> Iterator[tuple[str, int, bool]]:
         """Publish these layers of our round model, each on its own topic, once for every
-        neighbour that asked (called by the `LayerServer`), retained when they fit one frame;
-        returns the values sent and the layers retained."""
+        neighbour that asked (the `LayerServer`'s publisher), retained when they fit one
+        frame; yields each layer after its publish, with the values it carried."""
         model = self.kept.get(round_)
         if model is None:
-            return 0, set()
-        served, retained = 0, set()
+            return
         for layer in (layer for layer in self.learner.layer_groups if layer in layers):
             part = self.learner.layer_part(model, [layer])
             data = model_message(
@@ -343,15 +369,12 @@ class AgentRuntime:
                 weights=part.weights,
                 masks=part.masks,
             )
-            served += values_sent(part.weights, part.masks)
             if self.throttle is not None:
                 self.throttle.before_send(len(data))
             retain = self.transport.fits_one_frame(data)
             topic = self._topic_of_layer((round_, self.me), layer)
             self.transport.publish(topic, data, retain=retain)
-            if retain:
-                retained.add(layer)
-        return served, retained
+            yield layer, values_sent(part.weights, part.masks), retain
 
     def _clear_layers(self, round_: int, layers: set[str]) -> None:
         """Delete our retained layers of `round_` from the broker: nobody asks for them now."""
@@ -816,21 +839,29 @@ class AgentRuntime:
                 self._status("stopped", done, self._savings(done))
         else:
             self._start_together()
-        for round_ in range(done + 1, self.cfg.rounds + 1):
-            if self.stop.is_set() or self.stopped_round is not None:
-                break
-            self.run_round(round_)
-        if self.stopped_round is not None:
-            log.info("stopped early after round %d: its loss rose", self.stopped_round)
-        if self.finished and self.on_finish:
-            self.on_finish(self.state)
-        if not self.stop.is_set():
-            self._linger()
-        for round_, layers in self.layer_server.close().items():
-            try:
-                self._clear_layers(round_, layers)
-            except RuntimeError:  # the transport stopped (a signal): the broker keeps them
-                break
+        if done and self.layered:
+            # Layers served before the crash: the restored rounds' are the same models (clear
+            # them with their round); the redone round's may differ, so they go now.
+            for round_ in self.kept:
+                self.layer_server.may_retain(round_, self.learner.layer_groups)
+            self._clear_layers(done + 1, set(self.learner.layer_groups))
+        try:
+            for round_ in range(done + 1, self.cfg.rounds + 1):
+                if self.stop.is_set() or self.stopped_round is not None:
+                    break
+                self.run_round(round_)
+            if self.stopped_round is not None:
+                log.info("stopped early after round %d: its loss rose", self.stopped_round)
+            if self.finished and self.on_finish:
+                self.on_finish(self.state)
+            if not self.stop.is_set():
+                self._linger()
+        finally:
+            for round_, layers in self.layer_server.close().items():
+                try:
+                    self._clear_layers(round_, layers)
+                except RuntimeError:  # the transport stopped (a signal): the broker keeps them
+                    break
 
     @property
     def finished(self) -> bool:

@@ -522,7 +522,7 @@ def tables(results: dict[str, dict[str, Any]], comparison: dict[str, Any] | None
     variants = {name: compare(results, name) for name in ABLATIONS if name in results}
     if any(variants.values()):
         var = _table(
-            "DA-DPFL's variants vs DisPFL (targets as above)",
+            "DA-DPFL's variants vs DisPFL (the issue's four targets)",
             "variant",
             "acc delta",
             "busiest bytes ratio",

@@ -305,7 +305,8 @@ class Simulation:
         goes out once, retained, for all who ask in any round (`retained`); a bigger one once
         per round for all who ask (`published`: agents batch requests, so in emulate a
         neighbour asking much later costs another publish). k never fetches a layer it
-        `held`."""
+        `held`. Whether a layer fits one frame is judged on the simulator's unsigned message;
+        an agent's header (run id, signature) is a few dozen bytes longer."""
         inbox = {j: m for j, m in models.items() if j not in announced}
         for j, (needed, a) in announced.items():
             announcements.count(traffic, k, j, needed, a.size, self.stopped)

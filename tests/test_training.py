@@ -126,6 +126,17 @@ def test_a_round_publishes_an_exactly_masked_model_and_counts_its_flops() -> Non
     assert result.score == 1.0 and result.vote is False
 
 
+def test_rigls_flops_count_the_masks_its_gradient_ran_with_after_further_pruning() -> None:
+    learner, data = _setup(target_sparsity=0.7)
+    agent = learner.init_agent("a")
+    result = learner.local_round(agent, data, {}, 1, prune_now=True)
+    pruned = result.published.masks  # RigL keeps each layer's count, so its FLOPs too
+    assert sparse.sparsity(pruned) > sparse.sparsity(agent.masks)
+    trained = forward_flops(learner.model, INPUT, agent.masks)
+    rigl = forward_flops(learner.model, INPUT, pruned)
+    assert result.train_flops == 3 * trained * 32 + (2 * rigl + learner.dense_flops) * 16
+
+
 def test_dense_strategies_average_plainly_and_never_mask() -> None:
     learner, data = _setup("dfedavgm")
     agent = learner.init_agent("a")

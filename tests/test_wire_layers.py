@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 from agent.experiment import build_workload
 from agent.inbox import Expected, Inbox
-from agent.runtime import LayerServer
+from agent.runtime import LayerServer, PublishLayers
 from agent.strategies import Published, preset
 from agent.wire import expected_shapes, model_message
 from coordinator.simulate import ExperimentConfig, simulate
@@ -172,18 +172,28 @@ def test_divergence_vectors_must_give_one_value_per_layer() -> None:
 
 
 def recording_publisher(
-    retained: set[str] = frozenset(),
-) -> tuple[list[tuple[int, set[str]]], threading.Semaphore, Callable]:
-    """A LayerServer publish callback that records its calls and retains `retained`."""
+    retained: frozenset[str] = frozenset(),
+) -> tuple[list[tuple[int, set[str]]], threading.Semaphore, PublishLayers]:
+    """A LayerServer publisher that records its batches and retains `retained`; the
+    semaphore is released once a batch is published and recorded."""
     published: list[tuple[int, set[str]]] = []
     calls = threading.Semaphore(0)
 
-    def publish(round_: int, layers: set[str]) -> tuple[int, set[str]]:
+    def publish(round_: int, layers: set[str]) -> Iterator[tuple[str, int, bool]]:
         published.append((round_, set(layers)))
-        calls.release()
-        return 10 * len(layers), layers & retained
+        for layer in sorted(layers):
+            yield layer, 10, layer in retained
+        calls.release()  # runs when the server asks for more: after it recorded the last
 
     return published, calls, publish
+
+
+def served(server: LayerServer, at_least: int) -> int:
+    total, deadline = 0, time.monotonic() + 5
+    while total < at_least and time.monotonic() < deadline:
+        total += server.take_served()
+        time.sleep(0.01)
+    return total
 
 
 def test_requests_within_a_batch_share_one_publish_and_later_ones_get_another() -> None:
@@ -194,11 +204,7 @@ def test_requests_within_a_batch_share_one_publish_and_later_ones_get_another() 
     server.ask(2, ["fc"], "a")
     assert calls.acquire(timeout=5) and calls.acquire(timeout=5)
     assert published == [(2, {"fc"}), (3, {"conv", "fc"})]
-    served, deadline = 0, time.monotonic() + 5
-    while served < 30 and time.monotonic() < deadline:
-        served += server.take_served()
-        time.sleep(0.01)
-    assert served == 30 and server.take_served() == 0
+    assert served(server, 30) == 30 and server.take_served() == 0
     server.ask(3, ["conv"], "c")
     assert calls.acquire(timeout=5)
     assert published[-1] == (3, {"conv"}), "not retained: a later asker gets a new publish"
@@ -208,13 +214,10 @@ def test_requests_within_a_batch_share_one_publish_and_later_ones_get_another() 
 
 
 def test_a_retained_layer_is_published_once_a_round_unless_an_asker_missed_it() -> None:
-    published, calls, publish = recording_publisher(retained={"conv"})
+    published, calls, publish = recording_publisher(retained=frozenset({"conv"}))
     server = LayerServer(publish, delay_s=0.05)
     server.ask(3, ["conv", "fc"], "a")
     assert calls.acquire(timeout=5)
-    deadline = time.monotonic() + 5
-    while not server.take_served() and time.monotonic() < deadline:  # the batch is done
-        time.sleep(0.01)
     server.ask(3, ["conv"], "b")  # gets the broker's retained copy when it subscribes
     server.ask(3, ["fc", "conv"], "c")
     assert calls.acquire(timeout=5)
@@ -222,10 +225,40 @@ def test_a_retained_layer_is_published_once_a_round_unless_an_asker_missed_it() 
     server.ask(3, ["conv"], "b")  # b asks again: it missed the retained copy
     assert calls.acquire(timeout=5)
     assert published[-1] == (3, {"conv"})
-    assert server.forget(3) == {"conv"}, "what the broker retains, for the sender to clear"
-    server.ask(4, ["conv"], "a")
+    server.reconnected()  # the broker may have lost it: a new asker gets a publish
+    server.ask(3, ["conv"], "d")
     assert calls.acquire(timeout=5)
-    assert server.close() == {4: {"conv"}}
+    assert published[-1] == (3, {"conv"})
+    assert server.forget(3) == {"conv"}, "what the broker retains, for the sender to clear"
+    server.may_retain(5, ["fc"])  # restored after a restart: cleared, never trusted
+    server.ask(5, ["fc"], "a")
+    assert calls.acquire(timeout=5)
+    assert published[-1] == (5, {"fc"})
+    assert server.close() == {5: {"fc"}}
+
+
+def test_forget_and_close_wait_for_a_batch_being_published() -> None:
+    """A layer published while the sender forgets its round, or closes, is still reported
+    for clearing: nothing stays retained on the broker unaccounted for."""
+    started, release = threading.Event(), threading.Event()
+
+    def slow_publish(round_: int, layers: set[str]) -> Iterator[tuple[str, int, bool]]:
+        for layer in sorted(layers):
+            started.set()
+            release.wait(5)
+            yield layer, 10, True
+
+    for end in ("forget", "close"):
+        started.clear()
+        release.clear()
+        server = LayerServer(slow_publish, delay_s=0.01)
+        server.ask(3, ["conv"], "a")
+        assert started.wait(5)
+        threading.Timer(0.2, release.set).start()
+        if end == "forget":
+            assert server.forget(3) == {"conv"}
+        else:
+            assert server.close() == {3: {"conv"}}
 
 
 def test_requests_are_addressed_and_layers_have_their_own_topics() -> None:
