@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -38,6 +39,7 @@ from agent.strategies import (
 )
 from agent.throttle import Throttle
 from agent.wire import (
+    all_finite,
     divergence_message,
     expected_delta_shapes,
     expected_shapes,
@@ -81,6 +83,18 @@ class Run:
 
 PublishLayers = Callable[[int, set[str]], Iterator[tuple[str, int, bool]]]
 """Publishes a round's layers one by one, yielding (layer, values it carried, retained)."""
+
+
+def finite_or_none(value: Any) -> Any:
+    """`value` with every non-finite float (a diverged model's loss) replaced by None: the
+    protocol carries finite numbers only."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [finite_or_none(v) for v in value]
+    return value
 
 
 class LayerServer:
@@ -556,7 +570,12 @@ class AgentRuntime:
         published since the last round."""
         published = result.published
         message = self._model_fields(round_, published.num_samples)
-        if self.layered:
+        if not all_finite(published.weights):
+            # Receivers would reject it (and a divergence vector of it cannot be encoded).
+            log.error("round %d: training diverged (weights not finite); model not sent", round_)
+            data = kept = b""
+            sent = Published({}, None, 0)
+        elif self.layered:
             assert result.divergence is not None
             data = kept = divergence_message(
                 **self._header_fields(round_), divergence=result.divergence, key=self.key
@@ -577,11 +596,12 @@ class AgentRuntime:
             sent, self.recon = published, published
             self.whole_after_restart = max(self.whole_after_restart - 1, 0)
         if self.cfg.strategy != "local":
-            self.own[round_] = kept  # re-sent to a peer that asks for it
             for old in [r for r in self.own if r <= round_ - KEEP_OWN_ROUNDS]:
                 del self.own[old]
                 self.kept.pop(old, None)
                 self._clear_layers(old, self.layer_server.forget(old))
+        if self.cfg.strategy != "local" and data:
+            self.own[round_] = kept  # re-sent to a peer that asks for it
             if self.throttle is not None:
                 self.throttle.before_send(len(data))
             self.transport.publish(self._topic(round_, self._announcement, self.me), data)
@@ -616,7 +636,9 @@ class AgentRuntime:
         message = messages.Status(
             **self._header(round_),
             state=state,
-            metrics={**metrics, "votes": history if self.learner.prunes_further else ""},
+            metrics=finite_or_none(
+                {**metrics, "votes": history if self.learner.prunes_further else ""}
+            ),
             stopped=self.stopped_round is not None,
         )
         self.transport.publish(

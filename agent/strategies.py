@@ -465,7 +465,7 @@ class Learner:
             train_loss=trained.mean_loss,
             train_flops=flops,
             vote=vote,
-            score=None if score is None or math.isinf(score) else score,
+            score=None if score is None or not math.isfinite(score) else score,
             pruned=pruned,
             divergence=divergence,
         )

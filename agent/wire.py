@@ -45,6 +45,12 @@ def values_sent(weights: State, masks: Masks | None = None) -> int:
     return sum(int(masks[n].sum()) if n in masks else t.numel() for n, t in weights.items())
 
 
+def all_finite(weights: State) -> bool:
+    """Whether every value is finite: receivers decode models with `require_finite`, so a
+    diverged model is not worth sending."""
+    return all(bool(torch.isfinite(w).all()) for w in weights.values())
+
+
 def expected_shapes(weights: State) -> dict[str, tuple[tuple[int, ...], str]]:
     """The (shape, dtype) of every tensor of a model, for `decode_state`'s validation."""
     return {
