@@ -600,11 +600,11 @@ class AgentRuntime:
                 del self.own[old]
                 self.kept.pop(old, None)
                 self._clear_layers(old, self.layer_server.forget(old))
-        if self.cfg.strategy != "local" and data:
-            self.own[round_] = kept  # re-sent to a peer that asks for it
-            if self.throttle is not None:
-                self.throttle.before_send(len(data))
-            self.transport.publish(self._topic(round_, self._announcement, self.me), data)
+            if data:
+                self.own[round_] = kept  # re-sent to a peer that asks for it
+                if self.throttle is not None:
+                    self.throttle.before_send(len(data))
+                self.transport.publish(self._topic(round_, self._announcement, self.me), data)
         if result.vote is not None and self.learner.prunes_further:
             self.votes[round_] = result.vote
             self.inbox.record_votes(self.me, {round_: result.vote})

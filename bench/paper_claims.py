@@ -404,7 +404,11 @@ def _table(title: str, *columns: str) -> Any:
     return table
 
 
-def tables(results: dict[str, dict[str, Any]], comparison: dict[str, Any] | None) -> list[Any]:
+def tables(
+    results: dict[str, dict[str, Any]],
+    comparison: dict[str, Any] | None,
+    variants: dict[str, dict[str, Any] | None],
+) -> list[Any]:
     main = _table(
         "paper claims: strategies on the same task",
         "strategy",
@@ -519,7 +523,6 @@ def tables(results: dict[str, dict[str, Any]], comparison: dict[str, Any] | None
         )
         cmp.add_row("rounds that pruned further", rounds_text(c["pruning_rounds"]), "", "", "")
         out.append(cmp)
-    variants = {name: compare(results, name) for name in ABLATIONS if name in results}
     if any(variants.values()):
         var = _table(
             "DA-DPFL's variants vs DisPFL (the issue's four targets)",
@@ -597,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
     out = pathlib.Path(args.out)
     out = out if out.is_absolute() else ROOT / out
 
-    def save(complete: bool) -> dict[str, Any] | None:
+    def save(complete: bool) -> tuple[dict[str, Any] | None, dict[str, Any]]:
         """Write what is done so far (after every strategy: a late failure loses nothing)."""
         done = {s: results[s] for s in strategies if s in results}
         try:
@@ -627,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
                 "errors": errors,
             },
         )
-        return comparison
+        return comparison, variants
 
     # Slowest first, so the last job to start is a short one.
     order = sorted(strategies, key=lambda s: s in ("fedavg", "fedavg-ft", "local"))
@@ -685,12 +688,12 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - started
     for s, err in errors.items():
         console.print(f"[red]{s} failed[/]:\n{err}")
-    comparison = save(complete=True)
+    comparison, variants = save(complete=True)
     done = {s: results[s] for s in strategies if s in results}
     if comparison is not None and "error" in comparison:
         console.print(f"[red]comparison failed[/]: {comparison['error']}")
         comparison = None
-    for table in tables(done, comparison):
+    for table in tables(done, comparison, variants):
         console.print(table)
     if any(r["summary"]["busiest_agent"] == "coordinator" for r in done.values()):
         console.print("* busiest node is FedAvg's coordinator")

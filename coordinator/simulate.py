@@ -31,7 +31,7 @@ from agent.experiment import ExperimentConfig, build_workload, local_reduction, 
 from agent.strategies import Published, RoundResult, StopWatch, early_stop_savings
 from agent.wire import divergence_message, encode_state, model_message, values_sent
 from protocol import messages
-from protocol.chunking import DEFAULT_CHUNK_SIZE
+from protocol.chunking import fits_one_frame
 
 FLEET = "sim"
 COORDINATOR = "coordinator"
@@ -335,7 +335,7 @@ class Simulation:
                 size, values = self._message_size(r, j, self.learner.layer_part(models[j], [layer]))
                 held.add((k, j, r, layer))
                 traffic[k].received += size
-                served = retained if size <= DEFAULT_CHUNK_SIZE else published
+                served = retained if fits_one_frame(size) else published
                 if (j, r, layer) not in served:
                     served.add((j, r, layer))
                     traffic[j].sent += size

@@ -49,6 +49,12 @@ class FrameError(ProtocolError):
         self.reason = reason
 
 
+def fits_one_frame(size: int, chunk_size: int = DEFAULT_CHUNK_SIZE) -> bool:
+    """Whether a payload of `size` bytes goes out as a single frame (as a retained message
+    must: a broker retains packets, not messages)."""
+    return size <= chunk_size
+
+
 def split(
     payload: bytes | bytearray | memoryview, chunk_size: int = DEFAULT_CHUNK_SIZE
 ) -> list[bytes]:
@@ -61,7 +67,7 @@ def split(
     data = memoryview(payload).cast("B")
     message_id = os.urandom(_ID_BYTES)
     total = len(data)
-    if total <= chunk_size:
+    if fits_one_frame(total, chunk_size):
         return [b"".join((_packer.pack([MAGIC, FRAME_VERSION, message_id]), data))]
     digest = hashlib.sha256(data).digest()
     count = -(-total // chunk_size)

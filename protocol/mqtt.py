@@ -41,7 +41,7 @@ from typing import Any
 import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 
-from protocol.chunking import DEFAULT_CHUNK_SIZE, Reassembler, split
+from protocol.chunking import DEFAULT_CHUNK_SIZE, Reassembler, fits_one_frame, split
 from protocol.errors import ProtocolError
 from protocol.limits import DEFAULT_LIMITS, Limits
 
@@ -288,7 +288,7 @@ class MqttTransport:
 
     def fits_one_frame(self, payload: bytes) -> bool:
         """Whether `payload` goes out as one frame, as a retained message must."""
-        return len(payload) <= self.options.chunk_size
+        return fits_one_frame(len(payload), self.options.chunk_size)
 
     def clear_retained(self, topic: str) -> Publication:
         """Delete the broker's retained message on `topic`: a retained publish with an empty
