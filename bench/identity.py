@@ -1,0 +1,227 @@
+"""Behaviour identity check: the same configurations give the same reports before and after a
+change that must not alter behaviour (a refactoring).
+
+`record DIR` runs every configuration below through `coordinator simulate` and writes one JSON
+report per configuration into DIR; `compare DIR` runs them again and compares each report with
+the recorded one, wall times aside. The configurations cover every preset, every `--wire`,
+every `--reduce`, early stopping, device profiles, fp16 and both detection distances.
+`emulate` runs a few configurations as real agent processes on the embedded broker and checks
+that every agent's accuracy and sparsity in every round equal simulate's.
+
+    python3 bench/identity.py record /tmp/before      # on the old code
+    python3 bench/identity.py compare /tmp/before     # on the new code
+    python3 bench/identity.py emulate
+
+Prints a table and writes bench/results/identity.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from click.testing import CliRunner
+
+from coordinator.cli import main as coordinator
+
+SMALL = ["--dataset", "mnist1d", "--agents", "6", "--rounds", "5", "--epochs", "1", "--seed", "3"]
+SQUARED = ["--detection-distance", "squared"]
+NORM = ["--detection-distance", "norm"]
+MIXED = ["--profiles", "mixed", "--round-time-s", "0.01"]
+PRUNES = ["--rounds", "10", "--delta-pr", "100"]
+CONFIGS: dict[str, list[str]] = {
+    "dadpfl-squared": ["--strategy", "dadpfl", *SQUARED, "--neighbours", "3"],
+    "dadpfl-norm-prunes": [
+        "--strategy", "dadpfl", *NORM, "--neighbours", "3", "--rounds", "12", "--delta-pr", "100",
+    ],
+    "dadpfl-fp16": ["--strategy", "dadpfl", *NORM, "--neighbours", "3", "--fp16"],
+    "dadpfl-early-stop": [
+        "--strategy", "dadpfl", *SQUARED, "--neighbours", "3", "--rounds", "8", "--early-stop",
+    ],
+    "dadpfl-patience": [
+        "--strategy", "dadpfl", *NORM, "--neighbours", "3", "--rounds", "8", "--early-stop",
+        "--stop-patience", "2",
+    ],
+    "dadpfl-mixed": ["--strategy", "dadpfl", *NORM, "--neighbours", "3", *MIXED],
+    "dadpfl-prune": [
+        "--strategy", "dadpfl", *NORM, *MIXED, "--reduce", "prune",
+        "--neighbours", "3",
+    ],
+    "dadpfl-freeze": [
+        "--strategy", "dadpfl", *NORM, *MIXED, "--reduce", "freeze",
+        "--neighbours", "3",
+    ],
+    "dadpfl-auto": [
+        "--strategy", "dadpfl", *NORM, *PRUNES, *MIXED, "--reduce", "auto",
+        "--neighbours", "3",
+    ],
+    "dadpfl-delta": [
+        "--strategy", "dadpfl", *NORM, *PRUNES, "--neighbours", "3", "--wire", "delta",
+        "--delta-fraction", "0.2",
+    ],
+    "dadpfl-delta-fp16-stop": [
+        "--strategy", "dadpfl", *NORM, "--neighbours", "3", "--wire", "delta", "--fp16",
+        "--rounds", "8", "--early-stop",
+    ],
+    "dadpfl-layers": ["--strategy", "dadpfl", *NORM, *PRUNES, "--neighbours", "3", "--wire", "layers",
+                      "--ldf-n", "1"],
+    "dadpfl-layers-stop": [
+        "--strategy", "dadpfl", *SQUARED, "--neighbours", "3", "--wire", "layers", "--ldf-n",
+        "2", "--rounds", "8", "--early-stop", "--fp16",
+    ],
+    "dadpfl-auto-layers-fp16": [
+        "--strategy", "dadpfl", *NORM, *MIXED, "--reduce", "auto", "--wire",
+        "layers", "--ldf-n", "1", "--fp16", "--neighbours", "3",
+    ],
+    "dispfl": ["--strategy", "dispfl", "--neighbours", "3"],
+    "dispfl-freeze": ["--strategy", "dispfl", *MIXED, "--reduce", "freeze",
+                      "--neighbours", "3"],
+    "dispfl-delta": ["--strategy", "dispfl", "--neighbours", "3", "--wire", "delta"],
+    "dfedavgm": ["--strategy", "dfedavgm", "--neighbours", "3"],
+    "dfedavgm-layers": ["--strategy", "dfedavgm", "--neighbours", "3", "--wire", "layers"],
+    "dfedavgm-ring": ["--strategy", "dfedavgm", "--topology", "ring", "--max-wait", "0"],
+    "local": ["--strategy", "local"],
+    "local-stop": ["--strategy", "local", "--rounds", "8", "--early-stop"],
+    "fedavg": ["--strategy", "fedavg"],
+    "fedavg-fp16-stop": ["--strategy", "fedavg", "--fp16", "--rounds", "8", "--early-stop"],
+    "fedavg-ft": ["--strategy", "fedavg-ft"],
+    "fedspu": ["--strategy", "fedspu"],
+    "fedspu-mixed-fp16": ["--strategy", "fedspu", *MIXED, "--fp16"],
+    "feddrop": ["--strategy", "feddrop"],
+    "fedadam": ["--strategy", "fedadam"],
+    "fedadam-top": ["--strategy", "fedadam-top", "--ssm-fraction", "0.2"],
+    "fedadam-ssm": ["--strategy", "fedadam-ssm"],
+    "fedadam-ssm-fp16-stop": ["--strategy", "fedadam-ssm", "--fp16", "--rounds", "8",
+                              "--early-stop"],
+    "fedldf": ["--strategy", "fedldf"],
+    "fedldf-n2-mixed": ["--strategy", "fedldf", "--ldf-n", "2", *MIXED],
+    "digits-dadpfl": ["--strategy", "dadpfl", *NORM, "--dataset", "digits", "--neighbours", "3"],
+    "digits-fedavg": ["--strategy", "fedavg", "--dataset", "digits"],
+}
+EMULATED = ("dadpfl-squared", "dadpfl-delta", "dadpfl-layers", "fedavg", "fedspu-mixed-fp16")
+WALL_KEYS = {"wall_seconds"}
+
+
+def simulate(name: str, folder: Path, extra: list[str] = ()) -> dict[str, Any]:
+    """Run configuration `name` through the CLI; returns its report."""
+    path = folder / f"{name}.json"
+    args = ["simulate", *SMALL, *CONFIGS[name], *extra, "--report", str(path)]
+    result = CliRunner().invoke(coordinator, args, catch_exceptions=False)
+    if result.exit_code != 0:
+        raise SystemExit(f"{name}: exit {result.exit_code}: {result.output}")
+    return json.loads(path.read_text())
+
+
+def without_wall(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: without_wall(v) for k, v in value.items() if k not in WALL_KEYS}
+    if isinstance(value, list):
+        return [without_wall(v) for v in value]
+    return value
+
+
+def first_difference(want: Any, got: Any, where: str = "") -> str | None:
+    """Where two reports first differ (a JSON path), or None."""
+    if type(want) is not type(got):
+        return f"{where}: {type(want).__name__} vs {type(got).__name__}"
+    if isinstance(want, dict):
+        if want.keys() != got.keys():
+            return f"{where}: keys {sorted(want.keys() ^ got.keys())}"
+        for key in want:
+            if (found := first_difference(want[key], got[key], f"{where}.{key}")) is not None:
+                return found
+        return None
+    if isinstance(want, list):
+        if len(want) != len(got):
+            return f"{where}: length {len(want)} vs {len(got)}"
+        for i, (a, b) in enumerate(zip(want, got)):
+            if (found := first_difference(a, b, f"{where}[{i}]")) is not None:
+                return found
+        return None
+    return None if want == got else f"{where}: {want!r} vs {got!r}"
+
+
+def record(folder: Path) -> list[dict[str, Any]]:
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in CONFIGS:
+        started = time.perf_counter()
+        report = simulate(name, folder)
+        rows.append({"config": name, "rounds": len(report["rounds"]),
+                     "seconds": round(time.perf_counter() - started, 1), "result": "recorded"})
+        print(f"{name}: recorded", flush=True)
+    return rows
+
+
+def compare(folder: Path) -> list[dict[str, Any]]:
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for name in CONFIGS:
+            want = without_wall(json.loads((folder / f"{name}.json").read_text()))
+            started = time.perf_counter()
+            got = without_wall(simulate(name, Path(scratch)))
+            difference = first_difference(want, got)
+            rows.append({"config": name, "rounds": len(got["rounds"]),
+                         "seconds": round(time.perf_counter() - started, 1),
+                         "result": "identical" if difference is None else f"DIFFERS {difference}"})
+            print(f"{name}: {rows[-1]['result']}", flush=True)
+    return rows
+
+
+def emulate() -> list[dict[str, Any]]:
+    """Emulate a few configurations; each agent's accuracy and sparsity must equal simulate's."""
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch)
+        for name in EMULATED:
+            path = folder / f"{name}-emulated.json"
+            args = ["emulate", *SMALL, *CONFIGS[name], "--rounds", "3", "--report", str(path),
+                    "--workdir", str(folder / name)]
+            simulated = simulate(name, folder, ["--rounds", "3"])
+            started = time.perf_counter()
+            result = CliRunner().invoke(coordinator, args, catch_exceptions=False)
+            if result.exit_code != 0:
+                raise SystemExit(f"{name}: emulate exit {result.exit_code}: {result.output}")
+            emulated = json.loads(path.read_text())
+            mismatched = [
+                f"round {r['round']} {k}"
+                for r, s in zip(emulated["rounds"], simulated["rounds"])
+                for k, a in r["agents"].items()
+                if (a["accuracy"], a["sparsity"])
+                != (s["agents"][k]["accuracy"], s["agents"][k]["sparsity"])
+            ]
+            same_rounds = len(emulated["rounds"]) == len(simulated["rounds"])
+            ok = same_rounds and not mismatched
+            rows.append({"config": name, "rounds": len(emulated["rounds"]),
+                         "seconds": round(time.perf_counter() - started, 1),
+                         "result": "equals simulate" if ok else f"DIFFERS {mismatched[:3]}"})
+            print(f"{name}: {rows[-1]['result']}", flush=True)
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in ("record", "compare", "emulate") or (
+        argv[0] != "emulate" and len(argv) != 2
+    ):
+        print(__doc__.split("\n\n")[2], file=sys.stderr)
+        return 2
+    mode = argv[0]
+    rows = emulate() if mode == "emulate" else globals()[mode](Path(argv[1]))
+    print(f"\n{'config':<26} {'rounds':>6} {'seconds':>8}  result")
+    for row in rows:
+        print(f"{row['config']:<26} {row['rounds']:>6} {row['seconds']:>8}  {row['result']}")
+    out = Path(__file__).parent / "results" / f"identity-{mode}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(rows, indent=1))
+    failed = [r for r in rows if r["result"].startswith("DIFFERS")]
+    print(f"\n{len(rows) - len(failed)} of {len(rows)} {mode}: "
+          + ("all as before" if not failed else f"{len(failed)} differ"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
