@@ -16,8 +16,8 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from agent.budget import Budget, BudgetLimits, compute_budget, read_device
-from agent.central_runtime import CentralRuntime
+from agent.device.budget import Budget, BudgetLimits, compute_budget, read_device
+from agent.device.throttle import Throttle
 from agent.experiment import (
     ExperimentConfig,
     Workload,
@@ -28,11 +28,12 @@ from agent.experiment import (
     profile_names,
     round_work,
 )
+from agent.learning.config import CENTRALIZED
+from agent.learning.learner import AgentState
 from agent.onnx_export import OnnxModel, export_onnx, load_inputs
 from agent.options import experiment_config, experiment_options
-from agent.runtime import AgentRuntime, Run, Timeouts
-from agent.strategies import CENTRALIZED, AgentState
-from agent.throttle import Throttle
+from agent.runtime.centralized import CentralRuntime
+from agent.runtime.decentralized import AgentRuntime, Run, Timeouts
 from firmware_profiles import DeviceProfile, ProfileError, load_profile
 from protocol import messages, topics
 from protocol.cli import BROKER, NAME, ConfigError, read_key, stop_on_signal, wait_for

@@ -14,26 +14,17 @@ from dataclasses import dataclass, field
 import torch
 
 from agent import data as datasets
-from agent import models, pruning
-from agent.budget import (
-    Budget,
-    BudgetLimits,
-    RoundWork,
-    compute_budget,
-    density_cap,
-    nominal_reading,
-)
-from agent.sparse import Masks
-from agent.strategies import (
+from agent.device.budget import Budget, BudgetLimits, RoundWork, compute_budget, nominal_reading
+from agent.learning import models, pruning
+from agent.learning.config import (
     CENTRALIZED,
     DECENTRALIZED,
     REDUCE_MODES,
     WIRE_FORMATS,
-    Learner,
-    LocalData,
     StrategyConfig,
     param,
 )
+from agent.learning.learner import Learner, LocalData
 
 
 @dataclass(frozen=True)
@@ -199,54 +190,6 @@ def round_work(config: ExperimentConfig, learner: Learner, samples: int) -> Roun
         dense_grad_samples=cfg.rigl_batches * cfg.batch_size if learner.sparse else 0,
         held_models=cfg.neighbours if learner.decentralized else 1,
     )
-
-
-def capped_density(learner: Learner, budget: Budget | None, masks: Masks | None) -> float | None:
-    """The density the budget allows this round's sparse model (None: no cap applies)."""
-    if budget is None or masks is None:
-        return None
-    return density_cap(budget.p_k, learner.config.density, learner.flops_per_density(masks))
-
-
-FREEZE_MIN_ACTIVE = 0.5
-"""`--reduce auto` freezes when that leaves at least this fraction of neurons training."""
-MIN_ACTIVE = 0.05
-
-
-@dataclass(frozen=True)
-class Reduction:
-    """How an agent cuts this round's compute to its budget (ALGORITHMS.md 5)."""
-
-    density_cap: float | None = None
-    """Prune the aggregated model to this density first (DA-DPFL's way)."""
-    active_fraction: float | None = None
-    """Train only this fraction of the neurons, freezing the rest (FedSPU's way)."""
-
-
-def local_reduction(learner: Learner, budget: Budget | None, masks: Masks | None) -> Reduction:
-    """`--reduce`: prune (cap the density), freeze (train a fraction of the neurons, the rest
-    frozen and kept), or auto (freeze if at least half the neurons can still train, else prune).
-
-    p_k is the fraction of a dense round's FLOPs the agent can afford; a full round of the
-    sparse model costs c, its FLOP fraction. A frozen weight skips only its weight-gradient
-    pass, a third of its cost (`frozen_training_flops`), so training a fraction a of the
-    weights costs c (2 + a) / 3 and a = 3 p_k / c - 2 meets the budget; taking a as the
-    neuron fraction errs on the cheap side (a weight trains only when both its neurons do).
-    Freezing cannot go below 2/3 of a round: an agent further short needs pruning, which
-    auto picks.
-    """
-    if budget is None or masks is None:
-        return Reduction()
-    cost = learner.forward_flops(masks) / learner.dense_flops
-    mode = learner.config.reduce
-    active = 3.0 * budget.p_k / cost - 2.0
-    if mode == "auto":
-        mode = "freeze" if active >= FREEZE_MIN_ACTIVE else "prune"
-    if mode == "freeze":
-        if active >= 1.0:
-            return Reduction()
-        return Reduction(active_fraction=max(active, MIN_ACTIVE))
-    return Reduction(density_cap=capped_density(learner, budget, masks))
 
 
 def check_networked(config: ExperimentConfig, *, aggregator: bool) -> None:

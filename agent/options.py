@@ -15,8 +15,7 @@ from typing import Any
 import click
 
 from agent.experiment import ExperimentConfig
-from agent.pruning import DISTANCES
-from agent.strategies import (
+from agent.learning.config import (
     DECENTRALIZED,
     PRESETS,
     REDUCE_MODES,
@@ -24,7 +23,8 @@ from agent.strategies import (
     StrategyConfig,
     preset,
 )
-from agent.topology import TOPOLOGIES
+from agent.learning.pruning import DISTANCES
+from agent.learning.topology import TOPOLOGIES
 
 _TYPES = {int: int, float: float, str: str}
 

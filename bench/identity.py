@@ -36,50 +36,140 @@ PRUNES = ["--rounds", "10", "--delta-pr", "100"]
 CONFIGS: dict[str, list[str]] = {
     "dadpfl-squared": ["--strategy", "dadpfl", *SQUARED, "--neighbours", "3"],
     "dadpfl-norm-prunes": [
-        "--strategy", "dadpfl", *NORM, "--neighbours", "3", "--rounds", "12", "--delta-pr", "100",
+        "--strategy",
+        "dadpfl",
+        *NORM,
+        "--neighbours",
+        "3",
+        "--rounds",
+        "12",
+        "--delta-pr",
+        "100",
     ],
     "dadpfl-fp16": ["--strategy", "dadpfl", *NORM, "--neighbours", "3", "--fp16"],
     "dadpfl-early-stop": [
-        "--strategy", "dadpfl", *SQUARED, "--neighbours", "3", "--rounds", "8", "--early-stop",
+        "--strategy",
+        "dadpfl",
+        *SQUARED,
+        "--neighbours",
+        "3",
+        "--rounds",
+        "8",
+        "--early-stop",
     ],
     "dadpfl-patience": [
-        "--strategy", "dadpfl", *NORM, "--neighbours", "3", "--rounds", "8", "--early-stop",
-        "--stop-patience", "2",
+        "--strategy",
+        "dadpfl",
+        *NORM,
+        "--neighbours",
+        "3",
+        "--rounds",
+        "8",
+        "--early-stop",
+        "--stop-patience",
+        "2",
     ],
     "dadpfl-mixed": ["--strategy", "dadpfl", *NORM, "--neighbours", "3", *MIXED],
     "dadpfl-prune": [
-        "--strategy", "dadpfl", *NORM, *MIXED, "--reduce", "prune",
-        "--neighbours", "3",
+        "--strategy",
+        "dadpfl",
+        *NORM,
+        *MIXED,
+        "--reduce",
+        "prune",
+        "--neighbours",
+        "3",
     ],
     "dadpfl-freeze": [
-        "--strategy", "dadpfl", *NORM, *MIXED, "--reduce", "freeze",
-        "--neighbours", "3",
+        "--strategy",
+        "dadpfl",
+        *NORM,
+        *MIXED,
+        "--reduce",
+        "freeze",
+        "--neighbours",
+        "3",
     ],
     "dadpfl-auto": [
-        "--strategy", "dadpfl", *NORM, *PRUNES, *MIXED, "--reduce", "auto",
-        "--neighbours", "3",
+        "--strategy",
+        "dadpfl",
+        *NORM,
+        *PRUNES,
+        *MIXED,
+        "--reduce",
+        "auto",
+        "--neighbours",
+        "3",
     ],
     "dadpfl-delta": [
-        "--strategy", "dadpfl", *NORM, *PRUNES, "--neighbours", "3", "--wire", "delta",
-        "--delta-fraction", "0.2",
+        "--strategy",
+        "dadpfl",
+        *NORM,
+        *PRUNES,
+        "--neighbours",
+        "3",
+        "--wire",
+        "delta",
+        "--delta-fraction",
+        "0.2",
     ],
     "dadpfl-delta-fp16-stop": [
-        "--strategy", "dadpfl", *NORM, "--neighbours", "3", "--wire", "delta", "--fp16",
-        "--rounds", "8", "--early-stop",
+        "--strategy",
+        "dadpfl",
+        *NORM,
+        "--neighbours",
+        "3",
+        "--wire",
+        "delta",
+        "--fp16",
+        "--rounds",
+        "8",
+        "--early-stop",
     ],
-    "dadpfl-layers": ["--strategy", "dadpfl", *NORM, *PRUNES, "--neighbours", "3", "--wire", "layers",
-                      "--ldf-n", "1"],
+    "dadpfl-layers": [
+        "--strategy",
+        "dadpfl",
+        *NORM,
+        *PRUNES,
+        "--neighbours",
+        "3",
+        "--wire",
+        "layers",
+        "--ldf-n",
+        "1",
+    ],
     "dadpfl-layers-stop": [
-        "--strategy", "dadpfl", *SQUARED, "--neighbours", "3", "--wire", "layers", "--ldf-n",
-        "2", "--rounds", "8", "--early-stop", "--fp16",
+        "--strategy",
+        "dadpfl",
+        *SQUARED,
+        "--neighbours",
+        "3",
+        "--wire",
+        "layers",
+        "--ldf-n",
+        "2",
+        "--rounds",
+        "8",
+        "--early-stop",
+        "--fp16",
     ],
     "dadpfl-auto-layers-fp16": [
-        "--strategy", "dadpfl", *NORM, *MIXED, "--reduce", "auto", "--wire",
-        "layers", "--ldf-n", "1", "--fp16", "--neighbours", "3",
+        "--strategy",
+        "dadpfl",
+        *NORM,
+        *MIXED,
+        "--reduce",
+        "auto",
+        "--wire",
+        "layers",
+        "--ldf-n",
+        "1",
+        "--fp16",
+        "--neighbours",
+        "3",
     ],
     "dispfl": ["--strategy", "dispfl", "--neighbours", "3"],
-    "dispfl-freeze": ["--strategy", "dispfl", *MIXED, "--reduce", "freeze",
-                      "--neighbours", "3"],
+    "dispfl-freeze": ["--strategy", "dispfl", *MIXED, "--reduce", "freeze", "--neighbours", "3"],
     "dispfl-delta": ["--strategy", "dispfl", "--neighbours", "3", "--wire", "delta"],
     "dfedavgm": ["--strategy", "dfedavgm", "--neighbours", "3"],
     "dfedavgm-layers": ["--strategy", "dfedavgm", "--neighbours", "3", "--wire", "layers"],
@@ -95,8 +185,14 @@ CONFIGS: dict[str, list[str]] = {
     "fedadam": ["--strategy", "fedadam"],
     "fedadam-top": ["--strategy", "fedadam-top", "--ssm-fraction", "0.2"],
     "fedadam-ssm": ["--strategy", "fedadam-ssm"],
-    "fedadam-ssm-fp16-stop": ["--strategy", "fedadam-ssm", "--fp16", "--rounds", "8",
-                              "--early-stop"],
+    "fedadam-ssm-fp16-stop": [
+        "--strategy",
+        "fedadam-ssm",
+        "--fp16",
+        "--rounds",
+        "8",
+        "--early-stop",
+    ],
     "fedldf": ["--strategy", "fedldf"],
     "fedldf-n2-mixed": ["--strategy", "fedldf", "--ldf-n", "2", *MIXED],
     "digits-dadpfl": ["--strategy", "dadpfl", *NORM, "--dataset", "digits", "--neighbours", "3"],
@@ -138,7 +234,7 @@ def first_difference(want: Any, got: Any, where: str = "") -> str | None:
     if isinstance(want, list):
         if len(want) != len(got):
             return f"{where}: length {len(want)} vs {len(got)}"
-        for i, (a, b) in enumerate(zip(want, got)):
+        for i, (a, b) in enumerate(zip(want, got, strict=True)):
             if (found := first_difference(a, b, f"{where}[{i}]")) is not None:
                 return found
         return None
@@ -151,8 +247,14 @@ def record(folder: Path) -> list[dict[str, Any]]:
     for name in CONFIGS:
         started = time.perf_counter()
         report = simulate(name, folder)
-        rows.append({"config": name, "rounds": len(report["rounds"]),
-                     "seconds": round(time.perf_counter() - started, 1), "result": "recorded"})
+        rows.append(
+            {
+                "config": name,
+                "rounds": len(report["rounds"]),
+                "seconds": round(time.perf_counter() - started, 1),
+                "result": "recorded",
+            }
+        )
         print(f"{name}: recorded", flush=True)
     return rows
 
@@ -165,9 +267,14 @@ def compare(folder: Path) -> list[dict[str, Any]]:
             started = time.perf_counter()
             got = without_wall(simulate(name, Path(scratch)))
             difference = first_difference(want, got)
-            rows.append({"config": name, "rounds": len(got["rounds"]),
-                         "seconds": round(time.perf_counter() - started, 1),
-                         "result": "identical" if difference is None else f"DIFFERS {difference}"})
+            rows.append(
+                {
+                    "config": name,
+                    "rounds": len(got["rounds"]),
+                    "seconds": round(time.perf_counter() - started, 1),
+                    "result": "identical" if difference is None else f"DIFFERS {difference}",
+                }
+            )
             print(f"{name}: {rows[-1]['result']}", flush=True)
     return rows
 
@@ -179,8 +286,17 @@ def emulate() -> list[dict[str, Any]]:
         folder = Path(scratch)
         for name in EMULATED:
             path = folder / f"{name}-emulated.json"
-            args = ["emulate", *SMALL, *CONFIGS[name], "--rounds", "3", "--report", str(path),
-                    "--workdir", str(folder / name)]
+            args = [
+                "emulate",
+                *SMALL,
+                *CONFIGS[name],
+                "--rounds",
+                "3",
+                "--report",
+                str(path),
+                "--workdir",
+                str(folder / name),
+            ]
             simulated = simulate(name, folder, ["--rounds", "3"])
             started = time.perf_counter()
             result = CliRunner().invoke(coordinator, args, catch_exceptions=False)
@@ -189,23 +305,30 @@ def emulate() -> list[dict[str, Any]]:
             emulated = json.loads(path.read_text())
             mismatched = [
                 f"round {r['round']} {k}"
-                for r, s in zip(emulated["rounds"], simulated["rounds"])
+                for r, s in zip(emulated["rounds"], simulated["rounds"], strict=False)
                 for k, a in r["agents"].items()
                 if (a["accuracy"], a["sparsity"])
                 != (s["agents"][k]["accuracy"], s["agents"][k]["sparsity"])
             ]
             same_rounds = len(emulated["rounds"]) == len(simulated["rounds"])
             ok = same_rounds and not mismatched
-            rows.append({"config": name, "rounds": len(emulated["rounds"]),
-                         "seconds": round(time.perf_counter() - started, 1),
-                         "result": "equals simulate" if ok else f"DIFFERS {mismatched[:3]}"})
+            rows.append(
+                {
+                    "config": name,
+                    "rounds": len(emulated["rounds"]),
+                    "seconds": round(time.perf_counter() - started, 1),
+                    "result": "equals simulate" if ok else f"DIFFERS {mismatched[:3]}",
+                }
+            )
             print(f"{name}: {rows[-1]['result']}", flush=True)
     return rows
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("record", "compare", "emulate") or (
-        argv[0] != "emulate" and len(argv) != 2
+    if (
+        not argv
+        or argv[0] not in ("record", "compare", "emulate")
+        or (argv[0] != "emulate" and len(argv) != 2)
     ):
         print(__doc__.split("\n\n")[2], file=sys.stderr)
         return 2
@@ -218,8 +341,10 @@ def main(argv: list[str]) -> int:
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(rows, indent=1))
     failed = [r for r in rows if r["result"].startswith("DIFFERS")]
-    print(f"\n{len(rows) - len(failed)} of {len(rows)} {mode}: "
-          + ("all as before" if not failed else f"{len(failed)} differ"))
+    print(
+        f"\n{len(rows) - len(failed)} of {len(rows)} {mode}: "
+        + ("all as before" if not failed else f"{len(failed)} differ")
+    )
     return 1 if failed else 0
 
 

@@ -167,7 +167,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _field_value(name: str, text: str) -> Any:
-    from agent.strategies import StrategyConfig
+    from agent.learning.config import StrategyConfig
 
     fields = {f.name: f for f in dataclasses.fields(StrategyConfig)}
     if name not in fields or name == "strategy":
@@ -213,7 +213,7 @@ def run_strategy(
 
     torch.set_num_threads(args.threads)
     from agent.experiment import ExperimentConfig
-    from agent.strategies import preset
+    from agent.learning.config import preset
     from coordinator.simulate import simulate
 
     config = ExperimentConfig(
@@ -283,7 +283,7 @@ def counting_rigl_flops() -> Iterator[list[int]]:
     """The training FLOPs the run spends on RigL's dense gradients (1.10), summed as the
     learner counts them: a cost further pruning reduces only in part (the weights' gradient
     stays dense). Yields a one-item list that holds the total when the block ends."""
-    from agent.strategies import Learner
+    from agent.learning.learner import Learner
 
     original = Learner.dense_gradient_flops
     total = [0]
@@ -319,7 +319,7 @@ def ratio(a: float, b: float) -> float | None:
 def scheduled_pruning(config: dict[str, Any], t_star: int | None) -> list[int]:
     """The further-pruning rounds the schedule of ALGORITHMS.md 1.8 gives for this t*, as the
     code computes them (empty: t* never reached, or its first pruning time is >= T)."""
-    from agent import pruning
+    from agent.learning import pruning
 
     if t_star is None:
         return []
@@ -329,7 +329,7 @@ def scheduled_pruning(config: dict[str, Any], t_star: int | None) -> list[int]:
 
 def first_pruning_time(config: dict[str, Any], t_star: int | None) -> int | None:
     """The schedule's first further-pruning round for this t*, even if it is past T."""
-    from agent import pruning
+    from agent.learning import pruning
 
     if t_star is None:
         return None
@@ -569,7 +569,7 @@ class _DirectProgress:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    from agent.strategies import PRESETS
+    from agent.learning.config import PRESETS
 
     unknown = [s for s in strategies if s not in PRESETS and s not in ABLATIONS]
     if unknown or not strategies:

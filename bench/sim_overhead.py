@@ -71,8 +71,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
-from agent import pruning, sparse, strategies, topology, training  # noqa: E402
-from agent.strategies import preset  # noqa: E402
+from agent.learning import learner as strategies  # noqa: E402
+from agent.learning import pruning, sparse, topology, training  # noqa: E402
+from agent.learning.config import PRESETS, preset  # noqa: E402
 from coordinator import simulate as simulator  # noqa: E402
 from coordinator.simulate import ExperimentConfig, Simulation  # noqa: E402
 
@@ -633,7 +634,7 @@ def main() -> None:
     parser.add_argument("--agents", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dataset", default="mnist1d")
-    parser.add_argument("--strategy", default="dadpfl", choices=strategies.PRESETS)
+    parser.add_argument("--strategy", default="dadpfl", choices=PRESETS)
     parser.add_argument("--partition", default="dirichlet:0.3")
     parser.add_argument("--neighbours", type=int, default=None, help="default 5")
     parser.add_argument("--max-wait", type=int, default=None, help="default: the preset's")

@@ -80,7 +80,7 @@ def broker(spec: str, workdir: pathlib.Path) -> Iterator[BrokerAddress]:
 
 def fleet_round_ends(workdir: pathlib.Path, roster: list[str]) -> dict[int, float]:
     """Round -> the time (epoch seconds) the last agent finished it, from the round logs."""
-    from agent import checkpoint
+    from agent.runtime import checkpoint
 
     ends: dict[int, float] = {}
     for agent_id in roster:

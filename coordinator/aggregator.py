@@ -25,10 +25,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent import ldf
-from agent.central import Payload, Upload, as_sent, central_strategy
 from agent.experiment import ExperimentConfig, build_workload
-from agent.wire import encode_state, values_sent
+from agent.learning import ldf
+from agent.learning.central import Payload, Upload, as_sent, central_strategy
+from agent.runtime.codec import encode_state, values_sent
 from protocol import messages, topics
 from protocol.errors import ProtocolError
 from protocol.mqtt import MqttTransport

@@ -23,8 +23,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from agent.checkpoint import atomic_write
 from agent.options import experiment_config, experiment_options
+from agent.runtime.checkpoint import atomic_write
 from coordinator.fleet import AgentEntry, FleetView, describe_presence, describe_state
 from coordinator.plots import write_plots
 from protocol import topics

@@ -20,10 +20,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agent import checkpoint, topology
 from agent.data import load_dataset
 from agent.experiment import ExperimentConfig, check_networked, profile_names
-from agent.strategies import CENTRALIZED
+from agent.learning import topology
+from agent.learning.config import CENTRALIZED
+from agent.runtime import checkpoint
 from coordinator.aggregator import Aggregator
 from coordinator.simulate import stopped_summary, summarize
 from protocol import messages, topics

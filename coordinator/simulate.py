@@ -16,8 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from agent import delta, ldf, pruning, sparse, topology
-from agent.central import (
+from agent.experiment import ExperimentConfig, build_workload, nominal_budgets
+from agent.learning import delta, ldf, pruning, sparse, topology
+from agent.learning.central import (
     Aggregate,
     Fit,
     Payload,
@@ -27,9 +28,10 @@ from agent.central import (
     central_strategy,
     static_tier,
 )
-from agent.experiment import ExperimentConfig, build_workload, local_reduction, nominal_budgets
-from agent.strategies import Published, RoundResult, StopWatch, early_stop_savings
-from agent.wire import divergence_message, encode_state, model_message, values_sent
+from agent.learning.early_stop import StopWatch, early_stop_savings
+from agent.learning.learner import Published, RoundResult
+from agent.learning.reduction import local_reduction
+from agent.runtime.codec import divergence_message, encode_state, model_message, values_sent
 from protocol import messages
 from protocol.chunking import fits_one_frame
 
@@ -220,7 +222,11 @@ class Simulation:
                     deliveries.count(traffic, k, j, t, size[j], self.stopped)
                 for j in posterior if not (deltas or layered) else ():
                     deliveries.count(traffic, k, j, t - 1, previous_size[j], self.stopped)
-                reduction = local_reduction(self.learner, self.budgets.get(k), self.states[k].masks)
+                reduction = local_reduction(
+                    self.learner,
+                    self.budgets[k].p_k if k in self.budgets else None,
+                    self.states[k].masks,
+                )
                 result = self.learner.local_round(
                     self.states[k],
                     self.data[k],

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from agent import adam, sparse
-from agent.adam import AdamConfig, train_adam
-from agent.training import _batches
+from agent.learning import adam, sparse
+from agent.learning.adam import AdamConfig, train_adam
+from agent.learning.training import _batches
 
 
 def _linear_case() -> tuple[nn.Linear, sparse.State, torch.Tensor, torch.Tensor]:

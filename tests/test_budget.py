@@ -14,22 +14,21 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent import budget as budget_module
-from agent import sparse
-from agent.budget import (
+from agent.device import budget as budget_module
+from agent.device.budget import (
     DEFAULT_EFFICIENCY,
     Budget,
     BudgetLimits,
     DeviceReading,
     RoundWork,
-    active_fraction,
     calibrated_efficiency,
     compute_budget,
-    density_cap,
     nominal_reading,
     read_device,
 )
-from agent.models import build_model, forward_flops, prunable_names
+from agent.learning import sparse
+from agent.learning.models import build_model, forward_flops, prunable_names
+from agent.learning.reduction import active_fraction, density_cap
 from firmware_profiles import list_profiles, load_profile
 
 BUNDLED = sorted(

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agent.delta import apply_delta, encode_delta
-from agent.inbox import Expected, Inbox
-from agent.strategies import Published
-from agent.wire import FLIP, decode_state, expected_delta_shapes, expected_shapes, model_message
+from agent.learning.delta import FLIP, apply_delta, encode_delta
+from agent.learning.learner import Published
+from agent.runtime.codec import decode_state, expected_delta_shapes, expected_shapes, model_message
+from agent.runtime.inbox import Expected, Inbox
 from protocol import messages, topics
 
 

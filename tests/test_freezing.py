@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from agent import sparse
-from agent.freezing import (
+from agent.learning import sparse
+from agent.learning.freezing import (
     NeuronGroup,
     active_fraction_of_weights,
     active_masks,
@@ -19,8 +19,14 @@ from agent.freezing import (
     overwrite_active,
     submodel,
 )
-from agent.models import MLP, build_model, flops_from_positions, output_positions, prunable_names
-from agent.training import SGDConfig, train_local
+from agent.learning.models import (
+    MLP,
+    build_model,
+    flops_from_positions,
+    output_positions,
+    prunable_names,
+)
+from agent.learning.training import SGDConfig, train_local
 
 BUNDLED = [
     ("mlp", (1, 40)),

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from agent.inbox import Expected, Inbox
-from agent.wire import expected_shapes, model_message
+from agent.runtime.codec import expected_shapes, model_message
+from agent.runtime.inbox import Expected, Inbox
 from protocol import messages, topics
 
 FLEET, RUN = "lab", "run-1"

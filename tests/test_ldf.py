@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from agent import ldf, sparse
-from agent.models import build_model
+from agent.learning import ldf, sparse
+from agent.learning.models import build_model
 
 SHAPES = {
     "mlp": (1, 40),

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from agent.models import (
+from agent.learning.models import (
     MODEL_NAMES,
     build_model,
     count_params,

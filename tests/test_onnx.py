@@ -13,7 +13,8 @@ import torch
 from onnx import numpy_helper
 from torch import Tensor, nn
 
-from agent.models import MODEL_NAMES, build_model, prunable_names
+from agent.learning.models import MODEL_NAMES, build_model, prunable_names
+from agent.learning.sparse import apply_masks, erk_densities, random_masks
 from agent.onnx_export import (
     OPSET,
     OnnxModel,
@@ -21,7 +22,6 @@ from agent.onnx_export import (
     load_inputs,
     max_abs_diff,
 )
-from agent.sparse import apply_masks, erk_densities, random_masks
 
 # Small inputs where a model allows; the deep models on CIFAR-sized images.
 SHAPES = {

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from agent import pruning as pr
+from agent.learning import pruning as pr
 
 
 def test_distance_from_init_hand_worked():

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 import firmware_profiles
-from agent import topology
-from agent.strategies import Published, preset
-from agent.wire import model_message
+from agent.learning import topology
+from agent.learning.config import preset
+from agent.learning.learner import Published
+from agent.runtime.codec import model_message
 from coordinator.simulate import ExperimentConfig, Simulation, simulate
 
 REPO = Path(__file__).resolve().parent.parent

@@ -1,4 +1,5 @@
-"""DA-DPFL sparse math (agent/sparse.py) pinned on hand-worked cases (ALGORITHMS.md 1.1-1.9)."""
+"""DA-DPFL sparse math (agent/learning: sparse.py, rigl.py, pqi.py) pinned on hand-worked
+cases (ALGORITHMS.md 1.1-1.9)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent import sparse as sp
+from agent.learning import pqi as pq
+from agent.learning import rigl
+from agent.learning import sparse as sp
 
 T = torch.tensor
 B = torch.bool
@@ -237,10 +240,10 @@ def test_aggregate_mean_and_weighted_hand_worked():
 
 
 def test_rigl_alpha_schedule():
-    assert sp.rigl_alpha(0, 100) == pytest.approx(0.3)
-    assert sp.rigl_alpha(50, 100) == pytest.approx(0.15)
-    assert sp.rigl_alpha(100, 100) == pytest.approx(0.0)
-    assert sp.rigl_alpha(25, 100, a=0.5) == pytest.approx(0.25 * (1 + math.sqrt(0.5)))
+    assert rigl.rigl_alpha(0, 100) == pytest.approx(0.3)
+    assert rigl.rigl_alpha(50, 100) == pytest.approx(0.15)
+    assert rigl.rigl_alpha(100, 100) == pytest.approx(0.0)
+    assert rigl.rigl_alpha(25, 100, a=0.5) == pytest.approx(0.25 * (1 + math.sqrt(0.5)))
 
 
 def test_rigl_hand_worked_drop_smallest_regrow_largest_grad():
@@ -248,7 +251,7 @@ def test_rigl_hand_worked_drop_smallest_regrow_largest_grad():
     m = T([0, 1, 1, 0, 1, 0, 1, 0], dtype=B)
     # Dropped positions 2 and 6 carry the largest gradients: they must not come back.
     g = T([0.1, 9.0, 9.0, 0.5, 0.0, 0.2, 9.0, 0.05])
-    new = sp.rigl_update({"w": w}, {"w": m}, {"w": g}, alpha=0.5)["w"]
+    new = rigl.rigl_update({"w": w}, {"w": m}, {"w": g}, alpha=0.5)["w"]
     # n = 4, drop ceil(2) = 2 smallest |w| active: 2 (0.1), 6 (0.3);
     # regrow the 2 largest |g| among previously inactive {0, 3, 5, 7}: 3 (0.5), 5 (0.2).
     assert new.tolist() == [False, True, False, True, True, True, False, False]
@@ -260,19 +263,19 @@ def test_rigl_ties_go_to_lower_index():
     w = T([1.0, -1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0])
     m = T([1, 1, 1, 1, 0, 0, 0, 0], dtype=B)
     g = T([0.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0])
-    new = sp.rigl_update({"w": w}, {"w": m}, {"w": g}, alpha=0.5)["w"]
+    new = rigl.rigl_update({"w": w}, {"w": m}, {"w": g}, alpha=0.5)["w"]
     assert new.tolist() == [False, False, True, True, True, True, False, False]
 
 
 def test_rigl_drops_only_what_can_be_regrown():
     m = T([1, 1, 1, 1, 1, 1, 1, 0], dtype=B)
     w = T([7.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.0, 0.0])
-    new = sp.rigl_update({"w": w}, {"w": m}, {"w": torch.ones(8)}, alpha=0.5)["w"]
+    new = rigl.rigl_update({"w": w}, {"w": m}, {"w": torch.ones(8)}, alpha=0.5)["w"]
     # ceil(0.5 * 7) = 4 wanted, but only one inactive position: drop 1 (index 6), regrow 7.
     assert new.tolist() == [True] * 6 + [False, True]
     dense = {"w": torch.ones(8, dtype=B)}
-    assert torch.equal(sp.rigl_update({"w": w}, dense, {"w": w}, 0.3)["w"], dense["w"])
-    assert torch.equal(sp.rigl_update({"w": w}, {"w": m}, {"w": w}, 0.0)["w"], m)
+    assert torch.equal(rigl.rigl_update({"w": w}, dense, {"w": w}, 0.3)["w"], dense["w"])
+    assert torch.equal(rigl.rigl_update({"w": w}, {"w": m}, {"w": w}, 0.0)["w"], m)
 
 
 @settings(max_examples=50, deadline=None)
@@ -287,7 +290,7 @@ def test_rigl_invariants(seed, shape, density, alpha):
     m = sp.random_masks({"w": shape}, {"w": density}, g)["w"]
     w = torch.randn(shape, generator=g) * m
     grad = torch.randn(shape, generator=g)
-    new = sp.rigl_update({"w": w}, {"w": m}, {"w": grad}, alpha)["w"]
+    new = rigl.rigl_update({"w": w}, {"w": m}, {"w": grad}, alpha)["w"]
     n, size = int(m.sum()), m.numel()
     assert int(new.sum()) == n
     dropped, grown = m & ~new, new & ~m
@@ -307,38 +310,38 @@ def test_rigl_invariants(seed, shape, density, alpha):
 
 
 def test_pqi_hand_worked():
-    assert sp.pqi(T([1.0, 1.0, 1.0, 1.0])) == pytest.approx(0.0, abs=1e-12)
-    assert sp.pqi(T([-1.0, 1.0, 1.0, -1.0])) == pytest.approx(0.0, abs=1e-12)
+    assert pq.pqi(T([1.0, 1.0, 1.0, 1.0])) == pytest.approx(0.0, abs=1e-12)
+    assert pq.pqi(T([-1.0, 1.0, 1.0, -1.0])) == pytest.approx(0.0, abs=1e-12)
     # one nonzero of d = 4: ||x||_0.5 = ||x||_1 = 1, PQI = 1 - 4^(1 - 2) = 0.75 (the maximum).
-    assert sp.pqi(T([1.0, 0.0, 0.0, 0.0])) == pytest.approx(0.75)
+    assert pq.pqi(T([1.0, 0.0, 0.0, 0.0])) == pytest.approx(0.75)
     # [4, 1]: ||x||_0.5 = (2 + 1)^2 = 9, ||x||_1 = 5, PQI = 1 - 9 / (2 * 5) = 0.1.
-    assert sp.pqi(T([4.0, -1.0])) == pytest.approx(0.1)
+    assert pq.pqi(T([4.0, -1.0])) == pytest.approx(0.1)
     # p = 1, q = 2 on [3, 4]: 1 - 2^(1/2 - 1) * 7 / 5.
-    assert sp.pqi(T([3.0, 4.0]), p=1.0, q=2.0) == pytest.approx(1 - 7 / (5 * math.sqrt(2)))
+    assert pq.pqi(T([3.0, 4.0]), p=1.0, q=2.0) == pytest.approx(1 - 7 / (5 * math.sqrt(2)))
 
 
 def test_pqi_degenerate_inputs_prune_nothing():
-    assert sp.pqi(T([])) == 0.0 and sp.pqi(torch.zeros(5)) == 0.0
-    assert sp.pqi_prune_count(T([])) == 0
-    assert sp.pqi_prune_count(torch.zeros(5), eta_c=1.0, gamma=0.9) == 0
+    assert pq.pqi(T([])) == 0.0 and pq.pqi(torch.zeros(5)) == 0.0
+    assert pq.pqi_prune_count(T([])) == 0
+    assert pq.pqi_prune_count(torch.zeros(5), eta_c=1.0, gamma=0.9) == 0
     with pytest.raises(ValueError):
-        sp.pqi_prune_count(T([1.0]), p=1.0, q=1.0)
+        pq.pqi_prune_count(T([1.0]), p=1.0, q=1.0)
 
 
 def test_pqi_prune_count_hand_worked():
     # equal magnitudes: PQI 0 -> r = d -> prune nothing (default eta_c = 0).
-    assert sp.pqi_prune_count(torch.ones(4)) == 0
+    assert pq.pqi_prune_count(torch.ones(4)) == 0
     # [1,0,0,0]: r = 4 * 1 * (1 - 0.75)^1 = 1 ; c = floor(4 * min(0.75, 0.9)) = 3.
-    assert sp.pqi_prune_count(T([1.0, 0.0, 0.0, 0.0])) == 3
+    assert pq.pqi_prune_count(T([1.0, 0.0, 0.0, 0.0])) == 3
     # [4, 1] defaults: r = 2 * 0.9 = 1.8, c = floor(2 * 0.1) = 0.
-    assert sp.pqi_prune_count(T([4.0, 1.0])) == 0
+    assert pq.pqi_prune_count(T([4.0, 1.0])) == 0
     # [4, 1] paper params: r = 2 * 2^-2 * 0.9 = 0.45, c = floor(2 * 0.9 * (1 - 0.225)) = 1.
-    assert sp.pqi_prune_count(T([4.0, 1.0]), eta_c=1.0, gamma=0.9) == 1
+    assert pq.pqi_prune_count(T([4.0, 1.0]), eta_c=1.0, gamma=0.9) == 1
     # one nonzero of 100: 1 - r/d = 0.99, capped by beta: floor(100 * 0.9) = 90.
     one_hot = torch.zeros(100)
     one_hot[17] = 3.0
-    assert sp.pqi_prune_count(one_hot) == 90
-    assert sp.pqi_prune_count(one_hot, beta=0.29) == 29  # 0.29 * 100 = 28.999999999999996
+    assert pq.pqi_prune_count(one_hot) == 90
+    assert pq.pqi_prune_count(one_hot, beta=0.29) == 29  # 0.29 * 100 = 28.999999999999996
 
 
 GAUSSIAN_PQI = 1 - math.gamma(0.75) ** 2 / math.sqrt(math.pi)  # 0.15279, d -> infinity
@@ -347,12 +350,12 @@ GAUSSIAN_PQI = 1 - math.gamma(0.75) ** 2 / math.sqrt(math.pi)  # 0.15279, d -> i
 def test_pqi_gaussian_layer_fractions():
     x = torch.randn(400_000, generator=gen(0))
     d = x.numel()
-    assert sp.pqi(x) == pytest.approx(GAUSSIAN_PQI, abs=2e-3)
+    assert pq.pqi(x) == pytest.approx(GAUSSIAN_PQI, abs=2e-3)
     # defaults {p,q,gamma,eta_c} = {0.5,1,1,0}: c/d = PQI, about 15%.
-    assert sp.pqi_prune_count(x) / d == pytest.approx(0.1528, abs=2e-3)
+    assert pq.pqi_prune_count(x) / d == pytest.approx(0.1528, abs=2e-3)
     # paper text {0.5,1,0.9,1}: c/d = 0.9 (1 - (1 - PQI) / 4), about 71%.
     paper = 0.9 * (1 - (1 - GAUSSIAN_PQI) / 4)
-    assert sp.pqi_prune_count(x, eta_c=1.0, gamma=0.9) / d == pytest.approx(paper, abs=2e-3)
+    assert pq.pqi_prune_count(x, eta_c=1.0, gamma=0.9) / d == pytest.approx(paper, abs=2e-3)
     assert paper == pytest.approx(0.7094, abs=1e-4)
 
 
@@ -366,11 +369,11 @@ def test_pqi_prune_removes_smallest_active():
     w = T([5.0, 0.0, -0.1, 0.3, 0.2, 9.0])
     m = T([1, 0, 1, 1, 1, 0], dtype=B)  # index 5 is inactive: its (stray) 9.0 is ignored.
     active = w[m]
-    c = sp.pqi_prune_count(active)
+    c = pq.pqi_prune_count(active)
     # hand: sum sqrt|x| = 2.2361 + 0.3162 + 0.5477 + 0.4472 = 3.5472 -> ||x||_0.5 = 12.583,
     # ||x||_1 = 5.6, PQI = 1 - 12.583 / (4 * 5.6) = 0.4383, c = floor(4 * 0.4383) = 1.
     assert c == 1
-    new = sp.pqi_prune({"w": w}, {"w": m}, target_sparsity=0.99)["w"]
+    new = pq.pqi_prune({"w": w}, {"w": m}, target_sparsity=0.99)["w"]
     assert new.tolist() == [True, False, False, True, True, False]
 
 
@@ -378,20 +381,20 @@ def test_pqi_prune_trims_to_target_exactly():
     big = [1000.0] + [0.001 * (i + 1) for i in range(99)]
     wa, ma = _layer(big, 100)
     wb, mb = _layer(big, 50)
-    assert sp.pqi_prune_count(wa[ma]) == 90 and sp.pqi_prune_count(wb[mb]) == 45
+    assert pq.pqi_prune_count(wa[ma]) == 90 and pq.pqi_prune_count(wb[mb]) == 45
     # N = 200, active 150, s* = 0.5 -> budget 150 - 100 = 50 < 135 planned.
     # proportional: a 90*50/135 = 33.33, b 45*50/135 = 16.67 -> floors 33, 16, the one left
     # over goes to the larger remainder (b): 33 + 17 = 50.
-    new = sp.pqi_prune({"a": wa, "b": wb}, {"a": ma, "b": mb}, target_sparsity=0.5)
+    new = pq.pqi_prune({"a": wa, "b": wb}, {"a": ma, "b": mb}, target_sparsity=0.5)
     assert int(new["a"].sum()) == 100 - 33 and int(new["b"].sum()) == 50 - 17
     assert sp.sparsity(new) == 0.5
     # the largest magnitudes survive: index 0 and the top of the ramp.
     assert new["a"][0] and new["a"][34:].all() and not new["a"][1:34].any()
     # no cap hit: the planned counts go through unchanged.
-    free = sp.pqi_prune({"a": wa, "b": wb}, {"a": ma, "b": mb}, target_sparsity=0.95)
+    free = pq.pqi_prune({"a": wa, "b": wb}, {"a": ma, "b": mb}, target_sparsity=0.95)
     assert int(free["a"].sum()) == 10 and int(free["b"].sum()) == 5
     # already at the target: nothing changes.
-    done = sp.pqi_prune({"a": wa, "b": wb}, new, target_sparsity=0.5)
+    done = pq.pqi_prune({"a": wa, "b": wb}, new, target_sparsity=0.5)
     assert all(torch.equal(done[n], new[n]) for n in new)
 
 
@@ -409,7 +412,7 @@ def test_pqi_prune_never_passes_target(seed, sizes, density, target, eta_c):
     masks = sp.random_masks(shapes, dict.fromkeys(shapes, density), g)
     weights = {n: torch.randn(s, generator=g) * masks[n] for n, s in shapes.items()}
     before = sp.sparsity(masks)
-    new = sp.pqi_prune(weights, masks, eta_c=eta_c, gamma=0.9, target_sparsity=target)
+    new = pq.pqi_prune(weights, masks, eta_c=eta_c, gamma=0.9, target_sparsity=target)
     total = sum(sizes)
     after = sp.sparsity(new)
     assert after <= max(before, target) + 1e-12
@@ -418,6 +421,6 @@ def test_pqi_prune_never_passes_target(seed, sizes, density, target, eta_c):
         pruned, kept = masks[n] & ~new[n], new[n]
         if pruned.any() and kept.any():
             assert weights[n].abs()[pruned].max() <= weights[n].abs()[kept].min()
-    planned = sum(sp.pqi_prune_count(weights[n][masks[n]], eta_c=eta_c, gamma=0.9) for n in shapes)
+    planned = sum(pq.pqi_prune_count(weights[n][masks[n]], eta_c=eta_c, gamma=0.9) for n in shapes)
     if before < target and (1 - before) * total - planned < (1 - target) * total:
         assert abs(after - target) < 1 / total + 1e-12  # trimmed: lands on s*

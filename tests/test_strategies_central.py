@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
-from agent.central import STATIC_TIERS, static_tier
-from agent.experiment import MIN_ACTIVE, Reduction, local_reduction
-from agent.strategies import CENTRALIZED, StopWatch, preset
+from agent.learning.central import STATIC_TIERS, static_tier
+from agent.learning.config import CENTRALIZED, preset
+from agent.learning.early_stop import StopWatch
+from agent.learning.reduction import MIN_ACTIVE, Reduction, local_reduction
 from coordinator.simulate import ExperimentConfig, Simulation, simulate
 
 AGENTS = 5
@@ -152,9 +151,8 @@ def reduction_at(p_k: float, mode: str):
     FLOP fraction c of a full round of its model."""
     learner = Simulation(config("dadpfl", reduce=mode)).learner
     masks = learner.init_agent("agent-000").masks
-    budget = SimpleNamespace(p_k=p_k)
     cost = learner.forward_flops(masks) / learner.dense_flops
-    return local_reduction(learner, budget, masks), cost
+    return local_reduction(learner, p_k, masks), cost
 
 
 def test_reduce_prunes_or_freezes_to_the_budget() -> None:

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from agent.budget import (
+from agent.device.budget import (
     DEFAULT_EFFICIENCY,
     BudgetLimits,
     RoundWork,
@@ -14,7 +14,7 @@ from agent.budget import (
     compute_budget,
     nominal_reading,
 )
-from agent.throttle import Throttle, compute_delay_s, energy_j, link_delay_s
+from agent.device.throttle import Throttle, compute_delay_s, energy_j, link_delay_s
 from firmware_profiles import load_profile
 
 NANO = load_profile("jetson-nano")  # 235.9 GFLOPS peak, 200 Mbit/s, 1.5-10 W, radio 1.5 W

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent import topology as tp
+from agent.learning import topology as tp
 
 ROSTER = [f"pi-{i}" for i in range(10)]
 REPO = Path(__file__).resolve().parents[1]

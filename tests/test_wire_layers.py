@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from agent.experiment import build_workload
-from agent.inbox import Expected, Inbox
-from agent.runtime import LayerServer, PublishLayers
-from agent.strategies import Published, preset
-from agent.wire import expected_shapes, model_message
+from agent.learning.config import preset
+from agent.learning.learner import Published
+from agent.runtime.codec import expected_shapes, model_message
+from agent.runtime.decentralized import LayerServer, PublishLayers
+from agent.runtime.inbox import Expected, Inbox
 from coordinator.simulate import ExperimentConfig, simulate
 from protocol import messages, topics
 

@@ -38,12 +38,12 @@ from dataclasses import dataclass
 
 import torch
 
-from agent import adam, freezing, ldf, sparse
-from agent.budget import active_fraction
-from agent.sparse import Masks, State
-from agent.strategies import AgentState, Learner, LocalData, frozen_training_flops
-from agent.training import TrainResult, train_local
-from agent.wire import decode_state, expected_shapes
+from agent.learning import adam, freezing, ldf, sparse
+from agent.learning.learner import AgentState, Learner, LocalData, frozen_training_flops
+from agent.learning.reduction import active_fraction
+from agent.learning.sparse import Masks, State
+from agent.learning.training import TrainResult, train_local
+from agent.runtime.codec import decode_state, expected_shapes
 from protocol.errors import ProtocolError
 from protocol.limits import DEFAULT_LIMITS
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from agent.budget import DEFAULT_EFFICIENCY
+from agent.device.budget import DEFAULT_EFFICIENCY
 from firmware_profiles import DeviceProfile
 
 

@@ -14,10 +14,10 @@ from collections.abc import Container, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from agent.delta import apply_delta
-from agent.ldf import checked_divergences
-from agent.strategies import Published
-from agent.wire import decode_state
+from agent.learning.delta import apply_delta
+from agent.learning.ldf import checked_divergences
+from agent.learning.learner import Published
+from agent.runtime.codec import decode_state
 from protocol import messages, topics
 from protocol.errors import ProtocolError
 

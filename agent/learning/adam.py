@@ -26,8 +26,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from agent.sparse import Masks, State, aggregate_weighted, apply_masks
-from agent.training import load_weights, minibatch_epochs
+from agent.learning.sparse import Masks, State, aggregate_weighted, apply_masks
+from agent.learning.training import load_weights, minibatch_epochs
 
 MODE_SSM = "ssm"  # FedAdam-SSM: one top-k mask of |dW| sparsifies dW, dM and dV
 MODE_TOP = "top"  # FedAdam-Top: each delta sparsified by its own top-k mask

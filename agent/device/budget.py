@@ -66,7 +66,7 @@ import psutil
 import torch
 from torch import Tensor, nn
 
-from agent.models import forward_flops
+from agent.learning.models import forward_flops
 from firmware_profiles import DeviceProfile
 
 DEFAULT_EFFICIENCY = 0.1
@@ -468,42 +468,3 @@ def calibrated_efficiency(
         raise ValueError(f"need positive flops and seconds, got {executed_flops}, {seconds}")
     peak = profile.peak_fp32_gflops * 1e9 / (1 + _clip(load_share))
     return _clip(executed_flops / (seconds * peak), 1e-6)
-
-
-def density_cap(p_k: float, initial_density: float, flops_per_density: float = 1.0) -> float:
-    """The highest density a pruned (DA-DPFL) model may train at this round.
-
-    cap = min(initial_density, p_k / flops_per_density). A pruned model's training FLOPs are
-    its FLOP fraction times the dense ones, so the cap keeps them within p_k of a dense round.
-    With p_k = 1 the cap never binds: it is at least the current density (a FLOP fraction is
-    at most 1) and DA-DPFL never exceeds its initial density.
-    It may go below the target density 1 - s*: s* is where the algorithm's own pruning stops,
-    the cap is what the device can afford; a weaker device gets a lower cap, so fewer FLOPs.
-
-    flops_per_density: FLOP fraction / density of the masks the agent trains with, measured
-    each round with `forward_flops`. Parameter density is not FLOP density: ERK gives
-    ResNet-18's early layers (few parameters, many FLOPs) a higher density, so at density 0.2
-    its FLOP fraction is 0.5 (ratio 2.5, 1.6 at density 0.5); for the bundled cnn1d and cnn2d
-    the ratio is about 0.85. Pruning to the cap changes the ratio; the next round's cap,
-    computed from the new masks, corrects for it.
-    """
-    if not 0 < p_k <= 1 or not 0 < initial_density <= 1 or not flops_per_density > 0:
-        raise ValueError(
-            f"need p_k and initial_density in (0, 1] and a positive flops_per_density, got "
-            f"{p_k}, {initial_density}, {flops_per_density}"
-        )
-    return min(initial_density, p_k / flops_per_density)
-
-
-def active_fraction(p_k: float) -> float:
-    """The fraction of neurons a frozen (FedSPU) model trains this round: p_k itself, as
-    ALGORITHMS.md section 2 decides (the per-layer floor of one neuron is FedSPU's).
-
-    Freezing saves less than it trains: frozen neurons still run forward and pass gradients
-    back to active ones, so only the weight-gradient third of the backward pass shrinks (to
-    about a^2 of it between hidden layers). Training FLOPs stay above ~2/3 of dense whatever
-    p_k is: freezing alone cannot meet a budget below that.
-    """
-    if not 0 < p_k <= 1:
-        raise ValueError(f"p_k must be in (0, 1], got {p_k}")
-    return p_k

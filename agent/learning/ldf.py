@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from agent.sparse import State
+from agent.learning.sparse import State
 
 Groups = Mapping[str, list[str]]
 

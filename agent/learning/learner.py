@@ -28,146 +28,16 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 from torch import nn
 
-from agent import pruning, sparse
-from agent.models import flops_from_positions, output_positions
-from agent.sparse import Masks, State
-from agent.training import SGDConfig, dense_gradients, derive_seed, evaluate, train_local
-
-DECENTRALIZED = ("dadpfl", "dispfl", "dfedavgm")
-CENTRALIZED = (
-    "fedavg",
-    "fedavg-ft",
-    "fedspu",
-    "feddrop",
-    "fedadam",
-    "fedadam-top",
-    "fedadam-ssm",
-    "fedldf",
-)
-PRESETS = (*DECENTRALIZED, "local", *CENTRALIZED)
-ADAM_FAMILY = ("fedadam", "fedadam-top", "fedadam-ssm")
-STOP_LAMBDA = 0.7
-REDUCE_MODES = ("prune", "freeze", "auto")
-WIRE_FORMATS = ("full", "delta", "layers")
-
-
-def param(default: Any, help: str) -> Any:
-    """A config field with its help text, so the CLI flags document themselves."""
-    return field(default=default, metadata={"help": help})
-
-
-@dataclass(frozen=True)
-class StrategyConfig:
-    """Every hyper-parameter of a run; defaults are ALGORITHMS.md's decisions."""
-
-    strategy: str = param("dadpfl", "Algorithm preset: " + ", ".join(PRESETS) + ".")
-    rounds: int = param(30, "Communication rounds T.")
-    neighbours: int = param(5, "Neighbours M per agent and round (decentralized strategies).")
-    max_wait: int = param(2, "Max prior neighbours N an agent waits for (0: fully parallel).")
-    topology: str = param("random", "Neighbour topology: random, ring or full.")
-    epochs: int = param(5, "Local epochs E per round.")
-    batch_size: int = param(128, "Local batch size (the local set if smaller).")
-    lr: float = param(0.1, "Initial learning rate (FedAdam presets: 1e-3).")
-    lr_decay: float = param(0.998, "Learning-rate decay per round: lr x decay^t (FedAdam: 1).")
-    weight_decay: float = param(5e-4, "SGD weight decay.")
-    momentum: float = param(0.0, "SGD momentum (dfedavgm uses 0.9).")
-    density: float = param(0.5, "Initial ERK density of the sparse models (1 - sparsity).")
-    rigl_a: float = param(0.3, "RigL drop fraction a: alpha_t = a/2 (1 + cos(pi t / T)).")
-    rigl_batches: int = param(1, "Local batches for RigL's dense gradient.")
-    delta_pr: float = param(0.02, "Pruning-time detection threshold delta_pr.")
-    detection_distance: str = param(
-        "squared",
-        "Distance D = ||w - w0||^2 of the detection score (squared, ALGORITHMS.md 1.7) or "
-        "||w - w0|| (norm, as the DA-DPFL authors' code computes it).",
-    )
-    delta_v: float = param(0.5, "Fraction of votes that decides the first pruning time t*.")
-    schedule_b: float = param(0.0, "Pruning schedule delay b: I_tau = ceil((t* + b) / c^(tau-1)).")
-    schedule_c: float = param(1.3, "Pruning schedule factor c.")
-    pqi_p: float = param(0.5, "PQI norm p.")
-    pqi_q: float = param(1.0, "PQI norm q.")
-    pqi_eta_c: float = param(0.0, "PQI compression hyper-parameter eta_c.")
-    pqi_gamma: float = param(1.0, "PQI scaling factor gamma.")
-    pqi_beta: float = param(0.9, "PQI cap beta on the fraction pruned per layer and event.")
-    target_sparsity: float = param(0.8, "Target sparsity s* that further pruning stops at.")
-    fp16: bool = param(False, "Send model values as fp16.")
-    reduce: str = param(
-        "prune",
-        "How a sparse agent cuts compute to its budget p_k: prune (cap its density), freeze "
-        "(train a p_k fraction of its neurons, FedSPU-style) or auto (freeze at p_k >= 0.5).",
-    )
-    early_stop: bool = param(
-        False, "Stop an agent once L = 0.7 L_train + 0.3 L_val rises from its previous round."
-    )
-    stop_patience: int = param(1, "Early stopping: consecutive rises of L that stop an agent.")
-    ssm_fraction: float = param(0.05, "FedAdam-SSM/-Top: fraction alpha of deltas kept (top-k).")
-    ldf_n: int = param(
-        4,
-        "FedLDF: participants n uploading each layer (top-n divergence); with --wire layers, "
-        "the neighbours each layer is fetched from.",
-    )
-    wire: str = param(
-        "full",
-        "What decentralized agents send: full (their sparse model), delta (the top-k of its "
-        "change since what receivers hold; every agent follows every peer) or layers (a "
-        "divergence vector, then the layers each receiver asks for: FedLDF between neighbours).",
-    )
-    delta_fraction: float = param(0.1, "--wire delta: fraction of the kept entries sent (top-k).")
-
-    @property
-    def sgd(self) -> SGDConfig:
-        return SGDConfig(
-            lr=self.lr,
-            lr_decay=self.lr_decay,
-            momentum=self.momentum,
-            weight_decay=self.weight_decay,
-            batch_size=self.batch_size,
-            epochs=self.epochs,
-        )
-
-
-def preset(name: str, **overrides: Any) -> StrategyConfig:
-    """The configuration of a named preset, with explicit overrides applied on top.
-
-    A preset fixes what defines its method (DisPFL never waits, DFedAvgM uses momentum 0.9);
-    an override that contradicts it is an error rather than silently ignored.
-    """
-    if name not in PRESETS:
-        raise ValueError(f"unknown strategy {name!r}; known: {', '.join(PRESETS)}")
-    fixed: dict[str, Any] = {}
-    defaults: dict[str, Any] = {}
-    if name == "dispfl":
-        fixed = {"max_wait": 0}
-    elif name == "dfedavgm":
-        fixed = {"max_wait": 0, "momentum": 0.9}
-    elif name in ADAM_FAMILY:
-        defaults = {"lr": 1e-3, "lr_decay": 1.0}  # ALGORITHMS.md 3: Adam at lr 1e-3
-    for key, value in fixed.items():
-        if key in overrides and overrides[key] != value:
-            flag = "--" + key.replace("_", "-")
-            raise ValueError(f"{name} fixes {flag} to {value}; got {overrides[key]}")
-    return StrategyConfig(**{**defaults, **overrides, **fixed, "strategy": name})
-
-
-@dataclass(frozen=True)
-class StopWatch:
-    """An agent's early-stopping state: its last loss L and how many rounds in a row L rose.
-
-    ALGORITHMS.md 2 stops at the first rise (patience 1); a larger `stop_patience` waits for
-    that many consecutive rises, for noisy local losses."""
-
-    previous: float | None = None
-    rises: int = 0
-
-    def after(self, loss: float, patience: int) -> tuple[StopWatch, bool]:
-        """The state after a round with loss `loss`, and whether the agent stops."""
-        rose = self.previous is not None and loss > self.previous
-        watch = StopWatch(loss, self.rises + 1 if rose else 0)
-        return watch, watch.rises >= patience
+from agent.learning import pqi, pruning, rigl, sparse
+from agent.learning.config import DECENTRALIZED, STOP_LAMBDA, StrategyConfig
+from agent.learning.models import flops_from_positions, output_positions
+from agent.learning.sparse import Masks, State
+from agent.learning.training import dense_gradients, derive_seed, evaluate, train_local
 
 
 def frozen_training_flops(learner: Learner, masks: Masks | None, active: Masks) -> int:
@@ -177,22 +47,6 @@ def frozen_training_flops(learner: Learner, masks: Masks | None, active: Masks) 
     masks = masks or {}
     trainable = {n: a & masks[n] if n in masks else a for n, a in active.items()}
     return 2 * learner.forward_flops(masks or None) + learner.forward_flops(trainable)
-
-
-def early_stop_savings(records: list[dict[str, Any]], stop_round: int, limit: int) -> dict:
-    """What an agent that stopped after `stop_round` saved against training to round `limit`:
-    the rounds not run, and its mean training FLOPs and link bytes per round run (from its
-    round `records`) times those rounds."""
-    saved_rounds = limit - stop_round
-    ran = max(len(records), 1)
-    flops = sum(r["train_flops"] for r in records) / ran
-    traffic = sum(r["bytes_sent"] + r["bytes_received"] for r in records) / ran
-    return {
-        "round": stop_round,
-        "saved_rounds": saved_rounds,
-        "saved_flops": round(flops * saved_rounds),
-        "saved_bytes": round(traffic * saved_rounds),
-    }
 
 
 @dataclass(frozen=True)
@@ -326,7 +180,7 @@ class Learner:
     @functools.cached_property
     def layer_groups(self) -> dict[str, list[str]]:
         """FedLDF's layers: each weight with its bias and norm parameters."""
-        from agent.ldf import layer_groups
+        from agent.learning.ldf import layer_groups
 
         return layer_groups(self.model)
 
@@ -377,19 +231,19 @@ class Learner:
         The order follows the paper's Algorithm 1: the vote scores the freshly trained model,
         further pruning (when `prune_now` and sparsity < s*) precedes the RigL update, and the
         reported accuracy is that of the model the agent keeps and publishes. A `density_cap`
-        below the current density (the device's budget, `agent.budget.density_cap`) prunes
-        the aggregated model to the cap by magnitude before training; an `active_fraction`
+        below the current density (the device's budget, `reduction.density_cap`) prunes the
+        aggregated model to the cap by magnitude before training; an `active_fraction`
         instead trains that fraction of the neurons and freezes the rest (`--reduce`).
         """
         cfg = self.config
         start = self.aggregate(agent, inbox)
         if agent.masks is not None and density_cap is not None:
-            capped = sparse.prune_to_density(start, agent.masks, density_cap)
+            capped = rigl.prune_to_density(start, agent.masks, density_cap)
             agent = dataclasses.replace(agent, masks=capped)
             start = sparse.apply_masks(start, capped)
         active = None
         if active_fraction is not None:
-            from agent.freezing import active_masks
+            from agent.learning.freezing import active_masks
 
             generator = self.generator("active", agent.agent_id, round_)
             active = active_masks(self.model, start, active_fraction, generator)
@@ -421,7 +275,7 @@ class Learner:
             score = pruning.detection_score(distance, previous, distances[0])
             vote = pruning.vote(score, cfg.delta_pr)
             if self.prunes_further and prune_now and sparse.sparsity(masks) < cfg.target_sparsity:
-                masks = sparse.pqi_prune(
+                masks = pqi.pqi_prune(
                     weights,
                     masks,
                     p=cfg.pqi_p,
@@ -444,14 +298,14 @@ class Learner:
                 self.generator("rigl", agent.agent_id, round_),
             )
             flops += self.dense_gradient_flops(masks, grad_samples)
-            masks = sparse.rigl_update(
-                weights, masks, grads, sparse.rigl_alpha(round_, cfg.rounds, cfg.rigl_a)
+            masks = rigl.rigl_update(
+                weights, masks, grads, rigl.rigl_alpha(round_, cfg.rounds, cfg.rigl_a)
             )
             weights = sparse.apply_masks(weights, masks)
         loss, accuracy = evaluate(self.model, weights, data.x_test, data.y_test)
         divergence = None
         if cfg.wire == "layers" and self.decentralized:
-            from agent.ldf import divergences
+            from agent.learning.ldf import divergences
 
             divergence = divergences(weights, start, self.layer_groups)
         new_state = dataclasses.replace(
@@ -472,7 +326,7 @@ class Learner:
 
     def flops_per_density(self, masks: Masks) -> float:
         """FLOP fraction / parameter density of these masks (ERK keeps FLOP-heavy layers
-        denser), for `agent.budget.density_cap`."""
+        denser), for `agent.learning.reduction.density_cap`."""
         density = 1.0 - sparse.sparsity(masks)
         flops = flops_from_positions(self._positions, self._weight_shapes, masks)
         return flops / self.dense_flops / density

@@ -11,7 +11,8 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from agent.sparse import Masks, State
+from agent.learning.delta import FLIP
+from agent.learning.sparse import Masks, State
 from protocol import messages
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.tensors import decode_tensors, encode_tensors
@@ -57,10 +58,6 @@ def expected_shapes(weights: State) -> dict[str, tuple[tuple[int, ...], str]]:
         name: (tuple(t.shape), str(np.dtype(str(t.dtype).removeprefix("torch."))))
         for name, t in weights.items()
     }
-
-
-FLIP = "flip:"
-"""Prefix of the bool tensors of a delta message carrying a tensor's mask where it changed."""
 
 
 def delta_names(weights: State, masks: Masks | None) -> dict[str, str]:

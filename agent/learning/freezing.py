@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from agent.models import PRUNABLE_TYPES, BasicBlock
-from agent.sparse import Masks, State, _floor, apply_masks
+from agent.learning.models import PRUNABLE_TYPES, BasicBlock
+from agent.learning.sparse import Masks, State, _floor, apply_masks
 
 # Modules that act on each channel (or feature) on its own, so a unit's identity passes
 # through them unchanged from its producing layer to the next conv/linear layer.

@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from agent.sparse import Masks, State
-from agent.strategies import Published
-from agent.wire import FLIP
+from agent.learning.learner import Published
+from agent.learning.sparse import Masks, State
 
 
 def encode_delta(
@@ -75,3 +74,7 @@ def apply_delta(base: Published, payload: State, masks: Masks, num_samples: int)
         updated = t + payload[n]
         weights[n] = updated * new_masks[n] if n in new_masks else updated
     return Published(weights, new_masks or None, num_samples)
+
+
+FLIP = "flip:"
+"""Prefix of the bool tensors of a delta message carrying a tensor's mask where it changed."""

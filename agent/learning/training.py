@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from agent.sparse import Masks, State, apply_masks_
+from agent.learning.sparse import Masks, State, apply_masks_
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,10 @@ import logging
 import time
 from typing import Any
 
-from agent.budget import Budget
-from agent.central import Fit, Payload, ServerState, central_strategy, static_tier
-from agent.runtime import AgentRuntime
-from agent.wire import divergence_message, encode_state, values_sent
+from agent.device.budget import Budget
+from agent.learning.central import Fit, Payload, ServerState, central_strategy, static_tier
+from agent.runtime.codec import divergence_message, encode_state, values_sent
+from agent.runtime.decentralized import AgentRuntime
 from protocol import messages, topics
 from protocol.errors import ProtocolError
 

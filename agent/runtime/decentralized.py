@@ -25,20 +25,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent import checkpoint, ldf, pruning, sparse, topology
-from agent.budget import Budget
-from agent.delta import encode_delta
-from agent.experiment import ExperimentConfig, Workload, local_reduction
-from agent.inbox import Expected, Inbox
-from agent.strategies import (
-    AgentState,
-    Published,
-    RoundResult,
-    StopWatch,
-    early_stop_savings,
-)
-from agent.throttle import Throttle
-from agent.wire import (
+from agent.device.budget import Budget
+from agent.device.throttle import Throttle
+from agent.experiment import ExperimentConfig, Workload
+from agent.learning import ldf, pruning, sparse, topology
+from agent.learning.delta import encode_delta
+from agent.learning.early_stop import StopWatch, early_stop_savings
+from agent.learning.learner import AgentState, Published, RoundResult
+from agent.learning.reduction import local_reduction
+from agent.runtime import checkpoint
+from agent.runtime.codec import (
     all_finite,
     divergence_message,
     expected_delta_shapes,
@@ -46,6 +42,7 @@ from agent.wire import (
     model_message,
     values_sent,
 )
+from agent.runtime.inbox import Expected, Inbox
 from protocol import messages, topics
 from protocol.mqtt import MqttTransport
 
@@ -652,7 +649,7 @@ class AgentRuntime:
         waited = time.monotonic() - started
         prune_now = self._prune_now(round_)
         budget = self.budget()
-        reduction = local_reduction(self.learner, budget, self.state.masks)
+        reduction = local_reduction(self.learner, budget.p_k if budget else None, self.state.masks)
         computing = time.monotonic()
         result = self.learner.local_round(
             self.state,

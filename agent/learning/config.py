@@ -1,0 +1,134 @@
+"""The hyper-parameters of a strategy (StrategyConfig) and the presets of every strategy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent.learning.training import SGDConfig
+
+DECENTRALIZED = ("dadpfl", "dispfl", "dfedavgm")
+
+
+CENTRALIZED = (
+    "fedavg",
+    "fedavg-ft",
+    "fedspu",
+    "feddrop",
+    "fedadam",
+    "fedadam-top",
+    "fedadam-ssm",
+    "fedldf",
+)
+
+
+PRESETS = (*DECENTRALIZED, "local", *CENTRALIZED)
+
+
+ADAM_FAMILY = ("fedadam", "fedadam-top", "fedadam-ssm")
+
+
+STOP_LAMBDA = 0.7
+
+
+REDUCE_MODES = ("prune", "freeze", "auto")
+
+
+WIRE_FORMATS = ("full", "delta", "layers")
+
+
+def param(default: Any, help: str) -> Any:
+    """A config field with its help text, so the CLI flags document themselves."""
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class StrategyConfig:
+    """Every hyper-parameter of a run; defaults are ALGORITHMS.md's decisions."""
+
+    strategy: str = param("dadpfl", "Algorithm preset: " + ", ".join(PRESETS) + ".")
+    rounds: int = param(30, "Communication rounds T.")
+    neighbours: int = param(5, "Neighbours M per agent and round (decentralized strategies).")
+    max_wait: int = param(2, "Max prior neighbours N an agent waits for (0: fully parallel).")
+    topology: str = param("random", "Neighbour topology: random, ring or full.")
+    epochs: int = param(5, "Local epochs E per round.")
+    batch_size: int = param(128, "Local batch size (the local set if smaller).")
+    lr: float = param(0.1, "Initial learning rate (FedAdam presets: 1e-3).")
+    lr_decay: float = param(0.998, "Learning-rate decay per round: lr x decay^t (FedAdam: 1).")
+    weight_decay: float = param(5e-4, "SGD weight decay.")
+    momentum: float = param(0.0, "SGD momentum (dfedavgm uses 0.9).")
+    density: float = param(0.5, "Initial ERK density of the sparse models (1 - sparsity).")
+    rigl_a: float = param(0.3, "RigL drop fraction a: alpha_t = a/2 (1 + cos(pi t / T)).")
+    rigl_batches: int = param(1, "Local batches for RigL's dense gradient.")
+    delta_pr: float = param(0.02, "Pruning-time detection threshold delta_pr.")
+    detection_distance: str = param(
+        "squared",
+        "Distance D = ||w - w0||^2 of the detection score (squared, ALGORITHMS.md 1.7) or "
+        "||w - w0|| (norm, as the DA-DPFL authors' code computes it).",
+    )
+    delta_v: float = param(0.5, "Fraction of votes that decides the first pruning time t*.")
+    schedule_b: float = param(0.0, "Pruning schedule delay b: I_tau = ceil((t* + b) / c^(tau-1)).")
+    schedule_c: float = param(1.3, "Pruning schedule factor c.")
+    pqi_p: float = param(0.5, "PQI norm p.")
+    pqi_q: float = param(1.0, "PQI norm q.")
+    pqi_eta_c: float = param(0.0, "PQI compression hyper-parameter eta_c.")
+    pqi_gamma: float = param(1.0, "PQI scaling factor gamma.")
+    pqi_beta: float = param(0.9, "PQI cap beta on the fraction pruned per layer and event.")
+    target_sparsity: float = param(0.8, "Target sparsity s* that further pruning stops at.")
+    fp16: bool = param(False, "Send model values as fp16.")
+    reduce: str = param(
+        "prune",
+        "How a sparse agent cuts compute to its budget p_k: prune (cap its density), freeze "
+        "(train a p_k fraction of its neurons, FedSPU-style) or auto (freeze at p_k >= 0.5).",
+    )
+    early_stop: bool = param(
+        False, "Stop an agent once L = 0.7 L_train + 0.3 L_val rises from its previous round."
+    )
+    stop_patience: int = param(1, "Early stopping: consecutive rises of L that stop an agent.")
+    ssm_fraction: float = param(0.05, "FedAdam-SSM/-Top: fraction alpha of deltas kept (top-k).")
+    ldf_n: int = param(
+        4,
+        "FedLDF: participants n uploading each layer (top-n divergence); with --wire layers, "
+        "the neighbours each layer is fetched from.",
+    )
+    wire: str = param(
+        "full",
+        "What decentralized agents send: full (their sparse model), delta (the top-k of its "
+        "change since what receivers hold; every agent follows every peer) or layers (a "
+        "divergence vector, then the layers each receiver asks for: FedLDF between neighbours).",
+    )
+    delta_fraction: float = param(0.1, "--wire delta: fraction of the kept entries sent (top-k).")
+
+    @property
+    def sgd(self) -> SGDConfig:
+        return SGDConfig(
+            lr=self.lr,
+            lr_decay=self.lr_decay,
+            momentum=self.momentum,
+            weight_decay=self.weight_decay,
+            batch_size=self.batch_size,
+            epochs=self.epochs,
+        )
+
+
+def preset(name: str, **overrides: Any) -> StrategyConfig:
+    """The configuration of a named preset, with explicit overrides applied on top.
+
+    A preset fixes what defines its method (DisPFL never waits, DFedAvgM uses momentum 0.9);
+    an override that contradicts it is an error rather than silently ignored.
+    """
+    if name not in PRESETS:
+        raise ValueError(f"unknown strategy {name!r}; known: {', '.join(PRESETS)}")
+    fixed: dict[str, Any] = {}
+    defaults: dict[str, Any] = {}
+    if name == "dispfl":
+        fixed = {"max_wait": 0}
+    elif name == "dfedavgm":
+        fixed = {"max_wait": 0, "momentum": 0.9}
+    elif name in ADAM_FAMILY:
+        defaults = {"lr": 1e-3, "lr_decay": 1.0}  # ALGORITHMS.md 3: Adam at lr 1e-3
+    for key, value in fixed.items():
+        if key in overrides and overrides[key] != value:
+            flag = "--" + key.replace("_", "-")
+            raise ValueError(f"{name} fixes {flag} to {value}; got {overrides[key]}")
+    return StrategyConfig(**{**defaults, **overrides, **fixed, "strategy": name})

@@ -1,0 +1,39 @@
+"""Early stopping (ALGORITHMS.md 2): stop once L = 0.7 L_train + 0.3 L_val rises."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class StopWatch:
+    """An agent's early-stopping state: its last loss L and how many rounds in a row L rose.
+
+    ALGORITHMS.md 2 stops at the first rise (patience 1); a larger `stop_patience` waits for
+    that many consecutive rises, for noisy local losses."""
+
+    previous: float | None = None
+    rises: int = 0
+
+    def after(self, loss: float, patience: int) -> tuple[StopWatch, bool]:
+        """The state after a round with loss `loss`, and whether the agent stops."""
+        rose = self.previous is not None and loss > self.previous
+        watch = StopWatch(loss, self.rises + 1 if rose else 0)
+        return watch, watch.rises >= patience
+
+
+def early_stop_savings(records: list[dict[str, Any]], stop_round: int, limit: int) -> dict:
+    """What an agent that stopped after `stop_round` saved against training to round `limit`:
+    the rounds not run, and its mean training FLOPs and link bytes per round run (from its
+    round `records`) times those rounds."""
+    saved_rounds = limit - stop_round
+    ran = max(len(records), 1)
+    flops = sum(r["train_flops"] for r in records) / ran
+    traffic = sum(r["bytes_sent"] + r["bytes_received"] for r in records) / ran
+    return {
+        "round": stop_round,
+        "saved_rounds": saved_rounds,
+        "saved_flops": round(flops * saved_rounds),
+        "saved_bytes": round(traffic * saved_rounds),
+    }
