@@ -28,7 +28,7 @@ from typing import Any
 from agent.experiment import ExperimentConfig, build_workload
 from agent.learning import ldf
 from agent.learning.central import Payload, Upload, as_sent, central_strategy
-from agent.runtime.codec import encode_state, values_sent
+from agent.runtime.codec import decode_upload, encode_state, values_sent
 from protocol import messages, topics
 from protocol.errors import ProtocolError
 from protocol.mqtt import MqttTransport
@@ -288,11 +288,9 @@ class Aggregator:
         uploads = {}
         for k in agents:
             update = self._updates[(round_, k)]
-            shapes = self.strategy.upload_shapes(
-                self.learner, None if layers is None else layers[k]
-            )
+            asked = None if layers is None else layers[k]
             try:
-                payload = self.strategy.decode(self.learner, update.tensors, shapes)
+                payload = decode_upload(self.strategy, self.learner, update.tensors, asked)
             except (ProtocolError, ValueError) as exc:
                 self.rejected += 1
                 log.warning("round %d: rejected the upload of %s: %s", round_, k, exc)

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from agent.learning.learner import Learner, LocalData
+    from agent.learning.sparse import State
 
 
 @dataclass(frozen=True)
@@ -37,3 +41,22 @@ def early_stop_savings(records: list[dict[str, Any]], stop_round: int, limit: in
         "saved_flops": round(flops * saved_rounds),
         "saved_bytes": round(traffic * saved_rounds),
     }
+
+
+@dataclass
+class EarlyStop:
+    """One agent's early stopping (ALGORITHMS.md 2), the same object in the simulator and on
+    a device: after each round it computes L = 0.7 L_train + 0.3 L_val and says whether the
+    agent stops (`patience` rises in a row; off unless `enabled`)."""
+
+    enabled: bool
+    patience: int
+    watch: StopWatch = StopWatch()
+
+    def after(self, learner: Learner, weights: State, train_loss: float, data: LocalData) -> bool:
+        """Whether the agent stops after a round that ended with `weights`."""
+        if not self.enabled:
+            return False
+        loss = learner.stopping_loss(weights, train_loss, data)
+        self.watch, stops = self.watch.after(loss, self.patience)
+        return stops

@@ -24,6 +24,7 @@ from typing import Any
 
 from agent.device.budget import Budget
 from agent.learning.central import Fit, Payload, ServerState, central_strategy, static_tier
+from agent.runtime import codec
 from agent.runtime.codec import divergence_message, encode_state, values_sent
 from agent.runtime.decentralized import AgentRuntime
 from protocol import messages, topics
@@ -119,13 +120,9 @@ class CentralRuntime(AgentRuntime):
             if found is not None and not found.participants and not addressed:
                 return Payload({})  # nobody delivered this round: nothing changes
             if found is not None:
-                shapes = (
-                    self.strategy.upload_shapes(self.learner)
-                    if addressed
-                    else self.strategy.broadcast_shapes(self.learner)
-                )
+                decode = codec.decode_download if addressed else codec.decode_broadcast
                 try:
-                    return self.strategy.decode(self.learner, found.tensors, shapes)
+                    return decode(self.strategy, self.learner, found.tensors)
                 except ProtocolError as exc:
                     self.inbox.rejected += 1
                     log.warning("rejected the round %d global model: %s", round_, exc)

@@ -7,6 +7,7 @@ traffic is the size of real messages, not an estimate.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -16,6 +17,10 @@ from agent.learning.sparse import Masks, State
 from protocol import messages
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.tensors import decode_tensors, encode_tensors
+
+if TYPE_CHECKING:
+    from agent.learning.central import CentralStrategy, Payload
+    from agent.learning.learner import Learner
 
 
 def encode_state(weights: State, masks: Masks | None = None, *, fp16: bool = False) -> bytes:
@@ -126,3 +131,21 @@ def divergence_message(
         values=list(divergence.values()),
     )
     return messages.encode(message, key=key)
+
+
+def decode_upload(
+    strategy: CentralStrategy, learner: Learner, data: bytes, layers: list[str] | None = None
+) -> Payload:
+    """A participant's upload (only `layers` of it, FedLDF) as the aggregator decodes it,
+    validated; ProtocolError if malformed."""
+    return strategy.decode(learner, data, strategy.upload_shapes(learner, layers))
+
+
+def decode_download(strategy: CentralStrategy, learner: Learner, data: bytes) -> Payload:
+    """A participant's own part of the global model (the FedSPU family), validated."""
+    return strategy.decode(learner, data, strategy.upload_shapes(learner))
+
+
+def decode_broadcast(strategy: CentralStrategy, learner: Learner, data: bytes) -> Payload:
+    """A round's broadcast as a participant decodes it, validated."""
+    return strategy.decode(learner, data, strategy.broadcast_shapes(learner))

@@ -1,0 +1,148 @@
+"""The rules of a round, written once.
+
+The simulator (`coordinator.simulate`), the networked agent (`agent.runtime`) and the
+coordinator's aggregator (`coordinator.aggregator`) all call these functions, so that a fleet
+on a real network computes exactly what the simulator computes: nothing here waits, sends or
+reads a clock; callers bring what arrived and these decide what it means.
+
+Decentralized rounds (ALGORITHMS.md 1.2-1.8): `RoundTopology` says whom agent k needs in round
+t (this round's models of its prior neighbours, last round's of the others), `stand_in` which
+model represents a neighbour that stopped early, `settle_votes` how a round's votes settle the
+pruning plan, `train_round` the budgeted local round. Centralized rounds: `participant_p_k`,
+`layer_requests`, `advance_server` and `evaluated_weights`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from agent.learning import pruning, topology
+from agent.learning.central import (
+    Aggregate,
+    CentralStrategy,
+    ServerState,
+    as_sent,
+    static_tier,
+)
+from agent.learning.config import StrategyConfig
+from agent.learning.learner import AgentState, Learner, LocalData, Published, RoundResult
+from agent.learning.reduction import Reduction, local_reduction
+from agent.learning.sparse import State
+
+Need = tuple[int, str]
+"""(round, sender): a model a round aggregates."""
+
+
+@dataclass(frozen=True)
+class RoundTopology:
+    """Round t's reuse order and neighbour sets (ALGORITHMS.md 1.2-1.3): pure functions of
+    (seed, t, roster), so every agent computes everyone's without a server."""
+
+    round: int
+    order: list[str]
+    neighbours: Mapping[str, list[str]]
+    max_wait: int
+
+    @classmethod
+    def draw(
+        cls, seed: int, round_: int, roster: Sequence[str], cfg: StrategyConfig
+    ) -> RoundTopology:
+        """The round's topology; under `local` nobody has neighbours."""
+        order = topology.reuse_order(seed, round_, roster)
+        if cfg.strategy == "local":
+            neighbours: Mapping[str, list[str]] = dict.fromkeys(roster, [])
+        else:
+            neighbours = topology.everyone_neighbours(
+                seed, round_, roster, cfg.neighbours, cfg.topology
+            )
+        return cls(round_, order, neighbours, cfg.max_wait)
+
+    def prior_posterior(self, agent: str) -> tuple[list[str], list[str]]:
+        """The neighbours whose round-t models `agent` waits for, and the others (their
+        round t-1 models), each in reuse order."""
+        return topology.prior_posterior(self.order, self.neighbours[agent], agent, self.max_wait)
+
+    def needs(self, agent: str) -> set[Need]:
+        """(round, sender) of every model `agent`'s round aggregates."""
+        prior, posterior = self.prior_posterior(agent)
+        return {(self.round, j) for j in prior} | {(self.round - 1, j) for j in posterior}
+
+
+def stand_in(need: Need, stopped: Mapping[str, int]) -> Need:
+    """The model that stands for `need`: an agent that stopped early after round s is
+    represented by its round-s model in every later round."""
+    round_, sender = need
+    return min(round_, stopped.get(sender, round_)), sender
+
+
+def running(agent: str, round_: int, stopped: Mapping[str, int]) -> bool:
+    """Whether `agent` trains in `round_` (it had not stopped before it)."""
+    return stopped.get(agent, round_) >= round_
+
+
+def settle_votes(
+    plan: pruning.PruningPlan,
+    round_: int,
+    votes: Mapping[str, bool],
+    roster: Sequence[str],
+    stopped: Mapping[str, int],
+    delta_v: float,
+) -> None:
+    """Settle round `round_`'s tally (ALGORITHMS.md 1.7): the votes of the agents still
+    running count, a missing vote counts 0."""
+    voters = [j for j in roster if running(j, round_, stopped)]
+    plan.observe(round_, pruning.tally(votes, voters, delta_v))
+
+
+def train_round(
+    learner: Learner,
+    state: AgentState,
+    data: LocalData,
+    inbox: dict[str, Published],
+    round_: int,
+    prune_now: bool,
+    p_k: float | None,
+) -> tuple[RoundResult, Reduction]:
+    """A decentralized agent's local round, cut to its budget p_k first (`--reduce`): the
+    reduction (prune to a density cap, or freeze neurons) and then `Learner.local_round`."""
+    reduction = local_reduction(learner, p_k, state.masks)
+    result = learner.local_round(
+        state,
+        data,
+        inbox,
+        round_,
+        prune_now,
+        density_cap=reduction.density_cap,
+        active_fraction=reduction.active_fraction,
+    )
+    return result, reduction
+
+
+def participant_p_k(budget_p_k: float | None, roster: Sequence[str], agent: str) -> float:
+    """What a centralized participant trains with: its measured budget, else FedSPU's static
+    tier by its place in the roster."""
+    return budget_p_k if budget_p_k is not None else static_tier(list(roster), agent)
+
+
+def layer_requests(selected: Mapping[str, list[str]]) -> dict[str, list[str]]:
+    """FedLDF's requests from its per-layer selection: a participant asked for no layer gets
+    no request."""
+    return {k: layers for k, layers in selected.items() if layers}
+
+
+def advance_server(
+    strategy: CentralStrategy, previous: ServerState, aggregate: Aggregate, fp16: bool
+) -> ServerState:
+    """The server state after a round. A broadcasting strategy holds what its participants
+    hold: the previous state with the broadcast applied as they decode it (fp16 on the wire
+    rounds it); the others keep the aggregate's state."""
+    if not strategy.broadcasts:
+        return aggregate.server
+    return strategy.receive(previous, as_sent(aggregate.broadcast, fp16))
+
+
+def evaluated_weights(strategy: CentralStrategy, own: State, view: ServerState) -> State:
+    """The model a participant's accuracy is measured on: its own for a personalized
+    strategy, else the global model it holds."""
+    return own if strategy.personal else view.weights
