@@ -1,7 +1,7 @@
 """The coordinator's side of a centralized strategy over MQTT: collect, aggregate, broadcast.
 
-The math is `agent.central`'s strategy, the object the simulator calls with the same inputs:
-the uploads as they came off the wire. Round t:
+The math is `agent.learning.central`'s strategy, the object the simulator calls with the same
+inputs: the uploads as they came off the wire. Round t:
 
     downloads   (FedSPU family) answer each participant's `Request` (fraction = its p_k)
                 with its part of the global model, on round/t/global/<agent>
@@ -12,8 +12,9 @@ the uploads as they came off the wire. Round t:
 A round's timeout runs from its first delivery; a participant that has not delivered by then
 is left out of the round (a straggler). One that stopped early (its status says so) is not
 waited for, nor one that is offline and missed the last round. A broadcast strategy always
-ends a round with a `Global`, empty when nobody delivered. Handlers only validate and store;
-the round loop runs on its own thread, and an error there ends the run (`error`).
+ends a round with a `Global`, empty when nobody delivered. Handlers (`Intake`) only validate
+and store; the round loop (`Aggregator`) runs on its own thread, and an error there ends the
+run (`error`).
 """
 
 from __future__ import annotations
@@ -22,12 +23,15 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from agent.experiment import ExperimentConfig, build_workload
 from agent.learning import ldf
-from agent.learning.central import Payload, Upload, as_sent, central_strategy
+from agent.learning.central import Payload, Upload, central_strategy
+from agent.learning.rounds import advance_server, layer_requests
+from agent.report import Traffic
 from agent.runtime.codec import decode_upload, encode_state, values_sent
 from protocol import messages, topics
 from protocol.errors import ProtocolError
@@ -40,20 +44,158 @@ KEEP_GLOBALS = 4
 
 
 @dataclass
-class RoundTraffic:
-    """What the aggregator put on and took off its link in one round."""
-
-    sent: int = 0
-    received: int = 0
-    nonzeros_sent: int = 0
-
-
-@dataclass
 class AggregatorRecord:
     round: int
     participants: list[str]
     stragglers: list[str]
-    traffic: RoundTraffic = field(default_factory=RoundTraffic)
+    traffic: Traffic = field(default_factory=Traffic)
+
+
+class Intake:
+    """The aggregator's handlers: each message of this run from a roster agent is validated
+    and stored (under `changed`, which they notify); the round loop reads the stores."""
+
+    def __init__(
+        self,
+        *,
+        fleet: str,
+        run_id: str,
+        roster: list[str],
+        me: str,
+        key: bytes | None,
+        layer_groups: dict[str, list[str]],
+        resend: Callable[[int], None],
+    ) -> None:
+        self.fleet = fleet
+        self.run_id = run_id
+        self.roster = roster
+        self.me = me
+        self.key = key
+        self.layer_groups = layer_groups
+        self.resend = resend
+        """Called with a round whose broadcast a participant asks for again."""
+        self.changed = threading.Condition()
+        self.updates: dict[tuple[int, str], messages.Update] = {}
+        self.divergences: dict[tuple[int, str], dict[str, float]] = {}
+        self.asks: dict[tuple[int, str], tuple[int, float]] = {}
+        """(round, agent) -> (how many times asked, fraction) for downloads."""
+        self.answered: dict[tuple[int, str], int] = {}
+        self.received: dict[int, int] = {}
+        self.stopped: dict[str, int] = {}
+        self.offline: set[str] = set()
+        self.rejected = 0
+
+    def subscribe(self, transport: MqttTransport) -> None:
+        subscribe = transport.subscribe
+        subscribe(topics.round_topic(self.fleet, "+", "update"), self.on_update)
+        subscribe(topics.round_topic(self.fleet, "+", "divergence"), self.on_divergence)
+        subscribe(topics.round_topic(self.fleet, "+", "request", to=self.me), self.on_request)
+        subscribe(topics.status(self.fleet), self.on_status)
+        subscribe(topics.presence(self.fleet), self.on_presence)
+
+    def _decode(self, topic: str, payload: bytes, kind: str) -> Any:
+        """A round message of this run from a roster agent, matching its topic; else None."""
+        try:
+            fleet, topic_kind, fields = topics.parse(topic)
+            message = messages.decode(payload, key=self.key)
+            if (
+                topic_kind != kind
+                or message.TYPE.value != kind
+                or fleet != self.fleet
+                or message.fleet != fleet
+                or message.sender != fields.get("agent")
+                or fields.get("round", str(message.round)) != str(message.round)
+                or (isinstance(message, messages.Request) and fields.get("to") != message.target)
+            ):
+                raise ProtocolError(f"{kind} message does not match its topic")
+        except ProtocolError as exc:
+            self.reject(topic, str(exc))
+            return None
+        if message.run_id != self.run_id or message.sender not in self.roster:
+            return None
+        if kind != "status":
+            with self.changed:
+                received = self.received.get(message.round, 0)
+                self.received[message.round] = received + len(payload)
+        return message
+
+    def on_update(self, topic: str, payload: bytes) -> None:
+        message = self._decode(topic, payload, "update")
+        if isinstance(message, messages.Update):
+            if message.num_samples < 1:
+                self.reject(topic, "an update must weigh at least one sample")
+                return
+            with self.changed:
+                self.updates.setdefault((message.round, message.sender), message)
+                self.changed.notify_all()
+
+    def on_divergence(self, topic: str, payload: bytes) -> None:
+        message = self._decode(topic, payload, "divergence")
+        if isinstance(message, messages.Divergence):
+            try:
+                vector = ldf.checked_divergences(message.layers, message.values, self.layer_groups)
+            except ValueError as exc:
+                self.reject(topic, str(exc))
+                return
+            with self.changed:
+                self.divergences.setdefault((message.round, message.sender), vector)
+                self.changed.notify_all()
+
+    def on_request(self, topic: str, payload: bytes) -> None:
+        message = self._decode(topic, payload, "request")
+        if not isinstance(message, messages.Request) or message.target != self.me:
+            return
+        if message.fraction > 0:  # a download: answered by the round loop
+            with self.changed:
+                key = (message.round, message.sender)
+                count = self.asks.get(key, (0, 0.0))[0]
+                self.asks[key] = (count + 1, min(message.fraction, 1.0))
+                self.changed.notify_all()
+            return
+        self.resend(message.round)
+
+    def reject(self, topic: str, reason: str) -> None:
+        with self.changed:
+            self.rejected += 1
+        log.warning("rejected message on %s: %s", topic, reason)
+
+    def on_status(self, topic: str, payload: bytes) -> None:
+        message = self._decode(topic, payload, "status")
+        if isinstance(message, messages.Status) and message.stopped:
+            with self.changed:
+                self.stopped[message.sender] = message.round
+                self.changed.notify_all()
+
+    def on_presence(self, topic: str, payload: bytes) -> None:
+        try:
+            message = messages.decode(payload, key=self.key)
+        except ProtocolError:
+            return
+        if isinstance(message, messages.Presence) and message.sender in self.roster:
+            with self.changed:
+                (self.offline.discard if message.online else self.offline.add)(message.sender)
+                self.changed.notify_all()
+
+    def due_downloads(self, round_: int) -> dict[str, float]:
+        """Who asked (again) for its part of `round_`'s global model since last answered,
+        with the fraction it asked for; marks them answered."""
+        with self.changed:
+            due = {
+                agent: fraction
+                for (r, agent), (count, fraction) in self.asks.items()
+                if r == round_ and count > self.answered.get((r, agent), 0)
+            }
+            for agent in due:
+                self.answered[(round_, agent)] = self.asks[(round_, agent)][0]
+        return due
+
+    def close_round(self, round_: int) -> int:
+        """Forget what earlier rounds left behind; the bytes received for `round_`."""
+        with self.changed:
+            for store in (self.updates, self.divergences, self.asks, self.answered):
+                for key in [k for k in store if k[0] < round_]:
+                    del store[key]
+            return self.received.pop(round_, 0)
 
 
 class Aggregator:
@@ -85,119 +227,24 @@ class Aggregator:
         self.strategy = central_strategy(config.learning.strategy)
         self.server = self.strategy.init_server(self.learner)
         self.records: list[AggregatorRecord] = []
-        self._changed = threading.Condition()
-        self._updates: dict[tuple[int, str], messages.Update] = {}
-        self._divergences: dict[tuple[int, str], dict[str, float]] = {}
-        self._asks: dict[tuple[int, str], tuple[int, float]] = {}
-        """(round, agent) -> (how many times asked, fraction) for downloads."""
-        self._answered: dict[tuple[int, str], int] = {}
+        self.intake = Intake(
+            fleet=fleet,
+            run_id=run_id,
+            roster=self.roster,
+            me=sender,
+            key=key,
+            layer_groups=self.learner.layer_groups,
+            resend=self._resend,
+        )
+        self._changed = self.intake.changed
         self._globals: dict[int, bytes] = {}
-        self._received: dict[int, int] = {}
-        self._stopped: dict[str, int] = {}
-        self._offline: set[str] = set()
         self._missed: set[str] = set()
         """Who did not deliver in the last round."""
-        self.rejected = 0
         self.error: Exception | None = None
-
-    # ------------------------------------------------------------------ wiring
 
     def start(self) -> None:
         """Subscribe; call before the run is published so that no upload is missed."""
-        subscribe = self.transport.subscribe
-        subscribe(topics.round_topic(self.fleet, "+", "update"), self._on_update)
-        subscribe(topics.round_topic(self.fleet, "+", "divergence"), self._on_divergence)
-        subscribe(topics.round_topic(self.fleet, "+", "request", to=self.me), self._on_request)
-        subscribe(topics.status(self.fleet), self._on_status)
-        subscribe(topics.presence(self.fleet), self._on_presence)
-
-    def _decode(self, topic: str, payload: bytes, kind: str) -> Any:
-        """A round message of this run from a roster agent, matching its topic; else None."""
-        try:
-            fleet, topic_kind, fields = topics.parse(topic)
-            message = messages.decode(payload, key=self.key)
-            if (
-                topic_kind != kind
-                or message.TYPE.value != kind
-                or fleet != self.fleet
-                or message.fleet != fleet
-                or message.sender != fields.get("agent")
-                or fields.get("round", str(message.round)) != str(message.round)
-                or (isinstance(message, messages.Request) and fields.get("to") != message.target)
-            ):
-                raise ProtocolError(f"{kind} message does not match its topic")
-        except ProtocolError as exc:
-            self._reject(topic, str(exc))
-            return None
-        if message.run_id != self.run_id or message.sender not in self.roster:
-            return None
-        if kind != "status":
-            with self._changed:
-                received = self._received.get(message.round, 0)
-                self._received[message.round] = received + len(payload)
-        return message
-
-    def _on_update(self, topic: str, payload: bytes) -> None:
-        message = self._decode(topic, payload, "update")
-        if isinstance(message, messages.Update):
-            if message.num_samples < 1:
-                self._reject(topic, "an update must weigh at least one sample")
-                return
-            with self._changed:
-                self._updates.setdefault((message.round, message.sender), message)
-                self._changed.notify_all()
-
-    def _on_divergence(self, topic: str, payload: bytes) -> None:
-        message = self._decode(topic, payload, "divergence")
-        if isinstance(message, messages.Divergence):
-            try:
-                vector = ldf.checked_divergences(
-                    message.layers, message.values, self.learner.layer_groups
-                )
-            except ValueError as exc:
-                self._reject(topic, str(exc))
-                return
-            with self._changed:
-                self._divergences.setdefault((message.round, message.sender), vector)
-                self._changed.notify_all()
-
-    def _on_request(self, topic: str, payload: bytes) -> None:
-        message = self._decode(topic, payload, "request")
-        if not isinstance(message, messages.Request) or message.target != self.me:
-            return
-        if message.fraction > 0:  # a download: answered by the round loop
-            with self._changed:
-                key = (message.round, message.sender)
-                count = self._asks.get(key, (0, 0.0))[0]
-                self._asks[key] = (count + 1, min(message.fraction, 1.0))
-                self._changed.notify_all()
-            return
-        with self._changed:
-            data = self._globals.get(message.round)
-        if data is not None:
-            self._publish(message.round, topics.global_model(self.fleet, message.round), data)
-
-    def _reject(self, topic: str, reason: str) -> None:
-        with self._changed:
-            self.rejected += 1
-        log.warning("rejected message on %s: %s", topic, reason)
-
-    def _on_status(self, topic: str, payload: bytes) -> None:
-        message = self._decode(topic, payload, "status")
-        if isinstance(message, messages.Status) and message.stopped:
-            with self._changed:
-                self._stopped[message.sender] = message.round
-                self._changed.notify_all()
-
-    def _on_presence(self, topic: str, payload: bytes) -> None:
-        try:
-            message = messages.decode(payload, key=self.key)
-        except ProtocolError:
-            return
-        if isinstance(message, messages.Presence) and message.sender in self.roster:
-            with self._changed:
-                (self._offline.discard if message.online else self._offline.add)(message.sender)
-                self._changed.notify_all()
+        self.intake.subscribe(self.transport)
 
     # ------------------------------------------------------------------ sending
 
@@ -218,6 +265,13 @@ class Aggregator:
                 return record
         return None
 
+    def _resend(self, round_: int) -> None:
+        """A kept broadcast again, to a participant that asked for it."""
+        with self._changed:
+            data = self._globals.get(round_)
+        if data is not None:
+            self._publish(round_, topics.global_model(self.fleet, round_), data)
+
     def _global_message(self, round_: int, payload: Payload, to: list[str]) -> bytes:
         body = encode_state(payload.weights, payload.masks, fp16=self.config.learning.fp16)
         message = messages.Global(**self._header(round_), tensors=body, participants=to)
@@ -225,15 +279,7 @@ class Aggregator:
 
     def _answer_downloads(self, round_: int) -> None:
         """Send each participant that asked (again) its part of this round's global model."""
-        with self._changed:
-            due = {
-                agent: fraction
-                for (r, agent), (count, fraction) in self._asks.items()
-                if r == round_ and count > self._answered.get((r, agent), 0)
-            }
-            for agent in due:
-                self._answered[(round_, agent)] = self._asks[(round_, agent)][0]
-        for agent, fraction in sorted(due.items()):
+        for agent, fraction in sorted(self.intake.due_downloads(round_).items()):
             part = self.strategy.download(self.learner, self.server, agent, round_, fraction)
             self._publish(
                 round_,
@@ -248,15 +294,21 @@ class Aggregator:
         """Of `candidates`, those to wait for: not stopped early, and not offline after
         missing the last round (an agent that just crashed may be back within the timeout;
         one that stays gone costs one timeout, not one per round)."""
+        intake = self.intake
         return [
             k
             for k in candidates
-            if self._stopped.get(k, round_) >= round_
-            and not (k in self._offline and k in self._missed)
+            if intake.stopped.get(k, round_) >= round_
+            and not (k in intake.offline and k in self._missed)
         ]
 
     def _collect(
-        self, round_: int, store: dict, candidates: list[str], *, asked: bool = False
+        self,
+        round_: int,
+        store: dict[tuple[int, str], Any],
+        candidates: list[str],
+        *,
+        asked: bool = False,
     ) -> list[str]:
         """Wait until every expected candidate's message of `round_` is in `store` (answering
         downloads meanwhile) or the round timeout passes; returns who delivered.
@@ -287,73 +339,81 @@ class Aggregator:
         """Decode the `Update`s of `agents`; one that does not decode is left out."""
         uploads = {}
         for k in agents:
-            update = self._updates[(round_, k)]
+            update = self.intake.updates[(round_, k)]
             asked = None if layers is None else layers[k]
             try:
                 payload = decode_upload(self.strategy, self.learner, update.tensors, asked)
             except (ProtocolError, ValueError) as exc:
-                self.rejected += 1
+                with self._changed:
+                    self.intake.rejected += 1
                 log.warning("round %d: rejected the upload of %s: %s", round_, k, exc)
                 continue
             uploads[k] = Upload(payload, update.num_samples)
         return uploads
 
-    def run_round(self, round_: int) -> bool:
-        """One round; False when nobody is left to take part (everyone stopped early)."""
-        with self._changed:
-            candidates = [k for k in self.roster if self._stopped.get(k, round_) >= round_]
-        if not candidates:
-            return False
-        record = AggregatorRecord(round_, [], [])
-        self.records.append(record)
-        if self.strategy.asks_layers:
-            senders = self._collect(round_, self._divergences, candidates)
-            divergences = {k: self._divergences[(round_, k)] for k in senders}
-            selected = self.strategy.select(self.learner, divergences)
-            requests = {k: layers for k, layers in selected.items() if layers}
-            for k, layers in sorted(requests.items()):
-                request = messages.Request(**self._header(round_), target=k, layers=layers)
-                topic = topics.round_topic(self.fleet, round_, "request", self.me, to=k)
-                self._publish(round_, topic, messages.encode(request, key=self.key))
-            delivered = self._collect(round_, self._updates, sorted(requests), asked=True)
-            uploads = self._uploads(round_, delivered, requests)
-            missing = set(requests) - set(uploads)
-        else:
-            delivered = self._collect(round_, self._updates, candidates)
+    def _gather(
+        self, round_: int, candidates: list[str]
+    ) -> tuple[list[str], dict[str, Upload], set[str]]:
+        """This round's participants, their decoded uploads, and who was asked for layers
+        but sent none that decodes (FedLDF)."""
+        if not self.strategy.asks_layers:
+            delivered = self._collect(round_, self.intake.updates, candidates)
             uploads = self._uploads(round_, delivered, None)
-            missing = set()
-            senders = list(uploads)
-        with self._changed:
-            stopped_now = {k for k in candidates if self._stopped.get(k, round_) < round_}
-        record.participants = sorted(senders)
-        record.stragglers = sorted((set(candidates) - set(senders) - stopped_now) | missing)
-        self._missed = set(record.stragglers)
+            return list(uploads), uploads, set()
+        senders = self._collect(round_, self.intake.divergences, candidates)
+        divergences = {k: self.intake.divergences[(round_, k)] for k in senders}
+        requests = layer_requests(self.strategy.select(self.learner, divergences))
+        for k, layers in sorted(requests.items()):
+            request = messages.Request(**self._header(round_), target=k, layers=layers)
+            topic = topics.round_topic(self.fleet, round_, "request", self.me, to=k)
+            self._publish(round_, topic, messages.encode(request, key=self.key))
+        delivered = self._collect(round_, self.intake.updates, sorted(requests), asked=True)
+        uploads = self._uploads(round_, delivered, requests)
+        return senders, uploads, set(requests) - set(uploads)
+
+    def _conclude(self, round_: int, uploads: dict[str, Upload]) -> None:
+        """Aggregate what arrived and, for a broadcast strategy, publish (and keep) the
+        broadcast: empty when nothing arrived."""
         broadcast = Payload({})
         if uploads:
             aggregate = self.strategy.aggregate(self.learner, self.server, uploads)
             broadcast = aggregate.broadcast
-            if self.strategy.broadcasts:  # hold what participants hold (fp16 rounds it)
-                sent = as_sent(broadcast, self.config.learning.fp16)
-                self.server = self.strategy.receive(self.server, sent)
-            else:
-                self.server = aggregate.server
-        if self.strategy.broadcasts:
-            data = self._global_message(round_, broadcast, sorted(uploads))
-            with self._changed:
-                self._globals[round_] = data
-            self._publish(
-                round_,
-                topics.global_model(self.fleet, round_),
-                data,
-                values_sent(broadcast.weights, broadcast.masks),
+            self.server = advance_server(
+                self.strategy, self.server, aggregate, self.config.learning.fp16
             )
+        if not self.strategy.broadcasts:
+            return
+        data = self._global_message(round_, broadcast, sorted(uploads))
         with self._changed:
-            record.traffic.received += self._received.pop(round_, 0)
-            for store in (self._updates, self._divergences, self._asks, self._answered):
-                for key in [k for k in store if k[0] < round_]:
-                    del store[key]
+            self._globals[round_] = data
             for r in [r for r in self._globals if r <= round_ - KEEP_GLOBALS]:
                 del self._globals[r]
+        self._publish(
+            round_,
+            topics.global_model(self.fleet, round_),
+            data,
+            values_sent(broadcast.weights, broadcast.masks),
+        )
+
+    def run_round(self, round_: int) -> bool:
+        """One round; False when nobody is left to take part (everyone stopped early)."""
+        stopped = self.intake.stopped
+        with self._changed:
+            candidates = [k for k in self.roster if stopped.get(k, round_) >= round_]
+        if not candidates:
+            return False
+        record = AggregatorRecord(round_, [], [])
+        self.records.append(record)
+        senders, uploads, missing = self._gather(round_, candidates)
+        with self._changed:
+            stopped_now = {k for k in candidates if stopped.get(k, round_) < round_}
+        record.participants = sorted(senders)
+        record.stragglers = sorted((set(candidates) - set(senders) - stopped_now) | missing)
+        self._missed = set(record.stragglers)
+        self._conclude(round_, uploads)
+        received = self.intake.close_round(round_)
+        with self._changed:
+            record.traffic.received += received
         return True
 
     def run(self) -> None:

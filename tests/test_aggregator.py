@@ -66,14 +66,14 @@ def test_bad_uploads_are_left_out_and_the_round_goes_on() -> None:
     good = {n: t + 1.0 for n, t in reversed(list(initial.items()))}  # the sender's own order
     wrong_shape = {**initial, next(iter(initial)): torch.zeros(3)}
     topic = topics.round_topic("f", 1, "update", "agent-000")
-    agg._on_update(topic, update("agent-000", good))
-    agg._on_update(
+    agg.intake.on_update(topic, update("agent-000", good))
+    agg.intake.on_update(
         topics.round_topic("f", 1, "update", "agent-001"), update("agent-001", initial, 0)
     )
-    agg._on_update(
+    agg.intake.on_update(
         topics.round_topic("f", 1, "update", "agent-002"), update("agent-002", wrong_shape)
     )
-    assert agg.rejected == 1, "a zero-weight update is refused at once"
+    assert agg.intake.rejected == 1, "a zero-weight update is refused at once"
     assert agg.run_round(1)
     record = agg.records[-1]
     assert record.participants == ["agent-000"]
@@ -93,17 +93,20 @@ def test_a_divergence_vector_that_does_not_cover_every_layer_is_refused() -> Non
         message = messages.Divergence(
             fleet="f", sender=sender, run_id="r", round=1, layers=names, values=[1.0] * len(names)
         )
-        agg._on_divergence(
+        agg.intake.on_divergence(
             topics.round_topic("f", 1, "divergence", sender), messages.encode(message)
         )
-    assert agg.rejected == 1
-    assert (1, "agent-000") in agg._divergences and (1, "agent-001") not in agg._divergences
+    assert agg.intake.rejected == 1
+    assert (1, "agent-000") in agg.intake.divergences and (
+        1,
+        "agent-001",
+    ) not in agg.intake.divergences
 
 
 @pytest.mark.parametrize("strategy", ["fedavg", "fedadam-ssm"])
 def test_a_round_nobody_delivers_to_still_ends_with_a_global(strategy: str) -> None:
     agg, transport = aggregator(strategy)
-    agg._offline = set(ROSTER)
+    agg.intake.offline = set(ROSTER)
     agg._missed = set(ROSTER)
     assert agg.run_round(1)
     ((topic, data),) = [p for p in transport.published if p[0].endswith("/global")]

@@ -6,21 +6,26 @@ traffic is the size of real messages, not an estimate.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from agent.learning.central import CentralStrategy, Layout, Payload, model_layout
 from agent.learning.delta import FLIP
 from agent.learning.sparse import Masks, State
 from protocol import messages
+from protocol.errors import ProtocolError
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.tensors import decode_tensors, encode_tensors
 
 if TYPE_CHECKING:
-    from agent.learning.central import CentralStrategy, Payload
     from agent.learning.learner import Learner
+
+Shapes = dict[str, tuple[tuple[int, ...], str]]
+"""Tensor name -> (shape, wire dtype name), what `decode_state` checks a message against."""
 
 
 def encode_state(weights: State, masks: Masks | None = None, *, fp16: bool = False) -> bytes:
@@ -57,11 +62,16 @@ def all_finite(weights: State) -> bool:
     return all(bool(torch.isfinite(w).all()) for w in weights.values())
 
 
-def expected_shapes(weights: State) -> dict[str, tuple[tuple[int, ...], str]]:
+def expected_shapes(weights: State) -> Shapes:
     """The (shape, dtype) of every tensor of a model, for `decode_state`'s validation."""
+    return wire_shapes(model_layout(weights))
+
+
+def wire_shapes(layout: Layout) -> Shapes:
+    """A strategy's payload layout in the wire's terms (numpy dtype names)."""
     return {
-        name: (tuple(t.shape), str(np.dtype(str(t.dtype).removeprefix("torch."))))
-        for name, t in weights.items()
+        name: (shape, str(np.dtype(str(dtype).removeprefix("torch."))))
+        for name, (shape, dtype) in layout.items()
     }
 
 
@@ -138,14 +148,35 @@ def decode_upload(
 ) -> Payload:
     """A participant's upload (only `layers` of it, FedLDF) as the aggregator decodes it,
     validated; ProtocolError if malformed."""
-    return strategy.decode(learner, data, strategy.upload_shapes(learner, layers))
+    return _decode_payload(strategy, learner, data, strategy.upload_layout(learner, layers))
 
 
 def decode_download(strategy: CentralStrategy, learner: Learner, data: bytes) -> Payload:
     """A participant's own part of the global model (the FedSPU family), validated."""
-    return strategy.decode(learner, data, strategy.upload_shapes(learner))
+    return _decode_payload(strategy, learner, data, strategy.upload_layout(learner))
 
 
 def decode_broadcast(strategy: CentralStrategy, learner: Learner, data: bytes) -> Payload:
     """A round's broadcast as a participant decodes it, validated."""
-    return strategy.decode(learner, data, strategy.broadcast_shapes(learner))
+    return _decode_payload(strategy, learner, data, strategy.broadcast_layout(learner))
+
+
+def _decode_payload(
+    strategy: CentralStrategy, learner: Learner, data: bytes, layout: Layout | None
+) -> Payload:
+    """A payload off the wire, validated; ProtocolError if it is not what `layout` (or, where
+    it is None, the strategy's `check_payload`) says. Without a layout the decoder still
+    refuses, before allocating, more values than three models' worth."""
+    size = sum(t.numel() for t in learner.initial.values())
+    limits = dataclasses.replace(DEFAULT_LIMITS, max_total_elements=3 * size)
+    shapes = None if layout is None else wire_shapes(layout)
+    weights, masks = decode_state(data, shapes, limits=limits)
+    if layout is None:
+        try:
+            strategy.check_payload(learner, Payload(weights, masks or None))
+        except ValueError as exc:
+            raise ProtocolError(str(exc)) from None
+    # The model's order, whatever the sender's: aggregation sums in one fixed order.
+    order = {name: i for i, name in enumerate(strategy.payload_order(learner))}
+    weights = dict(sorted(weights.items(), key=lambda item: order[item[0]]))
+    return Payload(weights, masks or None)

@@ -1,0 +1,77 @@
+"""Centralized strategies as small pluggable objects: what a participant computes in a round
+(`fit`) and how the aggregator combines what they upload (`aggregate`), after Flower's
+Strategy (`base.CentralStrategy` is the contract; a file per strategy family):
+
+    fedavg       sample-weighted mean of full local models; accuracy of the global model
+    fedavg-ft    fedavg, accuracy of each agent's fine-tuned model
+    fedspu       FedSPU (ALGORITHMS.md 2): a random fraction p_k of the neurons trains, the rest
+                 is frozen and stays personal; only the active part travels, both ways
+    feddrop      federated dropout, FedSPU's baseline: the agent trains the sub-model of the
+                 same active neurons and the rest is dropped, not kept
+    fedadam      local Adam (ALGORITHMS.md 3), dense deltas of weights and both moments
+    fedadam-top  the three deltas each top-k sparsified with its own mask
+    fedadam-ssm  one shared top-k mask, from the weight delta, for all three
+    fedldf       FedLDF (ALGORITHMS.md 4): divergence vectors first, then each layer from its
+                 n most divergent participants only
+"""
+
+from __future__ import annotations
+
+from agent.learning.central.base import (
+    Aggregate,
+    CentralStrategy,
+    Fit,
+    Layout,
+    Payload,
+    ServerState,
+    Upload,
+    as_sent,
+    model_layout,
+)
+from agent.learning.central.fedadam import FedAdam, FedAdamSSM, FedAdamTop
+from agent.learning.central.fedavg import FedAvg, FedAvgFineTuned
+from agent.learning.central.fedldf import FedLDF
+from agent.learning.central.fedspu import STATIC_TIERS, FedDropout, FedSPU, static_tier
+
+__all__ = [
+    "CENTRAL_STRATEGIES",
+    "STATIC_TIERS",
+    "Aggregate",
+    "CentralStrategy",
+    "FedAdam",
+    "FedAdamSSM",
+    "FedAdamTop",
+    "FedAvg",
+    "FedAvgFineTuned",
+    "FedDropout",
+    "FedLDF",
+    "FedSPU",
+    "Fit",
+    "Layout",
+    "Payload",
+    "ServerState",
+    "Upload",
+    "as_sent",
+    "central_strategy",
+    "model_layout",
+    "static_tier",
+]
+
+CENTRAL_STRATEGIES: dict[str, type[CentralStrategy]] = {
+    cls.name: cls
+    for cls in (
+        FedAvg,
+        FedAvgFineTuned,
+        FedSPU,
+        FedDropout,
+        FedAdam,
+        FedAdamTop,
+        FedAdamSSM,
+        FedLDF,
+    )
+}
+
+
+def central_strategy(name: str) -> CentralStrategy:
+    """A fresh strategy object by its name (`CENTRAL_STRATEGIES`)."""
+    return CENTRAL_STRATEGIES[name]()

@@ -1,0 +1,220 @@
+"""The contract of a centralized strategy and the values a round moves, after Flower's
+`Strategy`. Pure math: nothing here waits, sends or decodes. The driver (the simulator, or the
+coordinator and agents over MQTT) moves the `Payload`s; the runtime's wire module
+(`agent.runtime.codec`) decodes them, checked against the layout a strategy describes here.
+
+A round, in the order the messages flow:
+
+    download   (FedSPU family) the aggregator sends each participant the global values of
+               its active part, drawn from the participant's seed and its announced p_k
+    fit        the participant trains and says what it uploads (FedLDF: nothing yet, only
+               its per-layer divergence)
+    select     (FedLDF) the aggregator asks each participant for the layers it was picked for
+    respond    (FedLDF) the participant's upload of exactly those layers
+    aggregate  the aggregator combines the uploads it received; its broadcast goes to all
+    receive    each participant updates its view of the server state from the broadcast
+
+The aggregator sees only `Upload`s (a payload as it came off the wire and a sample count),
+so the coordinator over MQTT and the simulator call `aggregate` with the same inputs.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from agent.learning.learner import AgentState, Learner, LocalData
+from agent.learning.sparse import Masks, State
+from agent.learning.training import TrainResult, train_local
+
+Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]
+"""Tensor name -> (shape, dtype) of every tensor a payload carries."""
+
+
+@dataclass(frozen=True)
+class Payload:
+    """Tensors one message carries: only the entries of `masks` where one is given."""
+
+    weights: State
+    masks: Masks | None = None
+
+
+@dataclass
+class ServerState:
+    """The aggregator's model (and, for the Adam family, the global moments)."""
+
+    weights: State
+    m: State | None = None
+    v: State | None = None
+
+
+@dataclass(frozen=True)
+class Fit:
+    """One participant's round: its new state, what it uploads, its figures."""
+
+    state: AgentState
+    upload: Payload
+    num_samples: int
+    train_loss: float
+    train_flops: int
+    divergence: dict[str, float] | None = None
+    """FedLDF: per-layer divergence, sent before any tensor."""
+
+
+@dataclass(frozen=True)
+class Upload:
+    """What the aggregator received from one participant."""
+
+    payload: Payload
+    num_samples: int
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    """The aggregator's round: its new state and what it broadcasts (empty: nothing)."""
+
+    server: ServerState
+    broadcast: Payload
+
+
+class CentralStrategy(abc.ABC):
+    """The contract. Every strategy implements `fit` and `aggregate`; the flags say which of
+    the optional steps it takes part in:
+
+        downloads    `download`: each participant fetches its part of the global model
+        asks_layers  `select` and `respond`: uploads go in two steps (FedLDF)
+        broadcasts   `receive`: a round ends with a broadcast every participant applies
+
+    and `init_server` starts the aggregator's state. The payload layout (`upload_layout`,
+    `broadcast_layout`, `check_payload`, `payload_order`) lets the wire module validate what
+    arrives before a strategy sees it."""
+
+    name: ClassVar[str] = ""
+    personal: ClassVar[bool] = False
+    """Whether an agent's accuracy is its own model's (True) or the new global model's."""
+    downloads: ClassVar[bool] = False
+    """Whether each participant fetches its own part of the global model every round."""
+    asks_layers: ClassVar[bool] = False
+    """Whether the aggregator asks for layers after reading divergence vectors (FedLDF)."""
+    broadcasts: ClassVar[bool] = True
+    """Whether a round ends with a broadcast every participant applies (`receive`)."""
+
+    def init_server(self, learner: Learner) -> ServerState:
+        """The aggregator's state before round 1."""
+        return ServerState(dict(learner.initial))
+
+    def download(
+        self, learner: Learner, server: ServerState, agent_id: str, round_: int, p_k: float
+    ) -> Payload:
+        """The part of the global model participant `agent_id` receives this round."""
+        raise NotImplementedError(f"{self.name} broadcasts; participants download nothing")
+
+    @abc.abstractmethod
+    def fit(
+        self,
+        learner: Learner,
+        agent: AgentState,
+        data: LocalData,
+        server: ServerState,
+        round_: int,
+        p_k: float,
+    ) -> Fit:
+        """A participant's local round from its view of the server state."""
+
+    def select(
+        self, learner: Learner, divergences: Mapping[str, dict[str, float]]
+    ) -> dict[str, list[str]]:
+        """The layers to ask each participant for (only strategies that `asks_layers`)."""
+        raise NotImplementedError(f"{self.name} asks for no layers")
+
+    def respond(self, learner: Learner, fit: Fit, layers: list[str]) -> Payload:
+        """A participant's upload of the layers it was asked for."""
+        raise NotImplementedError(f"{self.name} asks for no layers")
+
+    @abc.abstractmethod
+    def aggregate(
+        self, learner: Learner, server: ServerState, uploads: Mapping[str, Upload]
+    ) -> Aggregate:
+        """The aggregator's new state from the uploads it received, and its broadcast."""
+
+    def receive(self, view: ServerState, broadcast: Payload) -> ServerState:
+        """A participant's view of the server state after this round's broadcast."""
+        return ServerState(dict(broadcast.weights)) if broadcast.weights else view
+
+    def upload_layout(self, learner: Learner, layers: list[str] | None = None) -> Layout | None:
+        """The tensors an upload (only `layers` of the model, when given) carries; None when
+        some sizes are only known from the masks it carries (`check_payload`)."""
+        names = learner.initial if layers is None else _layer_tensor_names(learner, layers)
+        return {n: s for n, s in model_layout(learner.initial).items() if n in names}
+
+    def broadcast_layout(self, learner: Learner) -> Layout | None:
+        """The tensors a broadcast (or a download) carries; None as for `upload_layout`."""
+        return self.upload_layout(learner)
+
+    def check_payload(self, learner: Learner, payload: Payload) -> None:
+        """Validate a payload decoded without a layout (where `upload_layout` or
+        `broadcast_layout` is None); ValueError if malformed. A strategy whose payloads all
+        have a layout accepts none without it."""
+        raise ValueError(f"a {self.name} payload is checked against its layout")
+
+    def payload_order(self, learner: Learner) -> list[str]:
+        """Every tensor name a payload of this strategy may carry, in the model's order."""
+        return list(learner.initial)
+
+
+def model_layout(weights: State) -> Layout:
+    """The (shape, dtype) of every tensor of a model."""
+    return {name: (tuple(t.shape), t.dtype) for name, t in weights.items()}
+
+
+def _layer_tensor_names(learner: Learner, layers: list[str]) -> set[str]:
+    """The tensor names of FedLDF layers; ValueError for a layer the model does not have."""
+    groups = learner.layer_groups
+    unknown = [layer for layer in layers if layer not in groups]
+    if unknown:
+        raise ValueError(f"unknown layers {unknown[:4]}")
+    return {name for layer in layers for name in groups[layer]}
+
+
+def sample_weights(uploads: Mapping[str, Upload]) -> dict[str, float]:
+    """Each upload's weight in an aggregate: its sample count."""
+    return {k: float(u.num_samples) for k, u in uploads.items()}
+
+
+def train_sgd(
+    learner: Learner,
+    agent: AgentState,
+    data: LocalData,
+    start: State,
+    round_: int,
+    *,
+    masks: Masks | None = None,
+    frozen: Masks | None = None,
+) -> TrainResult:
+    """The participant's local SGD from `start` (the same call for every SGD strategy)."""
+    return train_local(
+        learner.model,
+        start,
+        masks,
+        data.x_train,
+        data.y_train,
+        learner.config.sgd,
+        round_,
+        learner.generator("train", agent.agent_id, round_),
+        frozen=frozen,
+    )
+
+
+def as_sent(payload: Payload, fp16: bool) -> Payload:
+    """The payload as its receivers decode it: with fp16 on the wire, values rounded so."""
+    if not fp16:
+        return payload
+    rounded = {
+        n: t.half().to(t.dtype) if torch.is_floating_point(t) else t
+        for n, t in payload.weights.items()
+    }
+    return Payload(rounded, payload.masks)

@@ -1,0 +1,190 @@
+"""The FedAdam family (ALGORITHMS.md 3): local Adam from the global weights and moments, and
+an upload of the deltas of all three.
+
+    fedadam      dense deltas of weights and both moments
+    fedadam-top  the three deltas each top-k sparsified with its own mask
+    fedadam-ssm  one shared top-k mask, from the weight delta, for all three
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+
+from agent.learning import adam
+from agent.learning.central.base import (
+    Aggregate,
+    CentralStrategy,
+    Fit,
+    Layout,
+    Payload,
+    ServerState,
+    Upload,
+    model_layout,
+    sample_weights,
+)
+from agent.learning.learner import AgentState, Learner, LocalData
+from agent.learning.sparse import Masks, State
+
+
+class FedAdam(CentralStrategy):
+    """Local Adam from the global weights and moments; upload the deltas of all three."""
+
+    name = "fedadam"
+    mode = adam.MODE_DENSE
+
+    def init_server(self, learner: Learner) -> ServerState:
+        weights = dict(learner.initial)
+        return ServerState(weights, adam.zeros_like_state(weights), adam.zeros_like_state(weights))
+
+    def fit(
+        self,
+        learner: Learner,
+        agent: AgentState,
+        data: LocalData,
+        server: ServerState,
+        round_: int,
+        p_k: float,
+    ) -> Fit:
+        cfg = learner.config
+        assert server.m is not None and server.v is not None
+        result = adam.train_adam(
+            learner.model,
+            server.weights,
+            server.m,
+            server.v,
+            data.x_train,
+            data.y_train,
+            adam.AdamConfig(lr=cfg.lr, epochs=cfg.epochs, batch_size=cfg.batch_size),
+            learner.generator("train", agent.agent_id, round_),
+        )
+        (dw, w_mask), (dm, m_mask), (dv, v_mask) = adam.compress(
+            adam.deltas(result.weights, server.weights),
+            adam.deltas(result.m, server.m),
+            adam.deltas(result.v, server.v),
+            cfg.ssm_fraction,
+            self.mode,
+        )
+        return Fit(
+            state=dataclasses.replace(agent, weights=result.weights, round=round_),
+            upload=_moment_payload((dw, w_mask), (dm, m_mask), (dv, v_mask), self.mode),
+            num_samples=len(data.y_train),
+            train_loss=result.mean_loss,
+            train_flops=learner.train_flops(None, result.samples),
+        )
+
+    @property
+    def broadcast_mode(self) -> str:
+        """The broadcast's layout: dense for FedAdam, else one shared mask (the support)."""
+        return adam.MODE_DENSE if self.mode == adam.MODE_DENSE else adam.MODE_SSM
+
+    def aggregate(
+        self, learner: Learner, server: ServerState, uploads: Mapping[str, Upload]
+    ) -> Aggregate:
+        assert server.m is not None and server.v is not None
+        weights = sample_weights(uploads)
+        deltas = {k: _moment_deltas(u.payload) for k, u in uploads.items()}
+        dw, dm, dv = (
+            adam.aggregate_deltas({k: d[i] for k, d in deltas.items()}, weights) for i in range(3)
+        )
+        new = ServerState(
+            adam.apply(server.weights, dw), adam.apply(server.m, dm), adam.apply(server.v, dv)
+        )
+        support = {n: (dw[n] != 0) | (dm[n] != 0) | (dv[n] != 0) for n in dw}
+        broadcast = _moment_payload(
+            (dw, support), (dm, support), (dv, support), self.broadcast_mode
+        )
+        return Aggregate(new, broadcast)
+
+    def receive(self, view: ServerState, broadcast: Payload) -> ServerState:
+        """Apply the broadcast deltas to W, M and V, as the aggregator did."""
+        assert view.m is not None and view.v is not None
+        dw, dm, dv = _moment_deltas(broadcast)
+        return ServerState(
+            adam.apply(view.weights, dw), adam.apply(view.m, dm), adam.apply(view.v, dv)
+        )
+
+    def upload_layout(self, learner: Learner, layers: list[str] | None = None) -> Layout | None:
+        return _moment_layout(learner) if self.mode != adam.MODE_SSM else None
+
+    def broadcast_layout(self, learner: Learner) -> Layout | None:
+        return _moment_layout(learner) if self.broadcast_mode == adam.MODE_DENSE else None
+
+    def payload_order(self, learner: Learner) -> list[str]:
+        return list(_moment_layout(learner))
+
+    def check_payload(self, learner: Learner, payload: Payload) -> None:
+        """An SSM-layout payload: w:<name> in the model's shapes with a mask, m:/v:<name>
+        value vectors as long as that mask's count."""
+        masks = payload.masks or {}
+        want = {f"{p}:{n}" for p in "wmv" for n in learner.initial}
+        if set(payload.weights) != want:
+            raise ValueError("a moment payload must hold w:, m: and v: of every tensor")
+        if not all(torch.is_floating_point(t) for t in payload.weights.values()):
+            raise ValueError("a moment payload holds floating values only")
+        for name, (shape, _dtype) in model_layout(learner.initial).items():
+            w = payload.weights[f"w:{name}"]
+            mask = masks.get(f"w:{name}")
+            if tuple(w.shape) != shape or mask is None:
+                raise ValueError(f"w:{name} must have shape {shape} and a mask")
+            count = int(mask.sum())
+            for prefix in "mv":
+                if tuple(payload.weights[f"{prefix}:{name}"].shape) != (count,):
+                    raise ValueError(f"{prefix}:{name} must hold {count} values")
+
+
+class FedAdamTop(FedAdam):
+    name = "fedadam-top"
+    mode = adam.MODE_TOP
+
+
+class FedAdamSSM(FedAdam):
+    name = "fedadam-ssm"
+    mode = adam.MODE_SSM
+
+
+def _moment_layout(learner: Learner) -> Layout:
+    layout = model_layout(learner.initial)
+    return {f"{p}:{n}": shape for p in "wmv" for n, shape in layout.items()}
+
+
+def _moment_deltas(payload: Payload) -> tuple[State, State, State]:
+    """The zero-filled deltas of weights, first and second moment a `_moment_payload` carries
+    (in the shared-mask layout the moments' values are scattered back under w's mask)."""
+    masks = payload.masks or {}
+    names = [n.removeprefix("w:") for n in payload.weights if n.startswith("w:")]
+    out: list[State] = [{}, {}, {}]
+    for i, prefix in enumerate("wmv"):
+        for n in names:
+            t = payload.weights[f"{prefix}:{n}"]
+            shape = payload.weights[f"w:{n}"].shape
+            if t.shape != shape:  # a value vector in the order of w's mask
+                full = torch.zeros(shape, dtype=t.dtype)
+                full[masks[f"w:{n}"]] = t
+                t = full
+            elif f"{prefix}:{n}" in masks:
+                t = torch.where(masks[f"{prefix}:{n}"], t, torch.zeros((), dtype=t.dtype))
+            out[i][n] = t
+    return out[0], out[1], out[2]
+
+
+def _moment_payload(
+    w: tuple[State, Masks], m: tuple[State, Masks], v: tuple[State, Masks], mode: str
+) -> Payload:
+    """The deltas of weights and both moments as one message body. With one shared mask
+    (SSM) the mask travels once: the moments go as bare value vectors in its order."""
+    if mode == adam.MODE_DENSE:
+        parts = {"w": w[0], "m": m[0], "v": v[0]}
+        return Payload({f"{p}:{n}": t for p, s in parts.items() for n, t in s.items()})
+    weights = {f"w:{n}": t for n, t in w[0].items()}
+    masks = {f"w:{n}": w[1][n] for n in w[0]}
+    for prefix, (delta, mask) in (("m", m), ("v", v)):
+        for n, t in delta.items():
+            if mode == adam.MODE_SSM:
+                weights[f"{prefix}:{n}"] = t[w[1][n]]
+            else:
+                weights[f"{prefix}:{n}"] = t
+                masks[f"{prefix}:{n}"] = mask[n]
+    return Payload(weights, masks)

@@ -1,0 +1,64 @@
+"""FedLDF (ALGORITHMS.md 4): divergence vectors first, then each layer from its n most
+divergent participants only."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from agent.learning import ldf
+from agent.learning.central.base import (
+    Aggregate,
+    CentralStrategy,
+    Fit,
+    Payload,
+    ServerState,
+    Upload,
+    sample_weights,
+)
+from agent.learning.central.fedavg import full_model_fit
+from agent.learning.learner import AgentState, Learner, LocalData
+
+
+class FedLDF(CentralStrategy):
+    """Divergence vectors first; each layer then from its n most divergent participants."""
+
+    name = "fedldf"
+    asks_layers = True
+
+    def fit(
+        self,
+        learner: Learner,
+        agent: AgentState,
+        data: LocalData,
+        server: ServerState,
+        round_: int,
+        p_k: float,
+    ) -> Fit:
+        """FedAvg's local round, uploading nothing yet: only the per-layer divergence."""
+        fit = full_model_fit(learner, agent, data, server, round_)
+        groups = learner.layer_groups
+        return dataclasses.replace(
+            fit,
+            upload=Payload({}),
+            divergence=ldf.divergences(fit.state.weights, server.weights, groups),
+        )
+
+    def select(
+        self, learner: Learner, divergences: Mapping[str, dict[str, float]]
+    ) -> dict[str, list[str]]:
+        return ldf.select_layers(divergences, learner.config.ldf_n)
+
+    def respond(self, learner: Learner, fit: Fit, layers: list[str]) -> Payload:
+        return Payload(ldf.partial_state(fit.state.weights, layers, learner.layer_groups))
+
+    def aggregate(
+        self, learner: Learner, server: ServerState, uploads: Mapping[str, Upload]
+    ) -> Aggregate:
+        weights = ldf.aggregate_layers(
+            {k: u.payload.weights for k, u in uploads.items() if u.payload.weights},
+            sample_weights(uploads),
+            learner.layer_groups,
+            server.weights,
+        )
+        return Aggregate(ServerState(weights), Payload(weights))

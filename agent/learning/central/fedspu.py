@@ -1,0 +1,171 @@
+"""FedSPU (ALGORITHMS.md 2) and its baseline, federated dropout: each participant trains a
+random fraction of the neurons, and only that active part travels, both ways.
+
+    fedspu   the rest is frozen and stays personal
+    feddrop  the agent trains the sub-model of the same active neurons; the rest is dropped
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+
+from agent.learning import freezing
+from agent.learning.central.base import (
+    Aggregate,
+    CentralStrategy,
+    Fit,
+    Payload,
+    ServerState,
+    Upload,
+    sample_weights,
+    train_sgd,
+)
+from agent.learning.learner import AgentState, Learner, LocalData, frozen_training_flops
+from agent.learning.reduction import active_fraction
+from agent.learning.sparse import Masks
+from agent.learning.training import TrainResult
+
+STATIC_TIERS = (0.2, 0.4, 0.6, 0.8, 1.0)
+
+
+def static_tier(roster: list[str], agent_id: str) -> float:
+    """p_k without a measured budget: FedSPU's paper tiers 0.2, 0.4, ..., 1.0 in turn, by the
+    agent's place in the sorted roster (with device profiles the budget decides)."""
+    return STATIC_TIERS[sorted(roster).index(agent_id) % len(STATIC_TIERS)]
+
+
+class ActivePart(CentralStrategy):
+    """What FedSPU and federated dropout share: each participant downloads, trains and
+    uploads this round's active neurons (drawn from its seed), and the aggregator averages
+    each value over the participants it was active at; nothing is broadcast."""
+
+    personal = True
+    downloads = True
+    broadcasts = False
+
+    @abc.abstractmethod
+    def active(
+        self, learner: Learner, server: ServerState, agent_id: str, round_: int, p_k: float
+    ) -> Masks:
+        """This round's active neurons of a participant with budget p_k."""
+
+    @abc.abstractmethod
+    def train_active(
+        self,
+        learner: Learner,
+        agent: AgentState,
+        data: LocalData,
+        server: ServerState,
+        round_: int,
+        active: Masks,
+    ) -> tuple[TrainResult, int]:
+        """The local training of a participant's round, and its FLOPs per sample."""
+
+    def fit(
+        self,
+        learner: Learner,
+        agent: AgentState,
+        data: LocalData,
+        server: ServerState,
+        round_: int,
+        p_k: float,
+    ) -> Fit:
+        active = self.active(learner, server, agent.agent_id, round_, p_k)
+        trained, flops = self.train_active(learner, agent, data, server, round_, active)
+        return Fit(
+            state=dataclasses.replace(agent, weights=trained.state, round=round_),
+            upload=Payload(trained.state, active),
+            num_samples=len(data.y_train),
+            train_loss=trained.mean_loss,
+            train_flops=flops * trained.samples,
+        )
+
+    def download(
+        self, learner: Learner, server: ServerState, agent_id: str, round_: int, p_k: float
+    ) -> Payload:
+        return Payload(server.weights, self.active(learner, server, agent_id, round_, p_k))
+
+    def aggregate(
+        self, learner: Learner, server: ServerState, uploads: Mapping[str, Upload]
+    ) -> Aggregate:
+        weights = freezing.aggregate_active(
+            server.weights,
+            {k: (u.payload.weights, _all_masks(u.payload)) for k, u in uploads.items()},
+            sample_weights(uploads),
+        )
+        return Aggregate(ServerState(weights), Payload({}))
+
+
+def _draw_active(
+    learner: Learner, agent_id: str, server: ServerState, round_: int, fraction: float
+) -> Masks:
+    """The active neurons of a participant, drawn from its seed."""
+    generator = learner.generator("active", agent_id, round_)
+    return freezing.active_masks(learner.model, server.weights, fraction, generator)
+
+
+def _all_masks(payload: Payload) -> Masks:
+    """A payload's masks, all True for a tensor sent whole."""
+    masks = payload.masks or {}
+    return {
+        n: masks[n] if n in masks else torch.ones_like(t, dtype=torch.bool)
+        for n, t in payload.weights.items()
+    }
+
+
+class FedSPU(ActivePart):
+    """Freeze a random 1 - p_k of the neurons; exchange and aggregate the active part only."""
+
+    name = "fedspu"
+
+    def active(
+        self, learner: Learner, server: ServerState, agent_id: str, round_: int, p_k: float
+    ) -> Masks:
+        return _draw_active(learner, agent_id, server, round_, active_fraction(p_k))
+
+    def train_active(
+        self,
+        learner: Learner,
+        agent: AgentState,
+        data: LocalData,
+        server: ServerState,
+        round_: int,
+        active: Masks,
+    ) -> tuple[TrainResult, int]:
+        """Train the agent's own model with the global active part, the rest frozen (which
+        still runs forward and passes gradients back)."""
+        start = freezing.overwrite_active(agent.weights, server.weights, active)
+        trained = train_sgd(learner, agent, data, start, round_, frozen=active)
+        return trained, frozen_training_flops(learner, None, active)
+
+
+class FedDropout(ActivePart):
+    """Train the sub-model of the active neurons; the dropped rest is not kept.
+
+    Its accuracy is the trained sub-model's: in federated dropout that is the model an agent
+    has and would run (FedSPU's comparison is of these local models)."""
+
+    name = "feddrop"
+
+    def active(
+        self, learner: Learner, server: ServerState, agent_id: str, round_: int, p_k: float
+    ) -> Masks:
+        return _draw_active(learner, agent_id, server, round_, p_k)
+
+    def train_active(
+        self,
+        learner: Learner,
+        agent: AgentState,
+        data: LocalData,
+        server: ServerState,
+        round_: int,
+        active: Masks,
+    ) -> tuple[TrainResult, int]:
+        """Train the global model's sub-model of the active neurons alone."""
+        start = freezing.submodel(server.weights, active)
+        trained = train_sgd(learner, agent, data, start, round_, masks=active)
+        return trained, 3 * learner.forward_flops(active)
