@@ -72,9 +72,10 @@ import torch  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 from agent.learning import learner as strategies  # noqa: E402
-from agent.learning import pruning, sparse, topology, training  # noqa: E402
+from agent.learning import pqi, pruning, rigl, sparse, topology, training  # noqa: E402
 from agent.learning.config import PRESETS, preset  # noqa: E402
 from coordinator import simulate as simulator  # noqa: E402
+from coordinator import traffic  # noqa: E402
 from coordinator.simulate import ExperimentConfig, Simulation  # noqa: E402
 
 TARGET = 1.2
@@ -298,12 +299,12 @@ def instrumented(recorder: Recorder, simulation: Simulation) -> Iterator[None]:
     patch(pruning, "distance_from_init", "vote_prune")
     patch(pruning, "detection_score", "vote_prune")
     patch(pruning, "vote", "vote_prune")
-    patch(sparse, "pqi_prune", "vote_prune")
-    patch(sparse, "rigl_update", "rigl_update")
-    patch(sparse, "rigl_alpha", "rigl_update")
+    patch(pqi, "pqi_prune", "vote_prune")
+    patch(rigl, "rigl_update", "rigl_update")
+    patch(rigl, "rigl_alpha", "rigl_update")
     patch(sparse, "apply_masks", "rigl_update")  # after RigL (and after the rare PQI prune)
     patch(training, "apply_masks_", "train_final_mask")
-    patch(simulator.Simulation, "_message_size", "encoding")
+    patch(traffic, "message_size", "encoding")
     patch(simulator.Simulation, "_round_record", "records")
     if hasattr(training, "load_weights"):  # a faster stand-in for load_state_dict, if any
         patch(training, "load_weights", "load_state_dict")

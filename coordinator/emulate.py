@@ -24,42 +24,12 @@ from agent.data import load_dataset
 from agent.experiment import ExperimentConfig, check_networked, profile_names
 from agent.learning import topology
 from agent.learning.config import CENTRALIZED
+from agent.report import AgentRound, stopped_summary, summarize
 from agent.runtime import checkpoint
 from coordinator.aggregator import Aggregator
-from coordinator.simulate import stopped_summary, summarize
 from protocol import messages, topics
 from protocol.membership import Identity, connect, leave
 from protocol.mqtt import BrokerAddress
-
-RECORD_FIELDS = (
-    "accuracy",
-    "loss",
-    "train_loss",
-    "sparsity",
-    "bytes_sent",
-    "bytes_received",
-    "nonzeros_sent",
-    "train_flops",
-    "p_k",
-    "vote",
-    "score",
-    "pruned",
-    "stragglers",
-    "wait_s",
-    "stopped",
-)
-IDLE = {
-    "bytes_sent": 0,
-    "bytes_received": 0,
-    "nonzeros_sent": 0,
-    "train_flops": 0,
-    "vote": None,
-    "score": None,
-    "pruned": False,
-    "stragglers": [],
-    "wait_s": 0.0,
-}
-"""A stopped agent's record in the rounds after it stopped: its figures stay, it spends nothing."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,14 +187,18 @@ class Emulation:
             agent_id: t for agent_id, records in logs.items() for t, r in records.items()
             if r.get("stopped")
         }  # fmt: skip
+        last: dict[str, AgentRound] = {}
         for t in range(1, self.config.learning.rounds + 1):
             agents = {}
             for agent_id, records in logs.items():
                 if t in records:
-                    agents[agent_id] = {k: records[t].get(k) for k in RECORD_FIELDS}
+                    last[agent_id] = AgentRound.from_dict(records[t])
                     t_star = t_star or records[t].get("t_star")
-                elif t > stopped.get(agent_id, t):
-                    agents[agent_id] = {**rounds[-1]["agents"][agent_id], **IDLE}
+                elif t > stopped.get(agent_id, t):  # its figures stay, it spends nothing
+                    last[agent_id] = last[agent_id].idle(t)
+                else:
+                    continue
+                agents[agent_id] = last[agent_id].report_entry(networked=True)
             if not agents or len(stopped) == len(self.roster) and t > max(stopped.values()):
                 break
             record = {
