@@ -289,8 +289,8 @@ def load_imagefolder(
         for file in files:
             try:
                 with Image.open(file) as img:
-                    img = img.convert(mode).resize((size[1], size[0]), Image.Resampling.BILINEAR)
-                    arr = np.asarray(img, dtype=np.float32) / 255.0
+                    image = img.convert(mode).resize((size[1], size[0]), Image.Resampling.BILINEAR)
+                    arr = np.asarray(image, dtype=np.float32) / 255.0
             except (OSError, UnidentifiedImageError) as exc:
                 raise ValueError(f"{file}: not a readable image ({exc})") from exc
             xs.append(arr[None] if grayscale else arr.transpose(2, 0, 1))
@@ -421,7 +421,8 @@ def cached(key: str, make: Callable[[], Dataset]) -> Dataset:
         **({} if dataset.groups is None else {"groups": dataset.groups}),
     }
     try:
-        atomic_write(path, lambda handle: np.savez(handle, **arrays))
+        # allow_pickle (the default) is named so that no array of **arrays could bind to it.
+        atomic_write(path, lambda handle: np.savez(handle, allow_pickle=True, **arrays))
     except OSError as exc:
         log.warning("cannot cache dataset in %s: %s", folder, exc)
     return dataset
@@ -667,15 +668,7 @@ def partition(
             f"{num_agents} agents x {min_samples} samples need more than the "
             f"{len(pool)} samples of the train pool"
         )
-
-    if kind == "iid":
-        shares = [np.sort(s) for s in np.array_split(rng.permutation(pool), num_agents)]
-    elif kind == "dirichlet":
-        shares = _dirichlet(y, pool, num_agents, value, min_samples, rng)
-    elif kind == "pathological":
-        shares = _pathological(y, pool, num_agents, int(value), rng)
-    else:
-        shares = _natural(groups, pool, num_agents, rng)
+    shares = _deal(dataset, pool, num_agents, kind, value, min_samples, rng)
     smallest = min(range(num_agents), key=lambda k: len(shares[k]))
     if len(shares[smallest]) < min_samples:
         raise ValueError(
@@ -692,19 +685,8 @@ def partition(
         candidates = test_pool
         if kind == "natural" and groups is not None:
             candidates = test_pool[np.isin(groups[test_pool], groups[share])]
-        train_counts = label_counts(y[train_idx], c)
-        available = label_counts(y[candidates], c)
-        weights = train_counts * (available > 0)
         n_test = round(len(share) * ratio) if test_size is None else test_size
-        per_class = _allocate(n_test, weights) if weights.sum() else np.zeros(c, np.int64)
-        test_idx = np.concatenate(
-            [np.zeros(0, np.int64)]
-            + [
-                rng.choice(candidates[y[candidates] == cls], n, replace=n > available[cls])
-                for cls, n in enumerate(per_class)
-                if n > 0
-            ]
-        )
+        test_idx = _draw_test(y, c, train_idx, candidates, n_test, rng)
         agents.append(
             AgentData(
                 k,
@@ -716,6 +698,52 @@ def partition(
             )
         )
     return agents
+
+
+def _deal(
+    dataset: Dataset,
+    pool: np.ndarray,
+    num_agents: int,
+    kind: str,
+    value: float,
+    min_samples: int,
+    rng: np.random.Generator,
+) -> list[np.ndarray]:
+    """Each agent's share of the train pool under partition `kind` (see `partition`, step 2);
+    one helper per kind, so each states its own rule."""
+    if kind == "iid":
+        return [np.sort(s) for s in np.array_split(rng.permutation(pool), num_agents)]
+    if kind == "dirichlet":
+        return _dirichlet(dataset.y, pool, num_agents, value, min_samples, rng)
+    if kind == "pathological":
+        return _pathological(dataset.y, pool, num_agents, int(value), rng)
+    assert dataset.groups is not None  # checked by partition: `natural` needs groups
+    return _natural(dataset.groups, pool, num_agents, rng)
+
+
+def _draw_test(
+    y: np.ndarray,
+    num_classes: int,
+    train_idx: np.ndarray,
+    candidates: np.ndarray,
+    n_test: int,
+    rng: np.random.Generator,
+) -> np.ndarray:
+    """An agent's test set (see `partition`, step 4): `n_test` samples of `candidates`,
+    allocated over classes in proportion to the agent's train label counts, so that its test
+    label mix is its own; without replacement where a class has enough candidates."""
+    train_counts = label_counts(y[train_idx], num_classes)
+    available = label_counts(y[candidates], num_classes)
+    weights = train_counts * (available > 0)
+    per_class = _allocate(n_test, weights) if weights.sum() else np.zeros(num_classes, np.int64)
+    return np.concatenate(
+        [np.zeros(0, np.int64)]
+        + [
+            rng.choice(candidates[y[candidates] == cls], n, replace=n > available[cls])
+            for cls, n in enumerate(per_class)
+            if n > 0
+        ]
+    )
 
 
 def _split(dataset: Dataset, idx: np.ndarray) -> Split:

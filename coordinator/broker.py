@@ -20,7 +20,6 @@ import socket
 import sys
 import threading
 from collections.abc import Iterator
-from types import TracebackType
 from typing import Any
 
 from amqtt.broker import Broker
@@ -72,7 +71,7 @@ class _KeepaliveBroker(Broker):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._subscriptions = _SnapshotDict(self._subscriptions)
+        self._subscriptions: _SnapshotDict = _SnapshotDict(self._subscriptions)
 
     async def _initialize_client_session(self, *args: Any, **kwargs: Any) -> Any:
         handler, session = await super()._initialize_client_session(*args, **kwargs)
@@ -148,12 +147,7 @@ class EmbeddedBroker:
         self.start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
     async def _start(self) -> Broker:

@@ -341,8 +341,10 @@ def emulate(
     from coordinator.broker import EmbeddedBroker
     from coordinator.emulate import Emulation, EmulationOptions
 
-    embedded = None if broker else EmbeddedBroker(host="127.0.0.1", port=free_port())
-    broker = embedded.address if embedded else broker
+    embedded = None
+    if broker is None:
+        embedded = EmbeddedBroker(host="127.0.0.1", port=free_port())
+        broker = embedded.address
     folder = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="emulate-"))
     options = EmulationOptions(workdir=folder, round_timeout_s=round_timeout)
     try:

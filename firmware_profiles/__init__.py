@@ -1,6 +1,7 @@
 """Device profiles as data (TOML) and their loader; see loader.py."""
 
 from firmware_profiles.loader import (
+    BUNDLED_DIR,
     PROFILE_PATH_ENV,
     DeviceProfile,
     ProfileError,
@@ -8,4 +9,11 @@ from firmware_profiles.loader import (
     load_profile,
 )
 
-__all__ = ["PROFILE_PATH_ENV", "DeviceProfile", "ProfileError", "list_profiles", "load_profile"]
+__all__ = [
+    "BUNDLED_DIR",
+    "PROFILE_PATH_ENV",
+    "DeviceProfile",
+    "ProfileError",
+    "list_profiles",
+    "load_profile",
+]

@@ -68,7 +68,10 @@ def _check(data: Mapping[str, Any], where: str) -> DeviceProfile:
         value = data[key]
         if isinstance(value, bool) or not isinstance(value, _ACCEPTED[kind]):
             raise fail(key, f"expected {kind.__name__}, got {type(value).__name__} {value!r}")
-        if key in _FIGURES and not (value > 0 and (kind is int or math.isfinite(value))):
+        # A figure passed the isinstance check above; naming int | float here tells mypy.
+        if key in _FIGURES and not (
+            isinstance(value, int | float) and value > 0 and (kind is int or math.isfinite(value))
+        ):
             raise fail(key, f"must be a positive finite number, got {value!r}")
     if not _NAME.match(data["name"]):
         raise fail("name", f"{data['name']!r} is not 1-64 of a-z 0-9 _ . - (it goes on the wire)")
@@ -85,7 +88,8 @@ def _check(data: Mapping[str, Any], where: str) -> DeviceProfile:
             raise fail(f"sources.{key}", f"not a figure; expected one of {', '.join(_FIGURES)}")
         if not isinstance(text, str):
             raise fail(f"sources.{key}", f"expected str, got {type(text).__name__}")
-    figures = {key: kind(data[key]) for key, kind in _FIGURES.items()}
+    # Each figure converted to its field's own type (int or float), from the dataclass hints.
+    figures: dict[str, Any] = {key: kind(data[key]) for key, kind in _FIGURES.items()}
     return DeviceProfile(
         name=data["name"],
         description=data["description"],

@@ -1,0 +1,134 @@
+"""The wire format and transport of edgefl; knows nothing of training.
+
+The names other packages use can be imported from here (`from protocol import
+MqttTransport`) as well as from their modules. They are loaded lazily, on first use: the
+modules pull in paho, zeroconf and click, and the command-line tools import discovery only
+when mDNS is asked for, which an eager import here would undo.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from protocol import messages, topics
+    from protocol.chunking import (
+        DEFAULT_CHUNK_SIZE,
+        FRAME_VERSION,
+        MAGIC,
+        FrameError,
+        Reassembler,
+        fits_one_frame,
+        split,
+    )
+    from protocol.cli import BROKER, NAME, ConfigError, read_key, stop_on_signal, wait_for
+    from protocol.discovery import AGENT_SERVICE, AgentAdvert, Discovery
+    from protocol.errors import ProtocolError
+    from protocol.limits import DEFAULT_LIMITS, Limits
+    from protocol.masks import MaskKind, bitmap_size, decode_mask, elias_fano_size, encode_mask
+    from protocol.membership import Identity, connect, leave
+    from protocol.mqtt import (
+        BrokerAddress,
+        MqttTransport,
+        PublishQueueFull,
+        TlsOptions,
+        TransportOptions,
+    )
+    from protocol.tensors import (
+        DTYPES,
+        DecodedTensor,
+        decode_tensors,
+        encode_tensors,
+        lower_bound_bytes,
+    )
+    from protocol.version import PROTOCOL_VERSION
+
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    "protocol.chunking": (
+        "DEFAULT_CHUNK_SIZE",
+        "FRAME_VERSION",
+        "MAGIC",
+        "FrameError",
+        "Reassembler",
+        "fits_one_frame",
+        "split",
+    ),
+    "protocol.cli": ("BROKER", "NAME", "ConfigError", "read_key", "stop_on_signal", "wait_for"),
+    "protocol.discovery": ("AGENT_SERVICE", "AgentAdvert", "Discovery"),
+    "protocol.errors": ("ProtocolError",),
+    "protocol.limits": ("DEFAULT_LIMITS", "Limits"),
+    "protocol.masks": ("MaskKind", "bitmap_size", "decode_mask", "elias_fano_size", "encode_mask"),
+    "protocol.membership": ("Identity", "connect", "leave"),
+    "protocol.mqtt": (
+        "BrokerAddress",
+        "MqttTransport",
+        "PublishQueueFull",
+        "TlsOptions",
+        "TransportOptions",
+    ),
+    "protocol.tensors": (
+        "DTYPES",
+        "DecodedTensor",
+        "decode_tensors",
+        "encode_tensors",
+        "lower_bound_bytes",
+    ),
+    "protocol.version": ("PROTOCOL_VERSION",),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+__all__ = [
+    "AGENT_SERVICE",
+    "BROKER",
+    "DEFAULT_CHUNK_SIZE",
+    "DEFAULT_LIMITS",
+    "DTYPES",
+    "FRAME_VERSION",
+    "MAGIC",
+    "NAME",
+    "PROTOCOL_VERSION",
+    "AgentAdvert",
+    "BrokerAddress",
+    "ConfigError",
+    "DecodedTensor",
+    "Discovery",
+    "FrameError",
+    "Identity",
+    "Limits",
+    "MaskKind",
+    "MqttTransport",
+    "ProtocolError",
+    "PublishQueueFull",
+    "Reassembler",
+    "TlsOptions",
+    "TransportOptions",
+    "bitmap_size",
+    "connect",
+    "decode_mask",
+    "decode_tensors",
+    "elias_fano_size",
+    "encode_mask",
+    "encode_tensors",
+    "fits_one_frame",
+    "leave",
+    "lower_bound_bytes",
+    "messages",
+    "read_key",
+    "split",
+    "stop_on_signal",
+    "topics",
+    "wait_for",
+]
+
+
+def __getattr__(name: str) -> Any:
+    """Import the module that defines `name` on first use (PEP 562)."""
+    module = _MODULE_OF.get(name)
+    if module is None:
+        # Submodules (`from protocol import messages`) are found by the import system after
+        # this AttributeError, as for any package.
+        raise AttributeError(f"module 'protocol' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from typing import Any
 
 import click
 
@@ -17,7 +18,9 @@ class BrokerType(click.ParamType):
 
     name = "HOST[:PORT]"
 
-    def convert(self, value, param, ctx):  # type: ignore[no-untyped-def]
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> BrokerAddress:
         if isinstance(value, BrokerAddress):
             return value
         try:
@@ -31,7 +34,7 @@ class NameType(click.ParamType):
 
     name = "NAME"
 
-    def convert(self, value, param, ctx):  # type: ignore[no-untyped-def]
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
         try:
             return topics.check_name(value, param.opts[0].lstrip("-") if param else "name")
         except ProtocolError as exc:

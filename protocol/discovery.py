@@ -18,7 +18,6 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from types import TracebackType
 from typing import TypeVar
 
 from zeroconf import Error as ZeroconfError
@@ -215,12 +214,7 @@ class Discovery:
     def __enter__(self) -> Discovery:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def _publish(

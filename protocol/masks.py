@@ -34,9 +34,6 @@ class MaskKind(IntEnum):
     EF_RUNS = 6
 
 
-_EF_KINDS = (MaskKind.EF_KEPT, MaskKind.EF_DROPPED, MaskKind.EF_RUNS)
-
-
 def bin_header(length: int) -> bytes:
     """msgpack bin header, so large blobs can be joined into a message without re-packing."""
     if length < 1 << 8:
@@ -97,7 +94,12 @@ def encode_mask(mask: np.ndarray) -> EncodedMask:
     }
     kind = min(sizes, key=sizes.__getitem__)
     if kind == MaskKind.BITMAP:
-        parts = (b"\x92", msgpack.packb(kind), bin_header(packed.size), packed)
+        parts: tuple[bytes | np.ndarray, ...] = (
+            b"\x92",
+            msgpack.packb(kind),
+            bin_header(packed.size),
+            packed,
+        )
         return EncodedMask(kind, kept, parts)
     if kind == MaskKind.EF_KEPT:
         positions = np.flatnonzero(mask)
@@ -157,7 +159,9 @@ class MaskPlan:
         if self.kind == MaskKind.EMPTY:
             return np.zeros(self.size, dtype=bool)
         if self.kind == MaskKind.BITMAP:
+            assert self.bits is not None  # decode_mask gives every bitmap its bits
             return np.unpackbits(self.bits, count=self.size, bitorder="little").view(bool)
+        assert self.positions is not None  # and every Elias-Fano kind its positions
         if self.kind == MaskKind.EF_RUNS:
             lengths = np.diff(self.positions, prepend=0, append=self.size)
             return np.repeat(np.arange(lengths.size) % 2 == 1, lengths)

@@ -14,7 +14,6 @@ stays free of numpy and of any training code.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import hmac
 import math
@@ -270,12 +269,18 @@ def _verify(data: bytes, signature: Any, key: bytes) -> None:
         raise ProtocolError("bad message signature")
 
 
-@functools.cache
+_FIELD_HINTS: dict[type[Message], tuple[tuple[str, Any], ...]] = {}
+
+
 def _field_hints(cls: type[Message]) -> tuple[tuple[str, Any], ...]:
     """(name, resolved annotation) of every field of a message class, resolved once: string
     annotations cost more to evaluate than a whole small message costs to encode."""
-    hints = typing.get_type_hints(cls)
-    return tuple((field.name, hints[field.name]) for field in dataclasses.fields(cls))
+    cached = _FIELD_HINTS.get(cls)
+    if cached is None:
+        hints = typing.get_type_hints(cls)
+        cached = tuple((field.name, hints[field.name]) for field in dataclasses.fields(cls))
+        _FIELD_HINTS[cls] = cached
+    return cached
 
 
 def _check_fields(message: Message) -> None:

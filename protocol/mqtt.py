@@ -130,22 +130,202 @@ class Publication:
     instead of raising. QoS 0 publications count as published at once: nobody acks them.
     """
 
-    def __init__(self, transport: MqttTransport, frames: int) -> None:
-        self._transport = transport
+    def __init__(self, outgoing: _OutgoingQueue, frames: int) -> None:
+        self._outgoing = outgoing
         self._remaining = frames
 
     def is_published(self) -> bool:
-        return self._transport._until(lambda: self._remaining == 0, 0.0)
+        return self._outgoing.until(lambda: self._remaining == 0, 0.0)
 
     def wait_for_publish(self, timeout_s: float | None = None) -> bool:
         """Block until published or timeout (None: no timeout); True when published."""
-        return self._transport._until(lambda: self._remaining == 0, timeout_s)
+        return self._outgoing.until(lambda: self._remaining == 0, timeout_s)
+
+
+class _OutgoingQueue:
+    """The QoS 1 frames published but not yet acknowledged, and the waits on them.
+
+    Kept apart from the transport because its locking is delicate. paho calls on_publish
+    while holding its own message lock, and publish() takes that lock while we hold `_lock`,
+    so `acknowledge` (called from on_publish) must not take `_lock`: it only appends the mid
+    to `_acks` (under `_ack_cond`, to wake waiters) and `_settle()` matches acks to
+    publications later, under `_lock`.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: dict[int, Publication] = {}
+        self._acks: deque[int] = deque()
+        self._ack_cond = threading.Condition()
+        self._ack_seq = 0
+
+    def __len__(self) -> int:
+        """Frames awaiting their acknowledgement."""
+        return len(self._pending)
+
+    def track(self, mid: int, publication: Publication) -> None:
+        """Note a frame sent for `publication`; only from the `then` of `until`."""
+        self._pending[mid] = publication
+
+    def acknowledge(self, mid: int) -> None:
+        """The broker acknowledged frame `mid` (paho's network thread: never blocks long)."""
+        with self._ack_cond:
+            self._acks.append(mid)
+            self._ack_seq += 1
+            self._ack_cond.notify_all()
+
+    def until(
+        self,
+        ready: Callable[[], bool],
+        timeout_s: float | None,
+        then: Callable[[], None] | None = None,
+    ) -> bool:
+        """Wait until ready() holds under _lock (then run then() under it); False on timeout."""
+        deadline = math.inf if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            seq = self._ack_seq
+            with self._lock:
+                self._settle()
+                if ready():
+                    if then is not None:
+                        then()
+                    return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            with self._ack_cond:
+                if self._ack_seq == seq:
+                    self._ack_cond.wait(None if remaining == math.inf else remaining)
+
+    def _settle(self) -> None:
+        """Apply broker acknowledgements to their publications; caller holds _lock."""
+        while self._acks:
+            publication = self._pending.pop(self._acks.popleft(), None)
+            if publication is not None:  # None: birth, QoS 0, or a mid from before a stop
+                publication._remaining -= 1
+
+
+_Delivery = tuple[str, bytes, list[Handler]]
+
+
+class _Dispatcher:
+    """Runs the handlers of whole messages on one thread, in arrival order.
+
+    Never on paho's network thread, so a slow handler cannot stall keepalive pings or
+    acknowledgements (deliveries wait in memory for a slow handler); a failing handler is
+    logged and counted and does not stop the others.
+    """
+
+    def __init__(self, name: str, count: Callable[[str], None]) -> None:
+        self._count = count
+        self._deliveries: queue.SimpleQueue[_Delivery | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.started = False
+
+    def start(self) -> None:
+        self.started = True
+        self._thread.start()
+
+    def put(self, topic: str, payload: bytes, handlers: list[Handler]) -> None:
+        self._deliveries.put((topic, payload, handlers))
+
+    def stop(self, timeout_s: float) -> None:
+        """Run what is queued, then end the thread (waiting up to timeout_s for it)."""
+        if self.started:
+            self._deliveries.put(None)
+            self._thread.join(timeout_s)
+
+    def _loop(self) -> None:
+        while (delivery := self._deliveries.get()) is not None:
+            topic, payload, handlers = delivery
+            for handler in handlers:
+                try:
+                    handler(topic, payload)
+                except Exception:
+                    self._count("handler_errors")
+                    log.exception("handler %r failed on a message on %s", handler, topic)
 
 
 @dataclass
 class _Subscription:
     qos: int
     handlers: list[Handler]
+
+
+class _SubscriptionTable:
+    """The subscriptions, the connection state, and which SUBACKs are still awaited.
+
+    One condition guards all three, so `wait_subscribed` sees them change together. With
+    clean sessions the broker forgets subscriptions on every disconnect: `connected()` sends
+    them all again.
+    """
+
+    def __init__(self, client: paho.Client) -> None:
+        self._client = client
+        self._cond = threading.Condition()
+        self._subs: dict[str, _Subscription] = {}
+        self._unacked: set[int] = set()
+        self.is_connected = False
+
+    def wait_connected(self, timeout_s: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self.is_connected, timeout_s)
+
+    def wait_subscribed(self, timeout_s: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self.is_connected and not self._unacked, timeout_s)
+
+    def add(self, topic_filter: str, handler: Handler, qos: int) -> None:
+        with self._cond:
+            sub = self._subs.setdefault(topic_filter, _Subscription(qos, []))
+            sub.qos = max(sub.qos, qos)
+            sub.handlers.append(handler)
+            if self.is_connected:
+                self._send_subscribe([(topic_filter, sub.qos)])
+
+    def remove(self, topic_filter: str) -> None:
+        with self._cond:
+            if self._subs.pop(topic_filter, None) is not None and self.is_connected:
+                self._client.unsubscribe(topic_filter)
+
+    def handlers_for(self, topic: str) -> list[Handler]:
+        with self._cond:
+            return [
+                h
+                for f, sub in self._subs.items()
+                if paho.topic_matches_sub(f, topic)
+                for h in sub.handlers
+            ]
+
+    def connected(self) -> None:
+        """A (re)connect: subscribe to every filter again, on this new session."""
+        with self._cond:
+            self._unacked.clear()
+            if self._subs:
+                self._send_subscribe([(f, s.qos) for f, s in self._subs.items()])
+            self.is_connected = True
+            self._cond.notify_all()
+
+    def disconnected(self, *, lost: bool) -> None:
+        """The connection ended; `lost` (not our stop): its SUBACKs will never come."""
+        with self._cond:
+            self.is_connected = False
+            if lost:
+                self._unacked.clear()
+            self._cond.notify_all()
+
+    def acknowledged(self, mid: int) -> None:
+        """The broker answered the SUBSCRIBE `mid`."""
+        with self._cond:
+            self._unacked.discard(mid)
+            self._cond.notify_all()
+
+    def _send_subscribe(self, filters: list[tuple[str, int]]) -> None:
+        """Caller holds _cond, so the SUBACK cannot be handled before the mid is noted."""
+        rc, mid = self._client.subscribe(filters)
+        log.debug("subscribing to %s: rc %s, mid %s", [f for f, _ in filters], rc, mid)
+        if rc == MQTTErrorCode.MQTT_ERR_SUCCESS and mid is not None:
+            self._unacked.add(mid)
 
 
 class MqttTransport:
@@ -179,36 +359,19 @@ class MqttTransport:
         )
         self._stats: Counter[str] = Counter()
         self._stats_lock = threading.Lock()
-        # Subscriptions and connection state.
-        self._sub_cond = threading.Condition()
-        self._subs: dict[str, _Subscription] = {}
-        self._unacked_subscribes: set[int] = set()
-        self._connected = False
-        # Outgoing queue accounting. paho calls on_publish while holding its own message
-        # lock, and publish() takes that lock while we hold _pub_lock, so on_publish must not
-        # take _pub_lock: it only appends the mid to _acks (under _ack_cond, to wake waiters)
-        # and _settle() matches acks to publications later, under _pub_lock.
-        self._pub_lock = threading.Lock()
-        self._pending: dict[int, Publication] = {}
-        self._acks: deque[int] = deque()
-        self._ack_cond = threading.Condition()
-        self._ack_seq = 0
+        self._outgoing = _OutgoingQueue()
         self._stopped = False
-        self._deliveries: queue.SimpleQueue[tuple[str, bytes, list[Handler]] | None] = (
-            queue.SimpleQueue()
-        )
-        self._dispatcher: threading.Thread | None = None
-        self._client = self._make_client()
+        self._dispatcher = _Dispatcher(f"mqtt-dispatch-{self._client_id}", self._count)
+        self._client = _new_client(self._client_id, options)
+        self._subscriptions = _SubscriptionTable(self._client)
+        self._bind_callbacks(self._client)
 
     # -- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
         """Start connecting in the background; returns at once (see wait_connected)."""
-        if self._dispatcher is not None or self._stopped:
+        if self._dispatcher.started or self._stopped:
             raise RuntimeError("a transport starts once")
-        self._dispatcher = threading.Thread(
-            target=self._dispatch_loop, name=f"mqtt-dispatch-{self.client_id}", daemon=True
-        )
         self._dispatcher.start()
         self._client.connect_async(self.broker.host, self.broker.port, self.options.keepalive_s)
         self._client.loop_start()
@@ -221,12 +384,8 @@ class MqttTransport:
         self._stopped = True
         self._client.disconnect()
         self._client.loop_stop()
-        with self._sub_cond:
-            self._connected = False
-            self._sub_cond.notify_all()
-        if self._dispatcher is not None:
-            self._deliveries.put(None)
-            self._dispatcher.join(timeout_s)
+        self._subscriptions.disconnected(lost=False)
+        self._dispatcher.stop(timeout_s)
         log.info("disconnected from MQTT broker %s", self.broker)
 
     def __enter__(self) -> MqttTransport:
@@ -242,18 +401,14 @@ class MqttTransport:
 
     @property
     def connected(self) -> bool:
-        return self._connected
+        return self._subscriptions.is_connected
 
     def wait_connected(self, timeout_s: float) -> bool:
-        with self._sub_cond:
-            return self._sub_cond.wait_for(lambda: self._connected, timeout_s)
+        return self._subscriptions.wait_connected(timeout_s)
 
     def wait_subscribed(self, timeout_s: float) -> bool:
         """Wait until connected and every subscription is acknowledged on this connection."""
-        with self._sub_cond:
-            return self._sub_cond.wait_for(
-                lambda: self._connected and not self._unacked_subscribes, timeout_s
-            )
+        return self._subscriptions.wait_subscribed(timeout_s)
 
     @property
     def stats(self) -> dict[str, int]:
@@ -304,23 +459,23 @@ class MqttTransport:
                 f"message of {len(frames)} frames can never fit the outgoing queue of "
                 f"{self.options.max_queued}: raise max_queued or chunk_size"
             )
-        publication = Publication(self, tracked)
+        publication = Publication(self._outgoing, tracked)
 
         def send() -> None:
             for frame in frames:
                 info = self._client.publish(topic, frame, qos=qos, retain=retain)
                 if qos > 0:
-                    self._pending[info.mid] = publication
+                    self._outgoing.track(info.mid, publication)
                 elif info.rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
                     self._count("dropped_qos0_frames")
 
-        if not self._until(
-            lambda: len(self._pending) + tracked <= self.options.max_queued,
+        if not self._outgoing.until(
+            lambda: len(self._outgoing) + tracked <= self.options.max_queued,
             self.options.queue_timeout_s,
             then=send,
         ):
             raise PublishQueueFull(
-                f"outgoing queue full ({len(self._pending)} of {self.options.max_queued} "
+                f"outgoing queue full ({len(self._outgoing)} of {self.options.max_queued} "
                 f"frames unacknowledged for {self.options.queue_timeout_s} s); "
                 f"connected={self.connected}"
             )
@@ -328,36 +483,6 @@ class MqttTransport:
         self._count("published_frames", len(frames))
         self._count("published_bytes", sum(map(len, frames)))
         return publication
-
-    def _until(
-        self,
-        ready: Callable[[], bool],
-        timeout_s: float | None,
-        then: Callable[[], None] | None = None,
-    ) -> bool:
-        """Wait until ready() holds under _pub_lock (then run then() under it); False on timeout."""
-        deadline = math.inf if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            seq = self._ack_seq
-            with self._pub_lock:
-                self._settle()
-                if ready():
-                    if then is not None:
-                        then()
-                    return True
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            with self._ack_cond:
-                if self._ack_seq == seq:
-                    self._ack_cond.wait(None if remaining == math.inf else remaining)
-
-    def _settle(self) -> None:
-        """Apply broker acknowledgements to their publications; caller holds _pub_lock."""
-        while self._acks:
-            publication = self._pending.pop(self._acks.popleft(), None)
-            if publication is not None:  # None: birth, QoS 0, or a mid from before a stop
-                publication._remaining -= 1
 
     # -- subscribing -----------------------------------------------------------------------
 
@@ -368,47 +493,15 @@ class MqttTransport:
         exception is logged and counted and does not stop the others. The subscription is
         restored on every reconnect; see wait_subscribed.
         """
-        with self._sub_cond:
-            sub = self._subs.setdefault(topic_filter, _Subscription(qos, []))
-            sub.qos = max(sub.qos, qos)
-            sub.handlers.append(handler)
-            if self._connected:
-                self._send_subscribe([(topic_filter, sub.qos)])
+        self._subscriptions.add(topic_filter, handler, qos)
 
     def unsubscribe(self, topic_filter: str) -> None:
         """Drop every handler of topic_filter and the broker subscription."""
-        with self._sub_cond:
-            if self._subs.pop(topic_filter, None) is not None and self._connected:
-                self._client.unsubscribe(topic_filter)
-
-    def _send_subscribe(self, filters: list[tuple[str, int]]) -> None:
-        """Caller holds _sub_cond, so the SUBACK cannot be handled before the mid is noted."""
-        rc, mid = self._client.subscribe(filters)
-        log.debug("subscribing to %s: rc %s, mid %s", [f for f, _ in filters], rc, mid)
-        if rc == MQTTErrorCode.MQTT_ERR_SUCCESS and mid is not None:
-            self._unacked_subscribes.add(mid)
+        self._subscriptions.remove(topic_filter)
 
     # -- paho callbacks (network thread: quick, never raise) ---------------------------------
 
-    def _make_client(self) -> paho.Client:
-        options = self.options
-        client = paho.Client(
-            CallbackAPIVersion.VERSION2,
-            client_id=self._client_id,
-            clean_session=True,
-            protocol=paho.MQTTv311,
-        )
-        client.suppress_exceptions = True
-        client.reconnect_delay_set(options.backoff_min_s, options.backoff_max_s)  # type: ignore[arg-type]
-        if options.username is not None:
-            client.username_pw_set(options.username, options.password)
-        if options.tls is not None:
-            client.tls_set(
-                ca_certs=options.tls.ca_certs,
-                certfile=options.tls.certfile,
-                keyfile=options.tls.keyfile,
-            )
-            client.tls_insecure_set(options.tls.insecure)
+    def _bind_callbacks(self, client: paho.Client) -> None:
         client.on_pre_connect = self._on_pre_connect
         client.on_connect = self._on_connect
         client.on_connect_fail = self._on_connect_fail
@@ -416,7 +509,6 @@ class MqttTransport:
         client.on_subscribe = self._on_subscribe
         client.on_publish = self._on_publish
         client.on_message = self._on_message
-        return client
 
     def _on_pre_connect(self, client: paho.Client, userdata: Any) -> None:
         if self._will is not None:
@@ -437,12 +529,7 @@ class MqttTransport:
             client.publish(topic, frame, qos=1, retain=True)
             self._count("published_frames")
             self._count("published_bytes", len(frame))
-        with self._sub_cond:
-            self._unacked_subscribes.clear()
-            if self._subs:
-                self._send_subscribe([(f, s.qos) for f, s in self._subs.items()])
-            self._connected = True
-            self._sub_cond.notify_all()
+        self._subscriptions.connected()
 
     def _on_connect_fail(self, client: paho.Client, userdata: Any) -> None:
         log.debug("MQTT broker %s unreachable; retrying with backoff", self.broker)
@@ -450,10 +537,7 @@ class MqttTransport:
     def _on_disconnect(
         self, client: paho.Client, userdata: Any, flags: Any, reason: Any, properties: Any
     ) -> None:
-        with self._sub_cond:
-            self._connected = False
-            self._unacked_subscribes.clear()
-            self._sub_cond.notify_all()
+        self._subscriptions.disconnected(lost=True)
         if not self._stopped:
             log.warning("lost MQTT broker %s (%s); reconnecting", self.broker, reason)
 
@@ -464,17 +548,12 @@ class MqttTransport:
         if refused:
             log.error("MQTT broker %s refused a subscription: %s", self.broker, refused)
             self._count("subscribe_refused", len(refused))
-        with self._sub_cond:
-            self._unacked_subscribes.discard(mid)
-            self._sub_cond.notify_all()
+        self._subscriptions.acknowledged(mid)
 
     def _on_publish(
         self, client: paho.Client, userdata: Any, mid: int, reason: Any, properties: Any
     ) -> None:
-        with self._ack_cond:
-            self._acks.append(mid)
-            self._ack_seq += 1
-            self._ack_cond.notify_all()
+        self._outgoing.acknowledge(mid)
 
     def _on_message(self, client: paho.Client, userdata: Any, message: paho.MQTTMessage) -> None:
         topic = "<not utf-8>"
@@ -485,7 +564,7 @@ class MqttTransport:
             if not message.payload:  # a retained message being cleared: no frame, no message
                 self._count("cleared_retained")
                 return
-            handlers = self._handlers_for(topic)
+            handlers = self._subscriptions.handlers_for(topic)
             if not handlers:
                 # Some brokers (amqtt) push retained messages a client never subscribed to.
                 # Feeding them would mark their ids as seen and swallow the real delivery
@@ -503,34 +582,36 @@ class MqttTransport:
             return
         self._count("received_messages")
         log.debug("received %d bytes on %s", len(payload), topic)
-        self._deliveries.put((topic, payload, handlers))
-
-    def _handlers_for(self, topic: str) -> list[Handler]:
-        with self._sub_cond:
-            return [
-                h
-                for f, sub in self._subs.items()
-                if paho.topic_matches_sub(f, topic)
-                for h in sub.handlers
-            ]
+        self._dispatcher.put(topic, payload, handlers)
 
     def _drop(self, reason: str, exc: Exception, topic: str) -> None:
         self._count("dropped_frames")
         self._count(f"dropped.{reason}")
         log.warning("dropped a frame on %r: %s", topic[:200], exc)
 
-    # -- handlers --------------------------------------------------------------------------
-
-    def _dispatch_loop(self) -> None:
-        while (delivery := self._deliveries.get()) is not None:
-            topic, payload, handlers = delivery
-            for handler in handlers:
-                try:
-                    handler(topic, payload)
-                except Exception:
-                    self._count("handler_errors")
-                    log.exception("handler %r failed on a message on %s", handler, topic)
-
     def _count(self, key: str, n: int = 1) -> None:
         with self._stats_lock:
             self._stats[key] += n
+
+
+def _new_client(client_id: str, options: TransportOptions) -> paho.Client:
+    """A paho client configured from `options` (MQTT 3.1.1, clean session), callbacks unset."""
+    client = paho.Client(
+        CallbackAPIVersion.VERSION2,
+        client_id=client_id,
+        clean_session=True,
+        protocol=paho.MQTTv311,
+    )
+    client.suppress_exceptions = True
+    # paho annotates the delays as int, but takes (and we want) fractions of a second.
+    client.reconnect_delay_set(options.backoff_min_s, options.backoff_max_s)  # type: ignore[arg-type]
+    if options.username is not None:
+        client.username_pw_set(options.username, options.password)
+    if options.tls is not None:
+        client.tls_set(
+            ca_certs=options.tls.ca_certs,
+            certfile=options.tls.certfile,
+            keyfile=options.tls.keyfile,
+        )
+        client.tls_insecure_set(options.tls.insecure)
+    return client

@@ -73,7 +73,8 @@ def encode_tensors(
     parts: list[bytes | np.ndarray] = [b"\x92", msgpack.packb(FORMAT), _array_header(len(tensors))]
     for name, array in tensors.items():
         parts += _encode_tensor(name, np.asarray(array), masks.get(name), fp16)
-    return b"".join(parts)
+    # Arrays join through their buffer (`.data`): the same bytes, without a copy.
+    return b"".join(part if isinstance(part, bytes) else part.data for part in parts)
 
 
 def _array_header(length: int) -> bytes:

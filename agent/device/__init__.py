@@ -1,0 +1,31 @@
+"""The device side of an agent: its resource budget p_k (`budget`) and the emulation
+throttle that makes a host take its profile's time (`throttle`)."""
+
+from agent.device.budget import (
+    DEFAULT_EFFICIENCY,
+    Budget,
+    BudgetLimits,
+    DeviceReading,
+    RoundWork,
+    calibrated_efficiency,
+    compute_budget,
+    nominal_reading,
+    read_device,
+)
+from agent.device.throttle import Throttle, compute_delay_s, energy_j, link_delay_s
+
+__all__ = [
+    "DEFAULT_EFFICIENCY",
+    "Budget",
+    "BudgetLimits",
+    "DeviceReading",
+    "RoundWork",
+    "Throttle",
+    "calibrated_efficiency",
+    "compute_budget",
+    "compute_delay_s",
+    "energy_j",
+    "link_delay_s",
+    "nominal_reading",
+    "read_device",
+]

@@ -19,7 +19,7 @@ The rule (units in brackets):
     time        = afford(round_time_s)
     energy      = afford(energy_j / (max_power_w - idle_power_w))
                     when energy_j is set (and the profile's max power is above idle)
-                    energy counts power above idle, as in `agent.throttle.energy_j`
+                    energy counts power above idle, as in `agent.device.throttle.energy_j`
     battery     = 1 on mains power or without a battery; on battery (or unknown power source)
                   min_budget at or below min_battery_percent, 1 at or above
                   full_battery_percent, linear in between
@@ -165,7 +165,10 @@ def read_device(previous: DeviceReading | None = None, *, jetson: bool = True) -
     other_load = load_1m
     if (
         previous is not None
-        and None not in (busy, own, previous.cpu_busy_s, previous.own_cpu_s)
+        and busy is not None
+        and own is not None
+        and previous.cpu_busy_s is not None
+        and previous.own_cpu_s is not None
         and now - previous.timestamp >= MIN_LOAD_WINDOW_S
     ):
         window = now - previous.timestamp
@@ -365,6 +368,84 @@ def _battery_factor(reading: DeviceReading, limits: BudgetLimits) -> float:
     return _clip(limits.min_budget + (1 - limits.min_budget) * taper, limits.min_budget)
 
 
+@dataclass(frozen=True)
+class _MemoryFit:
+    """How the round's memory compares with what it may take [MiB]; see `_fit_memory`."""
+
+    allowed_mb: float
+    footprint_mb: float
+    factor: float
+    fits: bool
+    batch_size: int
+
+
+def _fit_memory(
+    profile: DeviceProfile, reading: DeviceReading, work: RoundWork, limits: BudgetLimits
+) -> _MemoryFit:
+    """The memory side of the budget: it limits the batch, never p_k (module docstring)."""
+    available_mb = reading.available_memory_mb
+    if available_mb is None:
+        available_mb = profile.memory_mb * NOMINAL_AVAILABLE_FRACTION
+    allowed_mb = limits.memory_fraction * min(available_mb, profile.memory_mb)
+    footprint_mb = work.fixed_memory_mb + work.batch_size * work.sample_memory_mb
+    batch_size = work.batch_size
+    if work.sample_memory_mb > 0:
+        room = (allowed_mb - work.fixed_memory_mb) / work.sample_memory_mb
+        batch_size = int(_clip(room, 1, work.batch_size))
+    return _MemoryFit(
+        allowed_mb=allowed_mb,
+        footprint_mb=footprint_mb,
+        factor=_clip(allowed_mb / footprint_mb) if footprint_mb > 0 else 1.0,
+        fits=allowed_mb >= work.fixed_memory_mb + work.sample_memory_mb,
+        batch_size=batch_size,
+    )
+
+
+def _factors(
+    profile: DeviceProfile,
+    reading: DeviceReading,
+    work: RoundWork,
+    limits: BudgetLimits,
+    flops_per_s: float,
+) -> dict[str, float]:
+    """The time, battery and (when limited) energy factors of p_k, in that order: `min`
+    breaks ties by it, which decides the `limited_by` that is reported."""
+
+    def afford(seconds: float) -> float:
+        if work.train_flops <= 0:
+            return 1.0
+        return _clip((seconds * flops_per_s - work.fixed_flops) / work.train_flops)
+
+    factors = {"time": afford(limits.round_time_s), "battery": _battery_factor(reading, limits)}
+    marginal_w = profile.max_power_w - profile.idle_power_w
+    if limits.energy_j is not None and marginal_w > 0:
+        factors["energy"] = afford(limits.energy_j / marginal_w)
+    return factors
+
+
+def _limit_reason(
+    limited_by: str,
+    dense_s: float,
+    marginal_w: float,
+    reading: DeviceReading,
+    limits: BudgetLimits,
+) -> str:
+    """Why a dense round does or does not fit, for the factor named by `limited_by`."""
+    reasons = {
+        "none": f"a dense round fits: {dense_s:.3g} s of {limits.round_time_s:g} s",
+        "time": f"a dense round needs {dense_s:.3g} s, {limits.round_time_s:g} s allowed",
+        "energy": (
+            f"a dense round needs {dense_s * marginal_w:.3g} J above idle, "
+            f"{limits.energy_j or 0:g} J allowed"
+        ),
+        "battery": (
+            f"on battery at {reading.battery_percent or 0:g}% "
+            f"(full budget from {limits.full_battery_percent:g}%)"
+        ),
+    }
+    return reasons[limited_by.split()[0]]
+
+
 def compute_budget(
     profile: DeviceProfile,
     reading: DeviceReading,
@@ -382,72 +463,41 @@ def compute_budget(
     gflops = profile.peak_fp32_gflops * efficiency / (1 + load_share)
     flops_per_s = gflops * 1e9
 
-    def afford(seconds: float) -> float:
-        if work.train_flops <= 0:
-            return 1.0
-        return _clip((seconds * flops_per_s - work.fixed_flops) / work.train_flops)
-
-    dense_s = (work.fixed_flops + work.train_flops) / flops_per_s
-    factors = {"time": afford(limits.round_time_s), "battery": _battery_factor(reading, limits)}
-    marginal_w = profile.max_power_w - profile.idle_power_w
-    energy_factor = None
-    if limits.energy_j is not None and marginal_w > 0:
-        energy_factor = factors["energy"] = afford(limits.energy_j / marginal_w)
+    factors = _factors(profile, reading, work, limits, flops_per_s)
     smallest = min(factors, key=lambda name: factors[name])
     p_k = _clip(factors[smallest], limits.min_budget)
-    limited = factors[smallest] < 1
-    limited_by = smallest if limited else "none"
-    if factors[smallest] < limits.min_budget:
+    floored = factors[smallest] < limits.min_budget
+    limited_by = smallest if factors[smallest] < 1 else "none"
+    if floored:
         limited_by += " (floored)"
+    memory = _fit_memory(profile, reading, work, limits)
 
-    available_mb = reading.available_memory_mb
-    if available_mb is None:
-        available_mb = profile.memory_mb * NOMINAL_AVAILABLE_FRACTION
-    allowed_mb = limits.memory_fraction * min(available_mb, profile.memory_mb)
-    footprint_mb = work.fixed_memory_mb + work.batch_size * work.sample_memory_mb
-    memory_factor = _clip(allowed_mb / footprint_mb) if footprint_mb > 0 else 1.0
-    fits_memory = allowed_mb >= work.fixed_memory_mb + work.sample_memory_mb
-    batch_size = work.batch_size
-    if work.sample_memory_mb > 0:
-        room = (allowed_mb - work.fixed_memory_mb) / work.sample_memory_mb
-        batch_size = int(_clip(room, 1, work.batch_size))
-
-    reasons = {
-        "none": f"a dense round fits: {dense_s:.3g} s of {limits.round_time_s:g} s",
-        "time": f"a dense round needs {dense_s:.3g} s, {limits.round_time_s:g} s allowed",
-        "energy": (
-            f"a dense round needs {dense_s * marginal_w:.3g} J above idle, "
-            f"{limits.energy_j or 0:g} J allowed"
-        ),
-        "battery": (
-            f"on battery at {reading.battery_percent or 0:g}% "
-            f"(full budget from {limits.full_battery_percent:g}%)"
-        ),
-    }
+    dense_s = (work.fixed_flops + work.train_flops) / flops_per_s
+    marginal_w = profile.max_power_w - profile.idle_power_w
     reason = (
-        f"p_k={p_k:.3g}: {reasons[limited_by.split()[0]]} at {gflops:.3g} "
-        f"effective GFLOPS ({profile.peak_fp32_gflops:g} peak x {efficiency:g} efficiency / "
-        f"(1 + load {load_share:.2f}))"
+        f"p_k={p_k:.3g}: {_limit_reason(limited_by, dense_s, marginal_w, reading, limits)} "
+        f"at {gflops:.3g} effective GFLOPS ({profile.peak_fp32_gflops:g} peak x "
+        f"{efficiency:g} efficiency / (1 + load {load_share:.2f}))"
     )
-    if factors[smallest] < limits.min_budget:
+    if floored:
         reason += f"; raised to the floor {limits.min_budget:g}, so the round overruns"
-    if batch_size < work.batch_size:
+    if memory.batch_size < work.batch_size:
         reason += (
-            f"; memory: batch {work.batch_size} needs {footprint_mb:.0f} MiB, "
-            f"{allowed_mb:.0f} MiB allowed: batch {batch_size}"
+            f"; memory: batch {work.batch_size} needs {memory.footprint_mb:.0f} MiB, "
+            f"{memory.allowed_mb:.0f} MiB allowed: batch {memory.batch_size}"
         )
-    if not fits_memory:
+    if not memory.fits:
         reason += "; memory: does not fit even at batch 1"
     return Budget(
         p_k=p_k,
         effective_gflops=gflops,
         load_share=load_share,
         time_factor=factors["time"],
-        energy_factor=energy_factor,
+        energy_factor=factors.get("energy"),
         battery_factor=factors["battery"],
-        memory_factor=memory_factor,
-        batch_size=batch_size,
-        fits_memory=fits_memory,
+        memory_factor=memory.factor,
+        batch_size=memory.batch_size,
+        fits_memory=memory.fits,
         expected_train_s=(work.fixed_flops + p_k * work.train_flops) / flops_per_s,
         limited_by=limited_by,
         reason=reason,

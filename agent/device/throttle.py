@@ -1,7 +1,7 @@
 """Emulation throttle: an agent on a laptop takes the time its profile's board would take.
 
 Compute. The emulated board trains at the budget's effective rate, peak_fp32_gflops x
-efficiency (`agent.budget`), so a round of F counted training FLOPs takes F / rate seconds
+efficiency (`agent.device.budget`), so a round of F counted training FLOPs takes F / rate seconds
 there; the agent sleeps for whatever its real computation left of that. The target comes from
 FLOPs, not from scaling the host's measured time by a host/board speed ratio, because:
 several emulated agents share the host's cores, and contention would stretch a ratio-scaled
