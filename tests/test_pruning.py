@@ -14,8 +14,9 @@ def test_distance_from_init_hand_worked():
     init = {"w": torch.zeros(2), "v": torch.tensor([1.0]), "bias": torch.zeros(3)}
     state = {"w": torch.tensor([1.0, -2.0]), "v": torch.tensor([3.0]), "bias": torch.ones(3)}
     # (1 + 4) + (3 - 1)^2 = 9 ; the bias is not prunable and does not count.
-    assert pr.distance_from_init(state, init, ["w", "v"]) == 9.0
+    assert pr.distance_from_init(state, init, ["w", "v"], "squared") == 9.0
     assert pr.distance_from_init(state, state, ["w", "v"]) == 0.0
+    assert pr.distance_from_init(state, init, ["w", "v"]) == 3.0
     assert pr.distance_from_init(state, init, ["w", "v"], "norm") == 3.0
     with pytest.raises(ValueError, match="squared, norm"):
         pr.distance_from_init(state, init, ["w", "v"], "cube")

@@ -129,7 +129,7 @@ def test_the_norm_distance_scores_lower_and_votes_earlier_than_the_squared_one()
     """D = ||w - w0|| instead of its square: the same training (until a vote passes), and from
     round 2 every score at most half the squared one while D stays above D^1, so agents vote
     "settled" earlier. Only the detection score and what follows from it change."""
-    squared = simulate(small(rounds=4, delta_pr=1e-9))
+    squared = simulate(small(rounds=4, delta_pr=1e-9, detection_distance="squared"))
     norm = simulate(small(rounds=4, delta_pr=1e-9, detection_distance="norm"))
     for sq_round, norm_round in zip(squared["rounds"], norm["rounds"], strict=True):
         for agent, sq in sq_round["agents"].items():

@@ -46,7 +46,7 @@ def test_draws_follow_the_documented_hash():
 
 def test_random_neighbours_same_in_another_process():
     code = (
-        "import json; from agent.topology import everyone_neighbours, reuse_order; "
+        "import json; from agent.learning.topology import everyone_neighbours, reuse_order; "
         f"r = {ROSTER!r}; "
         "print(json.dumps([everyone_neighbours(5, 3, r, 4), reuse_order(5, 3, r)]))"
     )

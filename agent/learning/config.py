@@ -62,9 +62,9 @@ class StrategyConfig:
     rigl_batches: int = param(1, "Local batches for RigL's dense gradient.")
     delta_pr: float = param(0.02, "Pruning-time detection threshold delta_pr.")
     detection_distance: str = param(
-        "squared",
-        "Distance D = ||w - w0||^2 of the detection score (squared, ALGORITHMS.md 1.7) or "
-        "||w - w0|| (norm, as the DA-DPFL authors' code computes it).",
+        "norm",
+        "Distance D of the detection score: ||w - w0|| (norm, ALGORITHMS.md 1.7, as the "
+        "DA-DPFL authors' code computes it) or ||w - w0||^2 (squared, as the paper prints it).",
     )
     delta_v: float = param(0.5, "Fraction of votes that decides the first pruning time t*.")
     schedule_b: float = param(0.0, "Pruning schedule delay b: I_tau = ceil((t* + b) / c^(tau-1)).")

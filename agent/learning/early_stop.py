@@ -27,7 +27,9 @@ class StopWatch:
         return watch, watch.rises >= patience
 
 
-def early_stop_savings(records: list[dict[str, Any]], stop_round: int, limit: int) -> dict:
+def early_stop_savings(
+    records: list[dict[str, Any]], stop_round: int, limit: int
+) -> dict[str, int]:
     """What an agent that stopped after `stop_round` saved against training to round `limit`:
     the rounds not run, and its mean training FLOPs and link bytes per round run (from its
     round `records`) times those rounds."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -54,11 +55,11 @@ class NeuronGroup:
 
 
 def _out_units(layer: nn.Module) -> int:
-    return layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels
+    return layer.out_features if isinstance(layer, nn.Linear) else cast(int, layer.out_channels)
 
 
 def _in_units(layer: nn.Module) -> int:
-    return layer.in_features if isinstance(layer, nn.Linear) else layer.in_channels
+    return layer.in_features if isinstance(layer, nn.Linear) else cast(int, layer.in_channels)
 
 
 def _param_names(*modules: tuple[str, nn.Module] | None) -> tuple[str, ...]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -56,7 +57,7 @@ class MLP(nn.Module):
         self.net = nn.Sequential(*layers)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.net(x)
+        return cast(Tensor, self.net(x))
 
 
 class CNN1D(nn.Module):
@@ -80,7 +81,7 @@ class CNN1D(nn.Module):
         self.classifier = nn.Linear(width * length, num_classes)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.classifier(self.features(x).flatten(1))
+        return cast(Tensor, self.classifier(self.features(x).flatten(1)))
 
 
 class CNN2D(nn.Module):
@@ -104,7 +105,7 @@ class CNN2D(nn.Module):
         self.classifier = nn.Linear(channels * math.prod(size), num_classes)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.classifier(self.features(x).flatten(1))
+        return cast(Tensor, self.classifier(self.features(x).flatten(1)))
 
 
 class BasicBlock(nn.Module):
@@ -147,7 +148,7 @@ class ResNet18(nn.Module):
         self.classifier = nn.Linear(512, num_classes)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.classifier(self.pool(self.layers(self.stem(x))).flatten(1))
+        return cast(Tensor, self.classifier(self.pool(self.layers(self.stem(x))).flatten(1)))
 
 
 class VGG11(nn.Module):
@@ -186,7 +187,7 @@ class VGG11(nn.Module):
         self.classifier = nn.Linear(512, num_classes)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.classifier(self.pool(self.features(x)).flatten(1))
+        return cast(Tensor, self.classifier(self.pool(self.features(x)).flatten(1)))
 
 
 class AlexNet(nn.Module):
@@ -226,7 +227,7 @@ class AlexNet(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.classifier(self.pool(self.features(x)).flatten(1))
+        return cast(Tensor, self.classifier(self.pool(self.features(x)).flatten(1)))
 
 
 _BUILDERS: dict[str, Callable[[tuple[int, ...], int], nn.Module]] = {

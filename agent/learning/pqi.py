@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import cast
 
 import torch
 
@@ -24,7 +25,7 @@ def pqi(x: torch.Tensor, p: float = 0.5, q: float = 1.0) -> float:
     d = x.numel()
     if d == 0 or not bool(x.any()):
         return 0.0
-    return 1.0 - d ** (1.0 / q - 1.0 / p) * _lp_norm(x, p) / _lp_norm(x, q)
+    return 1.0 - cast(float, d ** (1.0 / q - 1.0 / p)) * _lp_norm(x, p) / _lp_norm(x, q)
 
 
 def pqi_prune_count(

@@ -67,7 +67,7 @@ def load_weights(model: nn.Module, state: State) -> None:
 
 def _batches(n: int, batch_size: int, generator: torch.Generator) -> list[torch.Tensor]:
     order = torch.randperm(n, generator=generator)
-    return list(order.split(min(batch_size, n)))
+    return list(order.split(min(batch_size, n)))  # type: ignore[no-untyped-call]
 
 
 def sgd_step_(
@@ -161,7 +161,7 @@ def minibatch_epochs(
         for batch in _batches(len(y), batch_size, generator):
             model.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(x[batch]), y[batch])
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             with torch.no_grad():
                 step()
             total_loss += loss.item()
