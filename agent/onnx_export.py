@@ -79,7 +79,7 @@ def export_onnx(
         torch.onnx.export(
             exported,
             (example,),
-            buffer,
+            buffer,  # type: ignore[arg-type]  # a file object works; the stubs say paths only
             dynamo=False,
             opset_version=OPSET,
             input_names=[INPUT_NAME],
@@ -221,6 +221,7 @@ def load_inputs(path: str | Path, input_shape: Sequence[int]) -> np.ndarray:
         raise FileNotFoundError(f"no input file at {path}")
     try:
         # Our own handle: np.load leaks the one it opens when a .npz is corrupt.
+        x: np.ndarray | None
         with path.open("rb") as f:
             loaded = np.load(f, allow_pickle=False)
             if isinstance(loaded, np.ndarray):

@@ -27,6 +27,13 @@ from agent.learning.pruning import DISTANCES
 from agent.learning.topology import TOPOLOGIES
 
 _TYPES = {int: int, float: float, str: str}
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "strategy": PRESETS,
+    "topology": TOPOLOGIES,
+    "reduce": REDUCE_MODES,
+    "wire": WIRE_FORMATS,
+    "detection_distance": DISTANCES,
+}
 
 
 def _fields() -> list[tuple[dataclasses.Field, Any]]:
@@ -43,17 +50,11 @@ def _option(field: dataclasses.Field, hint: Any) -> Callable[[Callable], Callabl
     help_text = field.metadata.get("help", "")
     if hint is bool:
         return click.option(f"{flag}/--no-{flag[2:]}", default=None, help=help_text)
-    kind = next((_TYPES[t] for t in typing.get_args(hint) or (hint,) if t in _TYPES), str)
-    if field.name == "strategy":
-        kind = click.Choice(PRESETS)
-    elif field.name == "topology":
-        kind = click.Choice(TOPOLOGIES)
-    elif field.name == "reduce":
-        kind = click.Choice(REDUCE_MODES)
-    elif field.name == "wire":
-        kind = click.Choice(WIRE_FORMATS)
-    elif field.name == "detection_distance":
-        kind = click.Choice(DISTANCES)
+    kind: click.ParamType | type = next(
+        (_TYPES[t] for t in typing.get_args(hint) or (hint,) if t in _TYPES), str
+    )
+    if field.name in _CHOICES:
+        kind = click.Choice(_CHOICES[field.name])
     default = field.default if field.default is not dataclasses.MISSING else None
     shown = f" [default: {default}]" if default is not None else ""
     return click.option(flag, type=kind, default=None, help=help_text + shown)

@@ -181,7 +181,7 @@ class Emulation:
             agent_id: checkpoint.read_records(self.options.workdir / agent_id / "rounds.jsonl")
             for agent_id in self.roster
         }
-        rounds = []
+        rounds: list[dict[str, Any]] = []
         t_star = None
         stopped = {
             agent_id: t for agent_id, records in logs.items() for t, r in records.items()

@@ -357,10 +357,15 @@ class CentralTraffic:
         self, kind: type[messages.Message], round_: int, sender: str, payload: Payload
     ) -> int:
         body = encode_state(payload.weights, payload.masks, fp16=self.fp16)
-        header = {"fleet": FLEET, "sender": sender, "run_id": RUN_ID, "round": round_}
         if kind is messages.Global:
-            return len(messages.encode(messages.Global(**header, tensors=body)))
-        return len(messages.encode(messages.Update(**header, tensors=body, num_samples=1)))
+            message: messages.Message = messages.Global(
+                fleet=FLEET, sender=sender, run_id=RUN_ID, round=round_, tensors=body
+            )
+        else:
+            message = messages.Update(
+                fleet=FLEET, sender=sender, run_id=RUN_ID, round=round_, tensors=body, num_samples=1
+            )
+        return len(messages.encode(message))
 
     def round(
         self,
@@ -422,7 +427,6 @@ class CentralTraffic:
     ) -> int:
         """Bytes participant k receives besides the broadcast: its download and the
         coordinator's layer request."""
-        header = {"fleet": FLEET, "run_id": RUN_ID, "round": round_}
         down = 0
         if k in downloads:
             size = self._payload_size(messages.Global, round_, COORDINATOR, downloads[k])
@@ -430,7 +434,14 @@ class CentralTraffic:
             coordinator.sent += size
             coordinator.nonzeros_sent += values_sent(downloads[k].weights, downloads[k].masks)
         if k in requests:
-            request = messages.Request(**header, sender=COORDINATOR, target=k, layers=requests[k])
+            request = messages.Request(
+                fleet=FLEET,
+                run_id=RUN_ID,
+                round=round_,
+                sender=COORDINATOR,
+                target=k,
+                layers=requests[k],
+            )
             size = len(messages.encode(request))
             down += size
             coordinator.sent += size

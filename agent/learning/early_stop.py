@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from agent.learning.learner import Learner, LocalData
@@ -25,24 +25,6 @@ class StopWatch:
         rose = self.previous is not None and loss > self.previous
         watch = StopWatch(loss, self.rises + 1 if rose else 0)
         return watch, watch.rises >= patience
-
-
-def early_stop_savings(
-    records: list[dict[str, Any]], stop_round: int, limit: int
-) -> dict[str, int]:
-    """What an agent that stopped after `stop_round` saved against training to round `limit`:
-    the rounds not run, and its mean training FLOPs and link bytes per round run (from its
-    round `records`) times those rounds."""
-    saved_rounds = limit - stop_round
-    ran = max(len(records), 1)
-    flops = sum(r["train_flops"] for r in records) / ran
-    traffic = sum(r["bytes_sent"] + r["bytes_received"] for r in records) / ran
-    return {
-        "round": stop_round,
-        "saved_rounds": saved_rounds,
-        "saved_flops": round(flops * saved_rounds),
-        "saved_bytes": round(traffic * saved_rounds),
-    }
 
 
 @dataclass

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from agent.learning import pruning, topology
 from agent.learning.central import (
@@ -53,9 +54,8 @@ class RoundTopology:
         if cfg.strategy == "local":
             neighbours: Mapping[str, list[str]] = dict.fromkeys(roster, [])
         else:
-            neighbours = topology.everyone_neighbours(
-                seed, round_, roster, cfg.neighbours, cfg.topology
-            )
+            kind = cast(topology.Topology, cfg.topology)  # validated by ExperimentConfig
+            neighbours = topology.everyone_neighbours(seed, round_, roster, cfg.neighbours, kind)
         return cls(round_, order, neighbours, cfg.max_wait)
 
     def prior_posterior(self, agent: str) -> tuple[list[str], list[str]]:
