@@ -216,6 +216,78 @@ class Learner:
         states[agent.agent_id] = agent.weights
         return sparse.aggregate_mean(states)
 
+    def _starting_point(
+        self,
+        agent: AgentState,
+        inbox: dict[str, Published],
+        round_: int,
+        density_cap: float | None,
+        active_fraction: float | None,
+    ) -> tuple[State, AgentState, Masks | None]:
+        """The round's start: the aggregate (eq. 7), pruned to `density_cap` by magnitude if
+        the budget caps the density, and with `active_fraction` the neurons that train (the
+        rest frozen). Returns the start, the agent (with its capped masks) and the active
+        masks (None: everything trains)."""
+        start = self.aggregate(agent, inbox)
+        if agent.masks is not None and density_cap is not None:
+            capped = rigl.prune_to_density(start, agent.masks, density_cap)
+            agent = dataclasses.replace(agent, masks=capped)
+            start = sparse.apply_masks(start, capped)
+        active = None
+        if active_fraction is not None:
+            from agent.learning.freezing import active_masks
+
+            generator = self.generator("active", agent.agent_id, round_)
+            active = active_masks(self.model, start, active_fraction, generator)
+        return start, agent, active
+
+    def _detect(self, agent: AgentState, weights: State) -> tuple[list[float], float, bool]:
+        """Pruning-time detection (1.7): the distances so far, this round's score and vote."""
+        cfg = self.config
+        distance = pruning.distance_from_init(
+            weights, agent.init_weights, self.prunable, cfg.detection_distance
+        )
+        distances = [*agent.distances, distance]
+        previous = distances[-2] if len(distances) > 1 else 0.0
+        score = pruning.detection_score(distance, previous, distances[0])
+        return distances, score, pruning.vote(score, cfg.delta_pr)
+
+    def _prune_further(self, weights: State, masks: Masks) -> Masks:
+        """PQI further pruning (1.9) toward the target sparsity s*."""
+        cfg = self.config
+        return pqi.pqi_prune(
+            weights,
+            masks,
+            p=cfg.pqi_p,
+            q=cfg.pqi_q,
+            eta_c=cfg.pqi_eta_c,
+            gamma=cfg.pqi_gamma,
+            beta=cfg.pqi_beta,
+            target_sparsity=cfg.target_sparsity,
+        )
+
+    def _rigl(
+        self, weights: State, masks: Masks, data: LocalData, agent_id: str, round_: int
+    ) -> tuple[State, Masks, int]:
+        """RigL's mask update (1.6) from dense gradients on local batches; returns the new
+        weights and masks and the FLOPs the dense gradients cost."""
+        cfg = self.config
+        grads, grad_samples = dense_gradients(
+            self.model,
+            weights,
+            self.prunable,
+            data.x_train,
+            data.y_train,
+            cfg.batch_size,
+            cfg.rigl_batches,
+            self.generator("rigl", agent_id, round_),
+        )
+        flops = self.dense_gradient_flops(masks, grad_samples)
+        masks = rigl.rigl_update(
+            weights, masks, grads, rigl.rigl_alpha(round_, cfg.rounds, cfg.rigl_a)
+        )
+        return sparse.apply_masks(weights, masks), masks, flops
+
     def local_round(
         self,
         agent: AgentState,
@@ -236,17 +308,9 @@ class Learner:
         instead trains that fraction of the neurons and freezes the rest (`--reduce`).
         """
         cfg = self.config
-        start = self.aggregate(agent, inbox)
-        if agent.masks is not None and density_cap is not None:
-            capped = rigl.prune_to_density(start, agent.masks, density_cap)
-            agent = dataclasses.replace(agent, masks=capped)
-            start = sparse.apply_masks(start, capped)
-        active = None
-        if active_fraction is not None:
-            from agent.learning.freezing import active_masks
-
-            generator = self.generator("active", agent.agent_id, round_)
-            active = active_masks(self.model, start, active_fraction, generator)
+        start, agent, active = self._starting_point(
+            agent, inbox, round_, density_cap, active_fraction
+        )
         trained = train_local(
             self.model,
             start,
@@ -263,45 +327,18 @@ class Learner:
         else:
             flops = frozen_training_flops(self, agent.masks, active) * trained.samples
         weights, masks = trained.state, agent.masks
-        vote = score = None
+        vote: bool | None = None
+        score: float | None = None
         distances = agent.distances
         pruned = False
         if self.sparse and masks is not None:
-            distance = pruning.distance_from_init(
-                weights, agent.init_weights, self.prunable, cfg.detection_distance
-            )
-            distances = [*agent.distances, distance]
-            previous = distances[-2] if len(distances) > 1 else 0.0
-            score = pruning.detection_score(distance, previous, distances[0])
-            vote = pruning.vote(score, cfg.delta_pr)
+            distances, score, vote = self._detect(agent, weights)
             if self.prunes_further and prune_now and sparse.sparsity(masks) < cfg.target_sparsity:
-                masks = pqi.pqi_prune(
-                    weights,
-                    masks,
-                    p=cfg.pqi_p,
-                    q=cfg.pqi_q,
-                    eta_c=cfg.pqi_eta_c,
-                    gamma=cfg.pqi_gamma,
-                    beta=cfg.pqi_beta,
-                    target_sparsity=cfg.target_sparsity,
-                )
+                masks = self._prune_further(weights, masks)
                 weights = sparse.apply_masks(weights, masks)
                 pruned = True
-            grads, grad_samples = dense_gradients(
-                self.model,
-                weights,
-                self.prunable,
-                data.x_train,
-                data.y_train,
-                cfg.batch_size,
-                cfg.rigl_batches,
-                self.generator("rigl", agent.agent_id, round_),
-            )
-            flops += self.dense_gradient_flops(masks, grad_samples)
-            masks = rigl.rigl_update(
-                weights, masks, grads, rigl.rigl_alpha(round_, cfg.rounds, cfg.rigl_a)
-            )
-            weights = sparse.apply_masks(weights, masks)
+            weights, masks, rigl_flops = self._rigl(weights, masks, data, agent.agent_id, round_)
+            flops += rigl_flops
         loss, accuracy = evaluate(self.model, weights, data.x_test, data.y_test)
         divergence = None
         if cfg.wire == "layers" and self.decentralized:
