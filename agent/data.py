@@ -613,6 +613,25 @@ def _allocate(total: int, weights: np.ndarray) -> np.ndarray:
     return counts
 
 
+def _check_partition(
+    num_agents: int,
+    val_fraction: float,
+    test_fraction: float,
+    test_size: int | None,
+    min_samples: int,
+) -> None:
+    """`partition`'s arguments, or ValueError with the one that is impossible."""
+    if num_agents < 1:
+        raise ValueError(f"num_agents must be >= 1, got {num_agents}")
+    if not 0 <= val_fraction < 1 or not 0 < test_fraction < 1:
+        raise ValueError(
+            f"need 0 <= val_fraction < 1 and 0 < test_fraction < 1, got "
+            f"{val_fraction} and {test_fraction}"
+        )
+    if min_samples < 1 or (test_size is not None and test_size < 0):
+        raise ValueError("min_samples must be >= 1 and test_size >= 0")
+
+
 def partition(
     dataset: Dataset,
     num_agents: int,
@@ -643,15 +662,7 @@ def partition(
        pool holds fewer samples than needed, then with replacement. Agents draw independently,
        so two agents may share test samples; a test sample is never anyone's training sample.
     """
-    if num_agents < 1:
-        raise ValueError(f"num_agents must be >= 1, got {num_agents}")
-    if not 0 <= val_fraction < 1 or not 0 < test_fraction < 1:
-        raise ValueError(
-            f"need 0 <= val_fraction < 1 and 0 < test_fraction < 1, got "
-            f"{val_fraction} and {test_fraction}"
-        )
-    if min_samples < 1 or (test_size is not None and test_size < 0):
-        raise ValueError("min_samples must be >= 1 and test_size >= 0")
+    _check_partition(num_agents, val_fraction, test_fraction, test_size, min_samples)
     y, c, groups = dataset.y, dataset.num_classes, dataset.groups
     kind, value = _parse_partition(spec, len(np.unique(y)))
     if kind == "natural" and groups is None:
