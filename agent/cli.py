@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.console import Console
@@ -28,12 +29,11 @@ from agent.experiment import (
     profile_names,
     round_work,
 )
-from agent.learning.config import CENTRALIZED
 from agent.learning.learner import AgentState
 from agent.onnx_export import OnnxModel, export_onnx, load_inputs
 from agent.options import experiment_config, experiment_options
-from agent.runtime.centralized import CentralRuntime
-from agent.runtime.decentralized import AgentRuntime, Run, Timeouts
+from agent.runtime.build import AgentRuntime
+from agent.runtime.session import Run, Timeouts
 from firmware_profiles import DeviceProfile, ProfileError, load_profile
 from protocol import messages, topics
 from protocol.cli import BROKER, NAME, ConfigError, read_key, stop_on_signal, wait_for
@@ -43,6 +43,15 @@ from protocol.mqtt import BrokerAddress, MqttTransport
 
 console = Console(stderr=True)
 log = logging.getLogger(__name__)
+
+
+def shown(
+    flag: str, kind: click.ParamType, default: float | None, text: str
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A numeric option whose help shows its default (when it has one)."""
+    return click.option(
+        flag, type=kind, default=default, show_default=default is not None, help=text
+    )
 
 
 def default_agent_id() -> str:
@@ -137,33 +146,30 @@ def wait_for_roster(
     default=None,
     help="Where checkpoints, the round log and the ONNX model go [default: ~/.edgefl/FLEET/ID].",
 )
-@click.option(
+@shown(
     "--expect",
-    type=click.IntRange(1),
-    default=None,
-    help="Without a coordinator: wait for this many agents (self included) and run "
+    click.IntRange(1),
+    None,
+    "Without a coordinator: wait for this many agents (self included) and run "
     "with the experiment flags below.",
 )
-@click.option(
+@shown(
     "--round-timeout",
-    type=click.FloatRange(0.1),
-    default=120.0,
-    show_default=True,
-    help="Seconds to wait for a neighbour's model before going on without it.",
+    click.FloatRange(0.1),
+    120.0,
+    "Seconds to wait for a neighbour's model before going on without it.",
 )
-@click.option(
+@shown(
     "--vote-timeout",
-    type=click.FloatRange(0.1),
-    default=60.0,
-    show_default=True,
-    help="Seconds to wait for a round's votes before counting missing ones as 0.",
+    click.FloatRange(0.1),
+    60.0,
+    "Seconds to wait for a round's votes before counting missing ones as 0.",
 )
-@click.option(
+@shown(
     "--linger",
-    type=click.FloatRange(0),
-    default=60.0,
-    show_default=True,
-    help="After the last round, keep serving neighbours this long at most.",
+    click.FloatRange(0),
+    60.0,
+    "After the last round, keep serving neighbours this long at most.",
 )
 @click.option(
     "--mdns",
@@ -230,7 +236,7 @@ def main(
         console.print(f"agent {agent_id} joining fleet {fleet} via {broker}")
         publish_idle(transport, identity)
         run = wait_for_run(transport, fleet, identity.key, stop, 3.0 if expect else None)
-        if run is None and own_config is not None and not stop.is_set():
+        if run is None and own_config is not None and expect and not stop.is_set():
             console.print(f"no coordinator run message; waiting for {expect} agents")
             roster = wait_for_roster(transport, fleet, agent_id, expect, identity.key, stop)
             if roster is not None:
@@ -338,8 +344,7 @@ def learn(
         console.print(f"run {run.run_id}: personalized model final, exported to {path}")
 
     budget, throttle = budget_source(run, agent_id, workload, device)
-    centralized = run.config.learning.strategy in CENTRALIZED
-    runtime = (CentralRuntime if centralized else AgentRuntime)(
+    runtime = AgentRuntime(
         agent_id=agent_id,
         fleet=fleet,
         run=run,
@@ -367,19 +372,12 @@ def learn(
     required=True,
     help="The exported model (STATE_DIR/model.onnx).",
 )
-@click.option(
-    "--threads",
-    type=click.IntRange(1),
-    default=1,
-    show_default=True,
-    help="onnxruntime intra-op threads.",
-)
-@click.option(
+@shown("--threads", click.IntRange(1), 1, "onnxruntime intra-op threads.")
+@shown(
     "--latency-samples",
-    type=click.IntRange(0),
-    default=200,
-    show_default=True,
-    help="Samples to time one at a time for the per-sample latency.",
+    click.IntRange(0),
+    200,
+    "Samples to time one at a time for the per-sample latency.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (predictions and latency).")
 def predict(

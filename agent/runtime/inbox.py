@@ -2,57 +2,37 @@
 
 Handlers run on the transport's dispatcher thread and only validate and store; the round loop
 waits here with timeouts. Everything is keyed by (round, sender) and the first copy wins, so
-a model delivered twice (QoS 1 redelivery, or re-sent on request) changes nothing.
+a model delivered twice (QoS 1 redelivery, or re-sent on request) changes nothing. The fleet's
+state (statuses, presence, votes) and the message checks are `FleetMail`'s.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Container, Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any
 
 from agent.learning.delta import apply_delta
 from agent.learning.ldf import checked_divergences
 from agent.learning.learner import Published
 from agent.runtime.codec import decode_state
+from agent.runtime.mail import Expected, FleetMail
 from protocol import messages, topics
 from protocol.errors import ProtocolError
+
+__all__ = ["Expected", "Inbox"]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Expected:
-    """What a valid message for this run looks like."""
+class Inbox(FleetMail):
+    """Peers' models (whole, as deltas, or as layers with their divergence vectors) and the
+    aggregator's messages, on top of the fleet's state."""
 
-    fleet: str
-    run_id: str
-    roster: frozenset[str]
-    shapes: dict[str, tuple[tuple[int, ...], str]]
-    key: bytes | None = None
-    aggregator: str | None = None
-    """The coordinator aggregating a centralized run (it sends globals and layer requests)."""
-    delta_shapes: dict[str, tuple[tuple[int, ...], str]] | None = None
-    """The tensors of a delta message (`--wire delta`); None: models come whole."""
-    layer_groups: dict[str, list[str]] | None = None
-    """`--wire layers`: the model's layers in order, each with its tensors."""
-
-
-class Inbox:
     def __init__(self, expected: Expected) -> None:
-        self.expected = expected
+        super().__init__(expected)
         self._models: dict[tuple[int, str], Published] = {}
-        self._votes: dict[int, dict[str, bool]] = {}
-        self._changed = threading.Condition()
-        self.rejected = 0
-        self.ready: set[str] = set()
-        self.finished: set[str] = set()
-        self.stopped: dict[str, int] = {}
-        """Agents stopped early -> their last round; their later models will never come."""
-        self.offline: set[str] = set()
         self._pending: dict[tuple[int, str], tuple[int, Published]] = {}
         """Deltas waiting for their base: (round, sender) -> (base round, zero-filled delta
         with its masks)."""
@@ -61,34 +41,6 @@ class Inbox:
         self._divergences: dict[tuple[int, str], dict[str, float]] = {}
         self._layers: dict[tuple[int, str, str], Published] = {}
         """`--wire layers`: (round, sender, layer) -> that layer of the sender's model."""
-
-    def _decode(
-        self, topic: str, payload: bytes, kind: str, check_run: bool = True
-    ) -> messages.Message | None:
-        try:
-            fleet, topic_kind, fields = topics.parse(topic)
-            message = messages.decode(payload, key=self.expected.key)
-            if (
-                topic_kind != kind
-                or message.TYPE.value != kind
-                or fleet != self.expected.fleet
-                or message.fleet != fleet
-                or message.sender != fields["agent"]
-                or fields.get("round", str(message.round)) != str(message.round)
-                or (isinstance(message, messages.Request) and fields.get("to") != message.target)
-            ):
-                raise ProtocolError(f"{kind} message does not match its topic")
-        except ProtocolError as exc:
-            self.rejected += 1
-            log.warning("rejected message on %s: %s", topic, exc)
-            return None
-        aggregator = kind == "request" and message.sender == self.expected.aggregator
-        if message.sender not in self.expected.roster and not aggregator:
-            log.debug("ignored %s of %s: not in this run's roster", kind, message.sender)
-            return None
-        if check_run and message.run_id != self.expected.run_id:
-            return None
-        return message
 
     def on_model(self, topic: str, payload: bytes) -> None:
         """A peer's model, whole or (`base_round` >= 0) as a delta on an earlier one, which
@@ -263,55 +215,6 @@ class Inbox:
         with self._changed:
             return self._asked.get((round_, target))
 
-    def on_vote(self, topic: str, payload: bytes) -> None:
-        message = self._decode(topic, payload, "vote")
-        if isinstance(message, messages.Vote):
-            self.record_votes(message.sender, {message.round: message.vote})
-
-    def decode_request(self, topic: str, payload: bytes) -> messages.Request | None:
-        message = self._decode(topic, payload, "request")
-        return message if isinstance(message, messages.Request) else None
-
-    def on_status(self, topic: str, payload: bytes) -> None:
-        """Retained statuses carry each agent's vote history: a restarted agent's way to
-        learn the votes it missed while it was down."""
-        message = self._decode(topic, payload, "status")
-        if isinstance(message, messages.Status):
-            with self._changed:
-                self.ready.add(message.sender)
-                if message.state == "done" or message.stopped:
-                    self.finished.add(message.sender)
-                if message.stopped:
-                    self.stopped[message.sender] = message.round
-                self._changed.notify_all()
-            history = message.metrics.get("votes")
-            if isinstance(history, str) and set(history) <= {"0", "1"}:
-                self.record_votes(
-                    message.sender, {r: v == "1" for r, v in enumerate(history, start=1)}
-                )
-
-    def on_presence(self, topic: str, payload: bytes) -> None:
-        """Track who is offline, so nobody waits out a timeout for an agent known gone."""
-        message = self._decode(topic, payload, "presence", check_run=False)
-        if isinstance(message, messages.Presence):
-            with self._changed:
-                if message.online:
-                    self.offline.discard(message.sender)
-                else:
-                    self.offline.add(message.sender)
-                self._changed.notify_all()
-
-    def stopped_agents(self) -> dict[str, int]:
-        """A copy of who stopped early and after which round."""
-        with self._changed:
-            return dict(self.stopped)
-
-    def record_votes(self, sender: str, votes: dict[int, bool]) -> None:
-        with self._changed:
-            for round_, vote in votes.items():
-                self._votes.setdefault(round_, {}).setdefault(sender, vote)
-            self._changed.notify_all()
-
     def put_model(self, round_: int, sender: str, published: Published) -> None:
         """Store a model restored from a checkpoint (or derived locally)."""
         with self._changed:
@@ -350,78 +253,21 @@ class Inbox:
         """`wait_models` for (round, sender, layer)s (`--wire layers`)."""
         return self._wait_missing(needed, self._layers, timeout_s)
 
-    def _wait_missing(self, needed: Iterable[Any], store: Container[Any], timeout_s: float) -> Any:
-        """Wait until every key (round, sender, ...) is in `store` or will never come (its
-        sender stopped early before that round), or the timeout passes; returns the missing."""
-        needed = set(needed)
-        deadline = time.monotonic() + timeout_s
-        with self._changed:
-            while True:
-                missing = {
-                    key
-                    for key in needed
-                    if key not in store and key[0] <= self.stopped.get(key[1], key[0])
-                }
-                remaining = deadline - time.monotonic()
-                if not missing or remaining <= 0:
-                    return missing
-                self._changed.wait(min(remaining, 0.5))
-
-    def wait_votes(self, round_: int, roster: Iterable[str], timeout_s: float) -> dict[str, bool]:
-        """The votes of round_ once all of the roster voted, or what arrived by the timeout."""
-        roster = set(roster)
-        deadline = time.monotonic() + timeout_s
-        with self._changed:
-            while True:
-                votes = dict(self._votes.get(round_, {}))
-                stopped = {j for j, last in self.stopped.items() if last < round_}
-                if roster - self.offline - stopped <= set(votes) or time.monotonic() >= deadline:
-                    return votes
-                self._changed.wait(min(deadline - time.monotonic(), 0.5))
-
-    def wait_ready(
-        self, agents: Iterable[str], stop: threading.Event, timeout_s: float
-    ) -> set[str]:
-        """Wait until every agent has subscribed (its first status of this run says so), is
-        offline, `stop` is set, or timeout; returns the agents not heard from."""
-        return self._wait_all(set(agents), self.ready, stop, timeout_s)
-
-    def wait_finished(
-        self, agents: Iterable[str], stop: threading.Event, timeout_s: float
-    ) -> set[str]:
-        """Wait until every agent reported its last round done, is offline, `stop` is set, or
-        timeout; returns the agents still running."""
-        return self._wait_all(set(agents), self.finished, stop, timeout_s)
-
-    def _wait_all(
-        self, agents: set[str], group: set[str], stop: threading.Event, timeout_s: float
-    ) -> set[str]:
-        deadline = time.monotonic() + timeout_s
-        with self._changed:
-            while True:
-                waiting = agents - group - self.offline
-                remaining = deadline - time.monotonic()
-                if not waiting or stop.is_set() or remaining <= 0:
-                    return waiting
-                self._changed.wait(min(remaining, 0.2))
-
     def forget_before(self, round_: int) -> None:
         """Drop models older than round_ (except each sender's newest, kept as a fallback)."""
         with self._changed:
-            newest: dict[str, int] = {}
-            for r, s in self._models:
-                newest[s] = max(r, newest.get(s, r))
-            for key in [k for k in self._models if k[0] < round_ and newest[k[1]] != k[0]]:
-                del self._models[key]
-            for old in [k for k in self._globals if k[0] < round_]:
-                del self._globals[old]
-            for old in [k for k in self._pending if k[0] < round_]:
-                del self._pending[old]
-            for old in [k for k in self._asked if k[0] < round_]:
-                del self._asked[old]
-            for store in (self._divergences, self._layers):
-                newest = {}
-                for key in store:
-                    newest[key[1]] = max(key[0], newest.get(key[1], key[0]))
-                for key in [k for k in store if k[0] < round_ and newest[k[1]] != k[0]]:
-                    del store[key]
+            for stored in (self._models, self._divergences, self._layers):
+                _drop_before(stored, round_, keep_newest=True)
+            for dropped in (self._globals, self._pending, self._asked):
+                _drop_before(dropped, round_, keep_newest=False)
+
+
+def _drop_before(store: dict[Any, Any], round_: int, *, keep_newest: bool) -> None:
+    """Delete the entries keyed (round, sender, ...) of rounds before `round_`; with
+    `keep_newest`, each sender's newest entries stay."""
+    newest: dict[Any, int] = {}
+    for key in store:
+        newest[key[1]] = max(key[0], newest.get(key[1], key[0]))
+    for key in [k for k in store if k[0] < round_]:
+        if not keep_newest or newest[key[1]] != key[0]:
+            del store[key]

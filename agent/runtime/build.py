@@ -1,0 +1,46 @@
+"""An agent by composition: a `Session` (what every run shares), the round driver of its
+strategy's topology and, for decentralized rounds, the object of its `--wire` format."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agent.learning.config import CENTRALIZED, StrategyConfig
+from agent.runtime.centralized import CentralizedRounds
+from agent.runtime.decentralized import DecentralizedRounds
+from agent.runtime.session import RoundDriver, Session
+from agent.runtime.wire_delta import DeltaWire
+from agent.runtime.wire_full import FullWire
+from agent.runtime.wire_layers import LayersWire
+
+WIRES: dict[str, type[FullWire] | type[DeltaWire] | type[LayersWire]] = {
+    "full": FullWire,
+    "delta": DeltaWire,
+    "layers": LayersWire,
+}
+
+
+def wire_format(cfg: StrategyConfig) -> str:
+    """The `--wire` format a decentralized run uses: under `local` nothing is received, so
+    models (which are not sent) count as whole."""
+    return "full" if cfg.strategy == "local" else cfg.wire
+
+
+class AgentRuntime:
+    """Runs one agent's rounds over an already started transport; takes `Session`'s
+    keyword arguments (the CLI's and the tests' entry)."""
+
+    def __init__(self, **options: Any) -> None:
+        cfg = options["run"].config.learning
+        self.driver: RoundDriver
+        if cfg.strategy in CENTRALIZED:
+            self.session = Session(**options)
+            self.driver = CentralizedRounds(self.session)
+        else:
+            wire = WIRES[wire_format(cfg)]
+            expects = wire.expects(options["workload"].learner, options["agent_id"])
+            self.session = Session(**options, expects=expects)
+            self.driver = DecentralizedRounds(self.session, wire(self.session))
+
+    def run(self) -> None:
+        self.session.run(self.driver)

@@ -1,0 +1,184 @@
+"""Who is in the fleet and what it decided: message checks, statuses, presence and votes.
+
+Handlers run on the transport's dispatcher thread and only validate and store; the round loop
+waits here with timeouts. `Inbox` adds the models on top of this fleet state, under the same
+lock, so that a wait for a model can see an agent stop early or go offline.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Container, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from protocol import messages, topics
+from protocol.errors import ProtocolError
+
+log = logging.getLogger("agent.runtime.inbox")  # the inbox's log, as before the split
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What a valid message for this run looks like."""
+
+    fleet: str
+    run_id: str
+    roster: frozenset[str]
+    shapes: dict[str, tuple[tuple[int, ...], str]]
+    key: bytes | None = None
+    aggregator: str | None = None
+    """The coordinator aggregating a centralized run (it sends globals and layer requests)."""
+    delta_shapes: dict[str, tuple[tuple[int, ...], str]] | None = None
+    """The tensors of a delta message (`--wire delta`); None: models come whole."""
+    layer_groups: dict[str, list[str]] | None = None
+    """`--wire layers`: the model's layers in order, each with its tensors."""
+
+
+class FleetMail:
+    """The fleet's state as this agent hears it, and the message checks every kind shares."""
+
+    def __init__(self, expected: Expected) -> None:
+        self.expected = expected
+        self._votes: dict[int, dict[str, bool]] = {}
+        self._changed = threading.Condition()
+        self.rejected = 0
+        self.ready: set[str] = set()
+        self.finished: set[str] = set()
+        self.stopped: dict[str, int] = {}
+        """Agents stopped early -> their last round; their later models will never come."""
+        self.offline: set[str] = set()
+
+    def _decode(
+        self, topic: str, payload: bytes, kind: str, check_run: bool = True
+    ) -> messages.Message | None:
+        try:
+            fleet, topic_kind, fields = topics.parse(topic)
+            message = messages.decode(payload, key=self.expected.key)
+            if (
+                topic_kind != kind
+                or message.TYPE.value != kind
+                or fleet != self.expected.fleet
+                or message.fleet != fleet
+                or message.sender != fields["agent"]
+                or fields.get("round", str(message.round)) != str(message.round)
+                or (isinstance(message, messages.Request) and fields.get("to") != message.target)
+            ):
+                raise ProtocolError(f"{kind} message does not match its topic")
+        except ProtocolError as exc:
+            self.rejected += 1
+            log.warning("rejected message on %s: %s", topic, exc)
+            return None
+        aggregator = kind == "request" and message.sender == self.expected.aggregator
+        if message.sender not in self.expected.roster and not aggregator:
+            log.debug("ignored %s of %s: not in this run's roster", kind, message.sender)
+            return None
+        if check_run and message.run_id != self.expected.run_id:
+            return None
+        return message
+
+    def on_vote(self, topic: str, payload: bytes) -> None:
+        message = self._decode(topic, payload, "vote")
+        if isinstance(message, messages.Vote):
+            self.record_votes(message.sender, {message.round: message.vote})
+
+    def decode_request(self, topic: str, payload: bytes) -> messages.Request | None:
+        message = self._decode(topic, payload, "request")
+        return message if isinstance(message, messages.Request) else None
+
+    def on_status(self, topic: str, payload: bytes) -> None:
+        """Retained statuses carry each agent's vote history: a restarted agent's way to
+        learn the votes it missed while it was down."""
+        message = self._decode(topic, payload, "status")
+        if isinstance(message, messages.Status):
+            with self._changed:
+                self.ready.add(message.sender)
+                if message.state == "done" or message.stopped:
+                    self.finished.add(message.sender)
+                if message.stopped:
+                    self.stopped[message.sender] = message.round
+                self._changed.notify_all()
+            history = message.metrics.get("votes")
+            if isinstance(history, str) and set(history) <= {"0", "1"}:
+                self.record_votes(
+                    message.sender, {r: v == "1" for r, v in enumerate(history, start=1)}
+                )
+
+    def on_presence(self, topic: str, payload: bytes) -> None:
+        """Track who is offline, so nobody waits out a timeout for an agent known gone."""
+        message = self._decode(topic, payload, "presence", check_run=False)
+        if isinstance(message, messages.Presence):
+            with self._changed:
+                if message.online:
+                    self.offline.discard(message.sender)
+                else:
+                    self.offline.add(message.sender)
+                self._changed.notify_all()
+
+    def stopped_agents(self) -> dict[str, int]:
+        """A copy of who stopped early and after which round."""
+        with self._changed:
+            return dict(self.stopped)
+
+    def record_votes(self, sender: str, votes: dict[int, bool]) -> None:
+        with self._changed:
+            for round_, vote in votes.items():
+                self._votes.setdefault(round_, {}).setdefault(sender, vote)
+            self._changed.notify_all()
+
+    def _wait_missing(self, needed: Iterable[Any], store: Container[Any], timeout_s: float) -> Any:
+        """Wait until every key (round, sender, ...) is in `store` or will never come (its
+        sender stopped early before that round), or the timeout passes; returns the missing."""
+        needed = set(needed)
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while True:
+                missing = {
+                    key
+                    for key in needed
+                    if key not in store and key[0] <= self.stopped.get(key[1], key[0])
+                }
+                remaining = deadline - time.monotonic()
+                if not missing or remaining <= 0:
+                    return missing
+                self._changed.wait(min(remaining, 0.5))
+
+    def wait_votes(self, round_: int, roster: Iterable[str], timeout_s: float) -> dict[str, bool]:
+        """The votes of round_ once all of the roster voted, or what arrived by the timeout."""
+        roster = set(roster)
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while True:
+                votes = dict(self._votes.get(round_, {}))
+                stopped = {j for j, last in self.stopped.items() if last < round_}
+                if roster - self.offline - stopped <= set(votes) or time.monotonic() >= deadline:
+                    return votes
+                self._changed.wait(min(deadline - time.monotonic(), 0.5))
+
+    def wait_ready(
+        self, agents: Iterable[str], stop: threading.Event, timeout_s: float
+    ) -> set[str]:
+        """Wait until every agent has subscribed (its first status of this run says so), is
+        offline, `stop` is set, or timeout; returns the agents not heard from."""
+        return self._wait_all(set(agents), self.ready, stop, timeout_s)
+
+    def wait_finished(
+        self, agents: Iterable[str], stop: threading.Event, timeout_s: float
+    ) -> set[str]:
+        """Wait until every agent reported its last round done, is offline, `stop` is set, or
+        timeout; returns the agents still running."""
+        return self._wait_all(set(agents), self.finished, stop, timeout_s)
+
+    def _wait_all(
+        self, agents: set[str], group: set[str], stop: threading.Event, timeout_s: float
+    ) -> set[str]:
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while True:
+                waiting = agents - group - self.offline
+                remaining = deadline - time.monotonic()
+                if not waiting or stop.is_set() or remaining <= 0:
+                    return waiting
+                self._changed.wait(min(remaining, 0.2))

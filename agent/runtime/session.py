@@ -1,0 +1,371 @@
+"""One agent's run, whatever its topology: the start barrier, statuses, checkpoints and
+resuming, early stopping, lingering and the exit.
+
+What a round is belongs to a round driver (`agent.runtime.decentralized`,
+`agent.runtime.centralized`); the session runs the drivers' rounds in order and does what
+every round ends with: count its traffic, persist it, publish the status. Keeping that here
+means a crash, a restart or an early stop behaves alike under every strategy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from agent.device.budget import Budget
+from agent.device.throttle import Throttle
+from agent.experiment import ExperimentConfig, Workload
+from agent.learning.early_stop import EarlyStop, StopWatch
+from agent.learning.learner import AgentState
+from agent.report import AgentRound, early_stop_savings
+from agent.runtime import checkpoint
+from agent.runtime.codec import expected_shapes
+from agent.runtime.inbox import Expected, Inbox
+from protocol import messages, topics
+from protocol.mqtt import MqttTransport
+
+log = logging.getLogger("agent.runtime.decentralized")  # the agent's log, as before the split
+
+STATUS_FIGURES = (
+    "accuracy",
+    "sparsity",
+    "p_k",
+    "bytes_sent",
+    "bytes_received",
+    "stragglers",
+    "t_star",
+)
+"""The round figures a status carries."""
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    round_s: float = 120.0
+    """How long to wait for a neighbour's model before treating it as a straggler."""
+    request_every_s: float = 5.0
+    """While waiting, ask for missing models again this often (they may have been lost)."""
+    vote_s: float = 60.0
+    """How long to wait for a round's votes before counting the missing ones as 0."""
+    linger_s: float = 60.0
+    """After the last round, keep answering requests until the fleet is done or this passes."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """The agreed run: its id, the sorted roster and the experiment configuration."""
+
+    run_id: str
+    roster: tuple[str, ...]
+    config: ExperimentConfig
+    aggregator: str | None = None
+    """Who aggregates a centralized strategy: the coordinator that published the run."""
+
+
+def finite_or_none(value: Any) -> Any:
+    """`value` with every non-finite float (a diverged model's loss) replaced by None: the
+    protocol carries finite numbers only."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [finite_or_none(v) for v in value]
+    return value
+
+
+class RoundDriver(Protocol):
+    """What a topology's rounds are; the session calls these in a run's order."""
+
+    @property
+    def votes(self) -> Mapping[int, bool]:
+        """This agent's pruning votes by round (its status carries their history)."""
+
+    def subscribe(self) -> None:
+        """The subscriptions every round of the run needs."""
+
+    def prepare_start(self) -> None:
+        """What to subscribe before telling the fleet this agent is ready."""
+
+    def run_round(self, round_: int) -> AgentRound:
+        """Wait for the round's inputs, compute, publish; the record without its traffic."""
+
+    def checkpoint(self, round_: int) -> dict[str, Any]:
+        """The driver's state to persist with round `round_`."""
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        """Read back what `checkpoint` saved."""
+
+    def republish(self) -> None:
+        """After a restart, publish again what the last rounds published."""
+
+    def resumed(self, done: int) -> None:
+        """After a restart into round `done` + 1, once its status is out."""
+
+    def close(self) -> None:
+        """The run is over: stop serving and clean up what the broker holds for us."""
+
+
+class Session:
+    """One agent in one run over an already started transport; `run(driver)` runs it."""
+
+    def __init__(
+        self,
+        *,
+        agent_id: str,
+        fleet: str,
+        run: Run,
+        workload: Workload,
+        transport: MqttTransport,
+        state_dir: Path,
+        timeouts: Timeouts = Timeouts(),
+        key: bytes | None = None,
+        on_round: Callable[[dict[str, Any]], None] | None = None,
+        on_finish: Callable[[AgentState], None] | None = None,
+        stop: threading.Event | None = None,
+        budget: Callable[[], Budget | None] | None = None,
+        throttle: Throttle | None = None,
+        expects: Mapping[str, Any] | None = None,
+    ) -> None:
+        """`expects`: further fields of the inbox's `Expected` (what the wire format sends)."""
+        self.me = agent_id
+        self.fleet = fleet
+        self.run_info = run
+        self.config = run.config
+        self.cfg = run.config.learning
+        self.roster = sorted(run.roster)
+        self.learner = workload.learner
+        self.data = workload.data[agent_id]
+        self.transport = transport
+        self.timeouts = timeouts
+        self.key = key
+        self.on_round = on_round
+        self.on_finish = on_finish
+        """Called once the model is final, before lingering (the CLI exports it to ONNX)."""
+        self.stop = stop or threading.Event()
+        self.budget = budget or (lambda: None)
+        self.throttle = throttle
+        self.inbox = Inbox(
+            Expected(
+                fleet=fleet,
+                run_id=run.run_id,
+                roster=frozenset(self.roster),
+                shapes=expected_shapes(self.learner.initial),
+                key=key,
+                aggregator=run.aggregator,
+                **(expects or {}),
+            )
+        )
+        self.state: AgentState = self.learner.init_agent(agent_id)
+        self.early = EarlyStop(self.cfg.early_stop, self.cfg.stop_patience)
+        self.stopped_round: int | None = None
+        self._bytes = (0, 0)
+        self.checkpoint_path = state_dir / "checkpoint.pt"
+        self.records_path = state_dir / "rounds.jsonl"
+
+    # ------------------------------------------------------------------ messages
+
+    def topic(self, round_: int, kind: str, agent: str, to: str | None = None) -> str:
+        return topics.round_topic(self.fleet, round_, kind, agent, to)
+
+    def header(self, round_: int) -> dict[str, Any]:
+        """The envelope fields every message of this agent in this run carries."""
+        return {
+            "fleet": self.fleet,
+            "sender": self.me,
+            "run_id": self.run_info.run_id,
+            "round": round_,
+        }
+
+    def header_fields(self, round_: int) -> dict[str, Any]:
+        """`header` as `agent.runtime.codec`'s message builders take it."""
+        fields = self.header(round_)
+        fields["round_"] = fields.pop("round")
+        return fields
+
+    def model_fields(self, round_: int, num_samples: int) -> dict[str, Any]:
+        """The arguments of `model_message` other than the tensors."""
+        return {
+            **self.header_fields(round_),
+            "num_samples": num_samples,
+            "fp16": self.cfg.fp16,
+            "key": self.key,
+        }
+
+    def send(self, topic: str, data: bytes, *, retain: bool = False) -> None:
+        """Publish `data`, first holding it back to the emulated link's speed, if any."""
+        if self.throttle is not None:
+            self.throttle.before_send(len(data))
+        self.transport.publish(topic, data, retain=retain)
+
+    def after_compute(self, computing: float, train_flops: int) -> float:
+        """Seconds slept to run at the emulated device's speed after a computation started
+        at monotonic time `computing`."""
+        if self.throttle is None:
+            return 0.0
+        return self.throttle.after_compute(time.monotonic() - computing, train_flops)
+
+    def status(
+        self, state: str, round_: int, metrics: dict[str, Any], votes: Mapping[int, bool]
+    ) -> None:
+        """Publish the retained status; it carries the vote history, a restarted agent's way
+        to learn the votes it missed."""
+        history = "".join("1" if votes.get(r) else "0" for r in range(1, round_ + 1))
+        message = messages.Status(
+            **self.header(round_),
+            state=state,
+            metrics=finite_or_none(
+                {**metrics, "votes": history if self.learner.prunes_further else ""}
+            ),
+            stopped=self.stopped_round is not None,
+        )
+        self.transport.publish(
+            topics.status(self.fleet, self.me), messages.encode(message, key=self.key), retain=True
+        )
+
+    # ------------------------------------------------------------------ rounds
+
+    def run(self, driver: RoundDriver) -> None:
+        driver.subscribe()
+        done = self.restore(driver)
+        if done:
+            driver.republish()
+            if self.stopped_round is not None:  # the crash may have come before the status
+                self.status("stopped", done, self.savings(done), driver.votes)
+            driver.resumed(done)
+        else:
+            self.start_together(driver)
+        try:
+            for round_ in range(done + 1, self.cfg.rounds + 1):
+                if self.stop.is_set() or self.stopped_round is not None:
+                    break
+                self.finish_round(driver, driver.run_round(round_))
+            if self.stopped_round is not None:
+                log.info("stopped early after round %d: its loss rose", self.stopped_round)
+            if self.finished and self.on_finish:
+                self.on_finish(self.state)
+            if not self.stop.is_set():
+                self.linger()
+        finally:
+            driver.close()
+
+    @property
+    def finished(self) -> bool:
+        """Trained its last round, or stopped early: its model is final."""
+        return self.state.round == self.cfg.rounds or self.stopped_round is not None
+
+    def finish_round(self, driver: RoundDriver, record: AgentRound) -> dict[str, Any]:
+        """Add the round's traffic to its record, persist it, publish the status."""
+        stats = self.transport.stats
+        record.bytes_sent = stats.get("published_bytes", 0) - self._bytes[0]
+        record.bytes_received = stats.get("received_bytes", 0) - self._bytes[1]
+        self._bytes = (stats.get("published_bytes", 0), stats.get("received_bytes", 0))
+        record.finished_at = time.time()
+        row = record.as_dict()
+        self.persist(driver, record.round, row)
+        saved: dict[str, Any] = {}
+        if record.stopped:
+            self.stopped_round = record.round
+            saved = self.savings(record.round)
+        self.status(
+            "stopped"
+            if record.stopped
+            else "training"
+            if record.round < self.cfg.rounds
+            else "done",
+            record.round,
+            {k: row[k] for k in STATUS_FIGURES} | saved,
+            driver.votes,
+        )
+        self.inbox.forget_before(record.round - 1)
+        if self.on_round:
+            self.on_round(row)
+        return row
+
+    def savings(self, round_: int) -> dict[str, Any]:
+        """What stopping after `round_` saves, for the status (from the round log)."""
+        records = checkpoint.read_records(self.records_path)
+        ran: list[Mapping[str, Any]] = [records[r] for r in sorted(records) if r <= round_]
+        return {"saved": early_stop_savings(ran, round_, self.cfg.rounds)}
+
+    def start_together(self, driver: RoundDriver) -> None:
+        """Subscribe, say so in a status, and wait (at most a round timeout) for the others.
+
+        A model published before its receiver subscribed is lost to it, and the receiver only
+        asks for it again after `request_every_s`: without this barrier, agents of a fleet
+        that start seconds apart would wait that long in their first rounds. (A resumed agent
+        skips it: the others are past it, and it republishes its recent models.)
+        """
+        driver.prepare_start()
+        self.status("ready", 0, {}, driver.votes)
+        others = set(self.roster) - {self.me}
+        absent = self.inbox.wait_ready(others, self.stop, self.timeouts.round_s)
+        if absent:
+            log.warning("starting without %s: not heard from in time", ", ".join(sorted(absent)))
+
+    def linger(self) -> None:
+        """Keep answering requests until every other agent reports done (or time runs out).
+
+        An agent that stopped early stays for the rest of the run: its neighbours keep
+        using, and may still ask for, its last model."""
+        others = set(self.roster) - {self.me}
+        timeout = self.timeouts.linger_s
+        if self.stopped_round is not None:
+            rounds_left = self.cfg.rounds - self.stopped_round
+            timeout += rounds_left * (self.timeouts.round_s + self.timeouts.vote_s)
+        self.inbox.wait_finished(others, self.stop, timeout)
+
+    # ------------------------------------------------------------------ persistence
+
+    def persist(self, driver: RoundDriver, round_: int, record: dict[str, Any]) -> None:
+        """Checkpoint (with the round's record), then log the record.
+
+        A crash before the checkpoint redoes the round; a crash between the two is repaired
+        by `restore`, which logs the checkpoint's record if it is missing: no round is ever
+        lost or logged twice.
+        """
+        checkpoint.save(
+            self.checkpoint_path,
+            {
+                "run_id": self.run_info.run_id,
+                "agent": self.me,
+                "round": round_,
+                "weights": self.state.weights,
+                "masks": self.state.masks or {},
+                "distances": self.state.distances,
+                "stop_watch": dataclasses.asdict(self.early.watch),
+                "record": record,
+                **driver.checkpoint(round_),
+            },
+        )
+        checkpoint.append_record(self.records_path, record)
+
+    def restore(self, driver: RoundDriver) -> int:
+        """Resume from the checkpoint of this run, if any; returns the last completed round."""
+        saved = checkpoint.load(self.checkpoint_path)
+        if saved is None:
+            return 0
+        if saved["run_id"] != self.run_info.run_id or saved["agent"] != self.me:
+            log.warning("ignoring checkpoint of another run or agent in %s", self.checkpoint_path)
+            return 0
+        if saved["round"] not in checkpoint.read_records(self.records_path):
+            checkpoint.append_record(self.records_path, saved["record"])
+        self.state = dataclasses.replace(
+            self.state,
+            weights=saved["weights"],
+            masks=saved["masks"] or None,
+            distances=list(saved["distances"]),
+            round=saved["round"],
+        )
+        self.early.watch = StopWatch(**saved.get("stop_watch", {}))
+        if saved["record"].get("stopped"):
+            self.stopped_round = int(saved["round"])
+        driver.restore(saved)
+        log.info("resuming after round %d from %s", saved["round"], self.checkpoint_path)
+        return int(saved["round"])

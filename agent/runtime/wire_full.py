@@ -1,0 +1,28 @@
+"""`--wire full`: every round model goes out whole, once, to the neighbours subscribed to it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from agent.learning.learner import Learner, Published, RoundResult
+from agent.learning.rounds import Need
+from agent.runtime.wire import WholeModels, announced_topics
+
+
+class FullWire(WholeModels):
+    """Whole models, subscribed to a few rounds ahead for the neighbours each round needs."""
+
+    @staticmethod
+    def expects(learner: Learner, agent_id: str) -> dict[str, Any]:
+        """Nothing beyond whole models for the inbox to check."""
+        return {}
+
+    def wanted(self, round_: int, ahead: Callable[[int], set[Need]]) -> set[str]:
+        return announced_topics(self.session, self.announcement, ahead(round_))
+
+    def encode(self, round_: int, result: RoundResult) -> tuple[bytes, bytes, Published]:
+        data = self.message(
+            round_, result.published.num_samples, result.published.weights, result.published.masks
+        )
+        return data, data, result.published
