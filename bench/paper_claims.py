@@ -42,21 +42,23 @@ per round against five half-dense epochs, and dadpfl-norm's FLOPs ratio 0.79x.)
 
 What the default run shows (seed 1; the figures are in bench/results/paper_claims.json).
 
-dadpfl, with the squared distance of ALGORITHMS.md 1.7: a majority of scores first drops
-below 0.03 at t* = 177 (0.02: 181, 0.01: 217), once the local models (~56 samples per agent)
-have fitted their data and the learning rate has decayed; 1.8 then schedules the first
-further pruning at 2 t* = 354 >= T. DA-DPFL never prunes and is DisPFL plus waiting: +1.4
-points, the same bytes (+2% for the votes) and FLOPs, sparsity 0.5: one target of four. b and
-c cannot move that first pruning earlier (b >= 0 only delays it; c only shortens the later
-intervals), and reaching three pruning events would need T > 3.4 t* ~ 600 rounds, twice the
-budget. Worse, t* grows with T (124 at T = 200, 177 at T = 300: ~0.6 T, it tracks RigL's
-annealed drop fraction), so 2 t* stays past T whatever the budget.
+dadpfl, with D = ||w - w0|| (ALGORITHMS.md 1.7, the norm, as the authors' code computes it):
+t* = 44, first further pruning at round 88, sparsity 0.8 from round ~250, +1.5 points over
+DisPFL (+1.1 over the last 10 rounds), busiest bytes 0.745x, FLOPs 0.729x (0.69x without
+RigL's dense-gradient batches): all four targets. Final-round ratios 0.49x bytes and 0.49x
+FLOPs (paper: 0.67x, 0.58x). The margins are thin: bytes 0.745x against 0.75, and the
+accuracy margin depends on the seed (an earlier run at seed 2 gave -1.7 points).
 
-dadpfl-norm, with D = ||w - w0|| (the norm, not its square, as the authors' code computes it;
-`--detection-distance norm`): t* = 44, sparsity 0.8 from round ~250, +1.5 points, busiest
-bytes 0.745x, FLOPs 0.729x (0.69x without RigL's dense-gradient batches): all four targets.
-Final-round ratios 0.49x bytes and 0.49x FLOPs (paper: 0.67x, 0.58x). The accuracy margin is
-seed-dependent: an earlier run at seed 2 gave -1.7 points.
+dadpfl-squared, with the paper's printed D = ||w - w0||^2 (`--detection-distance squared`): a
+majority of scores first drops below 0.03 at t* = 177 (0.02: 181, 0.01: 217), once the local
+models (~56 samples per agent) have fitted their data and the learning rate has decayed; 1.8
+then schedules the first further pruning at 2 t* = 354 >= T. DA-DPFL never prunes and is
+DisPFL plus waiting: +1.4 points, the same bytes (+2% for the votes) and FLOPs, sparsity 0.5:
+one target of four. b and c cannot move that first pruning earlier (b >= 0 only delays it; c
+only shortens the later intervals), and reaching three pruning events would need
+T > 3.4 t* ~ 600 rounds, twice the budget. Worse, t* grows with T (124 at T = 200, 177 at
+T = 300: ~0.6 T, it tracks RigL's annealed drop fraction), so 2 t* stays past T whatever the
+budget. This is why ALGORITHMS.md 1.7 decided for the norm.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from typing import Any
 from agent.experiment import ExperimentConfig, build_workload
 from agent.learning import ldf
 from agent.learning.central import Payload, Upload, central_strategy
-from agent.learning.rounds import advance_server, layer_requests
+from agent.learning.rounds import advance_server, layer_requests, running
 from agent.report import Traffic
 from agent.runtime.codec import decode_upload, encode_state, values_sent
 from protocol import messages, topics
@@ -298,7 +298,7 @@ class Aggregator:
         return [
             k
             for k in candidates
-            if intake.stopped.get(k, round_) >= round_
+            if running(k, round_, intake.stopped)
             and not (k in intake.offline and k in self._missed)
         ]
 
@@ -399,14 +399,14 @@ class Aggregator:
         """One round; False when nobody is left to take part (everyone stopped early)."""
         stopped = self.intake.stopped
         with self._changed:
-            candidates = [k for k in self.roster if stopped.get(k, round_) >= round_]
+            candidates = [k for k in self.roster if running(k, round_, stopped)]
         if not candidates:
             return False
         record = AggregatorRecord(round_, [], [])
         self.records.append(record)
         senders, uploads, missing = self._gather(round_, candidates)
         with self._changed:
-            stopped_now = {k for k in candidates if stopped.get(k, round_) < round_}
+            stopped_now = {k for k in candidates if not running(k, round_, stopped)}
         record.participants = sorted(senders)
         record.stragglers = sorted((set(candidates) - set(senders) - stopped_now) | missing)
         self._missed = set(record.stragglers)

@@ -24,6 +24,7 @@ from agent.data import load_dataset
 from agent.experiment import ExperimentConfig, check_networked, profile_names
 from agent.learning import topology
 from agent.learning.config import CENTRALIZED
+from agent.learning.rounds import running
 from agent.report import AgentRound, stopped_summary, summarize
 from agent.runtime import checkpoint
 from coordinator.aggregator import Aggregator
@@ -194,7 +195,7 @@ class Emulation:
                 if t in records:
                     last[agent_id] = AgentRound.from_dict(records[t])
                     t_star = t_star or records[t].get("t_star")
-                elif t > stopped.get(agent_id, t):  # its figures stay, it spends nothing
+                elif not running(agent_id, t, stopped):  # its figures stay, it spends nothing
                     last[agent_id] = last[agent_id].idle(t)
                 else:
                     continue

@@ -126,12 +126,10 @@ def test_apply_masks_in_place():
     assert torch.equal(state["b"], T([1.0]))
 
 
-def test_sparsity_density_nonzeros():
+def test_sparsity():
     masks = {"a": T([True, False, False, False]), "b": T([[True, True], [False, True]])}
     assert sp.sparsity(masks) == pytest.approx(1 - 4 / 8)
-    assert sp.density_per_layer(masks) == {"a": 0.25, "b": 0.75}
     assert sp.sparsity({}) == 0.0
-    assert sp.state_nonzeros({"a": T([0.0, 1.0, -0.0]), "b": T([2.0, 3.0])}) == 3
 
 
 # ------------------------------------------------------------------------- aggregation (1.4)

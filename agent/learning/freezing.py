@@ -257,10 +257,3 @@ def submodel(state: State, active: Masks) -> State:
     channels differ slightly from those of a truly narrower network.
     """
     return apply_masks(state, active)
-
-
-def active_fraction_of_weights(active: Masks, names: Sequence[str]) -> float:
-    """Fraction of the named tensors' entries that are active (e.g. the prunable weights, for
-    the share of a dense model's parameters an agent trains and sends)."""
-    total = sum(active[name].numel() for name in names)
-    return sum(int(active[name].sum()) for name in names) / total if total else 0.0

@@ -119,16 +119,6 @@ def sparsity(masks: Mapping[str, torch.Tensor]) -> float:
     return 1.0 - kept / total if total else 0.0
 
 
-def density_per_layer(masks: Mapping[str, torch.Tensor]) -> dict[str, float]:
-    """Kept fraction of each prunable tensor."""
-    return {name: int(m.sum()) / m.numel() for name, m in masks.items()}
-
-
-def state_nonzeros(state: Mapping[str, torch.Tensor]) -> int:
-    """Number of nonzero entries over every tensor of a state (for accounting, 1.10)."""
-    return sum(int(torch.count_nonzero(t)) for t in state.values())
-
-
 # ------------------------------------------------------------------------- aggregation (1.4)
 
 

@@ -14,6 +14,7 @@ from collections.abc import Container, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from agent.learning.rounds import running
 from protocol import messages, topics
 from protocol.errors import ProtocolError
 
@@ -138,7 +139,7 @@ class FleetMail:
                 missing = {
                     key
                     for key in needed
-                    if key not in store and key[0] <= self.stopped.get(key[1], key[0])
+                    if key not in store and running(key[1], key[0], self.stopped)
                 }
                 remaining = deadline - time.monotonic()
                 if not missing or remaining <= 0:
