@@ -17,8 +17,7 @@ from typing import Any
 import click
 from rich.console import Console
 
-from agent.device.budget import Budget, BudgetLimits, compute_budget, read_device
-from agent.device.throttle import Throttle
+from agent.device import Budget, BudgetLimits, Throttle, compute_budget, read_device
 from agent.experiment import (
     ExperimentConfig,
     Workload,
@@ -29,17 +28,27 @@ from agent.experiment import (
     profile_names,
     round_work,
 )
-from agent.learning.learner import AgentState
+from agent.learning import AgentState
 from agent.onnx_export import OnnxModel, export_onnx, load_inputs
 from agent.options import experiment_config, experiment_options
-from agent.runtime.build import AgentRuntime
-from agent.runtime.session import Run, Timeouts
+from agent.runtime import AgentRuntime, Run, Timeouts
 from firmware_profiles import DeviceProfile, ProfileError, load_profile
-from protocol import messages, topics
-from protocol.cli import BROKER, NAME, ConfigError, read_key, stop_on_signal, wait_for
-from protocol.errors import ProtocolError
-from protocol.membership import Identity, connect, leave
-from protocol.mqtt import BrokerAddress, MqttTransport
+from protocol import (
+    BROKER,
+    NAME,
+    BrokerAddress,
+    ConfigError,
+    Identity,
+    MqttTransport,
+    ProtocolError,
+    connect,
+    leave,
+    messages,
+    read_key,
+    stop_on_signal,
+    topics,
+    wait_for,
+)
 
 console = Console(stderr=True)
 log = logging.getLogger(__name__)
@@ -229,7 +238,7 @@ def main(
     discovery = None
     try:
         if mdns_interfaces:
-            from protocol.discovery import AgentAdvert, Discovery
+            from protocol import AgentAdvert, Discovery
 
             discovery = Discovery(interfaces=list(mdns_interfaces))
             discovery.advertise_agent(AgentAdvert(agent_id, fleet, str(broker), profile_name))

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import platformdirs
 
-from agent.runtime.checkpoint import atomic_write
+from agent.files import atomic_write
 
 log = logging.getLogger(__name__)
 

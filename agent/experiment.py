@@ -14,17 +14,19 @@ from dataclasses import dataclass, field
 import torch
 
 from agent import data as datasets
-from agent.device.budget import Budget, BudgetLimits, RoundWork, compute_budget, nominal_reading
-from agent.learning import models, pruning
-from agent.learning.config import (
+from agent.device import Budget, BudgetLimits, RoundWork, compute_budget, nominal_reading
+from agent.learning import (
     CENTRALIZED,
     DECENTRALIZED,
     REDUCE_MODES,
     WIRE_FORMATS,
+    Learner,
+    LocalData,
     StrategyConfig,
+    models,
     param,
+    pruning,
 )
-from agent.learning.learner import Learner, LocalData
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from agent.runtime.checkpoint import atomic_write
+from agent.files import atomic_write
 
 if TYPE_CHECKING:
     import onnxruntime as ort

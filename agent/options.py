@@ -15,16 +15,16 @@ from typing import Any
 import click
 
 from agent.experiment import ExperimentConfig
-from agent.learning.config import (
+from agent.learning import (
     DECENTRALIZED,
+    DISTANCES,
     PRESETS,
     REDUCE_MODES,
+    TOPOLOGIES,
     WIRE_FORMATS,
     StrategyConfig,
     preset,
 )
-from agent.learning.pruning import DISTANCES
-from agent.learning.topology import TOPOLOGIES
 
 _TYPES = {int: int, float: float, str: str}
 _CHOICES: dict[str, tuple[str, ...]] = {

@@ -48,8 +48,7 @@ from rich.table import Table  # noqa: E402
 
 from agent.data import load_dataset  # noqa: E402
 from agent.experiment import ExperimentConfig, build_workload  # noqa: E402
-from agent.learning.config import preset  # noqa: E402
-from agent.learning.models import default_model  # noqa: E402
+from agent.learning import default_model, preset  # noqa: E402
 from agent.runtime.decentralized import KEEP_OWN_ROUNDS  # noqa: E402
 from bench.support import broker, environment, fleet_round_ends, write_json  # noqa: E402
 from coordinator.emulate import Emulation, EmulationOptions  # noqa: E402
@@ -59,7 +58,7 @@ MB = 2**20
 RSS = "import psutil; print(psutil.Process().memory_info().rss)"
 TRAIN_SNIPPET = """
 import torch
-from agent.learning.models import build_model
+from agent.learning import build_model
 torch.set_num_threads(1)
 model = build_model({model!r}, {shape!r}, {classes}, seed=0)
 x, y = torch.randn({batch}, *{shape!r}), torch.randint(0, {classes}, ({batch},))

@@ -26,8 +26,12 @@ import numpy as np  # noqa: E402
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from protocol.masks import encode_mask  # noqa: E402
-from protocol.tensors import decode_tensors, encode_tensors, lower_bound_bytes  # noqa: E402
+from protocol import (  # noqa: E402
+    decode_tensors,
+    encode_mask,  # noqa: E402
+    encode_tensors,
+    lower_bound_bytes,
+)
 
 DENSITIES = (0.01, 0.05, 0.1, 0.3, 0.5, 0.7, 0.9, 0.99)
 MAX_RATIO = 1.05

@@ -41,7 +41,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from agent.experiment import ExperimentConfig  # noqa: E402
-from agent.learning.config import PRESETS, preset  # noqa: E402
+from agent.learning import PRESETS, preset  # noqa: E402
 from bench.support import (  # noqa: E402
     broker,
     environment,

@@ -43,7 +43,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from agent.experiment import ExperimentConfig  # noqa: E402
-from agent.learning.config import preset  # noqa: E402
+from agent.learning import preset  # noqa: E402
 from bench.support import (  # noqa: E402
     broker,
     environment,

@@ -169,7 +169,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _field_value(name: str, text: str) -> Any:
-    from agent.learning.config import StrategyConfig
+    from agent.learning import StrategyConfig
 
     fields = {f.name: f for f in dataclasses.fields(StrategyConfig)}
     if name not in fields or name == "strategy":
@@ -215,7 +215,7 @@ def run_strategy(
 
     torch.set_num_threads(args.threads)
     from agent.experiment import ExperimentConfig
-    from agent.learning.config import preset
+    from agent.learning import preset
     from coordinator.simulate import simulate
 
     config = ExperimentConfig(
@@ -285,7 +285,7 @@ def counting_rigl_flops() -> Iterator[list[int]]:
     """The training FLOPs the run spends on RigL's dense gradients (1.10), summed as the
     learner counts them: a cost further pruning reduces only in part (the weights' gradient
     stays dense). Yields a one-item list that holds the total when the block ends."""
-    from agent.learning.learner import Learner
+    from agent.learning import Learner
 
     original = Learner.dense_gradient_flops
     total = [0]
@@ -571,7 +571,7 @@ class _DirectProgress:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    from agent.learning.config import PRESETS
+    from agent.learning import PRESETS
 
     unknown = [s for s in strategies if s not in PRESETS and s not in ABLATIONS]
     if unknown or not strategies:

@@ -71,9 +71,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
+from agent.learning import PRESETS, pqi, preset, pruning, rigl, sparse, topology, training  # noqa: E402  # noqa: E402
 from agent.learning import learner as strategies  # noqa: E402
-from agent.learning import pqi, pruning, rigl, sparse, topology, training  # noqa: E402
-from agent.learning.config import PRESETS, preset  # noqa: E402
 from coordinator import simulate as simulator  # noqa: E402
 from coordinator import traffic  # noqa: E402
 from coordinator.simulate import ExperimentConfig, Simulation  # noqa: E402

@@ -123,7 +123,7 @@ def run(
     import torch
 
     from agent.experiment import ExperimentConfig
-    from agent.learning.config import preset
+    from agent.learning import preset
     from coordinator.simulate import simulate
 
     torch.set_num_threads(1)
@@ -164,7 +164,7 @@ def run(
 
 def plan(args: argparse.Namespace) -> list[tuple[str, str, str, dict, dict]]:
     """(name, dataset, preset, hyper-parameter overrides, fleet overrides) of every run."""
-    from agent.learning.config import PRESETS
+    from agent.learning import PRESETS
 
     runs = []
     for dataset in args.datasets:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from protocol.mqtt import BrokerAddress
+from protocol import BrokerAddress
 
 
 def environment() -> dict[str, Any]:

@@ -28,14 +28,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.experiment import ExperimentConfig, build_workload
-from agent.learning import ldf
-from agent.learning.central import Payload, Upload, central_strategy
-from agent.learning.rounds import advance_server, layer_requests, running
+from agent.learning import (
+    Payload,
+    Upload,
+    advance_server,
+    central_strategy,
+    layer_requests,
+    ldf,
+    running,
+)
 from agent.report import Traffic
-from agent.runtime.codec import decode_upload, encode_state, values_sent
-from protocol import messages, topics
-from protocol.errors import ProtocolError
-from protocol.mqtt import MqttTransport
+from agent.runtime import decode_upload, encode_state, values_sent
+from protocol import MqttTransport, ProtocolError, messages, topics
 
 log = logging.getLogger(__name__)
 

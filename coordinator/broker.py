@@ -24,7 +24,7 @@ from typing import Any
 
 from amqtt.broker import Broker
 
-from protocol.mqtt import BrokerAddress
+from protocol import BrokerAddress
 
 log = logging.getLogger(__name__)
 

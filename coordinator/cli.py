@@ -23,14 +23,25 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from agent.files import atomic_write
 from agent.options import experiment_config, experiment_options
-from agent.runtime.checkpoint import atomic_write
 from coordinator.fleet import AgentEntry, FleetView, describe_presence, describe_state
 from coordinator.plots import write_plots
-from protocol import topics
-from protocol.cli import BROKER, NAME, ConfigError, read_key, stop_on_signal, wait_for
-from protocol.membership import Identity, connect, leave
-from protocol.mqtt import BrokerAddress, MqttTransport, TransportOptions
+from protocol import (
+    BROKER,
+    NAME,
+    BrokerAddress,
+    ConfigError,
+    Identity,
+    MqttTransport,
+    TransportOptions,
+    connect,
+    leave,
+    read_key,
+    stop_on_signal,
+    topics,
+    wait_for,
+)
 
 console = Console()
 
@@ -110,7 +121,7 @@ def serve(
         transport.subscribe(topics.presence(fleet), on_fleet_message)
         transport.subscribe(topics.status(fleet), on_fleet_message)
         if mdns_interfaces:
-            from protocol.discovery import Discovery
+            from protocol import Discovery
 
             discovery = Discovery(interfaces=list(mdns_interfaces))
             # An mDNS address record needs an IP: the embedded broker is reached on the

@@ -22,15 +22,11 @@ from typing import Any
 
 from agent.data import load_dataset
 from agent.experiment import ExperimentConfig, check_networked, profile_names
-from agent.learning import topology
-from agent.learning.config import CENTRALIZED
-from agent.learning.rounds import running
+from agent.learning import CENTRALIZED, running, topology
 from agent.report import AgentRound, stopped_summary, summarize
 from agent.runtime import checkpoint
 from coordinator.aggregator import Aggregator
-from protocol import messages, topics
-from protocol.membership import Identity, connect, leave
-from protocol.mqtt import BrokerAddress
+from protocol import BrokerAddress, Identity, connect, leave, messages, topics
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,8 +12,7 @@ import logging
 import time
 from typing import Any
 
-from protocol import messages, topics
-from protocol.errors import ProtocolError
+from protocol import ProtocolError, messages, topics
 
 log = logging.getLogger(__name__)
 

@@ -16,26 +16,26 @@ from collections.abc import Callable
 from typing import Any
 
 from agent.experiment import ExperimentConfig, build_workload, nominal_budgets
-from agent.learning import pruning, sparse
-from agent.learning.central import (
+from agent.learning import (
     CentralStrategy,
+    EarlyStop,
     Fit,
     Payload,
+    Published,
+    RoundResult,
+    RoundTopology,
     ServerState,
     Upload,
+    advance_server,
     as_sent,
     central_strategy,
-)
-from agent.learning.early_stop import EarlyStop
-from agent.learning.learner import Published, RoundResult
-from agent.learning.rounds import (
-    RoundTopology,
-    advance_server,
     evaluated_weights,
     layer_requests,
     participant_p_k,
+    pruning,
     running,
     settle_votes,
+    sparse,
     train_round,
 )
 from agent.report import COORDINATOR, AgentRound, Traffic, stopped_summary, summarize

@@ -15,15 +15,25 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from agent.learning import delta, ldf
-from agent.learning.central import Aggregate, Fit, Payload, Upload, as_sent
-from agent.learning.config import StrategyConfig
-from agent.learning.learner import Learner, Published, RoundResult
-from agent.learning.rounds import RoundTopology, running, stand_in
+from agent.learning import (
+    Aggregate,
+    Fit,
+    Learner,
+    Payload,
+    Published,
+    RoundResult,
+    RoundTopology,
+    StrategyConfig,
+    Upload,
+    as_sent,
+    delta,
+    ldf,
+    running,
+    stand_in,
+)
 from agent.report import COORDINATOR, Traffic
-from agent.runtime.codec import divergence_message, encode_state, model_message, values_sent
-from protocol import messages
-from protocol.chunking import fits_one_frame
+from agent.runtime import divergence_message, encode_state, model_message, values_sent
+from protocol import fits_one_frame, messages
 
 FLEET = "sim"
 """The fleet name in the simulator's messages (their size depends on it)."""

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from protocol.mqtt import BrokerAddress
+from protocol import BrokerAddress
 
 # One intra-op thread: the suite's models are tiny, and two threads per test process fight
 # over two cores with the brokers and agents the tests start.

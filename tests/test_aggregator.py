@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from agent.experiment import ExperimentConfig
-from agent.learning.config import preset
-from agent.runtime.codec import decode_state, encode_state, expected_shapes
+from agent.learning import preset
+from agent.runtime import decode_state, encode_state, expected_shapes
 from coordinator.aggregator import Aggregator
 from protocol import messages, topics
 

@@ -14,8 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.device import budget as budget_module
-from agent.device.budget import (
+from agent.device import (
     DEFAULT_EFFICIENCY,
     Budget,
     BudgetLimits,
@@ -26,9 +25,9 @@ from agent.device.budget import (
     nominal_reading,
     read_device,
 )
-from agent.learning import sparse
+from agent.device import budget as budget_module
+from agent.learning import active_fraction, density_cap, sparse
 from agent.learning.models import build_model, forward_flops, prunable_names
-from agent.learning.reduction import active_fraction, density_cap
 from firmware_profiles import list_profiles, load_profile
 
 BUNDLED = sorted(

@@ -9,16 +9,16 @@ import random
 import msgpack
 import pytest
 
-from protocol.chunking import (
+from protocol import (
     DEFAULT_CHUNK_SIZE,
     FRAME_VERSION,
     MAGIC,
     FrameError,
+    Limits,
+    ProtocolError,
     Reassembler,
     split,
 )
-from protocol.errors import ProtocolError
-from protocol.limits import Limits
 
 
 class FakeClock:

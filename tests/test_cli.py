@@ -192,7 +192,7 @@ def test_help_describes_every_command() -> None:
 def test_mdns_announces_an_external_broker_and_agents_on_loopback(
     mosquitto_broker, tmp_path: Path
 ) -> None:
-    from protocol.discovery import Discovery
+    from protocol import Discovery
 
     address = mosquitto_broker.address
     broker = f"{address.host}:{address.port}"

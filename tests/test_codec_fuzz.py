@@ -15,9 +15,14 @@ import msgpack
 import numpy as np
 import pytest
 
-from protocol.errors import ProtocolError
-from protocol.limits import DEFAULT_LIMITS, Limits
-from protocol.tensors import DecodedTensor, decode_tensors, encode_tensors
+from protocol import (
+    DEFAULT_LIMITS,
+    DecodedTensor,
+    Limits,
+    ProtocolError,
+    decode_tensors,
+    encode_tensors,
+)
 
 SEED = 0x5EED
 CASES = 12_000

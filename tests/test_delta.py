@@ -5,10 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agent.learning.delta import FLIP, apply_delta, encode_delta
-from agent.learning.learner import Published
-from agent.runtime.codec import decode_state, expected_delta_shapes, expected_shapes, model_message
-from agent.runtime.inbox import Expected, Inbox
+from agent.learning import FLIP, Published, apply_delta, encode_delta
+from agent.runtime import (
+    Expected,
+    Inbox,
+    decode_state,
+    expected_delta_shapes,
+    expected_shapes,
+    model_message,
+)
 from protocol import messages, topics
 
 

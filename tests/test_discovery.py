@@ -21,8 +21,7 @@ from pathlib import Path
 import pytest
 from zeroconf import ServiceInfo, Zeroconf
 
-from protocol.discovery import AGENT_SERVICE, AgentAdvert, Discovery
-from protocol.errors import ProtocolError
+from protocol import AGENT_SERVICE, AgentAdvert, Discovery, ProtocolError
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from agent.experiment import ExperimentConfig
-from agent.learning.config import preset
+from agent.learning import preset
 from agent.onnx_export import OnnxModel
 from agent.runtime import checkpoint
 from coordinator.emulate import Emulation, EmulationOptions
 from coordinator.simulate import Simulation, simulate
-from protocol.mqtt import BrokerAddress, MqttTransport, TransportOptions
+from protocol import BrokerAddress, MqttTransport, TransportOptions
 
 AGENTS = 6
 # Real processes on two cores: generous per-test limits, the runs themselves are bounded.
@@ -242,7 +242,7 @@ def assert_onnx_models_match_torch(simulation: Simulation, workdir: Path) -> Non
 
 
 def test_edge_agent_predict_reports_classes_and_latency(tmp_path: Path) -> None:
-    from agent.learning.models import build_model
+    from agent.learning import build_model
     from agent.onnx_export import export_onnx
 
     model = build_model("cnn1d", (1, 40), 10, seed=0)

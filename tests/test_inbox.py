@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from agent.runtime.codec import expected_shapes, model_message
-from agent.runtime.inbox import Expected, Inbox
+from agent.runtime import Expected, Inbox, expected_shapes, model_message
 from protocol import messages, topics
 
 FLEET, RUN = "lab", "run-1"

@@ -7,8 +7,7 @@ import math
 import pytest
 import torch
 
-from agent.learning import ldf, sparse
-from agent.learning.models import build_model
+from agent.learning import build_model, ldf, sparse
 
 SHAPES = {
     "mlp": (1, 40),

@@ -10,11 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from protocol import PROTOCOL_VERSION, Limits, ProtocolError, topics
 from protocol import messages as m
-from protocol import topics
-from protocol.errors import ProtocolError
-from protocol.limits import Limits
-from protocol.version import PROTOCOL_VERSION
 
 KEY = b"0123456789abcdef-fleet-key"
 

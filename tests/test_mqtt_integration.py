@@ -25,14 +25,16 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 from coordinator.broker import BrokerStartError, EmbeddedBroker
-from protocol import messages, topics
-from protocol.chunking import MAGIC, split
-from protocol.mqtt import (
+from protocol import (
+    MAGIC,
     BrokerAddress,
     MqttTransport,
     PublishQueueFull,
     TlsOptions,
     TransportOptions,
+    messages,
+    split,
+    topics,
 )
 
 if TYPE_CHECKING:
@@ -138,7 +140,7 @@ def test_20_mb_message_reaches_three_subscribers_uploaded_once(broker: BrokerPro
 WILL_CLIENT = """
 import sys, time
 from protocol import messages, topics
-from protocol.mqtt import BrokerAddress, MqttTransport, TransportOptions
+from protocol import BrokerAddress, MqttTransport, TransportOptions
 fleet, agent, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
 topic = topics.presence(fleet, agent)
 def presence(online):

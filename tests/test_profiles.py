@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 
 from firmware_profiles import (
+    BUNDLED_DIR,
     PROFILE_PATH_ENV,
     DeviceProfile,
     ProfileError,
     list_profiles,
     load_profile,
 )
-from firmware_profiles.loader import BUNDLED_DIR
 
 EXPECTED = {
     "jetson-nano",

@@ -11,10 +11,8 @@ from pathlib import Path
 import pytest
 
 import firmware_profiles
-from agent.learning import topology
-from agent.learning.config import preset
-from agent.learning.learner import Published
-from agent.runtime.codec import model_message
+from agent.learning import Published, preset, topology
+from agent.runtime import model_message
 from coordinator.simulate import ExperimentConfig, Simulation, simulate
 
 REPO = Path(__file__).resolve().parent.parent

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from agent.learning import CENTRALIZED, StopWatch, preset
 from agent.learning.central import STATIC_TIERS, static_tier
-from agent.learning.config import CENTRALIZED, preset
-from agent.learning.early_stop import StopWatch
 from agent.learning.reduction import MIN_ACTIVE, Reduction, local_reduction
 from coordinator.simulate import ExperimentConfig, Simulation, simulate
 

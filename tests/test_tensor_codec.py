@@ -11,16 +11,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from protocol.errors import ProtocolError
-from protocol.limits import Limits
-from protocol.masks import (
+from protocol import (
+    DTYPES,
+    Limits,
     MaskKind,
+    ProtocolError,
     bitmap_size,
     decode_mask,
+    decode_tensors,
     elias_fano_size,
     encode_mask,
+    encode_tensors,
+    lower_bound_bytes,
 )
-from protocol.tensors import DTYPES, decode_tensors, encode_tensors, lower_bound_bytes
 
 FLOATS = ("float16", "float32", "float64")
 

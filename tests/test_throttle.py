@@ -6,15 +6,18 @@ import time
 
 import pytest
 
-from agent.device.budget import (
+from agent.device import (
     DEFAULT_EFFICIENCY,
     BudgetLimits,
     RoundWork,
+    Throttle,
     calibrated_efficiency,
     compute_budget,
+    compute_delay_s,
+    energy_j,
+    link_delay_s,
     nominal_reading,
 )
-from agent.device.throttle import Throttle, compute_delay_s, energy_j, link_delay_s
 from firmware_profiles import load_profile
 
 NANO = load_profile("jetson-nano")  # 235.9 GFLOPS peak, 200 Mbit/s, 1.5-10 W, radio 1.5 W

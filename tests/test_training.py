@@ -5,13 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agent.learning import sparse
-from agent.learning.config import preset
-from agent.learning.learner import Learner, LocalData, Published
+from agent.learning import Learner, LocalData, Published, preset, sparse
 from agent.learning.models import build_model, forward_flops, prunable_names
 from agent.learning.training import SGDConfig, derive_seed, evaluate, sgd_step_, train_local
-from agent.runtime.codec import decode_state, encode_state, expected_shapes
-from protocol.errors import ProtocolError
+from agent.runtime import decode_state, encode_state, expected_shapes
+from protocol import ProtocolError
 
 INPUT = (1, 40)
 

@@ -14,10 +14,8 @@ import pytest
 import torch
 
 from agent.experiment import build_workload
-from agent.learning.config import preset
-from agent.learning.learner import Published
-from agent.runtime.codec import expected_shapes, model_message
-from agent.runtime.inbox import Expected, Inbox
+from agent.learning import Published, preset
+from agent.runtime import Expected, Inbox, expected_shapes, model_message
 from agent.runtime.layer_server import LayerServer, PublishLayers
 from coordinator.simulate import ExperimentConfig, simulate
 from protocol import messages, topics

@@ -66,7 +66,7 @@ import psutil
 import torch
 from torch import Tensor, nn
 
-from agent.learning.models import forward_flops
+from agent.learning import forward_flops
 from firmware_profiles import DeviceProfile
 
 DEFAULT_EFFICIENCY = 0.1

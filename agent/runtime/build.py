@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from agent.learning.config import CENTRALIZED, StrategyConfig
+from agent.learning import CENTRALIZED, StrategyConfig
 from agent.runtime.centralized import CentralizedRounds
 from agent.runtime.decentralized import DecentralizedRounds
 from agent.runtime.session import RoundDriver, Session

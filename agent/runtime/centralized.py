@@ -22,15 +22,20 @@ import logging
 import time
 from typing import Any
 
-from agent.device.budget import Budget
-from agent.learning.central import Fit, Payload, ServerState, central_strategy
-from agent.learning.rounds import evaluated_weights, participant_p_k
+from agent.device import Budget
+from agent.learning import (
+    Fit,
+    Payload,
+    ServerState,
+    central_strategy,
+    evaluated_weights,
+    participant_p_k,
+)
 from agent.report import AgentRound
 from agent.runtime import codec
 from agent.runtime.codec import divergence_message, encode_state, values_sent
 from agent.runtime.session import Session
-from protocol import messages, topics
-from protocol.errors import ProtocolError
+from protocol import ProtocolError, messages, topics
 
 log = logging.getLogger(__name__)
 

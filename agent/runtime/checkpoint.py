@@ -10,41 +10,18 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from agent.files import atomic_write
 
 FORMAT = 1
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint exists but cannot be used (corrupt, another format, another run)."""
-
-
-def _fsync_folder(folder: Path) -> None:
-    descriptor = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def atomic_write(path: Path, write: Any) -> None:
-    """Call `write(handle)` on a temporary file beside `path`, then move it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(descriptor, "wb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-    _fsync_folder(path.parent)
 
 
 def save(path: Path, payload: dict[str, Any]) -> None:

@@ -13,16 +13,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from agent.learning import FLIP, Masks, State
 from agent.learning.central import CentralStrategy, Layout, Payload, model_layout
-from agent.learning.delta import FLIP
-from agent.learning.sparse import Masks, State
-from protocol import messages
-from protocol.errors import ProtocolError
-from protocol.limits import DEFAULT_LIMITS, Limits
-from protocol.tensors import decode_tensors, encode_tensors
+from protocol import DEFAULT_LIMITS, Limits, ProtocolError, decode_tensors, encode_tensors, messages
 
 if TYPE_CHECKING:
-    from agent.learning.learner import Learner
+    from agent.learning import Learner
 
 Shapes = dict[str, tuple[tuple[int, ...], str]]
 """Tensor name -> (shape, wire dtype name), what `decode_state` checks a message against."""

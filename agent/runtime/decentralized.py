@@ -21,9 +21,17 @@ import logging
 import time
 from typing import Any
 
-from agent.learning import pruning, sparse
-from agent.learning.learner import Published, RoundResult
-from agent.learning.rounds import Need, RoundTopology, settle_votes, stand_in, train_round
+from agent.learning import (
+    Need,
+    Published,
+    RoundResult,
+    RoundTopology,
+    pruning,
+    settle_votes,
+    sparse,
+    stand_in,
+    train_round,
+)
 from agent.report import AgentRound
 from agent.runtime.codec import all_finite, values_sent
 from agent.runtime.session import Session

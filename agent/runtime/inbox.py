@@ -13,13 +13,11 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from agent.learning.delta import apply_delta
+from agent.learning import Published, apply_delta
 from agent.learning.ldf import checked_divergences
-from agent.learning.learner import Published
 from agent.runtime.codec import decode_state
 from agent.runtime.mail import Expected, FleetMail
-from protocol import messages, topics
-from protocol.errors import ProtocolError
+from protocol import ProtocolError, messages, topics
 
 __all__ = ["Expected", "Inbox"]
 

@@ -14,9 +14,8 @@ from collections.abc import Container, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from agent.learning.rounds import running
-from protocol import messages, topics
-from protocol.errors import ProtocolError
+from agent.learning import running
+from protocol import ProtocolError, messages, topics
 
 log = logging.getLogger("agent.runtime.inbox")  # the inbox's log, as before the split
 

@@ -19,17 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from agent.device.budget import Budget
-from agent.device.throttle import Throttle
+from agent.device import Budget, Throttle
 from agent.experiment import ExperimentConfig, Workload
-from agent.learning.early_stop import EarlyStop, StopWatch
-from agent.learning.learner import AgentState
+from agent.learning import AgentState, EarlyStop, StopWatch
 from agent.report import AgentRound, early_stop_savings
 from agent.runtime import checkpoint
 from agent.runtime.codec import expected_shapes
 from agent.runtime.inbox import Expected, Inbox
-from protocol import messages, topics
-from protocol.mqtt import MqttTransport
+from protocol import MqttTransport, messages, topics
 
 log = logging.getLogger("agent.runtime.decentralized")  # the agent's log, as before the split
 

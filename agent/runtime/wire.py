@@ -12,9 +12,7 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
-from agent.learning.learner import Published, RoundResult
-from agent.learning.rounds import Need
-from agent.learning.sparse import Masks, State
+from agent.learning import Masks, Need, Published, RoundResult, State
 from agent.runtime.codec import model_message
 from agent.runtime.session import Session
 from protocol import messages

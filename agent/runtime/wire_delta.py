@@ -11,9 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from agent.learning.delta import encode_delta
-from agent.learning.learner import Learner, Published, RoundResult
-from agent.learning.rounds import Need
+from agent.learning import Learner, Need, Published, RoundResult, encode_delta
 from agent.runtime.codec import expected_delta_shapes
 from agent.runtime.session import Session
 from agent.runtime.wire import WholeModels

@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from agent.learning.learner import Learner, Published, RoundResult
-from agent.learning.rounds import Need
+from agent.learning import Learner, Need, Published, RoundResult
 from agent.runtime.wire import WholeModels, announced_topics
 
 

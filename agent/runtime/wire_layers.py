@@ -13,9 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from agent.learning import ldf
-from agent.learning.learner import Learner, Published, RoundResult
-from agent.learning.rounds import Need
+from agent.learning import Learner, Need, Published, RoundResult, ldf
 from agent.runtime.codec import divergence_message, model_message, values_sent
 from agent.runtime.layer_server import LayerServer
 from agent.runtime.session import Session
