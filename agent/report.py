@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from agent.learning import Masks, Reduction, RoundResult, sparse
+
 COORDINATOR = "coordinator"
 """The coordinator's name in the traffic figures of centralized runs."""
 
@@ -77,6 +79,35 @@ class AgentRound:
     t_star: int | None = None
     finished_at: float | None = None
 
+    @classmethod
+    def of_result(
+        cls,
+        round_: int,
+        agent: str,
+        result: RoundResult,
+        reduction: Reduction,
+        p_k: float | None,
+        **figures: Any,
+    ) -> AgentRound:
+        """The record of a decentralized round from what it computed, the simulator's and a
+        device's alike; `figures`: what only the caller knows (traffic, waiting, t*...)."""
+        return cls(
+            round=round_,
+            agent=agent,
+            accuracy=result.accuracy,
+            loss=result.loss,
+            train_loss=result.train_loss,
+            sparsity=reported_sparsity(result.state.masks),
+            train_flops=result.train_flops,
+            p_k=1.0 if p_k is None else p_k,
+            vote=result.vote,
+            score=result.score,
+            pruned=result.pruned,
+            density_cap=reduction.density_cap,
+            active_fraction=reduction.active_fraction,
+            **figures,
+        )
+
     def report_entry(self, networked: bool = False) -> dict[str, Any]:
         """The agent's entry in a report's round (with `networked`, stragglers and wait)."""
         names = REPORTED + NETWORKED if networked else REPORTED
@@ -110,6 +141,11 @@ class AgentRound:
         """A record read back from a round log (fields it does not know are left out)."""
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def reported_sparsity(masks: Masks | None) -> float:
+    """A model's sparsity as reports give it: 0 for a dense model (no masks)."""
+    return sparse.sparsity(masks) if masks else 0.0
 
 
 def early_stop_savings(

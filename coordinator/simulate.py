@@ -38,7 +38,14 @@ from agent.learning import (
     sparse,
     train_round,
 )
-from agent.report import COORDINATOR, AgentRound, Traffic, stopped_summary, summarize
+from agent.report import (
+    COORDINATOR,
+    AgentRound,
+    Traffic,
+    reported_sparsity,
+    stopped_summary,
+    summarize,
+)
 from coordinator.traffic import CentralTraffic, LocalWire, wire_traffic
 
 __all__ = ["ExperimentConfig", "ProgressCallback", "Simulation", "simulate"]
@@ -107,21 +114,7 @@ class Simulation:
         )
         self.states[k] = result.state
         self._early_stop(k, t, result.state.weights, result.train_loss)
-        return result, AgentRound(
-            round=t,
-            agent=k,
-            accuracy=result.accuracy,
-            loss=result.loss,
-            train_loss=result.train_loss,
-            sparsity=sparsity(result.state.masks),
-            train_flops=result.train_flops,
-            p_k=1.0 if budget is None else budget,
-            vote=result.vote,
-            score=result.score,
-            pruned=result.pruned,
-            density_cap=reduction.density_cap,
-            active_fraction=reduction.active_fraction,
-        )
+        return result, AgentRound.of_result(t, k, result, reduction, budget)
 
     def _vote(self, t: int, ran: dict[str, AgentRound], wire: LocalWire) -> None:
         """The round's votes go to everyone and settle the pruning plan (ALGORITHMS.md 1.7)."""
@@ -141,13 +134,13 @@ class Simulation:
         }  # round 0: the models everyone derives
         rounds = []
         for t in range(1, cfg.rounds + 1):
-            topology = RoundTopology.draw(self.config.seed, t, self.roster, cfg)
+            topology = RoundTopology(self.config.seed, t, self.roster, cfg)
             prune_now = self.plan.is_pruning_round(t)
             wire.begin(t)
             current: dict[str, Published] = {}
             ran: dict[str, AgentRound] = {}
             for k in topology.order:
-                if not running(k, t, self.stopped):  # its neighbours keep using its last model
+                if not running(k, t, self.stopped):  # it stands in with its last model (stand_in)
                     current[k] = previous[k]
                     wire.stood_in(k)
                     continue
@@ -209,13 +202,13 @@ class Simulation:
             accuracy=accuracy,
             loss=loss,
             train_loss=fit.train_loss,
-            sparsity=sparsity(fit.state.masks),
+            sparsity=reported_sparsity(fit.state.masks),
             train_flops=fit.train_flops,
             p_k=self.p_k[k],
         )
 
     def _centralized(self, progress: ProgressCallback | None) -> list[dict[str, Any]]:
-        """The rounds of `agent.central`'s contract in one process: downloads, fits,
+        """The rounds of `agent.learning.central`'s contract in one process: downloads, fits,
         (selection and responses), aggregation, evaluation."""
         cfg = self.config.learning
         strategy = central_strategy(cfg.strategy)
@@ -269,11 +262,6 @@ class Simulation:
             record["coordinator"] = dataclasses.asdict(traffic[COORDINATOR])
         record["t_star"] = self.plan.t_star
         return record
-
-
-def sparsity(masks: sparse.Masks | None) -> float:
-    """A model's sparsity as reported (a dense model's is 0)."""
-    return sparse.sparsity(masks) if masks else 0.0
 
 
 def simulate(config: ExperimentConfig, progress: ProgressCallback | None = None) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from agent.learning import (
     Upload,
     as_sent,
     delta,
-    ldf,
+    layers_to_fetch,
     running,
     stand_in,
 )
@@ -291,7 +291,7 @@ class LayersWire(LocalWire):
         for j, (needed, a) in announced.items():
             self.announcements.count(self.traffic, agent, j, needed, a.size, self.stopped)
         vectors = {j: a.values for j, (_, a) in announced.items()}
-        chosen = ldf.select_layers(vectors, self.ldf_n) if announced else {}
+        chosen = layers_to_fetch(vectors, self.ldf_n)
         received = {j: m for j, m in inbox.items() if j not in announced}
         for j, layers in chosen.items():
             if layers:

@@ -1,4 +1,5 @@
-"""FedLDF layer grouping, divergences, per-layer selection and aggregation (agent/ldf.py)."""
+"""FedLDF layer grouping, divergences, per-layer selection and aggregation
+(agent/learning/ldf.py)."""
 
 from __future__ import annotations
 

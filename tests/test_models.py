@@ -1,4 +1,4 @@
-"""Models, seeded construction, prunable tensors and FLOP counting of agent.models."""
+"""Models, seeded construction, prunable tensors and FLOP counting of agent.learning.models."""
 
 from __future__ import annotations
 

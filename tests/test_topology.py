@@ -1,4 +1,5 @@
-"""Neighbour draws, reuse order, prior/posterior sets (agent/topology.py; ALGORITHMS.md 1.2-1.3)."""
+"""Neighbour draws, reuse order, prior/posterior sets (agent/learning/topology.py;
+ALGORITHMS.md 1.2-1.3)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """FedAdam-SSM: local Adam and sparse deltas with one shared mask (ALGORITHMS.md section 3).
 
-Pure functions over state dicts (`agent.sparse.State`): each returns new tensors and leaves its
+Pure functions over state dicts (`sparse.State`): each returns new tensors and leaves its
 inputs alone, so the simulator and the networked agent get the same numbers from the same
 inputs. One agent's round, for the parameter names P (the keys of M):
 

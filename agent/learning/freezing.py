@@ -6,7 +6,7 @@ their personal values bit for bit. Only the active part is exchanged, and the ag
 averages each element over the agents that had it active.
 
 Pure functions over state dicts and bool masks (True = active: trained and exchanged), like
-``agent.sparse``: random draws take an explicit ``torch.Generator``, inputs are never modified,
+``sparse``: random draws take an explicit ``torch.Generator``, inputs are never modified,
 and aggregation visits agents in sorted-id order in float64.
 """
 

@@ -18,7 +18,7 @@ Presets (ALGORITHMS.md section 1 and its baselines):
                (the global model fine-tuned for E epochs on the agent's data)
 
 and the centralized ones of ALGORITHMS.md sections 2 to 4 (fedspu, feddrop, fedadam,
-fedadam-top, fedadam-ssm, fedldf), whose rounds live in `agent.central`. Early stopping
+fedadam-top, fedadam-ssm, fedldf), whose rounds live in `agent.learning.central`. Early stopping
 (`early_stop`, section 2) applies to every strategy.
 """
 

@@ -15,10 +15,9 @@ pruning plan, `train_round` the budgeted local round. Centralized rounds: `parti
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import cast
 
-from agent.learning import pruning, topology
+from agent.learning import ldf, pruning, topology
 from agent.learning.central import (
     Aggregate,
     CentralStrategy,
@@ -35,33 +34,37 @@ Need = tuple[int, str]
 """(round, sender): a model a round aggregates."""
 
 
-@dataclass(frozen=True)
 class RoundTopology:
     """Round t's reuse order and neighbour sets (ALGORITHMS.md 1.2-1.3): pure functions of
-    (seed, t, roster), so every agent computes everyone's without a server."""
+    (seed, t, roster), so every agent computes everyone's without a server. A neighbour set is
+    drawn when first asked for: an agent needs only its own (O(K) work), the simulator
+    everyone's."""
 
-    round: int
-    order: list[str]
-    neighbours: Mapping[str, list[str]]
-    max_wait: int
+    def __init__(self, seed: int, round_: int, roster: Sequence[str], cfg: StrategyConfig):
+        self.round = round_
+        self.order = topology.reuse_order(seed, round_, roster)
+        self._seed, self._roster, self._cfg = seed, list(roster), cfg
+        self._neighbours: dict[str, list[str]] = {}
 
-    @classmethod
-    def draw(
-        cls, seed: int, round_: int, roster: Sequence[str], cfg: StrategyConfig
-    ) -> RoundTopology:
-        """The round's topology; under `local` nobody has neighbours."""
-        order = topology.reuse_order(seed, round_, roster)
-        if cfg.strategy == "local":
-            neighbours: Mapping[str, list[str]] = dict.fromkeys(roster, [])
-        else:
+    def neighbours(self, agent: str) -> list[str]:
+        """`agent`'s neighbour set G_k^t, sorted by id; under `local` nobody has any."""
+        if agent not in self._neighbours:
+            cfg = self._cfg
             kind = cast(topology.Topology, cfg.topology)  # validated by ExperimentConfig
-            neighbours = topology.everyone_neighbours(seed, round_, roster, cfg.neighbours, kind)
-        return cls(round_, order, neighbours, cfg.max_wait)
+            self._neighbours[agent] = (
+                []
+                if cfg.strategy == "local"
+                else topology.neighbours(
+                    self._seed, self.round, self._roster, agent, cfg.neighbours, kind
+                )
+            )
+        return self._neighbours[agent]
 
     def prior_posterior(self, agent: str) -> tuple[list[str], list[str]]:
         """The neighbours whose round-t models `agent` waits for, and the others (their
         round t-1 models), each in reuse order."""
-        return topology.prior_posterior(self.order, self.neighbours[agent], agent, self.max_wait)
+        neighbours = self.neighbours(agent)
+        return topology.prior_posterior(self.order, neighbours, agent, self._cfg.max_wait)
 
     def needs(self, agent: str) -> set[Need]:
         """(round, sender) of every model `agent`'s round aggregates."""
@@ -117,6 +120,16 @@ def train_round(
         active_fraction=reduction.active_fraction,
     )
     return result, reduction
+
+
+def layers_to_fetch(
+    divergences: Mapping[str, Mapping[str, float]], ldf_n: int
+) -> dict[str, list[str]]:
+    """`--wire layers`: per neighbour, the layers an agent fetches, FedLDF's selection among
+    its neighbours: per layer the `ldf_n` most diverged of those whose vectors it holds.
+    Round-0 models are derivable (no vector: taken whole); a neighbour picked for no layer
+    counts for none."""
+    return ldf.select_layers(divergences, ldf_n) if divergences else {}
 
 
 def participant_p_k(budget_p_k: float | None, roster: Sequence[str], agent: str) -> float:

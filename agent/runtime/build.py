@@ -3,12 +3,12 @@ strategy's topology and, for decentralized rounds, the object of its `--wire` fo
 
 from __future__ import annotations
 
-from typing import Any
+from typing_extensions import Unpack
 
 from agent.learning import CENTRALIZED, StrategyConfig
 from agent.runtime.centralized import CentralizedRounds
 from agent.runtime.decentralized import DecentralizedRounds
-from agent.runtime.session import RoundDriver, Session
+from agent.runtime.session import RoundDriver, Session, SessionOptions
 from agent.runtime.wire_delta import DeltaWire
 from agent.runtime.wire_full import FullWire
 from agent.runtime.wire_layers import LayersWire
@@ -28,9 +28,10 @@ def wire_format(cfg: StrategyConfig) -> str:
 
 class AgentRuntime:
     """Runs one agent's rounds over an already started transport; takes `Session`'s
-    keyword arguments (the CLI's and the tests' entry)."""
+    keyword arguments but `expects`, which the wire format sets (the CLI's and the tests'
+    entry)."""
 
-    def __init__(self, **options: Any) -> None:
+    def __init__(self, **options: Unpack[SessionOptions]) -> None:
         cfg = options["run"].config.learning
         self.driver: RoundDriver
         if cfg.strategy in CENTRALIZED:

@@ -1,6 +1,6 @@
 """A participant's rounds in a centralized strategy, over MQTT with the coordinator.
 
-The math is `agent.central`'s strategy, the very objects the simulator calls; this module
+The math is `agent.learning.central`'s strategy, the very objects the simulator calls; this module
 only moves their payloads. Round t of agent k:
 
     FedSPU family   ask the aggregator for its part (`Request` with fraction = p_k), wait
@@ -164,9 +164,9 @@ class CentralizedRounds:
                 return self._missed_round(round_, p_k, budget)
             view = ServerState(part.weights)
         waited = time.monotonic() - started
-        computing = time.monotonic()
+        compute_started = time.monotonic()
         fit = self.strategy.fit(s.learner, s.state, s.data, view, round_, p_k)
-        throttled = s.after_compute(computing, fit.train_flops)
+        throttled = s.after_compute(compute_started, fit.train_flops)
         s.state = fit.state
         stragglers = self._exchange(round_, p_k, fit)
         evaluated = evaluated_weights(self.strategy, fit.state.weights, self.view)

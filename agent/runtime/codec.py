@@ -82,7 +82,7 @@ def delta_names(weights: State, masks: Masks | None) -> dict[str, str]:
 def expected_delta_shapes(
     weights: State, masks: Masks | None
 ) -> dict[str, tuple[tuple[int, ...], str]]:
-    """The (shape, dtype) of every tensor of a delta message (`agent.delta`)."""
+    """The (shape, dtype) of every tensor of a delta message (`agent.learning.delta`)."""
     shapes = expected_shapes(weights)
     return {
         name: shapes[tensor] if name == tensor else (shapes[tensor][0], "bool")
@@ -104,7 +104,7 @@ def model_message(
     base_round: int = -1,
 ) -> bytes:
     """The `Model` message an agent publishes after a round: its full model, or with
-    `base_round` >= 0 a delta on the model of that round (`agent.delta`)."""
+    `base_round` >= 0 a delta on the model of that round (`agent.learning.delta`)."""
     body = encode_state(weights, masks, fp16=fp16)
     message = messages.Model(
         fleet=fleet,

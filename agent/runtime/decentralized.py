@@ -28,7 +28,6 @@ from agent.learning import (
     RoundTopology,
     pruning,
     settle_votes,
-    sparse,
     stand_in,
     train_round,
 )
@@ -59,13 +58,19 @@ class DecentralizedRounds:
         """What this agent published after each recent round (its model, or with --wire
         layers its divergence vector), re-sent on request."""
         self.subscribed: set[str] = set()
+        self._needs: dict[int, set[Need]] = {}
 
     # ------------------------------------------------------------------ needs
 
     def needs(self, round_: int) -> set[Need]:
-        """(round, sender) of every model round `round_` aggregates (1.3)."""
-        s = self.session
-        return RoundTopology.draw(s.config.seed, round_, s.roster, s.cfg).needs(s.me)
+        """(round, sender) of every model round `round_` aggregates (1.3); a round's needs
+        are asked for several times (look-ahead, waiting, checkpoints), drawn once."""
+        if round_ not in self._needs:
+            s = self.session
+            self._needs[round_] = RoundTopology(s.config.seed, round_, s.roster, s.cfg).needs(s.me)
+            if len(self._needs) > 2 * (LOOKAHEAD_ROUNDS + 1):  # the earliest are done
+                del self._needs[min(self._needs)]
+        return set(self._needs[round_])
 
     def sources(self, needs: set[Need]) -> dict[Need, Need]:
         """The model that stands for each need (`stand_in`: an agent that stopped early
@@ -186,7 +191,7 @@ class DecentralizedRounds:
         waited = time.monotonic() - started
         prune_now = self.prune_now(round_)
         budget = s.budget()
-        computing = time.monotonic()
+        compute_started = time.monotonic()
         result, reduction = train_round(
             s.learner,
             s.state,
@@ -196,27 +201,19 @@ class DecentralizedRounds:
             prune_now,
             budget.p_k if budget else None,
         )
-        throttled = s.after_compute(computing, result.train_flops)
+        throttled = s.after_compute(compute_started, result.train_flops)
         s.state = result.state
         stops = s.early.after(s.learner, result.state.weights, result.train_loss, s.data)
         nonzeros = self.publish(round_, result)
-        return AgentRound(
-            round=round_,
-            agent=s.me,
-            accuracy=result.accuracy,
-            loss=result.loss,
-            train_loss=result.train_loss,
-            sparsity=sparse.sparsity(result.state.masks) if result.state.masks else 0.0,
+        return AgentRound.of_result(
+            round_,
+            s.me,
+            result,
+            reduction,
+            budget.p_k if budget else None,
             nonzeros_sent=nonzeros,
-            train_flops=result.train_flops,
-            p_k=budget.p_k if budget else 1.0,
             limited_by=budget.limited_by if budget else "none",
-            density_cap=reduction.density_cap,
-            active_fraction=reduction.active_fraction,
             throttled_s=round(throttled, 3),
-            vote=result.vote,
-            score=result.score,
-            pruned=result.pruned,
             stragglers=stragglers,
             wait_s=round(waited, 3),
             t_star=self.plan.t_star,
@@ -230,16 +227,16 @@ class DecentralizedRounds:
         if not all_finite(result.published.weights):
             # Receivers would reject it (and a divergence vector of it cannot be encoded).
             log.error("round %d: training diverged (weights not finite); model not sent", round_)
-            data = kept = b""
+            data = resend = b""
             sent = Published({}, None, 0)
         else:
-            data, kept, sent = self.wire.encode(round_, result)
+            data, resend, sent = self.wire.encode(round_, result)
         if s.cfg.strategy != "local":
             for old in [r for r in self.own if r <= round_ - KEEP_OWN_ROUNDS]:
                 del self.own[old]
                 self.wire.forget(old)
             if data:
-                self.own[round_] = kept  # re-sent to a peer that asks for it
+                self.own[round_] = resend  # re-sent to a peer that asks for it
                 s.send(s.topic(round_, self.wire.announcement, s.me), data)
         if result.vote is not None and s.learner.prunes_further:
             self.vote(round_, result)

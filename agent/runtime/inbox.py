@@ -42,7 +42,7 @@ class Inbox(FleetMail):
 
     def on_model(self, topic: str, payload: bytes) -> None:
         """A peer's model, whole or (`base_round` >= 0) as a delta on an earlier one, which
-        is applied once that base is here (`agent.delta`)."""
+        is applied once that base is here (`agent.learning.delta`)."""
         message = self._decode(topic, payload, "model")
         if not isinstance(message, messages.Model):
             return

@@ -7,7 +7,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
 
-log = logging.getLogger("agent.runtime.decentralized")  # its log, as before the split
+log = logging.getLogger(__name__)
 
 PublishLayers = Callable[[int, set[str]], Iterator[tuple[str, int, bool]]]
 """Publishes a round's layers one by one, yielding (layer, values it carried, retained)."""

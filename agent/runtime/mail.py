@@ -17,7 +17,7 @@ from typing import Any
 from agent.learning import running
 from protocol import ProtocolError, messages, topics
 
-log = logging.getLogger("agent.runtime.inbox")  # the inbox's log, as before the split
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from typing_extensions import Required, TypedDict
+
 from agent.device import Budget, Throttle
 from agent.experiment import ExperimentConfig, Workload
 from agent.learning import AgentState, EarlyStop, StopWatch
@@ -28,7 +30,7 @@ from agent.runtime.codec import expected_shapes
 from agent.runtime.inbox import Expected, Inbox
 from protocol import MqttTransport, messages, topics
 
-log = logging.getLogger("agent.runtime.decentralized")  # the agent's log, as before the split
+log = logging.getLogger(__name__)
 
 STATUS_FIGURES = (
     "accuracy",
@@ -107,6 +109,24 @@ class RoundDriver(Protocol):
 
     def close(self) -> None:
         """The run is over: stop serving and clean up what the broker holds for us."""
+
+
+class SessionOptions(TypedDict, total=False):
+    """`Session`'s arguments other than `expects`, as `AgentRuntime` takes and passes them."""
+
+    agent_id: Required[str]
+    fleet: Required[str]
+    run: Required[Run]
+    workload: Required[Workload]
+    transport: Required[MqttTransport]
+    state_dir: Required[Path]
+    timeouts: Timeouts
+    key: bytes | None
+    on_round: Callable[[dict[str, Any]], None] | None
+    on_finish: Callable[[AgentState], None] | None
+    stop: threading.Event | None
+    budget: Callable[[], Budget | None] | None
+    throttle: Throttle | None
 
 
 class Session:
@@ -201,12 +221,12 @@ class Session:
             self.throttle.before_send(len(data))
         self.transport.publish(topic, data, retain=retain)
 
-    def after_compute(self, computing: float, train_flops: int) -> float:
+    def after_compute(self, started: float, train_flops: int) -> float:
         """Seconds slept to run at the emulated device's speed after a computation started
-        at monotonic time `computing`."""
+        at monotonic time `started`."""
         if self.throttle is None:
             return 0.0
-        return self.throttle.after_compute(time.monotonic() - computing, train_flops)
+        return self.throttle.after_compute(time.monotonic() - started, train_flops)
 
     def status(
         self, state: str, round_: int, metrics: dict[str, Any], votes: Mapping[int, bool]

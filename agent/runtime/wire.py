@@ -17,7 +17,7 @@ from agent.runtime.codec import model_message
 from agent.runtime.session import Session
 from protocol import messages
 
-log = logging.getLogger("agent.runtime.decentralized")  # the agent's log, as before the split
+log = logging.getLogger(__name__)
 
 Handler = Callable[[str, bytes], None]
 Have = Callable[[int, str], object]

@@ -61,8 +61,8 @@ class DeltaWire(WholeModels):
         )
         samples = published.num_samples
         data = self.message(round_, samples, values, value_masks, base_round=round_ - 1)
-        kept = self.message(round_, samples, self.recon.weights, self.recon.masks)
-        return data, kept, Published(values, value_masks, samples)
+        resend = self.message(round_, samples, self.recon.weights, self.recon.masks)
+        return data, resend, Published(values, value_masks, samples)
 
     def checkpoint(self) -> dict[str, Any]:
         return {"recon": {"weights": self.recon.weights, "masks": self.recon.masks or {}}}

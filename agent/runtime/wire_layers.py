@@ -13,14 +13,14 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from agent.learning import Learner, Need, Published, RoundResult, ldf
+from agent.learning import Learner, Need, Published, RoundResult, layers_to_fetch
 from agent.runtime.codec import divergence_message, model_message, values_sent
 from agent.runtime.layer_server import LayerServer
 from agent.runtime.session import Session
 from agent.runtime.wire import Fetcher, Gathered, announced_topics
 from protocol import messages, topics
 
-log = logging.getLogger("agent.runtime.decentralized")  # the agent's log, as before the split
+log = logging.getLogger(__name__)
 
 LAYER_BATCH_S = 0.2
 """How long a sender collects requests before publishing the layers asked for, so that
@@ -130,7 +130,7 @@ class LayersWire:
             for (_, j), src in sources.items()
             if (vector := inbox.divergence(*src)) is not None
         }
-        chosen = ldf.select_layers(divergences, self.session.cfg.ldf_n) if divergences else {}
+        chosen = layers_to_fetch(divergences, self.session.cfg.ldf_n)
         source_of = {j: src for (_, j), src in sources.items()}
         wanted = {
             (*source_of[j], layer): self.topic(source_of[j], layer)
