@@ -100,18 +100,7 @@ class Intake:
     def _decode(self, topic: str, payload: bytes, kind: str) -> Any:
         """A round message of this run from a roster agent, matching its topic; else None."""
         try:
-            fleet, topic_kind, fields = topics.parse(topic)
-            message = messages.decode(payload, key=self.key)
-            if (
-                topic_kind != kind
-                or message.TYPE.value != kind
-                or fleet != self.fleet
-                or message.fleet != fleet
-                or message.sender != fields.get("agent")
-                or fields.get("round", str(message.round)) != str(message.round)
-                or (isinstance(message, messages.Request) and fields.get("to") != message.target)
-            ):
-                raise ProtocolError(f"{kind} message does not match its topic")
+            message = messages.decode_on_topic(topic, payload, kind, self.fleet, self.key)
         except ProtocolError as exc:
             self.reject(topic, str(exc))
             return None

@@ -27,6 +27,7 @@ import msgpack
 from protocol.errors import ProtocolError
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.topics import check_name
+from protocol.topics import parse as parse_topic
 from protocol.version import PROTOCOL_VERSION
 
 _SIGNATURE_BYTES = 32
@@ -241,6 +242,27 @@ def decode(
     except TypeError as exc:
         raise ProtocolError(f"{type_} message is incomplete: {exc}") from None
     _check_fields(message)
+    return message
+
+
+def decode_on_topic(
+    topic: str, payload: bytes, kind: str, fleet: str, key: bytes | None
+) -> Message:
+    """A message of `kind` received on `topic`, checked against it: its type, fleet, sender,
+    round and (for a request) target must be what the topic says, so that nobody can publish
+    under another agent's topic. ProtocolError if it does not decode or does not match."""
+    topic_fleet, topic_kind, fields = parse_topic(topic)
+    message = decode(payload, key=key)
+    if (
+        topic_kind != kind
+        or message.TYPE.value != kind
+        or topic_fleet != fleet
+        or message.fleet != fleet
+        or message.sender != fields.get("agent")
+        or fields.get("round", str(message.round)) != str(message.round)
+        or (isinstance(message, Request) and fields.get("to") != message.target)
+    ):
+        raise ProtocolError(f"{kind} message does not match its topic")
     return message
 
 

@@ -217,3 +217,29 @@ def test_topics_are_built_and_parsed_consistently() -> None:
             topics.check_name(name)
     with pytest.raises(ValueError, match="unknown round message kind"):
         topics.round_topic("lab", 1, "bogus")
+
+
+def test_a_message_must_match_the_topic_it_arrived_on() -> None:
+    """Nobody can speak for another agent, another round or another target by choosing the
+    topic: the receivers (agent inbox, aggregator) check every message against it."""
+    vote = m.encode(m.Vote(fleet="f", sender="a1", run_id="r", round=3, vote=True, score=0.1))
+    own = topics.round_topic("f", 3, "vote", "a1")
+    assert m.decode_on_topic(own, vote, "vote", "f", None).sender == "a1"
+    mismatched = [
+        (topics.round_topic("f", 3, "vote", "a2"), "vote", "f"),  # another agent's topic
+        (topics.round_topic("f", 4, "vote", "a1"), "vote", "f"),  # another round
+        (topics.round_topic("f", 3, "model", "a1"), "model", "f"),  # another kind
+        (topics.round_topic("g", 3, "vote", "a1"), "vote", "g"),  # another fleet's topic
+        (own, "vote", "g"),  # a receiver of another fleet
+    ]
+    for topic, kind, fleet in mismatched:
+        with pytest.raises(ProtocolError, match="does not match its topic"):
+            m.decode_on_topic(topic, vote, kind, fleet, None)
+    ask = m.encode(m.Request(fleet="f", sender="a1", run_id="r", round=3, target="a2"))
+    m.decode_on_topic(
+        topics.round_topic("f", 3, "request", "a1", to="a2"), ask, "request", "f", None
+    )
+    with pytest.raises(ProtocolError, match="does not match its topic"):
+        m.decode_on_topic(
+            topics.round_topic("f", 3, "request", "a1", to="a3"), ask, "request", "f", None
+        )

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.learning import running
-from protocol import ProtocolError, messages, topics
+from protocol import ProtocolError, messages
 
 log = logging.getLogger(__name__)
 
@@ -55,18 +55,9 @@ class FleetMail:
         self, topic: str, payload: bytes, kind: str, check_run: bool = True
     ) -> messages.Message | None:
         try:
-            fleet, topic_kind, fields = topics.parse(topic)
-            message = messages.decode(payload, key=self.expected.key)
-            if (
-                topic_kind != kind
-                or message.TYPE.value != kind
-                or fleet != self.expected.fleet
-                or message.fleet != fleet
-                or message.sender != fields["agent"]
-                or fields.get("round", str(message.round)) != str(message.round)
-                or (isinstance(message, messages.Request) and fields.get("to") != message.target)
-            ):
-                raise ProtocolError(f"{kind} message does not match its topic")
+            message = messages.decode_on_topic(
+                topic, payload, kind, self.expected.fleet, self.expected.key
+            )
         except ProtocolError as exc:
             self.rejected += 1
             log.warning("rejected message on %s: %s", topic, exc)
