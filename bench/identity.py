@@ -29,175 +29,81 @@ from click.testing import CliRunner
 from coordinator.cli import main as coordinator
 
 SMALL = ["--dataset", "mnist1d", "--agents", "6", "--rounds", "5", "--epochs", "1", "--seed", "3"]
-SQUARED = ["--detection-distance", "squared"]
-NORM = ["--detection-distance", "norm"]
-MIXED = ["--profiles", "mixed", "--round-time-s", "0.01"]
-PRUNES = ["--rounds", "10", "--delta-pr", "100"]
-CONFIGS: dict[str, list[str]] = {
-    "dadpfl-squared": ["--strategy", "dadpfl", *SQUARED, "--neighbours", "3"],
-    "dadpfl-norm-prunes": [
-        "--strategy",
-        "dadpfl",
-        *NORM,
-        "--neighbours",
-        "3",
-        "--rounds",
-        "12",
-        "--delta-pr",
-        "100",
-    ],
-    "dadpfl-fp16": ["--strategy", "dadpfl", *NORM, "--neighbours", "3", "--fp16"],
-    "dadpfl-early-stop": [
-        "--strategy",
-        "dadpfl",
-        *SQUARED,
-        "--neighbours",
-        "3",
-        "--rounds",
-        "8",
-        "--early-stop",
-    ],
-    "dadpfl-patience": [
-        "--strategy",
-        "dadpfl",
-        *NORM,
-        "--neighbours",
-        "3",
-        "--rounds",
-        "8",
-        "--early-stop",
-        "--stop-patience",
-        "2",
-    ],
-    "dadpfl-mixed": ["--strategy", "dadpfl", *NORM, "--neighbours", "3", *MIXED],
-    "dadpfl-prune": [
-        "--strategy",
-        "dadpfl",
-        *NORM,
-        *MIXED,
-        "--reduce",
-        "prune",
-        "--neighbours",
-        "3",
-    ],
-    "dadpfl-freeze": [
-        "--strategy",
-        "dadpfl",
-        *NORM,
-        *MIXED,
-        "--reduce",
-        "freeze",
-        "--neighbours",
-        "3",
-    ],
-    "dadpfl-auto": [
-        "--strategy",
-        "dadpfl",
-        *NORM,
-        *PRUNES,
-        *MIXED,
-        "--reduce",
-        "auto",
-        "--neighbours",
-        "3",
-    ],
-    "dadpfl-delta": [
-        "--strategy",
-        "dadpfl",
-        *NORM,
-        *PRUNES,
-        "--neighbours",
-        "3",
-        "--wire",
-        "delta",
-        "--delta-fraction",
-        "0.2",
-    ],
-    "dadpfl-delta-fp16-stop": [
-        "--strategy",
-        "dadpfl",
-        *NORM,
-        "--neighbours",
-        "3",
-        "--wire",
-        "delta",
-        "--fp16",
-        "--rounds",
-        "8",
-        "--early-stop",
-    ],
-    "dadpfl-layers": [
-        "--strategy",
-        "dadpfl",
-        *NORM,
-        *PRUNES,
-        "--neighbours",
-        "3",
-        "--wire",
-        "layers",
-        "--ldf-n",
-        "1",
-    ],
-    "dadpfl-layers-stop": [
-        "--strategy",
-        "dadpfl",
-        *SQUARED,
-        "--neighbours",
-        "3",
-        "--wire",
-        "layers",
-        "--ldf-n",
-        "2",
-        "--rounds",
-        "8",
-        "--early-stop",
-        "--fp16",
-    ],
-    "dadpfl-auto-layers-fp16": [
-        "--strategy",
-        "dadpfl",
-        *NORM,
-        *MIXED,
-        "--reduce",
-        "auto",
-        "--wire",
-        "layers",
-        "--ldf-n",
-        "1",
-        "--fp16",
-        "--neighbours",
-        "3",
-    ],
-    "dispfl": ["--strategy", "dispfl", "--neighbours", "3"],
-    "dispfl-freeze": ["--strategy", "dispfl", *MIXED, "--reduce", "freeze", "--neighbours", "3"],
-    "dispfl-delta": ["--strategy", "dispfl", "--neighbours", "3", "--wire", "delta"],
-    "dfedavgm": ["--strategy", "dfedavgm", "--neighbours", "3"],
-    "dfedavgm-layers": ["--strategy", "dfedavgm", "--neighbours", "3", "--wire", "layers"],
-    "dfedavgm-ring": ["--strategy", "dfedavgm", "--topology", "ring", "--max-wait", "0"],
-    "local": ["--strategy", "local"],
-    "local-stop": ["--strategy", "local", "--rounds", "8", "--early-stop"],
-    "fedavg": ["--strategy", "fedavg"],
-    "fedavg-fp16-stop": ["--strategy", "fedavg", "--fp16", "--rounds", "8", "--early-stop"],
-    "fedavg-ft": ["--strategy", "fedavg-ft"],
-    "fedspu": ["--strategy", "fedspu"],
-    "fedspu-mixed-fp16": ["--strategy", "fedspu", *MIXED, "--fp16"],
-    "feddrop": ["--strategy", "feddrop"],
-    "fedadam": ["--strategy", "fedadam"],
-    "fedadam-top": ["--strategy", "fedadam-top", "--ssm-fraction", "0.2"],
-    "fedadam-ssm": ["--strategy", "fedadam-ssm"],
-    "fedadam-ssm-fp16-stop": [
-        "--strategy",
-        "fedadam-ssm",
-        "--fp16",
-        "--rounds",
-        "8",
-        "--early-stop",
-    ],
-    "fedldf": ["--strategy", "fedldf"],
-    "fedldf-n2-mixed": ["--strategy", "fedldf", "--ldf-n", "2", *MIXED],
-    "digits-dadpfl": ["--strategy", "dadpfl", *NORM, "--dataset", "digits", "--neighbours", "3"],
-    "digits-fedavg": ["--strategy", "fedavg", "--dataset", "digits"],
+CONFIGS: dict[str, str] = {
+    "dadpfl-squared": "--strategy dadpfl --detection-distance squared --neighbours 3",
+    "dadpfl-norm-prunes": (
+        "--strategy dadpfl --detection-distance norm --neighbours 3 --rounds 12 --delta-pr 100"
+    ),
+    "dadpfl-fp16": "--strategy dadpfl --detection-distance norm --neighbours 3 --fp16",
+    "dadpfl-early-stop": (
+        "--strategy dadpfl --detection-distance squared --neighbours 3 --rounds 8 --early-stop"
+    ),
+    "dadpfl-patience": (
+        "--strategy dadpfl --detection-distance norm --neighbours 3 --rounds 8 --early-stop "
+        "--stop-patience 2"
+    ),
+    "dadpfl-mixed": (
+        "--strategy dadpfl --detection-distance norm --neighbours 3 --profiles mixed "
+        "--round-time-s 0.01"
+    ),
+    "dadpfl-prune": (
+        "--strategy dadpfl --detection-distance norm --profiles mixed --round-time-s 0.01 "
+        "--reduce prune --neighbours 3"
+    ),
+    "dadpfl-freeze": (
+        "--strategy dadpfl --detection-distance norm --profiles mixed --round-time-s 0.01 "
+        "--reduce freeze --neighbours 3"
+    ),
+    "dadpfl-auto": (
+        "--strategy dadpfl --detection-distance norm --rounds 10 --delta-pr 100 --profiles mixed "
+        "--round-time-s 0.01 --reduce auto --neighbours 3"
+    ),
+    "dadpfl-delta": (
+        "--strategy dadpfl --detection-distance norm --rounds 10 --delta-pr 100 --neighbours 3 "
+        "--wire delta --delta-fraction 0.2"
+    ),
+    "dadpfl-delta-fp16-stop": (
+        "--strategy dadpfl --detection-distance norm --neighbours 3 --wire delta --fp16 --rounds "
+        "8 --early-stop"
+    ),
+    "dadpfl-layers": (
+        "--strategy dadpfl --detection-distance norm --rounds 10 --delta-pr 100 --neighbours 3 "
+        "--wire layers --ldf-n 1"
+    ),
+    "dadpfl-layers-stop": (
+        "--strategy dadpfl --detection-distance squared --neighbours 3 --wire layers --ldf-n 2 "
+        "--rounds 8 --early-stop --fp16"
+    ),
+    "dadpfl-auto-layers-fp16": (
+        "--strategy dadpfl --detection-distance norm --profiles mixed --round-time-s 0.01 "
+        "--reduce auto --wire layers --ldf-n 1 --fp16 --neighbours 3"
+    ),
+    "dispfl": "--strategy dispfl --neighbours 3",
+    "dispfl-freeze": (
+        "--strategy dispfl --profiles mixed --round-time-s 0.01 --reduce freeze --neighbours 3"
+    ),
+    "dispfl-delta": "--strategy dispfl --neighbours 3 --wire delta",
+    "dfedavgm": "--strategy dfedavgm --neighbours 3",
+    "dfedavgm-layers": "--strategy dfedavgm --neighbours 3 --wire layers",
+    "dfedavgm-ring": "--strategy dfedavgm --topology ring --max-wait 0",
+    "local": "--strategy local",
+    "local-stop": "--strategy local --rounds 8 --early-stop",
+    "fedavg": "--strategy fedavg",
+    "fedavg-fp16-stop": "--strategy fedavg --fp16 --rounds 8 --early-stop",
+    "fedavg-ft": "--strategy fedavg-ft",
+    "fedspu": "--strategy fedspu",
+    "fedspu-mixed-fp16": "--strategy fedspu --profiles mixed --round-time-s 0.01 --fp16",
+    "feddrop": "--strategy feddrop",
+    "fedadam": "--strategy fedadam",
+    "fedadam-top": "--strategy fedadam-top --ssm-fraction 0.2",
+    "fedadam-ssm": "--strategy fedadam-ssm",
+    "fedadam-ssm-fp16-stop": "--strategy fedadam-ssm --fp16 --rounds 8 --early-stop",
+    "fedldf": "--strategy fedldf",
+    "fedldf-n2-mixed": "--strategy fedldf --ldf-n 2 --profiles mixed --round-time-s 0.01",
+    "digits-dadpfl": "--strategy dadpfl --detection-distance norm --dataset digits --neighbours 3",
+    "digits-fedavg": "--strategy fedavg --dataset digits",
 }
+"""Each configuration's flags for `coordinator simulate`, on top of `SMALL`."""
 EMULATED = ("dadpfl-squared", "dadpfl-delta", "dadpfl-layers", "fedavg", "fedspu-mixed-fp16")
 WALL_KEYS = {"wall_seconds"}
 
@@ -205,7 +111,7 @@ WALL_KEYS = {"wall_seconds"}
 def simulate(name: str, folder: Path, extra: list[str] = ()) -> dict[str, Any]:
     """Run configuration `name` through the CLI; returns its report."""
     path = folder / f"{name}.json"
-    args = ["simulate", *SMALL, *CONFIGS[name], *extra, "--report", str(path)]
+    args = ["simulate", *SMALL, *CONFIGS[name].split(), *extra, "--report", str(path)]
     result = CliRunner().invoke(coordinator, args, catch_exceptions=False)
     if result.exit_code != 0:
         raise SystemExit(f"{name}: exit {result.exit_code}: {result.output}")
@@ -289,7 +195,7 @@ def emulate() -> list[dict[str, Any]]:
             args = [
                 "emulate",
                 *SMALL,
-                *CONFIGS[name],
+                *CONFIGS[name].split(),
                 "--rounds",
                 "3",
                 "--report",
