@@ -66,8 +66,6 @@ class CentralizedRounds:
 
     def subscribe(self) -> None:
         s, inbox = self.session, self.session.inbox
-        s.transport.subscribe(topics.status(s.fleet), inbox.on_status)
-        s.transport.subscribe(topics.presence(s.fleet), inbox.on_presence)
         s.transport.subscribe(topics.global_model(s.fleet, "+"), inbox.on_global)
         s.transport.subscribe(topics.global_model(s.fleet, "+", s.me), inbox.on_global)
         s.transport.subscribe(

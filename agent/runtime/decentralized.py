@@ -92,8 +92,6 @@ class DecentralizedRounds:
         s = self.session
         s.transport.subscribe(topics.round_topic(s.fleet, "+", "vote"), s.inbox.on_vote)
         s.transport.subscribe(topics.round_topic(s.fleet, "+", "request", to=s.me), self.serve)
-        s.transport.subscribe(topics.status(s.fleet), s.inbox.on_status)
-        s.transport.subscribe(topics.presence(s.fleet), s.inbox.on_presence)
 
     def prepare_start(self) -> None:
         self.subscribe_ahead(1)

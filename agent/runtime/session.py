@@ -87,7 +87,8 @@ class RoundDriver(Protocol):
         """This agent's pruning votes by round (its status carries their history)."""
 
     def subscribe(self) -> None:
-        """The subscriptions every round of the run needs."""
+        """The subscriptions every round of the run needs besides the fleet's statuses and
+        presence, which the session subscribes itself."""
 
     def prepare_start(self) -> None:
         """What to subscribe before telling the fleet this agent is ready."""
@@ -249,6 +250,9 @@ class Session:
     # ------------------------------------------------------------------ rounds
 
     def run(self, driver: RoundDriver) -> None:
+        # Who is ready, stopped or gone: the start barrier, stand-ins and lingering need it.
+        self.transport.subscribe(topics.status(self.fleet), self.inbox.on_status)
+        self.transport.subscribe(topics.presence(self.fleet), self.inbox.on_presence)
         driver.subscribe()
         done = self.restore(driver)
         if done:
