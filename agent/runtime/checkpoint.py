@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from agent.files import atomic_write
+from agent.learning import Published
 
 FORMAT = 1
 
@@ -39,6 +41,16 @@ def load(path: Path) -> dict[str, Any] | None:
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a checkpoint of format {FORMAT}")
     return payload
+
+
+def saved_model(model: Published) -> dict[str, Any]:
+    """A model as a checkpoint holds it: plain tensors, masks as a dict ({} when dense)."""
+    return {"weights": model.weights, "masks": model.masks or {}, "samples": model.num_samples}
+
+
+def restored_model(saved: Mapping[str, Any]) -> Published:
+    """A model read back from `saved_model` (one saved without its sample count: 0)."""
+    return Published(saved["weights"], saved["masks"] or None, saved.get("samples", 0))
 
 
 def append_record(path: Path, record: dict[str, Any]) -> None:

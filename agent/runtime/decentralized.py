@@ -32,6 +32,7 @@ from agent.learning import (
     train_round,
 )
 from agent.report import AgentRound
+from agent.runtime import checkpoint
 from agent.runtime.codec import all_finite, values_sent
 from agent.runtime.session import Session
 from agent.runtime.wire import Have, Wait, Wire
@@ -276,10 +277,10 @@ class DecentralizedRounds:
         held: dict[str, dict[str, Any]] = {}
         for r, j in sorted(keys):
             if (p := s.inbox.model(r, j)) is not None:
-                held[f"{r}|{j}"] = {"weights": p.weights, "masks": p.masks or {}}
+                held[f"{r}|{j}"] = checkpoint.saved_model(p)
             elif (vector := s.inbox.divergence(r, j)) is not None:  # --wire layers
                 layers = {
-                    layer: {"weights": p.weights, "masks": p.masks or {}, "samples": p.num_samples}
+                    layer: checkpoint.saved_model(p)
                     for layer, p in s.inbox.held_layers(r, j).items()
                 }
                 held[f"{r}|{j}"] = {"divergence": vector, "layers": layers}
@@ -294,13 +295,11 @@ class DecentralizedRounds:
             r, j = key.split("|")
             if "divergence" in model:
                 layers = {
-                    layer: Published(p["weights"], p["masks"] or None, p["samples"])
-                    for layer, p in model["layers"].items()
+                    layer: checkpoint.restored_model(p) for layer, p in model["layers"].items()
                 }
                 s.inbox.put_announced(int(r), j, model["divergence"], layers)
             else:
-                weights, masks = model["weights"], model["masks"] or None
-                s.inbox.put_model(int(r), j, Published(weights, masks, 0))
+                s.inbox.put_model(int(r), j, checkpoint.restored_model(model))
         cfg = s.cfg
         self.plan = pruning.PruningPlan(
             cfg.rounds, cfg.schedule_b, cfg.schedule_c, t_star=saved["t_star"]

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from agent.learning import Learner, Need, Published, RoundResult, encode_delta
+from agent.runtime import checkpoint
 from agent.runtime.codec import expected_delta_shapes
 from agent.runtime.session import Session
 from agent.runtime.wire import WholeModels
@@ -65,10 +66,9 @@ class DeltaWire(WholeModels):
         return data, resend, Published(values, value_masks, samples)
 
     def checkpoint(self) -> dict[str, Any]:
-        return {"recon": {"weights": self.recon.weights, "masks": self.recon.masks or {}}}
+        return {"recon": checkpoint.saved_model(self.recon)}
 
     def restore(self, saved: dict[str, Any]) -> None:
         if saved.get("recon"):
-            recon = saved["recon"]
-            self.recon = Published(recon["weights"], recon["masks"] or None, 0)
+            self.recon = checkpoint.restored_model(saved["recon"])
         self.whole_after_restart = 2

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from agent.learning import Learner, Need, Published, RoundResult, layers_to_fetch
+from agent.runtime import checkpoint
 from agent.runtime.codec import divergence_message, model_message, values_sent
 from agent.runtime.layer_server import LayerServer
 from agent.runtime.session import Session
@@ -181,18 +182,10 @@ class LayersWire:
     # ------------------------------------------------------------------ persistence
 
     def checkpoint(self) -> dict[str, Any]:
-        return {
-            "kept": {
-                r: {"weights": p.weights, "masks": p.masks or {}, "samples": p.num_samples}
-                for r, p in self.kept.items()
-            }
-        }
+        return {"kept": {r: checkpoint.saved_model(p) for r, p in self.kept.items()}}
 
     def restore(self, saved: dict[str, Any]) -> None:
-        self.kept = {
-            int(r): Published(p["weights"], p["masks"] or None, p["samples"])
-            for r, p in saved.get("kept", {}).items()
-        }
+        self.kept = {int(r): checkpoint.restored_model(p) for r, p in saved.get("kept", {}).items()}
 
     def resumed(self, done: int) -> None:
         """Layers served before the crash: the restored rounds' are the same models (clear
