@@ -22,12 +22,31 @@ if TYPE_CHECKING:
         fits_one_frame,
         split,
     )
-    from protocol.cli import BROKER, NAME, ConfigError, read_key, stop_on_signal, wait_for
-    from protocol.discovery import AGENT_SERVICE, AgentAdvert, Discovery
+    from protocol.cli import (
+        BROKER,
+        NAME,
+        BrokerSettings,
+        ConfigError,
+        broker_options,
+        logging_options,
+        read_key,
+        say,
+        stop_on_signal,
+        version_option,
+        wait_for,
+    )
+    from protocol.discovery import (
+        AGENT_SERVICE,
+        AgentAdvert,
+        BrokerAdvert,
+        Discovery,
+        choose_broker,
+        discover_broker,
+    )
     from protocol.errors import ProtocolError
     from protocol.limits import DEFAULT_LIMITS, Limits
     from protocol.masks import MaskKind, bitmap_size, decode_mask, elias_fano_size, encode_mask
-    from protocol.membership import Identity, connect, leave
+    from protocol.membership import DuplicateMember, Identity, connect, leave
     from protocol.mqtt import (
         BrokerAddress,
         MqttTransport,
@@ -54,12 +73,31 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "fits_one_frame",
         "split",
     ),
-    "protocol.cli": ("BROKER", "NAME", "ConfigError", "read_key", "stop_on_signal", "wait_for"),
-    "protocol.discovery": ("AGENT_SERVICE", "AgentAdvert", "Discovery"),
+    "protocol.cli": (
+        "BROKER",
+        "NAME",
+        "BrokerSettings",
+        "ConfigError",
+        "broker_options",
+        "logging_options",
+        "read_key",
+        "say",
+        "stop_on_signal",
+        "version_option",
+        "wait_for",
+    ),
+    "protocol.discovery": (
+        "AGENT_SERVICE",
+        "AgentAdvert",
+        "BrokerAdvert",
+        "Discovery",
+        "choose_broker",
+        "discover_broker",
+    ),
     "protocol.errors": ("ProtocolError",),
     "protocol.limits": ("DEFAULT_LIMITS", "Limits"),
     "protocol.masks": ("MaskKind", "bitmap_size", "decode_mask", "elias_fano_size", "encode_mask"),
-    "protocol.membership": ("Identity", "connect", "leave"),
+    "protocol.membership": ("DuplicateMember", "Identity", "connect", "leave"),
     "protocol.mqtt": (
         "BrokerAddress",
         "MqttTransport",
@@ -90,9 +128,12 @@ __all__ = [
     "PROTOCOL_VERSION",
     "AgentAdvert",
     "BrokerAddress",
+    "BrokerAdvert",
+    "BrokerSettings",
     "ConfigError",
     "DecodedTensor",
     "Discovery",
+    "DuplicateMember",
     "FrameError",
     "Identity",
     "Limits",
@@ -104,20 +145,26 @@ __all__ = [
     "TlsOptions",
     "TransportOptions",
     "bitmap_size",
+    "broker_options",
+    "choose_broker",
     "connect",
     "decode_mask",
     "decode_tensors",
+    "discover_broker",
     "elias_fano_size",
     "encode_mask",
     "encode_tensors",
     "fits_one_frame",
     "leave",
+    "logging_options",
     "lower_bound_bytes",
     "messages",
     "read_key",
+    "say",
     "split",
     "stop_on_signal",
     "topics",
+    "version_option",
     "wait_for",
 ]
 

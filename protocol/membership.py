@@ -4,18 +4,47 @@ Presence is the fleet's source of truth for liveness. A member's connection carr
 retained birth (republished on every reconnect) and a retained last will, which the broker
 publishes if the member vanishes; a clean shutdown publishes a goodbye instead, so the
 fleet can tell a crash ("lost") from a stop ("shutdown") and knows when the stop happened.
+
+A member id is one MQTT client id, and two live clients with one id take the broker session
+from each other in turn, forever (two devices left at the default id `raspberrypi`). So
+`connect` first claims the id: a short-lived client with a random id asks on
+`topics.probe` whether a live process holds it, and the holder answers at once. Silence for
+`probe_s` means the id is free; a crashed holder cannot answer, so a restart after a crash
+is never blocked. Probes and answers are Presence messages: `online` tells a holder from a
+rival claiming the id at this very moment, `reason` carries a per-process nonce, and both
+are signed with the fleet key, so a process without it can neither block nor fake an id.
+Two rivals starting together settle it: the one with the earlier (since, nonce) wins.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import secrets
+import threading
 import time
 from dataclasses import dataclass, field
 
 from protocol import messages, topics
-from protocol.mqtt import BrokerAddress, MqttTransport, TransportOptions
+from protocol.errors import ProtocolError
+from protocol.mqtt import (
+    BrokerAddress,
+    Handler,
+    MqttTransport,
+    TransportOptions,
+    tls_problem,
+)
+
+log = logging.getLogger(__name__)
 
 LOST = "lost"
 SHUTDOWN = "shutdown"
+PROBE_S = 1.0
+"""How long a starting member waits for the holder of its id to answer; an answer on a
+link the size of a fleet's takes milliseconds, so this is mostly the cost of a free id."""
+BROKER_WAIT_S = 10.0
+"""How long `connect` waits for the broker before it gives up checking the id (the member
+still connects, whenever the broker comes up: an agent may start before its broker)."""
 
 
 @dataclass(frozen=True)
@@ -46,20 +75,182 @@ class Identity:
         return messages.encode(message, key=self.key)
 
 
-def connect(
-    broker: BrokerAddress, identity: Identity, options: TransportOptions | None = None
-) -> MqttTransport:
-    """A started transport whose birth and will announce `identity`.
+class DuplicateMember(ProtocolError):
+    """Another live process holds this member's id (or claims it at this very moment)."""
 
+    def __init__(self, identity: Identity, since: float | None) -> None:
+        self.fleet, self.agent, self.since = identity.fleet, identity.sender, since
+        hint = (
+            "give this device its own --id"
+            if identity.role == "agent"
+            else f"stop the other {identity.role} of this fleet first"
+        )
+        held = (
+            f"is already in use in fleet {self.fleet!r} (online since {_clock(since)})"
+            if since is not None
+            else f"is being claimed at this moment by another process in fleet {self.fleet!r}"
+        )
+        super().__init__(f"{identity.role} id {self.agent!r} {held}; {hint}")
+
+
+def _clock(when: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when))
+
+
+class _Claim:
+    """One process's claim on a member id: it answers probes for the id and notices rivals.
+
+    Handlers run on the dispatcher threads of two transports (the prober and the member),
+    the decision on the caller's thread, hence the lock.
+    """
+
+    def __init__(self, identity: Identity) -> None:
+        self.identity = identity
+        self.nonce = secrets.token_hex(8)
+        self._lock = threading.Lock()
+        self._holding = False
+        self._rival: messages.Presence | None = None
+        self._defeated = threading.Event()
+
+    def message(self) -> bytes:
+        """A probe or an answer: `online` once this process holds the id."""
+        with self._lock:
+            online = self._holding
+        who = self.identity
+        claim = messages.Presence(
+            fleet=who.fleet,
+            sender=who.sender,
+            online=online,
+            since=who.since,
+            role=who.role,
+            profile=who.profile,
+            reason=self.nonce,
+        )
+        return messages.encode(claim, key=who.key)
+
+    def answerer(self, transport: MqttTransport) -> Handler:
+        """The handler of probes arriving on `transport`: answer them unless defeated."""
+        answers = topics.probe_answer(self.identity.fleet, self.identity.sender)
+
+        def answer(_topic: str, payload: bytes) -> None:
+            rival = self._read(payload)
+            if rival is not None and self._consider(rival):
+                # QoS 0: never waits on an outgoing queue full of model frames.
+                transport.publish(answers, self.message(), qos=0)
+
+        return answer
+
+    def on_answer(self, _topic: str, payload: bytes) -> None:
+        rival = self._read(payload)
+        if rival is not None:
+            self._consider(rival)
+
+    def probe(self, prober: MqttTransport, probe_s: float, broker_wait_s: float) -> bool:
+        """Claim the id through `prober`: True once held, False when the broker could not be
+        reached to ask (the id is then taken unchecked); DuplicateMember if a rival wins."""
+        fleet, agent = self.identity.fleet, self.identity.sender
+        prober.subscribe(topics.probe_answer(fleet, agent), self.on_answer)
+        prober.subscribe(topics.probe(fleet, agent), self.answerer(prober))
+        asked = prober.wait_subscribed(broker_wait_s)
+        if asked:
+            prober.publish(topics.probe(fleet, agent), self.message())
+            self._defeated.wait(probe_s)
+        self.hold()
+        return asked
+
+    def hold(self) -> None:
+        """Take the id from now on, unless a rival has won it (DuplicateMember)."""
+        with self._lock:
+            if self._rival is not None:
+                rival = self._rival
+                raise DuplicateMember(self.identity, rival.since if rival.online else None)
+            self._holding = True
+
+    def _read(self, payload: bytes) -> messages.Presence | None:
+        """A rival's probe or answer, or None for our own, a foreign or an unsigned one."""
+        try:
+            message = messages.decode(payload, key=self.identity.key)
+        except ProtocolError as exc:
+            log.warning("ignoring a probe for id %r: %s", self.identity.sender, exc)
+            return None
+        if (
+            not isinstance(message, messages.Presence)
+            or message.fleet != self.identity.fleet
+            or message.sender != self.identity.sender
+            or message.reason == self.nonce
+        ):
+            return None
+        return message
+
+    def _consider(self, rival: messages.Presence) -> bool:
+        """Note a rival; False once this claim is lost. While claiming, a holder's answer or
+        an earlier claim defeats this one; once held, the id is defended, never given up."""
+        with self._lock:
+            if not self._holding and self._rival is None:
+                mine = (self.identity.since, self.nonce)
+                if rival.online or (rival.since, rival.reason) < mine:
+                    self._rival = rival
+                    self._defeated.set()
+            return self._rival is None
+
+
+def connect(
+    broker: BrokerAddress,
+    identity: Identity,
+    options: TransportOptions | None = None,
+    *,
+    probe_s: float = PROBE_S,
+    broker_wait_s: float = BROKER_WAIT_S,
+) -> MqttTransport:
+    """A started transport whose birth and will announce `identity`, once its id is claimed.
+
+    Raises DuplicateMember when a live process holds the id. Waits up to `probe_s` for
+    such an answer (0: no check, for callers whose ids cannot collide) and up to
+    `broker_wait_s` for the broker; when it stays unreachable the id is taken unchecked and
+    the transport keeps connecting in the background, as it always does.
     The will's `since` is the time the member came online: the broker sends it later, at a
     moment the member cannot know, so readers show it as "lost after coming online then".
     """
+    options = options or TransportOptions()
+    if options.client_id is None:
+        options = dataclasses.replace(options, client_id=f"{identity.fleet}-{identity.sender}")
+    claim = _Claim(identity)
+    if probe_s <= 0:
+        claim.hold()
+        return _join(broker, identity, options, claim)
+    prober = MqttTransport(broker, dataclasses.replace(options, client_id=None))
+    prober.start()
+    try:
+        asked = claim.probe(prober, probe_s, broker_wait_s)
+        if not asked and prober.refused is not None:
+            raise ProtocolError(
+                f"the MQTT broker {broker} refused the connection ({prober.refused}): "
+                "check the user name, password and TLS options"
+            )
+        problem = tls_problem(broker, options.tls) if not asked and options.tls else None
+        if problem is not None:
+            raise ProtocolError(f"{problem}: check --tls-ca and the broker's address")
+        if not asked:
+            log.warning("broker %s unreachable: id %r taken unchecked", broker, identity.sender)
+        transport = _join(broker, identity, options, claim)
+        if asked:  # the prober answers for the id until the member does: no gap between
+            transport.wait_subscribed(broker_wait_s)
+        return transport
+    finally:
+        prober.stop()
+
+
+def _join(
+    broker: BrokerAddress, identity: Identity, options: TransportOptions, claim: _Claim
+) -> MqttTransport:
+    """Start the member's own transport, which answers the probes for its id from now on."""
     transport = MqttTransport(
         broker,
-        options or TransportOptions(client_id=f"{identity.fleet}-{identity.sender}"),
+        options,
         will=(identity.topic, identity.presence(False, LOST)),
         birth=(identity.topic, identity.presence(True)),
     )
+    transport.subscribe(topics.probe(identity.fleet, identity.sender), claim.answerer(transport))
     transport.start()
     return transport
 

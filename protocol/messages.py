@@ -102,6 +102,9 @@ class RunConfig(Message):
     roster: list[str]
     seed: int
     config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    timeouts: dict[str, float] = dataclasses.field(default_factory=dict)
+    """The run's timeouts in seconds (`round_s`, `vote_s`, `linger_s`), which override the
+    agents' own; empty: each agent keeps its own."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

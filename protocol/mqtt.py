@@ -31,6 +31,8 @@ import logging
 import math
 import queue
 import secrets
+import socket
+import ssl
 import threading
 import time
 from collections import Counter, deque
@@ -361,6 +363,9 @@ class MqttTransport:
         self._stats_lock = threading.Lock()
         self._outgoing = _OutgoingQueue()
         self._stopped = False
+        self.refused: str | None = None
+        """Why the broker refused the last connection attempt (bad credentials, ...), if it
+        did; None once a connection is accepted."""
         self._dispatcher = _Dispatcher(f"mqtt-dispatch-{self._client_id}", self._count)
         self._client = _new_client(self._client_id, options)
         self._subscriptions = _SubscriptionTable(self._client)
@@ -519,8 +524,10 @@ class MqttTransport:
         self, client: paho.Client, userdata: Any, flags: Any, reason: Any, properties: Any
     ) -> None:
         if reason.is_failure:
+            self.refused = str(reason)
             log.error("MQTT broker %s refused the connection: %s", self.broker, reason)
             return
+        self.refused = None
         self._count("connects")
         log.info("connected to MQTT broker %s", self.broker)
         if self._birth is not None:
@@ -592,6 +599,29 @@ class MqttTransport:
     def _count(self, key: str, n: int = 1) -> None:
         with self._stats_lock:
             self._stats[key] += n
+
+
+def tls_problem(broker: BrokerAddress, tls: TlsOptions, timeout_s: float = 5.0) -> str | None:
+    """Why a TLS handshake with `broker` fails (an untrusted or mismatched certificate, a
+    plain-MQTT port), or None if it succeeds or the broker cannot be reached at all.
+
+    paho only reports that a connection failed; a user who gave the wrong CA file or the
+    wrong address deserves the reason."""
+    context = ssl.create_default_context(cafile=tls.ca_certs)
+    if tls.certfile:
+        context.load_cert_chain(tls.certfile, tls.keyfile)
+    if tls.insecure:
+        context.check_hostname = False
+    try:
+        with (
+            socket.create_connection((broker.host, broker.port), timeout_s) as raw,
+            context.wrap_socket(raw, server_hostname=broker.host),
+        ):
+            return None
+    except ssl.SSLError as exc:
+        return f"TLS handshake with {broker} failed: {exc.reason or exc}"
+    except OSError:
+        return None
 
 
 def _new_client(client_id: str, options: TransportOptions) -> paho.Client:

@@ -2,6 +2,8 @@
 
 fl/v1/<fleet>/presence/<agent>            retained birth / last will
 fl/v1/<fleet>/status/<agent>              retained status
+fl/v1/<fleet>/probe/<agent>               "is this agent id taken?" (never retained)
+fl/v1/<fleet>/probe/<agent>/answer        "yes: I hold it" (never retained)
 fl/v1/<fleet>/run                         retained run config and roster
 fl/v1/<fleet>/round/<t>/<kind>/<agent>    model, vote, divergence, update
 fl/v1/<fleet>/round/<t>/request/<agent>/<to>  a request, addressed to its target alone
@@ -43,6 +45,16 @@ def presence(fleet: str, agent: str = "+") -> str:
 
 def status(fleet: str, agent: str = "+") -> str:
     return f"{fleet_root(fleet)}/status/{agent if agent == '+' else check_name(agent, 'agent')}"
+
+
+def probe(fleet: str, agent: str) -> str:
+    """Where a member starting under `agent` asks whether a live process holds that id."""
+    return f"{fleet_root(fleet)}/probe/{check_name(agent, 'agent')}"
+
+
+def probe_answer(fleet: str, agent: str) -> str:
+    """Where the live holder of `agent` (or a rival claiming it right now) answers."""
+    return f"{probe(fleet, agent)}/answer"
 
 
 def run(fleet: str) -> str:

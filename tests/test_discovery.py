@@ -8,10 +8,16 @@ sharing the host's loopback do not see each other's agents.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import random
+import shutil
 import socket
 import struct
+import subprocess
+import sys
+import textwrap
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -22,6 +28,7 @@ import pytest
 from zeroconf import ServiceInfo, Zeroconf
 
 from protocol import AGENT_SERVICE, AgentAdvert, Discovery, ProtocolError
+from protocol.discovery import BrokerAdvert, choose_broker, discover_broker
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -170,7 +177,7 @@ def _txt(fleet: str, **changes: str | bytes | None) -> dict[str, str | bytes]:
     return {key: value for key, value in txt.items() if value is not None}
 
 
-BAD_TXT = {
+BAD_TXT: dict[str, dict[str, str | bytes | None]] = {
     "missing-id": {"id": None},
     "bad-proto": {"proto": "v1"},
     "other-proto": {"proto": "9"},
@@ -249,3 +256,234 @@ def test_txt_round_trip() -> None:
     advert = AgentAdvert("a-1", "lab", "[::1]:8883", "jetson-nano")
     txt = {k.encode(): v.encode() for k, v in advert.to_txt().items()}
     assert AgentAdvert.from_txt({**txt, b"future": b"ignored"}) == advert
+
+
+def test_interface_that_is_not_an_address_of_this_host_is_refused() -> None:
+    with pytest.raises(ValueError, match="'198.51.100.77' is not an IP address of this host"):
+        Discovery(["198.51.100.77"])  # TEST-NET-2: never assigned to a real interface
+
+
+@pytest.fixture(scope="module")
+def coordinators(fleet: str) -> Iterator[dict[str, BrokerAdvert]]:
+    """Brokers announced for another fleet (on the lowest port, so a naive choice takes it),
+    for any fleet, and for `fleet` over TLS; yields what each announced, by role."""
+    port = random.randrange(20000, 60000)
+    wanted = {
+        "other": BrokerAdvert("127.0.0.1", port, fleets=(f"{fleet}-other",)),
+        "any": BrokerAdvert("127.0.0.1", port + 1),
+        "ours": BrokerAdvert("127.0.0.1", port + 2, tls=True, fleets=(fleet,)),
+    }
+    stacks = [Discovery(LOOPBACK) for _ in wanted]
+
+    def announce(stack: Discovery, advert: BrokerAdvert) -> None:
+        stack.advertise_broker(advert.host, advert.port, fleets=advert.fleets, tls=advert.tls)
+
+    try:
+        with ThreadPoolExecutor(len(wanted)) as pool:
+            list(pool.map(announce, stacks, wanted.values()))
+        yield wanted
+    finally:
+        for stack in stacks:
+            stack.close()
+
+
+def _same_broker(found: BrokerAdvert | None, expected: BrokerAdvert) -> bool:
+    """Equal but for the instance name, which zeroconf may have changed on a conflict."""
+    return found is not None and dataclasses.replace(found, name="") == expected
+
+
+def test_agent_finds_the_tls_broker_announced_for_its_fleet(
+    agents: tuple[list[Discovery], float], coordinators: dict[str, BrokerAdvert], fleet: str
+) -> None:
+    stacks, _ = agents
+    start = time.monotonic()
+    found = stacks[0].find_broker(fleet, timeout=5.0)
+    assert _same_broker(found, coordinators["ours"]), found
+    assert found is not None and found.name.startswith("edgefl-broker-127.0.0.1-")
+    assert time.monotonic() - start < 4.0  # an explicit match returns without settling
+    other = stacks[1].find_broker(f"{fleet}-other", timeout=5.0)
+    assert _same_broker(other, coordinators["other"]), other
+
+
+def test_broker_of_another_fleet_is_not_chosen(
+    agents: tuple[list[Discovery], float], coordinators: dict[str, BrokerAdvert], fleet: str
+) -> None:
+    stacks, _ = agents
+    _until(lambda: coordinators["any"] in _seen(stacks[2]), 5.0)
+    found = stacks[2].find_broker(f"{fleet}-third", timeout=5.0)
+    # Another run on this host may announce an any-fleet broker too: which one is chosen
+    # then depends on ports, but it is never the broker of another fleet.
+    assert found is not None and found.edgefl and found.fleets == (), found
+
+
+def _seen(stack: Discovery) -> list[BrokerAdvert]:
+    """The adverts a stack sees, without their instance names."""
+    return [dataclasses.replace(a, name="") for a in stack.broker_adverts()]
+
+
+def test_discover_broker_opens_browses_and_closes(
+    coordinators: dict[str, BrokerAdvert], fleet: str
+) -> None:
+    found = discover_broker(fleet, LOOPBACK, timeout=5.0)
+    assert _same_broker(found, coordinators["ours"]), found
+
+
+def test_agents_lists_the_adverts_of_every_fleet(
+    agents: tuple[list[Discovery], float], fleet: str
+) -> None:
+    stacks, _ = agents
+    strangers = [Discovery(LOOPBACK), Discovery(LOOPBACK)]
+    adverts = [AgentAdvert("s", f"{fleet}-{i}", BROKER, "") for i in range(len(strangers))]
+    try:
+        with ThreadPoolExecutor(len(strangers)) as pool:
+            list(pool.map(Discovery.advertise_agent, strangers, adverts))
+        expected = {(fleet, f"a{i}") for i in range(N_AGENTS)} | {(a.fleet, "s") for a in adverts}
+        _until(lambda: expected <= set(stacks[0].agents()), 5.0)
+        view = stacks[0].agents()
+        assert all(view[(a.fleet, "s")] == a for a in adverts)
+        assert set(stacks[0].peers(fleet)) == {f"a{i}" for i in range(1, N_AGENTS)}
+    finally:
+        for stranger in strangers:
+            stranger.close()
+
+
+_NAMESPACE_SCRIPT = textwrap.dedent(
+    """
+    import json, socket, time
+    from concurrent.futures import ThreadPoolExecutor
+    from zeroconf import ServiceInfo, Zeroconf
+    from protocol.discovery import BROKER_SERVICE, Discovery, discover_broker
+
+    LO = ["127.0.0.1"]
+
+    def timed(timeout):
+        start = time.monotonic()
+        found = discover_broker("lab", LO, timeout=timeout)
+        return {"found": found and [found.port, found.edgefl], "s": time.monotonic() - start}
+
+    results = {"nothing": timed(0.5)}
+    mosquitto = Zeroconf(interfaces=LO)  # as avahi announces it: no TXT properties
+    info = ServiceInfo(
+        BROKER_SERVICE, "Mosquitto." + BROKER_SERVICE, port=1883,
+        addresses=[socket.inet_aton("127.0.0.1")],
+    )
+    with Discovery(LO) as coordinator, ThreadPoolExecutor(2) as pool:
+        done = [
+            pool.submit(mosquitto.register_service, info),
+            pool.submit(coordinator.advertise_broker, "127.0.0.1", 1884, fleets=["other"]),
+        ]
+        [future.result() for future in done]
+        results["other_fleet_and_mosquitto"] = timed(1.0)
+    results["mosquitto_only"] = timed(3.0)
+    mosquitto.close()
+    print(json.dumps(results))
+    """
+)
+
+
+def test_broker_choice_in_a_private_network_namespace() -> None:
+    """Runs where no other broker can be announced: alone on the loopback of a user and
+    network namespace that ends with the process."""
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        pytest.skip("needs unshare and ip (util-linux, iproute2) to create a network namespace")
+    if subprocess.run(["unshare", "-rn", "true"], capture_output=True).returncode != 0:
+        pytest.skip("this host does not allow unprivileged user and network namespaces")
+    command = ["unshare", "-rn", "sh", "-c", 'ip link set lo up && exec "$0" -c "$1"']
+    done = subprocess.run(
+        [*command, sys.executable, _NAMESPACE_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert done.returncode == 0, done.stderr
+    results = json.loads(done.stdout)
+    assert results["nothing"]["found"] is None
+    assert 0.5 <= results["nothing"]["s"] < 2.0
+    # An edgefl coordinator is on the LAN, for another fleet: mosquitto is not a fallback.
+    assert results["other_fleet_and_mosquitto"]["found"] is None
+    # No coordinator at all: the plain mosquitto announced by avahi is used.
+    assert results["mosquitto_only"]["found"] == [1883, False]
+
+
+LAB = "lab"
+OTHER = BrokerAdvert("10.0.0.1", 1883, fleets=("other",))
+ANY = BrokerAdvert("10.0.0.3", 1883)
+OURS = BrokerAdvert("10.0.0.4", 8883, tls=True, fleets=(LAB, "other"))
+FOREIGN = BrokerAdvert("10.0.0.0", 1883, edgefl=False)
+
+
+@pytest.mark.parametrize(
+    ("adverts", "expected"),
+    [
+        ([OTHER, ANY, OURS, FOREIGN], OURS),
+        ([OTHER, ANY, FOREIGN], ANY),
+        ([OTHER, FOREIGN], None),
+        ([FOREIGN], FOREIGN),
+        ([], None),
+    ],
+)
+def test_choose_broker_prefers_the_fleet_then_any_fleet_then_another_product(
+    adverts: list[BrokerAdvert], expected: BrokerAdvert | None
+) -> None:
+    assert choose_broker(adverts, LAB) == expected
+    assert choose_broker(reversed(adverts), LAB) == expected
+
+
+def test_choose_broker_is_the_same_for_every_agent() -> None:
+    candidates = [
+        BrokerAdvert("fd00::1", 1883, fleets=(LAB,)),
+        BrokerAdvert("10.0.0.9", 1884, fleets=(LAB,)),
+        BrokerAdvert("10.0.0.9", 1883, fleets=(LAB,), name="b"),
+        BrokerAdvert("10.0.0.9", 1883, fleets=(LAB,), name="a"),
+    ]
+    first = candidates[-1]  # IPv4 before IPv6, then lowest address, port, name
+    for _ in range(10):
+        random.shuffle(candidates)
+        assert choose_broker(candidates, LAB) == first
+
+
+def test_broker_txt_round_trip() -> None:
+    advert = BrokerAdvert("fd00::1", 8883, tls=True, fleets=("a", "b"), name="gw")
+    txt = {k.encode(): v.encode() for k, v in advert.to_txt().items()}
+    assert txt[b"fleets"] == b"a,b" and txt[b"product"] == b"edgefl"
+    assert BrokerAdvert.from_txt("fd00::1", 8883, "gw", {**txt, b"future": b"x"}) == advert
+    plain = BrokerAdvert.from_txt("10.0.0.2", 1883, "Mosquitto", {})
+    assert plain == BrokerAdvert("10.0.0.2", 1883, name="Mosquitto", edgefl=False)
+
+
+_EDGEFL_TXT = {
+    b"txtvers": b"1",
+    b"product": b"edgefl",
+    b"proto": b"1",
+    b"fleets": b"",
+    b"tls": b"0",
+}
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {b"txtvers": b"2"},
+        {b"proto": b"9"},
+        {b"proto": None},
+        {b"tls": b"yes"},
+        {b"fleets": b"lab,Lab"},
+        {b"fleets": b"\xff"},
+    ],
+)
+def test_bad_broker_txt_is_a_protocol_error(changes: dict[bytes, bytes | None]) -> None:
+    with pytest.raises(ProtocolError):
+        BrokerAdvert.from_txt("10.0.0.2", 1883, "gw", {**_EDGEFL_TXT, **changes})
+
+
+def test_advertise_broker_rejects_bad_arguments(igmp_before: dict[str, int]) -> None:
+    with Discovery(LOOPBACK) as coordinator:
+        with pytest.raises(ValueError, match="must be an IP address"):
+            coordinator.advertise_broker("gateway.local", 1883)
+        with pytest.raises(ValueError, match="list of fleet names"):
+            coordinator.advertise_broker("127.0.0.1", 1883, fleets="lab")
+        with pytest.raises(ValueError, match="invalid fleet"):
+            coordinator.advertise_broker("127.0.0.1", 1883, fleets=["Lab"])
+        with pytest.raises(ValueError, match="longer than 255 bytes"):
+            coordinator.advertise_broker("127.0.0.1", 1883, fleets=[f"f{i:03}" for i in range(80)])
