@@ -3,54 +3,39 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import re
 import socket
-import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
-from rich.console import Console
 
-from agent.device import Budget, BudgetLimits, Throttle, compute_budget, read_device
-from agent.experiment import (
-    ExperimentConfig,
-    Workload,
-    build_workload,
-    check_networked,
-    config_from_dict,
-    nominal_budgets,
-    profile_names,
-    round_work,
-)
-from agent.learning import AgentState
-from agent.onnx_export import OnnxModel, export_onnx, load_inputs
-from agent.options import experiment_config, experiment_options
-from agent.runtime import AgentRuntime, Run, Timeouts
-from firmware_profiles import DeviceProfile, ProfileError, load_profile
+from agent.device import resolve_device
+from agent.experiment import ExperimentConfig, check_networked
+from agent.onnx_export import OnnxModel, load_inputs
+from agent.options import experiment_options
+from agent.own_data import OwnData, load_own_data, misfit
+from agent.runfile import load_run_file, parse_run_table, run_timeouts
+from agent.runtime import Timeouts
+from agent.service import AgentService, ServiceOptions
+from firmware_profiles import ProfileError, load_profile
 from protocol import (
-    BROKER,
     NAME,
     BrokerAddress,
     ConfigError,
     Identity,
-    MqttTransport,
     ProtocolError,
+    TlsOptions,
     connect,
     leave,
-    messages,
     read_key,
     stop_on_signal,
-    topics,
-    wait_for,
 )
+from protocol.cli import BrokerSettings, broker_options, logging_options, say, version_option
 
-console = Console(stderr=True)
 log = logging.getLogger(__name__)
 
 
@@ -69,77 +54,70 @@ def default_agent_id() -> str:
     return (name or "agent")[:64]
 
 
-def flags_run_id(fleet: str, roster: list[str], config: ExperimentConfig) -> str:
-    """A run id every agent started with the same flags computes alike, with no coordinator."""
-    text = json.dumps([fleet, sorted(roster), dataclasses.asdict(config)], sort_keys=True)
-    return "run-" + hashlib.sha256(text.encode()).hexdigest()[:12]
+def wanted_run(
+    run_file: str | None, expect: int | None, experiment: dict[str, Any]
+) -> tuple[int | None, Callable[[int], ExperimentConfig] | None, dict[str, float]]:
+    """Without a coordinator (`--expect N`, `--run FILE`): how many agents the run waits for
+    and the run this agent wants for n agents; checked now, so a configuration that cannot
+    work is a one-line error before anything starts."""
+    given = {k: v for k, v in experiment.items() if v is not None}
+    if run_file is None and expect is None:
+        if given:
+            flags = ", ".join("--" + k.replace("_", "-") for k in sorted(given))
+            raise ValueError(f"{flags}: experiment flags need --expect N (or use --run FILE)")
+        return None, None, {}
+    if run_file is not None:
+        if given:
+            raise ValueError("give the run either as --run FILE or as experiment flags, not both")
+        runfile = load_run_file(run_file)
+    else:
+        runfile = parse_run_table(
+            {**given, "agents": expect, "dataset": given.get("dataset", "mnist1d")}, "flags"
+        )
+    if expect is not None and expect != runfile.wanted:
+        raise ValueError(f"--expect {expect} but the run file wants {runfile.wanted} agents")
+    expect = runfile.wanted
+    check_networked(runfile.config(expect), aggregator=False)
+    # A run file fixes the run's timeouts for every agent; flags leave each agent its own.
+    timeouts = run_timeouts(runfile.timeouts) if run_file is not None else {}
+    return expect, runfile.config, timeouts
 
 
-def wait_for_run(
-    transport: MqttTransport,
-    fleet: str,
-    key: bytes | None,
-    stop: threading.Event,
-    patience_s: float | None,
-) -> Run | None:
-    """The coordinator's retained run message; None if none came within `patience_s`."""
-    found: list[Run] = []
-    ready = threading.Event()
+def find_broker(
+    settings: BrokerSettings, fleet: str, interfaces: tuple[str, ...]
+) -> BrokerSettings:
+    """The settings with the broker named by --broker (or its variable or config file), else
+    with the one announced for this fleet over mDNS on the --mdns interfaces (over TLS with
+    the system's CAs when it says TLS and no TLS options were given)."""
+    if settings.address is not None:
+        return settings
+    if not interfaces:
+        raise click.UsageError(
+            "no broker: give --broker HOST[:PORT] (or EDGEFL_BROKER), or --mdns IP to find "
+            "the fleet's broker over mDNS"
+        )
+    from protocol.discovery import discover_broker  # zeroconf: only when asked for
 
-    def on_run(_topic: str, payload: bytes) -> None:
-        try:
-            message = messages.decode(payload, key=key)
-            if not isinstance(message, messages.RunConfig) or message.fleet != fleet:
-                raise ProtocolError("not a run configuration of this fleet")
-            config = config_from_dict(message.config)
-            check_networked(config, aggregator=True)
-            run = Run(message.run_id, tuple(sorted(message.roster)), config, message.sender)
-        except (ProtocolError, ValueError) as exc:
-            log.warning("ignoring run message: %s", exc)
-            return
-        found.append(run)
-        ready.set()
-
-    transport.subscribe(topics.run(fleet), on_run)
-    deadline = None if patience_s is None else time.monotonic() + patience_s
-    while not ready.wait(0.5):
-        if stop.is_set() or (deadline is not None and time.monotonic() > deadline):
-            return None
-    return found[-1]
+    say(f"looking for the broker of fleet {fleet} over mDNS on {', '.join(interfaces)}")
+    try:
+        found = discover_broker(fleet, list(interfaces), timeout=DISCOVERY_TIMEOUT_S)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--mdns") from None
+    if found is None:
+        raise click.ClickException(
+            f"no broker of fleet {fleet} announced over mDNS on {', '.join(interfaces)} within "
+            f"{DISCOVERY_TIMEOUT_S:g} s; is the coordinator serving with --mdns?"
+        )
+    tls = settings.tls or (TlsOptions() if found.tls else None)
+    return dataclasses.replace(settings, address=BrokerAddress(found.host, found.port), tls=tls)
 
 
-def wait_for_roster(
-    transport: MqttTransport,
-    fleet: str,
-    me: str,
-    expect: int,
-    key: bytes | None,
-    stop: threading.Event,
-) -> list[str] | None:
-    """The first `expect` agents seen online on the fleet's presence topics (self included)."""
-    online: dict[str, bool] = {}
-    lock = threading.Lock()
-
-    def on_presence(_topic: str, payload: bytes) -> None:
-        try:
-            message = messages.decode(payload, key=key)
-        except ProtocolError:
-            return
-        if isinstance(message, messages.Presence) and message.role == "agent":
-            with lock:
-                online[message.sender] = message.online
-
-    transport.subscribe(topics.presence(fleet), on_presence)
-    while not stop.wait(0.5):
-        with lock:
-            peers = sorted(a for a, up in online.items() if up)
-        if len(peers) >= expect and me in peers:
-            return peers[:expect]
-    return None
+DISCOVERY_TIMEOUT_S = 30.0
 
 
 @click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--broker", type=BROKER, help="MQTT broker of the fleet (required to run).")
+@version_option
+@broker_options
 @click.option("--fleet", default="default", show_default=True, type=NAME, help="Fleet to join.")
 @click.option(
     "--id",
@@ -148,25 +126,49 @@ def wait_for_roster(
     default=default_agent_id,
     help="This agent's id in the fleet [default: the host name].",
 )
+@click.option(
+    "--data",
+    "data_path",
+    type=click.Path(exists=True),
+    help="This device's own data, used whole and never sent: an .npz (x, y), a .csv "
+    "(numeric features and a 'label' column) or a folder with a sub-folder of images per class.",
+)
 @click.option("--profile", default=None, help="Device profile name or TOML file.")
+@click.option(
+    "--device",
+    "compute",
+    default="auto",
+    show_default=True,
+    metavar="auto|cpu|cuda[:N]",
+    help="What to train on: auto picks CUDA where torch sees it; the budget p_k counts "
+    "the peak of the compute chosen.",
+)
 @click.option(
     "--state-dir",
     type=click.Path(file_okay=False),
     default=None,
-    help="Where checkpoints, the round log and the ONNX model go [default: ~/.edgefl/FLEET/ID].",
+    help="Checkpoints, round logs and the ONNX model [default: ~/.edgefl/FLEET/ID].",
+)
+@click.option(
+    "--run",
+    "run_file",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Without a coordinator: the run file (TOML, [run]) every agent is given.",
 )
 @shown(
     "--expect",
     click.IntRange(1),
     None,
-    "Without a coordinator: wait for this many agents (self included) and run "
-    "with the experiment flags below.",
+    "Without a coordinator: start once this many agents (self included) are online, with "
+    "--run FILE or the experiment flags below.",
 )
+@click.option("--once", is_flag=True, help="Exit after one run instead of waiting for the next.")
 @shown(
     "--round-timeout",
     click.FloatRange(0.1),
     120.0,
-    "Seconds to wait for a neighbour's model before going on without it.",
+    "Seconds to wait for a neighbour's model before going on without it (a run's own "
+    "timeouts win).",
 )
 @shown(
     "--vote-timeout",
@@ -185,191 +187,108 @@ def wait_for_roster(
     "mdns_interfaces",
     multiple=True,
     metavar="IP",
-    help="Advertise this agent over mDNS on the interface with this address "
-    "(repeatable). Off unless given.",
+    help="Use mDNS on the interface with this address (repeatable): advertise this agent "
+    "and, with no --broker, find the fleet's broker. Off unless given.",
 )
 @click.option(
     "--key-file",
     type=click.Path(exists=True, dir_okay=False),
     help="File holding the fleet key that signs and checks every message.",
 )
-@click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
+@logging_options
 @experiment_options
 @click.pass_context
 def main(
     ctx: click.Context,
-    broker: BrokerAddress | None,
+    broker_settings: BrokerSettings,
     fleet: str,
     agent_id: str,
+    data_path: str | None,
     profile: str | None,
+    compute: str,
     state_dir: str | None,
+    run_file: str | None,
     expect: int | None,
+    once: bool,
     round_timeout: float,
     vote_timeout: float,
     linger: float,
     mdns_interfaces: tuple[str, ...],
     key_file: str | None,
-    verbose: int,
-    **experiment: object,
+    **experiment: Any,
 ) -> None:
-    """Run an edge agent: join the fleet, learn with it, and keep serving until Ctrl-C.
+    """Run an edge agent: join the fleet, take part in every run that names this agent,
+    keep its personalized model, and wait for the next run until Ctrl-C or SIGTERM.
 
-    The run configuration comes from the coordinator's retained run message, or, with
-    --expect N, from this agent's own experiment flags (every agent must get the same).
+    Runs come from a coordinator (`coordinator run`), or, in a fleet without one, from
+    --expect N with --run FILE (the same file on every device).
     """
     if ctx.invoked_subcommand is not None:
         return
-    if broker is None:
-        raise click.UsageError("Missing option '--broker'.")
     stop = stop_on_signal()
-    level = (logging.WARNING, logging.INFO, logging.DEBUG)[min(verbose, 2)]
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         device = load_profile(profile) if profile else None
-        own_config = experiment_config(experiment) if expect else None
-        if own_config is not None:
-            check_networked(own_config, aggregator=False)
+        trains_on = resolve_device(compute)
+        if device is not None:
+            device.peak_for(trains_on.type)  # a CPU-only board asked for CUDA: an error
+        own = load_own_data(data_path) if data_path else None
+        expect, own_config, own_timeouts = wanted_run(run_file, expect, experiment)
+        if own is not None and own_config is not None and own_config(expect or 1).on_devices:
+            check_fit(own, own_config(expect or 1))
     except (ProfileError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
-    profile_name = device.name if device else ""
-    identity = Identity(fleet, agent_id, profile=profile_name, key=read_key(key_file))
-    folder = Path(state_dir) if state_dir else Path.home() / ".edgefl" / fleet / agent_id
-    transport = connect(broker, identity)
+    broker_settings = find_broker(broker_settings, fleet, mdns_interfaces)
+    broker = broker_settings.address
+    assert broker is not None
+    identity = Identity(
+        fleet, agent_id, profile=device.name if device else "", key=read_key(key_file)
+    )
+    options = ServiceOptions(
+        state_dir=Path(state_dir) if state_dir else Path.home() / ".edgefl" / fleet / agent_id,
+        timeouts=Timeouts(round_s=round_timeout, vote_s=vote_timeout, linger_s=linger),
+        device=device,
+        own=own,
+        once=once or expect is not None,
+        expect=expect,
+        own_config=own_config,
+        own_timeouts=own_timeouts,
+        say=say,
+        compute=trains_on,
+        compute_auto=compute == "auto",
+    )
+    try:
+        transport = connect(broker, identity, broker_settings.transport_options(None))
+    except ProtocolError as exc:  # a duplicate id, or refused credentials
+        raise click.ClickException(str(exc)) from None
     discovery = None
     try:
         if mdns_interfaces:
-            from protocol import AgentAdvert, Discovery
+            from protocol.discovery import AgentAdvert, Discovery
 
-            discovery = Discovery(interfaces=list(mdns_interfaces))
-            discovery.advertise_agent(AgentAdvert(agent_id, fleet, str(broker), profile_name))
-        console.print(f"agent {agent_id} joining fleet {fleet} via {broker}")
-        publish_idle(transport, identity)
-        run = wait_for_run(transport, fleet, identity.key, stop, 3.0 if expect else None)
-        if run is None and own_config is not None and expect and not stop.is_set():
-            console.print(f"no coordinator run message; waiting for {expect} agents")
-            roster = wait_for_roster(transport, fleet, agent_id, expect, identity.key, stop)
-            if roster is not None:
-                config = dataclasses.replace(own_config, agents=len(roster))
-                run = Run(flags_run_id(fleet, roster, config), tuple(roster), config)
-        if run is not None and not stop.is_set():
-            learn(
-                run,
-                agent_id,
-                fleet,
-                transport,
-                folder,
-                identity.key,
-                stop,
-                Timeouts(round_s=round_timeout, vote_s=vote_timeout, linger_s=linger),
-                device,
-            )
-        wait_for(stop)
+            try:
+                discovery = Discovery(interfaces=list(mdns_interfaces))
+            except ValueError as exc:
+                raise click.BadParameter(str(exc), param_hint="--mdns") from None
+            discovery.advertise_agent(AgentAdvert(agent_id, fleet, str(broker), identity.profile))
+        if transport.connected:
+            say(f"agent {agent_id} joined fleet {fleet} via {broker}")
+        else:
+            say(f"agent {agent_id}: broker {broker} not reachable yet; retrying in the background")
+        AgentService(identity, transport, options, stop).serve()
     finally:
         leave(transport, identity)
         if discovery is not None:
             discovery.close()
-    console.print(f"agent {agent_id} stopped")
+    say(f"agent {agent_id} stopped")
 
 
-def publish_idle(transport: MqttTransport, identity: Identity) -> None:
-    status = messages.Status(fleet=identity.fleet, sender=identity.sender, state="idle")
-    transport.publish(
-        topics.status(identity.fleet, identity.sender),
-        messages.encode(status, key=identity.key),
-        retain=True,
+def check_fit(own: OwnData, config: ExperimentConfig) -> None:
+    """This device's data against the run it wants (fleets without a coordinator)."""
+    problem = misfit(
+        own.describe(), config.input_shape or (), config.classes or 0, config.min_samples
     )
-
-
-def budget_source(
-    run: Run, agent_id: str, workload: Workload, device: DeviceProfile | None
-) -> tuple[Callable[[], Budget | None] | None, Throttle | None]:
-    """Where p_k comes from, and whether this agent's speed and link are emulated.
-
-    A run with `profiles` is an emulated fleet: each agent budgets as an idle board of its
-    profile (the simulator computes the same) and is throttled to its speed and link.
-    Otherwise an agent with a --profile is a real board and measures itself each round.
-    """
-    budgets = nominal_budgets(run.config, workload, list(run.roster))
-    if agent_id in budgets:
-        names = profile_names(run.config.profiles)
-        board = load_profile(names[sorted(run.roster).index(agent_id) % len(names)])
-        return (lambda: budgets[agent_id]), Throttle(board)
-    if device is None:
-        return None, None
-    work = round_work(run.config, workload.learner, len(workload.data[agent_id].y_train))
-    limits = BudgetLimits(round_time_s=run.config.round_time_s)
-    readings = [read_device()]
-
-    def measure() -> Budget:
-        readings[0] = read_device(readings[0])
-        return compute_budget(device, readings[0], work, limits)
-
-    return measure, None
-
-
-def learn(
-    run: Run,
-    agent_id: str,
-    fleet: str,
-    transport: MqttTransport,
-    folder: Path,
-    key: bytes | None,
-    stop: threading.Event,
-    timeouts: Timeouts,
-    device: DeviceProfile | None,
-) -> None:
-    """Run the rounds of `run` (resuming from a checkpoint), then stop the program."""
-    if agent_id not in run.roster:
-        console.print(f"agent {agent_id} is not in the roster of run {run.run_id}; idling")
-        return
-    console.print(
-        f"run {run.run_id}: {run.config.learning.strategy}, {len(run.roster)} agents, "
-        f"{run.config.learning.rounds} rounds; state in {folder}"
-    )
-    workload = build_workload(run.config, list(run.roster), agents=[agent_id])
-
-    def report(record: dict) -> None:
-        console.print(
-            f"round {record['round']}: accuracy {record['accuracy']:.4f}, "
-            f"p_k {record['p_k']:.3f}, sparsity {record['sparsity']:.3f}, "
-            f"waited {record['wait_s']:.2f}s"
-            + (f", stragglers {record['stragglers']}" if record["stragglers"] else "")
-        )
-
-    def export(state: AgentState) -> None:
-        path = export_onnx(
-            workload.learner.model,
-            state.weights,
-            workload.learner.input_shape,
-            folder / "model.onnx",
-            metadata={
-                "agent": agent_id,
-                "run_id": run.run_id,
-                "round": str(state.round),
-                "model": workload.model_name,
-                "strategy": run.config.learning.strategy,
-            },
-        )
-        console.print(f"run {run.run_id}: personalized model final, exported to {path}")
-
-    budget, throttle = budget_source(run, agent_id, workload, device)
-    runtime = AgentRuntime(
-        agent_id=agent_id,
-        fleet=fleet,
-        run=run,
-        workload=workload,
-        transport=transport,
-        state_dir=folder,
-        timeouts=timeouts,
-        key=key,
-        on_round=report,
-        on_finish=export,
-        stop=stop,
-        budget=budget,
-        throttle=throttle,
-    )
-    runtime.run()
-    stop.set()
+    if problem is not None:
+        raise ValueError(f"{own.path}: the data does not fit the run: {problem}")
 
 
 @main.command()
@@ -409,7 +328,7 @@ def predict(
         return
     click.echo(" ".join(map(str, classes)))
     if stats:
-        console.print(
+        say(
             f"per-sample latency over {stats.samples} samples: mean "
             f"{stats.mean_ms:.3f} ms, p50 {stats.p50_ms:.3f} ms, p95 "
             f"{stats.p95_ms:.3f} ms; {stats.throughput_per_s:,.0f} samples/s at batch "

@@ -8,8 +8,10 @@ roster.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +30,19 @@ from agent.learning import (
     pruning,
 )
 
+if TYPE_CHECKING:
+    from agent.own_data import OwnData
+
+
+DEVICE_DATA = "device"
+"""The `dataset` of a run in which every agent learns from its own data."""
+DEFAULT_MIN_SAMPLES = 10
+
+
+def run_param(default: Any, help: str) -> Any:
+    """A config field that a run file sets but no command-line flag does."""
+    return field(default=default, metadata={"help": help, "flag": False})
+
 
 @dataclass(frozen=True)
 class ExperimentConfig:
@@ -36,7 +51,8 @@ class ExperimentConfig:
     dataset: str = param(
         "mnist1d",
         "Dataset: digits, mnist1d, synthetic[:ALPHA,BETA], npz:PATH, imagefolder:PATH or "
-        "cifar10:PATH.",
+        "cifar10:PATH, partitioned over the fleet; 'device' in a run file: each agent's own "
+        "data (edge-agent --data).",
     )
     model: str | None = param(
         None, f"Model: {', '.join(models.MODEL_NAMES)} [default: per dataset]."
@@ -53,13 +69,28 @@ class ExperimentConfig:
         "agent's budget p_k, which caps the density of its sparse model [default: none, p_k=1].",
     )
     round_time_s: float = param(60.0, "Seconds of local training a device may spend per round.")
+    input_shape: tuple[int, ...] | None = run_param(
+        None, "Input shape of one sample (channels first) under dataset 'device'."
+    )
+    classes: int | None = run_param(None, "Number of classes under dataset 'device'.")
+    min_samples: int = run_param(
+        DEFAULT_MIN_SAMPLES, "Fewest samples an agent's own data may hold to join a run."
+    )
     learning: StrategyConfig = field(default_factory=StrategyConfig)
+
+    @property
+    def on_devices(self) -> bool:
+        """Each agent learns from its own data (a run of real devices), not from a share
+        of one dataset partitioned over the roster (simulate and emulate)."""
+        return self.dataset == DEVICE_DATA
 
     def validate(self) -> None:
         """Reject impossible configurations with one clear sentence each."""
         cfg = self.learning
         if self.agents < 1:
             raise ValueError(f"need at least 1 agent, got {self.agents}")
+        if self.on_devices:
+            check_device_data(self)
         if cfg.rounds < 1 or cfg.epochs < 1 or cfg.batch_size < 1:
             raise ValueError("rounds, epochs and batch size must be at least 1")
         decentralized = cfg.strategy in DECENTRALIZED
@@ -102,6 +133,17 @@ class ExperimentConfig:
             raise ValueError(f"--schedule-b must be >= 0, got {cfg.schedule_b}")
 
 
+def check_device_data(config: ExperimentConfig) -> None:
+    """A run on the devices' own data must fix what every agent's model is built for."""
+    shape = config.input_shape
+    if not shape or any(not isinstance(d, int) or d < 1 for d in shape):
+        raise ValueError(f"dataset 'device' needs an input_shape of positive sizes, got {shape}")
+    if config.classes is None or config.classes < 2:
+        raise ValueError(f"dataset 'device' needs classes >= 2, got {config.classes}")
+    if config.min_samples < 3:
+        raise ValueError(f"min_samples must be at least 3, got {config.min_samples}")
+
+
 @dataclass
 class Workload:
     """What a set of agents computes with: the shared learner and each agent's data."""
@@ -116,21 +158,21 @@ def build_workload(
 ) -> Workload:
     """Load the dataset, partition it over the sorted roster, build the model and learner.
 
-    `agents` limits which agents' data is kept (a networked agent keeps its own only).
+    `agents` limits which agents' data is kept (a networked agent keeps its own only). A run
+    on the devices' own data has no dataset here: its learner is built from the run's input
+    shape and classes, and an agent adds its data with `own_workload`.
     """
     config.validate()
     if len(roster) != config.agents:
         raise ValueError(f"the roster has {len(roster)} agents but the run expects {config.agents}")
     torch.set_num_threads(config.threads)
+    if config.on_devices:
+        assert config.input_shape is not None and config.classes is not None  # validated
+        model_name, learner = build_learner(config, config.input_shape, config.classes)
+        return Workload(model_name, learner, {})
     dataset = datasets.load_dataset(config.dataset, seed=config.seed)
     parts = datasets.partition(dataset, config.agents, config.partition, seed=config.seed)
-    model_name = config.model or models.default_model(config.dataset.split(":")[0])
-    model = models.build_model(
-        model_name, dataset.input_shape, dataset.num_classes, seed=config.seed
-    )
-    learner = Learner(
-        model, dataset.input_shape, models.prunable_names(model), config.learning, config.seed
-    )
+    model_name, learner = build_learner(config, dataset.input_shape, dataset.num_classes)
     wanted = set(roster if agents is None else agents)
     data = {
         agent_id: LocalData(
@@ -145,6 +187,44 @@ def build_workload(
         if agent_id in wanted
     }
     return Workload(model_name, learner, data)
+
+
+def own_workload(
+    config: ExperimentConfig, roster: list[str], agent_id: str, own: OwnData
+) -> Workload:
+    """One device's workload in a run on its own data: the run's model, and the device's data
+    split locally (seeded, stratified) into train, validation and test."""
+    from agent.own_data import misfit, split_own_data  # it reads DEFAULT_MIN_SAMPLES here
+
+    problem = misfit(
+        own.describe(), config.input_shape or (), config.classes or 0, config.min_samples
+    )
+    if problem is not None:
+        raise ValueError(problem)
+    workload = build_workload(config, roster, agents=[])
+    workload.data[agent_id] = split_own_data(own, config.seed, agent_id)
+    return workload
+
+
+def build_learner(
+    config: ExperimentConfig, input_shape: tuple[int, ...], classes: int
+) -> tuple[str, Learner]:
+    """The run's model (the same initial weights on every agent: drawn from the seed) and the
+    learner of its strategy."""
+    model_name = config.model or default_model(config.dataset, input_shape)
+    model = models.build_model(model_name, input_shape, classes, seed=config.seed)
+    learner = Learner(
+        model, input_shape, models.prunable_names(model), config.learning, config.seed
+    )
+    return model_name, learner
+
+
+def default_model(dataset: str, input_shape: tuple[int, ...]) -> str:
+    """The bundled model of a dataset; on the devices' own data, by the shape of a sample:
+    features (an MLP), a signal with channels (1-D CNN) or an image (2-D CNN)."""
+    if dataset == DEVICE_DATA:
+        return {1: "mlp", 2: "cnn1d", 3: "cnn2d"}.get(len(input_shape), "mlp")
+    return models.default_model(dataset.split(":")[0])
 
 
 def profile_names(spec: str) -> list[str]:
@@ -206,11 +286,22 @@ def check_networked(config: ExperimentConfig, *, aggregator: bool) -> None:
         )
 
 
+def config_to_dict(config: ExperimentConfig) -> dict[str, Any]:
+    """The config as plain data for a message (tuples as lists); `config_from_dict` reads it."""
+    plain = dataclasses.asdict(config)
+    if plain["input_shape"] is not None:
+        plain["input_shape"] = list(plain["input_shape"])
+    return plain
+
+
 def config_from_dict(data: dict) -> ExperimentConfig:
     """Rebuild a config sent as plain data (the coordinator's run message); ValueError if bad."""
     try:
         learning = StrategyConfig(**data.get("learning", {}))
-        config = ExperimentConfig(**{**data, "learning": learning})
+        shape = data.get("input_shape")
+        config = ExperimentConfig(
+            **{**data, "learning": learning, "input_shape": tuple(shape) if shape else None}
+        )
     except TypeError as exc:
         raise ValueError(f"bad run configuration: {exc}") from None
     config.validate()

@@ -41,7 +41,11 @@ def _fields() -> list[tuple[dataclasses.Field, Any]]:
     pairs = []
     for cls in (ExperimentConfig, StrategyConfig):
         hints = typing.get_type_hints(cls)
-        pairs += [(f, hints[f.name]) for f in dataclasses.fields(cls) if f.name != "learning"]
+        pairs += [
+            (f, hints[f.name])
+            for f in dataclasses.fields(cls)
+            if f.name != "learning" and f.metadata.get("flag", True)
+        ]
     return pairs
 
 

@@ -84,8 +84,9 @@ def fleet_round_ends(workdir: pathlib.Path, roster: list[str]) -> dict[int, floa
 
     ends: dict[int, float] = {}
     for agent_id in roster:
-        for round_, record in checkpoint.read_records(workdir / agent_id / "rounds.jsonl").items():
-            ends[round_] = max(ends.get(round_, 0.0), record["finished_at"])
+        for log in (workdir / agent_id / "runs").glob("*/rounds.jsonl"):
+            for round_, record in checkpoint.read_records(log).items():
+                ends[round_] = max(ends.get(round_, 0.0), record["finished_at"])
     return ends
 
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import json
-import logging
 import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import click
@@ -34,7 +35,7 @@ from protocol import (
     ConfigError,
     Identity,
     MqttTransport,
-    TransportOptions,
+    ProtocolError,
     connect,
     leave,
     read_key,
@@ -42,58 +43,69 @@ from protocol import (
     topics,
     wait_for,
 )
+from protocol.cli import BrokerSettings, broker_options, logging_options, say, version_option
 
 console = Console()
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
-def main(verbose: int) -> None:
-    """Optional gateway side of an edge fleet: broker, roster, status and aggregation."""
-    level = (logging.WARNING, logging.INFO, logging.DEBUG)[min(verbose, 2)]
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+@version_option
+@logging_options
+def main() -> None:
+    """Optional gateway side of an edge fleet: broker, runs, aggregation and the fleet view."""
 
 
-@main.command()
-@click.option("--broker", type=BROKER, help="Use this broker instead of starting one.")
-@click.option(
-    "--host", default="0.0.0.0", show_default=True, help="Address the embedded broker binds."
-)
-@click.option(
-    "--port",
-    default=1883,
-    show_default=True,
-    type=click.IntRange(1, 65535),
-    help="Port of the embedded broker.",
-)
-@click.option("--fleet", default="default", show_default=True, type=NAME, help="Fleet to follow.")
-@click.option(
-    "--mdns",
-    "mdns_interfaces",
-    multiple=True,
-    metavar="IP",
-    help="Announce the broker over mDNS on the interface with this address (repeatable). "
-    "Off unless given.",
-)
-@click.option(
-    "--key-file",
-    type=click.Path(exists=True, dir_okay=False),
-    help="File holding the fleet key that signs and checks every message.",
-)
-def serve(
-    broker: BrokerAddress | None,
+def embedded_options(command: Callable) -> Callable:
+    """--host and --port of the embedded broker (serve, run)."""
+    command = click.option(
+        "--port",
+        default=1883,
+        show_default=True,
+        type=click.IntRange(1, 65535),
+        help="Port of the embedded broker.",
+    )(command)
+    return click.option(
+        "--host",
+        default="0.0.0.0",
+        show_default=True,
+        help="Address the embedded broker binds (without --broker).",
+    )(command)
+
+
+def fleet_options(command: Callable) -> Callable:
+    """--fleet, --mdns and --key-file (serve, run)."""
+    command = click.option(
+        "--key-file",
+        type=click.Path(exists=True, dir_okay=False),
+        help="File holding the fleet key that signs and checks every message.",
+    )(command)
+    command = click.option(
+        "--mdns",
+        "mdns_interfaces",
+        multiple=True,
+        metavar="IP",
+        help="Announce the broker over mDNS on the interface with this address (repeatable), "
+        "so agents find it without --broker. Off unless given.",
+    )(command)
+    return click.option(
+        "--fleet", default="default", show_default=True, type=NAME, help="The fleet."
+    )(command)
+
+
+@contextlib.contextmanager
+def gateway_broker(
+    settings: BrokerSettings,
     host: str,
     port: int,
     fleet: str,
     mdns_interfaces: tuple[str, ...],
-    key_file: str | None,
-) -> None:
-    """Host the fleet's broker (unless --broker is given) and follow the fleet until Ctrl-C."""
-    stop = stop_on_signal()
+) -> Iterator[BrokerAddress]:
+    """The fleet's broker: the one the settings name, else an embedded amqtt broker started
+    here; announced over mDNS on the given interfaces while in use."""
     from coordinator.broker import EmbeddedBroker
 
-    key = read_key(key_file)
     embedded = None
+    broker = settings.address
     if broker is None:
         embedded = EmbeddedBroker(host=host, port=port)
         try:
@@ -102,43 +114,85 @@ def serve(
             raise click.ClickException(
                 f"cannot start the embedded broker on {host}:{port}: {exc}"
             ) from None
-        console.print(f"embedded MQTT broker listening on [bold]{host}:{port}[/]")
+        say(f"embedded MQTT broker listening on [bold]{host}:{port}[/]")
         broker = BrokerAddress("127.0.0.1" if host in ("0.0.0.0", "") else host, port)
     else:
-        console.print(f"using MQTT broker at [bold]{broker.host}:{broker.port}[/]")
-
-    identity = Identity(fleet, "coordinator", role="coordinator", key=key)
-    view = FleetView(key=key)
-
-    def on_fleet_message(topic: str, payload: bytes) -> None:
-        entry = view.feed(topic, payload)
-        if entry is not None and entry.agent != "coordinator":
-            console.print(describe_entry(entry))
-
-    transport = connect(broker, identity)
+        say(f"using MQTT broker at [bold]{settings.describe()}[/]")
     discovery = None
     try:
-        transport.subscribe(topics.presence(fleet), on_fleet_message)
-        transport.subscribe(topics.status(fleet), on_fleet_message)
         if mdns_interfaces:
-            from protocol import Discovery
+            from protocol.discovery import Discovery
 
-            discovery = Discovery(interfaces=list(mdns_interfaces))
+            try:
+                discovery = Discovery(interfaces=list(mdns_interfaces))
+            except ValueError as exc:
+                raise click.BadParameter(str(exc), param_hint="--mdns") from None
             # An mDNS address record needs an IP: the embedded broker is reached on the
             # interface it is announced on; an external broker's host name is resolved here.
             announced = mdns_interfaces[0] if embedded else socket.gethostbyname(broker.host)
-            discovery.advertise_broker(announced, broker.port)
-            console.print(f"announcing the broker over mDNS on {', '.join(mdns_interfaces)}")
-        console.print(f"following fleet [bold]{fleet}[/]; press Ctrl-C to stop")
-        wait_for(stop)
+            if ipaddress.ip_address(announced).is_loopback:  # on this host: reached on the LAN
+                announced = mdns_interfaces[0]
+            discovery.advertise_broker(
+                announced, broker.port, fleets=[fleet], tls=settings.tls is not None
+            )
+            say(f"announcing the broker over mDNS on {', '.join(mdns_interfaces)}")
+        yield broker
     finally:
-        console.print("stopping")
-        leave(transport, identity)
         if discovery is not None:
             discovery.close()
         if embedded is not None:
             embedded.stop()
-    console.print("stopped")
+
+
+def join_fleet(
+    broker: BrokerAddress, settings: BrokerSettings, identity: Identity
+) -> MqttTransport:
+    """Connect as `identity`; a second process under the same name is a one-line error."""
+    try:
+        return connect(broker, identity, settings.transport_options(None))
+    except ProtocolError as exc:  # a duplicate id, or refused credentials
+        raise click.ClickException(str(exc)) from None
+
+
+@main.command()
+@broker_options
+@embedded_options
+@fleet_options
+def serve(
+    broker_settings: BrokerSettings,
+    host: str,
+    port: int,
+    fleet: str,
+    mdns_interfaces: tuple[str, ...],
+    key_file: str | None,
+) -> None:
+    """Host the fleet's broker (unless --broker is given) and follow the fleet until Ctrl-C;
+    `coordinator run` starts runs on it."""
+    stop = stop_on_signal()
+    key = read_key(key_file)
+    identity = Identity(fleet, GATEWAY, role="coordinator", key=key)
+    view = FleetView(key=key)
+
+    def on_fleet_message(topic: str, payload: bytes) -> None:
+        entry = view.feed(topic, payload)
+        if entry is not None and entry.role == "agent":
+            say(describe_entry(entry))
+
+    with gateway_broker(broker_settings, host, port, fleet, mdns_interfaces) as broker:
+        transport = join_fleet(broker, broker_settings, identity)
+        try:
+            transport.subscribe(topics.presence(fleet), on_fleet_message)
+            transport.subscribe(topics.status(fleet), on_fleet_message)
+            say(f"following fleet [bold]{fleet}[/]; press Ctrl-C to stop")
+            wait_for(stop)
+        finally:
+            say("stopping")
+            leave(transport, identity)
+    say("stopped")
+
+
+GATEWAY = "gateway"
+"""`coordinator serve`'s name in the fleet (a run's coordinator is `coordinator`)."""
 
 
 def describe_entry(entry: AgentEntry) -> str:
@@ -147,13 +201,7 @@ def describe_entry(entry: AgentEntry) -> str:
 
 
 @main.command()
-@click.option(
-    "--broker",
-    type=BROKER,
-    default="127.0.0.1:1883",
-    show_default=True,
-    help="Broker to read the fleet's retained messages from.",
-)
+@broker_options
 @click.option("--fleet", default=None, type=NAME, help="Only this fleet (default: every fleet).")
 @click.option(
     "--wait",
@@ -177,23 +225,34 @@ def describe_entry(entry: AgentEntry) -> str:
     type=click.Path(exists=True, dir_okay=False),
     help="Fleet key to check message signatures with.",
 )
+@click.option(
+    "--mdns",
+    "mdns_interfaces",
+    multiple=True,
+    metavar="IP",
+    help="Also show which agents mDNS sees on the interface with this address (repeatable).",
+)
 def status(
-    broker: BrokerAddress,
+    broker_settings: BrokerSettings,
     fleet: str | None,
     wait_s: float,
     timeout_s: float,
     as_json: bool,
     key_file: str | None,
+    mdns_interfaces: tuple[str, ...],
 ) -> None:
-    """Print who is in the fleet, online or offline and since when, from retained messages."""
+    """Print who is in the fleet, online or offline and since when, from retained messages
+    (MQTT presence is the truth about liveness; --mdns adds what zeroconf sees)."""
+    broker = broker_settings.address or BrokerAddress("127.0.0.1", 1883)
     view = FleetView(key=read_key(key_file))
+    seen = mdns_view(mdns_interfaces, wait_s) if mdns_interfaces else None
     lock = threading.Lock()
 
     def on_message(topic: str, payload: bytes) -> None:
         with lock:
             view.feed(topic, payload)
 
-    transport = MqttTransport(broker, TransportOptions(client_id=None))
+    transport = MqttTransport(broker, broker_settings.transport_options(None))
     target = fleet or "+"
     transport.subscribe(topics.presence(target), on_message)
     transport.subscribe(topics.status(target), on_message)
@@ -208,13 +267,25 @@ def status(
         transport.stop()
     with lock:
         entries = view.entries()
+    if seen is not None:
+        entries += [
+            AgentEntry(f, a)
+            for f, a in sorted(seen)
+            if (f, a) not in {(e.fleet, e.agent) for e in entries} and (fleet is None or f == fleet)
+        ]
     if as_json:
-        click.echo(json.dumps([vars(e) for e in entries], indent=2))
+        rows = [
+            vars(e) | ({"mdns": (e.fleet, e.agent) in seen} if seen is not None else {})
+            for e in entries
+        ]
+        click.echo(json.dumps(rows, indent=2))
         return
     if not entries:
         console.print("no agents have announced themselves on this broker")
         return
     table = Table("fleet", "agent", "role", "presence", "state", "round", "profile")
+    if seen is not None:
+        table.add_column("mDNS")
     for column in table.columns:
         column.overflow = "fold"
     for e in entries:
@@ -226,8 +297,22 @@ def status(
             describe_state(e),
             str(e.round) if e.state else "",
             e.profile,
+            *([("seen" if (e.fleet, e.agent) in seen else "not seen")] if seen is not None else []),
         )
     console.print(table)
+
+
+def mdns_view(interfaces: tuple[str, ...], wait_s: float) -> set[tuple[str, str]]:
+    """(fleet, agent) of every agent advertised over mDNS on these interfaces."""
+    from protocol.discovery import Discovery
+
+    try:
+        discovery = Discovery(interfaces=list(interfaces))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--mdns") from None
+    with discovery:
+        time.sleep(max(wait_s, 2.0))  # adverts answer a browse within about 2 s
+        return set(discovery.agents())
 
 
 def report_options(command: Callable) -> Callable:
@@ -374,13 +459,7 @@ def emulate(
         f"logs in {folder}"
     )
     try:
-        with Progress(
-            TextColumn("agent-rounds"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=console,
-        ) as progress:
+        with agent_rounds() as progress:
             task = progress.add_task("rounds", total=cfg.rounds * config.agents)
             report = emulation.run(lambda done: progress.update(task, completed=done))
     except TimeoutError as exc:
@@ -392,6 +471,73 @@ def emulate(
     if failed:
         console.print(f"[red]agents that failed[/]: {failed} (logs in {folder})")
     publish_report(report, report_path, plot_dir)
+
+
+@main.command("run")
+@click.argument("run_file", type=click.Path(dir_okay=False))
+@broker_options
+@embedded_options
+@fleet_options
+@report_options
+def run_command(
+    run_file: str,
+    broker_settings: BrokerSettings,
+    host: str,
+    port: int,
+    fleet: str,
+    mdns_interfaces: tuple[str, ...],
+    key_file: str | None,
+    report_path: str,
+    plot_dir: str | None,
+) -> None:
+    """Run RUN_FILE (TOML, table [run]) on the fleet's devices and write the report.
+
+    Waits for the agents the run wants (online, idle, with data that fits), fixes the roster,
+    publishes the run, aggregates centralized strategies, follows the agents' statuses, and
+    writes the report (the schema of `simulate`) from what they published. With no --broker
+    it starts the embedded broker itself.
+    """
+    stop = stop_on_signal()
+    from agent.runfile import load_run_file
+    from coordinator.gateway import RunFailed, conduct
+
+    try:
+        runfile = load_run_file(run_file)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    key = read_key(key_file)
+    identity = Identity(fleet, "coordinator", role="coordinator", key=key)
+    with gateway_broker(broker_settings, host, port, fleet, mdns_interfaces) as broker:
+        transport = join_fleet(broker, broker_settings, identity)
+        try:
+            with agent_rounds() as progress:
+                task = progress.add_task("rounds", total=None)
+
+                def advance(done: int, total: int) -> None:
+                    progress.update(task, completed=done, total=total)
+
+                report = conduct(runfile, transport, fleet, key, stop, say, advance)
+        except (RunFailed, ValueError, RuntimeError) as exc:
+            raise click.ClickException(str(exc)) from None
+        finally:
+            leave(transport, identity)
+    failed = report["summary"]["failed_agents"]
+    if failed:
+        say(f"[red]agents that did not finish[/]: {failed}")
+    publish_report(report, report_path, plot_dir)
+    if not report["rounds"]:
+        raise click.ClickException("no agent completed a round")
+
+
+def agent_rounds() -> Progress:
+    """The progress bar of a networked run: agent-rounds done of all (emulate, run)."""
+    return Progress(
+        TextColumn("agent-rounds"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    )
 
 
 def free_port() -> int:

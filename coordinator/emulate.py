@@ -13,20 +13,16 @@ import dataclasses
 import os
 import subprocess
 import sys
-import threading
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from agent.data import load_dataset
 from agent.experiment import ExperimentConfig, check_networked, profile_names
-from agent.learning import CENTRALIZED, running, topology
-from agent.report import AgentRound, stopped_summary, summarize
-from agent.runtime import checkpoint
-from coordinator.aggregator import Aggregator
-from protocol import BrokerAddress, Identity, connect, leave, messages, topics
+from agent.runtime import checkpoint, new_run_id, run_folder
+from coordinator.conductor import Conductor, assemble_report
+from protocol import BrokerAddress, Identity, connect, leave
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,14 +48,11 @@ class Emulation:
         self.config = config
         self.broker = broker
         self.options = options
-        self.run_id = f"run-{uuid.uuid4().hex[:12]}"
+        self.run_id = new_run_id()
         self.fleet = f"emu-{self.run_id[4:12]}"
         self.roster = [f"agent-{k:03d}" for k in range(config.agents)]
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
-        self.progress: dict[str, int] = {}
-        self._lock = threading.Lock()
-        self.aggregator: Aggregator | None = None
-        """The coordinator's aggregator, for a centralized strategy."""
+        self.conductor: Conductor
 
     def profile_of(self, index: int) -> str | None:
         """The run's profile for this agent (its budget and throttle), if the run has any."""
@@ -78,6 +71,7 @@ class Emulation:
             "--round-timeout", str(self.options.round_timeout_s),
             "--vote-timeout", str(self.options.vote_timeout_s),
             "--linger", str(self.options.linger_s),
+            "--once",
             *(["-" + "v" * self.options.verbose] if self.options.verbose else []),
         ]  # fmt: skip
 
@@ -96,61 +90,30 @@ class Emulation:
         self.processes[agent_id] = process
         return process
 
-    def _on_status(self, _topic: str, payload: bytes) -> None:
-        try:
-            message = messages.decode(payload)
-        except Exception:
-            return
-        if isinstance(message, messages.Status) and message.run_id == self.run_id:
-            with self._lock:
-                self.progress[message.sender] = max(
-                    self.progress.get(message.sender, 0), message.round
-                )
-
     def run(self, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
         started = time.perf_counter()
         identity = Identity(self.fleet, "coordinator", role="coordinator")
-        transport = connect(self.broker, identity)
-        aggregating: threading.Thread | None = None
-        stop = threading.Event()
+        transport = connect(self.broker, identity, probe_s=0)
+        self.conductor = Conductor(
+            fleet=self.fleet,
+            roster=self.roster,
+            config=self.config,
+            transport=transport,
+            sender=identity.sender,
+            round_timeout_s=self.options.round_timeout_s,
+            run_id=self.run_id,
+        )
         try:
-            transport.subscribe(topics.status(self.fleet), self._on_status)
-            if self.config.learning.strategy in CENTRALIZED:
-                self.aggregator = Aggregator(
-                    fleet=self.fleet,
-                    run_id=self.run_id,
-                    roster=self.roster,
-                    config=self.config,
-                    transport=transport,
-                    sender=identity.sender,
-                    round_timeout_s=self.options.round_timeout_s,
-                    stop=stop,
-                )
-                self.aggregator.start()
-                aggregating = threading.Thread(
-                    target=self.aggregator.run, name="aggregator", daemon=True
-                )
-                aggregating.start()
-            run = messages.RunConfig(
-                fleet=self.fleet,
-                sender="coordinator",
-                run_id=self.run_id,
-                roster=self.roster,
-                seed=self.config.seed,
-                config=dataclasses.asdict(self.config),
-            )
-            transport.publish(topics.run(self.fleet), messages.encode(run), retain=True)
+            self.conductor.start()
             for index in range(len(self.roster)):
                 self.start_agent(index)
             self._wait(progress)
         finally:
-            stop.set()
             for process in self.processes.values():
                 if process.poll() is None:
                     process.kill()
                     process.wait(10)
-            if aggregating is not None:
-                aggregating.join(10)
+            self.conductor.close()
             leave(transport, identity)
         return self.report(time.perf_counter() - started)
 
@@ -163,56 +126,27 @@ class Emulation:
         while any(p.poll() is None for p in self.processes.values()):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"agents still running after {limit:.0f} s")
-            if self.aggregator is not None and self.aggregator.error is not None:
-                raise RuntimeError(f"the coordinator's aggregation failed: {self.aggregator.error}")
+            if self.conductor.error is not None:
+                raise RuntimeError(f"the coordinator's aggregation failed: {self.conductor.error}")
             if progress:
-                with self._lock:
-                    progress(sum(self.progress.values()))
+                progress(self.conductor.rounds_done())
             time.sleep(0.2)
         if progress:
             progress(rounds * len(self.roster))
 
+    def round_log(self, agent_id: str) -> Path:
+        """Where an agent of this run logs its rounds (in its own state folder)."""
+        return run_folder(self.options.workdir / agent_id, self.run_id) / "rounds.jsonl"
+
     def report(self, wall: float) -> dict[str, Any]:
         """The simulate report schema, assembled from the agents' round logs."""
         logs = {
-            agent_id: checkpoint.read_records(self.options.workdir / agent_id / "rounds.jsonl")
-            for agent_id in self.roster
+            agent_id: checkpoint.read_records(self.round_log(agent_id)) for agent_id in self.roster
         }
-        rounds: list[dict[str, Any]] = []
-        t_star = None
-        stopped = {
-            agent_id: t for agent_id, records in logs.items() for t, r in records.items()
-            if r.get("stopped")
-        }  # fmt: skip
-        last: dict[str, AgentRound] = {}
-        for t in range(1, self.config.learning.rounds + 1):
-            agents = {}
-            for agent_id, records in logs.items():
-                if t in records:
-                    last[agent_id] = AgentRound.from_dict(records[t])
-                    t_star = t_star or records[t].get("t_star")
-                elif not running(agent_id, t, stopped):  # its figures stay, it spends nothing
-                    last[agent_id] = last[agent_id].idle(t)
-                else:
-                    continue
-                agents[agent_id] = last[agent_id].report_entry(networked=True)
-            if not agents or len(stopped) == len(self.roster) and t > max(stopped.values()):
-                break
-            record = {
-                "round": t,
-                "order": topology.reuse_order(self.config.seed, t, self.roster),
-                "agents": agents,
-                "t_star": t_star,
-            }
-            if self.aggregator is not None:
-                record["order"] = self.roster
-                if t <= len(self.aggregator.records):
-                    round_record = self.aggregator.records[t - 1]
-                    record["coordinator"] = dataclasses.asdict(round_record.traffic)
-                    record["participants"] = round_record.participants
-            rounds.append(record)
-        missing = {a: p.returncode for a, p in self.processes.items() if p.returncode != 0}
-        aggregated = self.aggregator.records if self.aggregator else []
+        report = assemble_report(self.config, self.roster, logs, self.conductor.aggregated(), wall)
+        report["summary"]["failed_agents"] = {
+            a: p.returncode for a, p in self.processes.items() if p.returncode != 0
+        }
         return {
             "config": {
                 **dataclasses.asdict(self.config),
@@ -221,14 +155,5 @@ class Emulation:
                 "broker": str(self.broker),
                 "profiles": {a: self.profile_of(i) for i, a in enumerate(self.roster)},
             },
-            "rounds": rounds,
-            "summary": {
-                **(summarize(rounds, t_star, wall) if rounds else {"rounds": 0, "t_star": None}),
-                "stopped": stopped_summary(rounds, stopped, self.config.learning.rounds),
-                "failed_agents": missing,
-                "stragglers": sorted(
-                    {s for r in rounds for a in r["agents"].values() for s in a["stragglers"]}
-                    | {s for r in aggregated for s in r.stragglers}
-                ),
-            },
+            **report,
         }

@@ -87,6 +87,9 @@ def describe_presence(entry: AgentEntry, now: float | None = None) -> str:
 
 def describe_state(entry: AgentEntry) -> str:
     """The agent's state in words; an agent that stopped early says when and what it saved."""
+    error = entry.metrics.get("error")
+    if entry.state == "rejected" and isinstance(error, str):
+        return f"left out: {error[:200]}"
     if not entry.stopped:
         return entry.state
     text = f"stopped early after round {entry.round}"

@@ -34,7 +34,13 @@ class ProfileError(ValueError):
 
 @dataclass(frozen=True)
 class DeviceProfile:
-    """One device's compute, memory, power and link figures (units in the field names)."""
+    """One device's compute, memory, power and link figures (units in the field names).
+
+    `peak_fp32_gflops` is the board's main compute, the one simulate and emulate model: its
+    GPU's where the board has one that trains (a Jetson), else its CPU's. Such a board also
+    gives `cpu_peak_fp32_gflops`, so that an agent told to train on the CPU budgets with what
+    it really uses (`peak_for`); a CPU-only board leaves it out.
+    """
 
     name: str
     description: str
@@ -45,13 +51,41 @@ class DeviceProfile:
     link_bandwidth_mbps: float
     radio_power_w: float
     cpu_cores: int
+    cpu_peak_fp32_gflops: float | None = None
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
+    @property
+    def has_gpu(self) -> bool:
+        """Whether `peak_fp32_gflops` is a GPU's (the profile gives its CPU's apart)."""
+        return self.cpu_peak_fp32_gflops is not None
 
+    def peak_for(self, device_type: str) -> float:
+        """Peak fp32 GFLOPS of the compute an agent trains on: "cuda" (the GPU) or "cpu".
+
+        Raises ValueError for "cuda" on a board whose profile names no GPU, and for any other
+        device type.
+        """
+        if device_type == "cpu":
+            if self.cpu_peak_fp32_gflops is not None:
+                return self.cpu_peak_fp32_gflops
+            return self.peak_fp32_gflops
+        if device_type == "cuda":
+            if not self.has_gpu:
+                raise ValueError(
+                    f"device profile {self.name!r} has no GPU (its peak_fp32_gflops is the "
+                    "CPU's; a GPU board also gives cpu_peak_fp32_gflops): train on the cpu"
+                )
+            return self.peak_fp32_gflops
+        raise ValueError(f"unknown compute {device_type!r}; expected 'cpu' or 'cuda'")
+
+
+_OPTIONAL: dict[str, type] = {"cpu_peak_fp32_gflops": float}
 _REQUIRED: dict[str, type] = {
-    name: kind for name, kind in get_type_hints(DeviceProfile).items() if name != "sources"
+    name: kind
+    for name, kind in get_type_hints(DeviceProfile).items()
+    if name != "sources" and name not in _OPTIONAL
 }
-_FIGURES = {name: kind for name, kind in _REQUIRED.items() if kind in (int, float)}
+_FIGURES = {name: kind for name, kind in (_REQUIRED | _OPTIONAL).items() if kind in (int, float)}
 _ACCEPTED = {str: (str,), int: (int,), float: (int, float)}  # TOML writes 10 for 10.0
 
 
@@ -60,11 +94,17 @@ def _check(data: Mapping[str, Any], where: str) -> DeviceProfile:
         return ProfileError(f"{where}: field {key!r}: {problem}")
 
     for key in data:
-        if key not in _REQUIRED and key != "sources":
-            raise fail(key, f"unknown field; expected {', '.join(_REQUIRED)} and [sources]")
-    for key, kind in _REQUIRED.items():
+        if key not in _REQUIRED and key not in _OPTIONAL and key != "sources":
+            raise fail(
+                key,
+                f"unknown field; expected {', '.join(_REQUIRED)}, optionally "
+                f"{', '.join(_OPTIONAL)}, and [sources]",
+            )
+    for key, kind in (_REQUIRED | _OPTIONAL).items():
         if key not in data:
-            raise fail(key, "missing")
+            if key in _REQUIRED:
+                raise fail(key, "missing")
+            continue
         value = data[key]
         if isinstance(value, bool) or not isinstance(value, _ACCEPTED[kind]):
             raise fail(key, f"expected {kind.__name__}, got {type(value).__name__} {value!r}")
@@ -89,7 +129,9 @@ def _check(data: Mapping[str, Any], where: str) -> DeviceProfile:
         if not isinstance(text, str):
             raise fail(f"sources.{key}", f"expected str, got {type(text).__name__}")
     # Each figure converted to its field's own type (int or float), from the dataclass hints.
-    figures: dict[str, Any] = {key: kind(data[key]) for key, kind in _FIGURES.items()}
+    figures: dict[str, Any] = {
+        key: kind(data[key]) for key, kind in _FIGURES.items() if key in data
+    }
     return DeviceProfile(
         name=data["name"],
         description=data["description"],

@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
 # Installs everything this project needs on a fresh Debian machine with Python >= 3.10:
-# the mosquitto broker (used by the integration tests), a CPU build of torch, and this
-# package with its test extras. Safe to run again.
+# mosquitto, openssl and iproute2 (used by the integration tests), a CPU build of torch,
+# and this package with its test extras. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! command -v mosquitto >/dev/null 2>&1 && [ ! -x /usr/sbin/mosquitto ]; then
+# mosquitto (a real broker for the tests), openssl (test certificates) and iproute2 (`ip`,
+# for the tests that emulate a LAN of gateway and devices in network namespaces).
+missing=()
+command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || missing+=(mosquitto)
+command -v openssl >/dev/null 2>&1 || missing+=(openssl)
+command -v ip >/dev/null 2>&1 || [ -x /usr/sbin/ip ] || [ -x /sbin/ip ] || missing+=(iproute2)
+if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "setup: installing mosquitto from Debian"
+    echo "setup: installing ${missing[*]} from Debian"
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mosquitto >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
   else
-    echo "setup: mosquitto not found; install it (apt-get install mosquitto) for its tests" >&2
+    echo "setup: ${missing[*]} not found; install them (apt-get install ${missing[*]}) for their tests" >&2
   fi
 fi
 

@@ -85,7 +85,7 @@ def test_serve_status_and_agents_end_to_end(served, tmp_path: Path) -> None:
         assert fleet["pi-1"]["online"] and fleet["nano-2"]["online"]
         assert fleet["pi-1"]["profile"] == "raspberry-pi-4"
         assert fleet["nano-2"]["state"] == "idle"
-        assert fleet["coordinator"]["role"] == "coordinator"
+        assert fleet["gateway"]["role"] == "coordinator"
 
         agents["nano-2"].send_signal(signal.SIGKILL)
         agents["pi-1"].send_signal(signal.SIGINT)
@@ -150,7 +150,7 @@ def test_status_says_when_the_broker_is_unreachable(unused_port: int) -> None:
             [*EDGE_AGENT, "--broker", "127.0.0.1", "--expect", "2", "--strategy", "fedspu"],
             "fedspu is centralized",
         ),
-        ([*EDGE_AGENT], "Missing option '--broker'"),
+        ([*EDGE_AGENT], "no broker: give --broker HOST[:PORT]"),
         ([*EDGE_AGENT, "--broker", "127.0.0.1", "--profile", "no-such-board"], "jetson-nano"),
         ([*EDGE_AGENT, "--broker", "127.0.0.1", "--id", "UPPER"], "invalid id 'UPPER'"),
     ],

@@ -312,7 +312,7 @@ def kill_and_restart(emulation: Emulation, index: int, after_round: int) -> None
 
 
 def wait_for_round(emulation: Emulation, agent: str, round_: int, timeout_s: float = 120) -> None:
-    path = emulation.options.workdir / agent / "rounds.jsonl"
+    path = emulation.round_log(agent)
     deadline = time.monotonic() + timeout_s
     while round_ not in checkpoint.read_records(path):
         assert time.monotonic() < deadline, f"{agent} never finished round {round_}"
@@ -328,7 +328,7 @@ def test_a_killed_agent_resumes_from_its_checkpoint(amqtt_broker, tmp_path: Path
     thread.join(600)
     assert "error" not in result, result.get("error")
     report = result["report"]
-    lines = (emulation.options.workdir / "agent-002" / "rounds.jsonl").read_text().splitlines()
+    lines = emulation.round_log("agent-002").read_text().splitlines()
     rounds_logged = [int(line.split('"round": ')[1].split(",")[0]) for line in lines]
     assert rounds_logged == [1, 2, 3, 4, 5], "no round lost or repeated"
     assert len(report["rounds"]) == 5

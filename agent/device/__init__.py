@@ -1,5 +1,6 @@
-"""The device side of an agent: its resource budget p_k (`budget`) and the emulation
-throttle that makes a host take its profile's time (`throttle`)."""
+"""The device side of an agent: its resource budget p_k (`budget`), the emulation
+throttle that makes a host take its profile's time (`throttle`) and the torch device it
+trains on (`compute`)."""
 
 from agent.device.budget import (
     DEFAULT_EFFICIENCY,
@@ -12,10 +13,12 @@ from agent.device.budget import (
     nominal_reading,
     read_device,
 )
+from agent.device.compute import DEVICE_CHOICES, resolve_device
 from agent.device.throttle import Throttle, compute_delay_s, energy_j, link_delay_s
 
 __all__ = [
     "DEFAULT_EFFICIENCY",
+    "DEVICE_CHOICES",
     "Budget",
     "BudgetLimits",
     "DeviceReading",
@@ -28,4 +31,5 @@ __all__ = [
     "link_delay_s",
     "nominal_reading",
     "read_device",
+    "resolve_device",
 ]

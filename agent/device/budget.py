@@ -12,7 +12,10 @@ The rule (units in brackets):
                     excluded; a missing figure counts as 0)
     effective   G = peak_fp32_gflops x efficiency / (1 + s)              [GFLOP/s]
                     fair share: competing runnable work takes its share of the processor, so
-                    at s = 1 the agent gets half of it, never nothing
+                    at s = 1 the agent gets half of it, never nothing; with `compute` ("cpu"
+                    or "cuda", what the agent trains on) the peak is that compute's
+                    (`DeviceProfile.peak_for`: a Jetson's CPU trains far slower than its
+                    GPU), without it the profile's main compute, as simulate and emulate model
     afford(T)   = (T x G x 1e9 - fixed_flops) / train_flops, clipped to [0, 1]
                     the fraction of the density-scalable training that fits in T seconds once
                     the work that does not shrink with density (RigL's dense gradient) is paid
@@ -237,7 +240,9 @@ def _activation_floats(model: nn.Module, input_shape: tuple[int, ...]) -> int:
     try:
         model.eval()
         with torch.no_grad():
-            model(torch.zeros((1, *input_shape)))
+            param = next(model.parameters(), None)
+            device = param.device if param is not None else None
+            model(torch.zeros((1, *input_shape), device=device))
     finally:
         for handle in handles:
             handle.remove()
@@ -446,21 +451,36 @@ def _limit_reason(
     return reasons[limited_by.split()[0]]
 
 
+def _peak(profile: DeviceProfile, compute: str | None) -> tuple[float, str]:
+    """The peak GFLOPS the budget uses and how the reason names it: the profile's main
+    compute without `compute`, else the peak of that device type (ValueError if the board
+    has no such compute)."""
+    if compute is None:
+        return profile.peak_fp32_gflops, "peak"
+    return profile.peak_for(compute), f"{compute} peak"
+
+
 def compute_budget(
     profile: DeviceProfile,
     reading: DeviceReading,
     work: RoundWork,
     limits: BudgetLimits | None = None,
     efficiency: float = DEFAULT_EFFICIENCY,
+    compute: str | None = None,
 ) -> Budget:
-    """The budget of one round by the rule in the module docstring (a pure function)."""
+    """The budget of one round by the rule in the module docstring (a pure function).
+
+    `compute`: the device type the agent trains on ("cpu" or "cuda", `torch.device.type`);
+    None budgets the profile's main compute (`peak_fp32_gflops`), as simulate and emulate do.
+    """
     limits = limits or BudgetLimits()
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency must be in (0, 1], got {efficiency}")
+    peak, peak_name = _peak(profile, compute)
     cpu_share = (reading.other_load or 0.0) / max(reading.cpu_count, 1)
     gpu_share = (reading.gpu_load_percent or 0.0) / 100
     load_share = _clip(max(cpu_share, gpu_share))
-    gflops = profile.peak_fp32_gflops * efficiency / (1 + load_share)
+    gflops = peak * efficiency / (1 + load_share)
     flops_per_s = gflops * 1e9
 
     factors = _factors(profile, reading, work, limits, flops_per_s)
@@ -476,7 +496,7 @@ def compute_budget(
     marginal_w = profile.max_power_w - profile.idle_power_w
     reason = (
         f"p_k={p_k:.3g}: {_limit_reason(limited_by, dense_s, marginal_w, reading, limits)} "
-        f"at {gflops:.3g} effective GFLOPS ({profile.peak_fp32_gflops:g} peak x "
+        f"at {gflops:.3g} effective GFLOPS ({peak:g} {peak_name} x "
         f"{efficiency:g} efficiency / (1 + load {load_share:.2f}))"
     )
     if floored:
@@ -505,16 +525,20 @@ def compute_budget(
 
 
 def calibrated_efficiency(
-    executed_flops: float, seconds: float, profile: DeviceProfile, load_share: float = 0.0
+    executed_flops: float,
+    seconds: float,
+    profile: DeviceProfile,
+    load_share: float = 0.0,
+    compute: str | None = None,
 ) -> float:
     """The efficiency a device actually reached, to feed back into `compute_budget`.
 
     `executed_flops` must be what the hardware computed: for masked-dense PyTorch that is the
     dense count, not the sparse one. Feeding the sparse count would read a sparser model's
     unchanged wall time as lower efficiency, shrink p_k, prune further, and spiral to the
-    floor. Clipped to (0, 1].
+    floor. Clipped to (0, 1]. `compute` as in `compute_budget`: pass the same to both.
     """
     if not (executed_flops > 0 and seconds > 0):
         raise ValueError(f"need positive flops and seconds, got {executed_flops}, {seconds}")
-    peak = profile.peak_fp32_gflops * 1e9 / (1 + _clip(load_share))
+    peak = _peak(profile, compute)[0] * 1e9 / (1 + _clip(load_share))
     return _clip(executed_flops / (seconds * peak), 1e-6)

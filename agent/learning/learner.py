@@ -34,10 +34,16 @@ import torch
 from torch import nn
 
 from agent.learning import pqi, pruning, rigl, sparse
-from agent.learning.config import DECENTRALIZED, STOP_LAMBDA, StrategyConfig
+from agent.learning.config import ADAM_FAMILY, DECENTRALIZED, STOP_LAMBDA, StrategyConfig
 from agent.learning.models import flops_from_positions, output_positions
 from agent.learning.sparse import Masks, State
-from agent.learning.training import dense_gradients, derive_seed, evaluate, train_local
+from agent.learning.training import (
+    dense_gradients,
+    derive_seed,
+    evaluate,
+    model_device,
+    train_local,
+)
 
 
 def frozen_training_flops(learner: Learner, masks: Masks | None, active: Masks) -> int:
@@ -135,6 +141,25 @@ class Learner:
         self._densities = (
             sparse.erk_densities(self._shapes, config.density) if self.sparse else None
         )
+
+    @property
+    def device(self) -> torch.device:
+        """The device the model computes on (`to`); weights and masks stay on the CPU."""
+        return model_device(self.model)
+
+    def to(self, device: torch.device) -> Learner:
+        """Compute on `device` from now on: only the model moves. The weights, masks and data
+        a round takes and returns stay CPU tensors (`agent.learning.training` copies batches
+        in and results out), and the generators stay CPU ones, so batch order, masks and
+        active neurons are drawn as on the CPU. Returns the learner itself.
+        """
+        if device.type != "cpu" and self.config.strategy in ADAM_FAMILY:
+            raise ValueError(
+                f"--device {device}: strategy {self.config.strategy} trains on the cpu only "
+                "(its Adam moments are kept there); use --device cpu"
+            )
+        self.model.to(device)
+        return self
 
     def generator(self, purpose: str, agent_id: str, round_: int) -> torch.Generator:
         return torch.Generator().manual_seed(derive_seed(self.seed, purpose, agent_id, round_))

@@ -3,6 +3,11 @@
 Every function takes the model weights as a state dict and returns new tensors, so the
 simulator and the networked agent call the same code with the same inputs and get the same
 numbers. Randomness (batch order) comes from an explicit generator derived by `derive_seed`.
+
+The model may live on a GPU (`Learner.to`); everything else stays on the CPU: the states,
+masks and data given here are CPU tensors (data may also be on the model's device), each
+batch is copied to the model's device, and what comes back (states, gradients) is on the CPU,
+where messages, checkpoints and reports read it. On the CPU every copy is a no-op.
 """
 
 from __future__ import annotations
@@ -47,6 +52,17 @@ def derive_seed(*parts: object) -> int:
     """
     digest = hashlib.sha256(repr(parts).encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device the model computes on (that of its first parameter; the CPU without any)."""
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+def cpu_state(model: nn.Module) -> State:
+    """A copy of the model's state dict on the CPU, detached: what a round returns."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
 
 def load_weights(model: nn.Module, state: State) -> None:
@@ -119,11 +135,12 @@ def train_local(
     """
     load_weights(model, state)
     model.train()
+    device = model_device(model)
     params = dict(model.named_parameters())
     momentum_buffers: dict[str, torch.Tensor] = {}
-    masked = {name: (params[name], mask) for name, mask in (masks or {}).items()}
+    masked = {name: (params[name], mask.to(device)) for name, mask in (masks or {}).items()}
     kept = {
-        name: (params[name], trainable, params[name].detach().clone())
+        name: (params[name], trainable.to(device), params[name].detach().clone())
         for name, trainable in (frozen or {}).items()
         if not bool(trainable.all())
     }
@@ -138,7 +155,7 @@ def train_local(
     mean_loss, samples = minibatch_epochs(
         model, x, y, config.epochs, config.batch_size, generator, step
     )
-    new_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    new_state = cpu_state(model)
     if masks:
         apply_masks_(new_state, masks)
     return TrainResult(new_state, mean_loss, samples)
@@ -157,10 +174,11 @@ def minibatch_epochs(
     no_grad) after each backward; returns (mean batch loss, samples seen). The loop every
     local optimizer shares, so SGD and Adam see the same batches for the same generator."""
     total_loss, steps, samples = 0.0, 0, 0
+    device = model_device(model)
     for _ in range(epochs):
         for batch in _batches(len(y), batch_size, generator):
             model.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(x[batch]), y[batch])
+            loss = F.cross_entropy(model(x[batch].to(device)), y[batch].to(device))
             loss.backward()  # type: ignore[no-untyped-call]
             with torch.no_grad():
                 step()
@@ -179,10 +197,11 @@ def evaluate(
         return float("nan"), float("nan")
     load_weights(model, state)
     model.eval()
+    device = model_device(model)
     loss, correct = 0.0, 0
     for start in range(0, len(y), batch_size):
-        logits = model(x[start : start + batch_size])
-        target = y[start : start + batch_size]
+        logits = model(x[start : start + batch_size].to(device))
+        target = y[start : start + batch_size].to(device)
         loss += F.cross_entropy(logits, target, reduction="sum").item()
         correct += int((logits.argmax(1) == target).sum())
     return loss / len(y), correct / len(y)
@@ -201,18 +220,20 @@ def dense_gradients(
     """Cross-entropy gradient of the named (masked) weights as if they were dense, for RigL.
 
     Model in eval mode, mean over `num_batches` local batches (ALGORITHMS.md 1.6). Returns the
-    gradients and the number of samples used, for FLOP accounting.
+    gradients (on the CPU) and the number of samples used, for FLOP accounting.
     """
     load_weights(model, state)
     model.eval()
+    device = model_device(model)
     params = dict(model.named_parameters())
     wanted = [params[name] for name in names]
     batches = _batches(len(y), batch_size, generator)[:num_batches]
     total: list[torch.Tensor] = []
     for batch in batches:
-        loss = F.cross_entropy(model(x[batch]), y[batch]) / len(batches)
+        loss = F.cross_entropy(model(x[batch].to(device)), y[batch].to(device)) / len(batches)
         # Only the named weights' gradients: none for norms and biases, nothing left in .grad.
         # Summed over batches in order, as backward() accumulates them.
         grads = torch.autograd.grad(loss, wanted)
         total = list(grads) if not total else [a + b for a, b in zip(total, grads, strict=True)]
-    return dict(zip(names, total, strict=True)), sum(len(b) for b in batches)
+    on_cpu = {name: g.to("cpu") for name, g in zip(names, total, strict=True)}
+    return on_cpu, sum(len(b) for b in batches)

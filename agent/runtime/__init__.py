@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from agent.runtime import checkpoint, codec
 from agent.runtime.build import AgentRuntime
+from agent.runtime.checkpoint import run_folder
 from agent.runtime.codec import (
     all_finite,
     decode_broadcast,
@@ -26,7 +27,7 @@ from agent.runtime.codec import (
 )
 from agent.runtime.inbox import Expected, Inbox
 from agent.runtime.layer_server import LayerServer
-from agent.runtime.session import RoundDriver, Run, Session, Timeouts
+from agent.runtime.session import RoundDriver, Run, Session, Timeouts, new_run_id
 
 __all__ = [
     "AgentRuntime",
@@ -49,5 +50,7 @@ __all__ = [
     "expected_delta_shapes",
     "expected_shapes",
     "model_message",
+    "new_run_id",
+    "run_folder",
     "values_sent",
 ]

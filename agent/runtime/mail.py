@@ -86,8 +86,10 @@ class FleetMail:
         if isinstance(message, messages.Status):
             with self._changed:
                 self.ready.add(message.sender)
-                if message.state == "done" or message.stopped:
+                if message.state in ("done", "rejected") or message.stopped:
                     self.finished.add(message.sender)
+                if message.state == "rejected":  # its data does not fit: it will not train
+                    self.offline.add(message.sender)
                 if message.stopped:
                     self.stopped[message.sender] = message.round
                 self._changed.notify_all()

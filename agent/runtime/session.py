@@ -14,6 +14,7 @@ import logging
 import math
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ from protocol import MqttTransport, messages, topics
 log = logging.getLogger(__name__)
 
 STATUS_FIGURES = (
+    "limited_by",
     "accuracy",
     "sparsity",
     "p_k",
@@ -41,7 +43,8 @@ STATUS_FIGURES = (
     "stragglers",
     "t_star",
 )
-"""The round figures a status carries."""
+"""The round figures a status shows; it also carries the whole round record, from which
+`coordinator run` writes its report."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,12 @@ class Run:
     config: ExperimentConfig
     aggregator: str | None = None
     """Who aggregates a centralized strategy: the coordinator that published the run."""
+
+
+def new_run_id() -> str:
+    """A fresh id for every run: nothing of one run (retained messages, checkpoints, round
+    logs) is mistaken for the next, even with the same configuration."""
+    return f"run-{uuid.uuid4().hex[:12]}"
 
 
 def finite_or_none(value: Any) -> Any:
@@ -301,7 +310,7 @@ class Session:
             if record.round < self.cfg.rounds
             else "done",
             record.round,
-            {k: row[k] for k in STATUS_FIGURES} | saved,
+            {k: row[k] for k in STATUS_FIGURES} | saved | {"record": row},
             driver.votes,
         )
         self.inbox.forget_before(record.round - 1)

@@ -1,0 +1,281 @@
+"""One run on a fleet, from the coordinator's side: publish it, aggregate, follow, report.
+
+`coordinator run` (real devices) and `coordinator emulate` (agent processes it starts) both
+conduct a run through `Conductor`: it publishes the run message (retained, so an agent that
+starts or restarts later still finds it), aggregates a centralized strategy with the same
+`Aggregator` and strategy objects `simulate` calls, follows every agent's retained status
+(each carries that round's full record), and at the end clears the run message.
+`assemble_report` turns per-agent round records into the report schema `simulate` writes;
+`coordinator run` has them from the statuses, `emulate` from the agents' own round logs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from agent.experiment import ExperimentConfig, config_to_dict
+from agent.learning import CENTRALIZED, running, topology
+from agent.report import AgentRound, stopped_summary, summarize
+from agent.runtime import new_run_id
+from coordinator.aggregator import Aggregator, AggregatorRecord
+from protocol import MqttTransport, ProtocolError, messages, topics
+
+log = logging.getLogger(__name__)
+
+FINAL_STATES = ("done", "stopped", "rejected", "failed")
+"""States after which an agent does nothing more for the run."""
+
+Records = dict[str, dict[int, dict[str, Any]]]
+"""Per agent, per round, the agent's round record (`AgentRound.as_dict`)."""
+
+
+@dataclass
+class AgentProgress:
+    """What the coordinator knows of one agent in the run, from its statuses."""
+
+    state: str = ""
+    round: int = 0
+    stopped: bool = False
+    error: str = ""
+    records: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+
+
+class Conductor:
+    """Publishes one run, aggregates it when centralized, and follows its agents."""
+
+    def __init__(
+        self,
+        *,
+        fleet: str,
+        roster: list[str],
+        config: ExperimentConfig,
+        transport: MqttTransport,
+        sender: str = "coordinator",
+        key: bytes | None = None,
+        round_timeout_s: float = 120.0,
+        run_id: str | None = None,
+        timeouts: Mapping[str, float] | None = None,
+    ) -> None:
+        """`timeouts`: the run's timeouts for the agents (see `messages.RunConfig`)."""
+        self.fleet = fleet
+        self.roster = sorted(roster)
+        self.config = config
+        self.transport = transport
+        self.sender = sender
+        self.key = key
+        self.run_id = run_id or new_run_id()
+        self.timeouts = dict(timeouts or {})
+        self.offline: dict[str, float] = {}
+        """Agents whose presence says they are gone, and since when (monotonic)."""
+        self.agents = {agent: AgentProgress() for agent in self.roster}
+        self._changed = threading.Condition()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.aggregator: Aggregator | None = None
+        if config.learning.strategy in CENTRALIZED:
+            self.aggregator = Aggregator(
+                fleet=fleet,
+                run_id=self.run_id,
+                roster=self.roster,
+                config=config,
+                transport=transport,
+                sender=sender,
+                key=key,
+                round_timeout_s=round_timeout_s,
+                stop=self._stop,
+            )
+
+    def start(self) -> None:
+        """Subscribe (statuses, the aggregator's inputs), then publish the run."""
+        self.transport.subscribe(topics.status(self.fleet), self._on_status)
+        self.transport.subscribe(topics.presence(self.fleet), self._on_presence)
+        if self.aggregator is not None:
+            self.aggregator.start()
+            self._thread = threading.Thread(
+                target=self.aggregator.run, name="aggregator", daemon=True
+            )
+            self._thread.start()
+        run = messages.RunConfig(
+            fleet=self.fleet,
+            sender=self.sender,
+            run_id=self.run_id,
+            roster=self.roster,
+            seed=self.config.seed,
+            config=config_to_dict(self.config),
+            timeouts=self.timeouts,
+        )
+        self.transport.publish(
+            topics.run(self.fleet), messages.encode(run, key=self.key), retain=True
+        )
+
+    def close(self) -> None:
+        """Stop aggregating and clear the retained run message (it is over)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+        if self.transport.connected:
+            self.transport.clear_retained(topics.run(self.fleet)).wait_for_publish(5)
+
+    @property
+    def error(self) -> Exception | None:
+        """Why aggregation failed, if it did (the run cannot go on)."""
+        return self.aggregator.error if self.aggregator is not None else None
+
+    def _on_status(self, topic: str, payload: bytes) -> None:
+        try:
+            message = messages.decode_on_topic(topic, payload, "status", self.fleet, self.key)
+        except ProtocolError:
+            return
+        if not isinstance(message, messages.Status) or message.run_id != self.run_id:
+            return
+        progress = self.agents.get(message.sender)
+        if progress is None:
+            return
+        with self._changed:
+            progress.state, progress.stopped = message.state, message.stopped
+            progress.round = max(progress.round, message.round)
+            record = message.metrics.get("record")
+            if isinstance(record, dict) and message.round >= 1:
+                progress.records.setdefault(message.round, record)
+            error = message.metrics.get("error")
+            if isinstance(error, str):
+                progress.error = error[:500]
+            self._changed.notify_all()
+
+    def _on_presence(self, topic: str, payload: bytes) -> None:
+        try:
+            message = messages.decode_on_topic(topic, payload, "presence", self.fleet, self.key)
+        except ProtocolError:
+            return
+        if not isinstance(message, messages.Presence) or message.sender not in self.agents:
+            return
+        with self._changed:
+            if message.online:
+                self.offline.pop(message.sender, None)
+            else:
+                self.offline.setdefault(message.sender, time.monotonic())
+            self._changed.notify_all()
+
+    def gone(self, after_s: float) -> bool:
+        """Every agent not finished has been offline for `after_s` at least: nobody is left
+        to wait for."""
+        now = time.monotonic()
+        with self._changed:
+            return all(
+                now - self.offline.get(agent, now) >= after_s
+                for agent, p in self.agents.items()
+                if p.state not in FINAL_STATES
+            )
+
+    def rounds_done(self) -> int:
+        """Agent-rounds completed so far (an agent that stopped early counts as done)."""
+        rounds = self.config.learning.rounds
+        with self._changed:
+            return sum(
+                rounds if p.stopped or p.state in FINAL_STATES else p.round
+                for p in self.agents.values()
+            )
+
+    def unfinished(self) -> list[str]:
+        with self._changed:
+            return [a for a, p in self.agents.items() if p.state not in FINAL_STATES]
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait for a status change, at most `timeout_s`; True if every agent is finished."""
+        with self._changed:
+            self._changed.wait(timeout_s)
+        return not self.unfinished()
+
+    def records(self) -> Records:
+        with self._changed:
+            return {a: dict(p.records) for a, p in self.agents.items()}
+
+    def aggregated(self) -> list[AggregatorRecord]:
+        return self.aggregator.records if self.aggregator is not None else []
+
+
+def assemble_report(
+    config: ExperimentConfig,
+    roster: list[str],
+    logs: Mapping[str, Mapping[int, Mapping[str, Any]]],
+    aggregated: list[AggregatorRecord],
+    wall: float,
+) -> dict[str, Any]:
+    """The `simulate` report's `rounds` and `summary` from each agent's round records.
+
+    An agent that stopped early keeps its last figures and spends nothing in later rounds,
+    as in simulate; a round no agent reported ends the report (the run ended there).
+    """
+    roster = sorted(roster)
+    rounds: list[dict[str, Any]] = []
+    t_star = None
+    stopped = {
+        agent_id: t for agent_id, records in logs.items() for t, r in records.items()
+        if r.get("stopped")
+    }  # fmt: skip
+    last: dict[str, AgentRound] = {}
+    for t in range(1, config.learning.rounds + 1):
+        agents = {}
+        for agent_id, records in sorted(logs.items()):
+            if t in records:
+                last[agent_id] = AgentRound.from_dict(records[t])
+                t_star = t_star or records[t].get("t_star")
+            elif agent_id in last and not running(agent_id, t, stopped):
+                last[agent_id] = last[agent_id].idle(t)
+            else:
+                continue
+            agents[agent_id] = last[agent_id].report_entry(networked=True)
+        if not agents or len(stopped) == len(roster) and t > max(stopped.values()):
+            break
+        record: dict[str, Any] = {
+            "round": t,
+            "order": topology.reuse_order(config.seed, t, roster),
+            "agents": agents,
+            "t_star": t_star,
+        }
+        if config.learning.strategy in CENTRALIZED:
+            record["order"] = roster
+            if t <= len(aggregated):
+                record["coordinator"] = dataclasses.asdict(aggregated[t - 1].traffic)
+                record["participants"] = aggregated[t - 1].participants
+        rounds.append(record)
+    return {
+        "rounds": rounds,
+        "summary": {
+            **(summarize(rounds, t_star, wall) if rounds else {"rounds": 0, "t_star": None}),
+            "stopped": stopped_summary(rounds, stopped, config.learning.rounds),
+            "stragglers": sorted(
+                {s for r in rounds for a in r["agents"].values() for s in a["stragglers"]}
+                | {s for r in aggregated for s in r.stragglers}
+            ),
+        },
+    }
+
+
+def wait_until_finished(
+    conductor: Conductor,
+    limit_s: float,
+    progress: Callable[[int], None] | None = None,
+    *,
+    stop: threading.Event | None = None,
+    gone_after_s: float | None = None,
+) -> list[str]:
+    """Follow the run until every agent is finished, every unfinished one has been offline
+    for `gone_after_s`, `stop` is set or `limit_s` passes; returns who is not finished.
+    `progress(done)` gets the agent-rounds done as they change."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline and not (stop is not None and stop.is_set()):
+        if conductor.error is not None:
+            raise RuntimeError(f"the coordinator's aggregation failed: {conductor.error}")
+        finished = conductor.wait(0.5)
+        if progress is not None:
+            progress(conductor.rounds_done())
+        if finished or (gone_after_s is not None and conductor.gone(gone_after_s)):
+            break
+    return conductor.unfinished()

@@ -1,0 +1,229 @@
+"""`coordinator run FILE`: one run of a run file on a fleet of real devices.
+
+Read top to bottom: wait until enough agents are online and idle (their retained statuses
+say so and describe their data), leave out those whose data does not fit the run, fix the
+roster and the configuration, conduct the run (`coordinator.conductor`), follow it until
+every agent has finished (or is gone for good), and assemble the report from what the
+agents published.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from agent.experiment import ExperimentConfig
+from agent.own_data import misfit
+from agent.runfile import RunFile, run_timeouts
+from coordinator.conductor import Conductor, assemble_report, wait_until_finished
+from coordinator.fleet import AgentEntry, FleetView
+from protocol import MqttTransport, topics
+
+Say = Callable[[str], None]
+
+
+AVAILABLE = ("idle", "rejected")
+"""States of an agent in no run: waiting for one, or left out of the last one."""
+
+
+class RunFailed(RuntimeError):
+    """The run could not start or finish; the message says why in one line."""
+
+
+@dataclass(frozen=True)
+class Roster:
+    """Who takes part, and what the agents' data fixed when the run file did not."""
+
+    agents: list[str]
+    input_shape: tuple[int, ...] | None
+    classes: int | None
+
+
+def data_of(entry: AgentEntry) -> Mapping[str, Any]:
+    data = entry.metrics.get("data")
+    return data if isinstance(data, dict) else {}
+
+
+def reported_shape_and_classes(
+    entries: list[AgentEntry], runfile: RunFile
+) -> tuple[tuple[int, ...] | None, int | None]:
+    """The input shape and number of classes of the run: the run file's, else the most
+    common sample shape among the agents and the number of classes their labels span."""
+    shape = runfile.values.get("input_shape")
+    classes = runfile.values.get("classes")
+    if shape is None:
+        shapes = Counter(
+            tuple(d["shape"]) for e in entries if isinstance((d := data_of(e)).get("shape"), list)
+        )
+        shape = shapes.most_common(1)[0][0] if shapes else None
+    if classes is None:
+        labels = [
+            max(d["labels"])
+            for e in entries
+            if isinstance((d := data_of(e)).get("labels"), list) and d["labels"]
+        ]
+        classes = max(labels) + 1 if labels else None
+    return (tuple(shape) if shape else None), classes
+
+
+def fitting(
+    entries: list[AgentEntry], runfile: RunFile, seen: set[str], say: Say
+) -> tuple[list[str], tuple[int, ...] | None, int | None]:
+    """The idle agents whose data fits the run (each misfit said once), with the run's
+    input shape and classes."""
+    shape, classes = reported_shape_and_classes(entries, runfile)
+    if runfile.dataset != "device":
+        return [e.agent for e in entries], shape, classes
+    fit = []
+    for entry in entries:
+        problem = misfit(
+            data_of(entry) or {"samples": 0},
+            shape or (),
+            classes or 0,
+            int(runfile.values.get("min_samples", 10)),
+        )
+        if problem is None:
+            fit.append(entry.agent)
+        elif entry.agent not in seen:
+            seen.add(entry.agent)
+            say(f"agent {entry.agent} cannot join: {problem}")
+    return fit, shape, classes
+
+
+def choose_roster(
+    available: list[AgentEntry], runfile: RunFile, seen: set[str], say: Say
+) -> Roster | None:
+    """The roster, once the agents available (online, in no run) allow one: the first
+    `agents` whose data fits (by id), or, for `agent_ids`, those of them whose data fits
+    once all of them are there (a misfit is left out and said once); None: wait on."""
+    named = set(runfile.agent_ids or ())
+    if named:
+        available = [e for e in available if e.agent in named]
+    fit, shape, classes = fitting(available, runfile, seen, say)
+    if named:
+        if {e.agent for e in available} >= named and fit:
+            return Roster(sorted(fit), shape, classes)
+        return None
+    if len(fit) >= runfile.wanted:
+        return Roster(sorted(fit)[: runfile.wanted], shape, classes)
+    return None
+
+
+def gather_roster(
+    transport: MqttTransport,
+    fleet: str,
+    key: bytes | None,
+    runfile: RunFile,
+    stop: threading.Event,
+    say: Say,
+) -> Roster:
+    """Wait (at most the run file's join timeout) for the agents the run wants."""
+    view = FleetView(key=key)
+    lock = threading.Lock()
+
+    def on_message(topic: str, payload: bytes) -> None:
+        with lock:
+            view.feed(topic, payload)
+
+    transport.subscribe(topics.presence(fleet), on_message)
+    transport.subscribe(topics.status(fleet), on_message)
+    seen: set[str] = set()
+    deadline = time.monotonic() + runfile.timeouts.join_s
+    say(
+        f"waiting for {runfile.wanted} agents of fleet {fleet} "
+        f"(at most {runfile.timeouts.join_s:g} s)"
+    )
+    available: list[AgentEntry] = []
+    try:
+        while not stop.wait(0.5):
+            with lock:
+                available = [
+                    e
+                    for e in view.entries()
+                    if e.fleet == fleet and e.role == "agent" and e.online
+                    if e.state in AVAILABLE
+                ]
+            roster = choose_roster(available, runfile, seen, say)
+            if roster is not None:
+                return roster
+            if time.monotonic() > deadline:
+                break
+    finally:
+        transport.unsubscribe(topics.presence(fleet))
+        transport.unsubscribe(topics.status(fleet))
+    fit = fitting(available, runfile, set(), lambda _: None)[0]
+    raise RunFailed(
+        f"only {len(fit)} of the {runfile.wanted} agents the run wants were online, idle and "
+        f"fit within {runfile.timeouts.join_s:g} s"
+        + (f" ({', '.join(sorted(fit))})" if fit else "")
+    )
+
+
+def run_limit_s(config: ExperimentConfig, runfile: RunFile) -> float:
+    """How long a run may take before the coordinator gives up on who has not finished."""
+    t = runfile.timeouts
+    return 120.0 + config.learning.rounds * (t.round_s + t.vote_s + 30.0)
+
+
+def conduct(
+    runfile: RunFile,
+    transport: MqttTransport,
+    fleet: str,
+    key: bytes | None,
+    stop: threading.Event,
+    say: Say,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    """Run `runfile` on the fleet and return the report (`simulate`'s schema)."""
+    roster = gather_roster(transport, fleet, key, runfile, stop, say)
+    config = runfile.config(len(roster.agents), roster.input_shape, roster.classes)
+    conductor = Conductor(
+        fleet=fleet,
+        roster=roster.agents,
+        config=config,
+        transport=transport,
+        key=key,
+        round_timeout_s=runfile.timeouts.round_s,
+        timeouts=run_timeouts(runfile.timeouts),
+    )
+    say(
+        f"run {conductor.run_id}: {config.learning.strategy}, {len(roster.agents)} agents "
+        f"({', '.join(roster.agents)}), {config.learning.rounds} rounds"
+    )
+    total = config.learning.rounds * len(roster.agents)
+    started = time.perf_counter()
+    conductor.start()
+    try:
+        unfinished = wait_until_finished(
+            conductor,
+            run_limit_s(config, runfile),
+            (lambda done: progress(done, total)) if progress else None,
+            stop=stop,
+            gone_after_s=runfile.timeouts.round_s + runfile.timeouts.vote_s,
+        )
+    finally:
+        conductor.close()
+    report = assemble_report(
+        config, roster.agents, conductor.records(), conductor.aggregated(),
+        time.perf_counter() - started,
+    )  # fmt: skip
+    report["summary"]["failed_agents"] = {
+        agent: conductor.agents[agent].error or conductor.agents[agent].state or "silent"
+        for agent in roster.agents
+        if agent in unfinished or conductor.agents[agent].state in ("rejected", "failed")
+    }
+    return {
+        "config": {
+            **dataclasses.asdict(config),
+            "roster": roster.agents,
+            "run_id": conductor.run_id,
+            "fleet": fleet,
+            "run_file": str(runfile.path),
+        },
+        **report,
+    }

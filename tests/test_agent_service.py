@@ -1,0 +1,196 @@
+"""The long-lived agent and runs from run files, as a person runs them on one machine:
+real `edge-agent` and `coordinator` processes on a real broker (loopback)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_cli import COORDINATOR, EDGE_AGENT, REPO
+
+from agent.data import load_dataset
+
+
+def write_data(path: Path, classes: list[int], samples: int = 200, seed: int = 0) -> Path:
+    dataset = load_dataset("mnist1d", seed=1)
+    pick = np.random.default_rng(seed).choice(
+        np.flatnonzero(np.isin(dataset.y, classes)), samples, replace=False
+    )
+    np.savez(path, x=dataset.x[pick], y=dataset.y[pick])
+    return path
+
+
+def write_run(path: Path, **keys: object) -> Path:
+    path.write_text("[run]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items()))
+    return path
+
+
+def run_files_of(state: Path) -> dict[str, list[int]]:
+    """Run id -> the rounds the agent logged in it."""
+    return {
+        log.parent.name: [json.loads(line)["round"] for line in log.read_text().splitlines()]
+        for log in (state / "runs").glob("*/rounds.jsonl")
+    }
+
+
+def start_fleet(tmp: Path, broker: str, run_file: Path, names: list[str]) -> list[subprocess.Popen]:
+    processes = []
+    for k, name in enumerate(names):
+        data = write_data(tmp / f"{name}.npz", [k, k + 1, k + 2, k + 3], seed=k)
+        command = [
+            *EDGE_AGENT, "--broker", broker, "--id", name, "--fleet", "solo",
+            "--expect", str(len(names)), "--run", str(run_file), "--data", str(data),
+            "--state-dir", str(tmp / name), "--round-timeout", "20",
+        ]  # fmt: skip
+        log = open(tmp / f"{name}.log", "ab")  # noqa: SIM115 - the child holds it
+        processes.append(subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
+    return processes
+
+
+@pytest.mark.slow
+def test_a_fleet_without_coordinator_runs_from_one_run_file_and_reruns_fresh(
+    amqtt_broker, tmp_path: Path
+) -> None:
+    run_file = write_run(
+        tmp_path / "run.toml",
+        strategy="dadpfl",
+        agents=3,
+        rounds=3,
+        input_shape=[1, 40],
+        classes=10,
+    )
+    names = ["pi-a", "pi-b", "pi-c"]
+    for attempt in (1, 2):
+        fleet = start_fleet(tmp_path, str(amqtt_broker.address), run_file, names)
+        for name, process in zip(names, fleet, strict=True):
+            assert process.wait(180) == 0, (tmp_path / f"{name}.log").read_text()
+        runs = [run_files_of(tmp_path / name) for name in names]
+        assert all(len(r) == attempt for r in runs), "every start of the fleet is a fresh run"
+        assert runs[0].keys() == runs[1].keys() == runs[2].keys(), "one run id for the fleet"
+        assert all(rounds == [1, 2, 3] for r in runs for rounds in r.values())
+        assert all((tmp_path / name / "model.onnx").exists() for name in names)
+
+
+@pytest.mark.parametrize(
+    ("keys", "extra", "message"),
+    [
+        ({"strategy": "dadpfl", "agents": 3, "neighbours": 3}, [], "neighbours"),
+        ({"strategy": "fedspu", "agents": 3}, [], "fedspu is centralized"),
+        ({"strategy": "dadpfl", "agents": 3, "rounds": "ten"}, [], "rounds must be an integer"),
+        ({"strategy": "dadpfl", "agents": 3, "round": 5}, [], "did you mean 'rounds'"),
+        ({"strategy": "dadpfl", "agents": 3}, ["--expect", "4"], "wants 3 agents"),
+        (
+            {"strategy": "dadpfl", "agents": 3, "input_shape": [3, 8, 8], "classes": 10},
+            ["--data", "DATA"],
+            "does not fit the run",
+        ),
+    ],
+)
+def test_a_run_file_that_cannot_work_is_a_one_line_error_before_anything_starts(
+    tmp_path: Path, keys: dict, extra: list[str], message: str
+) -> None:
+    run_file = write_run(tmp_path / "run.toml", **{"input_shape": [1, 40], "classes": 10, **keys})
+    data = str(write_data(tmp_path / "data.npz", [0, 1, 2]))
+    command = [
+        *EDGE_AGENT, "--broker", "127.0.0.1:9", "--run", str(run_file),
+        *[data if word == "DATA" else word for word in extra],
+    ]  # fmt: skip
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()[-1]) > 0
+
+
+def test_coordinator_run_says_why_when_the_agents_do_not_come(amqtt_broker, tmp_path: Path) -> None:
+    run_file = write_run(tmp_path / "run.toml", strategy="fedavg", agents=2, join_timeout=2)
+    command = [
+        *COORDINATOR, "run", str(run_file), "--broker", str(amqtt_broker.address),
+        "--report", str(tmp_path / "report.json"),
+    ]  # fmt: skip
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert "only 0 of the 2 agents the run wants were online" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "report.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[run]\nstrategy = 'dadpfl'\n", "give agents = N"),
+        ("[run\n", "line 1"),
+        ("[run]\nagents = 2\nwire = 'zip'\n", "wire"),
+    ],
+)
+def test_coordinator_run_rejects_a_bad_run_file_in_one_line(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    run_file = tmp_path / "run.toml"
+    run_file.write_text(text)
+    result = subprocess.run(
+        [*COORDINATOR, "run", str(run_file), "--broker", "127.0.0.1:9"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and str(run_file) in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_second_device_with_the_same_id_is_refused_in_one_line(
+    amqtt_broker, tmp_path: Path
+) -> None:
+    def agent(log: str) -> subprocess.Popen[bytes]:
+        command = [*EDGE_AGENT, "--broker", str(amqtt_broker.address), "--id", "raspberrypi"]
+        command += ["--state-dir", str(tmp_path / log)]
+        return subprocess.Popen(
+            command, cwd=REPO, stdout=open(tmp_path / f"{log}.log", "wb"), stderr=subprocess.STDOUT
+        )
+
+    first = agent("first")
+    try:
+        deadline = time.monotonic() + 30
+        while "joined fleet" not in (tmp_path / "first.log").read_text():
+            assert time.monotonic() < deadline, (tmp_path / "first.log").read_text()
+            time.sleep(0.1)
+        second = agent("second")
+        assert second.wait(60) == 1
+        text = (tmp_path / "second.log").read_text()
+        assert "agent id 'raspberrypi' is already in use in fleet 'default'" in text
+        assert "Traceback" not in text
+        assert first.poll() is None, "the first device keeps its id and its session"
+    finally:
+        first.terminate()
+        assert first.wait(30) == 0
+
+
+@pytest.mark.mosquitto
+def test_a_broker_certificate_the_ca_does_not_sign_is_explained_in_one_line(
+    mosquitto_tls_broker, tmp_path: Path
+) -> None:
+    broker, _ = mosquitto_tls_broker
+    stranger = tmp_path / "stranger.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
+        + ["-keyout", str(tmp_path / "stranger-key.pem"), "-out", str(stranger)]
+        + ["-subj", "/CN=stranger"],
+        check=True,
+        capture_output=True,
+    )
+    (tmp_path / "password").write_text("secret\n")
+    command = [
+        *EDGE_AGENT, "--broker", str(broker.address), "--tls-ca", str(stranger),
+        "--username", "alice", "--password-file", str(tmp_path / "password"),
+        "--state-dir", str(tmp_path / "state"),
+    ]  # fmt: skip
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=90)
+    assert result.returncode == 1, result.stderr
+    assert f"TLS handshake with {broker.address} failed: CERTIFICATE_VERIFY_FAILED" in result.stderr
+    assert "Traceback" not in result.stderr
