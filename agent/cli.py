@@ -263,13 +263,7 @@ def main(
     discovery = None
     try:
         if mdns_interfaces:
-            from protocol.discovery import AgentAdvert, Discovery
-
-            try:
-                discovery = Discovery(interfaces=list(mdns_interfaces))
-            except ValueError as exc:
-                raise click.BadParameter(str(exc), param_hint="--mdns") from None
-            discovery.advertise_agent(AgentAdvert(agent_id, fleet, str(broker), identity.profile))
+            discovery = advertise(identity, broker, mdns_interfaces)
         if transport.connected:
             say(f"agent {agent_id} joined fleet {fleet} via {broker}")
         else:
@@ -280,6 +274,19 @@ def main(
         if discovery is not None:
             discovery.close()
     say(f"agent {agent_id} stopped")
+
+
+def advertise(identity: Identity, broker: BrokerAddress, interfaces: tuple[str, ...]) -> Any:
+    """Announce this agent over mDNS on `interfaces` (the Discovery to close at the end)."""
+    from protocol.discovery import AgentAdvert, Discovery  # zeroconf: only when asked for
+
+    try:
+        discovery = Discovery(interfaces=list(interfaces))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--mdns") from None
+    advert = AgentAdvert(identity.sender, identity.fleet, str(broker), identity.profile)
+    discovery.advertise_agent(advert)
+    return discovery
 
 
 def check_fit(own: OwnData, config: ExperimentConfig) -> None:
