@@ -163,6 +163,12 @@ DISCOVERY_TIMEOUT_S = 30.0
     "--run FILE or the experiment flags below.",
 )
 @click.option("--once", is_flag=True, help="Exit after one run instead of waiting for the next.")
+@click.option(
+    "--telemetry",
+    is_flag=True,
+    help="Also publish each status as plain JSON on fl/v1/FLEET/telemetry/ID (retained), "
+    "for MQTT tools (mosquitto_sub, Node-RED, Telegraf).",
+)
 @shown(
     "--round-timeout",
     click.FloatRange(0.1),
@@ -210,6 +216,7 @@ def main(
     run_file: str | None,
     expect: int | None,
     once: bool,
+    telemetry: bool,
     round_timeout: float,
     vote_timeout: float,
     linger: float,
@@ -255,6 +262,7 @@ def main(
         say=say,
         compute=trains_on,
         compute_auto=compute == "auto",
+        telemetry=telemetry,
     )
     try:
         transport = connect(broker, identity, broker_settings.transport_options(None))

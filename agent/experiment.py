@@ -32,6 +32,7 @@ from agent.learning import (
 
 if TYPE_CHECKING:
     from agent.own_data import OwnData
+    from firmware_profiles import DeviceProfile
 
 
 DEVICE_DATA = "device"
@@ -238,22 +239,30 @@ def profile_names(spec: str) -> list[str]:
         raise ValueError(str(exc)) from None
 
 
-def nominal_budgets(
-    config: ExperimentConfig, workload: Workload, roster: list[str]
-) -> dict[str, Budget]:
-    """Each agent's budget on an idle board of its profile: deterministic, so the simulator
-    and an emulated fleet agree on p_k (a real device reads itself each round instead)."""
+def agent_profiles(config: ExperimentConfig, roster: list[str]) -> dict[str, DeviceProfile]:
+    """Each agent's board in a run with `profiles` (in turn, by place in the sorted roster);
+    empty without: the agents are not emulated boards."""
     from firmware_profiles import load_profile
 
     if not config.profiles:
         return {}
     names = profile_names(config.profiles)
+    return {
+        agent_id: load_profile(names[index % len(names)])
+        for index, agent_id in enumerate(sorted(roster))
+    }
+
+
+def nominal_budgets(
+    config: ExperimentConfig, workload: Workload, roster: list[str]
+) -> dict[str, Budget]:
+    """Each agent's budget on an idle board of its profile: deterministic, so the simulator
+    and an emulated fleet agree on p_k (a real device reads itself each round instead)."""
     learner = workload.learner
     budgets = {}
-    for index, agent_id in enumerate(sorted(roster)):
+    for agent_id, profile in agent_profiles(config, roster).items():
         if agent_id not in workload.data:
             continue
-        profile = load_profile(names[index % len(names)])
         work = round_work(config, learner, len(workload.data[agent_id].y_train))
         limits = BudgetLimits(round_time_s=config.round_time_s)
         budgets[agent_id] = compute_budget(profile, nominal_reading(profile), work, limits)

@@ -85,9 +85,28 @@ def experiment_config(values: dict[str, Any]) -> ExperimentConfig:
         if name in learning and not applies(strategy, learning):
             flag = "--" + name.replace("_", "-")
             raise ValueError(f"{flag} has no effect here: it applies to {where}")
+    learning.update(fitted_neighbours(strategy, learning, experiment))
     config = ExperimentConfig(**experiment, learning=preset(strategy, **learning))
     config.validate()
     return config
+
+
+def fitted_neighbours(
+    strategy: str, learning: dict[str, Any], experiment: dict[str, Any]
+) -> dict[str, int]:
+    """The default neighbour count cut to a small fleet (3 agents cannot have 5 neighbours
+    each); a count given explicitly is kept, and validated as given."""
+    if "neighbours" in learning:
+        return {}
+    defaults = preset(strategy)
+    if defaults.strategy not in DECENTRALIZED or learning.get("topology", defaults.topology) != (
+        "random"
+    ):
+        return {}
+    agents = experiment.get("agents", ExperimentConfig.agents)
+    if agents < 2:
+        raise ValueError(f"{strategy} needs at least 2 agents, got {agents}")
+    return {"neighbours": min(defaults.neighbours, agents - 1)}
 
 
 FLAG_SCOPES: tuple[tuple[str, Callable[[str, dict[str, Any]], bool], str], ...] = (

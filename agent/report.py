@@ -10,10 +10,11 @@ emulate share (emulate adds what only a network has: stragglers and waiting time
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from agent.device.throttle import ENERGY_SOURCE
 from agent.learning import Masks, Reduction, RoundResult, sparse
 
 COORDINATOR = "coordinator"
@@ -33,6 +34,8 @@ REPORTED = (
     "score",
     "pruned",
     "stopped",
+    "energy_j",
+    "radio_energy_j",
 )
 """The per-agent figures of a report's round, simulate's and emulate's alike."""
 NETWORKED = ("stragglers", "wait_s")
@@ -78,6 +81,13 @@ class AgentRound:
     wait_s: float = 0.0
     t_star: int | None = None
     finished_at: float | None = None
+    energy_j: float | None = None
+    """Training energy above idle [J] on the agent's profile; None without a profile
+    (`agent.device.throttle`: equal in simulate and emulate)."""
+    radio_energy_j: float | None = None
+    """Energy [J] of the round's bytes on the profile's radio; None without a profile."""
+    energy_source: str | None = None
+    """How the energy figures were obtained ("modelled" from the profile), None without."""
 
     @classmethod
     def of_result(
@@ -130,6 +140,8 @@ class AgentRound:
             wait_s=0.0,
             throttled_s=0.0,
             stopped=True,
+            energy_j=None if self.energy_j is None else 0.0,
+            radio_energy_j=None if self.radio_energy_j is None else 0.0,
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -150,25 +162,33 @@ def reported_sparsity(masks: Masks | None) -> float:
 
 def early_stop_savings(
     records: list[Mapping[str, Any]], stop_round: int, limit: int
-) -> dict[str, int]:
+) -> dict[str, Any]:
     """What an agent that stopped after `stop_round` saved against training to round `limit`:
-    the rounds not run, and its mean training FLOPs and link bytes per round run (from its
-    round `records`) times those rounds."""
+    the rounds not run, and its mean training FLOPs, link bytes and training energy per round
+    run (from its round `records`) times those rounds; energy is None without a profile."""
     saved_rounds = limit - stop_round
     ran = max(len(records), 1)
     flops = sum(r["train_flops"] for r in records) / ran
     traffic = sum(r["bytes_sent"] + r["bytes_received"] for r in records) / ran
+    energy = _total(r.get("energy_j") for r in records)
     return {
         "round": stop_round,
         "saved_rounds": saved_rounds,
         "saved_flops": round(flops * saved_rounds),
         "saved_bytes": round(traffic * saved_rounds),
+        "saved_energy_j": None if energy is None else energy / ran * saved_rounds,
     }
+
+
+def _total(figures: Iterable[float | None]) -> float | None:
+    """The sum of the figures that exist; None when none does (no profile, no energy)."""
+    known = [f for f in figures if f is not None]
+    return sum(known) if known else None
 
 
 def stopped_summary(
     rounds: list[dict[str, Any]], stopped: Mapping[str, int], limit: int
-) -> dict[str, dict[str, int]]:
+) -> dict[str, dict[str, Any]]:
     """Per agent stopped early: when, and what it saved (`early_stop_savings`)."""
     return {
         agent_id: early_stop_savings(
@@ -201,4 +221,22 @@ def summarize(rounds: list[dict[str, Any]], t_star: int | None, wall: float) -> 
         "wall_seconds": wall,
         "rounds": len(rounds),
         "t_star": t_star,
+        **energy_summary(rounds),
+    }
+
+
+def energy_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run's energy: training energy in total and per agent, radio energy in total, and
+    where the figures come from; None (and no agents) when no agent has a profile."""
+    by_agent: dict[str, float] = {}
+    for record in rounds:
+        for k, a in record["agents"].items():
+            if a.get("energy_j") is not None:
+                by_agent[k] = by_agent.get(k, 0.0) + a["energy_j"]
+    radio = _total(a.get("radio_energy_j") for r in rounds for a in r["agents"].values())
+    return {
+        "total_energy_j": sum(by_agent.values()) if by_agent else None,
+        "total_radio_energy_j": radio,
+        "energy_by_agent": by_agent or None,
+        "energy_source": ENERGY_SOURCE if by_agent else None,
     }

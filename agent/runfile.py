@@ -36,7 +36,7 @@ from typing import Any
 
 from agent.data import BUILTIN_DATASETS, USER_DATASETS
 from agent.experiment import DEVICE_DATA, ExperimentConfig
-from agent.learning import DECENTRALIZED, StrategyConfig, models, preset
+from agent.learning import StrategyConfig, models
 from agent.options import _CHOICES, experiment_config
 from protocol.errors import ProtocolError
 from protocol.topics import check_name
@@ -141,20 +141,7 @@ class RunFile:
             for key in ("input_shape", "classes"):
                 if values[key] is None:
                     raise ValueError(f"{key} is not in [run] and the agents reported none")
-        return experiment_config({**values, **self._fitted_neighbours(roster_size)})
-
-    def _fitted_neighbours(self, roster_size: int) -> dict[str, int]:
-        """The default neighbour count cut to a small fleet (a 3-device fleet cannot have 5
-        neighbours each); a count the file gives is kept, and validated as given."""
-        if "neighbours" in self.values:
-            return {}
-        defaults = preset(self.values.get("strategy", StrategyConfig.strategy))
-        topology = self.values.get("topology", defaults.topology)
-        if defaults.strategy not in DECENTRALIZED or topology != "random":
-            return {}
-        if roster_size < 2:
-            raise ValueError(f"{defaults.strategy} needs at least 2 agents, got {roster_size}")
-        return {"neighbours": min(defaults.neighbours, roster_size - 1)}
+        return experiment_config(values)
 
 
 def load_run_file(path: str | Path) -> RunFile:

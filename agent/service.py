@@ -39,7 +39,14 @@ from agent.experiment import (
 from agent.learning import AgentState
 from agent.onnx_export import export_onnx
 from agent.own_data import OwnData, misfit
-from agent.runtime import AgentRuntime, Run, Timeouts, new_run_id, run_folder
+from agent.runtime import (
+    AgentRuntime,
+    Run,
+    Timeouts,
+    new_run_id,
+    publish_telemetry,
+    run_folder,
+)
 from firmware_profiles import DeviceProfile, load_profile
 from protocol import Identity, MqttTransport, ProtocolError, messages, topics
 
@@ -73,6 +80,8 @@ class ServiceOptions:
     """Where the user-facing one-line messages go (the CLI's console or JSON log)."""
     compute: torch.device = torch.device("cpu")
     """What a real device trains on (`--device`); emulated boards train on the CPU."""
+    telemetry: bool = False
+    """Mirror every status as plain JSON on the telemetry topic, for MQTT tools."""
     compute_auto: bool = False
     """`--device auto` chose `compute`: a strategy that cannot use it falls back to the CPU."""
 
@@ -262,6 +271,8 @@ class AgentService:
             messages.encode(status, key=self.identity.key),
             retain=True,
         )
+        if self.options.telemetry:
+            publish_telemetry(self.transport, status)
 
     # ------------------------------------------------------------------ one run
 
@@ -277,7 +288,8 @@ class AgentService:
         try:
             workload = self.workload(run)
             budget, throttle = budget_source(run, self.me, workload, self.options.device)
-            if throttle is None:  # a real device (an emulated one computes as simulate does)
+            # A real device trains where --device says; an emulated one where simulate does.
+            if throttle is None or not throttle.enabled:
                 self.place(workload)
         except ValueError as exc:
             self.reject(run.run_id, str(exc))
@@ -296,6 +308,7 @@ class AgentService:
             stop=self.stop,
             budget=budget,
             throttle=throttle,
+            telemetry=self.options.telemetry,
         )
         runtime.run()
         if runtime.session.finished:
@@ -380,7 +393,8 @@ def budget_source(
 
     A run with `profiles` is an emulated fleet: each agent budgets as an idle board of its
     profile (the simulator computes the same) and is throttled to its speed and link.
-    Otherwise an agent with a --profile is a real board and measures itself each round.
+    Otherwise an agent with a --profile is a real board and measures itself each round (its
+    throttle is disabled: it only prices the round's energy).
     """
     budgets = nominal_budgets(run.config, workload, list(run.roster))
     if agent_id in budgets:
@@ -399,4 +413,6 @@ def budget_source(
             device, readings[0], work, limits, compute=workload.learner.device.type
         )
 
-    return measure, None
+    # A real board runs at its own speed (a disabled throttle) but has a profile: its rounds'
+    # energy is its measured training time at the profile's power.
+    return measure, Throttle(device, enabled=False)

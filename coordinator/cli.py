@@ -7,13 +7,11 @@ import ipaddress
 import json
 import socket
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import click
-from rich.console import Console
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -28,6 +26,8 @@ from agent.files import atomic_write
 from agent.options import experiment_config, experiment_options
 from coordinator.fleet import AgentEntry, FleetView, describe_presence, describe_state
 from coordinator.plots import write_plots
+from coordinator.watch import follow, mdns_sightings, show
+from coordinator.watch import watch as watch_fleet
 from protocol import (
     BROKER,
     NAME,
@@ -44,8 +44,10 @@ from protocol import (
     wait_for,
 )
 from protocol.cli import BrokerSettings, broker_options, logging_options, say, version_option
+from protocol.cli import console as output_console
 
-console = Console()
+console = output_console(stderr=False)
+"""Reports and tables: on stdout, unwrapped when not on a terminal."""
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -144,6 +146,62 @@ def gateway_broker(
             embedded.stop()
 
 
+def http_options(command: Callable) -> Callable:
+    """--http and --http-token: the live dashboard and /metrics (serve, run, emulate)."""
+    command = click.option(
+        "--http-token",
+        envvar="EDGEFL_HTTP_TOKEN",
+        show_envvar=True,
+        help="Access token the dashboard requires (needed when --http binds beyond loopback).",
+    )(command)
+    return click.option(
+        "--http",
+        "http",
+        default=None,
+        metavar="[HOST:]PORT",
+        help="Serve the live dashboard and Prometheus /metrics here (host 127.0.0.1 unless "
+        "given). Off unless given.",
+    )(command)
+
+
+@contextlib.contextmanager
+def dashboard(
+    http: str | None,
+    token: str | None,
+    broker: BrokerAddress,
+    settings: BrokerSettings,
+    fleet: str,
+    key: bytes | None,
+) -> Iterator[None]:
+    """The dashboard of `fleet` on `http` while in use, fed by a connection of its own (a
+    run's connection unsubscribes what it no longer needs); nothing without --http."""
+    if http is None:
+        yield
+        return
+    from coordinator.dashboard import Dashboard, FleetState
+
+    try:
+        address = BrokerAddress.parse(http if ":" in http else f"127.0.0.1:{http}", 8080)
+        state = FleetState(fleet, key=key)
+        board = Dashboard(state, address.host, address.port, token=token)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--http") from None
+    try:
+        board.start()
+    except OSError as exc:
+        raise click.ClickException(f"cannot serve the dashboard on {http}: {exc}") from None
+    feed = MqttTransport(broker, settings.transport_options(None))
+    feed.subscribe(topics.presence(fleet), state.feed)
+    feed.subscribe(topics.status(fleet), state.feed)
+    feed.start()
+    say(f"dashboard on [bold]{board.url}[/] (metrics at {board.url.rstrip('/')}/metrics)")
+    try:
+        yield
+    finally:
+        feed.stop()
+        board.stop()
+
+
 def join_fleet(
     broker: BrokerAddress, settings: BrokerSettings, identity: Identity
 ) -> MqttTransport:
@@ -158,6 +216,7 @@ def join_fleet(
 @broker_options
 @embedded_options
 @fleet_options
+@http_options
 def serve(
     broker_settings: BrokerSettings,
     host: str,
@@ -165,6 +224,8 @@ def serve(
     fleet: str,
     mdns_interfaces: tuple[str, ...],
     key_file: str | None,
+    http: str | None,
+    http_token: str | None,
 ) -> None:
     """Host the fleet's broker (unless --broker is given) and follow the fleet until Ctrl-C;
     `coordinator run` starts runs on it."""
@@ -178,7 +239,10 @@ def serve(
         if entry is not None and entry.role == "agent":
             say(describe_entry(entry))
 
-    with gateway_broker(broker_settings, host, port, fleet, mdns_interfaces) as broker:
+    with (
+        gateway_broker(broker_settings, host, port, fleet, mdns_interfaces) as broker,
+        dashboard(http, http_token, broker, broker_settings, fleet, key),
+    ):
         transport = join_fleet(broker, broker_settings, identity)
         try:
             transport.subscribe(topics.presence(fleet), on_fleet_message)
@@ -209,7 +273,7 @@ def describe_entry(entry: AgentEntry) -> str:
     default=1.0,
     show_default=True,
     type=click.FloatRange(0, 60),
-    help="Seconds to collect retained messages after subscribing.",
+    help="Seconds to collect retained messages after subscribing (not with --watch).",
 )
 @click.option(
     "--timeout",
@@ -220,6 +284,20 @@ def describe_entry(entry: AgentEntry) -> str:
     help="Give up if the broker is unreachable this long.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.option(
+    "--watch",
+    is_flag=True,
+    help="Keep the table current until Ctrl-C: redrawn in place on a terminal; elsewhere "
+    "(a pipe, a log) a fresh table each interval in which the fleet changed.",
+)
+@click.option(
+    "--interval",
+    "interval_s",
+    default=2.0,
+    show_default=True,
+    type=click.FloatRange(0.1, 3600),
+    help="With --watch: seconds between redraws at most (new messages redraw sooner).",
+)
 @click.option(
     "--key-file",
     type=click.Path(exists=True, dir_okay=False),
@@ -238,41 +316,30 @@ def status(
     wait_s: float,
     timeout_s: float,
     as_json: bool,
+    watch: bool,
+    interval_s: float,
     key_file: str | None,
     mdns_interfaces: tuple[str, ...],
 ) -> None:
-    """Print who is in the fleet, online or offline and since when, from retained messages
-    (MQTT presence is the truth about liveness; --mdns adds what zeroconf sees)."""
-    broker = broker_settings.address or BrokerAddress("127.0.0.1", 1883)
-    view = FleetView(key=read_key(key_file))
-    seen = mdns_view(mdns_interfaces, wait_s) if mdns_interfaces else None
-    lock = threading.Lock()
-
-    def on_message(topic: str, payload: bytes) -> None:
-        with lock:
-            view.feed(topic, payload)
-
-    transport = MqttTransport(broker, broker_settings.transport_options(None))
-    target = fleet or "+"
-    transport.subscribe(topics.presence(target), on_message)
-    transport.subscribe(topics.status(target), on_message)
-    transport.start()
-    try:
-        if not transport.wait_connected(timeout_s):
-            raise click.ClickException(
-                f"cannot reach the MQTT broker at {broker.host}:{broker.port} within {timeout_s:g}s"
-            )
-        time.sleep(wait_s)
-    finally:
-        transport.stop()
-    with lock:
-        entries = view.entries()
-    if seen is not None:
-        entries += [
-            AgentEntry(f, a)
-            for f, a in sorted(seen)
-            if (f, a) not in {(e.fleet, e.agent) for e in entries} and (fleet is None or f == fleet)
-        ]
+    """Print who is in the fleet (online or offline and since when, state, and the latest
+    round's accuracy, sparsity, p_k, traffic and stragglers) from retained messages, or with
+    --watch keep it current. MQTT presence is the truth about liveness; --mdns adds what
+    zeroconf sees."""
+    if watch and as_json:
+        raise click.UsageError("--watch shows a live table; leave out --json")
+    stop = stop_on_signal() if watch else None
+    key = read_key(key_file)
+    with (
+        mdns_sightings(mdns_interfaces) as sightings,
+        follow(broker_settings, fleet, key, timeout_s) as feed,
+    ):
+        if stop is not None:
+            watch_fleet(feed, console, interval_s, stop, sightings)
+            return
+        # mDNS adverts answer a browse within about 2 s
+        time.sleep(max(wait_s, 2.0) if sightings is not None else wait_s)
+        seen = sightings() if sightings is not None else None
+        entries = feed.entries(seen)
     if as_json:
         rows = [
             vars(e) | ({"mdns": (e.fleet, e.agent) in seen} if seen is not None else {})
@@ -280,39 +347,7 @@ def status(
         ]
         click.echo(json.dumps(rows, indent=2))
         return
-    if not entries:
-        console.print("no agents have announced themselves on this broker")
-        return
-    table = Table("fleet", "agent", "role", "presence", "state", "round", "profile")
-    if seen is not None:
-        table.add_column("mDNS")
-    for column in table.columns:
-        column.overflow = "fold"
-    for e in entries:
-        table.add_row(
-            e.fleet,
-            e.agent,
-            e.role,
-            f"[{'green' if e.online else 'red'}]{describe_presence(e)}[/]",
-            describe_state(e),
-            str(e.round) if e.state else "",
-            e.profile,
-            *([("seen" if (e.fleet, e.agent) in seen else "not seen")] if seen is not None else []),
-        )
-    console.print(table)
-
-
-def mdns_view(interfaces: tuple[str, ...], wait_s: float) -> set[tuple[str, str]]:
-    """(fleet, agent) of every agent advertised over mDNS on these interfaces."""
-    from protocol.discovery import Discovery
-
-    try:
-        discovery = Discovery(interfaces=list(interfaces))
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--mdns") from None
-    with discovery:
-        time.sleep(max(wait_s, 2.0))  # adverts answer a browse within about 2 s
-        return set(discovery.agents())
+    show(console, entries, seen)
 
 
 def report_options(command: Callable) -> Callable:
@@ -424,11 +459,20 @@ def summary_table(report: dict) -> Table:
     show_default=True,
     help="Seconds an agent waits for a neighbour's model before going on without it.",
 )
+@click.option(
+    "--telemetry",
+    is_flag=True,
+    help="Agents also publish their statuses as plain JSON on fl/v1/FLEET/telemetry/ID.",
+)
+@http_options
 @report_options
 def emulate(
     broker: BrokerAddress | None,
     workdir: str | None,
     round_timeout: float,
+    telemetry: bool,
+    http: str | None,
+    http_token: str | None,
     report_path: str,
     plot_dir: str | None,
     **values: object,
@@ -442,7 +486,7 @@ def emulate(
         embedded = EmbeddedBroker(host="127.0.0.1", port=free_port())
         broker = embedded.address
     folder = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="emulate-"))
-    options = EmulationOptions(workdir=folder, round_timeout_s=round_timeout)
+    options = EmulationOptions(workdir=folder, round_timeout_s=round_timeout, telemetry=telemetry)
     try:
         config = experiment_config(values)
         emulation = Emulation(config, broker, options)
@@ -458,8 +502,9 @@ def emulate(
         f"{cfg.rounds} rounds, broker {broker}{' (embedded)' if embedded else ''}, "
         f"logs in {folder}"
     )
+    watched = dashboard(http, http_token, broker, BrokerSettings(broker), emulation.fleet, None)
     try:
-        with agent_rounds() as progress:
+        with watched, agent_rounds() as progress:
             task = progress.add_task("rounds", total=cfg.rounds * config.agents)
             report = emulation.run(lambda done: progress.update(task, completed=done))
     except TimeoutError as exc:
@@ -478,6 +523,7 @@ def emulate(
 @broker_options
 @embedded_options
 @fleet_options
+@http_options
 @report_options
 def run_command(
     run_file: str,
@@ -487,6 +533,8 @@ def run_command(
     fleet: str,
     mdns_interfaces: tuple[str, ...],
     key_file: str | None,
+    http: str | None,
+    http_token: str | None,
     report_path: str,
     plot_dir: str | None,
 ) -> None:
@@ -507,7 +555,10 @@ def run_command(
         raise ConfigError(str(exc)) from None
     key = read_key(key_file)
     identity = Identity(fleet, "coordinator", role="coordinator", key=key)
-    with gateway_broker(broker_settings, host, port, fleet, mdns_interfaces) as broker:
+    with (
+        gateway_broker(broker_settings, host, port, fleet, mdns_interfaces) as broker,
+        dashboard(http, http_token, broker, broker_settings, fleet, key),
+    ):
         transport = join_fleet(broker, broker_settings, identity)
         try:
             with agent_rounds() as progress:

@@ -33,6 +33,8 @@ class EmulationOptions:
     linger_s: float = 30.0
     verbose: int = 0
     """Log level of the agents (1: info, 2: debug)."""
+    telemetry: bool = False
+    """Agents mirror their statuses as plain JSON (`edge-agent --telemetry`)."""
     run_timeout_s: float | None = None
     """Give up on agents still running after this long (default: scaled to the run)."""
 
@@ -72,6 +74,7 @@ class Emulation:
             "--vote-timeout", str(self.options.vote_timeout_s),
             "--linger", str(self.options.linger_s),
             "--once",
+            *(["--telemetry"] if self.options.telemetry else []),
             *(["-" + "v" * self.options.verbose] if self.options.verbose else []),
         ]  # fmt: skip
 

@@ -2,15 +2,23 @@
 
 MQTT presence is the source of truth for liveness: a retained birth says an agent is
 online, its last will (or a clean goodbye) says it is not. This module only folds those
-messages into a table; it neither connects nor waits.
+messages into a table (`fleet_table`: what `coordinator status` prints and `--watch` keeps
+current); it neither connects nor waits.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import logging
 import time
+from collections.abc import Callable, Collection
 from typing import Any
+
+from rich import box
+from rich.console import Console
+from rich.filesize import decimal
+from rich.table import Table
 
 from protocol import ProtocolError, messages, topics
 
@@ -97,7 +105,7 @@ def describe_state(entry: AgentEntry) -> str:
     if isinstance(saved, dict) and {"saved_rounds", "saved_flops", "saved_bytes"} <= saved.keys():
         text += (
             f": saved {saved['saved_rounds']} rounds, {saved['saved_flops']:.2e} FLOPs, "
-            f"{saved['saved_bytes']:,} bytes"
+            f"{decimal(saved['saved_bytes'])}"
         )
     return text
 
@@ -114,3 +122,137 @@ def describe_since(since: float, now: float | None = None) -> str:
     if age < 86400:
         return f"{age // 3600}h{age % 3600 // 60:02d}m ago"
     return f"{age // 86400}d{age % 86400 // 3600:02d}h ago"
+
+
+def figure(entry: AgentEntry, name: str) -> float | None:
+    """A number of the agent's latest round from its status, or None where it has none (an
+    idle, ready or rejected agent, or a figure that was not finite)."""
+    value = entry.metrics.get(name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def describe_budget(entry: AgentEntry) -> str:
+    """p_k, the share of the model the device could afford, and what limited it, if anything."""
+    p_k = figure(entry, "p_k")
+    if p_k is None:
+        return ""
+    limited_by = entry.metrics.get("limited_by")
+    reason = f" ({limited_by})" if isinstance(limited_by, str) and limited_by != "none" else ""
+    return f"{p_k:.2f}{reason}"
+
+
+def describe_bytes(entry: AgentEntry, name: str) -> str:
+    """A round's traffic in decimal units (kB, MB), as link speeds are quoted."""
+    value = figure(entry, name)
+    return "" if value is None else decimal(int(value))
+
+
+def describe_stragglers(entry: AgentEntry, shown: int = 2) -> str:
+    """Who this agent went on without in its latest round; a long list ends in '+N'."""
+    names = entry.metrics.get("stragglers")
+    if not isinstance(names, list) or not names:
+        return ""
+    text = ", ".join(str(name) for name in names[:shown])
+    return f"{text} +{len(names) - shown}" if len(names) > shown else text
+
+
+def describe_number(entry: AgentEntry, name: str, form: str) -> str:
+    value = figure(entry, name)
+    return "" if value is None else form.format(value)
+
+
+Cell = Callable[[AgentEntry], str]
+
+COLUMNS: dict[str, Cell] = {
+    "fleet": lambda e: e.fleet,
+    "agent": lambda e: e.agent if e.role == "agent" else f"{e.agent} [dim]({e.role})[/]",
+    "presence": lambda e: f"[{'green' if e.online else 'red'}]{describe_presence(e)}[/]",
+    "state": describe_state,
+    "round": lambda e: str(e.round) if e.state else "",
+    "accuracy": lambda e: describe_number(e, "accuracy", "{:.3f}"),
+    "sparsity": lambda e: describe_number(e, "sparsity", "{:.1%}"),
+    "p_k": describe_budget,
+    "sent": lambda e: describe_bytes(e, "bytes_sent"),
+    "received": lambda e: describe_bytes(e, "bytes_received"),
+    "energy": lambda e: describe_number(e, "energy_j", "{:.1f} J"),
+    "stragglers": describe_stragglers,
+    "profile": lambda e: e.profile,
+}
+"""The table's columns and how each shows an agent; the figures are of its latest round."""
+
+TEXT_COLUMNS = frozenset({"fleet", "agent", "state", "stragglers", "profile"})
+"""Columns that wrap; presence and the figures never do."""
+
+WRAP_FLOOR = 13
+"""A wrapping column narrower than this reads badly: a word or two a line."""
+
+LEFT_OUT_FIRST = ("profile", "energy", "stragglers", "received", "sent", "sparsity")
+"""The columns a table too wide for its width drops, in this order."""
+
+
+def fleet_table(
+    entries: list[AgentEntry],
+    seen: Collection[tuple[str, str]] | None = None,
+    caption: str | None = None,
+    width: int | None = None,
+) -> Table:
+    """The fleet as a table, one row per agent with its latest round's figures; `seen`:
+    the (fleet, agent) pairs mDNS sees, which adds that column.
+
+    A single fleet goes in the title rather than a column. To fit `width`, columns are left
+    out (`LEFT_OUT_FIRST`; the caption says which) rather than folded letter by letter.
+    """
+    names = [name for name in COLUMNS if name != "fleet" or len({e.fleet for e in entries}) > 1]
+    left_out: list[str] = []
+    while width is not None and needed_width(entries, names, seen) > width:
+        drop = next((name for name in LEFT_OUT_FIRST if name in names), None)
+        if drop is None:
+            break
+        names.remove(drop)
+        left_out.append(drop)
+    return build_table(entries, names, seen, caption, left_out=left_out)
+
+
+def needed_width(
+    entries: list[AgentEntry], names: list[str], seen: Collection[tuple[str, str]] | None
+) -> int:
+    """The width at which rich, which narrows the widest wrapping columns first, leaves none
+    of them narrower than WRAP_FLOOR (or than its widest cell) and wraps no figure."""
+    probe = build_table(entries, names, seen, None, floor=WRAP_FLOOR)
+    return Console(width=10_000, file=io.StringIO()).measure(probe).maximum
+
+
+def build_table(
+    entries: list[AgentEntry],
+    names: list[str],
+    seen: Collection[tuple[str, str]] | None,
+    caption: str | None,
+    *,
+    left_out: list[str] | None = None,
+    floor: int | None = None,
+) -> Table:
+    """The table of `entries` with the columns `names` (and mDNS with `seen`); `floor`: the
+    widest a wrapping column may be, to measure the narrowest useful table."""
+    fleets = sorted({e.fleet for e in entries})
+    notes = [caption] if caption else []
+    if left_out:
+        notes.append(f"too narrow for {', '.join(left_out)}")
+    table = Table(
+        title=f"fleet {fleets[0]}" if len(fleets) == 1 else None,
+        caption=" · ".join(notes) or None,
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
+    for name in names:
+        if name in TEXT_COLUMNS:
+            table.add_column(name, overflow="fold", max_width=floor)
+        else:
+            table.add_column(name, justify="left" if name == "presence" else "right", no_wrap=True)
+    if seen is not None:
+        table.add_column("mDNS", no_wrap=True)
+    for e in entries:
+        mdns = [("seen" if (e.fleet, e.agent) in seen else "not seen")] if seen is not None else []
+        table.add_row(*(COLUMNS[name](e) for name in names), *mdns)
+    return table

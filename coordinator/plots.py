@@ -17,7 +17,8 @@ def _mean(record: dict[str, Any], key: str) -> float:
 
 
 def write_plots(report: dict[str, Any], folder: str | Path) -> list[Path]:
-    """Accuracy and sparsity per round, and accuracy against cumulative bytes on the wire."""
+    """Accuracy and sparsity per round, accuracy against cumulative bytes on the wire, and,
+    when the agents have profiles, each agent's cumulative energy (`energy.png`)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     rounds = report["rounds"]
@@ -47,4 +48,37 @@ def write_plots(report: dict[str, Any], folder: str | Path) -> list[Path]:
         figure.savefig(path, dpi=120)
         plt.close(figure)
         written.append(path)
+    if any(a.get("energy_j") is not None for r in rounds for a in r["agents"].values()):
+        written.append(_energy_plot(rounds, folder / "energy.png"))
     return written
+
+
+def _energy_plot(rounds: list[dict[str, Any]], path: Path) -> Path:
+    """Each agent's cumulative training energy over rounds (solid) and with its radio's
+    (dashed): a weak board climbs steeply, an agent that stopped early levels off."""
+    figure, axes = plt.subplots(figsize=(6, 4))
+    agents = sorted({k for r in rounds for k in r["agents"]})
+    for k in agents:
+        t, training, total = [], [], []
+        spent = radio = 0.0
+        for r in rounds:
+            a = r["agents"].get(k)
+            if a is None or a.get("energy_j") is None:
+                continue
+            spent += a["energy_j"]
+            radio += a.get("radio_energy_j") or 0.0
+            t.append(r["round"])
+            training.append(spent)
+            total.append(spent + radio)
+        (line,) = axes.plot(t, training, marker="." if len(t) < 60 else None, label=k)
+        axes.plot(t, total, linestyle="--", color=line.get_color())
+    axes.set_xlabel("round")
+    axes.set_ylabel("cumulative energy above idle (J, modelled)")
+    axes.set_title("training (solid), with radio (dashed)")
+    axes.grid(alpha=0.3)
+    if len(agents) <= 12:
+        axes.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path

@@ -15,7 +15,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from agent.experiment import ExperimentConfig, build_workload, nominal_budgets
+from agent.device.throttle import ENERGY_SOURCE, round_energy
+from agent.experiment import ExperimentConfig, agent_profiles, build_workload, nominal_budgets
 from agent.learning import (
     CentralStrategy,
     EarlyStop,
@@ -67,6 +68,8 @@ class Simulation:
         self.learner = workload.learner
         self.data = workload.data
         self.budgets = nominal_budgets(config, workload, self.roster)
+        self.profiles = agent_profiles(config, self.roster)
+        """Each agent's board, whose model gives its energy (none without --profiles)."""
         self.states = {agent_id: self.learner.init_agent(agent_id) for agent_id in self.roster}
         self.plan = pruning.PruningPlan(cfg.rounds, cfg.schedule_b, cfg.schedule_c)
         self.early_stops = {k: EarlyStop(cfg.early_stop, cfg.stop_patience) for k in self.roster}
@@ -249,12 +252,14 @@ class Simulation:
         agents = {}
         for k in self.roster:
             spent = traffic[k]
-            self.last[k] = dataclasses.replace(
-                ran[k] if k in ran else self.last[k].idle(t),
-                bytes_sent=spent.sent,
-                bytes_received=spent.received,
-                nonzeros_sent=spent.nonzeros_sent,
-                stopped=k in self.stopped,
+            self.last[k] = self._with_energy(
+                dataclasses.replace(
+                    ran[k] if k in ran else self.last[k].idle(t),
+                    bytes_sent=spent.sent,
+                    bytes_received=spent.received,
+                    nonzeros_sent=spent.nonzeros_sent,
+                    stopped=k in self.stopped,
+                )
             )
             agents[k] = self.last[k].report_entry()
         record: dict[str, Any] = {"round": t, "order": order, "agents": agents}
@@ -262,6 +267,17 @@ class Simulation:
             record["coordinator"] = dataclasses.asdict(traffic[COORDINATOR])
         record["t_star"] = self.plan.t_star
         return record
+
+    def _with_energy(self, spent: AgentRound) -> AgentRound:
+        """`spent` with the energy its board's model gives its FLOPs and bytes (the emulated
+        agent computes the same, `Throttle.round_energy`); unchanged without a profile."""
+        if spent.agent not in self.profiles:
+            return spent
+        traffic = spent.bytes_sent + spent.bytes_received
+        energy, radio = round_energy(self.profiles[spent.agent], spent.train_flops, traffic)
+        return dataclasses.replace(
+            spent, energy_j=energy, radio_energy_j=radio, energy_source=ENERGY_SOURCE
+        )
 
 
 def simulate(config: ExperimentConfig, progress: ProgressCallback | None = None) -> dict[str, Any]:

@@ -446,6 +446,15 @@ class MqttTransport:
             )
         return self._send(topic, frames, qos, retain)
 
+    def publish_plain(
+        self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False
+    ) -> Publication:
+        """`payload` as it is, without the frame header: for readers outside the fleet (the
+        JSON telemetry mirror), which must fit one frame."""
+        if not self.fits_one_frame(payload):
+            raise ValueError(f"plain payload of {len(payload)} bytes exceeds one frame")
+        return self._send(topic, [payload], qos, retain)
+
     def fits_one_frame(self, payload: bytes) -> bool:
         """Whether `payload` goes out as one frame, as a retained message must."""
         return fits_one_frame(len(payload), self.options.chunk_size)

@@ -2,6 +2,8 @@
 
 fl/v1/<fleet>/presence/<agent>            retained birth / last will
 fl/v1/<fleet>/status/<agent>              retained status
+fl/v1/<fleet>/telemetry/<agent>           retained JSON copy of the status (optional; plain
+                                          UTF-8, unframed, for MQTT tools)
 fl/v1/<fleet>/probe/<agent>               "is this agent id taken?" (never retained)
 fl/v1/<fleet>/probe/<agent>/answer        "yes: I hold it" (never retained)
 fl/v1/<fleet>/run                         retained run config and roster
@@ -45,6 +47,12 @@ def presence(fleet: str, agent: str = "+") -> str:
 
 def status(fleet: str, agent: str = "+") -> str:
     return f"{fleet_root(fleet)}/status/{agent if agent == '+' else check_name(agent, 'agent')}"
+
+
+def telemetry(fleet: str, agent: str = "+") -> str:
+    """Where an agent asked to mirrors its status as plain JSON, for tools that read no
+    msgpack (mosquitto_sub, Node-RED, Telegraf)."""
+    return f"{fleet_root(fleet)}/telemetry/{agent if agent == '+' else check_name(agent, 'agent')}"
 
 
 def probe(fleet: str, agent: str) -> str:

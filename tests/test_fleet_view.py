@@ -71,7 +71,7 @@ def test_an_agent_stopped_early_says_when_and_what_it_saved() -> None:
     entry = view.feed(topics.status("lab", "a"), m.encode(status))
     assert entry is not None and entry.stopped
     assert describe_state(entry) == (
-        "stopped early after round 7: saved 23 rounds, 4.50e+09 FLOPs, 1,234,567 bytes"
+        "stopped early after round 7: saved 23 rounds, 4.50e+09 FLOPs, 1.2 MB"
     )
     training = m.Status(fleet="lab", sender="b", round=3, state="training")
     other = view.feed(topics.status("lab", "b"), m.encode(training))

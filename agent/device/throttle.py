@@ -21,6 +21,22 @@ the whole board under load, idle included, so the idle part is taken out: it is 
 the agent trains or not and would only blur a comparison between strategies. The radio draws
 radio_power_w while it sends or receives (the profiles give the transmit draw; receiving
 draws somewhat less, so receive energy is a slight overestimate).
+
+A round's reported energy is two figures (`round_energy`), both modelled (ENERGY_SOURCE):
+- training energy (the records' `energy_j`): the board's time for the round's counted
+  training FLOPs at its effective rate (as the budget plans and the throttle sleeps) times the
+  power above idle. It depends on train_flops alone, which simulate and emulate compute
+  bit-identically, so the two report exactly the same `energy_j` for the same seed. It is the
+  DA-DPFL paper's measure (energy from training FLOPs), the one strategies are compared by.
+- radio energy (`radio_energy_j`): the link time of the round's bytes sent and received times
+  the radio's draw. Its bytes are each side's own count: simulate's encoded message sizes,
+  emulate's whatever its MQTT connection carried (statuses, envelopes, re-sends), a little
+  more; so radio energy is close between the two, not equal. It is reported apart so that the
+  equal figure stays equal; the two add up to the round's energy above idle.
+A real board (`Throttle(..., enabled=False)`) times its own training instead of modelling it.
+The power stays the profile's: where a board can be read (jtop's power rails on a Jetson,
+`agent.device.budget._read_jetson` already opens jtop) a measured figure would replace
+compute_s x power; none is read yet, so every figure is modelled.
 """
 
 from __future__ import annotations
@@ -61,6 +77,31 @@ def energy_j(
     )
 
 
+ENERGY_SOURCE = "modelled"
+"""Where reported energy comes from: the profile's power model (no board's power is read)."""
+
+
+def training_energy_j(
+    profile: DeviceProfile, train_flops: float, efficiency: float = DEFAULT_EFFICIENCY
+) -> float:
+    """Energy [J] above idle of `train_flops` counted training FLOPs on an idle board of
+    `profile`: its time at peak x `efficiency` times its power above idle."""
+    return energy_j(profile, train_flops / (profile.peak_fp32_gflops * efficiency * 1e9))
+
+
+def radio_energy_j(profile: DeviceProfile, num_bytes: int) -> float:
+    """Energy [J] of `num_bytes` sent or received on the board's link."""
+    return energy_j(profile, 0.0, tx_bytes=num_bytes)
+
+
+def round_energy(
+    profile: DeviceProfile, train_flops: float, traffic_bytes: int
+) -> tuple[float, float]:
+    """(training energy, radio energy) of a round on an emulated or simulated board, the
+    figures simulate and emulate both report (module docstring)."""
+    return training_energy_j(profile, train_flops), radio_energy_j(profile, traffic_bytes)
+
+
 class Throttle:
     """Makes one agent's compute and link take its profile's time.
 
@@ -82,6 +123,7 @@ class Throttle:
         if not 0 < efficiency <= 1:
             raise ValueError(f"efficiency must be in (0, 1], got {efficiency}")
         self.profile = profile
+        self.efficiency = efficiency
         self.device_gflops = profile.peak_fp32_gflops * efficiency
         self.latency_s = latency_s
         self.enabled = enabled
@@ -105,3 +147,13 @@ class Throttle:
     def after_receive(self, num_bytes: int) -> float:
         """Sleep for the time `num_bytes` took to arrive over the board's link."""
         return self._wait(link_delay_s(num_bytes, self.profile.link_bandwidth_mbps, self.latency_s))
+
+    def round_energy(
+        self, train_flops: float, trained_s: float, traffic_bytes: int
+    ) -> tuple[float, float]:
+        """(training energy, radio energy) of a round: an emulated board's training time is
+        modelled from its FLOPs, as the simulator does; a real one's is the `trained_s` it
+        measured."""
+        if not self.enabled:
+            return energy_j(self.profile, trained_s), radio_energy_j(self.profile, traffic_bytes)
+        return round_energy(self.profile, train_flops, traffic_bytes)

@@ -27,7 +27,14 @@ from agent.runtime.codec import (
 )
 from agent.runtime.inbox import Expected, Inbox
 from agent.runtime.layer_server import LayerServer
-from agent.runtime.session import RoundDriver, Run, Session, Timeouts, new_run_id
+from agent.runtime.session import (
+    RoundDriver,
+    Run,
+    Session,
+    Timeouts,
+    new_run_id,
+    publish_telemetry,
+)
 
 __all__ = [
     "AgentRuntime",
@@ -51,6 +58,7 @@ __all__ = [
     "expected_shapes",
     "model_message",
     "new_run_id",
+    "publish_telemetry",
     "run_folder",
     "values_sent",
 ]

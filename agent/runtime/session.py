@@ -10,6 +10,7 @@ means a crash, a restart or an early stop behaves alike under every strategy.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import threading
@@ -23,6 +24,7 @@ from typing import Any, Protocol
 from typing_extensions import Required, TypedDict
 
 from agent.device import Budget, Throttle
+from agent.device.throttle import ENERGY_SOURCE
 from agent.experiment import ExperimentConfig, Workload
 from agent.learning import AgentState, EarlyStop, StopWatch
 from agent.report import AgentRound, early_stop_savings
@@ -42,6 +44,7 @@ STATUS_FIGURES = (
     "bytes_received",
     "stragglers",
     "t_star",
+    "energy_j",
 )
 """The round figures a status shows; it also carries the whole round record, from which
 `coordinator run` writes its report."""
@@ -86,6 +89,32 @@ def finite_or_none(value: Any) -> Any:
     if isinstance(value, list):
         return [finite_or_none(v) for v in value]
     return value
+
+
+def telemetry_json(status: messages.Status, at: float) -> bytes:
+    """`status` as the plain UTF-8 JSON of the telemetry mirror, stamped with Unix time `at`.
+
+    Its metrics leave out the round record: the status figures are already there, and the
+    record is for `coordinator run`'s report. JSON has no NaN, so non-finite numbers are null.
+    """
+    document = {
+        "fleet": status.fleet,
+        "agent": status.sender,
+        "run_id": status.run_id,
+        "round": status.round,
+        "state": status.state,
+        "stopped": status.stopped,
+        "time": at,
+        "metrics": {k: v for k, v in status.metrics.items() if k != "record"},
+    }
+    return json.dumps(finite_or_none(document), allow_nan=False).encode()
+
+
+def publish_telemetry(transport: MqttTransport, status: messages.Status) -> None:
+    """Publish `status` again as plain JSON, retained, for MQTT tools; it stays after the run
+    like the status, the latest state. Unframed: a JSON reader expects no frame header."""
+    topic = topics.telemetry(status.fleet, status.sender)
+    transport.publish_plain(topic, telemetry_json(status, time.time()), retain=True)
 
 
 class RoundDriver(Protocol):
@@ -137,6 +166,7 @@ class SessionOptions(TypedDict, total=False):
     stop: threading.Event | None
     budget: Callable[[], Budget | None] | None
     throttle: Throttle | None
+    telemetry: bool
 
 
 class Session:
@@ -158,9 +188,11 @@ class Session:
         stop: threading.Event | None = None,
         budget: Callable[[], Budget | None] | None = None,
         throttle: Throttle | None = None,
+        telemetry: bool = False,
         expects: Mapping[str, Any] | None = None,
     ) -> None:
-        """`expects`: further fields of the inbox's `Expected` (what the wire format sends)."""
+        """`expects`: further fields of the inbox's `Expected` (what the wire format sends);
+        `telemetry`: mirror every status as JSON on the telemetry topic."""
         self.me = agent_id
         self.fleet = fleet
         self.run_info = run
@@ -178,6 +210,7 @@ class Session:
         self.stop = stop or threading.Event()
         self.budget = budget or (lambda: None)
         self.throttle = throttle
+        self.telemetry = telemetry
         self.inbox = Inbox(
             Expected(
                 fleet=fleet,
@@ -193,6 +226,8 @@ class Session:
         self.early = EarlyStop(self.cfg.early_stop, self.cfg.stop_patience)
         self.stopped_round: int | None = None
         self._bytes = (0, 0)
+        self._trained_s = 0.0
+        """Seconds the round's computation took on this host (a real board's energy)."""
         self.checkpoint_path = state_dir / "checkpoint.pt"
         self.records_path = state_dir / "rounds.jsonl"
 
@@ -234,9 +269,10 @@ class Session:
     def after_compute(self, started: float, train_flops: int) -> float:
         """Seconds slept to run at the emulated device's speed after a computation started
         at monotonic time `started`."""
+        self._trained_s = time.monotonic() - started
         if self.throttle is None:
             return 0.0
-        return self.throttle.after_compute(time.monotonic() - started, train_flops)
+        return self.throttle.after_compute(self._trained_s, train_flops)
 
     def status(
         self, state: str, round_: int, metrics: dict[str, Any], votes: Mapping[int, bool]
@@ -255,6 +291,11 @@ class Session:
         self.transport.publish(
             topics.status(self.fleet, self.me), messages.encode(message, key=self.key), retain=True
         )
+        if self.telemetry:
+            self.mirror(message)
+
+    def mirror(self, message: messages.Status) -> None:
+        publish_telemetry(self.transport, message)
 
     # ------------------------------------------------------------------ rounds
 
@@ -297,6 +338,12 @@ class Session:
         record.bytes_received = stats.get("received_bytes", 0) - self._bytes[1]
         self._bytes = (stats.get("published_bytes", 0), stats.get("received_bytes", 0))
         record.finished_at = time.time()
+        if self.throttle is not None:  # a profile's board: its energy model
+            record.energy_j, record.radio_energy_j = self.throttle.round_energy(
+                record.train_flops, self._trained_s, record.bytes_sent + record.bytes_received
+            )
+            record.energy_source = ENERGY_SOURCE
+        self._trained_s = 0.0
         row = record.as_dict()
         self.persist(driver, record.round, row)
         saved: dict[str, Any] = {}

@@ -1,0 +1,248 @@
+"""The dashboard's web app (Starlette) and the uvicorn server that runs it in a thread.
+
+Routes: `/` the page, `/api/fleet` the snapshot as JSON, `/api/events` the snapshot as
+server-sent events on every change, `/metrics` for Prometheus, `/static/...` the page's
+assets (all shipped in the package: the page works with no internet).
+
+With an access token every route needs it, as `Authorization: Bearer TOKEN` (what a
+Prometheus scrape config sends), `?token=TOKEN`, or the cookie that opening the page with
+`?token=` sets (it then redirects to the page without the token in its address, and the
+page's own requests, the event stream included, carry the cookie).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import logging
+import re
+import secrets
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.authentication import (
+    AuthCredentials,
+    AuthenticationBackend,
+    AuthenticationError,
+    SimpleUser,
+)
+from starlette.middleware import Middleware
+from starlette.middleware.authentication import AuthenticationMiddleware
+from starlette.requests import HTTPConnection, Request
+from starlette.responses import (
+    FileResponse,
+    JSONResponse,
+    PlainTextResponse,
+    RedirectResponse,
+    Response,
+    StreamingResponse,
+)
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from coordinator.dashboard.metrics import registry_for
+from coordinator.dashboard.state import FleetState
+
+log = logging.getLogger(__name__)
+
+STATIC = Path(__file__).resolve().parent / "static"
+COOKIE = "edgefl_dashboard_token"
+POLL_S = 0.25
+"""How often an event stream looks for a change: updates to the page are coalesced to at
+most four a second, however fast statuses arrive."""
+KEEPALIVE_S = 15.0
+"""A comment line this often keeps proxies and the browser from closing a quiet stream."""
+_TOKEN = re.compile(r"^[A-Za-z0-9._~-]{1,256}$")
+
+
+class TokenBackend(AuthenticationBackend):
+    """Admits a request that carries the token (header, query or cookie), refuses others."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+    async def authenticate(self, conn: HTTPConnection) -> tuple[AuthCredentials, SimpleUser]:
+        scheme, _, given = conn.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer":
+            given = conn.query_params.get("token") or conn.cookies.get(COOKIE, "")
+        if not secrets.compare_digest(given.encode(), self.token.encode()):
+            raise AuthenticationError("an access token is needed")
+        return AuthCredentials(["fleet"]), SimpleUser("viewer")
+
+
+def refuse(conn: HTTPConnection, exc: Exception) -> Response:
+    return PlainTextResponse(
+        f"401: {exc} (Authorization: Bearer TOKEN, or open the page with ?token=TOKEN)\n",
+        status_code=401,
+        headers={"WWW-Authenticate": "Bearer"},
+    )
+
+
+def create_app(state: FleetState, token: str | None = None) -> Starlette:
+    """The dashboard app over `state`; with `token`, every route needs it."""
+    registry = registry_for(state)
+    closing = threading.Event()
+
+    async def index(request: Request) -> Response:
+        if token is not None and "token" in request.query_params:
+            response: Response = RedirectResponse("./", status_code=303)
+            response.set_cookie(COOKIE, token, httponly=True, samesite="strict")
+            return response
+        return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+
+    async def fleet(request: Request) -> Response:
+        return JSONResponse(state.snapshot())
+
+    async def events(request: Request) -> Response:
+        return StreamingResponse(
+            event_stream(state, closing),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    middleware = []
+    if token is not None:
+        backend = TokenBackend(check_token(token))
+        middleware.append(Middleware(AuthenticationMiddleware, backend=backend, on_error=refuse))
+    app = Starlette(
+        routes=[
+            Route("/", index),
+            Route("/api/fleet", fleet),
+            Route("/api/events", events),
+            Route("/metrics", metrics),
+            Mount("/static", StaticFiles(directory=STATIC), name="static"),
+        ],
+        middleware=middleware,
+    )
+    app.state.closing = closing
+    return app
+
+
+async def event_stream(state: FleetState, closing: threading.Event) -> AsyncIterator[str]:
+    """The snapshot now and after every change (`id:` its version), with keep-alive
+    comments; ends when the app is closing (a client that leaves cancels it)."""
+    yield "retry: 2000\n\n"
+    version, quiet_since = -1, time.monotonic()
+    while not closing.is_set():
+        if state.version != version:
+            snapshot = state.snapshot()
+            version = snapshot["version"]
+            data = json.dumps(snapshot, allow_nan=False, separators=(",", ":"))
+            yield f"id: {version}\nevent: snapshot\ndata: {data}\n\n"
+            quiet_since = time.monotonic()
+        elif time.monotonic() - quiet_since >= KEEPALIVE_S:
+            yield ": keep-alive\n\n"
+            quiet_since = time.monotonic()
+        await asyncio.sleep(POLL_S)
+
+
+def check_token(token: str) -> str:
+    if not _TOKEN.match(token):
+        raise ValueError(
+            "the dashboard's access token must be 1-256 of A-Z a-z 0-9 . _ ~ - "
+            "(for example from: python -c 'import secrets; print(secrets.token_urlsafe())')"
+        )
+    return token
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is reachable from this machine only (localhost, 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class Dashboard:
+    """The dashboard app served by uvicorn in a background thread.
+
+    Bound beyond loopback it needs a token: a fleet's table, accuracy and traffic are no
+    business of every machine on the LAN (ValueError otherwise).
+    """
+
+    def __init__(
+        self,
+        state: FleetState,
+        host: str = "127.0.0.1",
+        port: int = 8080,
+        token: str | None = None,
+    ) -> None:
+        if not 0 <= port < 65536:
+            raise ValueError(f"the dashboard's port must be in 0..65535, got {port}")
+        if token is None and not is_loopback(host):
+            raise ValueError(
+                f"the dashboard on {host} would be reachable from other machines: give it an "
+                "access token (--http-token) or bind it to 127.0.0.1"
+            )
+        self.state = state
+        self.host = host.strip("[]")
+        self.port = port
+        self.app = create_app(state, token)
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        """The page's address (after `start`, with the port actually bound)."""
+        host = "127.0.0.1" if self.host in ("", "0.0.0.0") else self.host
+        host = "[::1]" if host == "::" else f"[{host}]" if ":" in host else host
+        return f"http://{host}:{self.port}/"
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        """Listen (port 0: a free one, see `url`) and serve; returns once serving.
+        Raises OSError when the address cannot be bound."""
+        if self._thread is not None:
+            raise RuntimeError("the dashboard is already started")
+        sock = bind(self.host, self.port)
+        self.app.state.closing.clear()
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            self.app,
+            log_config=None,  # the program's logging, not uvicorn's own
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=5,
+        )
+        server = self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=server.run, kwargs={"sockets": [sock]}, name="dashboard", daemon=True
+        )
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the dashboard did not start on {self.url}")
+            time.sleep(0.02)
+        log.info("dashboard on %s", self.url)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """End every event stream, stop serving and wait for the thread."""
+        self.app.state.closing.set()
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self._server = self._thread = None
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on (host, port), IPv4 or IPv6 as the host is written."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=128)
+    except OSError as exc:
+        raise OSError(f"the dashboard cannot listen on {host}:{port}: {exc.strerror}") from exc

@@ -1,0 +1,105 @@
+"""`/metrics`: the fleet in the Prometheus exposition format.
+
+A custom collector reads `FleetState` at scrape time, so there are no global gauges to keep
+in step with the fleet: an agent that is forgotten (its retained messages cleared) simply
+stops appearing. Each app has its own registry, so two dashboards in one process (tests,
+or one per fleet) do not share series.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from coordinator.dashboard.state import FleetState
+
+AGENT_GAUGES = (
+    ("round", "round", "Latest round the agent reported."),
+    ("accuracy", "accuracy", "Validation accuracy after the agent's latest round."),
+    ("loss", "loss", "Validation loss after the agent's latest round."),
+    ("sparsity", "sparsity", "Sparsity of the agent's model (fraction of zeros)."),
+    ("p_k", "p_k", "The agent's compute budget p_k in its latest round."),
+    ("stopped", "stopped", "1 if the agent stopped early."),
+    ("online", "online", "1 if the agent's presence says it is online."),
+)
+"""(row field, metric name after edgefl_agent_, help) of the per-agent gauges."""
+AGENT_COUNTERS = (
+    ("bytes_sent", "bytes_sent", "Bytes the agent sent, summed over the rounds received."),
+    ("bytes_received", "bytes_received", "Bytes the agent received, over the rounds received."),
+    ("train_flops", "train_flops", "Training FLOPs of the agent, over the rounds received."),
+    (
+        "energy_total_j",
+        "training_energy_joules",
+        "Modelled training energy above idle [J] of an agent with a device profile.",
+    ),
+)
+SAVED = (
+    ("rounds", "saved_rounds", "Rounds an early-stopped agent did not run."),
+    ("flops", "saved_flops", "Training FLOPs early stopping saved the agent."),
+    ("bytes", "saved_bytes", "Bytes early stopping saved the agent."),
+    ("energy_j", "saved_energy_joules", "Training energy [J] early stopping saved the agent."),
+)
+FLEET_GAUGES = (
+    ("agents", "agents", "Agents the dashboard knows in the fleet."),
+    ("online", "agents_online", "Agents online."),
+    ("stopped", "agents_stopped", "Agents that stopped early."),
+    ("round", "round", "The furthest round any agent reported."),
+    ("mean_accuracy", "mean_accuracy", "Mean accuracy over the agents that reported one."),
+)
+
+
+class FleetCollector(Collector):
+    """Per-agent (labels fleet, agent) and fleet-wide (label fleet) series from a
+    FleetState, read at each scrape."""
+
+    def __init__(self, state: FleetState) -> None:
+        self.state = state
+
+    def collect(self) -> Iterator[Metric]:
+        snapshot = self.state.snapshot(series=False)
+        agents: list[dict[str, Any]] = snapshot["agents"]
+        labels = ["fleet", "agent"]
+        for field, name, doc in AGENT_GAUGES:
+            gauge = GaugeMetricFamily(f"edgefl_agent_{name}", doc, labels=labels)
+            for row in agents:
+                if (value := row[field]) is not None:
+                    gauge.add_metric([row["fleet"], row["agent"]], float(value))
+            yield gauge
+        for field, name, doc in AGENT_COUNTERS:
+            counter = CounterMetricFamily(f"edgefl_agent_{name}", doc, labels=labels)
+            for row in agents:
+                if row[field] is not None:
+                    counter.add_metric([row["fleet"], row["agent"]], row[field])
+            yield counter
+        for field, name, doc in SAVED:
+            gauge = GaugeMetricFamily(f"edgefl_agent_{name}", doc, labels=labels)
+            for row in agents:
+                if row["saved"] is not None and (value := row["saved"][field]) is not None:
+                    gauge.add_metric([row["fleet"], row["agent"]], value)
+            yield gauge
+        yield from fleet_metrics(snapshot["fleets"])
+        rejected = CounterMetricFamily(
+            "edgefl_dashboard_rejected_messages", "Messages that failed to decode or verify."
+        )
+        rejected.add_metric([], self.state.rejected)
+        yield rejected
+
+
+def fleet_metrics(fleets: list[dict[str, Any]]) -> Iterator[Metric]:
+    for field, name, doc in FLEET_GAUGES:
+        gauge = GaugeMetricFamily(f"edgefl_fleet_{name}", doc, labels=["fleet"])
+        for summary in fleets:
+            if (value := summary[field]) is not None:
+                gauge.add_metric([summary["fleet"]], float(value))
+        yield gauge
+
+
+def registry_for(state: FleetState) -> CollectorRegistry:
+    """A registry of its own holding the fleet collector (no process-wide metrics)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(FleetCollector(state))
+    return registry

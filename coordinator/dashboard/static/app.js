@@ -1,0 +1,224 @@
+// The fleet dashboard: renders each snapshot the server pushes over server-sent events.
+// Every text the fleet sends goes in with textContent, never as HTML.
+"use strict";
+
+const COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b",
+  "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"];
+const CHARTS = [
+  { id: "chart-accuracy", key: "accuracy", value: (s, i) => s.accuracy[i], format: pct },
+  { id: "chart-loss", key: "loss", value: (s, i) => s.loss[i], format: (v) => v.toFixed(2) },
+  { id: "chart-sparsity", key: "sparsity", value: (s, i) => s.sparsity[i], format: pct },
+  { id: "chart-traffic", key: "bytes", format: bytes,
+    value: (s, i) => (s.bytes_sent[i] ?? 0) + (s.bytes_received[i] ?? 0) },
+];
+const charts = {};
+let received = { at: Date.now(), now: Date.now() / 1000 };
+
+function pct(v) { return v == null ? "–" : (100 * v).toFixed(1) + " %"; }
+
+function si(v, unit) {
+  if (v == null) return "–";
+  const steps = [[1e12, "T"], [1e9, "G"], [1e6, "M"], [1e3, "k"]];
+  for (const [size, prefix] of steps) {
+    if (Math.abs(v) >= size) return (v / size).toFixed(1) + " " + prefix + unit;
+  }
+  return Math.round(v) + " " + unit;
+}
+
+function bytes(v) { return si(v, "B"); }
+
+function age(since) {
+  if (!since) return "";
+  const now = received.now + (Date.now() - received.at) / 1000;
+  const s = Math.max(0, Math.round(now - since));
+  if (s < 60) return s + "s";
+  if (s < 3600) return Math.floor(s / 60) + "m";
+  if (s < 86400) return Math.floor(s / 3600) + "h" + String(Math.floor(s % 3600 / 60)).padStart(2, "0");
+  return Math.floor(s / 86400) + "d";
+}
+
+function el(tag, text, className) {
+  const node = document.createElement(tag);
+  if (text != null) node.textContent = text;
+  if (className) node.className = className;
+  return node;
+}
+
+function label(agent, multi) { return multi ? agent.fleet + "/" + agent.agent : agent.agent; }
+
+function stoppedText(agent) {
+  const round = agent.saved ? agent.saved.round : agent.round;
+  return "stopped after round " + round;
+}
+
+function savedText(saved) {
+  if (!saved) return "";
+  const energy = saved.energy_j == null ? "–" : si(saved.energy_j, "J");
+  return "saved " + (saved.rounds ?? "–") + " rounds · " + si(saved.flops, "FLOP") +
+    " · " + bytes(saved.bytes) + " · energy " + energy;
+}
+
+function card(value, text) {
+  const node = el("div", null, "card");
+  node.append(el("div", value, "value"), el("div", text, "label"));
+  return node;
+}
+
+function renderSummary(snapshot) {
+  const box = document.getElementById("summary");
+  box.replaceChildren();
+  for (const fleet of snapshot.fleets) {
+    const suffix = snapshot.fleets.length > 1 ? " · " + fleet.fleet : "";
+    box.append(
+      card(fleet.online + " / " + fleet.agents, "agents online" + suffix),
+      card(String(fleet.round), "round" + suffix),
+      card(pct(fleet.mean_accuracy), "mean accuracy" + suffix),
+      card(String(fleet.stopped), "stopped early" + suffix));
+  }
+  const names = snapshot.fleets.map((f) => f.fleet);
+  document.getElementById("fleet-name").textContent =
+    names.length === 1 ? names[0] : names.length + " fleets";
+}
+
+function renderStopped(agents, multi) {
+  const list = document.getElementById("stopped-list");
+  list.replaceChildren();
+  for (const agent of agents.filter((a) => a.stopped)) {
+    const item = el("li");
+    item.dataset.agent = agent.agent;
+    item.append(el("strong", label(agent, multi)), " ",
+      el("span", stoppedText(agent), "badge stopped"),
+      el("span", savedText(agent.saved), "saved"));
+    list.append(item);
+  }
+  document.getElementById("none-stopped").hidden = list.children.length > 0;
+}
+
+function stateCell(agent) {
+  const cell = el("td", null, agent.error ? "error" : "");
+  cell.dataset.field = "state";
+  if (agent.stopped) {
+    cell.append(el("span", stoppedText(agent), "badge stopped"));
+  } else {
+    cell.textContent = agent.error ? agent.state + ": " + agent.error : agent.state || "–";
+  }
+  return cell;
+}
+
+function row(agent, index, multi) {
+  const tr = el("tr", null, agent.stopped ? "is-stopped" : "");
+  tr.dataset.agent = agent.agent;
+  const cell = (field, text, className) => {
+    const td = el("td", text, className);
+    td.dataset.field = field;
+    return td;
+  };
+  const name = cell("agent", null);
+  const swatch = el("span", null, "swatch");
+  swatch.style.background = COLORS[index % COLORS.length];
+  name.append(swatch, label(agent, multi));
+  if (agent.profile) name.title = "profile " + agent.profile;
+  const presence = cell("presence", null);
+  const since = age(agent.since);
+  presence.append(el("span", agent.presence + (since ? " · " + since : ""), "badge " + agent.presence));
+  const limited = agent.limited_by && agent.limited_by !== "none" ? " (" + agent.limited_by + ")" : "";
+  tr.append(name, presence, stateCell(agent),
+    cell("round", String(agent.round), "num"),
+    cell("accuracy", pct(agent.accuracy), "num"),
+    cell("sparsity", pct(agent.sparsity), "num"),
+    cell("p_k", agent.p_k == null ? "–" : agent.p_k.toFixed(2) + limited, "num"),
+    cell("bytes_sent", bytes(agent.bytes_sent), "num"),
+    cell("bytes_received", bytes(agent.bytes_received), "num"),
+    cell("energy", agent.energy_j == null ? "–" : si(agent.energy_j, "J"), "num"),
+    cell("stragglers", agent.stragglers.length ? agent.stragglers.join(", ") : "–"));
+  return tr;
+}
+
+function renderTable(snapshot, multi) {
+  const body = document.querySelector("#fleet tbody");
+  body.replaceChildren(...snapshot.agents.map((a, i) => row(a, i, multi)));
+  const others = snapshot.members.map((m) => m.agent + " (" + m.role + ", " + m.presence + ")");
+  document.getElementById("members").textContent =
+    others.length ? "Also connected: " + others.join(", ") : "";
+}
+
+function columns(agents, spec) {
+  const rounds = [...new Set(agents.flatMap((a) => a.series.rounds))].sort((x, y) => x - y);
+  const data = [rounds];
+  for (const agent of agents) {
+    const byRound = new Map(agent.series.rounds.map((r, i) => [r, spec.value(agent.series, i)]));
+    data.push(rounds.map((r) => byRound.get(r) ?? null));
+  }
+  return data;
+}
+
+function chartOptions(spec, names, width) {
+  return {
+    width, height: 220,
+    scales: { x: { time: false } },
+    legend: { live: false },
+    axes: [
+      { label: "round", incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000] },
+      { size: 70, values: (u, ticks) => ticks.map((v) => spec.format(v)) },
+    ],
+    series: [{ label: "round" }, ...names.map((name, i) => ({
+      label: name, stroke: COLORS[i % COLORS.length], width: 2, spanGaps: true,
+      points: { show: true, size: 5 }, value: (u, v) => v == null ? "–" : spec.format(v),
+    }))],
+  };
+}
+
+function renderCharts(agents, multi) {
+  const names = agents.map((a) => label(a, multi));
+  for (const spec of CHARTS) {
+    const box = document.getElementById(spec.id);
+    const data = columns(agents, spec);
+    const existing = charts[spec.id];
+    if (existing && existing.names === names.join("\n")) {
+      existing.plot.setData(data);
+      continue;
+    }
+    if (existing) existing.plot.destroy();
+    const plot = new uPlot(chartOptions(spec, names, box.clientWidth || 400), data, box);
+    charts[spec.id] = { plot, names: names.join("\n") };
+  }
+}
+
+function render(snapshot) {
+  received = { at: Date.now(), now: snapshot.now };
+  const multi = snapshot.fleets.length > 1;
+  renderSummary(snapshot);
+  renderStopped(snapshot.agents, multi);
+  renderTable(snapshot, multi);
+  renderCharts(snapshot.agents, multi);
+  document.body.dataset.version = snapshot.version;
+  document.getElementById("updated").textContent =
+    "updated " + new Date().toLocaleTimeString();
+}
+
+function connection(text, state) {
+  const badge = document.getElementById("connection");
+  badge.textContent = text;
+  badge.className = "badge " + state;
+}
+
+function listen() {
+  const source = new EventSource("api/events");
+  source.addEventListener("open", () => connection("live", "live"));
+  source.addEventListener("snapshot", (event) => render(JSON.parse(event.data)));
+  source.addEventListener("error", () => {
+    if (source.readyState === EventSource.CLOSED) {
+      connection("disconnected: reload (with ?token= if the dashboard has one)", "closed");
+    } else {
+      connection("reconnecting", "reconnecting");
+    }
+  });
+}
+
+new ResizeObserver(() => {
+  for (const [id, chart] of Object.entries(charts)) {
+    chart.plot.setSize({ width: document.getElementById(id).clientWidth, height: 220 });
+  }
+}).observe(document.querySelector(".charts"));
+
+listen();
