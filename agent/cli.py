@@ -15,6 +15,7 @@ import click
 
 from agent.device import resolve_device
 from agent.experiment import ExperimentConfig, check_networked
+from agent.files import DiskFullError
 from agent.onnx_export import OnnxModel, load_inputs
 from agent.options import experiment_options
 from agent.own_data import OwnData, load_own_data, misfit
@@ -277,6 +278,8 @@ def main(
         else:
             say(f"agent {agent_id}: broker {broker} not reachable yet; retrying in the background")
         AgentService(identity, transport, options, stop).serve()
+    except DiskFullError as exc:  # one line, exit 1, after the goodbye below
+        raise click.ClickException(str(exc)) from None
     finally:
         leave(transport, identity)
         if discovery is not None:

@@ -199,7 +199,9 @@ def stopped_summary(
 
 
 def summarize(rounds: list[dict[str, Any]], t_star: int | None, wall: float) -> dict[str, Any]:
-    """Run-level figures; traffic counts every byte on a device link (uploads + downloads)."""
+    """Run-level figures; traffic counts every byte on a device link (uploads + downloads).
+    The final figures are over the agents in the last round (`agents_reported`): an agent
+    that died before it is not there, and a mean over the rest must say so."""
     final = rounds[-1]["agents"]
     per_node: dict[str, int] = {}
     flops = 0
@@ -220,6 +222,7 @@ def summarize(rounds: list[dict[str, Any]], t_star: int | None, wall: float) -> 
         "total_train_flops": flops,
         "wall_seconds": wall,
         "rounds": len(rounds),
+        "agents_reported": len(final),
         "t_star": t_star,
         **energy_summary(rounds),
     }

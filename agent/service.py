@@ -36,6 +36,7 @@ from agent.experiment import (
     profile_names,
     round_work,
 )
+from agent.files import DiskFullError, disk_full_as_error
 from agent.learning import AgentState
 from agent.onnx_export import export_onnx
 from agent.own_data import OwnData, misfit
@@ -310,9 +311,16 @@ class AgentService:
             throttle=throttle,
             telemetry=self.options.telemetry,
         )
-        runtime.run()
-        if runtime.session.finished:
-            (folder / FINISHED_MARK).touch()
+        try:
+            with disk_full_as_error(folder):
+                runtime.run()
+                if runtime.session.finished:
+                    (folder / FINISHED_MARK).touch()
+        except DiskFullError as exc:
+            # The fleet learns now that this agent is out (the CLI then says goodbye); its
+            # last checkpoint is kept, so a restart with room on the disk resumes the run.
+            self.publish_status("failed", run.run_id, {"error": str(exc)})
+            raise
 
     def place(self, workload: Workload) -> None:
         """Put the model on the device the agent trains on; with --device auto, a strategy

@@ -40,6 +40,7 @@ from agent.learning import (
 from agent.report import Traffic
 from agent.runtime import decode_upload, encode_state, values_sent
 from protocol import MqttTransport, ProtocolError, messages, topics
+from protocol.logs import RejectionLog, claimed_sender
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,7 @@ class Intake:
         self.stopped: dict[str, int] = {}
         self.offline: set[str] = set()
         self.rejected = 0
+        self._rejections = RejectionLog(log)
 
     def subscribe(self, transport: MqttTransport) -> None:
         subscribe = transport.subscribe
@@ -102,7 +104,7 @@ class Intake:
         try:
             message = messages.decode_on_topic(topic, payload, kind, self.fleet, self.key)
         except ProtocolError as exc:
-            self.reject(topic, str(exc))
+            self.reject(kind, claimed_sender(topic), topic, exc)
             return None
         if message.run_id != self.run_id or message.sender not in self.roster:
             return None
@@ -116,7 +118,9 @@ class Intake:
         message = self._decode(topic, payload, "update")
         if isinstance(message, messages.Update):
             if message.num_samples < 1:
-                self.reject(topic, "an update must weigh at least one sample")
+                self.reject(
+                    "update", message.sender, topic, "an update must weigh at least one sample"
+                )
                 return
             with self.changed:
                 self.updates.setdefault((message.round, message.sender), message)
@@ -128,7 +132,7 @@ class Intake:
             try:
                 vector = ldf.checked_divergences(message.layers, message.values, self.layer_groups)
             except ValueError as exc:
-                self.reject(topic, str(exc))
+                self.reject("divergence", message.sender, topic, exc)
                 return
             with self.changed:
                 self.divergences.setdefault((message.round, message.sender), vector)
@@ -147,10 +151,11 @@ class Intake:
             return
         self.resend(message.round)
 
-    def reject(self, topic: str, reason: str) -> None:
+    def reject(self, kind: str, sender: str, topic: str, reason: object) -> None:
+        """Count a message that failed its checks and warn of it (rate-limited)."""
         with self.changed:
             self.rejected += 1
-        log.warning("rejected message on %s: %s", topic, reason)
+        self._rejections.reject(kind, sender, topic, reason)
 
     def on_status(self, topic: str, payload: bytes) -> None:
         message = self._decode(topic, payload, "status")

@@ -24,6 +24,7 @@ from rich.table import Table
 
 from agent.files import atomic_write
 from agent.options import experiment_config, experiment_options
+from coordinator.conductor import describe_failures
 from coordinator.fleet import AgentEntry, FleetView, describe_presence, describe_state
 from coordinator.plots import write_plots
 from coordinator.watch import follow, mdns_sightings, show
@@ -415,16 +416,19 @@ def publish_report(report: dict, report_path: str, plot_dir: str | None) -> None
 
 
 def summary_table(report: dict) -> Table:
-    summary = report["summary"]
-    table = Table("figure", "value", title=f"{report['config']['learning']['strategy']} summary")
+    """The run's figures; the final ones say which round and how many agents they are over
+    (a run whose agents died ends early, and its means leave the dead out)."""
+    summary, config = report["summary"], report["config"]
+    table = Table("figure", "value", title=f"{config['learning']['strategy']} summary")
+    final = f"round {summary['rounds']}, {summary['agents_reported']} of {config['agents']} agents"
     rows = [
-        ("mean accuracy (final round)", f"{summary['mean_accuracy']:.4f}"),
-        ("mean sparsity (final round)", f"{summary['mean_sparsity']:.3f}"),
+        (f"mean accuracy ({final})", f"{summary['mean_accuracy']:.4f}"),
+        (f"mean sparsity ({final})", f"{summary['mean_sparsity']:.3f}"),
         ("busiest agent bytes", f"{summary['busiest_agent_bytes']:,} ({summary['busiest_agent']})"),
         ("total bytes", f"{summary['total_bytes']:,}"),
         ("total training FLOPs", f"{summary['total_train_flops']:.3e}"),
         ("first pruning time t*", str(summary["t_star"])),
-        ("rounds", str(summary["rounds"])),
+        ("rounds", f"{summary['rounds']} of {config['learning']['rounds']}"),
         ("wall time", f"{summary['wall_seconds']:.1f} s"),
     ]
     stopped = summary.get("stopped") or {}
@@ -512,10 +516,12 @@ def emulate(
     finally:
         if embedded is not None:
             embedded.stop()
-    failed = report["summary"]["failed_agents"]
-    if failed:
-        console.print(f"[red]agents that failed[/]: {failed} (logs in {folder})")
     publish_report(report, report_path, plot_dir)
+    failed = describe_failures(report)
+    if failed:
+        raise click.ClickException(f"{failed}; see their logs in {folder}")
+    if not report["rounds"]:
+        raise click.ClickException(f"no agent completed a round; see the logs in {folder}")
 
 
 @main.command("run")
@@ -572,10 +578,10 @@ def run_command(
             raise click.ClickException(str(exc)) from None
         finally:
             leave(transport, identity)
-    failed = report["summary"]["failed_agents"]
-    if failed:
-        say(f"[red]agents that did not finish[/]: {failed}")
     publish_report(report, report_path, plot_dir)
+    failed = describe_failures(report)
+    if failed:
+        raise click.ClickException(failed)
     if not report["rounds"]:
         raise click.ClickException("no agent completed a round")
 

@@ -206,11 +206,14 @@ def assemble_report(
     logs: Mapping[str, Mapping[int, Mapping[str, Any]]],
     aggregated: list[AggregatorRecord],
     wall: float,
+    failed: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """The `simulate` report's `rounds` and `summary` from each agent's round records.
 
     An agent that stopped early keeps its last figures and spends nothing in later rounds,
     as in simulate; a round no agent reported ends the report (the run ended there).
+    `failed`: why each agent that failed did (its exit code, its state); the summary's
+    `failures` add the round each one failed in.
     """
     roster = sorted(roster)
     rounds: list[dict[str, Any]] = []
@@ -248,7 +251,12 @@ def assemble_report(
     return {
         "rounds": rounds,
         "summary": {
-            **(summarize(rounds, t_star, wall) if rounds else {"rounds": 0, "t_star": None}),
+            **(
+                summarize(rounds, t_star, wall)
+                if rounds
+                else {"rounds": 0, "agents_reported": 0, "t_star": None}
+            ),
+            "failures": failures(logs, failed or {}),
             "stopped": stopped_summary(rounds, stopped, config.learning.rounds),
             "stragglers": sorted(
                 {s for r in rounds for a in r["agents"].values() for s in a["stragglers"]}
@@ -256,6 +264,27 @@ def assemble_report(
             ),
         },
     }
+
+
+def failures(
+    logs: Mapping[str, Mapping[int, Any]], reasons: Mapping[str, str]
+) -> dict[str, dict[str, Any]]:
+    """Per failed agent, the round it failed in (the one after its last record) and why."""
+    return {
+        agent: {"from_round": max(logs.get(agent, {}), default=0) + 1, "reason": reason}
+        for agent, reason in sorted(reasons.items())
+    }
+
+
+def describe_failures(report: Mapping[str, Any]) -> str | None:
+    """One line naming each agent that failed, from which round and why; None if none did."""
+    planned = report["config"]["learning"]["rounds"]
+    named = []
+    for agent, failure in report["summary"]["failures"].items():
+        start = failure["from_round"]
+        when = f"from round {start}" if start <= planned else "after its last round"
+        named.append(f"{agent} ({when}, {failure['reason']})")
+    return f"agents that failed: {', '.join(named)}" if named else None
 
 
 def wait_until_finished(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -78,9 +79,13 @@ class Emulation:
             *(["-" + "v" * self.options.verbose] if self.options.verbose else []),
         ]  # fmt: skip
 
+    def log_path(self, agent_id: str) -> Path:
+        """Where an agent's output goes (appended to by each process started for it)."""
+        return self.options.workdir / f"{agent_id}.log"
+
     def start_agent(self, index: int) -> subprocess.Popen[bytes]:
         agent_id = self.roster[index]
-        log_path = self.options.workdir / f"{agent_id}.log"
+        log_path = self.log_path(agent_id)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
             process = subprocess.Popen(
@@ -134,8 +139,8 @@ class Emulation:
             if progress:
                 progress(self.conductor.rounds_done())
             time.sleep(0.2)
-        if progress:
-            progress(rounds * len(self.roster))
+        if progress:  # what the agents did, not the total: a dead agent's rounds stay undone
+            progress(self.conductor.rounds_done())
 
     def round_log(self, agent_id: str) -> Path:
         """Where an agent of this run logs its rounds (in its own state folder)."""
@@ -146,10 +151,12 @@ class Emulation:
         logs = {
             agent_id: checkpoint.read_records(self.round_log(agent_id)) for agent_id in self.roster
         }
-        report = assemble_report(self.config, self.roster, logs, self.conductor.aggregated(), wall)
-        report["summary"]["failed_agents"] = {
-            a: p.returncode for a, p in self.processes.items() if p.returncode != 0
-        }
+        codes = {a: p.returncode for a, p in self.processes.items() if p.returncode != 0}
+        reasons = {a: exit_reason(code, self.log_path(a)) for a, code in codes.items()}
+        report = assemble_report(
+            self.config, self.roster, logs, self.conductor.aggregated(), wall, reasons
+        )
+        report["summary"]["failed_agents"] = codes
         return {
             "config": {
                 **dataclasses.asdict(self.config),
@@ -160,3 +167,27 @@ class Emulation:
             },
             **report,
         }
+
+
+def exit_reason(code: int, log_path: Path) -> str:
+    """Why an agent process failed, in a few words: its exit code, the signal that killed
+    it, or the last line it logged (an agent's fatal error is one line)."""
+    if code < 0:
+        try:
+            return f"exit code {code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"exit code {code}"
+    last = last_line(log_path)
+    return f"exit code {code}" + (f": {last}" if last else "")
+
+
+def last_line(path: Path, limit: int = 300) -> str:
+    """The last non-empty line of a log (at most `limit` characters), '' if none is left."""
+    try:
+        with open(path, "rb") as log:
+            log.seek(max(log.seek(0, os.SEEK_END) - 4096, 0))
+            lines = log.read().decode("utf-8", errors="replace").splitlines()
+    except OSError:
+        return ""
+    tail = [line.strip() for line in lines if line.strip()]
+    return tail[-1][:limit] if tail else ""

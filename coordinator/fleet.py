@@ -21,6 +21,7 @@ from rich.filesize import decimal
 from rich.table import Table
 
 from protocol import ProtocolError, messages, topics
+from protocol.logs import RejectionLog, claimed_sender
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class FleetView:
         self._key = key
         self._entries: dict[tuple[str, str], AgentEntry] = {}
         self.rejected = 0
+        self._rejections = RejectionLog(log)
 
     def feed(self, topic: str, payload: bytes) -> AgentEntry | None:
         """Apply one presence or status message; returns the entry it changed, if any.
@@ -64,11 +66,12 @@ class FleetView:
             message = messages.decode(payload, key=self._key)
         except ProtocolError as exc:
             self.rejected += 1
-            log.warning("ignoring message on %s: %s", topic, exc)
+            self._rejections.reject("message", claimed_sender(topic), topic, exc)
             return None
         if message.fleet != fleet or message.sender != fields["agent"]:
             self.rejected += 1
-            log.warning("ignoring message on %s: sent by %s/%s", topic, fleet, message.sender)
+            where = f"{message.fleet}/{message.sender}"
+            self._rejections.reject(kind, fields["agent"], topic, f"signed as {where}")
             return None
         entry = self._entries.setdefault((fleet, message.sender), AgentEntry(fleet, message.sender))
         if isinstance(message, messages.Presence):

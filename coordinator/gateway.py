@@ -170,6 +170,22 @@ def run_limit_s(config: ExperimentConfig, runfile: RunFile) -> float:
     return 120.0 + config.learning.rounds * (t.round_s + t.vote_s + 30.0)
 
 
+def why_failed(conductor: Conductor, unfinished: list[str]) -> dict[str, str]:
+    """Why each agent that did not finish the run did not: the error it reported, the state
+    it ended in, that it went offline, or that it was still at work when the run ended."""
+    failed = {}
+    for agent, p in conductor.agents.items():
+        if p.state in ("rejected", "failed"):
+            failed[agent] = f"{p.state}: {p.error}" if p.error else p.state
+        elif agent in unfinished:
+            failed[agent] = (
+                "went offline" if agent in conductor.offline
+                else f"still {p.state} when the run ended" if p.state
+                else "never reported"
+            )  # fmt: skip
+    return failed
+
+
 def conduct(
     runfile: RunFile,
     transport: MqttTransport,
@@ -208,15 +224,12 @@ def conduct(
         )
     finally:
         conductor.close()
+    failed = why_failed(conductor, unfinished)
     report = assemble_report(
         config, roster.agents, conductor.records(), conductor.aggregated(),
-        time.perf_counter() - started,
+        time.perf_counter() - started, failed,
     )  # fmt: skip
-    report["summary"]["failed_agents"] = {
-        agent: conductor.agents[agent].error or conductor.agents[agent].state or "silent"
-        for agent in roster.agents
-        if agent in unfinished or conductor.agents[agent].state in ("rejected", "failed")
-    }
+    report["summary"]["failed_agents"] = failed
     return {
         "config": {
             **dataclasses.asdict(config),

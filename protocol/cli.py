@@ -8,6 +8,7 @@ to the person running the program (`console`, `say`) and `version_option`.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import json
@@ -441,6 +442,16 @@ class _StderrHandler(logging.StreamHandler):
     def stream(self) -> Any:
         return sys.stderr
 
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        """A log line that cannot be written is dropped: a full disk or a closed pipe under
+        the log must not stop the program, nor print logging's traceback. Any other failure
+        (a bad format string) is one line, when stderr takes it."""
+        failure = sys.exc_info()[1]
+        if isinstance(failure, OSError):
+            return
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.write(f"logging error in {record.name}: {failure!r}\n")
+
 
 def setup_logging(verbose: int, fmt: str) -> None:
     """Log to stderr at WARNING, INFO (-v) or DEBUG (-vv), as text lines or JSON lines.
@@ -510,11 +521,13 @@ def say(message: str, out: Console | None = None) -> None:
     """Tell the person running the program something (rich markup allowed).
 
     Printed on `out` (stderr by default); with --log-format json it becomes a log line on
-    stderr instead (logger "edgefl", INFO, markup removed), so the output is all JSON.
+    stderr instead (logger "edgefl", INFO, markup removed), so the output is all JSON. A
+    message that cannot be written (a full disk under the log) is dropped, never fatal.
     """
     if _log_state.fmt == "json":
         MESSAGES.info("%s", Text.from_markup(message).plain)
-    else:
+        return
+    with contextlib.suppress(OSError, ValueError):  # a full disk or a closed stream
         (out or _stderr_console).print(message)
 
 

@@ -46,8 +46,11 @@ from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 from protocol.chunking import DEFAULT_CHUNK_SIZE, Reassembler, fits_one_frame, split
 from protocol.errors import ProtocolError
 from protocol.limits import DEFAULT_LIMITS, Limits
+from protocol.logs import RejectionLog, claimed_sender
 
 log = logging.getLogger(__name__)
+_DROPS = RejectionLog(log)
+"""Warnings of dropped frames, one limit for the process (a receiver's transports share it)."""
 
 Handler = Callable[[str, bytes], None]
 """Called with (topic, whole payload) once per message."""
@@ -601,9 +604,11 @@ class MqttTransport:
         self._dispatcher.put(topic, payload, handlers)
 
     def _drop(self, reason: str, exc: Exception, topic: str) -> None:
+        """Count a frame that failed reassembly; warn of it (rate-limited: a flood of
+        garbage frames must not fill the log)."""
         self._count("dropped_frames")
         self._count(f"dropped.{reason}")
-        log.warning("dropped a frame on %r: %s", topic[:200], exc)
+        _DROPS.reject(f"frame ({reason})", claimed_sender(topic), topic, exc)
 
     def _count(self, key: str, n: int = 1) -> None:
         with self._stats_lock:

@@ -6,8 +6,9 @@ agent k needs this round's models of its prior neighbours and last round's model
 others (ALGORITHMS.md 1.3), exactly what the simulator hands it, so with no faults a networked
 run reproduces a simulated one. A neighbour that does not deliver within the round timeout is
 a straggler: the agent asks for the model again while it waits, then falls back to the newest
-model it holds and records it. How models travel is the `--wire` object's (`wire_full`,
-`wire_delta`, `wire_layers`).
+model it holds and records it. A neighbour whose presence says offline (after it took part
+in this run) is a straggler at once, without the wait, until its presence says online again.
+How models travel is the `--wire` object's (`wire_full`, `wire_delta`, `wire_layers`).
 
 Pruning needs the fleet's votes (1.7-1.8). The first further pruning is at t_1 = 2 t* + b, so
 deciding whether round t prunes needs only the tallies of rounds <= t / 2: the agent waits

@@ -8,7 +8,6 @@ state (statuses, presence, votes) and the message checks are `FleetMail`'s.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -18,10 +17,9 @@ from agent.learning.ldf import checked_divergences
 from agent.runtime.codec import decode_state
 from agent.runtime.mail import Expected, FleetMail
 from protocol import ProtocolError, messages, topics
+from protocol.logs import claimed_sender
 
 __all__ = ["Expected", "Inbox"]
-
-log = logging.getLogger(__name__)
 
 
 class Inbox(FleetMail):
@@ -59,8 +57,7 @@ class Inbox(FleetMail):
                 raise ProtocolError(f"delta of round {message.round} on a later base")
             weights, masks = decode_state(message.tensors, shapes)
         except ProtocolError as exc:
-            self.rejected += 1
-            log.warning("rejected model from %s: %s", message.sender, exc)
+            self.reject("model", message.sender, topic, exc)
             return
         published = Published(weights, masks or None, message.num_samples)
         with self._changed:
@@ -96,8 +93,7 @@ class Inbox(FleetMail):
                 message.layers, message.values, self.expected.layer_groups or {}
             )
         except ValueError as exc:
-            self.rejected += 1
-            log.warning("rejected divergence of %s: %s", message.sender, exc)
+            self.reject("divergence", message.sender, topic, exc)
             return
         with self._changed:
             self._divergences.setdefault((message.round, message.sender), vector)
@@ -121,8 +117,7 @@ class Inbox(FleetMail):
             shapes = {name: self.expected.shapes[name] for name in groups[layer]}
             weights, masks = decode_state(message.tensors, shapes)
         except ProtocolError as exc:
-            self.rejected += 1
-            log.warning("rejected layer on %s: %s", topic, exc)
+            self.reject("layer", message.sender, topic, exc)
             return
         with self._changed:
             key = (message.round, message.sender, layer)
@@ -172,8 +167,7 @@ class Inbox(FleetMail):
             ):
                 raise ProtocolError("global message does not match its topic")
         except ProtocolError as exc:
-            self.rejected += 1
-            log.warning("rejected message on %s: %s", topic, exc)
+            self.reject("global", claimed_sender(topic), topic, exc)
             return
         if message.sender != self.expected.aggregator or message.run_id != self.expected.run_id:
             return
@@ -235,8 +229,9 @@ class Inbox(FleetMail):
     def wait_models(
         self, needed: Iterable[tuple[int, str]], timeout_s: float
     ) -> set[tuple[int, str]]:
-        """Wait until every (round, sender) is here, or will never come (its sender stopped
-        early before that round), or the timeout passes; returns the missing."""
+        """Wait until every (round, sender) is here, or will not come (its sender stopped
+        early before that round, or is `gone`), or the timeout passes; returns the missing
+        still worth waiting for."""
         return self._wait_missing(needed, self._models, timeout_s)
 
     def wait_divergences(

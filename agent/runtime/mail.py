@@ -3,11 +3,17 @@
 Handlers run on the transport's dispatcher thread and only validate and store; the round loop
 waits here with timeouts. `Inbox` adds the models on top of this fleet state, under the same
 lock, so that a wait for a model can see an agent stop early or go offline.
+
+An agent that took part in this run and whose presence then says offline (its last will after
+a crash, or its goodbye) is `gone`: nobody waits for its messages until its presence says
+online again (a restart that resumes). An offline presence of an agent not yet heard from in
+this run does not count: it may be a retained one of an earlier run, before the agent came up.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Container, Iterable
@@ -16,6 +22,8 @@ from typing import Any
 
 from agent.learning import running
 from protocol import ProtocolError, messages
+from protocol.logs import RejectionLog, claimed_sender
+from protocol.membership import LOST
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +45,10 @@ class Expected:
     """`--wire layers`: the model's layers in order, each with its tensors."""
 
 
+CRASH_GRACE_S = 10.0
+"""How long peers still wait for an agent whose will says it crashed: time to restart."""
+
+
 class FleetMail:
     """The fleet's state as this agent hears it, and the message checks every kind shares."""
 
@@ -50,6 +62,14 @@ class FleetMail:
         self.stopped: dict[str, int] = {}
         """Agents stopped early -> their last round; their later models will never come."""
         self.offline: set[str] = set()
+        self._crashed_at: dict[str, float] = {}
+        """Offline agents whose will said "lost" (a crash), and when (monotonic)."""
+        self._rejections = RejectionLog(log)
+
+    def reject(self, kind: str, sender: str, topic: str, reason: object) -> None:
+        """Count a message that failed its checks and warn of it (rate-limited)."""
+        self.rejected += 1
+        self._rejections.reject(kind, sender, topic, reason)
 
     def _decode(
         self, topic: str, payload: bytes, kind: str, check_run: bool = True
@@ -59,8 +79,7 @@ class FleetMail:
                 topic, payload, kind, self.expected.fleet, self.expected.key
             )
         except ProtocolError as exc:
-            self.rejected += 1
-            log.warning("rejected message on %s: %s", topic, exc)
+            self.reject(kind, claimed_sender(topic), topic, exc)
             return None
         aggregator = kind == "request" and message.sender == self.expected.aggregator
         if message.sender not in self.expected.roster and not aggregator:
@@ -106,8 +125,11 @@ class FleetMail:
             with self._changed:
                 if message.online:
                     self.offline.discard(message.sender)
+                    self._crashed_at.pop(message.sender, None)
                 else:
                     self.offline.add(message.sender)
+                    if message.reason == LOST:
+                        self._crashed_at.setdefault(message.sender, time.monotonic())
                 self._changed.notify_all()
 
     def stopped_agents(self) -> dict[str, int]:
@@ -121,17 +143,38 @@ class FleetMail:
                 self._votes.setdefault(round_, {}).setdefault(sender, vote)
             self._changed.notify_all()
 
+    def gone(self) -> set[str]:
+        """The agents that took part in this run and are offline now: their messages will
+        not come until they are back."""
+        with self._changed:
+            return self._gone()
+
+    def _gone(self) -> set[str]:
+        """`gone`, with the lock held. An agent that left cleanly is gone at once; one that
+        crashed only after CRASH_GRACE_S, since it may be restarting to resume the run (and
+        its peers would otherwise go on without the models it is about to republish)."""
+        now = time.monotonic()
+        return {
+            agent
+            for agent in self.offline & self.ready
+            if now - self._crashed_at.get(agent, -math.inf) >= CRASH_GRACE_S
+        }
+
     def _wait_missing(self, needed: Iterable[Any], store: Container[Any], timeout_s: float) -> Any:
-        """Wait until every key (round, sender, ...) is in `store` or will never come (its
-        sender stopped early before that round), or the timeout passes; returns the missing."""
+        """Wait until every key (round, sender, ...) is in `store` or will not come (its
+        sender stopped early before that round, or is gone), or the timeout passes; returns
+        the missing still worth waiting for (a gone sender's are left out)."""
         needed = set(needed)
         deadline = time.monotonic() + timeout_s
         with self._changed:
             while True:
+                gone = self._gone()
                 missing = {
                     key
                     for key in needed
-                    if key not in store and running(key[1], key[0], self.stopped)
+                    if key not in store
+                    and running(key[1], key[0], self.stopped)
+                    and key[1] not in gone
                 }
                 remaining = deadline - time.monotonic()
                 if not missing or remaining <= 0:

@@ -405,7 +405,8 @@ class Session:
 
         A crash before the checkpoint redoes the round; a crash between the two is repaired
         by `restore`, which logs the checkpoint's record if it is missing: no round is ever
-        lost or logged twice.
+        lost or logged twice. A full disk raises `DiskFullError` and leaves the previous
+        checkpoint in place.
         """
         checkpoint.save(
             self.checkpoint_path,
@@ -431,7 +432,8 @@ class Session:
         if saved["run_id"] != self.run_info.run_id or saved["agent"] != self.me:
             log.warning("ignoring checkpoint of another run or agent in %s", self.checkpoint_path)
             return 0
-        if saved["round"] not in checkpoint.read_records(self.records_path):
+        # The log may end torn (a crash or a full disk mid-line): repaired before appending.
+        if saved["round"] not in checkpoint.repair_records(self.records_path):
             checkpoint.append_record(self.records_path, saved["record"])
         self.state = dataclasses.replace(
             self.state,

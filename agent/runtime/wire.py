@@ -104,12 +104,13 @@ class WholeModels:
 
     def gather(self, round_: int, needs: set[Need], deadline: float, fetch: Fetcher) -> Gathered:
         """Wait for every need's model; a straggler's stands in by its newest one held (its
-        initial model if none)."""
+        initial model if none). A neighbour gone offline is a straggler at once."""
         inbox, learner = self.session.inbox, self.session.learner
         for r, j in needs:
             if r == 0:
                 inbox.put_model(0, j, learner.published(learner.init_agent(j), 0))
         sources = fetch.await_sources(round_, needs, deadline, inbox.model, inbox.wait_models)
+        gone = inbox.gone()
         models: dict[str, Published] = {}
         stragglers = []
         for r, j in sorted(needs):
@@ -118,7 +119,8 @@ class WholeModels:
                 stragglers.append(j)
                 fallback = inbox.latest(j, r)
                 model = fallback[1] if fallback else learner.published(learner.init_agent(j), 0)
-                log.warning("round %d: %s did not deliver its round %d model in time", round_, j, r)
+                why = "is offline" if j in gone else "did not deliver in time"
+                log.warning("round %d: %s %s: no round %d model", round_, j, why, r)
             models[j] = model
         return models, stragglers
 

@@ -146,8 +146,10 @@ class LayersWire:
             {j for (_, j), src in sources.items() if inbox.divergence(*src) is None}
             | {key[1] for key in missing}
         )
+        gone = inbox.gone()
         for j in stragglers:
-            log.warning("round %d: %s did not deliver in time", round_, j)
+            why = "is offline" if j in gone else "did not deliver in time"
+            log.warning("round %d: %s %s", round_, j, why)
         for j, layers in chosen.items():
             part = inbox.layers_of(*source_of[j], layers)
             if part is not None:
@@ -158,7 +160,8 @@ class LayersWire:
         self, fetch_now: dict[LayerKey, str], deadline: float, fetch: Fetcher
     ) -> set[LayerKey]:
         """Subscribe to the layers' topics, ask their senders for them again every
-        `request_every_s` until they came or the deadline; returns the missing."""
+        `request_every_s` until they came, their senders are gone or the deadline; returns
+        the missing."""
         session = self.session
         missing = set(fetch_now)
         try:
@@ -177,7 +180,7 @@ class LayersWire:
         finally:
             for topic in sorted(set(fetch_now.values())):
                 session.transport.unsubscribe(topic)
-        return missing
+        return {key for key in fetch_now if session.inbox.layers_of(*key[:2], [key[2]]) is None}
 
     # ------------------------------------------------------------------ persistence
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from coordinator.fleet import AgentEntry, FleetView
 from protocol import ProtocolError, messages, topics
+from protocol.logs import RejectionLog
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,7 @@ class FleetState:
         self.fleet = fleet
         self._key = key
         self._view = FleetView(key)
+        self._rejections = RejectionLog(log)
         self._series: dict[tuple[str, str], AgentSeries] = {}
         self._changed = threading.Condition()
         self._version = 0
@@ -120,7 +122,7 @@ class FleetState:
         try:
             fleet, kind, fields = topics.parse(topic)
         except ProtocolError as exc:
-            log.warning("ignoring message on %s: %s", topic, exc)
+            self._rejections.reject("message", "?", topic, exc)
             return
         if kind not in _KINDS or self.fleet not in (None, fleet):
             return
