@@ -14,11 +14,11 @@ from typing import Any
 import click
 
 from agent.device import resolve_device
-from agent.experiment import ExperimentConfig, check_networked
+from agent.experiment import ExperimentConfig, check_networked, data_misfit
 from agent.files import DiskFullError
 from agent.onnx_export import OnnxModel, load_inputs
 from agent.options import experiment_options
-from agent.own_data import OwnData, load_own_data, misfit
+from agent.own_data import OwnData, load_own_data
 from agent.runfile import load_run_file, parse_run_table, run_timeouts
 from agent.runtime import Timeouts
 from agent.service import AgentService, ServiceOptions
@@ -56,11 +56,11 @@ def default_agent_id() -> str:
 
 
 def wanted_run(
-    run_file: str | None, expect: int | None, experiment: dict[str, Any]
+    run_file: str | None, expect: int | None, experiment: dict[str, Any], own: OwnData | None
 ) -> tuple[int | None, Callable[[int], ExperimentConfig] | None, dict[str, float]]:
     """Without a coordinator (`--expect N`, `--run FILE`): how many agents the run waits for
-    and the run this agent wants for n agents; checked now, so a configuration that cannot
-    work is a one-line error before anything starts."""
+    and the run this agent wants for n agents; checked now, with this device's data `own`,
+    so a configuration that cannot work is a one-line error before anything starts."""
     given = {k: v for k, v in experiment.items() if v is not None}
     if run_file is None and expect is None:
         if given:
@@ -78,7 +78,10 @@ def wanted_run(
     if expect is not None and expect != runfile.wanted:
         raise ValueError(f"--expect {expect} but the run file wants {runfile.wanted} agents")
     expect = runfile.wanted
-    check_networked(runfile.config(expect), aggregator=False)
+    wanted = runfile.config(expect)
+    check_networked(wanted, aggregator=False)
+    if own is not None and wanted.on_devices and (problem := data_misfit(wanted, own)):
+        raise ValueError(f"{own.path}: the data does not fit the run: {problem}")
     # A run file fixes the run's timeouts for every agent; flags leave each agent its own.
     timeouts = run_timeouts(runfile.timeouts) if run_file is not None else {}
     return expect, runfile.config, timeouts
@@ -240,9 +243,7 @@ def main(
         if device is not None:
             device.peak_for(trains_on.type)  # a CPU-only board asked for CUDA: an error
         own = load_own_data(data_path) if data_path else None
-        expect, own_config, own_timeouts = wanted_run(run_file, expect, experiment)
-        if own is not None and own_config is not None and own_config(expect or 1).on_devices:
-            check_fit(own, own_config(expect or 1))
+        expect, own_config, own_timeouts = wanted_run(run_file, expect, experiment, own)
     except (ProfileError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
     broker_settings = find_broker(broker_settings, fleet, mdns_interfaces)
@@ -298,15 +299,6 @@ def advertise(identity: Identity, broker: BrokerAddress, interfaces: tuple[str, 
     advert = AgentAdvert(identity.sender, identity.fleet, str(broker), identity.profile)
     discovery.advertise_agent(advert)
     return discovery
-
-
-def check_fit(own: OwnData, config: ExperimentConfig) -> None:
-    """This device's data against the run it wants (fleets without a coordinator)."""
-    problem = misfit(
-        own.describe(), config.input_shape or (), config.classes or 0, config.min_samples
-    )
-    if problem is not None:
-        raise ValueError(f"{own.path}: the data does not fit the run: {problem}")
 
 
 @main.command()

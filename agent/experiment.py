@@ -190,16 +190,22 @@ def build_workload(
     return Workload(model_name, learner, data)
 
 
+def data_misfit(config: ExperimentConfig, own: OwnData) -> str | None:
+    """Why this device's data does not fit the run `config` (its model's input shape and
+    classes, its minimum sample count); None when it fits."""
+    from agent.own_data import misfit  # it reads DEFAULT_MIN_SAMPLES here
+
+    return misfit(own.describe(), config.input_shape or (), config.classes or 0, config.min_samples)
+
+
 def own_workload(
     config: ExperimentConfig, roster: list[str], agent_id: str, own: OwnData
 ) -> Workload:
     """One device's workload in a run on its own data: the run's model, and the device's data
     split locally (seeded, stratified) into train, validation and test."""
-    from agent.own_data import misfit, split_own_data  # it reads DEFAULT_MIN_SAMPLES here
+    from agent.own_data import split_own_data  # it reads DEFAULT_MIN_SAMPLES here
 
-    problem = misfit(
-        own.describe(), config.input_shape or (), config.classes or 0, config.min_samples
-    )
+    problem = data_misfit(config, own)
     if problem is not None:
         raise ValueError(problem)
     workload = build_workload(config, roster, agents=[])

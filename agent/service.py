@@ -31,6 +31,7 @@ from agent.experiment import (
     check_networked,
     config_from_dict,
     config_to_dict,
+    data_misfit,
     nominal_budgets,
     own_workload,
     profile_names,
@@ -39,7 +40,7 @@ from agent.experiment import (
 from agent.files import DiskFullError, disk_full_as_error
 from agent.learning import AgentState
 from agent.onnx_export import export_onnx
-from agent.own_data import OwnData, misfit
+from agent.own_data import OwnData
 from agent.runtime import (
     AgentRuntime,
     Run,
@@ -222,8 +223,7 @@ class AgentService:
         own = self.options.own
         if own is None:
             raise ValueError("the run learns from each device's own data; start with --data")
-        shape, classes = config.input_shape or (), config.classes or 0
-        problem = misfit(own.describe(), shape, classes, config.min_samples)
+        problem = data_misfit(config, own)
         if problem is not None:
             raise ValueError(f"its data does not fit the run: {problem}")
 

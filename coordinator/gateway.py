@@ -17,11 +17,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from agent.experiment import ExperimentConfig
+from agent.experiment import DEFAULT_MIN_SAMPLES, ExperimentConfig
 from agent.own_data import misfit
 from agent.runfile import RunFile, run_timeouts
 from coordinator.conductor import Conductor, assemble_report, wait_until_finished
-from coordinator.fleet import AgentEntry, FleetView
+from coordinator.fleet import AgentEntry
+from coordinator.watch import FleetFeed
 from protocol import MqttTransport, topics
 
 Say = Callable[[str], None]
@@ -85,7 +86,7 @@ def fitting(
             data_of(entry) or {"samples": 0},
             shape or (),
             classes or 0,
-            int(runfile.values.get("min_samples", 10)),
+            int(runfile.values.get("min_samples", DEFAULT_MIN_SAMPLES)),
         )
         if problem is None:
             fit.append(entry.agent)
@@ -123,15 +124,7 @@ def gather_roster(
     say: Say,
 ) -> Roster:
     """Wait (at most the run file's join timeout) for the agents the run wants."""
-    view = FleetView(key=key)
-    lock = threading.Lock()
-
-    def on_message(topic: str, payload: bytes) -> None:
-        with lock:
-            view.feed(topic, payload)
-
-    transport.subscribe(topics.presence(fleet), on_message)
-    transport.subscribe(topics.status(fleet), on_message)
+    feed = FleetFeed(transport, fleet, key)
     seen: set[str] = set()
     deadline = time.monotonic() + runfile.timeouts.join_s
     say(
@@ -141,19 +134,17 @@ def gather_roster(
     available: list[AgentEntry] = []
     try:
         while not stop.wait(0.5):
-            with lock:
-                available = [
-                    e
-                    for e in view.entries()
-                    if e.fleet == fleet and e.role == "agent" and e.online
-                    if e.state in AVAILABLE
-                ]
+            available = [
+                e
+                for e in feed.entries()
+                if e.fleet == fleet and e.role == "agent" and e.online and e.state in AVAILABLE
+            ]
             roster = choose_roster(available, runfile, seen, say)
             if roster is not None:
                 return roster
             if time.monotonic() > deadline:
                 break
-    finally:
+    finally:  # the run's own subscriptions follow on this transport
         transport.unsubscribe(topics.presence(fleet))
         transport.unsubscribe(topics.status(fleet))
     fit = fitting(available, runfile, set(), lambda _: None)[0]
