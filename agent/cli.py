@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+from click.core import ParameterSource
 
 from agent.device import resolve_device
 from agent.experiment import ExperimentConfig, check_networked, data_misfit
@@ -28,14 +29,23 @@ from protocol import (
     BrokerAddress,
     ConfigError,
     Identity,
+    MqttTransport,
     ProtocolError,
     TlsOptions,
     connect,
     leave,
     read_key,
     stop_on_signal,
+    topics,
 )
 from protocol.cli import BrokerSettings, broker_options, logging_options, say, version_option
+from protocol.limits import PRE_RUN_LIMITS
+from protocol.signing import (
+    IDENTITY_FILE,
+    Signer,
+    member_keys,
+    public_line,
+)
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +63,17 @@ def default_agent_id() -> str:
     """The host name, made into a valid topic level, so one agent per device needs no flag."""
     name = re.sub(r"[^a-z0-9_.-]", "-", socket.gethostname().lower()).strip("-.")
     return (name or "agent")[:64]
+
+
+def member_id(ctx: click.Context, agent_id: str, settings: BrokerSettings) -> str:
+    """This agent's id: --id, else its broker login when that is a valid id (with per-member
+    logins the broker lets a member publish only as its login), else the host name."""
+    if ctx.get_parameter_source("agent_id") is not ParameterSource.DEFAULT:
+        return agent_id
+    try:
+        return topics.check_name(settings.username or "", "agent")
+    except ProtocolError:
+        return agent_id
 
 
 def wanted_run(
@@ -128,7 +149,8 @@ DISCOVERY_TIMEOUT_S = 30.0
     "agent_id",
     type=NAME,
     default=default_agent_id,
-    help="This agent's id in the fleet [default: the host name].",
+    help="This agent's id in the fleet [default: the broker login (--username), else the "
+    "host name].",
 )
 @click.option(
     "--data",
@@ -203,7 +225,16 @@ DISCOVERY_TIMEOUT_S = 30.0
 @click.option(
     "--key-file",
     type=click.Path(exists=True, dir_okay=False),
-    help="File holding the fleet key that signs and checks every message.",
+    help="File holding the fleet key that signs and checks every message (one key shared "
+    "by the fleet; see --trust for a key per member).",
+)
+@click.option(
+    "--trust",
+    "trust_file",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Sign with this agent's own key (STATE_DIR/identity.pem, made on first start; "
+    "`edge-agent key` prints it) and accept runs only from the members this file lists "
+    "(lines 'ID ed25519:KEY': the coordinator's, or, with --expect, the peers').",
 )
 @logging_options
 @experiment_options
@@ -226,6 +257,7 @@ def main(
     linger: float,
     mdns_interfaces: tuple[str, ...],
     key_file: str | None,
+    trust_file: str | None,
     **experiment: Any,
 ) -> None:
     """Run an edge agent: join the fleet, take part in every run that names this agent,
@@ -234,7 +266,9 @@ def main(
     Runs come from a coordinator (`coordinator run`), or, in a fleet without one, from
     --expect N with --run FILE (the same file on every device).
     """
+    agent_id = member_id(ctx, agent_id, broker_settings)
     if ctx.invoked_subcommand is not None:
+        ctx.meta["agent_id"] = agent_id  # `edge-agent key` prints this agent's key
         return
     stop = stop_on_signal()
     try:
@@ -246,14 +280,14 @@ def main(
         expect, own_config, own_timeouts = wanted_run(run_file, expect, experiment, own)
     except (ProfileError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
+    folder = agent_state_dir(state_dir, fleet, agent_id)
+    key = agent_signer(key_file, trust_file, agent_id, folder)
     broker_settings = find_broker(broker_settings, fleet, mdns_interfaces)
     broker = broker_settings.address
     assert broker is not None
-    identity = Identity(
-        fleet, agent_id, profile=device.name if device else "", key=read_key(key_file)
-    )
+    identity = Identity(fleet, agent_id, profile=device.name if device else "", key=key)
     options = ServiceOptions(
-        state_dir=Path(state_dir) if state_dir else Path.home() / ".edgefl" / fleet / agent_id,
+        state_dir=folder,
         timeouts=Timeouts(round_s=round_timeout, vote_s=vote_timeout, linger_s=linger),
         device=device,
         own=own,
@@ -266,18 +300,11 @@ def main(
         compute_auto=compute == "auto",
         telemetry=telemetry,
     )
-    try:
-        transport = connect(broker, identity, broker_settings.transport_options(None))
-    except ProtocolError as exc:  # a duplicate id, or refused credentials
-        raise click.ClickException(str(exc)) from None
+    transport = join(broker_settings, identity)
     discovery = None
     try:
         if mdns_interfaces:
             discovery = advertise(identity, broker, mdns_interfaces)
-        if transport.connected:
-            say(f"agent {agent_id} joined fleet {fleet} via {broker}")
-        else:
-            say(f"agent {agent_id}: broker {broker} not reachable yet; retrying in the background")
         AgentService(identity, transport, options, stop).serve()
     except DiskFullError as exc:  # one line, exit 1, after the goodbye below
         raise click.ClickException(str(exc)) from None
@@ -286,6 +313,67 @@ def main(
         if discovery is not None:
             discovery.close()
     say(f"agent {agent_id} stopped")
+
+
+def join(settings: BrokerSettings, identity: Identity) -> MqttTransport:
+    """The agent's connection to its fleet, its id claimed; a duplicate id or refused
+    credentials are one-line errors."""
+    broker = settings.address
+    assert broker is not None
+    # Until a run names its model, nothing larger than a run message is expected.
+    wire = dataclasses.replace(settings.transport_options(None), limits=PRE_RUN_LIMITS)
+    try:
+        transport = connect(broker, identity, wire)
+    except ProtocolError as exc:
+        raise click.ClickException(str(exc)) from None
+    who = f"agent {identity.sender}"
+    if transport.connected:
+        say(f"{who} joined fleet {identity.fleet} via {broker}")
+    else:
+        say(f"{who}: broker {broker} not reachable yet; retrying in the background")
+    return transport
+
+
+def agent_state_dir(state_dir: str | None, fleet: str, agent_id: str) -> Path:
+    return Path(state_dir) if state_dir else Path.home() / ".edgefl" / fleet / agent_id
+
+
+def agent_signer(
+    key_file: str | None, trust_file: str | None, agent_id: str, state_dir: Path
+) -> Signer | None:
+    """How this agent signs: the fleet key, its own key pair, or not at all."""
+    if key_file and trust_file:
+        raise click.UsageError("give --key-file (one fleet key) or --trust (a key per member)")
+    if trust_file is None:
+        return read_key(key_file)
+    try:
+        signer = member_keys(agent_id, state_dir / IDENTITY_FILE, Path(trust_file), runners=True)
+    except ProtocolError as exc:
+        raise click.ClickException(str(exc)) from None
+    if signer.runners <= {agent_id}:
+        raise click.ClickException(
+            f"{trust_file} names nobody this agent would take runs from: add the lines "
+            "`coordinator key` prints (or, with --expect, the peers' `edge-agent key` lines)"
+        )
+    say(f"agent {agent_id} signs with its own key {signer.public}")
+    return signer
+
+
+@main.command()
+@click.pass_context
+def key(ctx: click.Context) -> None:
+    """Print this agent's public key as a line for a coordinator's admission list or a
+    peer's trust file (`ID ed25519:KEY`), making the key pair on first use.
+
+    Give the same --id, --fleet and --state-dir as the agent itself:
+    `edge-agent --id d1 key >> admitted.keys`."""
+    params = ctx.parent.params if ctx.parent else {}
+    agent_id = ctx.meta["agent_id"]
+    folder = agent_state_dir(params.get("state_dir"), params["fleet"], agent_id)
+    try:
+        click.echo(public_line(agent_id, folder / IDENTITY_FILE))
+    except ProtocolError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 def advertise(identity: Identity, broker: BrokerAddress, interfaces: tuple[str, ...]) -> Any:

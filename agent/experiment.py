@@ -28,6 +28,7 @@ from agent.learning import (
     models,
     param,
     pruning,
+    robust,
 )
 
 if TYPE_CHECKING:
@@ -76,6 +77,15 @@ class ExperimentConfig:
     classes: int | None = run_param(None, "Number of classes under dataset 'device'.")
     min_samples: int = run_param(
         DEFAULT_MIN_SAMPLES, "Fewest samples an agent's own data may hold to join a run."
+    )
+    attackers: int = param(
+        0,
+        "Research: the first N agents of the sorted roster send poisoned (well-formed) models.",
+    )
+    attack: str = param(
+        "scale",
+        f"What attackers send: scale (x {robust.SCALE_FACTOR:g}), noise (+ N(0, "
+        f"{robust.NOISE_STD:g}^2)) or signflip (negated).",
     )
     learning: StrategyConfig = field(default_factory=StrategyConfig)
 
@@ -129,9 +139,30 @@ class ExperimentConfig:
             raise ValueError(f"--round-time-s must be > 0, got {self.round_time_s}")
         if self.profiles:
             profile_names(self.profiles)
+        check_robustness(self)
         if cfg.schedule_b < 0:
             # t_1 = 2 t* + b >= 2 t* lets networked agents decide with old votes only.
             raise ValueError(f"--schedule-b must be >= 0, got {cfg.schedule_b}")
+
+
+def check_robustness(config: ExperimentConfig) -> None:
+    """The robust-aggregation and attack options, one clear sentence for a bad value."""
+    robust.parse_rule(config.learning.aggregation)
+    robust.parse_clip(config.learning.clip)
+    if not 0 <= config.attackers < config.agents:
+        raise ValueError(
+            f"--attackers must be between 0 and agents - 1 = {config.agents - 1}, "
+            f"got {config.attackers}"
+        )
+    if config.attack not in robust.ATTACKS:
+        raise ValueError(
+            f"--attack must be one of {', '.join(robust.ATTACKS)}, got {config.attack!r}"
+        )
+
+
+def attackers(config: ExperimentConfig, roster: list[str]) -> list[str]:
+    """The agents of this run that poison what they send (`robust.attackers`)."""
+    return robust.attackers(roster, config.attackers)
 
 
 def check_device_data(config: ExperimentConfig) -> None:

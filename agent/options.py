@@ -24,6 +24,7 @@ from agent.learning import (
     WIRE_FORMATS,
     StrategyConfig,
     preset,
+    robust,
 )
 
 _TYPES = {int: int, float: float, str: str}
@@ -33,6 +34,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "reduce": REDUCE_MODES,
     "wire": WIRE_FORMATS,
     "detection_distance": DISTANCES,
+    "attack": robust.ATTACKS,
 }
 
 

@@ -243,3 +243,18 @@ def energy_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         "energy_by_agent": by_agent or None,
         "energy_source": ENERGY_SOURCE if by_agent else None,
     }
+
+
+def honest_summary(rounds: list[dict[str, Any]], attackers: Iterable[str]) -> dict[str, Any]:
+    """Under attack (`--attackers`): the attackers, and the final mean accuracy over the
+    honest agents alone (an attacker's own model says nothing of what the fleet learned);
+    empty without attackers, so a clean run's summary is unchanged."""
+    bad = sorted(attackers)
+    if not bad or not rounds:
+        return {}
+    final = rounds[-1]["agents"]
+    honest = [a["accuracy"] for k, a in final.items() if k not in bad]
+    return {
+        "attackers": bad,
+        "honest_mean_accuracy": sum(honest) / len(honest) if honest else None,
+    }

@@ -51,6 +51,8 @@ from agent.runtime import (
 )
 from firmware_profiles import DeviceProfile, load_profile
 from protocol import Identity, MqttTransport, ProtocolError, messages, topics
+from protocol.logs import RejectionLog, claimed_sender
+from protocol.signing import Signer, keys_to_list, signer_for_run
 
 log = logging.getLogger(__name__)
 
@@ -88,14 +90,30 @@ class ServiceOptions:
     """`--device auto` chose `compute`: a strategy that cannot use it falls back to the CPU."""
 
 
+REFUSAL_INTERVAL_S = 5.0
+"""At most one "rejected" status for runs that fail their checks in this many seconds."""
+
+
 class RunBoard:
     """The fleet's retained run message as it changes (empty: no run is on)."""
 
-    def __init__(self, transport: MqttTransport, fleet: str, key: bytes | None) -> None:
+    def __init__(
+        self,
+        transport: MqttTransport,
+        fleet: str,
+        key: Signer | None,
+        refused: Callable[[str, str], None] | None = None,
+        me: str = "",
+    ) -> None:
+        """`refused(run_id, reason)`: called for a run naming `me` that fails its checks."""
         self.fleet = fleet
         self.key = key
+        self.me = me
+        self._refused = refused
+        self._last_refusal = (-REFUSAL_INTERVAL_S, "")
         self._changed = threading.Condition()
         self._current: messages.RunConfig | None = None
+        self._rejections = RejectionLog(log)
         transport.subscribe(topics.run(fleet), self._on_run)
 
     def _on_run(self, topic: str, payload: bytes) -> None:
@@ -105,13 +123,37 @@ class RunBoard:
                 decoded = messages.decode(payload, key=self.key)
                 if not isinstance(decoded, messages.RunConfig) or decoded.fleet != self.fleet:
                     raise ProtocolError("not a run message of this fleet")
+                signer_for_run(self.key, decoded)  # signed by a member trusted to start runs
                 message = decoded
             except ProtocolError as exc:
-                log.warning("ignoring the message on %s: %s", topic, exc)
+                self._rejections.reject("run", claimed_sender(topic), topic, exc)
+                self._tell_refused(payload, exc)
                 return
         with self._changed:
             self._current = message
             self._changed.notify_all()
+
+    def _tell_refused(self, payload: bytes, why: ProtocolError) -> None:
+        """A run naming this agent that it cannot trust (a wrong trust file, a coordinator
+        without --admitted): its sender waits for the agent, so say why in the agent's
+        status. The run is read unverified, only to name it; at most one such answer per
+        REFUSAL_INTERVAL_S, so forged runs cannot make the agent publish in a loop."""
+        try:
+            offer = messages.decode(payload)
+        except ProtocolError:
+            return
+        last_at, last_run = self._last_refusal
+        now = time.monotonic()
+        if (
+            self._refused is None
+            or not isinstance(offer, messages.RunConfig)
+            or self.me not in offer.roster
+            or offer.run_id == last_run
+            or now - last_at < REFUSAL_INTERVAL_S
+        ):
+            return
+        self._last_refusal = (now, offer.run_id)
+        self._refused(offer.run_id, f"the run message fails its checks: {why}")
 
     def next(
         self, skip: Container[str], stop: threading.Event, timeout_s: float | None = None
@@ -149,7 +191,7 @@ class AgentService:
         self.runs_done = 0
 
     def serve(self) -> None:
-        board = RunBoard(self.transport, self.fleet, self.identity.key)
+        board = RunBoard(self.transport, self.fleet, self.identity.key, self.reject, self.me)
         self.publish_status("idle")
         self.say(f"waiting for a run of fleet {self.fleet}")
         handled: set[str] = set()
@@ -165,7 +207,7 @@ class AgentService:
             run = self.accept(offer)
             if run is None:
                 continue
-            self.learn(run, self.timeouts_of(offer))
+            self.learn(run, self.timeouts_of(offer), signer_for_run(self.identity.key, offer))
             self.runs_done += 1
             if self.options.once or self.stop.is_set():
                 return
@@ -193,7 +235,8 @@ class AgentService:
                     raise ValueError("it is not the run this agent's run file describes")
             if config.on_devices:
                 self.check_own_data(config)
-        except ValueError as exc:
+            signer_for_run(self.identity.key, offer)
+        except (ValueError, ProtocolError) as exc:
             self.reject(offer.run_id, str(exc))
             return None
         return Run(offer.run_id, tuple(sorted(offer.roster)), config, offer.sender)
@@ -251,6 +294,7 @@ class AgentService:
             seed=config.seed,
             config=config_to_dict(config),
             timeouts=dict(self.options.own_timeouts),
+            keys=keys_to_list(self.identity.key, roster),
         )
         self.transport.publish(
             topics.run(self.fleet), messages.encode(run, key=self.identity.key), retain=True
@@ -277,9 +321,9 @@ class AgentService:
 
     # ------------------------------------------------------------------ one run
 
-    def learn(self, run: Run, timeouts: Timeouts) -> None:
+    def learn(self, run: Run, timeouts: Timeouts, key: Signer | None) -> None:
         """Run the rounds of `run` (resuming from its checkpoint), export the model, and
-        mark the run finished once its model is final."""
+        mark the run finished once its model is final. `key` checks the run's messages."""
         folder = run_folder(self.options.state_dir, run.run_id)
         cfg = run.config.learning
         self.say(
@@ -303,7 +347,7 @@ class AgentService:
             transport=self.transport,
             state_dir=folder,
             timeouts=timeouts,
-            key=self.identity.key,
+            key=key,
             on_round=self.report_round,
             on_finish=lambda state: self.export(run, workload, state),
             stop=self.stop,

@@ -33,14 +33,18 @@ from agent.learning import (
     Upload,
     advance_server,
     central_strategy,
+    checked_aggregate,
     layer_requests,
     ldf,
     running,
 )
 from agent.report import Traffic
-from agent.runtime import decode_upload, encode_state, values_sent
+from agent.runtime import decode_upload, encode_state, expected_shapes, values_sent
+from agent.runtime.inbox import ROUNDS_AHEAD
 from protocol import MqttTransport, ProtocolError, messages, topics
+from protocol.limits import DEFAULT_LIMITS, run_limits
 from protocol.logs import RejectionLog, claimed_sender
+from protocol.signing import Signer
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +71,7 @@ class Intake:
         run_id: str,
         roster: list[str],
         me: str,
-        key: bytes | None,
+        key: Signer | None,
         layer_groups: dict[str, list[str]],
         resend: Callable[[int], None],
     ) -> None:
@@ -89,6 +93,9 @@ class Intake:
         self.stopped: dict[str, int] = {}
         self.offline: set[str] = set()
         self.rejected = 0
+        self.current_round = 1
+        """The round being aggregated: messages further ahead than ROUNDS_AHEAD are dropped
+        unread (a forged far-future update would otherwise be kept for the whole run)."""
         self._rejections = RejectionLog(log)
 
     def subscribe(self, transport: MqttTransport) -> None:
@@ -108,6 +115,9 @@ class Intake:
             return None
         if message.run_id != self.run_id or message.sender not in self.roster:
             return None
+        if kind != "status" and message.round > self.current_round + ROUNDS_AHEAD:
+            self.reject(kind, message.sender, topic, "a round too far ahead")
+            return None
         if kind != "status":
             with self.changed:
                 received = self.received.get(message.round, 0)
@@ -117,9 +127,13 @@ class Intake:
     def on_update(self, topic: str, payload: bytes) -> None:
         message = self._decode(topic, payload, "update")
         if isinstance(message, messages.Update):
-            if message.num_samples < 1:
+            if not 1 <= message.num_samples <= DEFAULT_LIMITS.max_num_samples:
                 self.reject(
-                    "update", message.sender, topic, "an update must weigh at least one sample"
+                    "update",
+                    message.sender,
+                    topic,
+                    f"an update weighs 1 to {DEFAULT_LIMITS.max_num_samples:,} samples, "
+                    f"not {message.num_samples:,}",
                 )
                 return
             with self.changed:
@@ -208,7 +222,7 @@ class Aggregator:
         config: ExperimentConfig,
         transport: MqttTransport,
         sender: str = "coordinator",
-        key: bytes | None = None,
+        key: Signer | None = None,
         round_timeout_s: float = 120.0,
         stop: threading.Event | None = None,
     ) -> None:
@@ -241,7 +255,10 @@ class Aggregator:
         self.error: Exception | None = None
 
     def start(self) -> None:
-        """Subscribe; call before the run is published so that no upload is missed."""
+        """Subscribe; call before the run is published so that no upload is missed. The
+        transport's limits follow the run's model, as an agent's do."""
+        shapes = expected_shapes(self.learner.initial)
+        self.transport.set_limits(run_limits(shapes, len(self.roster)))
         self.intake.subscribe(self.transport)
 
     # ------------------------------------------------------------------ sending
@@ -374,7 +391,13 @@ class Aggregator:
         broadcast: empty when nothing arrived."""
         broadcast = Payload({})
         if uploads:
-            aggregate = self.strategy.aggregate(self.learner, self.server, uploads)
+            aggregate, undone = checked_aggregate(
+                self.strategy,
+                self.server,
+                self.strategy.aggregate(self.learner, self.server, uploads),
+            )
+            if undone:
+                log.warning("round %d: aggregate not finite; the server kept its model", round_)
             broadcast = aggregate.broadcast
             self.server = advance_server(
                 self.strategy, self.server, aggregate, self.config.learning.fp16
@@ -402,6 +425,7 @@ class Aggregator:
             return False
         record = AggregatorRecord(round_, [], [])
         self.records.append(record)
+        self.intake.current_round = round_
         senders, uploads, missing = self._gather(round_, candidates)
         with self._changed:
             stopped_now = {k for k in candidates if not running(k, round_, stopped)}

@@ -2,10 +2,17 @@
 
 amqtt is asyncio-based; the broker runs on its own event loop in its own thread so that the
 coordinator's code stays synchronous. It keeps retained messages and wills in memory only:
-after a restart, every agent republishes its retained presence when it reconnects.
+after a restart, every agent republishes its retained presence when it reconnects. It binds
+loopback unless told otherwise. Given a folder written by `coordinator broker-config`, it
+admits only the members listed there, each with its password, and enforces the fleet's ACL
+(`protocol.acl`) on every publish, subscription and last will, through amqtt's plugin API.
 
-Run `python -m coordinator.broker --port N` for a standalone broker process (tests use it to
-kill and restart a broker on the same port).
+amqtt's broker is subclassed at three private points (keepalive, subscription table,
+retained messages on connect; see `_FleetBroker`), so pyproject.toml pins amqtt to the
+versions tested.
+
+Run `python -m coordinator.broker --port N [--auth DIR]` for a standalone broker process
+(tests use it to kill and restart a broker on the same port).
 """
 
 from __future__ import annotations
@@ -20,15 +27,23 @@ import socket
 import sys
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from amqtt.broker import Broker
+from amqtt.contexts import Action
+from amqtt.plugins.base import BaseAuthPlugin, BaseTopicPlugin
+from amqtt.session import Session
 
+from coordinator.broker_config import BrokerAuth, BrokerAuthError
 from protocol import BrokerAddress
+from protocol.logs import RejectionLog
 
 log = logging.getLogger(__name__)
 
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+_MODULE = "coordinator.broker"  # amqtt imports plugins by dotted path (not __main__'s name)
 
 
 class BrokerStartError(OSError):
@@ -58,9 +73,10 @@ class _SnapshotDict(dict):
         return list(dict.items(self))
 
 
-class _KeepaliveBroker(Broker):
-    """amqtt's broker with MQTT's keepalive rule enforced, and its subscription table safe to
-    change while it is walked (see _SnapshotDict).
+class _FleetBroker(Broker):
+    """amqtt's broker with MQTT's keepalive rule enforced, its subscription table safe to
+    change while it is walked (see _SnapshotDict), and retained messages sent only to the
+    subscriptions they match.
 
     amqtt notices a client that closed its socket, but never drops one that merely went
     silent (its read timeout handler does nothing). A device that loses power or network
@@ -85,19 +101,100 @@ class _KeepaliveBroker(Broker):
             handler.handle_read_timeout = close_silent_client
         return handler, session
 
+    async def _publish_retained_messages_for_subscription(
+        self, subscription: tuple[str, int], session: Session
+    ) -> None:
+        """Send the retained messages of `subscription` only if `session` holds it.
+
+        On every connect amqtt (0.12.1) calls this for every filter that any client holds,
+        so a new client received the retained messages of topics it never subscribed to
+        (another fleet's presence, a run). A subscription (SUBSCRIBE) is registered before
+        this is called, so a session's own filters pass.
+        """
+        holders = self._subscriptions.get(subscription[0], [])
+        if any(held.client_id == session.client_id for held, _qos in holders):
+            await super()._publish_retained_messages_for_subscription(subscription, session)
+
+
+class FleetAuthPlugin(BaseAuthPlugin):
+    """Admits only the members of a `coordinator broker-config` folder, each with its own
+    password (never an anonymous client), and a last will only on a topic its member may
+    publish (as mosquitto does): a will is a publish made later on the member's behalf."""
+
+    @dataclass
+    class Config:
+        folder: str = ""
+
+    def __init__(self, context: Any) -> None:
+        super().__init__(context)
+        self.auth = BrokerAuth.load(self.config.folder)
+        self.refusals = RejectionLog(log)
+
+    async def authenticate(self, *, session: Session) -> bool:
+        user = session.username
+        if not self.auth.login(user, session.password):
+            why = f"wrong password or unknown user {user!r}" if user else "no user name"
+            self.refusals.reject("login", user or "(anonymous)", f"client {session.client_id}", why)
+            return False
+        will = session.will_topic or ""
+        if session.will_flag and not self.auth.may_publish(user, will):
+            self.refusals.reject("login", str(user), will, "last will on another's topic")
+            return False
+        return True
+
+
+class FleetAclPlugin(BaseTopicPlugin):
+    """The fleet's ACL (`protocol.acl`, read from the folder's `acl` file): a member
+    publishes only where its grant allows; a publish elsewhere is dropped, undelivered."""
+
+    @dataclass
+    class Config:
+        folder: str = ""
+
+    def __init__(self, context: Any) -> None:
+        super().__init__(context)
+        self.auth = BrokerAuth.load(self.config.folder)
+        self.denials = RejectionLog(log)
+        """A member publishing outside its grant in a loop must not fill the gateway's log."""
+
+    async def topic_filtering(
+        self, *, session: Session | None = None, topic: str | None = None, action: Any = None
+    ) -> bool:
+        user = session.username if session is not None else None
+        if action == Action.RECEIVE:
+            return True  # checked when it was published
+        allowed = (
+            self.auth.may_publish(user, topic or "")
+            if action == Action.PUBLISH
+            else self.auth.may_subscribe(user, topic or "")
+        )
+        if not allowed:
+            self.denials.reject(
+                f"{getattr(action, 'value', action)} (denied)", str(user), topic or "", "no grant"
+            )
+        return allowed
+
 
 class EmbeddedBroker:
     """amqtt broker on (host, port) in a background thread; usable as a context manager.
 
-    Anonymous clients are allowed, there is no topic ACL and no message size limit beyond
-    MQTT's own; retained messages and last wills work.
+    Without `auth`, anonymous clients are allowed and there is no topic ACL. With `auth`, a
+    folder written by `coordinator broker-config`, only its members log in, each with its
+    password, and each publishes only on its own topics. Retained messages and last wills
+    work; there is no message size limit beyond MQTT's own.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 1883) -> None:
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 1883, auth: str | Path | None = None
+    ) -> None:
+        """Raises BrokerAuthError (a ValueError, one line) for an unusable `auth` folder."""
         if not 0 < port < 65536:
             raise ValueError(f"port must be in 1..65535, got {port}")
         self.host = host
         self.port = port
+        self.auth = None if auth is None else Path(auth)
+        if self.auth is not None:
+            BrokerAuth.load(self.auth)  # fail here, in one line, not inside amqtt's startup
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._broker: Broker | None = None
@@ -152,13 +249,14 @@ class EmbeddedBroker:
 
     async def _start(self) -> Broker:
         bind = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
-        broker = _KeepaliveBroker(
-            {
-                "listeners": {"default": {"type": "tcp", "bind": bind}},
-                "plugins": {
-                    "amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}
-                },
-            }
+        plugins: dict[str, dict[str, Any]] = {
+            "amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}
+        }
+        if self.auth is not None:
+            folder = {"folder": str(self.auth)}
+            plugins = {f"{_MODULE}.FleetAuthPlugin": folder, f"{_MODULE}.FleetAclPlugin": folder}
+        broker = _FleetBroker(
+            {"listeners": {"default": {"type": "tcp", "bind": bind}}, "plugins": plugins}
         )
         await broker.start()
         return broker
@@ -206,15 +304,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m coordinator.broker", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=1883)
+    parser.add_argument("--auth", metavar="DIR", help="folder of `coordinator broker-config`")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
-    broker = EmbeddedBroker(args.host, args.port)
     try:
+        broker = EmbeddedBroker(args.host, args.port, args.auth)
         broker.start()
-    except BrokerStartError as exc:
+    except (BrokerStartError, BrokerAuthError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(f"ready {broker.host}:{broker.port}", flush=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import ipaddress
 import json
 import socket
@@ -24,6 +25,13 @@ from rich.table import Table
 
 from agent.files import atomic_write
 from agent.options import experiment_config, experiment_options
+from coordinator.broker_config import (
+    COORDINATOR,
+    GATEWAY,
+    BrokerAuthError,
+    broker_config,
+    member_password,
+)
 from coordinator.conductor import describe_failures
 from coordinator.fleet import AgentEntry, FleetView, describe_presence, describe_state
 from coordinator.plots import write_plots
@@ -46,6 +54,7 @@ from protocol import (
 )
 from protocol.cli import BrokerSettings, broker_options, logging_options, say, version_option
 from protocol.cli import console as output_console
+from protocol.signing import Signer, add_key, member_keys, public_line
 
 console = output_console(stderr=False)
 """Reports and tables: on stdout, unwrapped when not on a terminal."""
@@ -58,8 +67,11 @@ def main() -> None:
     """Optional gateway side of an edge fleet: broker, runs, aggregation and the fleet view."""
 
 
+main.add_command(broker_config)
+
+
 def embedded_options(command: Callable) -> Callable:
-    """--host and --port of the embedded broker (serve, run)."""
+    """--host, --port and --broker-auth of the embedded broker (serve, run)."""
     command = click.option(
         "--port",
         default=1883,
@@ -67,21 +79,104 @@ def embedded_options(command: Callable) -> Callable:
         type=click.IntRange(1, 65535),
         help="Port of the embedded broker.",
     )(command)
+    command = click.option(
+        "--broker-auth",
+        type=click.Path(exists=True, file_okay=False),
+        help="Folder `coordinator broker-config` wrote: per-member logins and the fleet's "
+        "ACL, enforced by the embedded broker (anonymous clients refused).",
+    )(command)
     return click.option(
         "--host",
-        default="0.0.0.0",
+        default="127.0.0.1",
         show_default=True,
-        help="Address the embedded broker binds (without --broker).",
+        help="Address the embedded broker binds (without --broker): loopback unless told; "
+        "the gateway's LAN address (or 0.0.0.0) to serve devices.",
     )(command)
 
 
-def fleet_options(command: Callable) -> Callable:
-    """--fleet, --mdns and --key-file (serve, run)."""
+def signing_options(command: Callable) -> Callable:
+    """--key-file, or --admitted with --identity: how the coordinator signs and checks."""
     command = click.option(
         "--key-file",
         type=click.Path(exists=True, dir_okay=False),
-        help="File holding the fleet key that signs and checks every message.",
+        help="File holding the fleet key that signs and checks every message (one key "
+        "shared by the fleet; see --admitted for a key per member).",
     )(command)
+    command = click.option(
+        "--admitted",
+        "admitted_file",
+        type=click.Path(exists=True, dir_okay=False),
+        help="Per-member keys: accept only the agents this admission list names (lines "
+        "'ID ed25519:KEY'; `coordinator admit` adds one) and sign with --identity.",
+    )(command)
+    return click.option(
+        "--identity",
+        "identity_file",
+        type=click.Path(dir_okay=False),
+        default=str(DEFAULT_IDENTITY),
+        show_default=True,
+        help="With --admitted: the coordinator's private key (made on first use by serve and "
+        "run; status checks the coordinator's own messages with it); `coordinator key` prints "
+        "the lines of the agents' --trust files.",
+    )(command)
+
+
+DEFAULT_IDENTITY = Path.home() / ".edgefl" / "coordinator.pem"
+
+
+def coordinator_signer(
+    key_file: str | None, admitted_file: str | None, identity_file: str, *, signs: bool = True
+) -> Signer | None:
+    """The fleet key, the coordinator's own key pair with its admission list, or nothing.
+    A coordinator that `signs` (serve, run) makes its key on first use and says so: the
+    devices must trust the new key; `status` only reads and never makes one."""
+    if key_file and admitted_file:
+        raise click.UsageError("give --key-file (one fleet key) or --admitted (a key per member)")
+    if admitted_file is None:
+        return read_key(key_file)
+    if not Path(identity_file).exists():
+        if not signs:
+            raise click.ClickException(
+                f"no coordinator key at {identity_file}: give --identity, the key file "
+                "`coordinator serve` and `run` sign with"
+            )
+        say(
+            f"made a new coordinator key {identity_file}; devices take runs only from a key "
+            f"they trust: `coordinator key --identity {identity_file}` prints their trust lines"
+        )
+    try:
+        return member_keys(
+            COORDINATOR,
+            Path(identity_file),
+            Path(admitted_file),
+            aliases=frozenset({GATEWAY}),
+        )
+    except ProtocolError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def embedded_login(settings: BrokerSettings, auth: str | None) -> BrokerSettings:
+    """Settings that log `serve` and `run` in to their own embedded broker under its
+    --broker-auth (as the gateway), unless they name a broker or a user of their own."""
+    if auth is None or settings.address is not None or settings.username is not None:
+        return settings
+    try:
+        password = member_password(auth, GATEWAY)
+    except BrokerAuthError as exc:
+        raise ConfigError(str(exc)) from None
+    return dataclasses.replace(settings, username=GATEWAY, password=password)
+
+
+def fleet_options(command: Callable) -> Callable:
+    """--fleet, --mdns and the signing options (serve, run)."""
+    command = signing_options(command)
     command = click.option(
         "--mdns",
         "mdns_interfaces",
@@ -102,15 +197,25 @@ def gateway_broker(
     port: int,
     fleet: str,
     mdns_interfaces: tuple[str, ...],
+    auth: str | None = None,
 ) -> Iterator[BrokerAddress]:
     """The fleet's broker: the one the settings name, else an embedded amqtt broker started
-    here; announced over mDNS on the given interfaces while in use."""
+    here (with `auth`'s logins and ACL); announced over mDNS on the given interfaces while
+    in use."""
     from coordinator.broker import EmbeddedBroker
 
     embedded = None
     broker = settings.address
     if broker is None:
-        embedded = EmbeddedBroker(host=host, port=port)
+        if mdns_interfaces and _loopback(host):
+            raise ConfigError(
+                "--mdns announces the broker to the LAN, but it listens on loopback: give "
+                "--host (the LAN address or 0.0.0.0)"
+            )
+        try:
+            embedded = EmbeddedBroker(host=host, port=port, auth=auth)
+        except BrokerAuthError as exc:
+            raise ConfigError(str(exc)) from None
         try:
             embedded.start()
         except OSError as exc:
@@ -172,7 +277,7 @@ def dashboard(
     broker: BrokerAddress,
     settings: BrokerSettings,
     fleet: str,
-    key: bytes | None,
+    key: Signer | None,
 ) -> Iterator[None]:
     """The dashboard of `fleet` on `http` while in use, fed by a connection of its own (a
     run's connection unsubscribes what it no longer needs); nothing without --http."""
@@ -214,6 +319,50 @@ def join_fleet(
 
 
 @main.command()
+@click.argument("agent_id", type=NAME)
+@click.argument("public_key")
+@click.option(
+    "--admitted",
+    "admitted_file",
+    type=click.Path(dir_okay=False),
+    required=True,
+    help="The admission list to add the agent to (made if missing).",
+)
+def admit(agent_id: str, public_key: str, admitted_file: str) -> None:
+    """Admit the agent AGENT_ID with its PUBLIC_KEY (`ed25519:...`, as `edge-agent key`
+    prints it) to the fleet: serve, run and status --admitted FILE accept its messages."""
+    try:
+        added = add_key(Path(admitted_file), agent_id, public_key)
+    except ProtocolError as exc:
+        raise click.ClickException(str(exc)) from None
+    say(
+        f"admitted {agent_id} in {admitted_file}"
+        if added
+        else f"{agent_id} was already admitted with this key in {admitted_file}"
+    )
+
+
+@main.command()
+@click.option(
+    "--identity",
+    "identity_file",
+    type=click.Path(dir_okay=False),
+    default=str(DEFAULT_IDENTITY),
+    show_default=True,
+    help="The coordinator's private key (made on first use).",
+)
+def key(identity_file: str) -> None:
+    """Print the coordinator's public key as the lines of the agents' --trust files (one
+    for `coordinator run`'s id, one for `coordinator serve`'s): agents accept runs signed
+    by it."""
+    try:
+        lines = [public_line(member, Path(identity_file)) for member in (COORDINATOR, GATEWAY)]
+    except ProtocolError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo("\n".join(lines))
+
+
+@main.command()
 @broker_options
 @embedded_options
 @fleet_options
@@ -222,16 +371,20 @@ def serve(
     broker_settings: BrokerSettings,
     host: str,
     port: int,
+    broker_auth: str | None,
     fleet: str,
     mdns_interfaces: tuple[str, ...],
     key_file: str | None,
+    admitted_file: str | None,
+    identity_file: str,
     http: str | None,
     http_token: str | None,
 ) -> None:
     """Host the fleet's broker (unless --broker is given) and follow the fleet until Ctrl-C;
     `coordinator run` starts runs on it."""
     stop = stop_on_signal()
-    key = read_key(key_file)
+    broker_settings = embedded_login(broker_settings, broker_auth)
+    key = coordinator_signer(key_file, admitted_file, identity_file)
     identity = Identity(fleet, GATEWAY, role="coordinator", key=key)
     view = FleetView(key=key)
 
@@ -241,7 +394,7 @@ def serve(
             say(describe_entry(entry))
 
     with (
-        gateway_broker(broker_settings, host, port, fleet, mdns_interfaces) as broker,
+        gateway_broker(broker_settings, host, port, fleet, mdns_interfaces, broker_auth) as broker,
         dashboard(http, http_token, broker, broker_settings, fleet, key),
     ):
         transport = join_fleet(broker, broker_settings, identity)
@@ -256,7 +409,6 @@ def serve(
     say("stopped")
 
 
-GATEWAY = "gateway"
 """`coordinator serve`'s name in the fleet (a run's coordinator is `coordinator`)."""
 
 
@@ -299,11 +451,7 @@ def describe_entry(entry: AgentEntry) -> str:
     type=click.FloatRange(0.1, 3600),
     help="With --watch: seconds between redraws at most (new messages redraw sooner).",
 )
-@click.option(
-    "--key-file",
-    type=click.Path(exists=True, dir_okay=False),
-    help="Fleet key to check message signatures with.",
-)
+@signing_options
 @click.option(
     "--mdns",
     "mdns_interfaces",
@@ -320,6 +468,8 @@ def status(
     watch: bool,
     interval_s: float,
     key_file: str | None,
+    admitted_file: str | None,
+    identity_file: str,
     mdns_interfaces: tuple[str, ...],
 ) -> None:
     """Print who is in the fleet (online or offline and since when, state, and the latest
@@ -329,7 +479,7 @@ def status(
     if watch and as_json:
         raise click.UsageError("--watch shows a live table; leave out --json")
     stop = stop_on_signal() if watch else None
-    key = read_key(key_file)
+    key = coordinator_signer(key_file, admitted_file, identity_file, signs=False)
     with (
         mdns_sightings(mdns_interfaces) as sightings,
         follow(broker_settings, fleet, key, timeout_s) as feed,
@@ -468,6 +618,17 @@ def summary_table(report: dict) -> Table:
     is_flag=True,
     help="Agents also publish their statuses as plain JSON on fl/v1/FLEET/telemetry/ID.",
 )
+@click.option(
+    "--key-file",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Sign every message with this fleet key (one key shared by the fleet).",
+)
+@click.option(
+    "--agent-keys",
+    is_flag=True,
+    help="Give every agent its own key pair: the coordinator admits them, signs the run, "
+    "and checks every message against its sender's key (as serve/run --admitted do).",
+)
 @http_options
 @report_options
 def emulate(
@@ -475,6 +636,8 @@ def emulate(
     workdir: str | None,
     round_timeout: float,
     telemetry: bool,
+    key_file: str | None,
+    agent_keys: bool,
     http: str | None,
     http_token: str | None,
     report_path: str,
@@ -485,12 +648,20 @@ def emulate(
     from coordinator.broker import EmbeddedBroker
     from coordinator.emulate import Emulation, EmulationOptions
 
+    if key_file and agent_keys:
+        raise click.UsageError("give --key-file (one fleet key) or --agent-keys, not both")
     embedded = None
     if broker is None:
         embedded = EmbeddedBroker(host="127.0.0.1", port=free_port())
         broker = embedded.address
     folder = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="emulate-"))
-    options = EmulationOptions(workdir=folder, round_timeout_s=round_timeout, telemetry=telemetry)
+    options = EmulationOptions(
+        workdir=folder,
+        round_timeout_s=round_timeout,
+        telemetry=telemetry,
+        key_file=Path(key_file) if key_file else None,
+        agent_keys=agent_keys,
+    )
     try:
         config = experiment_config(values)
         emulation = Emulation(config, broker, options)
@@ -506,7 +677,9 @@ def emulate(
         f"{cfg.rounds} rounds, broker {broker}{' (embedded)' if embedded else ''}, "
         f"logs in {folder}"
     )
-    watched = dashboard(http, http_token, broker, BrokerSettings(broker), emulation.fleet, None)
+    watched = dashboard(
+        http, http_token, broker, BrokerSettings(broker), emulation.fleet, emulation.key
+    )
     try:
         with watched, agent_rounds() as progress:
             task = progress.add_task("rounds", total=cfg.rounds * config.agents)
@@ -536,9 +709,12 @@ def run_command(
     broker_settings: BrokerSettings,
     host: str,
     port: int,
+    broker_auth: str | None,
     fleet: str,
     mdns_interfaces: tuple[str, ...],
     key_file: str | None,
+    admitted_file: str | None,
+    identity_file: str,
     http: str | None,
     http_token: str | None,
     report_path: str,
@@ -559,10 +735,11 @@ def run_command(
         runfile = load_run_file(run_file)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    key = read_key(key_file)
-    identity = Identity(fleet, "coordinator", role="coordinator", key=key)
+    key = coordinator_signer(key_file, admitted_file, identity_file)
+    identity = Identity(fleet, COORDINATOR, role="coordinator", key=key)
+    broker_settings = embedded_login(broker_settings, broker_auth)
     with (
-        gateway_broker(broker_settings, host, port, fleet, mdns_interfaces) as broker,
+        gateway_broker(broker_settings, host, port, fleet, mdns_interfaces, broker_auth) as broker,
         dashboard(http, http_token, broker, broker_settings, fleet, key),
     ):
         transport = join_fleet(broker, broker_settings, identity)

@@ -19,12 +19,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from agent.experiment import ExperimentConfig, config_to_dict
+from agent.experiment import ExperimentConfig, attackers, config_to_dict
 from agent.learning import CENTRALIZED, running, topology
-from agent.report import AgentRound, stopped_summary, summarize
+from agent.report import AgentRound, honest_summary, stopped_summary, summarize
 from agent.runtime import new_run_id
 from coordinator.aggregator import Aggregator, AggregatorRecord
 from protocol import MqttTransport, ProtocolError, messages, topics
+from protocol.membership import PresenceClock
+from protocol.signing import Signer, keys_to_list
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +59,7 @@ class Conductor:
         config: ExperimentConfig,
         transport: MqttTransport,
         sender: str = "coordinator",
-        key: bytes | None = None,
+        key: Signer | None = None,
         round_timeout_s: float = 120.0,
         run_id: str | None = None,
         timeouts: Mapping[str, float] | None = None,
@@ -72,6 +74,7 @@ class Conductor:
         self.run_id = run_id or new_run_id()
         self.timeouts = dict(timeouts or {})
         self.offline: dict[str, float] = {}
+        self._presences = PresenceClock()
         """Agents whose presence says they are gone, and since when (monotonic)."""
         self.agents = {agent: AgentProgress() for agent in self.roster}
         self._changed = threading.Condition()
@@ -109,6 +112,7 @@ class Conductor:
             seed=self.config.seed,
             config=config_to_dict(self.config),
             timeouts=self.timeouts,
+            keys=keys_to_list(self.key, self.roster),
         )
         self.transport.publish(
             topics.run(self.fleet), messages.encode(run, key=self.key), retain=True
@@ -154,6 +158,8 @@ class Conductor:
         except ProtocolError:
             return
         if not isinstance(message, messages.Presence) or message.sender not in self.agents:
+            return
+        if not self._presences.fresh(message):
             return
         with self._changed:
             if message.online:
@@ -258,6 +264,7 @@ def assemble_report(
             ),
             "failures": failures(logs, failed or {}),
             "stopped": stopped_summary(rounds, stopped, config.learning.rounds),
+            **honest_summary(rounds, attackers(config, roster)),
             "stragglers": sorted(
                 {s for r in rounds for a in r["agents"].values() for s in a["stragglers"]}
                 | {s for r in aggregated for s in r.stragglers}

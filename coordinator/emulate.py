@@ -22,8 +22,17 @@ from typing import Any
 from agent.data import load_dataset
 from agent.experiment import ExperimentConfig, check_networked, profile_names
 from agent.runtime import checkpoint, new_run_id, run_folder
+from coordinator.broker_config import COORDINATOR
 from coordinator.conductor import Conductor, assemble_report
 from protocol import BrokerAddress, Identity, connect, leave
+from protocol.cli import read_key
+from protocol.signing import (
+    IDENTITY_FILE,
+    Signer,
+    key_line,
+    member_keys,
+    public_line,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +47,11 @@ class EmulationOptions:
     """Agents mirror their statuses as plain JSON (`edge-agent --telemetry`)."""
     run_timeout_s: float | None = None
     """Give up on agents still running after this long (default: scaled to the run)."""
+    key_file: Path | None = None
+    """A fleet key every agent and the coordinator sign with (`--key-file`)."""
+    agent_keys: bool = False
+    """A key pair per agent and one for the coordinator, which admits the agents and signs
+    the run; the agents trust the coordinator's key alone."""
 
 
 class Emulation:
@@ -56,6 +70,27 @@ class Emulation:
         self.roster = [f"agent-{k:03d}" for k in range(config.agents)]
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.conductor: Conductor
+        self.key, self.signing_args = self.signing()
+
+    def signing(self) -> tuple[Signer | None, list[str]]:
+        """How this fleet signs: the coordinator's signer and the agents' flags for it.
+        With agent keys, each agent's key pair is made in its state folder now, so the
+        coordinator can admit them before they start (as `coordinator admit` would)."""
+        workdir = self.options.workdir
+        if self.options.key_file is not None:
+            key = read_key(str(self.options.key_file))
+            return key, ["--key-file", str(self.options.key_file)]
+        if not self.options.agent_keys:
+            return None, []
+        admitted, trust = workdir / "admitted.keys", workdir / "trust.keys"
+        workdir.mkdir(parents=True, exist_ok=True)
+        lines = []
+        for agent_id in self.roster:
+            lines.append(public_line(agent_id, workdir / agent_id / IDENTITY_FILE))
+        admitted.write_text("\n".join(lines) + "\n")
+        coordinator = member_keys(COORDINATOR, workdir / "coordinator.pem", admitted)
+        trust.write_text(key_line(COORDINATOR, coordinator.public) + "\n")
+        return coordinator, ["--trust", str(trust)]
 
     def profile_of(self, index: int) -> str | None:
         """The run's profile for this agent (its budget and throttle), if the run has any."""
@@ -75,6 +110,7 @@ class Emulation:
             "--vote-timeout", str(self.options.vote_timeout_s),
             "--linger", str(self.options.linger_s),
             "--once",
+            *self.signing_args,
             *(["--telemetry"] if self.options.telemetry else []),
             *(["-" + "v" * self.options.verbose] if self.options.verbose else []),
         ]  # fmt: skip
@@ -100,7 +136,7 @@ class Emulation:
 
     def run(self, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
         started = time.perf_counter()
-        identity = Identity(self.fleet, "coordinator", role="coordinator")
+        identity = Identity(self.fleet, COORDINATOR, role="coordinator", key=self.key)
         transport = connect(self.broker, identity, probe_s=0)
         self.conductor = Conductor(
             fleet=self.fleet,
@@ -108,6 +144,7 @@ class Emulation:
             config=self.config,
             transport=transport,
             sender=identity.sender,
+            key=self.key,
             round_timeout_s=self.options.round_timeout_s,
             run_id=self.run_id,
         )

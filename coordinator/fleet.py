@@ -22,6 +22,7 @@ from rich.table import Table
 
 from protocol import ProtocolError, messages, topics
 from protocol.logs import RejectionLog, claimed_sender
+from protocol.signing import Signer
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class AgentEntry:
 class FleetView:
     """Latest presence and status per (fleet, agent), fed with raw MQTT messages."""
 
-    def __init__(self, key: bytes | None = None) -> None:
+    def __init__(self, key: Signer | None = None) -> None:
         self._key = key
         self._entries: dict[tuple[str, str], AgentEntry] = {}
         self.rejected = 0

@@ -24,6 +24,7 @@ from coordinator.conductor import Conductor, assemble_report, wait_until_finishe
 from coordinator.fleet import AgentEntry
 from coordinator.watch import FleetFeed
 from protocol import MqttTransport, topics
+from protocol.signing import Signer
 
 Say = Callable[[str], None]
 
@@ -118,7 +119,7 @@ def choose_roster(
 def gather_roster(
     transport: MqttTransport,
     fleet: str,
-    key: bytes | None,
+    key: Signer | None,
     runfile: RunFile,
     stop: threading.Event,
     say: Say,
@@ -181,7 +182,7 @@ def conduct(
     runfile: RunFile,
     transport: MqttTransport,
     fleet: str,
-    key: bytes | None,
+    key: Signer | None,
     stop: threading.Event,
     say: Say,
     progress: Callable[[int, int], None] | None = None,

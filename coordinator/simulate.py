@@ -11,12 +11,19 @@ encoded messages an agent would send (`coordinator.traffic`, one model per wire 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
 from agent.device.throttle import ENERGY_SOURCE, round_energy
-from agent.experiment import ExperimentConfig, agent_profiles, build_workload, nominal_budgets
+from agent.experiment import (
+    ExperimentConfig,
+    agent_profiles,
+    attackers,
+    build_workload,
+    nominal_budgets,
+)
 from agent.learning import (
     CentralStrategy,
     EarlyStop,
@@ -29,7 +36,11 @@ from agent.learning import (
     Upload,
     advance_server,
     as_sent,
+    attacked,
+    attacked_payload,
     central_strategy,
+    checked_aggregate,
+    checked_fit,
     evaluated_weights,
     layer_requests,
     participant_p_k,
@@ -43,6 +54,7 @@ from agent.report import (
     COORDINATOR,
     AgentRound,
     Traffic,
+    honest_summary,
     reported_sparsity,
     stopped_summary,
     summarize,
@@ -50,6 +62,8 @@ from agent.report import (
 from coordinator.traffic import CentralTraffic, LocalWire, wire_traffic
 
 __all__ = ["ExperimentConfig", "ProgressCallback", "Simulation", "simulate"]
+
+log = logging.getLogger(__name__)
 
 ProgressCallback = Callable[[int, str], None]
 """Called with (round, agent) after each agent's round."""
@@ -79,6 +93,8 @@ class Simulation:
         """Each agent's latest round, which a stopped agent's later rounds repeat."""
         self.p_k: dict[str, float] = {}
         """Centralized: what each participant last trained with (budget or static tier)."""
+        self.attackers = attackers(config, self.roster)
+        """The agents that send poisoned models (`--attackers`)."""
 
     def run(self, progress: ProgressCallback | None = None) -> dict[str, Any]:
         started = time.perf_counter()
@@ -97,6 +113,7 @@ class Simulation:
             "summary": {
                 **summarize(rounds, self.plan.t_star, time.perf_counter() - started),
                 "stopped": stopped_summary(rounds, self.stopped, cfg.rounds),
+                **honest_summary(rounds, self.attackers),
             },
         }
 
@@ -116,8 +133,13 @@ class Simulation:
             self.learner, self.states[k], self.data[k], inbox, t, prune_now, budget
         )
         self.states[k] = result.state
+        if result.recovered:
+            log.warning("%s round %d: model not finite; kept its model from before", k, t)
         self._early_stop(k, t, result.state.weights, result.train_loss)
-        return result, AgentRound.of_result(t, k, result, reduction, budget)
+        record = AgentRound.of_result(t, k, result, reduction, budget)
+        if k in self.attackers:
+            result = attacked(self.learner, result, self.config.attack, t)
+        return result, record
 
     def _vote(self, t: int, ran: dict[str, AgentRound], wire: LocalWire) -> None:
         """The round's votes go to everyone and settle the pruning plan (ALGORITHMS.md 1.7)."""
@@ -174,23 +196,32 @@ class Simulation:
             download = strategy.download(self.learner, server, k, t, self.p_k[k])
             view = ServerState(as_sent(download, self.config.learning.fp16).weights)
         fit = strategy.fit(self.learner, self.states[k], self.data[k], view, t, self.p_k[k])
+        fit, undone = checked_fit(fit, self.states[k], view)
+        if undone:
+            log.warning("%s round %d: model not finite; kept its model from before", k, t)
         self.states[k] = fit.state
         return fit, download
 
     def _uploads(
-        self, strategy: CentralStrategy, fits: dict[str, Fit]
+        self, strategy: CentralStrategy, fits: dict[str, Fit], t: int
     ) -> tuple[dict[str, list[str]], dict[str, Payload]]:
         """(the coordinator's layer requests, what each participant uploads): FedLDF selects
         layers from the divergence vectors and participants send those; the others send
-        their fit's upload."""
+        their fit's upload. An attacker's upload is poisoned."""
+        requests: dict[str, list[str]] = {}
         if not strategy.asks_layers:
-            return {}, {k: f.upload for k, f in fits.items()}
-        divergences = {k: f.divergence or {} for k, f in fits.items()}
-        requests = layer_requests(strategy.select(self.learner, divergences))
-        payloads = {
-            k: strategy.respond(self.learner, f, requests.get(k, [])) for k, f in fits.items()
+            payloads = {k: f.upload for k, f in fits.items()}
+        else:
+            divergences = {k: f.divergence or {} for k, f in fits.items()}
+            requests = layer_requests(strategy.select(self.learner, divergences))
+            payloads = {
+                k: strategy.respond(self.learner, f, requests.get(k, [])) for k, f in fits.items()
+            }
+        attack = self.config.attack
+        return requests, {
+            k: attacked_payload(self.learner, p, attack, k, t) if k in self.attackers else p
+            for k, p in payloads.items()
         }
-        return requests, payloads
 
     def _evaluate(
         self, strategy: CentralStrategy, server: ServerState, k: str, t: int, fit: Fit
@@ -228,12 +259,16 @@ class Simulation:
                         downloads[k] = download
                     if progress:
                         progress(t, k)
-            requests, payloads = self._uploads(strategy, fits)
+            requests, payloads = self._uploads(strategy, fits, t)
             uploads = {  # what the aggregator decodes (fp16 on the wire rounds the values)
                 k: Upload(as_sent(payload, cfg.fp16), fits[k].num_samples)
                 for k, payload in payloads.items()
             }
-            aggregate = strategy.aggregate(self.learner, server, uploads)
+            aggregate, undone = checked_aggregate(
+                strategy, server, strategy.aggregate(self.learner, server, uploads)
+            )
+            if undone:
+                log.warning("round %d: aggregate not finite; the server kept its model", t)
             server = advance_server(strategy, server, aggregate, cfg.fp16)
             traffic = wire.round(t, fits, uploads, downloads, requests, aggregate)
             ran = {k: self._evaluate(strategy, server, k, t, fit) for k, fit in fits.items()}

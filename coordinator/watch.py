@@ -25,6 +25,7 @@ from rich.table import Table
 from coordinator.fleet import AgentEntry, FleetView, fleet_table
 from protocol import BrokerAddress, MqttTransport, topics
 from protocol.cli import BrokerSettings
+from protocol.signing import Signer
 
 Sightings = Callable[[], set[tuple[str, str]]]
 """The (fleet, agent) pairs mDNS sees right now."""
@@ -40,7 +41,7 @@ class FleetFeed:
     """A fleet view fed by a transport's presence and status subscriptions; `changed` is set
     by every message, for a watcher to wait on."""
 
-    def __init__(self, transport: MqttTransport, fleet: str | None, key: bytes | None) -> None:
+    def __init__(self, transport: MqttTransport, fleet: str | None, key: Signer | None) -> None:
         self.transport = transport
         self.fleet = fleet
         self.changed = threading.Event()
@@ -68,7 +69,7 @@ class FleetFeed:
 
 @contextlib.contextmanager
 def follow(
-    settings: BrokerSettings, fleet: str | None, key: bytes | None, timeout_s: float
+    settings: BrokerSettings, fleet: str | None, key: Signer | None, timeout_s: float
 ) -> Iterator[FleetFeed]:
     """A connected `FleetFeed` of the broker (default: this machine's); a broker that cannot
     be reached within `timeout_s` is a one-line error."""

@@ -113,12 +113,15 @@ class Reassembler:
 
     `source` is whatever names the sender's stream (the transport uses the MQTT topic).
     Duplicate chunks and redelivered messages are dropped and counted; a partial message
-    with no new chunk for `timeout_s` expires; when partial messages together hold more than
-    `max_buffered_bytes`, the least recently active ones are evicted. Completed ids are
+    with no new chunk for `timeout_s` expires. Memory is bounded three ways, each counted
+    when it evicts the least recently active partial messages: their payload bytes together
+    (`max_buffered_bytes`, by default `limits.max_partial_bytes`), their number
+    (`limits.max_partials`), and their number per source (`limits.max_partials_per_source`,
+    so a flood on one topic evicts its own partials before anyone else's). Completed ids are
     remembered for `remember_s` (at most `max_remembered` of them). Headers are checked
     against `limits` before any chunk is stored, and nothing is preallocated from a header,
-    so a lying sender costs at most the bytes it actually sends. Not thread-safe: feed it
-    from one thread.
+    so a lying sender costs at most the bytes it actually sends, within those bounds. Not
+    thread-safe: feed it from one thread (`set_limits` included).
     """
 
     def __init__(
@@ -127,17 +130,21 @@ class Reassembler:
         timeout_s: float = 120.0,
         clock: Callable[[], float] = time.monotonic,
         *,
-        max_buffered_bytes: int = 1 << 29,
+        max_buffered_bytes: int | None = None,
         remember_s: float = 600.0,
         max_remembered: int = 4096,
     ) -> None:
         self.limits = limits
         self.timeout_s = timeout_s
-        self.max_buffered_bytes = max_buffered_bytes
+        self.max_buffered_bytes = (
+            limits.max_partial_bytes if max_buffered_bytes is None else max_buffered_bytes
+        )
         self.remember_s = remember_s
         self.max_remembered = max_remembered
         self._clock = clock
         self._partials: OrderedDict[tuple[str, bytes], _Partial] = OrderedDict()
+        self._by_source: dict[str, OrderedDict[bytes, None]] = {}
+        """Each source's partial message ids, oldest first."""
         self._completed: OrderedDict[tuple[str, bytes], float] = OrderedDict()
         self._buffered = 0
         self.counts: Counter[str] = Counter(duplicates=0, expired=0, evicted=0)
@@ -151,6 +158,17 @@ class Reassembler:
     def pending(self) -> int:
         """Number of incomplete messages."""
         return len(self._partials)
+
+    def set_limits(self, limits: Limits) -> None:
+        """Apply new limits (the run's, once its model is known); partial messages that no
+        longer fit are dropped at once and counted as evicted."""
+        self.limits = limits
+        self.max_buffered_bytes = limits.max_partial_bytes
+        for key, partial in list(self._partials.items()):
+            if partial.shape[2] > limits.max_message_bytes:
+                self._drop(key)
+                self.counts["evicted"] += 1
+        self._make_room(0, keep=None)
 
     def feed(self, source: str, frame: bytes | bytearray | memoryview) -> bytes | None:
         """Take one frame; return the whole payload when this frame completes a new message.
@@ -183,7 +201,9 @@ class Reassembler:
             )
         self._check_slice(header, data)
         if partial is None:
+            self._make_source_room(source)
             partial = self._partials[key] = _Partial(header.shape, now)
+            self._by_source.setdefault(source, OrderedDict())[header.message_id] = None
         elif header.index in partial.chunks:
             self.counts["duplicates"] += 1
             return None
@@ -237,7 +257,18 @@ class Reassembler:
                 f"chunk {header.index} holds {len(data)} bytes, its header implies {expected}",
             )
 
-    def _make_room(self, size: int, keep: tuple[str, bytes]) -> None:
+    def _make_source_room(self, source: str) -> None:
+        """Before a new partial message of `source`: evict its oldest beyond the per-source
+        bound, then the least recently active anywhere beyond the overall count."""
+        ids = self._by_source.get(source)
+        while ids and len(ids) >= self.limits.max_partials_per_source:
+            self._drop((source, next(iter(ids))))
+            self.counts["evicted_source"] += 1
+        while self._partials and len(self._partials) >= self.limits.max_partials:
+            self._drop(next(iter(self._partials)))
+            self.counts["evicted"] += 1
+
+    def _make_room(self, size: int, keep: tuple[str, bytes] | None) -> None:
         for key in list(self._partials):
             if self._buffered + size <= self.max_buffered_bytes:
                 return
@@ -260,6 +291,10 @@ class Reassembler:
 
     def _drop(self, key: tuple[str, bytes]) -> None:
         self._buffered -= self._partials.pop(key).size
+        ids = self._by_source[key[0]]
+        del ids[key[1]]
+        if not ids:
+            del self._by_source[key[0]]
 
     def _remember(self, key: tuple[str, bytes], now: float) -> None:
         self._completed[key] = now

@@ -32,6 +32,7 @@ from rich.text import Text
 from protocol import topics
 from protocol.errors import ProtocolError
 from protocol.mqtt import BrokerAddress, TlsOptions, TransportOptions
+from protocol.signing import MIN_FLEET_KEY_BYTES, FleetKey
 from protocol.version import PROTOCOL_VERSION
 
 if sys.version_info >= (3, 11):
@@ -72,17 +73,18 @@ BROKER = BrokerType()
 NAME = NameType()
 
 
-def read_key(path: str | None) -> bytes | None:
+def read_key(path: str | None) -> FleetKey | None:
     """The fleet key signs every message; it lives in a file so it stays out of `ps`."""
     if path is None:
         return None
     with open(path, "rb") as handle:
         key = handle.read().strip()
-    if len(key) < 16:
+    if len(key) < MIN_FLEET_KEY_BYTES:
         raise click.BadParameter(
-            f"{path}: a fleet key needs at least 16 bytes", param_hint="--key-file"
+            f"{path}: a fleet key needs at least {MIN_FLEET_KEY_BYTES} bytes",
+            param_hint="--key-file",
         )
-    return key
+    return FleetKey(key)
 
 
 def stop_on_signal() -> threading.Event:

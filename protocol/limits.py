@@ -1,13 +1,27 @@
-"""Size limits that decoders check before they allocate anything."""
+"""Size limits that decoders check before they allocate anything, and the tight ones a run's
+model implies.
+
+The defaults fit models up to a few hundred million parameters, so they bound little: a
+receiver that knows the run's model knows that no legitimate message exceeds the model's dense
+encoding (a delta or a layer is smaller), and `limits_for_shapes` turns that into limits a
+transport applies once the run is known (`MqttTransport.set_limits`). Until then an agent
+needs no more than `PRE_RUN_LIMITS`: nothing it receives before its run is chunked.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+KIB = 1 << 10
+MIB = 1 << 20
 
 
 @dataclass(frozen=True)
 class Limits:
-    """Upper bounds on what a decoder accepts from the wire.
+    """Upper bounds on what a receiver accepts from the wire and holds for it.
 
     The defaults fit models up to a few hundred million parameters; a deployment with
     smaller devices can tighten them so a hostile peer cannot make an agent allocate
@@ -21,6 +35,85 @@ class Limits:
     max_ndim: int = 8
     max_name_length: int = 256
     max_chunks: int = 1 << 16
+    max_partial_bytes: int = 1 << 29
+    """Payload bytes all incomplete (chunked) messages together may hold."""
+    max_partials: int = 256
+    """Incomplete messages at once, however small: each costs bookkeeping besides its bytes."""
+    max_partials_per_source: int = 4
+    """Incomplete messages one source (an MQTT topic) may have at once: a sender publishes
+    its messages on a topic one after the other, a re-send at most overlapping the original."""
+    max_queued_messages: int = 4096
+    """Whole messages waiting for their handlers (the transport's delivery queue)."""
+    max_queued_bytes: int = 1 << 30
+    """Bytes of the whole messages waiting for their handlers."""
+    max_num_samples: int = 10_000_000
+    """The largest `num_samples` a model or update may claim: FedAvg weighs by it, and one
+    hostile value would otherwise outweigh the whole fleet."""
 
 
 DEFAULT_LIMITS = Limits()
+
+PRE_RUN_LIMITS = Limits(
+    max_message_bytes=1 * MIB,
+    max_partial_bytes=4 * MIB,
+    max_partials=16,
+    max_queued_bytes=16 * MIB,
+)
+"""An agent's limits before its run is known (presence, statuses, the run: single frames)."""
+
+MODEL_MARGIN = 1.5
+"""A model message may exceed the model's dense encoding by this factor (envelope, masks in
+their worst encoding, a signature)."""
+HEADROOM_BYTES = 1 * MIB
+"""Added to every model-derived message limit: covers the messages that are not models
+(run, statuses, votes, requests: each fits one frame) for however small a model."""
+CONCURRENT_MESSAGES = 4
+"""Whole messages' worth of partial reassembly and of delivery queue a model-derived limit
+allows: several neighbours' models arrive interleaved at the end of a round."""
+_TENSOR_OVERHEAD = 64
+"""Per tensor: its msgpack header (dtype, shape, mask kind, lengths) besides name and data."""
+_ITEMSIZE = {"bool": 1, "float16": 2, "float64": 8, "int64": 8, "uint64": 8}
+
+
+def dense_model_bytes(shapes: Mapping[str, tuple[tuple[int, ...], str]]) -> int:
+    """An upper bound of a whole dense model's encoding: every value in its dtype, a bitmap
+    mask (the largest mask encoding the codec picks: it takes the smallest), names, headers."""
+    total = 0
+    for name, (shape, dtype) in shapes.items():
+        values = math.prod(shape)
+        itemsize = _ITEMSIZE.get(dtype, 4 if dtype.endswith("32") else 2)
+        total += values * itemsize + -(-values // 8) + len(name.encode()) + _TENSOR_OVERHEAD
+        total += 9 * len(shape)
+    return total
+
+
+def limits_for_shapes(
+    shapes: Mapping[str, tuple[tuple[int, ...], str]],
+    *,
+    margin: float = MODEL_MARGIN,
+    headroom: int = HEADROOM_BYTES,
+    concurrent: int = CONCURRENT_MESSAGES,
+    base: Limits = DEFAULT_LIMITS,
+) -> Limits:
+    """`base` tightened to the run's model (`shapes`: tensor name -> (shape, dtype name), as
+    `agent.runtime.codec.expected_shapes` gives them): a message may be the model's dense
+    encoding x `margin` + `headroom`; partial reassembly and the delivery queue hold
+    `concurrent` such messages. Never looser than `base`. The agent's memory for what peers
+    send is then bounded by about 2 x concurrent x max_message_bytes plus what its inbox
+    keeps (whole decoded models, a window of rounds)."""
+    if margin < 1 or headroom < 0 or concurrent < 1:
+        raise ValueError("margin must be >= 1, headroom >= 0 and concurrent >= 1")
+    message = math.ceil(dense_model_bytes(shapes) * margin) + headroom
+    message = min(message, base.max_message_bytes)
+    return dataclasses.replace(
+        base,
+        max_message_bytes=message,
+        max_partial_bytes=min(base.max_partial_bytes, concurrent * message),
+        max_queued_bytes=min(base.max_queued_bytes, concurrent * message),
+    )
+
+
+def run_limits(shapes: Mapping[str, tuple[tuple[int, ...], str]], roster_size: int) -> Limits:
+    """An agent's limits during a run: its model's (`limits_for_shapes`), with room for as
+    many whole messages at once as the roster has members (each may be sending)."""
+    return limits_for_shapes(shapes, concurrent=max(CONCURRENT_MESSAGES, roster_size))

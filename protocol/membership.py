@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from protocol import messages, topics
 from protocol.errors import ProtocolError
+from protocol.logs import RejectionLog
 from protocol.mqtt import (
     BrokerAddress,
     Handler,
@@ -34,6 +35,7 @@ from protocol.mqtt import (
     TransportOptions,
     tls_problem,
 )
+from protocol.signing import Signer
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +57,7 @@ class Identity:
     sender: str
     role: str = "agent"
     profile: str = ""
-    key: bytes | None = None
+    key: Signer | None = None
     since: float = field(default_factory=time.time)
 
     @property
@@ -73,6 +75,29 @@ class Identity:
             reason=reason,
         )
         return messages.encode(message, key=self.key)
+
+
+class PresenceClock:
+    """Tells a member's current presence from a replay of an older one.
+
+    A member's birth and will carry the time it came online, its goodbye the time it
+    stopped, so within one member's messages `since` never goes back: a presence older than
+    the latest birth seen belongs to an earlier session (an old will or goodbye replayed to
+    make the fleet think the member left) and is stale. Each member's own clock is compared
+    only with itself, so clocks that disagree across devices do no harm.
+    """
+
+    def __init__(self) -> None:
+        self._born: dict[str, float] = {}
+
+    def fresh(self, message: messages.Presence) -> bool:
+        """Whether `message` is current; a birth also moves the member's clock on."""
+        born = self._born.get(message.sender)
+        if born is not None and message.since < born:
+            return False
+        if message.online:
+            self._born[message.sender] = message.since
+        return True
 
 
 class DuplicateMember(ProtocolError):
@@ -111,6 +136,7 @@ class _Claim:
         self._holding = False
         self._rival: messages.Presence | None = None
         self._defeated = threading.Event()
+        self._rejections = RejectionLog(log)
 
     def message(self) -> bytes:
         """A probe or an answer: `online` once this process holds the id."""
@@ -171,7 +197,7 @@ class _Claim:
         try:
             message = messages.decode(payload, key=self.identity.key)
         except ProtocolError as exc:
-            log.warning("ignoring a probe for id %r: %s", self.identity.sender, exc)
+            self._rejections.reject("probe", self.identity.sender, self.identity.topic, exc)
             return None
         if (
             not isinstance(message, messages.Presence)
@@ -233,8 +259,17 @@ def connect(
         if not asked:
             log.warning("broker %s unreachable: id %r taken unchecked", broker, identity.sender)
         transport = _join(broker, identity, options, claim)
-        if asked:  # the prober answers for the id until the member does: no gap between
-            transport.wait_subscribed(broker_wait_s)
+        # The prober answers for the id until the member does: no gap between. A broker
+        # that let the prober in but refuses the member refuses its id (a per-member login
+        # may publish only as itself, its will included).
+        subscribed = not asked or transport.wait_subscribed(broker_wait_s)
+        if not subscribed and transport.refused is not None:
+            transport.stop()
+            raise ProtocolError(
+                f"the MQTT broker {broker} refused {identity.role} {identity.sender!r} "
+                f"({transport.refused}) although it let its login in: with per-member "
+                "logins the id must be the login's (--id)"
+            )
         return transport
     finally:
         prober.stop()

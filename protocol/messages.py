@@ -4,9 +4,11 @@ Wire layout, one msgpack array of eight items:
 
     [version, type, fleet, sender, run_id, round, body, signature]
 
-`body` is a map whose keys are the fields of the message class. `signature` is nil, or
-HMAC-SHA256 (32 bytes) over every encoded byte before it, when a fleet key is configured.
-Signing the encoded prefix lets a receiver verify a 20 MB model without re-encoding it.
+`body` is a map whose keys are the fields of the message class. `signature` is nil, or the
+signature (`protocol.signing`: HMAC-SHA256 with a fleet key, Ed25519 with per-member keys)
+over every encoded byte before it. Signing the encoded prefix lets a receiver verify a 20 MB
+model without re-encoding it, and verify it before decoding: the signature is the fixed-size
+tail of the message, and the sender whose key checks it is read from the first few bytes.
 Tensor payloads travel as the bytes of `protocol.tensors.encode_tensors`, so this module
 stays free of numpy and of any training code.
 """
@@ -14,8 +16,6 @@ stays free of numpy and of any training code.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import hmac
 import math
 import types
 import typing
@@ -26,12 +26,15 @@ import msgpack
 
 from protocol.errors import ProtocolError
 from protocol.limits import DEFAULT_LIMITS, Limits
+from protocol.signing import Signer
 from protocol.topics import check_name
 from protocol.topics import parse as parse_topic
 from protocol.version import PROTOCOL_VERSION
 
-_SIGNATURE_BYTES = 32
 _ENVELOPE_ITEMS = 8
+_BIN8 = 0xC4
+_HEADER_PEEK_BYTES = 256
+"""Enough for the array header, version, type, fleet and sender (names are <= 64 bytes)."""
 _MAX_NESTING = 16
 
 
@@ -105,6 +108,9 @@ class RunConfig(Message):
     timeouts: dict[str, float] = dataclasses.field(default_factory=dict)
     """The run's timeouts in seconds (`round_s`, `vote_s`, `linger_s`), which override the
     agents' own; empty: each agent keeps its own."""
+    keys: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Per-member keys: the public key (`ed25519:...`) of every roster member and of the
+    run's signer, vouched for by the signer; empty in a fleet without them."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -185,8 +191,9 @@ MESSAGE_CLASSES: dict[str, type[Message]] = {
 }
 
 
-def encode(message: Message, *, key: bytes | None = None) -> bytes:
-    """Encode a message; with a fleet key, append its HMAC so receivers can authenticate it."""
+def encode(message: Message, *, key: Signer | None = None) -> bytes:
+    """Encode a message; with a signer, append its signature so receivers can authenticate
+    it."""
     _check_fields(message)
     packer = msgpack.Packer(use_bin_type=True)
     head = packer.pack_array_header(_ENVELOPE_ITEMS) + b"".join(
@@ -203,16 +210,18 @@ def encode(message: Message, *, key: bytes | None = None) -> bytes:
     )
     if key is None:
         return head + packer.pack(None)
-    return head + packer.pack(hmac.new(key, head, hashlib.sha256).digest())
+    return head + packer.pack(key.sign(head))
 
 
 def decode(
     data: bytes | bytearray | memoryview,
     *,
-    key: bytes | None = None,
+    key: Signer | None = None,
     limits: Limits = DEFAULT_LIMITS,
 ) -> Message:
-    """Decode and validate untrusted bytes; raises ProtocolError and nothing else."""
+    """Decode and validate untrusted bytes; raises ProtocolError and nothing else.
+
+    With a signer, the signature is checked on the raw bytes before anything is unpacked."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"message must be bytes, not {type(data).__name__}")
     data = bytes(data)
@@ -220,16 +229,13 @@ def decode(
         raise ProtocolError(
             f"message of {len(data)} bytes exceeds the limit of {limits.max_message_bytes}"
         )
+    if key is not None:
+        _verify(data, key)
     items = _unpack(data, limits)
     if not isinstance(items, list) or len(items) != _ENVELOPE_ITEMS:
         raise ProtocolError(f"envelope must be an array of {_ENVELOPE_ITEMS} items")
-    version, type_, fleet, sender, run_id, round_, body, signature = items
-    if type(version) is not int or version != PROTOCOL_VERSION:
-        raise ProtocolError(
-            f"unsupported protocol version {version!r} (this build speaks {PROTOCOL_VERSION})"
-        )
-    if key is not None:
-        _verify(data, signature, key)
+    version, type_, fleet, sender, run_id, round_, body, _signature = items
+    _check_version(version)
     cls = MESSAGE_CLASSES.get(type_) if isinstance(type_, str) else None
     if cls is None:
         raise ProtocolError(f"unknown message type {type_!r}")
@@ -249,7 +255,7 @@ def decode(
 
 
 def decode_on_topic(
-    topic: str, payload: bytes, kind: str, fleet: str, key: bytes | None
+    topic: str, payload: bytes, kind: str, fleet: str, key: Signer | None
 ) -> Message:
     """A message of `kind` received on `topic`, checked against it: its type, fleet, sender,
     round and (for a request) target must be what the topic says, so that nobody can publish
@@ -286,12 +292,39 @@ def _unpack(data: bytes, limits: Limits) -> Any:
         raise ProtocolError(f"malformed msgpack: {type(exc).__name__}: {exc}") from None
 
 
-def _verify(data: bytes, signature: Any, key: bytes) -> None:
-    if not isinstance(signature, bytes) or len(signature) != _SIGNATURE_BYTES:
+def _check_version(version: Any) -> None:
+    if type(version) is not int or version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"unsupported protocol version {version!r} (this build speaks {PROTOCOL_VERSION})"
+        )
+
+
+def _verify(data: bytes, key: Signer) -> None:
+    """Check the signature tail against the claimed sender's key, unpacking nothing but
+    the first four header items (a forged 100 MB message costs a hash, not a decode)."""
+    size = key.signature_bytes
+    start = len(data) - size
+    if start < 3 or data[start - 2] != _BIN8 or data[start - 1] != size:
         raise ProtocolError("message is not signed but this fleet requires signatures")
-    signed = data[: -(_SIGNATURE_BYTES + 2)]
-    if not hmac.compare_digest(hmac.new(key, signed, hashlib.sha256).digest(), signature):
-        raise ProtocolError("bad message signature")
+    signed = memoryview(data)[: start - 2]
+    key.verify(_claimed_sender(signed), signed, data[start:])
+
+
+def _claimed_sender(head: memoryview) -> str:
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=_HEADER_PEEK_BYTES)
+    unpacker.feed(head[:_HEADER_PEEK_BYTES])
+    try:
+        if unpacker.read_array_header() != _ENVELOPE_ITEMS:
+            raise ProtocolError(f"envelope must be an array of {_ENVELOPE_ITEMS} items")
+        _check_version(unpacker.unpack())
+        _type, _fleet, sender = unpacker.unpack(), unpacker.unpack(), unpacker.unpack()
+    except ProtocolError:
+        raise
+    except Exception as exc:  # msgpack raises many types for malformed input
+        raise ProtocolError(f"malformed message header: {type(exc).__name__}") from None
+    if not isinstance(sender, str):
+        raise ProtocolError("message sender must be a string")
+    return sender
 
 
 _FIELD_HINTS: dict[type[Message], tuple[tuple[str, Any], ...]] = {}

@@ -21,7 +21,11 @@ others publish while this client is offline is lost to it, except retained messa
 protocol copes with that through straggler timeouts and retained status. Our own unacked
 QoS 1 frames are kept and resent after a reconnect. Handlers run on one dispatcher thread,
 in arrival order, never on paho's network thread, so a slow handler cannot stall keepalive
-pings or acknowledgements (deliveries wait in memory for a slow handler).
+pings or acknowledgements (deliveries wait in a bounded queue for a slow handler).
+
+Memory for what others send is bounded by `Limits`: message size, partial reassembly (in
+total, in count and per topic) and the delivery queue; `set_limits` applies the limits the run's
+model implies (`protocol.limits.limits_for_shapes`) once the run is known.
 """
 
 from __future__ import annotations
@@ -29,7 +33,6 @@ from __future__ import annotations
 import ipaddress
 import logging
 import math
-import queue
 import secrets
 import socket
 import ssl
@@ -124,8 +127,10 @@ class TransportOptions:
     """QoS 1 frames published but not yet acknowledged by the broker (512 x 256 KiB)."""
     queue_timeout_s: float = 30.0
     reassembly_timeout_s: float = 120.0
-    max_buffered_bytes: int = 1 << 29
     limits: Limits = DEFAULT_LIMITS
+    """Sizes of messages, of partial reassembly and of the delivery queue, from the start;
+    `MqttTransport.set_limits` replaces them with the run's (`PRE_RUN_LIMITS` until then
+    suits an agent: it receives no chunked message before its run)."""
 
 
 class Publication:
@@ -217,13 +222,20 @@ class _Dispatcher:
     """Runs the handlers of whole messages on one thread, in arrival order.
 
     Never on paho's network thread, so a slow handler cannot stall keepalive pings or
-    acknowledgements (deliveries wait in memory for a slow handler); a failing handler is
-    logged and counted and does not stop the others.
+    acknowledgements; a failing handler is logged and counted and does not stop the others.
+    Deliveries wait in a bounded queue (`limits.max_queued_messages` and `max_queued_bytes`):
+    when it is full, `put` refuses the new one, which its sender's protocol recovers (a
+    request, a retained status republished every round). The defaults, and the bounds
+    `limits_for_shapes` derives (several whole models), are far above what legitimate traffic
+    queues: handlers only validate and store, while a flood could otherwise queue without end.
     """
 
-    def __init__(self, name: str, count: Callable[[str], None]) -> None:
+    def __init__(self, name: str, count: Callable[[str], None], limits: Limits) -> None:
         self._count = count
-        self._deliveries: queue.SimpleQueue[_Delivery | None] = queue.SimpleQueue()
+        self.limits = limits
+        self._deliveries: deque[_Delivery | None] = deque()
+        self._queued_bytes = 0
+        self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.started = False
 
@@ -231,17 +243,37 @@ class _Dispatcher:
         self.started = True
         self._thread.start()
 
-    def put(self, topic: str, payload: bytes, handlers: list[Handler]) -> None:
-        self._deliveries.put((topic, payload, handlers))
+    def put(self, topic: str, payload: bytes, handlers: list[Handler]) -> bool:
+        """Queue a delivery; False (and nothing queued) when the queue is full."""
+        with self._cond:
+            if (
+                len(self._deliveries) >= self.limits.max_queued_messages
+                or self._queued_bytes + len(payload) > self.limits.max_queued_bytes
+            ):
+                return False
+            self._deliveries.append((topic, payload, handlers))
+            self._queued_bytes += len(payload)
+            self._cond.notify()
+        return True
 
     def stop(self, timeout_s: float) -> None:
         """Run what is queued, then end the thread (waiting up to timeout_s for it)."""
         if self.started:
-            self._deliveries.put(None)
+            with self._cond:
+                self._deliveries.append(None)
+                self._cond.notify()
             self._thread.join(timeout_s)
 
+    def _next(self) -> _Delivery | None:
+        with self._cond:
+            self._cond.wait_for(lambda: bool(self._deliveries))
+            delivery = self._deliveries.popleft()
+            if delivery is not None:
+                self._queued_bytes -= len(delivery[1])
+            return delivery
+
     def _loop(self) -> None:
-        while (delivery := self._deliveries.get()) is not None:
+        while (delivery := self._next()) is not None:
             topic, payload, handlers = delivery
             for handler in handlers:
                 try:
@@ -360,7 +392,6 @@ class MqttTransport:
         self._reassembler = Reassembler(
             options.limits,
             options.reassembly_timeout_s,
-            max_buffered_bytes=options.max_buffered_bytes,
         )
         self._stats: Counter[str] = Counter()
         self._stats_lock = threading.Lock()
@@ -369,7 +400,10 @@ class MqttTransport:
         self.refused: str | None = None
         """Why the broker refused the last connection attempt (bad credentials, ...), if it
         did; None once a connection is accepted."""
-        self._dispatcher = _Dispatcher(f"mqtt-dispatch-{self._client_id}", self._count)
+        self._reassembly_lock = threading.Lock()
+        self._dispatcher = _Dispatcher(
+            f"mqtt-dispatch-{self._client_id}", self._count, options.limits
+        )
         self._client = _new_client(self._client_id, options)
         self._subscriptions = _SubscriptionTable(self._client)
         self._bind_callbacks(self._client)
@@ -419,13 +453,28 @@ class MqttTransport:
         return self._subscriptions.wait_subscribed(timeout_s)
 
     @property
+    def limits(self) -> Limits:
+        """The limits in force (`set_limits` changes them)."""
+        return self._reassembler.limits
+
+    def set_limits(self, limits: Limits) -> None:
+        """Apply `limits` (`protocol.limits.limits_for_shapes` of the run's model) to
+        reassembly and the delivery queue from now on: partial messages above them are
+        dropped at once. Any thread, at any time; messages already queued stay queued."""
+        with self._reassembly_lock:
+            self._reassembler.set_limits(limits)
+        self._dispatcher.limits = limits
+        log.info("limits: %s", limits)
+
+    @property
     def stats(self) -> dict[str, int]:
         """Counters: published_/received_ messages, frames, bytes; connects, reconnects;
-        dropped_frames and dropped.<reason>; handler_errors; reassembly.<event>."""
-        with self._stats_lock:
+        dropped_frames, dropped_messages (delivery queue full) and dropped.<reason>;
+        handler_errors; reassembly.<event>."""
+        with self._stats_lock, self._reassembly_lock:
             stats = dict(self._stats)
+            stats.update({f"reassembly.{k}": v for k, v in self._reassembler.counts.items()})
         stats["reconnects"] = max(0, stats.get("connects", 0) - 1)
-        stats.update({f"reassembly.{k}": v for k, v in self._reassembler.counts.items()})
         return stats
 
     # -- publishing ------------------------------------------------------------------------
@@ -590,7 +639,8 @@ class MqttTransport:
                 # that follows the subscription.
                 self._count("unsubscribed_frames")
                 return
-            payload = self._reassembler.feed(topic, message.payload)
+            with self._reassembly_lock:
+                payload = self._reassembler.feed(topic, message.payload)
         except (ProtocolError, UnicodeDecodeError) as exc:
             self._drop(getattr(exc, "reason", "malformed"), exc, topic)
             return
@@ -601,14 +651,15 @@ class MqttTransport:
             return
         self._count("received_messages")
         log.debug("received %d bytes on %s", len(payload), topic)
-        self._dispatcher.put(topic, payload, handlers)
+        if not self._dispatcher.put(topic, payload, handlers):
+            self._drop("queue_full", ProtocolError("delivery queue full"), topic, "message")
 
-    def _drop(self, reason: str, exc: Exception, topic: str) -> None:
-        """Count a frame that failed reassembly; warn of it (rate-limited: a flood of
-        garbage frames must not fill the log)."""
-        self._count("dropped_frames")
+    def _drop(self, reason: str, exc: Exception, topic: str, what: str = "frame") -> None:
+        """Count a frame that failed reassembly, or a message the full delivery queue
+        refused; warn of it (rate-limited: a flood of garbage must not fill the log)."""
+        self._count(f"dropped_{what}s")
         self._count(f"dropped.{reason}")
-        _DROPS.reject(f"frame ({reason})", claimed_sender(topic), topic, exc)
+        _DROPS.reject(f"{what} ({reason})", claimed_sender(topic), topic, exc)
 
     def _count(self, key: str, n: int = 1) -> None:
         with self._stats_lock:

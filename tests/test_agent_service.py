@@ -37,18 +37,37 @@ def run_files_of(state: Path) -> dict[str, list[int]]:
     }
 
 
-def start_fleet(tmp: Path, broker: str, run_file: Path, names: list[str]) -> list[subprocess.Popen]:
+def start_fleet(
+    tmp: Path, broker: str, run_file: Path, names: list[str], extra: tuple[str, ...] = ()
+) -> list[subprocess.Popen]:
     processes = []
     for k, name in enumerate(names):
         data = write_data(tmp / f"{name}.npz", [k, k + 1, k + 2, k + 3], seed=k)
         command = [
             *EDGE_AGENT, "--broker", broker, "--id", name, "--fleet", "solo",
             "--expect", str(len(names)), "--run", str(run_file), "--data", str(data),
-            "--state-dir", str(tmp / name), "--round-timeout", "20",
+            "--state-dir", str(tmp / name), "--round-timeout", "20", *extra,
         ]  # fmt: skip
         log = open(tmp / f"{name}.log", "ab")  # noqa: SIM115 - the child holds it
         processes.append(subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
     return processes
+
+
+def trust_file(tmp: Path, names: list[str]) -> Path:
+    """The peers' public keys, as `edge-agent key` prints them on each device."""
+    lines = [
+        subprocess.run(
+            [*EDGE_AGENT, "--id", name, "--state-dir", str(tmp / name), "key"],
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        for name in names
+    ]
+    path = tmp / "trust.keys"
+    path.write_text("".join(lines))
+    return path
 
 
 @pytest.mark.slow
@@ -65,7 +84,9 @@ def test_a_fleet_without_coordinator_runs_from_one_run_file_and_reruns_fresh(
     )
     names = ["pi-a", "pi-b", "pi-c"]
     for attempt in (1, 2):
-        fleet = start_fleet(tmp_path, str(amqtt_broker.address), run_file, names)
+        # The rerun signs with a key per device, each trusting the others' (one trust file).
+        extra = ("--trust", str(trust_file(tmp_path, names))) if attempt == 2 else ()
+        fleet = start_fleet(tmp_path, str(amqtt_broker.address), run_file, names, extra)
         for name, process in zip(names, fleet, strict=True):
             assert process.wait(180) == 0, (tmp_path / f"{name}.log").read_text()
         runs = [run_files_of(tmp_path / name) for name in names]
@@ -117,6 +138,91 @@ def test_coordinator_run_says_why_when_the_agents_do_not_come(amqtt_broker, tmp_
     assert "only 0 of the 2 agents the run wants were online" in result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "report.json").exists()
+
+
+@pytest.mark.slow
+def test_coordinator_run_admits_by_key_and_agents_take_runs_only_from_it(
+    amqtt_broker, tmp_path: Path
+) -> None:
+    """Two admitted devices and a stranger with a key of its own: the run takes the two
+    (fedavg: the coordinator aggregates their signed updates); the stranger is never seen."""
+    broker = str(amqtt_broker.address)
+    identity, admitted = tmp_path / "coordinator.pem", tmp_path / "admitted.keys"
+    line = subprocess.run(
+        [*COORDINATOR, "key", "--identity", str(identity)],
+        cwd=REPO, check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    for name in ("pi-a", "pi-b"):
+        agent_id, public = trust_file(tmp_path, [name]).read_text().split()
+        subprocess.run([*COORDINATOR, "admit", agent_id, public, "--admitted", str(admitted)],
+                       cwd=REPO, check=True)  # fmt: skip
+    (tmp_path / "trust.keys").write_text(line)
+    agents = {}
+    for k, name in enumerate(["pi-a", "pi-b", "pi-0"]):  # pi-0 first by id: would be taken
+        data = write_data(tmp_path / f"{name}.npz", [0, 1, 2, 3], seed=k)
+        command = [
+            *EDGE_AGENT, "--broker", broker, "--id", name, "--data", str(data),
+            "--state-dir", str(tmp_path / name), "--trust", str(tmp_path / "trust.keys"),
+        ]  # fmt: skip
+        log = open(tmp_path / f"{name}.log", "ab")  # noqa: SIM115 - the child holds it
+        agents[name] = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    run_file = write_run(tmp_path / "run.toml", strategy="fedavg", agents=2, rounds=2,
+                         join_timeout=60)  # fmt: skip
+    try:
+        result = subprocess.run(
+            [*COORDINATOR, "run", str(run_file), "--broker", broker, "--admitted", str(admitted),
+             "--identity", str(identity), "--report", str(tmp_path / "report.json")],
+            cwd=REPO, capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+    finally:
+        for process in agents.values():
+            process.terminate()
+            process.wait(30)
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["config"]["roster"] == ["pi-a", "pi-b"]
+    assert [len(r["agents"]) for r in report["rounds"]] == [2, 2]
+    assert "not admitted" in result.stderr, "the stranger's messages were rejected"
+    assert not (tmp_path / "pi-0" / "runs").exists()
+
+
+def test_a_device_that_does_not_trust_the_run_says_so_and_the_run_ends(
+    amqtt_broker, tmp_path: Path
+) -> None:
+    """A device trusting another coordinator key (a wrong trust file) refuses the run in
+    its status, so `coordinator run` ends with the reason instead of waiting for it."""
+    broker = str(amqtt_broker.address)
+    identity, admitted = tmp_path / "coordinator.pem", tmp_path / "admitted.keys"
+    agent_id, public = trust_file(tmp_path, ["pi-w"]).read_text().split()
+    subprocess.run([*COORDINATOR, "admit", agent_id, public, "--admitted", str(admitted)],
+                   cwd=REPO, check=True)  # fmt: skip
+    other = subprocess.run(
+        [*COORDINATOR, "key", "--identity", str(tmp_path / "another.pem")],
+        cwd=REPO, check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    (tmp_path / "trust.keys").write_text(other)
+    data = write_data(tmp_path / "pi-w.npz", [0, 1, 2, 3])
+    command = [
+        *EDGE_AGENT, "--broker", broker, "--id", "pi-w", "--data", str(data),
+        "--state-dir", str(tmp_path / "pi-w"), "--trust", str(tmp_path / "trust.keys"),
+    ]  # fmt: skip
+    with open(tmp_path / "pi-w.log", "ab") as log:
+        device = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    run_file = write_run(tmp_path / "run.toml", strategy="fedavg", agents=1, rounds=2,
+                         join_timeout=60, round_timeout=60)  # fmt: skip
+    try:
+        result = subprocess.run(
+            [*COORDINATOR, "run", str(run_file), "--broker", broker, "--admitted", str(admitted),
+             "--identity", str(identity), "--report", str(tmp_path / "report.json")],
+            cwd=REPO, capture_output=True, text=True, timeout=100,
+        )  # fmt: skip
+    finally:
+        device.terminate()
+        device.wait(30)
+    assert result.returncode == 1
+    assert "made a new coordinator key" in result.stderr
+    assert "pi-w" in result.stderr and "fails its checks" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize(

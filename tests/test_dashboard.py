@@ -33,6 +33,7 @@ from coordinator.dashboard import state as state_module
 from coordinator.dashboard.state import number
 from coordinator.emulate import Emulation, EmulationOptions
 from protocol import MqttTransport, messages, topics
+from protocol.signing import FleetKey
 
 REPO = Path(__file__).resolve().parent.parent
 FLEET = "lab"
@@ -43,7 +44,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def presence(
-    agent: str, online: bool = True, *, role: str = "agent", key: bytes | None = None
+    agent: str, online: bool = True, *, role: str = "agent", key: FleetKey | None = None
 ) -> tuple[str, bytes]:
     message = messages.Presence(
         fleet=FLEET, sender=agent, online=online, since=time.time() - 90, role=role
@@ -153,12 +154,12 @@ def test_figures_that_are_not_finite_numbers_become_none() -> None:
 
 
 def test_other_fleets_forged_messages_and_cleared_agents() -> None:
-    key = b"k" * 32
+    key = FleetKey(b"k" * 32)
     state = FleetState(FLEET, key=key)
     state.feed(*presence("a", key=key))
     version = state.version
     state.feed(topics.presence("other", "z"), presence("z", key=key)[1])
-    state.feed(*presence("b", key=b"wrong" * 8))
+    state.feed(*presence("b", key=FleetKey(b"wrong" * 8)))
     assert state.version == version and state.rejected == 1
     assert list(rows_by_agent(state.snapshot())) == ["a"]
     state.feed(topics.presence(FLEET, "a"), b"")  # its retained presence cleared: forgotten

@@ -83,6 +83,7 @@ class FakeEmulation:
 
     def __init__(self, config: ExperimentConfig, broker: object, options: object) -> None:
         self.fleet = "emu-test"
+        self.key = None
 
     def run(self, progress: Any = None) -> dict[str, Any]:
         return self.report

@@ -5,6 +5,7 @@ from __future__ import annotations
 from coordinator.fleet import FleetView, describe_since, describe_state
 from protocol import messages as m
 from protocol import topics
+from protocol.signing import FleetKey
 
 
 def _presence(agent: str, online: bool, since: float = 100.0, fleet: str = "lab") -> bytes:
@@ -38,7 +39,7 @@ def test_spoofed_malformed_and_foreign_messages_are_counted_not_applied() -> Non
 
 
 def test_signed_fleets_ignore_unsigned_presence() -> None:
-    key = b"k" * 16
+    key = FleetKey(b"k" * 16)
     view = FleetView(key=key)
     view.feed(topics.presence("lab", "a"), _presence("a", True))
     signed = m.encode(m.Presence(fleet="lab", sender="b", online=True, since=1.0), key=key)

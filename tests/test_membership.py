@@ -20,6 +20,7 @@ import pytest
 from protocol import messages, topics
 from protocol.membership import DuplicateMember, Identity, connect, leave
 from protocol.mqtt import BrokerAddress, MqttTransport
+from protocol.signing import FleetKey
 
 if TYPE_CHECKING:
     from conftest import BrokerProcess
@@ -27,8 +28,8 @@ if TYPE_CHECKING:
 REPO = Path(__file__).resolve().parent.parent
 FLEET = "default"
 FREE_PROBE_S = 0.3
-KEY = b"k" * 32
-OTHER_KEY = b"o" * 32
+KEY = FleetKey(b"k" * 32)
+OTHER_KEY = FleetKey(b"o" * 32)
 
 
 @contextmanager
@@ -100,7 +101,7 @@ def test_a_crashed_holder_does_not_block_its_restart(broker: BrokerProcess) -> N
 
 
 @contextmanager
-def forger(address: BrokerAddress, agent: str, key: bytes | None) -> Iterator[None]:
+def forger(address: BrokerAddress, agent: str, key: FleetKey | None) -> Iterator[None]:
     """Answers every probe for `agent` as its holder, signing with `key`."""
     answer = messages.Presence(fleet=FLEET, sender=agent, online=True, since=1.0, reason="x")
     with MqttTransport(address) as transport:

@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 from protocol import PROTOCOL_VERSION, Limits, ProtocolError, topics
 from protocol import messages as m
+from protocol.signing import FleetKey
 
-KEY = b"0123456789abcdef-fleet-key"
+KEY = FleetKey(b"0123456789abcdef-fleet-key")
 
 EXAMPLES: list[m.Message] = [
     m.Presence(
@@ -49,7 +50,7 @@ EXAMPLES: list[m.Message] = [
 
 @pytest.mark.parametrize("message", EXAMPLES, ids=lambda x: type(x).__name__)
 @pytest.mark.parametrize("key", [None, KEY], ids=["unsigned", "signed"])
-def test_every_message_type_round_trips(message: m.Message, key: bytes | None) -> None:
+def test_every_message_type_round_trips(message: m.Message, key: FleetKey | None) -> None:
     decoded = m.decode(m.encode(message, key=key), key=key)
     assert decoded == message
     assert type(decoded) is type(message)
@@ -149,7 +150,7 @@ def test_a_fleet_key_rejects_unsigned_tampered_and_foreign_messages() -> None:
     with pytest.raises(ProtocolError, match="not signed"):
         m.decode(m.encode(message), key=KEY)
     with pytest.raises(ProtocolError, match="signature"):
-        m.decode(m.encode(message, key=b"another-fleet-key-123"), key=KEY)
+        m.decode(m.encode(message, key=FleetKey(b"another-fleet-key-123")), key=KEY)
     tampered = bytearray(signed)
     tampered[40] ^= 0x01
     with pytest.raises(ProtocolError):

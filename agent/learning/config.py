@@ -98,6 +98,18 @@ class StrategyConfig:
         "divergence vector, then the layers each receiver asks for: FedLDF between neighbours).",
     )
     delta_fraction: float = param(0.1, "--wire delta: fraction of the kept entries sent (top-k).")
+    aggregation: str = param(
+        "mean",
+        "How received models combine, element-wise over the senders that hold each element: "
+        "mean (sample-weighted where the strategy weights), median or trimmed:F (the mean "
+        "without the largest and smallest fraction F, 0 <= F < 0.5); median and trimmed are "
+        "unweighted.",
+    )
+    clip: str = param(
+        "off",
+        "Norm clipping of each received model's difference to the receiver's own model: off, "
+        "auto (the median distance of the received models) or a norm bound.",
+    )
 
     @property
     def sgd(self) -> SGDConfig:

@@ -33,7 +33,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from agent.learning import pqi, pruning, rigl, sparse
+from agent.learning import pqi, pruning, rigl, robust, sparse
 from agent.learning.config import ADAM_FAMILY, DECENTRALIZED, STOP_LAMBDA, StrategyConfig
 from agent.learning.models import flops_from_positions, output_positions
 from agent.learning.sparse import Masks, State
@@ -91,6 +91,8 @@ class RoundResult:
     pruned: bool
     divergence: dict[str, float] | None = None
     """With --wire layers: per layer, how far training moved the model from its aggregate."""
+    recovered: bool = False
+    """The round's model turned non-finite: the agent kept its model from before the round."""
 
 
 @dataclass(frozen=True)
@@ -216,30 +218,20 @@ class Learner:
         return _restricted(model, [name for layer in layers for name in groups[layer]])
 
     def aggregate(self, agent: AgentState, inbox: dict[str, Published]) -> State:
-        """Mask-based aggregation for sparse strategies (eq. 7), plain mean for dense ones.
-
-        A neighbour that sent only some layers (`--wire layers`) counts for those alone: each
-        set of tensors with the same senders is aggregated over them and the agent itself,
-        which per element is exactly the aggregation of whole models."""
+        """Mask-based aggregation for sparse strategies (eq. 7), plain mean for dense ones,
+        or the robust rule of `--aggregation`; each received model first clipped to the
+        `--clip` bound around the agent's own (`robust.clip`)."""
         if not inbox:
             return agent.weights
-        by_senders: dict[frozenset[str], list[str]] = {}
-        for name in agent.weights:
-            senders = frozenset(j for j, p in inbox.items() if name in p.weights)
-            by_senders.setdefault(senders, []).append(name)
-        if len(by_senders) > 1 or set(by_senders) != {frozenset(inbox)}:
-            out: State = {}
-            for senders, names in by_senders.items():
-                part = _restricted(agent, names)
-                out |= self.aggregate(part, {j: _restricted(inbox[j], names) for j in senders})
-            return {name: out[name] for name in agent.weights}
-        if agent.masks is not None:
-            models = {j: (p.weights, p.masks or {}) for j, p in inbox.items()}
-            models[agent.agent_id] = (agent.weights, agent.masks)
-            return sparse.aggregate_masked(models, agent.masks)
-        states = {j: p.weights for j, p in inbox.items()}
-        states[agent.agent_id] = agent.weights
-        return sparse.aggregate_mean(states)
+        if self.config.clip != robust.CLIP_OFF:
+            clipped = robust.clip(
+                agent.weights,
+                {j: p.weights for j, p in inbox.items()},
+                self.config.clip,
+                {j: p.masks for j, p in inbox.items()},
+            )
+            inbox = {j: dataclasses.replace(p, weights=clipped[j]) for j, p in inbox.items()}
+        return combine(agent, inbox, robust.parse_rule(self.config.aggregation))
 
     def _starting_point(
         self,
@@ -333,6 +325,7 @@ class Learner:
         instead trains that fraction of the neurons and freezes the rest (`--reduce`).
         """
         cfg = self.config
+        before = agent
         start, agent, active = self._starting_point(
             agent, inbox, round_, density_cap, active_fraction
         )
@@ -364,6 +357,8 @@ class Learner:
                 pruned = True
             weights, masks, rigl_flops = self._rigl(weights, masks, data, agent.agent_id, round_)
             flops += rigl_flops
+        if not robust.finite(weights):
+            return _recovered(self, before, data, round_, flops, trained.mean_loss)
         loss, accuracy = evaluate(self.model, weights, data.x_test, data.y_test)
         divergence = None
         if cfg.wire == "layers" and self.decentralized:
@@ -402,6 +397,74 @@ class Learner:
 
     def evaluate_on(self, weights: State, data: LocalData) -> tuple[float, float]:
         return evaluate(self.model, weights, data.x_test, data.y_test)
+
+
+def _recovered(
+    learner: Learner,
+    before: AgentState,
+    data: LocalData,
+    round_: int,
+    flops: int,
+    train_loss: float,
+) -> RoundResult:
+    """A round whose model turned non-finite (a poisoned aggregate, a diverged step): the
+    agent goes back to its model before the round, keeps it and publishes it again,
+    rather than dropping out with a model nobody can use."""
+    loss, accuracy = evaluate(learner.model, before.weights, data.x_test, data.y_test)
+    layers = learner.config.wire == "layers" and learner.decentralized
+    return RoundResult(
+        state=dataclasses.replace(before, round=round_),
+        published=Published(before.weights, before.masks, len(data.y_train)),
+        loss=loss,
+        accuracy=accuracy,
+        train_loss=train_loss if math.isfinite(train_loss) else loss,
+        train_flops=flops,
+        vote=False if learner.sparse else None,  # a missing vote would count 0 as well
+        score=None,
+        pruned=False,
+        divergence=dict.fromkeys(learner.layer_groups, 0.0) if layers else None,
+        recovered=True,
+    )
+
+
+def combine(agent: AgentState, inbox: dict[str, Published], rule: robust.Rule) -> State:
+    """`Learner.aggregate` once clipped: eq. 7 for sparse agents, the plain mean for dense
+    ones, or the robust `rule`.
+
+    A neighbour that sent only some layers (`--wire layers`) counts for those alone: each
+    set of tensors with the same senders is aggregated over them and the agent itself,
+    which per element is exactly the aggregation of whole models."""
+    by_senders: dict[frozenset[str], list[str]] = {}
+    for name in agent.weights:
+        senders = frozenset(j for j, p in inbox.items() if name in p.weights)
+        by_senders.setdefault(senders, []).append(name)
+    if len(by_senders) > 1 or set(by_senders) != {frozenset(inbox)}:
+        out: State = {}
+        for senders, names in by_senders.items():
+            part = _restricted(agent, names)
+            if not senders:
+                out |= part.weights
+                continue
+            out |= combine(part, {j: _restricted(inbox[j], names) for j in senders}, rule)
+        return {name: out[name] for name in agent.weights}
+    if rule.robust:
+        return _robust_combine(agent, inbox, rule)
+    if agent.masks is not None:
+        models = {j: (p.weights, p.masks or {}) for j, p in inbox.items()}
+        models[agent.agent_id] = (agent.weights, agent.masks)
+        return sparse.aggregate_masked(models, agent.masks)
+    states = {j: p.weights for j, p in inbox.items()}
+    states[agent.agent_id] = agent.weights
+    return sparse.aggregate_mean(states)
+
+
+def _robust_combine(agent: AgentState, inbox: dict[str, Published], rule: robust.Rule) -> State:
+    """`rule` over the agent and its senders, per element over those that hold it (a sparse
+    sender its mask's entries), cut to the agent's own mask (eq. 7's last step)."""
+    states = {j: p.weights for j, p in inbox.items()} | {agent.agent_id: agent.weights}
+    held = {j: p.masks or {} for j, p in inbox.items()} | {agent.agent_id: agent.masks or {}}
+    out, _counts = robust.aggregate(states, rule, held)
+    return sparse.apply_masks(out, agent.masks) if agent.masks is not None else out
 
 
 def _restricted(model: _Model, names: list[str]) -> _Model:

@@ -9,18 +9,25 @@ Decentralized rounds (ALGORITHMS.md 1.2-1.8): `RoundTopology` says whom agent k 
 t (this round's models of its prior neighbours, last round's of the others), `stand_in` which
 model represents a neighbour that stopped early, `settle_votes` how a round's votes settle the
 pruning plan, `train_round` the budgeted local round. Centralized rounds: `participant_p_k`,
-`layer_requests`, `advance_server` and `evaluated_weights`.
+`layer_requests`, `advance_server` and `evaluated_weights`. Under attack and faults:
+`attacked` (what an attacker sends instead of its round's model), `checked_fit` and
+`checked_aggregate` (a non-finite model is never kept or sent: the round is undone).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import cast
 
-from agent.learning import ldf, pruning, topology
+import torch
+
+from agent.learning import ldf, pruning, robust, topology
 from agent.learning.central import (
     Aggregate,
     CentralStrategy,
+    Fit,
+    Payload,
     ServerState,
     as_sent,
     static_tier,
@@ -159,3 +166,61 @@ def evaluated_weights(strategy: CentralStrategy, own: State, view: ServerState) 
     """The model a participant's accuracy is measured on: its own for a personalized
     strategy, else the global model it holds."""
     return own if strategy.personal else view.weights
+
+
+def attacked(learner: Learner, result: RoundResult, attack: str, round_: int) -> RoundResult:
+    """A decentralized attacker's round: its state stays its own, what it publishes is
+    poisoned (`robust.poison`, noise drawn from the fleet seed, the agent and the round)."""
+    published = result.published
+    generator = learner.generator("attack", result.state.agent_id, round_)
+    weights = robust.poison(published.weights, published.masks, attack, generator)
+    return dataclasses.replace(result, published=dataclasses.replace(published, weights=weights))
+
+
+def attacked_payload(
+    learner: Learner, payload: Payload, attack: str, agent_id: str, round_: int
+) -> Payload:
+    """A centralized attacker's upload, poisoned (`robust.poison`) as `attacked`'s."""
+    generator = learner.generator("attack", agent_id, round_)
+    return Payload(robust.poison(payload.weights, payload.masks, attack, generator), payload.masks)
+
+
+def _neutral(payload: Payload, reference: State) -> Payload:
+    """A payload of `payload`'s layout that changes nothing: `reference`'s values where it
+    has the tensor (a model), zeros elsewhere (a delta)."""
+    weights = {
+        n: reference[n].clone() if n in reference else torch.zeros_like(t)
+        for n, t in payload.weights.items()
+    }
+    return Payload(weights, payload.masks)
+
+
+def checked_fit(fit: Fit, before: AgentState, view: ServerState) -> tuple[Fit, bool]:
+    """A centralized participant's fit, undone when its model or upload is not finite (a
+    poisoned global model, a diverged step): the participant keeps its model from before the
+    round and uploads what changes nothing. Returns the fit and whether it was undone."""
+    if robust.finite(fit.state.weights) and robust.finite(fit.upload.weights):
+        return fit, False
+    undone = dataclasses.replace(
+        fit,
+        state=dataclasses.replace(before, round=fit.state.round),
+        upload=_neutral(fit.upload, view.weights),
+        divergence=None if fit.divergence is None else dict.fromkeys(fit.divergence, 0.0),
+    )
+    return undone, True
+
+
+def checked_aggregate(
+    strategy: CentralStrategy, server: ServerState, aggregate: Aggregate
+) -> tuple[Aggregate, bool]:
+    """The aggregator's round, undone when its new state or broadcast is not finite: the
+    server keeps its state and broadcasts what changes nothing. Returns it and whether it
+    was undone."""
+    new = aggregate.server
+    states = [new.weights, new.m or {}, new.v or {}, aggregate.broadcast.weights]
+    if all(robust.finite(s) for s in states):
+        return aggregate, False
+    broadcast = aggregate.broadcast
+    if strategy.broadcasts and broadcast.weights:
+        broadcast = _neutral(broadcast, server.weights)
+    return Aggregate(server, broadcast), True

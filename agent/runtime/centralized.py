@@ -23,11 +23,14 @@ import time
 from typing import Any
 
 from agent.device import Budget
+from agent.experiment import attackers
 from agent.learning import (
     Fit,
     Payload,
     ServerState,
+    attacked_payload,
     central_strategy,
+    checked_fit,
     evaluated_weights,
     participant_p_k,
 )
@@ -61,6 +64,8 @@ class CentralizedRounds:
         """This agent's copy of the server state: the last broadcast applied."""
         self.values_sent = 0
         """Values this round's uploads carried."""
+        self.attacker = session.me in attackers(session.config, session.roster)
+        """Research (`--attackers`): this agent uploads poisoned models."""
 
     # ------------------------------------------------------------------ wiring
 
@@ -106,6 +111,8 @@ class CentralizedRounds:
     def _send(self, round_: int, payload: Payload, num_samples: int) -> None:
         """Upload `payload` (counting its values in `values_sent`)."""
         s = self.session
+        if self.attacker:
+            payload = attacked_payload(s.learner, payload, s.config.attack, s.me, round_)
         self.values_sent += values_sent(payload.weights, payload.masks)
         body = encode_state(payload.weights, payload.masks, fp16=s.cfg.fp16)
         update = messages.Update(**s.header(round_), tensors=body, num_samples=num_samples)
@@ -163,7 +170,11 @@ class CentralizedRounds:
             view = ServerState(part.weights)
         waited = time.monotonic() - started
         compute_started = time.monotonic()
-        fit = self.strategy.fit(s.learner, s.state, s.data, view, round_, p_k)
+        fit, undone = checked_fit(
+            self.strategy.fit(s.learner, s.state, s.data, view, round_, p_k), s.state, view
+        )
+        if undone:
+            log.warning("round %d: model not finite; kept the model from before it", round_)
         throttled = s.after_compute(compute_started, fit.train_flops)
         s.state = fit.state
         stragglers = self._exchange(round_, p_k, fit)

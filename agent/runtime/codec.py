@@ -16,6 +16,7 @@ import torch
 from agent.learning import FLIP, Masks, State
 from agent.learning.central import CentralStrategy, Layout, Payload, model_layout
 from protocol import DEFAULT_LIMITS, Limits, ProtocolError, decode_tensors, encode_tensors, messages
+from protocol.signing import Signer
 
 if TYPE_CHECKING:
     from agent.learning import Learner
@@ -100,7 +101,7 @@ def model_message(
     masks: Masks | None,
     num_samples: int,
     fp16: bool = False,
-    key: bytes | None = None,
+    key: Signer | None = None,
     base_round: int = -1,
 ) -> bytes:
     """The `Model` message an agent publishes after a round: its full model, or with
@@ -125,7 +126,7 @@ def divergence_message(
     run_id: str,
     round_: int,
     divergence: Mapping[str, float],
-    key: bytes | None = None,
+    key: Signer | None = None,
 ) -> bytes:
     """The `Divergence` message carrying a FedLDF divergence vector (layer -> value)."""
     message = messages.Divergence(

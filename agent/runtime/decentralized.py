@@ -22,11 +22,13 @@ import logging
 import time
 from typing import Any
 
+from agent.experiment import attackers
 from agent.learning import (
     Need,
     Published,
     RoundResult,
     RoundTopology,
+    attacked,
     pruning,
     settle_votes,
     stand_in,
@@ -113,7 +115,9 @@ class DecentralizedRounds:
         layers), or for what we published after a round (it missed it)."""
         s = self.session
         request = s.inbox.decode_request(topic, payload)
-        if request is None or request.target != s.me or self.wire.serve(request):
+        if request is None or request.target != s.me or not s.inbox.may_answer(request):
+            return  # not ours, or the same ask answered moments ago (a flood of requests)
+        if self.wire.serve(request):
             return
         data = self.own.get(request.round)
         if data is not None:
@@ -203,8 +207,13 @@ class DecentralizedRounds:
         )
         throttled = s.after_compute(compute_started, result.train_flops)
         s.state = result.state
+        if result.recovered:
+            log.warning("round %d: model not finite; kept the model from before it", round_)
         stops = s.early.after(s.learner, result.state.weights, result.train_loss, s.data)
-        nonzeros = self.publish(round_, result)
+        sent = result
+        if s.me in attackers(s.config, s.roster):  # research: it sends a poisoned model
+            sent = attacked(s.learner, result, s.config.attack, round_)
+        nonzeros = self.publish(round_, sent)
         return AgentRound.of_result(
             round_,
             s.me,

@@ -4,12 +4,22 @@ Handlers run on the transport's dispatcher thread and only validate and store; t
 waits here with timeouts. Everything is keyed by (round, sender) and the first copy wins, so
 a model delivered twice (QoS 1 redelivery, or re-sent on request) changes nothing. The fleet's
 state (statuses, presence, votes) and the message checks are `FleetMail`'s.
+
+Memory is bounded against a hostile (or broken) sender: once the round being run is known
+(`at_round`, `forget_before`, or a model restored from a checkpoint), a message or vote of a
+round more than `rounds_ahead` past it is dropped and counted (`dropped`), so at most
+`rounds_ahead` + 2 rounds of (round, sender) entries are held ahead of `forget_before`;
+a model or layer whose `num_samples` is outside 1..`limits.max_num_samples` is rejected (it
+would dominate FedAvg); a peer asking again for what we published is answered at most once
+per `ANSWER_EVERY_S` per (asker, round, layers) (`may_answer`).
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from agent.learning import Published, apply_delta
@@ -17,17 +27,36 @@ from agent.learning.ldf import checked_divergences
 from agent.runtime.codec import decode_state
 from agent.runtime.mail import Expected, FleetMail
 from protocol import ProtocolError, messages, topics
+from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.logs import claimed_sender
 
-__all__ = ["Expected", "Inbox"]
+__all__ = ["ANSWER_EVERY_S", "ROUNDS_AHEAD", "Expected", "Inbox"]
+
+ROUNDS_AHEAD = 4
+"""Rounds past the one being run whose messages are kept: the round driver subscribes to the
+models of the next 4 rounds (`decentralized.LOOKAHEAD_ROUNDS`); a peer further ahead re-sends
+on request what it published (it keeps its last 4 rounds)."""
+ANSWER_EVERY_S = 2.0
+"""A peer's request for the same thing is answered at most this often: below the askers'
+`request_every_s` (5 s by default), so every honest re-ask is answered."""
 
 
 class Inbox(FleetMail):
     """Peers' models (whole, as deltas, or as layers with their divergence vectors) and the
     aggregator's messages, on top of the fleet's state."""
 
-    def __init__(self, expected: Expected) -> None:
+    def __init__(
+        self,
+        expected: Expected,
+        *,
+        limits: Limits = DEFAULT_LIMITS,
+        rounds_ahead: int = ROUNDS_AHEAD,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         super().__init__(expected)
+        self.limits = limits
+        self.guard = Guard(rounds_ahead, clock)
+        self.dropped = self.guard.dropped
         self._models: dict[tuple[int, str], Published] = {}
         self._pending: dict[tuple[int, str], tuple[int, Published]] = {}
         """Deltas waiting for their base: (round, sender) -> (base round, zero-filled delta
@@ -42,7 +71,7 @@ class Inbox(FleetMail):
         """A peer's model, whole or (`base_round` >= 0) as a delta on an earlier one, which
         is applied once that base is here (`agent.learning.delta`)."""
         message = self._decode(topic, payload, "model")
-        if not isinstance(message, messages.Model):
+        if not isinstance(message, messages.Model) or not self._admit(message, topic):
             return
         key = (message.round, message.sender)
         with self._changed:
@@ -70,6 +99,36 @@ class Inbox(FleetMail):
             self._resolve(message.sender)
             self._changed.notify_all()
 
+    def record_votes(self, sender: str, votes: dict[int, bool]) -> None:
+        """`FleetMail.record_votes` for the rounds within the window: a forged status could
+        otherwise claim a vote history of a million rounds (a dict entry each)."""
+        super().record_votes(sender, {r: v for r, v in votes.items() if self.guard.ahead_ok(r)})
+
+    def at_round(self, round_: int) -> None:
+        """The agent runs round `round_` next (1 on a fresh start, after a restart the round
+        it resumes at): the window of rounds kept starts here."""
+        self.guard.reached(round_)
+
+    def _admit(self, message: messages.Model, topic: str, kind: str = "model") -> bool:
+        """A model (or layer) within the window of rounds whose `num_samples` the run allows
+        (rejected and logged otherwise)."""
+        if not self.guard.ahead_ok(message.round):
+            return False
+        if not 1 <= message.num_samples <= self.limits.max_num_samples:
+            self.reject(
+                kind,
+                message.sender,
+                topic,
+                f"num_samples {message.num_samples} outside 1..{self.limits.max_num_samples}",
+            )
+            return False
+        return True
+
+    def may_answer(self, request: messages.Request) -> bool:
+        """Whether to answer a peer's request (re-send what we published, or publish layers)
+        now: see `Guard.may_answer`."""
+        return self.guard.may_answer(request)
+
     def _resolve(self, sender: str) -> None:
         """Apply `sender`'s pending deltas whose base is here (in round order). Lock held."""
         for key in sorted(k for k in self._pending if k[1] == sender):
@@ -86,7 +145,7 @@ class Inbox(FleetMail):
     def on_divergence(self, topic: str, payload: bytes) -> None:
         """A neighbour's divergence vector (`--wire layers`): one value per layer, >= 0."""
         message = self._decode(topic, payload, "divergence")
-        if not isinstance(message, messages.Divergence):
+        if not isinstance(message, messages.Divergence) or not self.guard.ahead_ok(message.round):
             return
         try:
             vector = checked_divergences(
@@ -103,7 +162,7 @@ class Inbox(FleetMail):
         """One layer of a neighbour's model (`--wire layers`), checked against the layer's
         tensors; the layer's index is the last topic level."""
         message = self._decode(topic, payload, "model")
-        if not isinstance(message, messages.Model):
+        if not isinstance(message, messages.Model) or not self._admit(message, topic, "layer"):
             return
         groups = self.expected.layer_groups or {}
         layers = list(groups)
@@ -129,6 +188,7 @@ class Inbox(FleetMail):
     ) -> None:
         """Store a divergence vector and layers restored from a checkpoint (--wire layers)."""
         with self._changed:
+            self.guard.reached(round_)
             self._divergences.setdefault((round_, sender), divergence)
             for layer, part in layers.items():
                 self._layers.setdefault((round_, sender, layer), part)
@@ -171,6 +231,8 @@ class Inbox(FleetMail):
             return
         if message.sender != self.expected.aggregator or message.run_id != self.expected.run_id:
             return
+        if not self.guard.ahead_ok(message.round):
+            return
         with self._changed:
             self._globals.setdefault((message.round, "to" in fields), message)
             self._changed.notify_all()
@@ -178,7 +240,11 @@ class Inbox(FleetMail):
     def on_aggregator_request(self, topic: str, payload: bytes) -> None:
         """The aggregator asking this run's agents for layers (FedLDF)."""
         message = self.decode_request(topic, payload)
-        if message is not None and message.sender == self.expected.aggregator:
+        if (
+            message is not None
+            and message.sender == self.expected.aggregator
+            and self.guard.ahead_ok(message.round)
+        ):
             with self._changed:
                 self._asked.setdefault((message.round, message.target), message)
                 self._changed.notify_all()
@@ -210,6 +276,7 @@ class Inbox(FleetMail):
     def put_model(self, round_: int, sender: str, published: Published) -> None:
         """Store a model restored from a checkpoint (or derived locally)."""
         with self._changed:
+            self.guard.reached(round_)
             self._models.setdefault((round_, sender), published)
             self._resolve(sender)
 
@@ -249,10 +316,61 @@ class Inbox(FleetMail):
     def forget_before(self, round_: int) -> None:
         """Drop models older than round_ (except each sender's newest, kept as a fallback)."""
         with self._changed:
+            self.guard.forget_before(round_)
             for stored in (self._models, self._divergences, self._layers):
                 _drop_before(stored, round_, keep_newest=True)
             for dropped in (self._globals, self._pending, self._asked):
                 _drop_before(dropped, round_, keep_newest=False)
+
+
+class Guard:
+    """What the inbox keeps out, besides what fails its checks: messages of rounds too far
+    ahead, and requests answered moments ago. Thread-safe (its own lock)."""
+
+    def __init__(self, rounds_ahead: int, clock: Callable[[], float]) -> None:
+        self.rounds_ahead = rounds_ahead
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._floor: int | None = None
+        """The round being run is at most 2 past this (`forget_before`, `reached`); None
+        until known: a resumed agent may be at any round, so nothing is dropped yet."""
+        self.dropped: Counter[str] = Counter()
+        """Messages (and votes) dropped unread by reason (`future_round`, `answered`)."""
+        self._answered: dict[tuple[int, str, tuple[str, ...]], float] = {}
+
+    def reached(self, round_: int) -> None:
+        """The agent runs round `round_` or a later one (it is told so, or holds a model of
+        that round from a checkpoint)."""
+        with self._lock:
+            self._floor = max(self._floor or 0, round_ - 2)
+
+    def forget_before(self, round_: int) -> None:
+        """The inbox forgets the rounds before `round_`: the agent runs `round_` + 2 at most."""
+        with self._lock:
+            self._floor = max(self._floor or 0, round_)
+            _drop_before(self._answered, round_, keep_newest=False)
+
+    def ahead_ok(self, round_: int) -> bool:
+        """Whether a message of `round_` is within the window kept: at most `rounds_ahead`
+        past the round being run (every round while that is unknown); counts it if not."""
+        with self._lock:
+            if self._floor is None or round_ <= self._floor + 2 + self.rounds_ahead:
+                return True
+            self.dropped["future_round"] += 1
+            return False
+
+    def may_answer(self, request: messages.Request) -> bool:
+        """Not if the same asker asked for the same round and layers within
+        `ANSWER_EVERY_S`, so a flood of requests cannot make this agent republish its models
+        without end."""
+        key = (request.round, request.sender, tuple(sorted(request.layers)))
+        now = self._clock()
+        with self._lock:
+            if now - self._answered.get(key, -ANSWER_EVERY_S) < ANSWER_EVERY_S:
+                self.dropped["answered"] += 1
+                return False
+            self._answered[key] = now
+            return True
 
 
 def _drop_before(store: dict[Any, Any], round_: int, *, keep_newest: bool) -> None:

@@ -23,7 +23,8 @@ from typing import Any
 from agent.learning import running
 from protocol import ProtocolError, messages
 from protocol.logs import RejectionLog, claimed_sender
-from protocol.membership import LOST
+from protocol.membership import LOST, PresenceClock
+from protocol.signing import Signer
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ class Expected:
     run_id: str
     roster: frozenset[str]
     shapes: dict[str, tuple[tuple[int, ...], str]]
-    key: bytes | None = None
+    key: Signer | None = None
     aggregator: str | None = None
     """The coordinator aggregating a centralized run (it sends globals and layer requests)."""
     delta_shapes: dict[str, tuple[tuple[int, ...], str]] | None = None
@@ -65,6 +66,7 @@ class FleetMail:
         self._crashed_at: dict[str, float] = {}
         """Offline agents whose will said "lost" (a crash), and when (monotonic)."""
         self._rejections = RejectionLog(log)
+        self._presences = PresenceClock()
 
     def reject(self, kind: str, sender: str, topic: str, reason: object) -> None:
         """Count a message that failed its checks and warn of it (rate-limited)."""
@@ -113,7 +115,12 @@ class FleetMail:
                     self.stopped[message.sender] = message.round
                 self._changed.notify_all()
             history = message.metrics.get("votes")
-            if isinstance(history, str) and set(history) <= {"0", "1"}:
+            # A history longer than its status's round is forged: never build its dict.
+            if (
+                isinstance(history, str)
+                and len(history) <= message.round
+                and set(history) <= {"0", "1"}
+            ):
                 self.record_votes(
                     message.sender, {r: v == "1" for r, v in enumerate(history, start=1)}
                 )
@@ -123,6 +130,9 @@ class FleetMail:
         message = self._decode(topic, payload, "presence", check_run=False)
         if isinstance(message, messages.Presence):
             with self._changed:
+                if not self._presences.fresh(message):
+                    self.reject("presence", message.sender, topic, "older than its last birth")
+                    return
                 if message.online:
                     self.offline.discard(message.sender)
                     self._crashed_at.pop(message.sender, None)

@@ -32,6 +32,8 @@ from agent.runtime import checkpoint
 from agent.runtime.codec import expected_shapes
 from agent.runtime.inbox import Expected, Inbox
 from protocol import MqttTransport, messages, topics
+from protocol.limits import run_limits
+from protocol.signing import Signer
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +162,7 @@ class SessionOptions(TypedDict, total=False):
     transport: Required[MqttTransport]
     state_dir: Required[Path]
     timeouts: Timeouts
-    key: bytes | None
+    key: Signer | None
     on_round: Callable[[dict[str, Any]], None] | None
     on_finish: Callable[[AgentState], None] | None
     stop: threading.Event | None
@@ -182,7 +184,7 @@ class Session:
         transport: MqttTransport,
         state_dir: Path,
         timeouts: Timeouts = Timeouts(),
-        key: bytes | None = None,
+        key: Signer | None = None,
         on_round: Callable[[dict[str, Any]], None] | None = None,
         on_finish: Callable[[AgentState], None] | None = None,
         stop: threading.Event | None = None,
@@ -211,16 +213,22 @@ class Session:
         self.budget = budget or (lambda: None)
         self.throttle = throttle
         self.telemetry = telemetry
+        shapes = expected_shapes(self.learner.initial)
+        # What a message of this run can be at most follows from its model: a hostile peer
+        # cannot make the agent buffer more than a few models' worth.
+        limits = run_limits(shapes, len(self.roster))
+        transport.set_limits(limits)
         self.inbox = Inbox(
             Expected(
                 fleet=fleet,
                 run_id=run.run_id,
                 roster=frozenset(self.roster),
-                shapes=expected_shapes(self.learner.initial),
+                shapes=shapes,
                 key=key,
                 aggregator=run.aggregator,
                 **(expects or {}),
-            )
+            ),
+            limits=limits,
         )
         self.state: AgentState = self.learner.init_agent(agent_id)
         self.early = EarlyStop(self.cfg.early_stop, self.cfg.stop_patience)
@@ -305,6 +313,7 @@ class Session:
         self.transport.subscribe(topics.presence(self.fleet), self.inbox.on_presence)
         driver.subscribe()
         done = self.restore(driver)
+        self.inbox.at_round(done + 1)
         if done:
             driver.republish()
             if self.stopped_round is not None:  # the crash may have come before the status

@@ -21,6 +21,7 @@ from typing import Any
 from coordinator.fleet import AgentEntry, FleetView
 from protocol import ProtocolError, messages, topics
 from protocol.logs import RejectionLog
+from protocol.signing import Signer
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ class FleetState:
     `key`: the fleet key that signs messages, when the fleet uses one.
     """
 
-    def __init__(self, fleet: str | None = None, key: bytes | None = None) -> None:
+    def __init__(self, fleet: str | None = None, key: Signer | None = None) -> None:
         self.fleet = fleet
         self._key = key
         self._view = FleetView(key)

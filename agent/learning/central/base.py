@@ -27,6 +27,7 @@ from typing import ClassVar
 
 import torch
 
+from agent.learning import robust
 from agent.learning.learner import AgentState, Learner, LocalData
 from agent.learning.sparse import Masks, State
 from agent.learning.training import TrainResult, train_local
@@ -178,6 +179,18 @@ def _layer_tensor_names(learner: Learner, layers: list[str]) -> set[str]:
     if unknown:
         raise ValueError(f"unknown layers {unknown[:4]}")
     return {name for layer in layers for name in groups[layer]}
+
+
+def clipped_uploads(
+    learner: Learner,
+    reference: State,
+    states: Mapping[str, State],
+    held: Mapping[str, Masks | None] | None = None,
+) -> tuple[dict[str, State], robust.Rule]:
+    """The uploads' tensors clipped (`--clip`) around the aggregator's `reference`, and the
+    `--aggregation` rule to combine them with."""
+    cfg = learner.config
+    return robust.clip(reference, states, cfg.clip, held), robust.parse_rule(cfg.aggregation)
 
 
 def sample_weights(uploads: Mapping[str, Upload]) -> dict[str, float]:

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import torch
 
-from agent.learning import adam
+from agent.learning import adam, robust
 from agent.learning.central.base import (
     Aggregate,
     CentralStrategy,
@@ -22,6 +22,7 @@ from agent.learning.central.base import (
     Payload,
     ServerState,
     Upload,
+    clipped_uploads,
     model_layout,
     sample_weights,
 )
@@ -87,7 +88,8 @@ class FedAdam(CentralStrategy):
         weights = sample_weights(uploads)
         deltas = {k: _moment_deltas(u.payload) for k, u in uploads.items()}
         dw, dm, dv = (
-            adam.aggregate_deltas({k: d[i] for k, d in deltas.items()}, weights) for i in range(3)
+            self._combine(learner, server, {k: d[i] for k, d in deltas.items()}, weights)
+            for i in range(3)
         )
         new = ServerState(
             adam.apply(server.weights, dw), adam.apply(server.m, dm), adam.apply(server.v, dv)
@@ -97,6 +99,25 @@ class FedAdam(CentralStrategy):
             (dw, support), (dm, support), (dv, support), self.broadcast_mode
         )
         return Aggregate(new, broadcast)
+
+    def _combine(
+        self,
+        learner: Learner,
+        server: ServerState,
+        deltas: Mapping[str, State],
+        weights: Mapping[str, float],
+    ) -> State:
+        """One of the three deltas aggregated: clipped around zero (`--clip`), then the
+        weighted mean, or the `--aggregation` rule over the participants that selected each
+        coordinate (a sparsified delta's zeros are not selections, the mean's count them)."""
+        zero = adam.zeros_like_state(server.weights)
+        held = None
+        if self.mode != adam.MODE_DENSE:
+            held = {k: {n: t != 0 for n, t in d.items()} for k, d in deltas.items()}
+        clipped, rule = clipped_uploads(learner, zero, deltas, held)
+        if rule.robust:
+            return robust.aggregate_onto(zero, clipped, rule, held)
+        return adam.aggregate_deltas(clipped, weights)
 
     def receive(self, view: ServerState, broadcast: Payload) -> ServerState:
         """Apply the broadcast deltas to W, M and V, as the aggregator did."""

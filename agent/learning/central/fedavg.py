@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from agent.learning import sparse
+from agent.learning import robust, sparse
 from agent.learning.central.base import (
     Aggregate,
     CentralStrategy,
@@ -17,6 +17,7 @@ from agent.learning.central.base import (
     Payload,
     ServerState,
     Upload,
+    clipped_uploads,
     sample_weights,
     train_sgd,
 )
@@ -55,9 +56,13 @@ class FedAvg(CentralStrategy):
     def aggregate(
         self, learner: Learner, server: ServerState, uploads: Mapping[str, Upload]
     ) -> Aggregate:
-        weights = sparse.aggregate_weighted(
-            {k: u.payload.weights for k, u in uploads.items()}, sample_weights(uploads)
+        states, rule = clipped_uploads(
+            learner, server.weights, {k: u.payload.weights for k, u in uploads.items()}
         )
+        if rule.robust:
+            weights = robust.aggregate_onto(server.weights, states, rule)
+        else:
+            weights = sparse.aggregate_weighted(states, sample_weights(uploads))
         return Aggregate(ServerState(weights), Payload(weights))
 
 

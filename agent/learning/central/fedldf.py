@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from agent.learning import ldf
+from agent.learning import ldf, robust
 from agent.learning.central.base import (
     Aggregate,
     CentralStrategy,
@@ -14,6 +14,7 @@ from agent.learning.central.base import (
     Payload,
     ServerState,
     Upload,
+    clipped_uploads,
     sample_weights,
 )
 from agent.learning.central.fedavg import full_model_fit
@@ -55,10 +56,14 @@ class FedLDF(CentralStrategy):
     def aggregate(
         self, learner: Learner, server: ServerState, uploads: Mapping[str, Upload]
     ) -> Aggregate:
-        weights = ldf.aggregate_layers(
-            {k: u.payload.weights for k, u in uploads.items() if u.payload.weights},
-            sample_weights(uploads),
-            learner.layer_groups,
+        states, rule = clipped_uploads(
+            learner,
             server.weights,
+            {k: u.payload.weights for k, u in uploads.items() if u.payload.weights},
         )
+        weights = ldf.aggregate_layers(
+            states, sample_weights(uploads), learner.layer_groups, server.weights
+        )  # also what validates the uploads
+        if rule.robust:
+            weights = robust.aggregate_onto(server.weights, states, rule)
         return Aggregate(ServerState(weights), Payload(weights))

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import torch
 
-from agent.learning import freezing
+from agent.learning import freezing, robust
 from agent.learning.central.base import (
     Aggregate,
     CentralStrategy,
@@ -21,6 +21,7 @@ from agent.learning.central.base import (
     Payload,
     ServerState,
     Upload,
+    clipped_uploads,
     sample_weights,
     train_sgd,
 )
@@ -92,11 +93,16 @@ class ActivePart(CentralStrategy):
     def aggregate(
         self, learner: Learner, server: ServerState, uploads: Mapping[str, Upload]
     ) -> Aggregate:
-        weights = freezing.aggregate_active(
-            server.weights,
-            {k: (u.payload.weights, _all_masks(u.payload)) for k, u in uploads.items()},
-            sample_weights(uploads),
+        held = {k: _all_masks(u.payload) for k, u in uploads.items()}
+        states, rule = clipped_uploads(
+            learner, server.weights, {k: u.payload.weights for k, u in uploads.items()}, held
         )
+        if rule.robust:
+            weights = robust.aggregate_onto(server.weights, states, rule, held)
+        else:
+            weights = freezing.aggregate_active(
+                server.weights, {k: (states[k], held[k]) for k in states}, sample_weights(uploads)
+            )
         return Aggregate(ServerState(weights), Payload({}))
 
 

@@ -1,0 +1,297 @@
+"""Broker authorization for a fleet: per-member credentials and the ACL of `protocol.acl`.
+
+`coordinator broker-config` writes one folder that both brokers use:
+
+    mosquitto.conf          listener, allow_anonymous false, password_file, acl_file
+    passwords               mosquitto's password file (PBKDF2-SHA512, `$7$`, as mosquitto_passwd)
+    acl                     mosquitto's acl_file: one `user` block per member
+    members/<id>/password   the member's own password (0600), for --password-file
+    members/<id>/broker.toml  its [broker] table (username, password_file, tls_ca), for --config
+
+mosquitto reads the first three; the embedded broker (`coordinator serve --broker-auth DIR`)
+reads `passwords` and `acl` (`BrokerAuth.load`). Each device gets only its own `members/<id>`.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import os
+import secrets
+import shutil
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+from protocol import topics
+from protocol.acl import Grant, fleet_grants, parse_acl, render_acl
+from protocol.chunking import DEFAULT_CHUNK_SIZE
+from protocol.cli import NAME, ConfigError, say
+from protocol.errors import ProtocolError
+
+GATEWAY, COORDINATOR = "gateway", "coordinator"
+"""The member ids of `coordinator serve` and of `coordinator run` (and emulate), which may
+run side by side."""
+COORDINATOR_IDS = (GATEWAY, COORDINATOR)
+"""The coordinator's login may publish as either."""
+
+PASSWORDS, ACL, CONF, MEMBERS = "passwords", "acl", "mosquitto.conf", "members"
+
+MAX_PACKET_BYTES = 4 * DEFAULT_CHUNK_SIZE
+"""mosquitto's max_packet_size: a chunk frame with room to spare, far below its 256 MB default
+that lets one client fill the broker's memory."""
+
+_ITERATIONS = 101  # what mosquitto_passwd 2.0 writes; the count is stored in each hash
+_SALT_BYTES = 12
+
+
+class BrokerAuthError(ValueError):
+    """A broker authorization folder that cannot be used (missing or malformed file)."""
+
+
+def hash_password(password: str, iterations: int = _ITERATIONS) -> str:
+    """A password hash in mosquitto's `$7$` format (PBKDF2-HMAC-SHA512), which mosquitto
+    2.x and the embedded broker both check."""
+    salt = secrets.token_bytes(_SALT_BYTES)
+    digest = hashlib.pbkdf2_hmac("sha512", password.encode(), salt, iterations)
+    encode = base64.b64encode
+    return f"$7${iterations}${encode(salt).decode()}${encode(digest).decode()}"
+
+
+def check_password(password: str, hashed: str) -> bool:
+    """Whether `password` matches a `$7$` hash (False for any other or malformed hash)."""
+    parts = hashed.split("$")
+    if len(parts) != 5 or parts[1] != "7" or not parts[2].isdigit():
+        return False
+    try:
+        salt, expected = base64.b64decode(parts[3]), base64.b64decode(parts[4])
+    except ValueError:
+        return False
+    digest = hashlib.pbkdf2_hmac("sha512", password.encode(), salt, int(parts[2]), len(expected))
+    return hmac.compare_digest(digest, expected)
+
+
+def parse_passwords(text: str, source: str = PASSWORDS) -> dict[str, str]:
+    """user -> hash from a mosquitto password file; only `$7$` hashes are accepted."""
+    users = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        user, _, hashed = line.partition(":")
+        if not user or not hashed.startswith("$7$"):
+            raise BrokerAuthError(
+                f"{source}:{number}: expected `user:$7$...` (mosquitto_passwd of mosquitto 2)"
+            )
+        users[user] = hashed
+    return users
+
+
+@dataclass(frozen=True)
+class BrokerAuth:
+    """Who may log in (password hashes) and what each may publish and subscribe to."""
+
+    passwords: dict[str, str]
+    grants: dict[str, Grant]
+
+    @classmethod
+    def load(cls, folder: str | Path) -> BrokerAuth:
+        """The `passwords` and `acl` files of a folder written by `coordinator broker-config`."""
+        texts = []
+        for name in (PASSWORDS, ACL):
+            path = Path(folder) / name
+            try:
+                texts.append(path.read_text(encoding="utf-8"))
+            except OSError as exc:
+                raise BrokerAuthError(f"cannot read {path}: {exc.strerror or exc}") from None
+        try:
+            grants = parse_acl(texts[1], str(Path(folder) / ACL))
+        except ProtocolError as exc:
+            raise BrokerAuthError(str(exc)) from None
+        passwords = parse_passwords(texts[0], str(Path(folder) / PASSWORDS))
+        if not passwords:
+            raise BrokerAuthError(f"{Path(folder) / PASSWORDS} holds no user")
+        return cls(passwords, grants)
+
+    def login(self, user: str | None, password: str | None) -> bool:
+        """Whether this user name and password may connect (never anonymously)."""
+        hashed = self.passwords.get(user or "")
+        return hashed is not None and check_password(password or "", hashed)
+
+    def may_publish(self, user: str | None, topic: str) -> bool:
+        grant = self.grants.get(user or "")
+        return grant is not None and grant.may_publish(topic)
+
+    def may_subscribe(self, user: str | None, topic_filter: str) -> bool:
+        grant = self.grants.get(user or "")
+        return grant is not None and grant.may_subscribe(topic_filter)
+
+
+@dataclass(frozen=True)
+class Listener:
+    """Where mosquitto listens, and its TLS files (all None: plain MQTT)."""
+
+    port: int
+    host: str | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_ca: Path | None = None
+
+    def lines(self, folder: Path) -> list[str]:
+        lines = [f"listener {self.port}" + (f" {self.host}" if self.host else "")]
+        for key, path in (("certfile", self.tls_cert), ("keyfile", self.tls_key)):
+            if path is not None:
+                lines.append(f"{key} {path.resolve()}")
+        if self.tls_ca is not None and self.tls_cert is not None:
+            lines.append(f"cafile {self.tls_ca.resolve()}")
+        return lines + [
+            "allow_anonymous false",
+            f"password_file {(folder / PASSWORDS).resolve()}",
+            f"acl_file {(folder / ACL).resolve()}",
+            f"max_packet_size {MAX_PACKET_BYTES}",
+        ]
+
+
+def _write(path: Path, text: str, mode: int) -> None:
+    """Write `text` to `path` created with `mode` (a secret never exists world-readable)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.tmp")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(descriptor, "w", encoding="utf-8") as stream:
+        stream.write(text)
+    os.chmod(temporary, mode)
+    temporary.replace(path)
+
+
+def member_password(folder: str | Path, member: str) -> str:
+    """The password of `member` in a broker-config folder: lets `coordinator serve
+    --broker-auth DIR` log in to its own embedded broker as its coordinator login."""
+    path = Path(folder) / MEMBERS / member / "password"
+    try:
+        password = path.read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise BrokerAuthError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if not password:
+        raise BrokerAuthError(f"{path} is empty")
+    return password
+
+
+def _member_password(folder: Path, member: str) -> str:
+    """The member's existing password (a re-run keeps every device working), else a new one."""
+    if (folder / MEMBERS / member / "password").is_file():
+        return member_password(folder, member)
+    return secrets.token_urlsafe(24)
+
+
+def _member_files(folder: Path, member: str, password: str, tls_ca: Path | None) -> None:
+    home = folder / MEMBERS / member
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _write(home / "password", password + "\n", 0o600)
+    table = f'[broker]\nusername = "{member}"\npassword_file = "password"\n'
+    if tls_ca is not None:
+        shutil.copyfile(tls_ca, home / "ca.pem")
+        table += 'tls_ca = "ca.pem"\n'
+    _write(home / "broker.toml", table, 0o600)
+
+
+def write_broker_config(
+    folder: Path, fleet: str, grants: list[Grant], listener: Listener, force: bool = False
+) -> None:
+    """Write the folder described in this module's docstring for these grants.
+
+    An existing configuration is rewritten only with `force`; members keep their passwords,
+    and members no longer listed lose access (their folders are left for the operator)."""
+    if not force and any((folder / name).exists() for name in (CONF, PASSWORDS, ACL)):
+        raise BrokerAuthError(
+            f"{folder} already holds a broker configuration; give --force to rewrite it "
+            "(members keep their passwords)"
+        )
+    folder.mkdir(parents=True, exist_ok=True)
+    hashes = []
+    for grant in grants:
+        password = _member_password(folder, grant.user)
+        _member_files(folder, grant.user, password, listener.tls_ca)
+        hashes.append(f"{grant.user}:{hash_password(password)}\n")
+    header = f"edgefl broker ACL of fleet {fleet}, written by `coordinator broker-config`."
+    _write(folder / ACL, render_acl(grants, header), 0o640)
+    _write(folder / PASSWORDS, "".join(hashes), 0o640)
+    conf = [f"# edgefl fleet {fleet}: written by `coordinator broker-config`"]
+    conf += ["per_listener_settings false", *listener.lines(folder)]
+    _write(folder / CONF, "\n".join(conf) + "\n", 0o644)
+
+
+def _agent_ids(agents: Iterable[str], agents_file: str | None) -> list[str]:
+    """The agents named by --agent and by --agents-file (one id a line, # comments)."""
+    names = list(agents)
+    if agents_file is not None:
+        try:
+            text = Path(agents_file).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot read {agents_file}: {exc.strerror or exc}") from None
+        names += [line.split("#")[0].strip() for line in text.splitlines()]
+    try:
+        return [topics.check_name(name, "agent") for name in dict.fromkeys(names) if name]
+    except ProtocolError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+@click.command("broker-config")
+@click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="Folder.")
+@click.option("--fleet", default="default", show_default=True, type=NAME, help="The fleet.")
+@click.option("--agent", "agents", multiple=True, type=NAME, help="An agent id (repeatable).")
+@click.option("--agents-file", type=click.Path(exists=True, dir_okay=False), help="Agent ids.")
+@click.option(
+    "--coordinator",
+    default="gateway",
+    show_default=True,
+    type=NAME,
+    help="Login of `coordinator serve` and `run` (may publish the run and global models).",
+)
+@click.option("--no-coordinator", is_flag=True, help="A fleet without one: agents publish the run.")
+@click.option("--port", type=click.IntRange(1, 65535), help="[default: 1883, 8883 with TLS]")
+@click.option("--host", help="Address mosquitto listens on [default: every interface].")
+@click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False), help="Broker cert.")
+@click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), help="Its key.")
+@click.option("--tls-ca", type=click.Path(exists=True, dir_okay=False), help="CA for devices.")
+@click.option("--force", is_flag=True, help="Rewrite an existing configuration.")
+def broker_config(
+    out: str,
+    fleet: str,
+    agents: tuple[str, ...],
+    agents_file: str | None,
+    coordinator: str,
+    no_coordinator: bool,
+    port: int | None,
+    host: str | None,
+    tls_cert: str | None,
+    tls_key: str | None,
+    tls_ca: str | None,
+    force: bool,
+) -> None:
+    """Write per-member broker credentials and the fleet's ACL (each member publishes only
+    on its own topics) for mosquitto and the embedded broker."""
+    names = _agent_ids(agents, agents_file)
+    if not names:
+        raise ConfigError("no agent given: use --agent ID (repeatable) or --agents-file FILE")
+    if (tls_cert is None) != (tls_key is None):
+        raise ConfigError("--tls-cert and --tls-key go together")
+    login = None if no_coordinator else coordinator
+    if login is not None and set(names) & {login, *COORDINATOR_IDS}:
+        raise ConfigError(
+            f"agent ids must differ from the coordinator's: {login}, " + ", ".join(COORDINATOR_IDS)
+        )
+    tls = [None if value is None else Path(value) for value in (tls_cert, tls_key, tls_ca)]
+    listener = Listener(port or (8883 if tls_cert else 1883), host, *tls)
+    try:
+        grants = fleet_grants(fleet, names, login, COORDINATOR_IDS)
+        write_broker_config(Path(out), fleet, grants, listener, force)
+    except (ProtocolError, BrokerAuthError) as exc:
+        raise ConfigError(str(exc)) from None
+    except OSError as exc:
+        raise ConfigError(f"cannot write {out}: {exc.strerror or exc}") from None
+    say(f"wrote the broker configuration of {len(grants)} members to [bold]{out}[/]")
+    say(f"mosquitto: `mosquitto -c {Path(out).resolve() / CONF}`")
+    say(f"embedded broker: `coordinator serve --broker-auth {out}`")
+    say(f"give each device only its own {out}/{MEMBERS}/<id> (`edge-agent --config broker.toml`)")

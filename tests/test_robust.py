@@ -1,0 +1,177 @@
+"""Robust aggregation (`--aggregation`, `--clip`), poisoning (`--attackers`, `--attack`) and
+the finite-model guard: the pure rules, and what they do to a simulated fleet."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from agent.experiment import ExperimentConfig
+from agent.learning import (
+    AgentState,
+    Fit,
+    Payload,
+    Published,
+    ServerState,
+    checked_fit,
+    preset,
+    robust,
+)
+from agent.options import experiment_config
+from coordinator.simulate import Simulation, simulate
+
+MEDIAN = robust.Rule("median")
+
+
+def test_median_and_trimmed_mean_count_only_the_senders_that_hold_an_element() -> None:
+    values = torch.tensor([[1.0, 5.0, 0.0], [2.0, 100.0, 0.0], [9.0, 6.0, 3.0], [4.0, 7.0, 0.0]])
+    held = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 1, 1], [0, 1, 0]], dtype=torch.bool)
+    values = values.to(torch.float64)
+    # column 0: {1, 2, 9}; column 1: {5, 100, 6, 7}; column 2: {3}
+    assert robust.combine(values, held, MEDIAN).tolist() == [2.0, 6.5, 3.0]
+    trimmed = robust.combine(values, held, robust.Rule("trimmed", 0.25))
+    assert trimmed.tolist() == [2.0, 6.5, 3.0]  # one cut at each end of 3 and of 4
+    untrimmed = robust.combine(values, held, robust.Rule("trimmed", 0.0))
+    assert untrimmed.tolist() == pytest.approx([4.0, 29.5, 3.0])
+    nobody = robust.combine(values, torch.zeros_like(held), MEDIAN)
+    assert nobody.tolist() == [0.0, 0.0, 0.0]
+
+
+def test_robust_aggregate_of_masked_models_and_missing_tensors() -> None:
+    states = {
+        "a": {"w": torch.tensor([1.0, 0.0]), "b": torch.tensor([1.0])},
+        "b": {"w": torch.tensor([3.0, 2.0]), "b": torch.tensor([2.0])},
+        "c": {"w": torch.tensor([1e30, 4.0])},
+    }
+    held = {"a": {"w": torch.tensor([True, False])}}
+    out, counts = robust.aggregate(states, MEDIAN, held)
+    assert out["w"].tolist() == [3.0, 3.0]
+    assert counts["w"].tolist() == [3, 2]
+    assert out["b"].tolist() == [1.5]
+    previous = {"w": torch.tensor([7.0, 7.0]), "b": torch.tensor([7.0]), "c": torch.tensor([7.0])}
+    onto = robust.aggregate_onto(previous, states, MEDIAN, held)
+    assert onto["c"].tolist() == [7.0] and onto["w"].tolist() == [3.0, 3.0]
+
+
+def test_clipping_bounds_each_received_models_distance_to_the_own() -> None:
+    own = {"w": torch.zeros(4)}
+    models = {
+        "a": {"w": torch.tensor([1.0, 0.0, 0.0, 0.0])},
+        "b": {"w": torch.tensor([0.0, 2.0, 0.0, 0.0])},
+        "c": {"w": torch.tensor([0.0, 0.0, 300.0, 400.0])},
+    }
+    fixed = robust.clip(own, models, "1.5")
+    assert torch.equal(fixed["a"]["w"], models["a"]["w"])
+    assert robust.distance(own, fixed["b"]) == pytest.approx(1.5)
+    assert robust.distance(own, fixed["c"]) == pytest.approx(1.5)
+    auto = robust.clip(own, models, "auto")  # the median distance, 2
+    assert robust.distance(own, auto["c"]) == pytest.approx(2.0)
+    assert torch.equal(auto["b"]["w"], models["b"]["w"])
+    assert robust.clip(own, models, "off")["c"]["w"].tolist() == [0.0, 0.0, 300.0, 400.0]
+    # a sparse sender: the distance and the pull only over the entries it holds
+    masked = robust.clip(
+        {"w": torch.ones(2)},
+        {"s": {"w": torch.tensor([5.0, -9.0])}},
+        "2",
+        {"s": {"w": torch.tensor([True, False])}},
+    )
+    assert masked["s"]["w"].tolist() == [3.0, -9.0]
+
+
+@pytest.mark.parametrize("attack", robust.ATTACKS)
+def test_a_poisoned_model_is_well_formed_and_bad(attack: str) -> None:
+    weights = {"w": torch.tensor([[0.5, -0.25], [0.0, 1.0]]), "b": torch.tensor([0.1, 0.2])}
+    masks = {"w": torch.tensor([[True, True], [False, True]])}
+    first = robust.poison(weights, masks, attack, torch.Generator().manual_seed(3))
+    again = robust.poison(weights, masks, attack, torch.Generator().manual_seed(3))
+    assert all(torch.equal(first[n], again[n]) for n in weights), "drawn from the generator"
+    assert all(first[n].shape == t.shape and first[n].dtype == t.dtype for n, t in weights.items())
+    assert robust.finite(first)
+    assert first["w"][1, 0] == 0.0, "zero outside the mask, as the honest model"
+    assert float((first["b"] - weights["b"]).abs().max()) > 0.1
+    if attack == "signflip":
+        assert torch.equal(first["b"], -weights["b"])
+
+
+def test_bad_options_are_one_sentence_each() -> None:
+    for spec in ("trimmed:0.5", "trimmed:x", "mode", "trimmed:-0.1"):
+        with pytest.raises(ValueError, match="--aggregation must be mean, median or trimmed:F"):
+            experiment_config({"aggregation": spec})
+    for spec in ("0", "-1", "nan", "sometimes"):
+        with pytest.raises(ValueError, match="--clip must be off, auto or a positive"):
+            experiment_config({"clip": spec})
+    with pytest.raises(ValueError, match="--attackers must be between 0 and agents - 1 = 3"):
+        experiment_config({"agents": 4, "attackers": 4})
+    assert robust.parse_rule("trimmed:0.2") == robust.Rule("trimmed", 0.2)
+    assert experiment_config({"aggregation": "median", "clip": "auto"}).learning.clip == "auto"
+
+
+def _config(
+    strategy: str, aggregation: str = "mean", attackers: int = 2, **kw: object
+) -> ExperimentConfig:
+    """8 agents on iid digits (on a skewed partition a median is far from the mean even
+    without attackers), a few short rounds."""
+    neighbours = {"neighbours": 4} if strategy in ("dadpfl", "dfedavgm") else {}
+    rounds = 8 if strategy == "dadpfl" else 6
+    learning = preset(
+        strategy, rounds=rounds, epochs=1, aggregation=aggregation, **neighbours, **kw
+    )
+    return ExperimentConfig(
+        dataset="digits",
+        agents=8,
+        partition="iid",
+        seed=2,
+        attackers=attackers,
+        attack="scale",
+        learning=learning,
+    )
+
+
+@pytest.mark.parametrize("strategy", ["dadpfl", "fedavg"])
+def test_two_attackers_break_the_mean_and_not_the_robust_rules(strategy: str) -> None:
+    clean = simulate(_config(strategy, attackers=0))["summary"]
+    assert "honest_mean_accuracy" not in clean, "a clean run's summary is unchanged"
+    attacked = simulate(_config(strategy))["summary"]
+    assert attacked["attackers"] == ["agent-000", "agent-001"]
+    broken = attacked["honest_mean_accuracy"]
+    assert broken < clean["mean_accuracy"] - 0.2
+    for aggregation, clip in (("median", "off"), ("trimmed:0.3", "off"), ("mean", "auto")):
+        defended = simulate(_config(strategy, aggregation, clip=clip))["summary"]
+        accuracy = defended["honest_mean_accuracy"]
+        assert accuracy > broken + 0.1 and accuracy > clean["mean_accuracy"] - 0.15, aggregation
+
+
+def test_an_agent_receiving_huge_weights_keeps_its_model_and_goes_on() -> None:
+    """The bug: a neighbour's finite 3e37 weights turned the receiver's model to NaN for the
+    rest of the run. Now the round is undone, and later rounds with honest neighbours learn."""
+    simulation = Simulation(_config("dfedavgm", attackers=0))
+    learner, me = simulation.learner, "agent-005"
+    state = simulation.states[me]
+    huge = {n: torch.full_like(t, 3e37) for n, t in state.weights.items()}
+    inbox = {"agent-001": Published(huge, None, 10)}
+    result = learner.local_round(state, simulation.data[me], inbox, 1, False)
+    assert result.recovered and robust.finite(result.published.weights)
+    assert all(torch.equal(result.state.weights[n], state.weights[n]) for n in state.weights)
+    assert result.state.round == 1 and math.isfinite(result.train_loss)
+    honest = {"agent-002": learner.published(simulation.states["agent-002"], 10)}
+    later = learner.local_round(result.state, simulation.data[me], honest, 2, False)
+    assert not later.recovered and later.accuracy > 0.0
+
+
+def test_a_participant_whose_fit_is_not_finite_uploads_what_changes_nothing() -> None:
+    before = AgentState("a", {"w": torch.ones(2)}, None, {"w": torch.ones(2)})
+    view = ServerState({"w": torch.tensor([2.0, 3.0])})
+    bad = Fit(
+        dataclasses.replace(before, weights={"w": torch.tensor([math.nan, 1.0])}, round=4),
+        Payload({"w": torch.tensor([math.nan, 1.0])}),
+        10,
+        math.nan,
+        0,
+    )
+    fit, undone = checked_fit(bad, before, view)
+    assert undone and fit.state.round == 4
+    assert fit.upload.weights["w"].tolist() == [2.0, 3.0]
+    assert fit.state.weights["w"].tolist() == [1.0, 1.0]
