@@ -126,6 +126,16 @@ def without_wall(value: Any) -> Any:
     return value
 
 
+def recorded_fields(got: dict[str, Any], want: dict[str, Any]) -> dict[str, Any]:
+    """`got`'s configuration with only the fields the recording has, at every level (a
+    strategy option added since is in `config.learning`)."""
+    return {
+        k: recorded_fields(v, want[k]) if isinstance(v, dict) and isinstance(want[k], dict) else v
+        for k, v in got.items()
+        if k in want
+    }
+
+
 def first_difference(want: Any, got: Any, where: str = "") -> str | None:
     """Where two reports first differ (a JSON path), or None."""
     if type(want) is not type(got):
@@ -173,7 +183,7 @@ def compare(folder: Path) -> list[dict[str, Any]]:
             started = time.perf_counter()
             got = without_wall(simulate(name, Path(scratch)))
             # A configuration field added since the recording (with its default) is no change.
-            got["config"] = {k: v for k, v in got["config"].items() if k in want["config"]}
+            got["config"] = recorded_fields(got["config"], want["config"])
             difference = first_difference(want, got)
             rows.append(
                 {

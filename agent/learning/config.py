@@ -108,7 +108,8 @@ class StrategyConfig:
     clip: str = param(
         "off",
         "Norm clipping of each received model's difference to the receiver's own model: off, "
-        "auto (the median distance of the received models) or a norm bound.",
+        "auto (models beyond 3x the median distance of the received models are screened out, "
+        "the rest clipped to 2x it) or a norm bound.",
     )
 
     @property
