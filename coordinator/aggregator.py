@@ -127,14 +127,9 @@ class Intake:
     def on_update(self, topic: str, payload: bytes) -> None:
         message = self._decode(topic, payload, "update")
         if isinstance(message, messages.Update):
-            if not 1 <= message.num_samples <= DEFAULT_LIMITS.max_num_samples:
-                self.reject(
-                    "update",
-                    message.sender,
-                    topic,
-                    f"an update weighs 1 to {DEFAULT_LIMITS.max_num_samples:,} samples, "
-                    f"not {message.num_samples:,}",
-                )
+            problem = DEFAULT_LIMITS.samples_problem(message.num_samples)
+            if problem is not None:
+                self.reject("update", message.sender, topic, problem)
                 return
             with self.changed:
                 self.updates.setdefault((message.round, message.sender), message)

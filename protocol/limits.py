@@ -50,6 +50,13 @@ class Limits:
     """The largest `num_samples` a model or update may claim: FedAvg weighs by it, and one
     hostile value would otherwise outweigh the whole fleet."""
 
+    def samples_problem(self, num_samples: int) -> str | None:
+        """Why a model or update claiming `num_samples` is refused, or None: it must weigh
+        at least one sample and at most `max_num_samples`."""
+        if 1 <= num_samples <= self.max_num_samples:
+            return None
+        return f"num_samples {num_samples:,} outside 1..{self.max_num_samples:,}"
+
 
 DEFAULT_LIMITS = Limits()
 

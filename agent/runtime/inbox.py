@@ -114,13 +114,9 @@ class Inbox(FleetMail):
         (rejected and logged otherwise)."""
         if not self.guard.ahead_ok(message.round):
             return False
-        if not 1 <= message.num_samples <= self.limits.max_num_samples:
-            self.reject(
-                kind,
-                message.sender,
-                topic,
-                f"num_samples {message.num_samples} outside 1..{self.limits.max_num_samples}",
-            )
+        problem = self.limits.samples_problem(message.num_samples)
+        if problem is not None:
+            self.reject(kind, message.sender, topic, problem)
             return False
         return True
 
