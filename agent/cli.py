@@ -7,6 +7,7 @@ import json
 import logging
 import re
 import socket
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -140,6 +141,18 @@ def find_broker(
 DISCOVERY_TIMEOUT_S = 30.0
 
 
+@dataclasses.dataclass(frozen=True)
+class Hosted:
+    """Given as click's `obj` when `agent.host` runs this command in a thread beside other
+    agents. A process has one set of signal handlers, in its main thread: a hosted agent
+    stops on the event `started()` returns instead (called once the command line is read
+    and logging is set up, which the host lets one agent at a time do); `joined` gets the
+    agent's connection, which the host drops as a crash would to kill this agent alone."""
+
+    started: Callable[[], threading.Event]
+    joined: Callable[[MqttTransport], None]
+
+
 @click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
 @version_option
 @broker_options
@@ -270,7 +283,8 @@ def main(
     if ctx.invoked_subcommand is not None:
         ctx.meta["agent_id"] = agent_id  # `edge-agent key` prints this agent's key
         return
-    stop = stop_on_signal()
+    hosted = ctx.find_object(Hosted)
+    stop = stop_on_signal() if hosted is None else hosted.started()
     try:
         device = load_profile(profile) if profile else None
         trains_on = resolve_device(compute)
@@ -301,6 +315,8 @@ def main(
         telemetry=telemetry,
     )
     transport = join(broker_settings, identity)
+    if hosted is not None:
+        hosted.joined(transport)
     discovery = None
     try:
         if mdns_interfaces:

@@ -15,6 +15,7 @@ import math
 import os
 import pickle
 import random
+import threading
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -155,25 +156,31 @@ def load_digits() -> Dataset:
     )
 
 
+_GLOBAL_RNG = threading.Lock()
+"""Held while MNIST-1D is generated from the global numpy and random RNGs."""
+
+
 def load_mnist1d(seed: int) -> Dataset:
     """MNIST-1D generated locally: its default 4,000 + 1,000 samples merged into one pool of
     shape 1x40 (partition makes its own test split).
 
     Only `make_dataset` is called, which generates; `get_dataset` would download. It seeds the
     global `random` and `np.random` generators with args.seed, so both are saved and restored
-    around the call: the result depends on `seed` alone and the caller's RNG state is untouched
-    (not thread-safe: do not use the global numpy RNG in another thread meanwhile).
+    around the call, under a lock (agents sharing a process load at once): the result
+    depends on `seed` alone and the caller's RNG state is untouched (other code must not use
+    the global numpy RNG in another thread meanwhile; edgefl's code never does).
     """
     from mnist1d.data import get_dataset_args, make_dataset
 
     args = get_dataset_args()
     args.seed = seed
-    np_state, py_state = np.random.get_state(), random.getstate()
-    try:
-        data = make_dataset(args)
-    finally:
-        np.random.set_state(np_state)
-        random.setstate(py_state)
+    with _GLOBAL_RNG:
+        np_state, py_state = np.random.get_state(), random.getstate()
+        try:
+            data = make_dataset(args)
+        finally:
+            np.random.set_state(np_state)
+            random.setstate(py_state)
     x = np.concatenate([data["x"], data["x_test"]]).astype(np.float32)[:, None, :]
     y = np.concatenate([data["y"], data["y_test"]]).astype(np.int64)
     return Dataset("mnist1d", x, y, 10, (1, x.shape[-1]), tuple(str(c) for c in range(10)))

@@ -9,6 +9,7 @@ roster.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -244,13 +245,20 @@ def own_workload(
     return workload
 
 
+_MODEL_INIT = threading.Lock()
+"""Held while a model is built: `build_model` seeds the process's global torch RNG, so agents
+sharing a process (agent/host.py) build one at a time (a seed set by one thread in the middle
+of another's draws would change that agent's initial weights)."""
+
+
 def build_learner(
     config: ExperimentConfig, input_shape: tuple[int, ...], classes: int
 ) -> tuple[str, Learner]:
     """The run's model (the same initial weights on every agent: drawn from the seed) and the
     learner of its strategy."""
     model_name = config.model or default_model(config.dataset, input_shape)
-    model = models.build_model(model_name, input_shape, classes, seed=config.seed)
+    with _MODEL_INIT:
+        model = models.build_model(model_name, input_shape, classes, seed=config.seed)
     learner = Learner(
         model, input_shape, models.prunable_names(model), config.learning, config.seed
     )

@@ -90,6 +90,10 @@ class ServiceOptions:
     """`--device auto` chose `compute`: a strategy that cannot use it falls back to the CPU."""
 
 
+ONNX_EXPORT = threading.Lock()
+"""Held by an export: torch.onnx.export keeps its state in process globals, and agents
+sharing a process (agent/host.py) may finish at once."""
+
 REFUSAL_INTERVAL_S = 5.0
 """At most one "rejected" status for runs that fail their checks in this many seconds."""
 
@@ -393,7 +397,12 @@ class AgentService:
 
     def export(self, run: Run, workload: Workload, state: AgentState) -> None:
         """The personalized model as ONNX, for `edge-agent predict` (the latest run's)."""
-        path = export_onnx(
+        with ONNX_EXPORT:
+            path = self._export(run, workload, state)
+        self.say(f"run {run.run_id}: personalized model final, exported to {path}")
+
+    def _export(self, run: Run, workload: Workload, state: AgentState) -> Path:
+        return export_onnx(
             workload.learner.model,
             state.weights,
             workload.learner.input_shape,
@@ -406,7 +415,6 @@ class AgentService:
                 "strategy": run.config.learning.strategy,
             },
         )
-        self.say(f"run {run.run_id}: personalized model final, exported to {path}")
 
 
 def wait_for_roster(

@@ -154,7 +154,7 @@ class Listener:
         ]
 
 
-def _write(path: Path, text: str, mode: int) -> None:
+def write_file(path: Path, text: str, mode: int) -> None:
     """Write `text` to `path` created with `mode` (a secret never exists world-readable)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.tmp")
@@ -188,12 +188,12 @@ def _member_password(folder: Path, member: str) -> str:
 def _member_files(folder: Path, member: str, password: str, tls_ca: Path | None) -> None:
     home = folder / MEMBERS / member
     home.mkdir(mode=0o700, parents=True, exist_ok=True)
-    _write(home / "password", password + "\n", 0o600)
+    write_file(home / "password", password + "\n", 0o600)
     table = f'[broker]\nusername = "{member}"\npassword_file = "password"\n'
     if tls_ca is not None:
         shutil.copyfile(tls_ca, home / "ca.pem")
         table += 'tls_ca = "ca.pem"\n'
-    _write(home / "broker.toml", table, 0o600)
+    write_file(home / "broker.toml", table, 0o600)
 
 
 def write_broker_config(
@@ -215,14 +215,14 @@ def write_broker_config(
         _member_files(folder, grant.user, password, listener.tls_ca)
         hashes.append(f"{grant.user}:{hash_password(password)}\n")
     header = f"edgefl broker ACL of fleet {fleet}, written by `coordinator broker-config`."
-    _write(folder / ACL, render_acl(grants, header), 0o640)
-    _write(folder / PASSWORDS, "".join(hashes), 0o640)
+    write_file(folder / ACL, render_acl(grants, header), 0o640)
+    write_file(folder / PASSWORDS, "".join(hashes), 0o640)
     conf = [f"# edgefl fleet {fleet}: written by `coordinator broker-config`"]
     conf += ["per_listener_settings false", *listener.lines(folder)]
-    _write(folder / CONF, "\n".join(conf) + "\n", 0o644)
+    write_file(folder / CONF, "\n".join(conf) + "\n", 0o644)
 
 
-def _agent_ids(agents: Iterable[str], agents_file: str | None) -> list[str]:
+def agent_ids(agents: Iterable[str], agents_file: str | None) -> list[str]:
     """The agents named by --agent and by --agents-file (one id a line, # comments)."""
     names = list(agents)
     if agents_file is not None:
@@ -272,7 +272,7 @@ def broker_config(
 ) -> None:
     """Write per-member broker credentials and the fleet's ACL (each member publishes only
     on its own topics) for mosquitto and the embedded broker."""
-    names = _agent_ids(agents, agents_file)
+    names = agent_ids(agents, agents_file)
     if not names:
         raise ConfigError("no agent given: use --agent ID (repeatable) or --agents-file FILE")
     if (tls_cert is None) != (tls_key is None):

@@ -25,6 +25,7 @@ from rich.table import Table
 
 from agent.files import atomic_write
 from agent.options import experiment_config, experiment_options
+from coordinator.bridges import bridge_config
 from coordinator.broker_config import (
     COORDINATOR,
     GATEWAY,
@@ -68,6 +69,7 @@ def main() -> None:
 
 
 main.add_command(broker_config)
+main.add_command(bridge_config)
 
 
 def embedded_options(command: Callable) -> Callable:
@@ -599,7 +601,14 @@ def summary_table(report: dict) -> Table:
 
 @main.command()
 @experiment_options
-@click.option("--broker", type=BROKER, help="Use this broker [default: start an embedded one].")
+@click.option(
+    "--broker",
+    "brokers",
+    type=BROKER,
+    multiple=True,
+    help="Use this broker [default: start an embedded one]. Repeated: brokers bridged into "
+    "one fleet; the coordinator joins the first, agent k the (k mod n)-th.",
+)
 @click.option(
     "--workdir",
     type=click.Path(file_okay=False),
@@ -629,15 +638,26 @@ def summary_table(report: dict) -> Table:
     help="Give every agent its own key pair: the coordinator admits them, signs the run, "
     "and checks every message against its sender's key (as serve/run --admitted do).",
 )
+@click.option(
+    "--agents-per-process",
+    type=click.IntRange(1),
+    default=None,
+    help="Run this many agents as threads of one process (each still with its own "
+    "connection, state and log); 1: a process per agent. [default: 1 up to max(8, 2 x "
+    "cores) agents, else the agents spread over that many processes: a process costs "
+    "about 175 MB, one more agent in a shared one about 4, and more processes than that "
+    "add no speed]",
+)
 @http_options
 @report_options
 def emulate(
-    broker: BrokerAddress | None,
+    brokers: tuple[BrokerAddress, ...],
     workdir: str | None,
     round_timeout: float,
     telemetry: bool,
     key_file: str | None,
     agent_keys: bool,
+    agents_per_process: int | None,
     http: str | None,
     http_token: str | None,
     report_path: str,
@@ -646,24 +666,29 @@ def emulate(
 ) -> None:
     """Run a fleet of real edge-agent processes over MQTT and write the same report as simulate."""
     from coordinator.broker import EmbeddedBroker
-    from coordinator.emulate import Emulation, EmulationOptions
+    from coordinator.emulate import Emulation, EmulationOptions, auto_agents_per_process
 
     if key_file and agent_keys:
         raise click.UsageError("give --key-file (one fleet key) or --agent-keys, not both")
     embedded = None
-    if broker is None:
+    if brokers:
+        broker = brokers[0]
+    else:
         embedded = EmbeddedBroker(host="127.0.0.1", port=free_port())
         broker = embedded.address
     folder = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="emulate-"))
-    options = EmulationOptions(
-        workdir=folder,
-        round_timeout_s=round_timeout,
-        telemetry=telemetry,
-        key_file=Path(key_file) if key_file else None,
-        agent_keys=agent_keys,
-    )
     try:
         config = experiment_config(values)
+        per_process = agents_per_process or auto_agents_per_process(config.agents)
+        options = EmulationOptions(
+            workdir=folder,
+            agent_brokers=brokers if len(brokers) > 1 else (),
+            round_timeout_s=round_timeout,
+            telemetry=telemetry,
+            key_file=Path(key_file) if key_file else None,
+            agent_keys=agent_keys,
+            agents_per_process=per_process,
+        )
         emulation = Emulation(config, broker, options)
     except (ValueError, OSError) as exc:
         if not workdir:
@@ -673,8 +698,10 @@ def emulate(
         embedded.start()
     cfg = config.learning
     console.print(
-        f"emulating [bold]{cfg.strategy}[/]: {config.agents} agent processes on {config.dataset}, "
-        f"{cfg.rounds} rounds, broker {broker}{' (embedded)' if embedded else ''}, "
+        f"emulating [bold]{cfg.strategy}[/]: {config.agents} agents "
+        f"({per_process} per process) on {config.dataset}, "
+        f"{cfg.rounds} rounds, broker {', '.join(map(str, brokers or [broker]))}"
+        f"{' (embedded)' if embedded else ''}, "
         f"logs in {folder}"
     )
     watched = dashboard(

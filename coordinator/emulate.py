@@ -1,23 +1,29 @@
 """`coordinator emulate`: a whole fleet of real agent processes on one machine, over MQTT.
 
-The coordinator publishes the run (configuration and roster, retained), starts one
-`edge-agent` process per agent, follows their statuses for progress, and when they are done
-assembles the same report schema as `simulate` from each agent's own round log. Traffic in
-this report is what each agent's MQTT connection actually carried (frames, including
-statuses and re-sent models), so it is a little above the simulator's message sizes.
+The coordinator publishes the run (configuration and roster, retained), starts the agents,
+follows their statuses for progress, and when they are done assembles the same report schema
+as `simulate` from each agent's own round log. Each agent is an `edge-agent` process of its
+own, or, with `agents_per_process` above 1, one of several `edge-agent` commands that a
+`python -m agent.host` process runs in threads (agent/host.py): same code, same connection
+per agent, one interpreter and torch import per process. Traffic in this report is what each
+agent's MQTT connection actually carried (frames, including statuses and re-sent models), so
+it is a little above the simulator's message sizes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Protocol
 
 from agent.data import load_dataset
 from agent.experiment import ExperimentConfig, check_networked, profile_names
@@ -52,6 +58,104 @@ class EmulationOptions:
     agent_keys: bool = False
     """A key pair per agent and one for the coordinator, which admits the agents and signs
     the run; the agents trust the coordinator's key alone."""
+    agent_brokers: tuple[BrokerAddress, ...] = ()
+    """Brokers the agents connect to, agent k to the (k mod n)-th: a fleet spread over
+    bridged brokers (default: the coordinator's broker for all)."""
+    agents_per_process: int = 1
+    """Agents run as threads of one process (`python -m agent.host`); 1: a process each."""
+
+
+def auto_agents_per_process(agents: int, cores: int | None = None) -> int:
+    """How many agents share a process by default: one each while the fleet has at most
+    max(8, 2 x cores) agents, else the fleet spread evenly over that many processes. An
+    agent process costs about 175 MB (its interpreter and torch), one more agent in a
+    shared one about 4 MB (bench/agents_per_process.py); more processes than about two per
+    core add no speed (each agent mostly waits), but fewer than the cores would leave cores
+    idle in the agents' Python work, which one process runs on one core at a time."""
+    processes = max(8, 2 * (cores or os.cpu_count() or 1))
+    return math.ceil(agents / processes)
+
+
+class AgentProcess(Protocol):
+    """What the emulation needs of a running agent: a `subprocess.Popen`, or a
+    `HostedProcess` for an agent that shares its process."""
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    @property
+    def pid(self) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+    def kill(self) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+class SharedProcess:
+    """A `python -m agent.host` process and the exit codes its agents reported (its stdout
+    carries `exit ID CODE` lines; its stdin takes `kill ID`)."""
+
+    def __init__(self, command: list[str], log: IO[bytes], env: dict[str, str]) -> None:
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env
+        )
+        self.codes: dict[str, int] = {}
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            match line.decode(errors="replace").split():
+                case ["exit", agent_id, code]:
+                    self.codes[agent_id] = int(code)
+
+    def code_of(self, agent_id: str) -> int | None:
+        """The agent's exit code: the one it reported, else, once the process has ended
+        without a word for it, the process's own."""
+        if agent_id in self.codes:
+            return self.codes[agent_id]
+        if self.process.poll() is None:
+            return None
+        self._reader.join(5)
+        return self.codes.get(agent_id, self.process.returncode)
+
+    def kill_agent(self, agent_id: str) -> None:
+        """Kill one agent alone, as a crash would (agent/host.py)."""
+        assert self.process.stdin is not None
+        self.process.stdin.write(f"kill {agent_id}\n".encode())
+        self.process.stdin.flush()
+
+
+@dataclasses.dataclass(frozen=True)
+class HostedProcess:
+    """One agent of a `SharedProcess`, seen as a process of its own: its exit code is the
+    one it reported; killing it (at the end of a run) kills the process it shares."""
+
+    host: SharedProcess
+    agent_id: str
+
+    @property
+    def returncode(self) -> int | None:
+        return self.host.code_of(self.agent_id)
+
+    @property
+    def pid(self) -> int:
+        return self.host.process.pid
+
+    def poll(self) -> int | None:
+        return self.host.code_of(self.agent_id)
+
+    def kill(self) -> None:
+        self.host.process.kill()
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.host.process.wait(timeout)
+        code = self.host.code_of(self.agent_id)
+        assert code is not None
+        return code
 
 
 class Emulation:
@@ -68,7 +172,9 @@ class Emulation:
         self.run_id = new_run_id()
         self.fleet = f"emu-{self.run_id[4:12]}"
         self.roster = [f"agent-{k:03d}" for k in range(config.agents)]
-        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self.processes: dict[str, AgentProcess] = {}
+        self.shared: dict[str, SharedProcess] = {}
+        """The process each agent shares with others (agents_per_process > 1)."""
         self.conductor: Conductor
         self.key, self.signing_args = self.signing()
 
@@ -99,11 +205,19 @@ class Emulation:
         names = profile_names(self.config.profiles)
         return names[index % len(names)]
 
+    def broker_of(self, index: int) -> BrokerAddress:
+        """The broker this agent connects to (`EmulationOptions.agent_brokers`)."""
+        brokers = self.options.agent_brokers or (self.broker,)
+        return brokers[index % len(brokers)]
+
     def agent_command(self, index: int) -> list[str]:
+        return [sys.executable, "-m", "agent", *self.agent_args(index)]
+
+    def agent_args(self, index: int) -> list[str]:
+        """The `edge-agent` arguments of this agent (a process of its own or a thread)."""
         agent_id = self.roster[index]
         return [
-            sys.executable, "-m", "agent",
-            "--broker", str(self.broker), "--fleet", self.fleet, "--id", agent_id,
+            "--broker", str(self.broker_of(index)), "--fleet", self.fleet, "--id", agent_id,
             *(["--profile", profile] if (profile := self.profile_of(index)) else []),
             "--state-dir", str(self.options.workdir / agent_id),
             "--round-timeout", str(self.options.round_timeout_s),
@@ -125,14 +239,48 @@ class Emulation:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
             process = subprocess.Popen(
-                self.agent_command(index),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                # PYTHONSAFEPATH: `-m agent` must not pick up an `agent` folder in the cwd.
-                env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONSAFEPATH": "1"},
+                self.agent_command(index), stdout=log, stderr=subprocess.STDOUT, env=agent_env()
             )
         self.processes[agent_id] = process
         return process
+
+    def start_shared(self, indices: range) -> SharedProcess:
+        """Start the agents `indices` as threads of one `python -m agent.host` process, whose
+        own output (not an agent's) goes to host-NNN.log."""
+        name = f"host-{indices.start // self.options.agents_per_process:03d}"
+        workdir = self.options.workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        agents = {self.roster[i]: i for i in indices}
+        spec = [
+            {"id": a, "log": str(self.log_path(a)), "args": self.agent_args(i)}
+            for a, i in agents.items()
+        ]
+        (workdir / f"{name}.json").write_text(json.dumps(spec, indent=1))
+        command = [sys.executable, "-m", "agent.host", str(workdir / f"{name}.json")]
+        with open(workdir / f"{name}.log", "ab") as log:
+            host = SharedProcess(command, log, agent_env())
+        for agent_id in agents:
+            self.processes[agent_id] = HostedProcess(host, agent_id)
+            self.shared[agent_id] = host
+        return host
+
+    def start_agents(self) -> None:
+        """Every agent: a process each, or `agents_per_process` to a process."""
+        per = self.options.agents_per_process
+        if per <= 1:
+            for index in range(len(self.roster)):
+                self.start_agent(index)
+            return
+        for first in range(0, len(self.roster), per):
+            self.start_shared(range(first, min(first + per, len(self.roster))))
+
+    def kill_agent(self, agent_id: str) -> None:
+        """A fault: kill this agent abruptly (the broker publishes its last will), and it
+        alone: an agent sharing a process with others is killed in it (agent/host.py)."""
+        if agent_id in self.shared:
+            self.shared[agent_id].kill_agent(agent_id)
+        else:
+            self.processes[agent_id].kill()
 
     def run(self, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
         started = time.perf_counter()
@@ -150,8 +298,7 @@ class Emulation:
         )
         try:
             self.conductor.start()
-            for index in range(len(self.roster)):
-                self.start_agent(index)
+            self.start_agents()
             self._wait(progress)
         finally:
             for process in self.processes.values():
@@ -188,7 +335,7 @@ class Emulation:
         logs = {
             agent_id: checkpoint.read_records(self.round_log(agent_id)) for agent_id in self.roster
         }
-        codes = {a: p.returncode for a, p in self.processes.items() if p.returncode != 0}
+        codes = {a: c for a, p in self.processes.items() if (c := p.returncode) not in (0, None)}
         reasons = {a: exit_reason(code, self.log_path(a)) for a, code in codes.items()}
         report = assemble_report(
             self.config, self.roster, logs, self.conductor.aggregated(), wall, reasons
@@ -200,10 +347,18 @@ class Emulation:
                 "roster": self.roster,
                 "run_id": self.run_id,
                 "broker": str(self.broker),
+                "agent_brokers": [str(b) for b in self.options.agent_brokers],
+                "agents_per_process": self.options.agents_per_process,
                 "profiles": {a: self.profile_of(i) for i, a in enumerate(self.roster)},
             },
             **report,
         }
+
+
+def agent_env() -> dict[str, str]:
+    """The agents' environment: unbuffered output (their logs are read while they run), and
+    PYTHONSAFEPATH: `-m agent` must not pick up an `agent` folder in the cwd."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONSAFEPATH": "1"}
 
 
 def exit_reason(code: int, log_path: Path) -> str:

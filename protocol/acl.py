@@ -3,8 +3,9 @@
 Every member logs in to the broker under its own id. It may read every fleet topic (whoever
 can log in may follow the fleet: confidentiality comes from TLS, authenticity from the
 signatures), but publish only the topics that carry its own id: its presence, status,
-telemetry and id probe, its round messages, the requests it sends and the layers of its own
-model. The coordinator also publishes the run and the centralized rounds' global models.
+telemetry and id probe, its round messages, the requests and re-sends it sends and the
+layers of its own model. The coordinator also publishes the run and the centralized
+rounds' global models.
 A member that could publish on another's topics could impersonate it (a retained presence,
 a forged model): the broker refuses it before any receiver has to.
 
@@ -37,9 +38,9 @@ def member_topics(fleet: str, member: str) -> list[str]:
     ]
     # Kinds one by one: `round/+/+/<id>` would also match `round/<t>/global/<id>`, the
     # coordinator's message to that member.
-    kinds = [kind for kind in topics.ROUND_KINDS if kind != "request"]
+    kinds = [kind for kind in topics.ROUND_KINDS if kind not in topics.ADDRESSED_KINDS]
     own += [topics.round_topic(fleet, "+", kind, member) for kind in kinds]
-    own.append(topics.round_topic(fleet, "+", "request", member, to="+"))
+    own += [topics.round_topic(fleet, "+", kind, member, to="+") for kind in topics.ADDRESSED_KINDS]
     own.append(topics.layer(fleet, "+", member, "+"))
     return own
 

@@ -99,6 +99,11 @@ class PresenceClock:
             self._born[message.sender] = message.since
         return True
 
+    def born(self, member: str) -> float | None:
+        """When `member`'s current session began (its latest birth), None if none was seen:
+        a member that comes back has lost what was in flight to it."""
+        return self._born.get(member)
+
 
 class DuplicateMember(ProtocolError):
     """Another live process holds this member's id (or claims it at this very moment)."""

@@ -30,6 +30,7 @@ model implies (`protocol.limits.limits_for_shapes`) once the run is known.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import math
@@ -365,6 +366,18 @@ class _SubscriptionTable:
             self._unacked.add(mid)
 
 
+CALLBACKS = (
+    "pre_connect",
+    "connect",
+    "connect_fail",
+    "disconnect",
+    "subscribe",
+    "publish",
+    "message",
+)
+"""The paho events a transport handles, each in its `_on_<event>` method."""
+
+
 class MqttTransport:
     """One connection to one broker; see the module docstring for what it guarantees.
 
@@ -389,10 +402,7 @@ class MqttTransport:
         self._will = will
         self._birth = birth
         self._client_id = options.client_id or f"edgefl-{secrets.token_hex(6)}"
-        self._reassembler = Reassembler(
-            options.limits,
-            options.reassembly_timeout_s,
-        )
+        self._reassembler = Reassembler(options.limits, options.reassembly_timeout_s)
         self._stats: Counter[str] = Counter()
         self._stats_lock = threading.Lock()
         self._outgoing = _OutgoingQueue()
@@ -406,7 +416,8 @@ class MqttTransport:
         )
         self._client = _new_client(self._client_id, options)
         self._subscriptions = _SubscriptionTable(self._client)
-        self._bind_callbacks(self._client)
+        for event in CALLBACKS:
+            setattr(self._client, f"on_{event}", getattr(self, f"_on_{event}"))
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -429,6 +440,17 @@ class MqttTransport:
         self._subscriptions.disconnected(lost=False)
         self._dispatcher.stop(timeout_s)
         log.info("disconnected from MQTT broker %s", self.broker)
+
+    def abort(self) -> None:
+        """Cut the connection as a crash would (fault tests of agents sharing a process): no
+        DISCONNECT packet, so the broker publishes the member's last will; no reconnect;
+        later publishes fail and nothing more reaches the handlers."""
+        if self._stopped:
+            return
+        self._stopped = True
+        _cut(self._client)
+        self._subscriptions.disconnected(lost=True)
+        self._dispatcher.stop(0.0)
 
     def __enter__(self) -> MqttTransport:
         self.start()
@@ -567,15 +589,6 @@ class MqttTransport:
 
     # -- paho callbacks (network thread: quick, never raise) ---------------------------------
 
-    def _bind_callbacks(self, client: paho.Client) -> None:
-        client.on_pre_connect = self._on_pre_connect
-        client.on_connect = self._on_connect
-        client.on_connect_fail = self._on_connect_fail
-        client.on_disconnect = self._on_disconnect
-        client.on_subscribe = self._on_subscribe
-        client.on_publish = self._on_publish
-        client.on_message = self._on_message
-
     def _on_pre_connect(self, client: paho.Client, userdata: Any) -> None:
         if self._will is not None:
             topic, payload = self._will
@@ -710,3 +723,15 @@ def _new_client(client_id: str, options: TransportOptions) -> paho.Client:
         )
         client.tls_insecure_set(options.tls.insecure)
     return client
+
+
+def _cut(client: Any) -> None:
+    """End paho's network thread without a goodbye (paho has no public way): it is told to
+    end and not reconnect, then the socket is shut under it, which ends its wait at once."""
+    client._thread_terminate = True
+    client._reconnect_on_failure = False
+    sock = client.socket()
+    if isinstance(sock, socket.socket):  # TLS sockets too
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+    client.loop_stop()

@@ -9,6 +9,8 @@ fl/v1/<fleet>/probe/<agent>/answer        "yes: I hold it" (never retained)
 fl/v1/<fleet>/run                         retained run config and roster
 fl/v1/<fleet>/round/<t>/<kind>/<agent>    model, vote, divergence, update
 fl/v1/<fleet>/round/<t>/request/<agent>/<to>  a request, addressed to its target alone
+fl/v1/<fleet>/round/<t>/resend/<agent>/<to>   what <agent> published after round t, sent
+                                              again to the one peer that asked for it
 fl/v1/<fleet>/round/<t>/model/<agent>/<i>     layer i of a model (`--wire layers`: only the
                                               layers neighbours asked for)
 fl/v1/<fleet>/round/<t>/global            the aggregate of a centralized round
@@ -23,6 +25,8 @@ from protocol.errors import ProtocolError
 
 PREFIX = "fl/v1"
 ROUND_KINDS = ("model", "vote", "divergence", "request", "update")
+ADDRESSED_KINDS = ("request", "resend")
+"""Round messages addressed to one agent (`round_topic`'s `to`): only their target needs them."""
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 _INDEX = re.compile(r"^(0|[1-9][0-9]{0,3})$")
 
@@ -73,10 +77,10 @@ def round_topic(
     fleet: str, round_: int | str, kind: str, agent: str = "+", to: str | None = None
 ) -> str:
     """A round message of `agent`, or with `to` one addressed to that agent alone (requests
-    always are: only their target needs them)."""
-    if to is not None and kind != "request":
-        raise ValueError("only requests are addressed to one agent")
-    if kind not in ROUND_KINDS:
+    and re-sends always are: only their target needs them)."""
+    if (to is not None) != (kind in ADDRESSED_KINDS):
+        raise ValueError(f"{', '.join(ADDRESSED_KINDS)} and only they are addressed to one agent")
+    if kind not in ROUND_KINDS + ADDRESSED_KINDS:
         raise ValueError(f"unknown round message kind {kind!r}; expected one of {ROUND_KINDS}")
     who = agent if agent == "+" else check_name(agent, "agent")
     topic = f"{fleet_root(fleet)}/round/{round_}/{kind}/{who}"
@@ -114,8 +118,8 @@ def parse(topic: str) -> tuple[str, str, dict[str, str]]:
         return fleet, "global", {"round": rest[1], "to": rest[3]}
     if rest[0] == "round" and len(rest) == 4 and rest[2] in ROUND_KINDS:
         return fleet, rest[2], {"round": rest[1], "agent": rest[3]}
-    if rest[0] == "round" and len(rest) == 5 and rest[2] == "request":
-        return fleet, "request", {"round": rest[1], "agent": rest[3], "to": rest[4]}
+    if rest[0] == "round" and len(rest) == 5 and rest[2] in ADDRESSED_KINDS:
+        return fleet, rest[2], {"round": rest[1], "agent": rest[3], "to": rest[4]}
     if rest[0] == "round" and len(rest) == 5 and rest[2] == "model" and _INDEX.match(rest[4]):
         return fleet, "model", {"round": rest[1], "agent": rest[3], "layer": rest[4]}
     raise ProtocolError(f"unknown fleet topic: {topic!r}")

@@ -134,11 +134,13 @@ def test_agent_publishes_only_on_its_own_topics(
         topics.global_model(FLEET, 1, "a1"),
         topics.round_topic(FLEET, 1, "model", "a2"),
         topics.round_topic(FLEET, 1, "request", "a2", to="a1"),
+        topics.round_topic(FLEET, 1, "resend", "a2", to="a1"),
         topics.status("other", "a1"),
     ]
     own = [
         topics.status(FLEET, "a1"),
         topics.round_topic(FLEET, 1, "request", "a1", to="a2"),
+        topics.round_topic(FLEET, 1, "resend", "a1", to="a2"),
         topics.layer(FLEET, 1, "a1", 3),
     ]
     for topic in forged + own:

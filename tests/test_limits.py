@@ -156,21 +156,24 @@ def test_num_samples_outside_the_allowed_range_is_rejected(num_samples: int) -> 
     assert box.model(1, "b") is not None
 
 
-def test_a_request_is_answered_at_most_once_in_a_while() -> None:
-    now = [100.0]
-    box = inbox(clock=lambda: now[0])
+def test_a_request_is_answered_once_per_askers_session() -> None:
+    box = inbox()
 
     def request(round_: int, layers: list[str] | None = None) -> messages.Request:
         return messages.Request(
             fleet=FLEET, sender="b", run_id=RUN, round=round_, target="a", layers=layers or []
         )
 
+    def born(since: float) -> None:
+        birth = messages.Presence(fleet=FLEET, sender="b", online=True, since=since)
+        box.on_presence(topics.presence(FLEET, "b"), messages.encode(birth))
+
     assert box.may_answer(request(1))
-    assert not box.may_answer(request(1))
+    assert not box.may_answer(request(1)) and not box.may_answer(request(1))
     assert box.may_answer(request(2)) and box.may_answer(request(1, ["fc"]))
-    now[0] += 2.5
-    assert box.may_answer(request(1))
-    assert box.dropped["answered"] == 1
+    born(10.0)  # b came back: what was in flight to it is lost, so it may ask again
+    assert box.may_answer(request(1)) and not box.may_answer(request(1))
+    assert box.dropped["answered"] == 3
 
 
 def test_a_vote_history_is_kept_only_when_it_fits_its_round() -> None:

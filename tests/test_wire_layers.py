@@ -269,5 +269,9 @@ def test_requests_are_addressed_and_layers_have_their_own_topics() -> None:
         "agent": "b",
         "layer": "12",
     }
-    with pytest.raises(ValueError, match="only requests"):
+    resend = topics.round_topic(FLEET, 4, "resend", "b", to="a")
+    assert topics.parse(resend) == ("lab", "resend", {"round": "4", "agent": "b", "to": "a"})
+    with pytest.raises(ValueError, match="only they are addressed"):
         topics.round_topic(FLEET, 4, "model", "a", to="b")
+    with pytest.raises(ValueError, match="only they are addressed"):
+        topics.round_topic(FLEET, 4, "resend", "a")

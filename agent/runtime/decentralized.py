@@ -36,10 +36,11 @@ from agent.learning import (
 )
 from agent.report import AgentRound
 from agent.runtime import checkpoint
+from agent.runtime.asking import Asking
 from agent.runtime.codec import all_finite, values_sent
 from agent.runtime.session import Session
 from agent.runtime.wire import Have, Wait, Wire
-from protocol import messages, topics
+from protocol import ProtocolError, messages, topics
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ class DecentralizedRounds:
         s = self.session
         s.transport.subscribe(topics.round_topic(s.fleet, "+", "vote"), s.inbox.on_vote)
         s.transport.subscribe(topics.round_topic(s.fleet, "+", "request", to=s.me), self.serve)
+        s.transport.subscribe(topics.round_topic(s.fleet, "+", "resend", to=s.me), self.on_resend)
 
     def prepare_start(self) -> None:
         self.subscribe_ahead(1)
@@ -112,18 +114,32 @@ class DecentralizedRounds:
 
     def serve(self, topic: str, payload: bytes) -> None:
         """Answer a neighbour that asks for layers of one of our recent models (--wire
-        layers), or for what we published after a round (it missed it)."""
+        layers), or for what we published after a round (it missed it: the copy goes to it
+        alone, once per its session)."""
         s = self.session
         request = s.inbox.decode_request(topic, payload)
-        if request is None or request.target != s.me or not s.inbox.may_answer(request):
-            return  # not ours, or the same ask answered moments ago (a flood of requests)
-        if self.wire.serve(request):
+        if request is None or request.target != s.me:
+            return
+        if request.layers:
+            if s.inbox.may_answer(request):
+                self.wire.serve(request)
             return
         data = self.own.get(request.round)
-        if data is not None:
-            kind = self.wire.announcement
-            log.info("re-sending round %d %s to %s", request.round, kind, request.sender)
-            s.transport.publish(s.topic(request.round, kind, s.me), data)
+        if data is not None and s.inbox.may_answer(request):
+            log.info("re-sending round %d to %s", request.round, request.sender)
+            s.transport.publish(s.topic(request.round, "resend", s.me, to=request.sender), data)
+
+    def on_resend(self, topic: str, payload: bytes) -> None:
+        """A copy of a peer's announcement sent to this agent alone: checked and stored as
+        the announcement on the peer's own topic would be."""
+        s = self.session
+        try:
+            _, _, fields = topics.parse(topic)
+            own_topic = s.topic(int(fields["round"]), self.wire.announcement, fields["agent"])
+        except (ProtocolError, ValueError) as exc:
+            s.inbox.reject("resend", "?", topic, exc)
+            return
+        self.wire.on_announcement(own_topic, payload)
 
     def request(self, missing: set[Need], layers: list[str] | None = None) -> None:
         """Ask each (round, target) for its model again, or for these `layers` of it."""
@@ -151,14 +167,15 @@ class DecentralizedRounds:
         self, round_: int, needs: set[Need], deadline: float, have: Have, wait: Wait
     ) -> dict[Need, Need]:
         """Wait for the announcement (`have`/`wait`: models, or divergence vectors) of every
-        need's source, asking again for the missing every `request_every_s`, until the
+        need's source, asking again for the missing when `Asking` says so, until the
         deadline; returns the sources, which change when a neighbour stops early meanwhile."""
-        timeouts = self.session.timeouts
+        s = self.session
+        check_every_s = s.timeouts.request_every_s
+        asking = Asking(s.transport, check_every_s, s.inbox.reported_done)
         sources = self.sources(needs)
         self.request({src for need, src in sources.items() if src != need and have(*src) is None})
-        pause = min(timeouts.request_every_s, timeouts.round_s)
         while True:
-            missing = wait(set(sources.values()), max(pause, 0.0))
+            missing = wait(set(sources.values()), asking.pause(check_every_s, deadline))
             if (now := self.sources(needs)) != sources:
                 # A neighbour stopped early meanwhile: fetch its last model now (this agent
                 # may never have subscribed to it).
@@ -169,8 +186,7 @@ class DecentralizedRounds:
                 continue
             if not missing or time.monotonic() >= deadline or self.session.stop.is_set():
                 return sources
-            self.request(missing)
-            pause = min(timeouts.request_every_s, deadline - time.monotonic())
+            self.request(asking.to_ask(missing))
 
     def prune_now(self, round_: int) -> bool:
         """Settle the tallies of rounds <= round_ // 2, then ask the plan."""

@@ -10,8 +10,8 @@ Memory is bounded against a hostile (or broken) sender: once the round being run
 round more than `rounds_ahead` past it is dropped and counted (`dropped`), so at most
 `rounds_ahead` + 2 rounds of (round, sender) entries are held ahead of `forget_before`;
 a model or layer whose `num_samples` is outside 1..`limits.max_num_samples` is rejected (it
-would dominate FedAvg); a peer asking again for what we published is answered at most once
-per `ANSWER_EVERY_S` per (asker, round, layers) (`may_answer`).
+would dominate FedAvg); a peer asking again for what we published is answered once per
+(asker, round, layers) and asker's session (`may_answer`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from agent.learning import Published, apply_delta
@@ -30,15 +30,12 @@ from protocol import ProtocolError, messages, topics
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.logs import claimed_sender
 
-__all__ = ["ANSWER_EVERY_S", "ROUNDS_AHEAD", "Expected", "Inbox"]
+__all__ = ["ROUNDS_AHEAD", "Expected", "Inbox"]
 
 ROUNDS_AHEAD = 4
 """Rounds past the one being run whose messages are kept: the round driver subscribes to the
 models of the next 4 rounds (`decentralized.LOOKAHEAD_ROUNDS`); a peer further ahead re-sends
 on request what it published (it keeps its last 4 rounds)."""
-ANSWER_EVERY_S = 2.0
-"""A peer's request for the same thing is answered at most this often: below the askers'
-`request_every_s` (5 s by default), so every honest re-ask is answered."""
 
 
 class Inbox(FleetMail):
@@ -51,11 +48,10 @@ class Inbox(FleetMail):
         *,
         limits: Limits = DEFAULT_LIMITS,
         rounds_ahead: int = ROUNDS_AHEAD,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(expected)
         self.limits = limits
-        self.guard = Guard(rounds_ahead, clock)
+        self.guard = Guard(rounds_ahead)
         self.dropped = self.guard.dropped
         self._models: dict[tuple[int, str], Published] = {}
         self._pending: dict[tuple[int, str], tuple[int, Published]] = {}
@@ -122,8 +118,9 @@ class Inbox(FleetMail):
 
     def may_answer(self, request: messages.Request) -> bool:
         """Whether to answer a peer's request (re-send what we published, or publish layers)
-        now: see `Guard.may_answer`."""
-        return self.guard.may_answer(request)
+        now: once per asker's session (`Guard.may_answer`). Ask only when about to answer:
+        an ask for what is not published yet must not use up the answer."""
+        return self.guard.may_answer(request, self._presences.born(request.sender))
 
     def _resolve(self, sender: str) -> None:
         """Apply `sender`'s pending deltas whose base is here (in round order). Lock held."""
@@ -323,16 +320,15 @@ class Guard:
     """What the inbox keeps out, besides what fails its checks: messages of rounds too far
     ahead, and requests answered moments ago. Thread-safe (its own lock)."""
 
-    def __init__(self, rounds_ahead: int, clock: Callable[[], float]) -> None:
+    def __init__(self, rounds_ahead: int) -> None:
         self.rounds_ahead = rounds_ahead
-        self._clock = clock
         self._lock = threading.Lock()
         self._floor: int | None = None
         """The round being run is at most 2 past this (`forget_before`, `reached`); None
         until known: a resumed agent may be at any round, so nothing is dropped yet."""
         self.dropped: Counter[str] = Counter()
         """Messages (and votes) dropped unread by reason (`future_round`, `answered`)."""
-        self._answered: dict[tuple[int, str, tuple[str, ...]], float] = {}
+        self._answered: set[tuple[int, str, tuple[str, ...], float | None]] = set()
 
     def reached(self, round_: int) -> None:
         """The agent runs round `round_` or a later one (it is told so, or holds a model of
@@ -344,7 +340,7 @@ class Guard:
         """The inbox forgets the rounds before `round_`: the agent runs `round_` + 2 at most."""
         with self._lock:
             self._floor = max(self._floor or 0, round_)
-            _drop_before(self._answered, round_, keep_newest=False)
+            self._answered = {key for key in self._answered if key[0] >= round_}
 
     def ahead_ok(self, round_: int) -> bool:
         """Whether a message of `round_` is within the window kept: at most `rounds_ahead`
@@ -355,17 +351,18 @@ class Guard:
             self.dropped["future_round"] += 1
             return False
 
-    def may_answer(self, request: messages.Request) -> bool:
-        """Not if the same asker asked for the same round and layers within
-        `ANSWER_EVERY_S`, so a flood of requests cannot make this agent republish its models
-        without end."""
-        key = (request.round, request.sender, tuple(sorted(request.layers)))
-        now = self._clock()
+    def may_answer(self, request: messages.Request, born: float | None) -> bool:
+        """Whether this is the asker's first request for this round and layers since it came
+        online (`born`: its session's start): a peer that got our publish has no reason to
+        ask, one that asked while the publish was in flight gets one copy, and one that came
+        back (and lost what was in flight to it) may ask again. A flood of requests cannot
+        make this agent send its model over and over."""
+        key = (request.round, request.sender, tuple(sorted(request.layers)), born)
         with self._lock:
-            if now - self._answered.get(key, -ANSWER_EVERY_S) < ANSWER_EVERY_S:
+            if key in self._answered:
                 self.dropped["answered"] += 1
                 return False
-            self._answered[key] = now
+            self._answered.add(key)
             return True
 
 

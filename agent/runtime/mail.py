@@ -46,6 +46,8 @@ class Expected:
     """`--wire layers`: the model's layers in order, each with its tensors."""
 
 
+ROUND_DONE_STATES = ("training", "stopped", "done")
+"""The states of the status an agent publishes after each round it finished."""
 CRASH_GRACE_S = 10.0
 """How long peers still wait for an agent whose will says it crashed: time to restart."""
 
@@ -67,6 +69,8 @@ class FleetMail:
         """Offline agents whose will said "lost" (a crash), and when (monotonic)."""
         self._rejections = RejectionLog(log)
         self._presences = PresenceClock()
+        self._rounds_done: dict[str, int] = {}
+        """The last round each agent's status says it finished."""
 
     def reject(self, kind: str, sender: str, topic: str, reason: object) -> None:
         """Count a message that failed its checks and warn of it (rate-limited)."""
@@ -113,6 +117,9 @@ class FleetMail:
                     self.offline.add(message.sender)
                 if message.stopped:
                     self.stopped[message.sender] = message.round
+                if message.state in ROUND_DONE_STATES:
+                    done = max(self._rounds_done.get(message.sender, 0), message.round)
+                    self._rounds_done[message.sender] = done
                 self._changed.notify_all()
             history = message.metrics.get("votes")
             # A history longer than its status's round is forged: never build its dict.
@@ -141,6 +148,12 @@ class FleetMail:
                     if message.reason == LOST:
                         self._crashed_at.setdefault(message.sender, time.monotonic())
                 self._changed.notify_all()
+
+    def reported_done(self, round_: int, sender: str) -> bool:
+        """Whether `sender`'s status says it finished round `round_` (so it published what
+        that round announces, which came before the status on its connection)."""
+        with self._changed:
+            return self._rounds_done.get(sender, 0) >= round_
 
     def stopped_agents(self) -> dict[str, int]:
         """A copy of who stopped early and after which round."""

@@ -15,6 +15,7 @@ from typing import Any
 
 from agent.learning import Learner, Need, Published, RoundResult, layers_to_fetch
 from agent.runtime import checkpoint
+from agent.runtime.asking import Asking
 from agent.runtime.codec import divergence_message, model_message, values_sent
 from agent.runtime.layer_server import LayerServer
 from agent.runtime.session import Session
@@ -159,8 +160,8 @@ class LayersWire:
     def _fetch_layers(
         self, fetch_now: dict[LayerKey, str], deadline: float, fetch: Fetcher
     ) -> set[LayerKey]:
-        """Subscribe to the layers' topics, ask their senders for them again every
-        `request_every_s` until they came, their senders are gone or the deadline; returns
+        """Subscribe to the layers' topics, ask their senders for them (and again when
+        `Asking` says so) until they came, their senders are gone or the deadline; returns
         the missing."""
         session = self.session
         missing = set(fetch_now)
@@ -169,14 +170,18 @@ class LayersWire:
                 session.transport.subscribe(topic, session.inbox.on_layer)
             if fetch_now:
                 session.transport.wait_subscribed(max(deadline - time.monotonic(), 0.0))
+            check_every_s = session.timeouts.request_every_s
+            # Layers are asked for once; again only after a reconnect or as a last resort.
+            asking = Asking(session.transport, check_every_s, lambda _round, _sender: False)
+            ask = {key[:2] for key in missing}
             while missing and not session.stop.is_set():
-                for r, j in sorted({key[:2] for key in missing}):
+                for r, j in sorted(ask):
                     asked = [key[2] for key in sorted(missing) if key[:2] == (r, j)]
                     fetch.request({(r, j)}, asked)
-                pause = min(session.timeouts.request_every_s, deadline - time.monotonic())
-                missing = session.inbox.wait_layers(missing, max(pause, 0.0))
+                missing = session.inbox.wait_layers(missing, asking.pause(check_every_s, deadline))
                 if time.monotonic() >= deadline:
                     break
+                ask = asking.to_ask({key[:2] for key in missing})
         finally:
             for topic in sorted(set(fetch_now.values())):
                 session.transport.unsubscribe(topic)

@@ -1,0 +1,69 @@
+"""When an agent asks its peers again for what has not come.
+
+A model published while its receiver was subscribed and connected reaches it (QoS 1), so a
+receiver that asks while the model is only late (its sender still training, or the broker
+busy) makes the sender send it twice. In a busy fleet whose agents asked every
+`request_every_s`, each late model went out again to every asker, which made the fleet
+busier still (32 agents all-to-all: 10-20x the algorithm's traffic). So a receiver asks
+only when something was lost:
+
+* the sender's status says it finished the round, yet its model is not here (the model went
+  out before the status on the sender's connection, so it is not merely late);
+* its own connection came back (the broker dropped what was queued for it);
+* or, as a last resort, after FALLBACK_FACTOR x `request_every_s`, then at twice that
+  interval each time (a lost status as well as a lost model).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from agent.learning import Need
+from protocol.mqtt import MqttTransport
+
+FALLBACK_FACTOR = 4.0
+"""The last-resort ask comes after this many `request_every_s` (20 s by default): longer than
+a busy broker delays a model, shorter than the round timeout."""
+
+
+class Asking:
+    """The asks of one wait for (round, sender) needs: `to_ask(missing)` says which now."""
+
+    def __init__(
+        self,
+        transport: MqttTransport,
+        request_every_s: float,
+        reported_done: Callable[[int, str], bool],
+    ) -> None:
+        self.transport = transport
+        self.reported_done = reported_done
+        self.pause_s = FALLBACK_FACTOR * request_every_s
+        self.next_at = time.monotonic() + self.pause_s
+        self.connects = self._connects()
+        self.asked: set[Need] = set()
+        """Needs asked for since the last reconnect or last-resort ask."""
+
+    def _connects(self) -> int:
+        return self.transport.stats.get("connects", 0)
+
+    def to_ask(self, missing: set[Need]) -> set[Need]:
+        """The missing to ask for now: all of them after a reconnect or when the last-resort
+        interval passed (the next is twice as long), else those whose sender reported the
+        round done, once each."""
+        now, connects = time.monotonic(), self._connects()
+        if connects != self.connects or now >= self.next_at:
+            self.connects = connects
+            self.pause_s *= 2
+            self.next_at = now + self.pause_s
+            self.asked = set(missing)
+            return set(missing)
+        lost = {need for need in missing if need not in self.asked and self.reported_done(*need)}
+        self.asked |= lost
+        return lost
+
+    def pause(self, check_every_s: float, deadline: float) -> float:
+        """How long to wait before looking again: at most `check_every_s` (a reconnect or a
+        status is noticed within it), never past `deadline`."""
+        now = time.monotonic()
+        return max(min(check_every_s, self.next_at - now, deadline - now), 0.0)

@@ -1,0 +1,77 @@
+"""An agent asks its peers again only when something was lost: a model whose sender reported
+the round done, everything after its own reconnect, and as a last resort after a long wait;
+never every few seconds while a model is merely late (which made busy fleets send each model
+again to every asker)."""
+
+from __future__ import annotations
+
+import time
+
+from agent.runtime import Expected, Inbox, expected_shapes
+from agent.runtime.asking import FALLBACK_FACTOR, Asking
+from protocol import messages, topics
+
+FLEET, RUN = "lab", "run-1"
+EVERY_S = 0.05
+
+
+class FakeTransport:
+    """The one thing `Asking` reads of a transport: its connect count."""
+
+    def __init__(self) -> None:
+        self.stats = {"connects": 1}
+
+
+def status(box: Inbox, agent: str, round_: int, state: str = "training") -> None:
+    message = messages.Status(fleet=FLEET, sender=agent, run_id=RUN, round=round_, state=state)
+    box.on_status(topics.status(FLEET, agent), messages.encode(message))
+
+
+def setup() -> tuple[Inbox, FakeTransport, Asking]:
+    box = Inbox(Expected(FLEET, RUN, frozenset({"a", "b", "c"}), expected_shapes({})))
+    transport = FakeTransport()
+    return box, transport, Asking(transport, EVERY_S, box.reported_done)  # type: ignore[arg-type]
+
+
+def test_a_late_model_is_not_asked_for_until_its_sender_reports_the_round_done() -> None:
+    box, _, asking = setup()
+    missing = {(2, "b"), (2, "c")}
+    assert asking.to_ask(missing) == set()
+    status(box, "b", 1)  # b is still in round 2: its model is only late
+    status(box, "c", 0, state="ready")
+    assert asking.to_ask(missing) == set()
+    status(box, "b", 2)  # b finished round 2 and its model is not here: it was lost
+    assert asking.to_ask(missing) == {(2, "b")}
+    assert asking.to_ask(missing) == set(), "asked once, not again at every look"
+    status(box, "c", 3, state="done")
+    assert asking.to_ask(missing) == {(2, "c")}
+
+
+def test_everything_missing_is_asked_for_after_a_reconnect() -> None:
+    _, transport, asking = setup()
+    missing = {(2, "b"), (2, "c")}
+    assert asking.to_ask(missing) == set()
+    transport.stats["connects"] = 2  # the broker dropped what was queued for this agent
+    assert asking.to_ask(missing) == missing
+    assert asking.to_ask(missing) == set()
+
+
+def test_the_last_resort_ask_comes_late_and_ever_later() -> None:
+    _, _, asking = setup()
+    missing = {(2, "b")}
+    first_s = FALLBACK_FACTOR * EVERY_S
+    started = time.monotonic()
+    while not asking.to_ask(missing):
+        assert time.monotonic() - started < 10 * first_s
+        time.sleep(asking.pause(EVERY_S, started + 60.0) or 0.001)
+    assert time.monotonic() - started >= first_s
+    again = time.monotonic()
+    while not asking.to_ask(missing):
+        time.sleep(asking.pause(EVERY_S, again + 60.0) or 0.001)
+    assert time.monotonic() - again >= 2 * first_s
+
+
+def test_the_pause_never_passes_the_deadline() -> None:
+    _, _, asking = setup()
+    assert asking.pause(EVERY_S, time.monotonic() + 0.01) <= 0.01
+    assert asking.pause(EVERY_S, time.monotonic() - 1.0) == 0.0
