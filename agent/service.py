@@ -243,7 +243,9 @@ class AgentService:
         except (ValueError, ProtocolError) as exc:
             self.reject(offer.run_id, str(exc))
             return None
-        return Run(offer.run_id, tuple(sorted(offer.roster)), config, offer.sender)
+        # Only the run's own signer may keep its tallies.
+        keeper = offer.keeper if offer.keeper == offer.sender else ""
+        return Run(offer.run_id, tuple(sorted(offer.roster)), config, offer.sender, keeper)
 
     def tell_misfit(self, offer: messages.RunConfig) -> None:
         """A run left this agent out: if its data is why, say so (log and status)."""

@@ -24,6 +24,7 @@ from agent.learning import CENTRALIZED, running, topology
 from agent.report import AgentRound, honest_summary, stopped_summary, summarize
 from agent.runtime import new_run_id
 from coordinator.aggregator import Aggregator, AggregatorRecord
+from coordinator.tallies import DEFAULT_VOTE_WAIT_S, TallyKeeper
 from protocol import MqttTransport, ProtocolError, messages, topics
 from protocol.membership import PresenceClock
 from protocol.signing import Signer, keys_to_list
@@ -80,6 +81,17 @@ class Conductor:
         self._changed = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.keeper = TallyKeeper(
+            fleet=fleet,
+            run_id=self.run_id,
+            roster=self.roster,
+            rounds=config.learning.rounds,
+            transport=transport,
+            sender=sender,
+            key=key,
+            wait_s=self.timeouts.get("vote_s", DEFAULT_VOTE_WAIT_S),
+            start_wait_s=self.timeouts.get("round_s", round_timeout_s),
+        )
         self.aggregator: Aggregator | None = None
         if config.learning.strategy in CENTRALIZED:
             self.aggregator = Aggregator(
@@ -95,9 +107,11 @@ class Conductor:
             )
 
     def start(self) -> None:
-        """Subscribe (statuses, the aggregator's inputs), then publish the run."""
+        """Subscribe (statuses, votes, the aggregator's inputs), then publish the run."""
         self.transport.subscribe(topics.status(self.fleet), self._on_status)
         self.transport.subscribe(topics.presence(self.fleet), self._on_presence)
+        self.transport.subscribe(topics.round_topic(self.fleet, "+", "vote"), self._on_vote)
+        self.keeper.start()
         if self.aggregator is not None:
             self.aggregator.start()
             self._thread = threading.Thread(
@@ -113,6 +127,7 @@ class Conductor:
             config=config_to_dict(self.config),
             timeouts=self.timeouts,
             keys=keys_to_list(self.key, self.roster),
+            keeper=self.sender,
         )
         self.transport.publish(
             topics.run(self.fleet), messages.encode(run, key=self.key), retain=True
@@ -121,9 +136,11 @@ class Conductor:
     def close(self) -> None:
         """Stop aggregating and clear the retained run message (it is over)."""
         self._stop.set()
+        self.keeper.close()
         if self._thread is not None:
             self._thread.join(10)
         if self.transport.connected:
+            self.keeper.clear()
             self.transport.clear_retained(topics.run(self.fleet)).wait_for_publish(5)
 
     @property
@@ -141,6 +158,7 @@ class Conductor:
         progress = self.agents.get(message.sender)
         if progress is None:
             return
+        self.keeper.on_status(message)
         with self._changed:
             progress.state, progress.stopped = message.state, message.stopped
             progress.round = max(progress.round, message.round)
@@ -161,12 +179,23 @@ class Conductor:
             return
         if not self._presences.fresh(message):
             return
+        self.keeper.on_presence(message.sender, message.online)
         with self._changed:
             if message.online:
                 self.offline.pop(message.sender, None)
             else:
                 self.offline.setdefault(message.sender, time.monotonic())
             self._changed.notify_all()
+
+    def _on_vote(self, topic: str, payload: bytes) -> None:
+        try:
+            message = messages.decode_on_topic(topic, payload, "vote", self.fleet, self.key)
+        except ProtocolError:
+            return
+        if not isinstance(message, messages.Vote) or message.run_id != self.run_id:
+            return
+        if message.sender in self.agents:
+            self.keeper.on_vote(message)
 
     def gone(self, after_s: float) -> bool:
         """Every agent not finished has been offline for `after_s` at least: nobody is left

@@ -7,7 +7,8 @@ message to the sender's and receivers' `Traffic` for the round. One model per wi
 `FullWire` (whole sparse models), `DeltaWire` (deltas on what everyone holds), `LayersWire`
 (divergence vectors, then the requested layers), `LocalWire` (nothing but votes) and
 `CentralTraffic` (a coordinator's downloads, uploads and broadcast). A model is published once
-per round whatever the number of its receivers; votes go to everyone.
+per round whatever the number of its receivers; each vote goes to the keeper, and every agent
+receives the round's tally (`coordinator.tallies`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from agent.runtime import divergence_message, encode_state, model_message, value
 from protocol import fits_one_frame, messages
 
 FLEET = "sim"
+KEEPER = "coordinator"
+"""Who publishes the tallies in a networked run (`coordinator.tallies`)."""
 """The fleet name in the simulator's messages (their size depends on it)."""
 RUN_ID = "sim"
 Models = dict[str, Published]
@@ -136,13 +139,18 @@ class LocalWire:
         return as_received(result.published, self.fp16)
 
     def votes(self, voters: list[str]) -> None:
-        """Every voter sends its vote to every other voter."""
-        size = len(
-            messages.encode(messages.Vote(fleet=FLEET, sender=self.roster[0], vote=True, score=0.0))
+        """Every voter sends its vote to the keeper, and every agent receives the round's
+        tally (the keeper's: what it costs the agents, not the coordinator)."""
+        vote = messages.Vote(fleet=FLEET, sender=self.roster[0], vote=True, score=0.0)
+        everyone = messages.bitmap(self.roster, self.roster)
+        tally = messages.Tally(
+            fleet=FLEET, sender=FLEET, done=everyone, voted=everyone, yes=everyone
         )
+        vote_size, tally_size = len(messages.encode(vote)), len(messages.encode(tally))
         for k in voters:
-            self.traffic[k].sent += size
-            self.traffic[k].received += size * (len(voters) - 1)
+            self.traffic[k].sent += vote_size
+        for k in self.roster:
+            self.traffic[k].received += tally_size
 
     def end(self, round_: int) -> dict[str, Traffic]:
         """The round's traffic per agent."""

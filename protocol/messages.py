@@ -19,6 +19,7 @@ import dataclasses
 import math
 import types
 import typing
+from collections.abc import Iterable, Sequence
 from enum import Enum
 from typing import Any, ClassVar
 
@@ -48,6 +49,7 @@ class MessageType(str, Enum):
     REQUEST = "request"
     UPDATE = "update"
     GLOBAL = "global"
+    TALLY = "tally"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -111,6 +113,10 @@ class RunConfig(Message):
     keys: dict[str, str] = dataclasses.field(default_factory=dict)
     """Per-member keys: the public key (`ed25519:...`) of every roster member and of the
     run's signer, vouched for by the signer; empty in a fleet without them."""
+    keeper: str = ""
+    """Who publishes the round tallies (`Tally`), so agents need not receive every other
+    agent's votes and statuses: the coordinator; empty in a fleet without one (each agent
+    follows every status and vote itself)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -185,10 +191,59 @@ def _default(field: dataclasses.Field) -> Any:
 _NO_DEFAULT = object()
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Tally(Message):
+    """What the fleet reported of round `round` (0: who is ready to start), published once by
+    the run's keeper when every agent still in the run reported it (or the wait ran out).
+
+    The sets are bitmaps over the run's sorted roster (bit i of byte i // 8, least
+    significant first): `done` reported the round finished (round 0: ready), `voted` voted
+    in it and `yes` voted 1 (ALGORITHMS.md 1.7). `stopped`: every agent stopped early so
+    far, with its last round; `left`: agents that will not take part (their data does not
+    fit the run)."""
+
+    TYPE = MessageType.TALLY
+    done: bytes
+    voted: bytes = b""
+    yes: bytes = b""
+    stopped: dict[str, int] = dataclasses.field(default_factory=dict)
+    left: list[str] = dataclasses.field(default_factory=list)
+
+
 MESSAGE_CLASSES: dict[str, type[Message]] = {
     cls.TYPE.value: cls
-    for cls in (Presence, Status, RunConfig, Model, Vote, Divergence, Request, Update, Global)
+    for cls in (
+        Presence,
+        Status,
+        RunConfig,
+        Model,
+        Vote,
+        Divergence,
+        Request,
+        Update,
+        Global,
+        Tally,
+    )
 }
+
+
+def bitmap(members: Iterable[str], roster: Sequence[str]) -> bytes:
+    """`members` as a bitmap over `roster` (see `Tally`); members outside it are left out."""
+    index = {agent: i for i, agent in enumerate(roster)}
+    bits = bytearray((len(roster) + 7) // 8)
+    for agent in members:
+        if (i := index.get(agent)) is not None:
+            bits[i // 8] |= 1 << (i % 8)
+    return bytes(bits)
+
+
+def members(bits: bytes, roster: Sequence[str]) -> set[str]:
+    """The members of `roster` a `bitmap` holds; bits past the roster are ignored."""
+    return {
+        agent
+        for i, agent in enumerate(roster)
+        if i // 8 < len(bits) and bits[i // 8] >> (i % 8) & 1
+    }
 
 
 def encode(message: Message, *, key: Signer | None = None) -> bytes:

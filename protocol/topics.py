@@ -7,7 +7,8 @@ fl/v1/<fleet>/telemetry/<agent>           retained JSON copy of the status (opti
 fl/v1/<fleet>/probe/<agent>               "is this agent id taken?" (never retained)
 fl/v1/<fleet>/probe/<agent>/answer        "yes: I hold it" (never retained)
 fl/v1/<fleet>/run                         retained run config and roster
-fl/v1/<fleet>/round/<t>/<kind>/<agent>    model, vote, divergence, update
+fl/v1/<fleet>/round/<t>/<kind>/<agent>    model, vote, divergence, update, tally (the
+                                          keeper's, retained)
 fl/v1/<fleet>/round/<t>/request/<agent>/<to>  a request, addressed to its target alone
 fl/v1/<fleet>/round/<t>/resend/<agent>/<to>   what <agent> published after round t, sent
                                               again to the one peer that asked for it
@@ -24,7 +25,7 @@ import re
 from protocol.errors import ProtocolError
 
 PREFIX = "fl/v1"
-ROUND_KINDS = ("model", "vote", "divergence", "request", "update")
+ROUND_KINDS = ("model", "vote", "divergence", "request", "update", "tally")
 ADDRESSED_KINDS = ("request", "resend")
 """Round messages addressed to one agent (`round_topic`'s `to`): only their target needs them."""
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")

@@ -45,6 +45,16 @@ EXAMPLES: list[m.Message] = [
     m.Request(fleet="lab", sender="b", round=3, target="a", layers=["fc"]),
     m.Update(fleet="lab", sender="a", round=3, tensors=b"\x01\x02", num_samples=9),
     m.Global(fleet="lab", sender="coordinator", round=3, tensors=b"\x03", participants=["a"]),
+    m.Tally(
+        fleet="lab",
+        sender="coordinator",
+        round=3,
+        done=b"\x07",
+        voted=b"\x03",
+        yes=b"\x01",
+        stopped={"c": 2},
+        left=["d"],
+    ),
 ]
 
 

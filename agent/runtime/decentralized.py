@@ -95,7 +95,8 @@ class DecentralizedRounds:
 
     def subscribe(self) -> None:
         s = self.session
-        s.transport.subscribe(topics.round_topic(s.fleet, "+", "vote"), s.inbox.on_vote)
+        if not s.run_info.keeper:  # with a keeper, its tallies carry every vote
+            s.transport.subscribe(topics.round_topic(s.fleet, "+", "vote"), s.inbox.on_vote)
         s.transport.subscribe(topics.round_topic(s.fleet, "+", "request", to=s.me), self.serve)
         s.transport.subscribe(topics.round_topic(s.fleet, "+", "resend", to=s.me), self.on_resend)
 

@@ -44,6 +44,11 @@ class Expected:
     """The tensors of a delta message (`--wire delta`); None: models come whole."""
     layer_groups: dict[str, list[str]] | None = None
     """`--wire layers`: the model's layers in order, each with its tensors."""
+    keeper: str = ""
+    """Who publishes the round tallies (the coordinator); empty: no tallies, every status
+    and vote is followed instead."""
+    rounds: int = 0
+    """The run's rounds: the last round's tally says who finished the run."""
 
 
 ROUND_DONE_STATES = ("training", "stopped", "done")
@@ -70,7 +75,9 @@ class FleetMail:
         self._rejections = RejectionLog(log)
         self._presences = PresenceClock()
         self._rounds_done: dict[str, int] = {}
-        """The last round each agent's status says it finished."""
+        """The last round each agent's status (or a tally) says it finished."""
+        self._tallied: set[int] = set()
+        """Rounds whose tally came: their votes are all there will be."""
 
     def reject(self, kind: str, sender: str, topic: str, reason: object) -> None:
         """Count a message that failed its checks and warn of it (rate-limited)."""
@@ -88,7 +95,8 @@ class FleetMail:
             self.reject(kind, claimed_sender(topic), topic, exc)
             return None
         aggregator = kind == "request" and message.sender == self.expected.aggregator
-        if message.sender not in self.expected.roster and not aggregator:
+        keeper = kind == "tally" and message.sender == self.expected.keeper
+        if message.sender not in self.expected.roster and not (aggregator or keeper):
             log.debug("ignored %s of %s: not in this run's roster", kind, message.sender)
             return None
         if check_run and message.run_id != self.expected.run_id:
@@ -131,6 +139,38 @@ class FleetMail:
                 self.record_votes(
                     message.sender, {r: v == "1" for r, v in enumerate(history, start=1)}
                 )
+
+    def on_tally(self, topic: str, payload: bytes) -> None:
+        """The keeper's tally of a round: what the statuses and votes of every agent would
+        have said (ready, done, stopped, left, votes), in one message instead of two per
+        agent."""
+        message = self._decode(topic, payload, "tally")
+        if not isinstance(message, messages.Tally):
+            return
+        if message.sender != self.expected.keeper:
+            self.reject("tally", message.sender, topic, "not the run's keeper")
+            return
+        roster = sorted(self.expected.roster)
+        done = messages.members(message.done, roster)
+        stopped = {j: r for j, r in message.stopped.items() if j in self.expected.roster}
+        left = set(message.left) & self.expected.roster
+        voted = messages.members(message.voted, roster)
+        yes = messages.members(message.yes, roster)
+        with self._changed:  # re-entrant: the votes go in before the round counts as tallied
+            for agent in sorted(voted):
+                self.record_votes(agent, {message.round: agent in yes})
+            if message.round == 0:
+                self.ready |= done
+            for agent in done:
+                self._rounds_done[agent] = max(self._rounds_done.get(agent, 0), message.round)
+            if message.round >= self.expected.rounds:
+                self.finished |= done
+            self.stopped.update(stopped)
+            self.finished |= set(stopped) | left
+            self.ready |= left
+            self.offline |= left
+            self._tallied.add(message.round)
+            self._changed.notify_all()
 
     def on_presence(self, topic: str, payload: bytes) -> None:
         """Track who is offline, so nobody waits out a timeout for an agent known gone."""
@@ -212,7 +252,8 @@ class FleetMail:
             while True:
                 votes = dict(self._votes.get(round_, {}))
                 stopped = {j for j, last in self.stopped.items() if last < round_}
-                if roster - self.offline - stopped <= set(votes) or time.monotonic() >= deadline:
+                everyone = roster - self.offline - stopped <= set(votes)
+                if everyone or round_ in self._tallied or time.monotonic() >= deadline:
                     return votes
                 self._changed.wait(min(deadline - time.monotonic(), 0.5))
 

@@ -73,6 +73,9 @@ class Run:
     config: ExperimentConfig
     aggregator: str | None = None
     """Who aggregates a centralized strategy: the coordinator that published the run."""
+    keeper: str = ""
+    """Who publishes the round tallies (the coordinator that published the run); empty: this
+    agent follows every status and vote itself."""
 
 
 def new_run_id() -> str:
@@ -117,6 +120,24 @@ def publish_telemetry(transport: MqttTransport, status: messages.Status) -> None
     like the status, the latest state. Unframed: a JSON reader expects no frame header."""
     topic = topics.telemetry(status.fleet, status.sender)
     transport.publish_plain(topic, telemetry_json(status, time.time()), retain=True)
+
+
+class TrafficMeter:
+    """What a transport carried since the last look: a round's bytes (its record) and frames
+    (MQTT deliveries, in the agent's log)."""
+
+    KEYS = ("published_bytes", "received_bytes", "published_frames", "received_frames")
+
+    def __init__(self, transport: MqttTransport) -> None:
+        self.transport = transport
+        self._seen = dict.fromkeys(self.KEYS, 0)
+
+    def take(self) -> dict[str, int]:
+        stats = self.transport.stats
+        now = {key: stats.get(key, 0) for key in self.KEYS}
+        used = {key: now[key] - self._seen[key] for key in self.KEYS}
+        self._seen = now
+        return used
 
 
 class RoundDriver(Protocol):
@@ -226,6 +247,8 @@ class Session:
                 shapes=shapes,
                 key=key,
                 aggregator=run.aggregator,
+                keeper=run.keeper,
+                rounds=self.cfg.rounds,
                 **(expects or {}),
             ),
             limits=limits,
@@ -233,7 +256,7 @@ class Session:
         self.state: AgentState = self.learner.init_agent(agent_id)
         self.early = EarlyStop(self.cfg.early_stop, self.cfg.stop_patience)
         self.stopped_round: int | None = None
-        self._bytes = (0, 0)
+        self.meter = TrafficMeter(transport)
         self._trained_s = 0.0
         """Seconds the round's computation took on this host (a real board's energy)."""
         self.checkpoint_path = state_dir / "checkpoint.pt"
@@ -309,7 +332,13 @@ class Session:
 
     def run(self, driver: RoundDriver) -> None:
         # Who is ready, stopped or gone: the start barrier, stand-ins and lingering need it.
-        self.transport.subscribe(topics.status(self.fleet), self.inbox.on_status)
+        # With a keeper, one tally a round says it all (and every vote): no agent receives
+        # every other agent's statuses and votes.
+        if self.run_info.keeper:
+            tallies = topics.round_topic(self.fleet, "+", "tally", self.run_info.keeper)
+            self.transport.subscribe(tallies, self.inbox.on_tally)
+        else:
+            self.transport.subscribe(topics.status(self.fleet), self.inbox.on_status)
         self.transport.subscribe(topics.presence(self.fleet), self.inbox.on_presence)
         driver.subscribe()
         done = self.restore(driver)
@@ -342,10 +371,14 @@ class Session:
 
     def finish_round(self, driver: RoundDriver, record: AgentRound) -> dict[str, Any]:
         """Add the round's traffic to its record, persist it, publish the status."""
-        stats = self.transport.stats
-        record.bytes_sent = stats.get("published_bytes", 0) - self._bytes[0]
-        record.bytes_received = stats.get("received_bytes", 0) - self._bytes[1]
-        self._bytes = (stats.get("published_bytes", 0), stats.get("received_bytes", 0))
+        used = self.meter.take()
+        record.bytes_sent, record.bytes_received = used["published_bytes"], used["received_bytes"]
+        log.info(
+            "round %d: %d deliveries received, %d frames sent",
+            record.round,
+            used["received_frames"],
+            used["published_frames"],
+        )
         record.finished_at = time.time()
         if self.throttle is not None:  # a profile's board: its energy model
             record.energy_j, record.radio_energy_j = self.throttle.round_energy(

@@ -1,0 +1,165 @@
+"""The coordinator keeps the round tallies: each agent receives one message a round instead of
+every other agent's status and vote, and learns from it what those said (ready, done,
+stopped, left, the votes), so t* and the stand-ins are what they were."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from agent.runtime import Expected, Inbox, expected_shapes
+from coordinator.tallies import TallyKeeper
+from protocol import messages, topics
+
+FLEET, RUN = "lab", "run-1"
+ROSTER = ["a", "b", "c"]
+
+
+class Recorder:
+    """A transport that keeps what is published."""
+
+    def __init__(self) -> None:
+        self.published: list[tuple[str, bytes, bool]] = []
+
+    def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
+        self.published.append((topic, payload, retain))
+
+    def tallies(self) -> list[messages.Tally]:
+        decoded = [messages.decode(payload) for _, payload, _ in self.published]
+        return [m for m in decoded if isinstance(m, messages.Tally)]
+
+
+def keeper(wait_s: float = 60.0, start_wait_s: float = 60.0) -> tuple[TallyKeeper, Recorder]:
+    transport = Recorder()
+    kept = TallyKeeper(
+        fleet=FLEET,
+        run_id=RUN,
+        roster=ROSTER,
+        rounds=3,
+        transport=transport,  # type: ignore[arg-type]
+        sender="coordinator",
+        key=None,
+        wait_s=wait_s,
+        start_wait_s=start_wait_s,
+    )
+    return kept, transport
+
+
+def status(
+    agent: str, round_: int, state: str = "training", stopped: bool = False
+) -> messages.Status:
+    return messages.Status(
+        fleet=FLEET, sender=agent, run_id=RUN, round=round_, state=state, stopped=stopped
+    )
+
+
+def vote(agent: str, round_: int, yes: bool) -> messages.Vote:
+    return messages.Vote(fleet=FLEET, sender=agent, run_id=RUN, round=round_, vote=yes, score=0.0)
+
+
+def test_a_round_is_tallied_once_when_every_agent_reported_it() -> None:
+    kept, transport = keeper()
+    for agent in ROSTER:
+        kept.on_status(status(agent, 0, "ready"))
+    assert [t.round for t in transport.tallies()] == [0]
+    assert messages.members(transport.tallies()[0].done, ROSTER) == set(ROSTER)
+    kept.on_vote(vote("a", 1, True))
+    kept.on_status(status("a", 1))
+    kept.on_vote(vote("b", 1, False))
+    kept.on_status(status("b", 1))
+    assert [t.round for t in transport.tallies()] == [0], "c has not reported round 1"
+    kept.on_vote(vote("c", 1, True))
+    kept.on_status(status("c", 1))
+    first = transport.tallies()[1]
+    assert first.round == 1 and messages.members(first.yes, ROSTER) == {"a", "c"}
+    assert messages.members(first.voted, ROSTER) == set(ROSTER)
+    kept.on_status(status("c", 1))  # a repeated status publishes nothing more
+    assert len(transport.tallies()) == 2
+    assert all(retain for _, _, retain in transport.published)
+
+
+def test_stopped_offline_and_left_agents_are_not_waited_for() -> None:
+    kept, transport = keeper()
+    kept.on_status(status("a", 0, "ready"))
+    kept.on_status(status("b", 0, "rejected"))  # its data does not fit: it left
+    kept.on_presence("c", online=False)
+    assert [t.round for t in transport.tallies()] == [0]
+    assert transport.tallies()[0].left == ["b"]
+    kept.on_presence("c", online=True)
+    kept.on_status(status("c", 1, "stopped", stopped=True))
+    kept.on_status(status("a", 1))
+    kept.on_status(status("a", 2))
+    tallies = transport.tallies()
+    assert [t.round for t in tallies] == [0, 1, 2], "c stopped after round 1: not waited for"
+    assert tallies[-1].stopped == {"c": 1}
+
+
+def test_a_late_round_is_tallied_with_what_came_after_the_wait() -> None:
+    kept, transport = keeper(wait_s=0.2, start_wait_s=0.2)
+    kept.start()
+    try:
+        kept.on_status(status("a", 1))
+        deadline = time.monotonic() + 5
+        while len(transport.tallies()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        kept.close()
+    rounds = [t.round for t in transport.tallies()]
+    assert rounds[:2] == [0, 1]
+    assert messages.members(transport.tallies()[1].done, ROSTER) == {"a"}
+
+
+def inbox(keeper_id: str = "coordinator") -> Inbox:
+    expected = Expected(
+        FLEET, RUN, frozenset(ROSTER), expected_shapes({}), keeper=keeper_id, rounds=3
+    )
+    return Inbox(expected)
+
+
+def tally_payload(round_: int, sender: str = "coordinator", **fields: object) -> bytes:
+    tally = messages.Tally(fleet=FLEET, sender=sender, run_id=RUN, round=round_, **fields)  # type: ignore[arg-type]
+    return messages.encode(tally)
+
+
+def test_an_agent_learns_from_a_tally_what_the_statuses_and_votes_said() -> None:
+    box = inbox()
+    topic = topics.round_topic(FLEET, 2, "tally", "coordinator")
+    bits = messages.bitmap
+    box.on_tally(topic, tally_payload(
+        2,
+        done=bits(["a", "b"], ROSTER),
+        voted=bits(["a", "b"], ROSTER),
+        yes=bits(["b"], ROSTER),
+        stopped={"c": 1},
+    ))  # fmt: skip
+    started = time.monotonic()
+    assert box.wait_votes(2, ROSTER, timeout_s=30) == {"a": False, "b": True}
+    assert time.monotonic() - started < 1, "a tallied round's votes are final: no wait"
+    assert box.stopped_agents() == {"c": 1}
+    assert box.reported_done(2, "a") and not box.reported_done(3, "a")
+    final = topics.round_topic(FLEET, 3, "tally", "coordinator")
+    box.on_tally(final, tally_payload(3, done=bits(["a", "b"], ROSTER)))
+    assert box.wait_finished(ROSTER, box_stop(), 0.1) == set(), "c stopped: finished too"
+
+
+def box_stop() -> threading.Event:
+    return threading.Event()
+
+
+@pytest.mark.parametrize("sender", ["a", "mallory"])
+def test_a_tally_from_anyone_but_the_keeper_is_ignored(sender: str) -> None:
+    box = inbox()
+    topic = topics.round_topic(FLEET, 0, "tally", sender)
+    box.on_tally(topic, tally_payload(0, sender=sender, done=messages.bitmap(ROSTER, ROSTER)))
+    assert box.wait_ready(ROSTER, box_stop(), 0.05) == set(ROSTER)
+    assert box.rejected == (1 if sender in ROSTER else 0)  # a stranger is ignored quietly
+
+
+def test_bitmaps_round_trip_over_the_roster() -> None:
+    roster = [f"agent-{k:03d}" for k in range(1000)]
+    chosen = set(roster[::7]) | {roster[-1]}
+    bits = messages.bitmap(chosen | {"stranger"}, roster)
+    assert len(bits) == 125 and messages.members(bits, roster) == chosen
+    assert messages.members(b"", roster) == set()
