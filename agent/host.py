@@ -235,6 +235,9 @@ def main(argv: list[str]) -> int:
     router = ThreadRoutedStream(sys.stderr)
     # Before edgefl is imported: rich's console (protocol.cli) looks at stderr when made.
     sys.stdout = sys.stderr = router
+    from agent.experiment import share_partitions
+
+    share_partitions()
     host = Host(specs, router, events)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: host.stop_all())

@@ -37,20 +37,19 @@ import argparse
 import pathlib
 import sys
 import tempfile
-import threading
 import time
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import psutil  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from agent.experiment import ExperimentConfig  # noqa: E402
 from agent.learning import preset  # noqa: E402
 from bench.support import (  # noqa: E402
+    MemoryWatch,
     broker,
     environment,
     fleet_round_ends,
@@ -61,31 +60,6 @@ from coordinator.emulate import Emulation, EmulationOptions  # noqa: E402
 
 TARGET_MB = 15.0
 MB = 2**20
-
-
-class MemoryWatch(threading.Thread):
-    """Peak machine memory in use, and peak summed USS of the emulation's agent processes
-    (each process once, however many agents it runs)."""
-
-    def __init__(self, emulation: Emulation, period_s: float = 0.5) -> None:
-        super().__init__(daemon=True)
-        self.emulation, self.period_s = emulation, period_s
-        self.baseline = psutil.virtual_memory().used
-        self.peak_used = self.baseline
-        self.peak_uss = 0
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        handles: dict[int, psutil.Process] = {}
-        while not self.done.wait(self.period_s):
-            self.peak_used = max(self.peak_used, psutil.virtual_memory().used)
-            uss = 0
-            for pid in {p.pid for p in list(self.emulation.processes.values())}:
-                try:
-                    uss += handles.setdefault(pid, psutil.Process(pid)).memory_full_info().uss
-                except psutil.Error:
-                    continue
-            self.peak_uss = max(self.peak_uss, uss)
 
 
 def run_one(agents: int, per_process: int, rounds: int, broker_spec: str) -> dict[str, Any]:

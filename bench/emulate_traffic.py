@@ -22,6 +22,23 @@ asks only when something was lost (the sender's status says the round is done, i
 connection came back, or after 4 x `request_every_s` as a last resort, then ever later), the
 sender answers once per asker's session, and the copy goes to the asker alone
 (`round/<t>/resend/<sender>/<asker>`).
+
+Measured here (dfedavgm, 6 rounds, embedded broker, agents sharing processes by default; the
+machine otherwise idle but for these runs): sent and received bytes against simulate's:
+
+    agents   M   sent x  received x  re-sends  same accuracy
+         8   5    1.018       1.004         0  yes
+         8   7    1.018       1.003         0  yes
+        32   5    1.018       1.007         0  yes
+        32  31    1.133       1.002        22  yes
+        64   5    1.018       1.014         0  yes
+
+(before: 32 agents all-to-all 10.2x, 20.6x in a second run; at 32 all-to-all the run
+right after the tally keeper gave 1.201x with 35 re-sends, 1.133x once an ask also waits
+one look after the report.) The 1.8 % left at M = 5 is each agent's status, vote and
+presence. Target 1.1x: met but for 32 all-to-all (1.133x: 22 re-sends, asked after
+reconnects or the 20 s last resort in rounds that ran that long on 2 cores with the
+embedded broker); 64 all-to-all was not run.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""What every benchmark records besides its figures: the machine, and a JSON file written whole."""
+"""What the benchmarks share: the machine they ran on, JSON written whole, a broker for an
+emulated fleet, round ends from the agents' logs, and a watch on the fleet's memory."""
 
 from __future__ import annotations
 
@@ -10,11 +11,17 @@ import platform
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import psutil
 
 from protocol import BrokerAddress
+
+if TYPE_CHECKING:
+    from coordinator.emulate import Emulation
 
 
 def environment() -> dict[str, Any]:
@@ -97,3 +104,28 @@ def steady_round_s(ends: dict[int, float]) -> float | None:
         return None
     first, last = min(ends), max(ends)
     return (ends[last] - ends[first]) / (last - first)
+
+
+class MemoryWatch(threading.Thread):
+    """Peak machine memory in use, and peak summed USS of the emulation's agent processes
+    (each process once, however many agents it runs)."""
+
+    def __init__(self, emulation: Emulation, period_s: float = 0.5) -> None:
+        super().__init__(daemon=True)
+        self.emulation, self.period_s = emulation, period_s
+        self.baseline = psutil.virtual_memory().used
+        self.peak_used = self.baseline
+        self.peak_uss = 0
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        handles: dict[int, psutil.Process] = {}
+        while not self.done.wait(self.period_s):
+            self.peak_used = max(self.peak_used, psutil.virtual_memory().used)
+            uss = 0
+            for pid in {p.pid for p in list(self.emulation.processes.values())}:
+                try:
+                    uss += handles.setdefault(pid, psutil.Process(pid)).memory_full_info().uss
+                except psutil.Error:
+                    continue
+            self.peak_uss = max(self.peak_uss, uss)

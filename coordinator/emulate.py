@@ -258,7 +258,10 @@ class Emulation:
         (workdir / f"{name}.json").write_text(json.dumps(spec, indent=1))
         command = [sys.executable, "-m", "agent.host", str(workdir / f"{name}.json")]
         with open(workdir / f"{name}.log", "ab") as log:
-            host = SharedProcess(command, log, agent_env())
+            # Many agent threads: glibc's per-thread malloc arenas would each keep what
+            # their thread freed; two arenas hold the process to what it uses.
+            env = {**agent_env(), "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", "2")}
+            host = SharedProcess(command, log, env)
         for agent_id in agents:
             self.processes[agent_id] = HostedProcess(host, agent_id)
             self.shared[agent_id] = host

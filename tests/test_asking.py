@@ -33,18 +33,20 @@ def setup() -> tuple[Inbox, FakeTransport, Asking]:
     return box, transport, Asking(transport, EVERY_S, box.reported_done)  # type: ignore[arg-type]
 
 
-def test_a_late_model_is_not_asked_for_until_its_sender_reports_the_round_done() -> None:
+def test_a_model_is_asked_for_only_once_its_sender_reported_the_round_done_a_look_ago() -> None:
     box, _, asking = setup()
     missing = {(2, "b"), (2, "c")}
     assert asking.to_ask(missing) == set()
     status(box, "b", 1)  # b is still in round 2: its model is only late
     status(box, "c", 0, state="ready")
     assert asking.to_ask(missing) == set()
-    status(box, "b", 2)  # b finished round 2 and its model is not here: it was lost
-    assert asking.to_ask(missing) == {(2, "b")}
+    status(box, "b", 2)  # b finished round 2: its model may still be on its way
+    assert asking.to_ask(missing) == set()
+    assert asking.to_ask(missing) == {(2, "b")}, "still not here a look later: lost"
     assert asking.to_ask(missing) == set(), "asked once, not again at every look"
     status(box, "c", 3, state="done")
-    assert asking.to_ask(missing) == {(2, "c")}
+    assert asking.to_ask(missing) == set()
+    assert asking.to_ask({(2, "b")}) == set(), "c's model came meanwhile: nothing to ask"
 
 
 def test_everything_missing_is_asked_for_after_a_reconnect() -> None:

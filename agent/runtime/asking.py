@@ -7,8 +7,9 @@ busy) makes the sender send it twice. In a busy fleet whose agents asked every
 busier still (32 agents all-to-all: 10-20x the algorithm's traffic). So a receiver asks
 only when something was lost:
 
-* the sender's status says it finished the round, yet its model is not here (the model went
-  out before the status on the sender's connection, so it is not merely late);
+* the sender's status (or the keeper's tally) says it finished the round, yet its model is
+  still not here a look later (`request_every_s`: the model went out before the report of
+  it, so it is not merely late);
 * its own connection came back (the broker dropped what was queued for it);
 * or, as a last resort, after FALLBACK_FACTOR x `request_every_s`, then at twice that
   interval each time (a lost status as well as a lost model).
@@ -43,6 +44,10 @@ class Asking:
         self.connects = self._connects()
         self.asked: set[Need] = set()
         """Needs asked for since the last reconnect or last-resort ask."""
+        self.suspect: set[Need] = set()
+        """Needs reported done but missing at the last look: asked for if still missing at
+        the next (a model and the report of it come by different paths, from its sender and
+        from the keeper, so the report may overtake the model by a little)."""
 
     def _connects(self) -> int:
         return self.transport.stats.get("connects", 0)
@@ -50,7 +55,7 @@ class Asking:
     def to_ask(self, missing: set[Need]) -> set[Need]:
         """The missing to ask for now: all of them after a reconnect or when the last-resort
         interval passed (the next is twice as long), else those whose sender reported the
-        round done, once each."""
+        round done already at the last look, once each."""
         now, connects = time.monotonic(), self._connects()
         if connects != self.connects or now >= self.next_at:
             self.connects = connects
@@ -58,7 +63,8 @@ class Asking:
             self.next_at = now + self.pause_s
             self.asked = set(missing)
             return set(missing)
-        lost = {need for need in missing if need not in self.asked and self.reported_done(*need)}
+        reported = {n for n in missing if n not in self.asked and self.reported_done(*n)}
+        lost, self.suspect = reported & self.suspect, reported
         self.asked |= lost
         return lost
 
