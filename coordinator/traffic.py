@@ -139,17 +139,16 @@ class LocalWire:
         return as_received(result.published, self.fp16)
 
     def votes(self, voters: list[str]) -> None:
-        """Every voter sends its vote to the keeper, and every agent receives the round's
-        tally (the keeper's: what it costs the agents, not the coordinator)."""
+        """Every voter sends its vote to the keeper and receives the round's tally (what it
+        costs the agents, not the coordinator)."""
         vote = messages.Vote(fleet=FLEET, sender=self.roster[0], vote=True, score=0.0)
         everyone = messages.bitmap(self.roster, self.roster)
         tally = messages.Tally(
             fleet=FLEET, sender=FLEET, done=everyone, voted=everyone, yes=everyone
         )
         vote_size, tally_size = len(messages.encode(vote)), len(messages.encode(tally))
-        for k in voters:
+        for k in voters:  # an agent that stopped early neither votes nor settles tallies
             self.traffic[k].sent += vote_size
-        for k in self.roster:
             self.traffic[k].received += tally_size
 
     def end(self, round_: int) -> dict[str, Traffic]:
