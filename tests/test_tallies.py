@@ -163,3 +163,42 @@ def test_bitmaps_round_trip_over_the_roster() -> None:
     bits = messages.bitmap(chosen | {"stranger"}, roster)
     assert len(bits) == 125 and messages.members(bits, roster) == chosen
     assert messages.members(b"", roster) == set()
+
+
+def test_an_agent_follows_everyone_itself_once_the_keeper_is_offline() -> None:
+    box = inbox()
+    lost: list[str] = []
+    box.on_keeper_lost = lambda: lost.append("lost")
+
+    def presence(agent: str, online: bool, since: float) -> None:
+        message = messages.Presence(fleet=FLEET, sender=agent, online=online, since=since)
+        box.on_presence(topics.presence(FLEET, agent), messages.encode(message))
+
+    presence("coordinator", True, 1.0)
+    presence("a", False, 2.0)
+    assert lost == [], "an agent going offline is no reason"
+    presence("coordinator", False, 3.0)
+    presence("coordinator", False, 4.0)
+    assert lost == ["lost"], "once"
+
+
+def test_a_fleet_whose_coordinator_dies_mid_run_learns_as_simulate(amqtt_broker, tmp_path) -> None:
+    """Its tallies stop; the agents follow every status and vote themselves, with the same
+    votes (the statuses carry their vote histories), so t* and every figure stay."""
+    from coordinator.emulate import Emulation
+    from coordinator.simulate import simulate
+    from tests.test_emulate import assert_same_learning, config, options, run_in_background
+
+    cfg = config(rounds=5, max_wait=2, delta_pr=100.0)
+    emulation = Emulation(cfg, amqtt_broker.address, options(tmp_path))
+    thread, result = run_in_background(emulation)
+    deadline = time.monotonic() + 300
+    while getattr(emulation, "conductor", None) is None or emulation.conductor.rounds_done() < 3:
+        assert time.monotonic() < deadline and thread.is_alive(), result
+        time.sleep(0.05)
+    emulation.conductor.transport.abort()  # as a crash: the broker publishes its will
+    thread.join(600)
+    assert "error" not in result, result.get("error")
+    logs = " ".join(emulation.log_path(a).read_text() for a in emulation.roster)
+    assert "tally keeper coordinator went offline" in logs
+    assert_same_learning(result["report"], simulate(cfg))

@@ -16,7 +16,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Container, Iterable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +78,9 @@ class FleetMail:
         """The last round each agent's status (or a tally) says it finished."""
         self._tallied: set[int] = set()
         """Rounds whose tally came: their votes are all there will be."""
+        self.on_keeper_lost: Callable[[], None] | None = None
+        """Called once when the keeper's presence says it went offline: the agent then
+        follows every status and vote itself, as in a fleet without a keeper."""
 
     def reject(self, kind: str, sender: str, topic: str, reason: object) -> None:
         """Count a message that failed its checks and warn of it (rate-limited)."""
@@ -95,7 +98,7 @@ class FleetMail:
             self.reject(kind, claimed_sender(topic), topic, exc)
             return None
         aggregator = kind == "request" and message.sender == self.expected.aggregator
-        keeper = kind == "tally" and message.sender == self.expected.keeper
+        keeper = kind in ("tally", "presence") and message.sender == self.expected.keeper
         if message.sender not in self.expected.roster and not (aggregator or keeper):
             log.debug("ignored %s of %s: not in this run's roster", kind, message.sender)
             return None
@@ -188,6 +191,10 @@ class FleetMail:
                     if message.reason == LOST:
                         self._crashed_at.setdefault(message.sender, time.monotonic())
                 self._changed.notify_all()
+            lost = self.on_keeper_lost
+            if lost is not None and not message.online and message.sender == self.expected.keeper:
+                self.on_keeper_lost = None
+                lost()
 
     def reported_done(self, round_: int, sender: str) -> bool:
         """Whether `sender`'s status says it finished round `round_` (so it published what

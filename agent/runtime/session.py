@@ -331,15 +331,7 @@ class Session:
     # ------------------------------------------------------------------ rounds
 
     def run(self, driver: RoundDriver) -> None:
-        # Who is ready, stopped or gone: the start barrier, stand-ins and lingering need it.
-        # With a keeper, one tally a round says it all (and every vote): no agent receives
-        # every other agent's statuses and votes.
-        if self.run_info.keeper:
-            tallies = topics.round_topic(self.fleet, "+", "tally", self.run_info.keeper)
-            self.transport.subscribe(tallies, self.inbox.on_tally)
-        else:
-            self.transport.subscribe(topics.status(self.fleet), self.inbox.on_status)
-        self.transport.subscribe(topics.presence(self.fleet), self.inbox.on_presence)
+        follow_fleet(self)
         driver.subscribe()
         done = self.restore(driver)
         self.inbox.at_round(done + 1)
@@ -490,3 +482,26 @@ class Session:
         driver.restore(saved)
         log.info("resuming after round %d from %s", saved["round"], self.checkpoint_path)
         return int(saved["round"])
+
+
+def follow_fleet(session: Session) -> None:
+    """Subscribe to who is ready, stopped or gone (the start barrier, stand-ins and lingering
+    need it). With a keeper, one tally a round says it all (and every vote): no agent
+    receives every other agent's statuses and votes, unless the keeper goes offline."""
+    keeper = session.run_info.keeper
+    if keeper:
+        tallies = topics.round_topic(session.fleet, "+", "tally", keeper)
+        session.transport.subscribe(tallies, session.inbox.on_tally)
+        session.inbox.on_keeper_lost = lambda: follow_everyone(session)
+    else:
+        session.transport.subscribe(topics.status(session.fleet), session.inbox.on_status)
+    session.transport.subscribe(topics.presence(session.fleet), session.inbox.on_presence)
+
+
+def follow_everyone(session: Session) -> None:
+    """The keeper went offline: follow every agent's (retained) status, which carries its
+    vote history, and every vote, so the run goes on without its tallies."""
+    log.warning("the tally keeper %s went offline: following every agent", session.run_info.keeper)
+    session.transport.subscribe(topics.status(session.fleet), session.inbox.on_status)
+    vote = topics.round_topic(session.fleet, "+", "vote")
+    session.transport.subscribe(vote, session.inbox.on_vote)
