@@ -148,16 +148,24 @@ class Conductor:
         """Why aggregation failed, if it did (the run cannot go on)."""
         return self.aggregator.error if self.aggregator is not None else None
 
-    def _on_status(self, topic: str, payload: bytes) -> None:
+    def _ours(
+        self, topic: str, payload: bytes, kind: str, check_run: bool = True
+    ) -> messages.Message | None:
+        """A message of `kind` from a roster member (of this run, unless `check_run` is
+        False: presence is not per run), or None."""
         try:
-            message = messages.decode_on_topic(topic, payload, "status", self.fleet, self.key)
+            message = messages.decode_on_topic(topic, payload, kind, self.fleet, self.key)
         except ProtocolError:
+            return None
+        if message.sender not in self.agents or (check_run and message.run_id != self.run_id):
+            return None
+        return message
+
+    def _on_status(self, topic: str, payload: bytes) -> None:
+        message = self._ours(topic, payload, "status")
+        if not isinstance(message, messages.Status):
             return
-        if not isinstance(message, messages.Status) or message.run_id != self.run_id:
-            return
-        progress = self.agents.get(message.sender)
-        if progress is None:
-            return
+        progress = self.agents[message.sender]
         self.keeper.on_status(message)
         with self._changed:
             progress.state, progress.stopped = message.state, message.stopped
@@ -171,13 +179,8 @@ class Conductor:
             self._changed.notify_all()
 
     def _on_presence(self, topic: str, payload: bytes) -> None:
-        try:
-            message = messages.decode_on_topic(topic, payload, "presence", self.fleet, self.key)
-        except ProtocolError:
-            return
-        if not isinstance(message, messages.Presence) or message.sender not in self.agents:
-            return
-        if not self._presences.fresh(message):
+        message = self._ours(topic, payload, "presence", check_run=False)
+        if not isinstance(message, messages.Presence) or not self._presences.fresh(message):
             return
         self.keeper.on_presence(message.sender, message.online)
         with self._changed:
@@ -188,13 +191,8 @@ class Conductor:
             self._changed.notify_all()
 
     def _on_vote(self, topic: str, payload: bytes) -> None:
-        try:
-            message = messages.decode_on_topic(topic, payload, "vote", self.fleet, self.key)
-        except ProtocolError:
-            return
-        if not isinstance(message, messages.Vote) or message.run_id != self.run_id:
-            return
-        if message.sender in self.agents:
+        message = self._ours(topic, payload, "vote")
+        if isinstance(message, messages.Vote):
             self.keeper.on_vote(message)
 
     def gone(self, after_s: float) -> bool:
