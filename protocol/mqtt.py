@@ -499,6 +499,13 @@ class MqttTransport:
         stats["reconnects"] = max(0, stats.get("connects", 0) - 1)
         return stats
 
+    @property
+    def connects(self) -> int:
+        """How many times this client connected: when it changes, the client reconnected and
+        the broker may have dropped what was queued for it."""
+        with self._stats_lock:
+            return self._stats["connects"]
+
     # -- publishing ------------------------------------------------------------------------
 
     def publish(

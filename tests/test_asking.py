@@ -19,7 +19,7 @@ class FakeTransport:
     """The one thing `Asking` reads of a transport: its connect count."""
 
     def __init__(self) -> None:
-        self.stats = {"connects": 1}
+        self.connects = 1
 
 
 def status(box: Inbox, agent: str, round_: int, state: str = "training") -> None:
@@ -53,7 +53,7 @@ def test_everything_missing_is_asked_for_after_a_reconnect() -> None:
     _, transport, asking = setup()
     missing = {(2, "b"), (2, "c")}
     assert asking.to_ask(missing) == set()
-    transport.stats["connects"] = 2  # the broker dropped what was queued for this agent
+    transport.connects = 2  # the broker dropped what was queued for this agent
     assert asking.to_ask(missing) == missing
     assert asking.to_ask(missing) == set()
 

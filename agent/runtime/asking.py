@@ -41,7 +41,7 @@ class Asking:
         self.reported_done = reported_done
         self.pause_s = FALLBACK_FACTOR * request_every_s
         self.next_at = time.monotonic() + self.pause_s
-        self.connects = self._connects()
+        self.connects = transport.connects
         self.asked: set[Need] = set()
         """Needs asked for since the last reconnect or last-resort ask."""
         self.suspect: set[Need] = set()
@@ -49,14 +49,11 @@ class Asking:
         the next (a model and the report of it come by different paths, from its sender and
         from the keeper, so the report may overtake the model by a little)."""
 
-    def _connects(self) -> int:
-        return self.transport.stats.get("connects", 0)
-
     def to_ask(self, missing: set[Need]) -> set[Need]:
         """The missing to ask for now: all of them after a reconnect or when the last-resort
         interval passed (the next is twice as long), else those whose sender reported the
         round done already at the last look, once each."""
-        now, connects = time.monotonic(), self._connects()
+        now, connects = time.monotonic(), self.transport.connects
         if connects != self.connects or now >= self.next_at:
             self.connects = connects
             self.pause_s *= 2

@@ -129,8 +129,7 @@ class FleetMail:
                 if message.stopped:
                     self.stopped[message.sender] = message.round
                 if message.state in ROUND_DONE_STATES:
-                    done = max(self._rounds_done.get(message.sender, 0), message.round)
-                    self._rounds_done[message.sender] = done
+                    self._finished_round(message.sender, message.round)
                 self._changed.notify_all()
             history = message.metrics.get("votes")
             # A history longer than its status's round is forged: never build its dict.
@@ -165,7 +164,7 @@ class FleetMail:
             if message.round == 0:
                 self.ready |= done
             for agent in done:
-                self._rounds_done[agent] = max(self._rounds_done.get(agent, 0), message.round)
+                self._finished_round(agent, message.round)
             if message.round >= self.expected.rounds:
                 self.finished |= done
             self.stopped.update(stopped)
@@ -195,6 +194,11 @@ class FleetMail:
             if lost is not None and not message.online and message.sender == self.expected.keeper:
                 self.on_keeper_lost = None
                 lost()
+
+    def _finished_round(self, agent: str, round_: int) -> None:
+        """Note that `agent` finished `round_` (a status or a tally); reports may arrive out of
+        order after a reconnect, so the latest round only ever grows."""
+        self._rounds_done[agent] = max(self._rounds_done.get(agent, 0), round_)
 
     def reported_done(self, round_: int, sender: str) -> bool:
         """Whether `sender`'s status says it finished round `round_` (so it published what

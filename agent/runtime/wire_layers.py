@@ -74,7 +74,7 @@ class LayersWire:
             return False
         known = [layer for layer in request.layers if layer in self.layers]
         if request.round in self.kept and known:
-            connects = self.session.transport.stats.get("connects", 0)
+            connects = self.session.transport.connects
             if connects != self.connects_seen:
                 self.connects_seen = connects
                 self.server.reconnected()
