@@ -28,7 +28,7 @@ def environment() -> dict[str, Any]:
     """The machine and versions a result was measured on."""
     import torch
 
-    env = {
+    env: dict[str, Any] = {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "platform": platform.platform(),

@@ -401,7 +401,7 @@ class MqttTransport:
                 raise ValueError(f"{name} payload must fit in one frame ({options.chunk_size} B)")
         self._will = will
         self._birth = birth
-        self._client_id = options.client_id or f"edgefl-{secrets.token_hex(6)}"
+        self.client_id = options.client_id or f"edgefl-{secrets.token_hex(6)}"
         self._reassembler = Reassembler(options.limits, options.reassembly_timeout_s)
         self._stats: Counter[str] = Counter()
         self._stats_lock = threading.Lock()
@@ -412,9 +412,9 @@ class MqttTransport:
         did; None once a connection is accepted."""
         self._reassembly_lock = threading.Lock()
         self._dispatcher = _Dispatcher(
-            f"mqtt-dispatch-{self._client_id}", self._count, options.limits
+            f"mqtt-dispatch-{self.client_id}", self._count, options.limits
         )
-        self._client = _new_client(self._client_id, options)
+        self._client = _new_client(self.client_id, options)
         self._subscriptions = _SubscriptionTable(self._client)
         for event in CALLBACKS:
             setattr(self._client, f"on_{event}", getattr(self, f"_on_{event}"))
@@ -460,10 +460,6 @@ class MqttTransport:
         self.stop()
 
     @property
-    def client_id(self) -> str:
-        return self._client_id
-
-    @property
     def connected(self) -> bool:
         return self._subscriptions.is_connected
 
@@ -501,10 +497,8 @@ class MqttTransport:
 
     @property
     def connects(self) -> int:
-        """How many times this client connected: when it changes, the client reconnected and
-        the broker may have dropped what was queued for it."""
-        with self._stats_lock:
-            return self._stats["connects"]
+        """Connections made: a change is a reconnect (the broker may have dropped our queue)."""
+        return self._stats["connects"]  # one dict read: atomic, no lock needed
 
     # -- publishing ------------------------------------------------------------------------
 
