@@ -4,6 +4,15 @@ an upload of the deltas of all three.
     fedadam      dense deltas of weights and both moments
     fedadam-top  the three deltas each top-k sparsified with its own mask
     fedadam-ssm  one shared top-k mask, from the weight delta, for all three
+
+These are the paper's Algorithms 1 and 2 as written (checked point by point in
+bench/fedadam_study.py). Taking the one mask from |dW| rests on the paper's premise that
+|dW| >> |dM| >> |dV| (its Fig. 1: logs about -2, -3, -6), which holds at its L = 30 local
+mini-batch steps per round (its "local epoch" is one step, eq. 3) but not at a few: with 2
+to 4 steps |dM| is as large as |dW|, and the shared mask locks onto the coordinates it
+picked in the first rounds (there M is non-zero and V, averaged with the zeros of the
+agents that did not pick them, stays small, so they move most); on digits 60% of the model
+then never leaves its initial values. Give the family about 30 local steps per round.
 """
 
 from __future__ import annotations
