@@ -89,10 +89,16 @@ from rich.table import Table  # noqa: E402
 from bench.support import environment, write_json  # noqa: E402
 
 EARLY_STOPPING = ("fedspu", "fedavg-ft", "dadpfl")
-PATIENCE = 3
-BUDGETED = {"profiles": "mixed", "round_time_s": 0.01}
+STOP_VARIANTS: dict[str, dict[str, Any]] = {
+    "+es": {"early_stop": True},
+    "+es-paper": {"early_stop": True, "stop_rule": "paper"},
+    "+es-paper3": {"early_stop": True, "stop_rule": "paper", "stop_patience": 3},
+}
+"""Early stopping with the default rule (`progress`), the paper's and the paper's with
+patience 3 (three rises in a row)."""
+BUDGETED: dict[str, Any] = {"profiles": "mixed", "round_time_s": 0.01}
 """Mixed boards with a tight round time: budgets from ~0.05 (a Jetson Nano) to 1."""
-COMPOSITIONS = {
+COMPOSITIONS: dict[str, dict[str, Any]] = {
     "dadpfl@mixed": {},
     "dadpfl+freeze@mixed": {"reduce": "freeze"},
     "dadpfl+auto@mixed": {"reduce": "auto"},
@@ -106,6 +112,12 @@ COMPOSITIONS = {
 }
 """DA-DPFL on budgeted boards: plain (prune to the budget) against compositions."""
 ADAMS = ("fedadam", "fedadam-ssm", "fedadam-top")
+PAPER_STEPS: dict[str, dict[str, Any]] = {
+    "digits": {"epochs": 30, "rounds": 30},
+    "mnist1d": {"epochs": 15, "rounds": 30},
+}
+"""The FedAdam family at about the FedAdam-SSM paper's L = 30 local steps a round (one or two
+mini-batches an epoch here; bench/fedadam_study.py), 30 rounds to bound the cost: suffix @L30."""
 MAX_ACCURACY_LOSS = 0.01
 MIN_ROUNDS_CUT = 0.25
 
@@ -135,10 +147,12 @@ def run(
         **fleet,
         learning=preset(
             preset_name,
-            rounds=args["rounds"],
-            epochs=args["epochs"],
-            neighbours=min(5, args["agents"] - 1),
-            **over,
+            **{
+                "rounds": args["rounds"],
+                "epochs": args["epochs"],
+                "neighbours": min(5, args["agents"] - 1),
+            }
+            | over,
         ),
     )
     report = simulate(config)
@@ -162,26 +176,41 @@ def run(
     }
 
 
-def plan(args: argparse.Namespace) -> list[tuple[str, str, str, dict, dict]]:
+Run = tuple[str, str, str, dict[str, Any], dict[str, Any]]
+
+
+def plan(args: argparse.Namespace) -> list[Run]:
     """(name, dataset, preset, hyper-parameter overrides, fleet overrides) of every run."""
     from agent.learning import PRESETS
 
-    runs = []
+    runs: list[Run] = []
     for dataset in args.datasets:
         runs += [(p, dataset, p, {}, {}) for p in PRESETS]
+        steps = PAPER_STEPS.get(dataset, PAPER_STEPS["mnist1d"])
+        runs += [(f"{a}@L30", dataset, a, steps, {}) for a in ADAMS]
         for p in EARLY_STOPPING:
-            runs.append((f"{p}+es", dataset, p, {"early_stop": True}, {}))
-            runs.append(
-                (
-                    f"{p}+es{PATIENCE}",
-                    dataset,
-                    p,
-                    {"early_stop": True, "stop_patience": PATIENCE},
-                    {},
-                )
-            )
+            runs += [(p + suffix, dataset, p, over, {}) for suffix, over in STOP_VARIANTS.items()]
         runs += [(name, dataset, "dadpfl", over, BUDGETED) for name, over in COMPOSITIONS.items()]
     return runs
+
+
+def adam_direction(dataset: str, r: dict[str, dict], suffix: str) -> dict:
+    """FedAdam-SSM against -Top and dense FedAdam: uplink until each first reaches 95% of the
+    lowest of their best accuracies (so all three reach it)."""
+    target = 0.95 * min(max(r[a]["accuracy_per_round"]) for a in ADAMS)
+    uplink = {}
+    for a in ADAMS:
+        reached = next(i for i, x in enumerate(r[a]["accuracy_per_round"]) if x >= target)
+        uplink[a] = sum(r[a]["uplink_per_round"][: reached + 1])
+    return {
+        "dataset": dataset,
+        "claim": f"FedAdam-SSM{suffix} reaches the target with the least uplink",
+        "measured": f"target accuracy {target:.4f}; uplink to it "
+        + ", ".join(f"{a}{suffix} {uplink[a]:,}" for a in ADAMS),
+        "shown": uplink["fedadam-ssm"] < min(uplink["fedadam-top"], uplink["fedadam"]),
+        "uplink_to_target": uplink,
+        "target": target,
+    }
 
 
 def directions(results: dict[tuple[str, str], dict], args: argparse.Namespace) -> list[dict]:
@@ -206,23 +235,10 @@ def directions(results: dict[tuple[str, str], dict], args: argparse.Namespace) -
                     "shown": acc("fedspu") > acc("feddrop") and same_bytes,
                 }
             )
-        if set(ADAMS) <= r.keys():
-            target = 0.95 * min(max(r[a]["accuracy_per_round"]) for a in ADAMS)
-            uplink = {}
-            for a in ADAMS:
-                reached = next(i for i, x in enumerate(r[a]["accuracy_per_round"]) if x >= target)
-                uplink[a] = sum(r[a]["uplink_per_round"][: reached + 1])
-            out.append(
-                {
-                    "dataset": dataset,
-                    "claim": "FedAdam-SSM reaches the target with the least uplink",
-                    "measured": f"target accuracy {target:.4f}; uplink to it "
-                    + ", ".join(f"{a} {uplink[a]:,}" for a in ADAMS),
-                    "shown": uplink["fedadam-ssm"] < min(uplink["fedadam-top"], uplink["fedadam"]),
-                    "uplink_to_target": uplink,
-                    "target": target,
-                }
-            )
+        for suffix in ("", "@L30"):
+            adams = [a + suffix for a in ADAMS]
+            if set(adams) <= r.keys():
+                out.append(adam_direction(dataset, {a: r[a + suffix] for a in ADAMS}, suffix))
         if {"fedldf", "fedavg"} <= r.keys():
             ratio = r["fedldf"]["coordinator_received"] / r["fedavg"]["coordinator_received"]
             n_over_k = min(4, args.agents) / args.agents
@@ -237,7 +253,7 @@ def directions(results: dict[tuple[str, str], dict], args: argparse.Namespace) -
                 }
             )
         for p in EARLY_STOPPING:
-            for variant in (f"{p}+es", f"{p}+es{PATIENCE}"):
+            for variant in (p + suffix for suffix in STOP_VARIANTS):
                 if {p, variant} <= r.keys():
                     cut = 1 - r[variant]["agent_rounds"] / r[p]["agent_rounds"]
                     lost = acc(p) - acc(variant)
@@ -272,6 +288,11 @@ def directions(results: dict[tuple[str, str], dict], args: argparse.Namespace) -
     return out
 
 
+def selected(name: str, only: set[str]) -> bool:
+    """Whether `--only` asks for run `name`: named, or an early-stopping variant of one."""
+    return name in only or any(name.startswith(f"{o}+es") for o in only)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--agents", type=int, default=20)
@@ -280,13 +301,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--datasets", default="mnist1d,digits")
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument(
+        "--only",
+        default="",
+        help="comma-separated run names: only these and their early-stopping variants "
+        "(fedspu: fedspu, fedspu+es, ...; dadpfl@mixed: that composition); default: every run",
+    )
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench/results/strategies.json")
     args = parser.parse_args(argv)
     args.datasets = [d for d in args.datasets.split(",") if d]
     if args.agents < 2 or args.rounds < 1 or args.epochs < 1 or args.jobs < 1:
         parser.error("need --agents >= 2, --rounds, --epochs and --jobs >= 1")
     console = Console(width=None if sys.stdout.isatty() else 160)
-    runs = plan(args)
+    only = {name for name in args.only.split(",") if name}
+    runs = [r for r in plan(args) if not only or selected(r[0], only)]
     started = time.perf_counter()
     results: dict[tuple[str, str], dict] = {}
     errors: dict[str, str] = {}
@@ -363,8 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     for d in found:
         claims.add_row(d["dataset"], d["claim"], d["measured"], "yes" if d["shown"] else "NO")
     console.print(claims)
-    for key, err in errors.items():
-        console.print(f"[red]{key} failed[/]: {err}")
+    for failed, err in errors.items():
+        console.print(f"[red]{failed} failed[/]: {err}")
     console.print(f"wall time {time.perf_counter() - started:.0f} s; wrote {args.out}")
     return 1 if errors else 0
 
