@@ -25,6 +25,7 @@ from agent.learning import (
     WIRE_FORMATS,
     Learner,
     LocalData,
+    StopRule,
     StrategyConfig,
     models,
     param,
@@ -126,8 +127,7 @@ class ExperimentConfig:
                 f"--detection-distance must be one of {', '.join(pruning.DISTANCES)}, "
                 f"got {cfg.detection_distance}"
             )
-        if cfg.stop_patience < 1:
-            raise ValueError(f"--stop-patience must be >= 1, got {cfg.stop_patience}")
+        StopRule.of(cfg)
         if cfg.ldf_n < 1:
             raise ValueError(f"--ldf-n must be >= 1, got {cfg.ldf_n}")
         if cfg.wire not in WIRE_FORMATS:

@@ -17,9 +17,11 @@ import click
 from agent.experiment import ExperimentConfig
 from agent.learning import (
     DECENTRALIZED,
+    DEFAULT_STOP_RULE,
     DISTANCES,
     PRESETS,
     REDUCE_MODES,
+    STOP_RULES,
     TOPOLOGIES,
     WIRE_FORMATS,
     StrategyConfig,
@@ -34,6 +36,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "reduce": REDUCE_MODES,
     "wire": WIRE_FORMATS,
     "detection_distance": DISTANCES,
+    "stop_rule": tuple(STOP_RULES),
     "attack": robust.ATTACKS,
 }
 
@@ -122,7 +125,16 @@ FLAG_SCOPES: tuple[tuple[str, Callable[[str, dict[str, Any]], bool], str], ...] 
     ("wire", lambda s, _: s in DECENTRALIZED, "the decentralized strategies"),
     ("detection_distance", lambda s, _: s == "dadpfl", "dadpfl, the strategy that prunes further"),
     ("delta_fraction", lambda _, given: given.get("wire") == "delta", "runs with --wire delta"),
+    ("stop_rule", lambda _, given: bool(given.get("early_stop")), "runs with --early-stop"),
     ("stop_patience", lambda _, given: bool(given.get("early_stop")), "runs with --early-stop"),
+    (
+        "stop_delta",
+        lambda _, given: (
+            bool(given.get("early_stop"))
+            and given.get("stop_rule", DEFAULT_STOP_RULE) == "progress"
+        ),
+        "runs with --early-stop and --stop-rule progress",
+    ),
 )
 """Strategy flags that only some strategies read: given elsewhere, they are an error, not a
 silent no-op."""

@@ -36,11 +36,12 @@ CONFIGS: dict[str, str] = {
     ),
     "dadpfl-fp16": "--strategy dadpfl --detection-distance norm --neighbours 3 --fp16",
     "dadpfl-early-stop": (
-        "--strategy dadpfl --detection-distance squared --neighbours 3 --rounds 8 --early-stop"
+        "--strategy dadpfl --detection-distance squared --neighbours 3 --rounds 8 --early-stop "
+        "--stop-rule paper"
     ),
     "dadpfl-patience": (
         "--strategy dadpfl --detection-distance norm --neighbours 3 --rounds 8 --early-stop "
-        "--stop-patience 2"
+        "--stop-rule paper --stop-patience 2"
     ),
     "dadpfl-mixed": (
         "--strategy dadpfl --detection-distance norm --neighbours 3 --profiles mixed "

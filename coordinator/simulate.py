@@ -86,7 +86,7 @@ class Simulation:
         """Each agent's board, whose model gives its energy (none without --profiles)."""
         self.states = {agent_id: self.learner.init_agent(agent_id) for agent_id in self.roster}
         self.plan = pruning.PruningPlan(cfg.rounds, cfg.schedule_b, cfg.schedule_c)
-        self.early_stops = {k: EarlyStop(cfg.early_stop, cfg.stop_patience) for k in self.roster}
+        self.early_stops = {k: EarlyStop.of(cfg) for k in self.roster}
         self.stopped: dict[str, int] = {}
         """Agent -> the round after which it stopped (early stopping)."""
         self.last: dict[str, AgentRound] = {}
@@ -119,9 +119,12 @@ class Simulation:
 
     # ------------------------------------------------------------------ decentralized rounds
 
-    def _early_stop(self, k: str, t: int, weights: sparse.State, train_loss: float) -> None:
-        """Early stopping (ALGORITHMS.md 2): record that k stops after round t, if it does."""
-        if self.early_stops[k].after(self.learner, weights, train_loss, self.data[k]):
+    def _early_stop(
+        self, k: str, t: int, weights: sparse.State, train_loss: float, pruned: bool = False
+    ) -> None:
+        """Early stopping (ALGORITHMS.md 2): record that k stops after round t, if it does;
+        a round that `pruned` k's model restarts its rule's window."""
+        if self.early_stops[k].after(self.learner, weights, train_loss, self.data[k], pruned):
             self.stopped[k] = t
 
     def _train(
@@ -135,7 +138,7 @@ class Simulation:
         self.states[k] = result.state
         if result.recovered:
             log.warning("%s round %d: model not finite; kept its model from before", k, t)
-        self._early_stop(k, t, result.state.weights, result.train_loss)
+        self._early_stop(k, t, result.state.weights, result.train_loss, result.pruned)
         record = AgentRound.of_result(t, k, result, reduction, budget)
         if k in self.attackers:
             result = attacked(self.learner, result, self.config.attack, t)

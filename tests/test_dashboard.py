@@ -445,7 +445,14 @@ def test_the_page_follows_an_emulated_run_live(
     """Acceptance: every agent appears, rounds advance with no reload, agents that stopped
     early show it with their savings; screenshots go to test-artifacts/dashboard/."""
     config = experiment_config(
-        {"dataset": "mnist1d", "agents": 4, "rounds": 6, "early_stop": True, "seed": 7}
+        {
+            "dataset": "mnist1d",
+            "agents": 4,
+            "rounds": 6,
+            "early_stop": True,
+            "stop_rule": "paper",
+            "seed": 7,
+        }
         | {"partition": "dirichlet:0.5", "neighbours": 3, "epochs": 1, "round_time_s": 0.01}
     )
     artifacts = REPO / "test-artifacts" / "dashboard"

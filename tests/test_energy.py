@@ -80,7 +80,7 @@ def test_a_weaker_board_spends_more_energy_per_flop_in_a_simulated_run() -> None
 
 
 def test_early_stopping_saves_the_energy_of_the_rounds_not_run(tmp_path: Path) -> None:
-    report = simulate(config(rounds=6, early_stop=True))
+    report = simulate(config(rounds=6, early_stop=True, stop_rule="paper"))
     stopped = report["summary"]["stopped"]
     assert any(s["saved_rounds"] > 0 for s in stopped.values()), "the case must stop early"
     for agent_id, saved in stopped.items():
@@ -94,7 +94,7 @@ def test_early_stopping_saves_the_energy_of_the_rounds_not_run(tmp_path: Path) -
 
 
 def test_without_profiles_there_is_no_energy_figure(tmp_path: Path) -> None:
-    report = simulate(config(profiles="", rounds=4, early_stop=True))
+    report = simulate(config(profiles="", rounds=4, early_stop=True, stop_rule="paper"))
     assert all(a["energy_j"] is None and a["radio_energy_j"] is None for a in agent_rounds(report))
     summary = report["summary"]
     assert summary["total_energy_j"] is None and summary["total_radio_energy_j"] is None
@@ -108,7 +108,7 @@ def test_without_profiles_there_is_no_energy_figure(tmp_path: Path) -> None:
     "learning",
     [
         {"strategy": "dadpfl", "max_wait": 2},
-        {"strategy": "fedspu", "rounds": 6, "early_stop": True},
+        {"strategy": "fedspu", "rounds": 6, "early_stop": True, "stop_rule": "paper"},
     ],
     ids=["dadpfl", "fedspu-early-stop"],
 )

@@ -252,6 +252,8 @@ def test_cli_writes_the_report_and_plots(tmp_path: Path) -> None:
         (["--strategy", "fedavg", "--ldf-n", "2"], "--ldf-n has no effect here"),
         (["--ldf-n", "2"], "applies to fedldf and runs with --wire layers"),
         (["--stop-patience", "3"], "applies to runs with --early-stop"),
+        (["--early-stop", "--stop-rule", "never"], "Invalid value for '--stop-rule'"),
+        (["--early-stop", "--stop-rule", "paper", "--stop-delta", "0.2"], "--stop-rule progress"),
         (["--strategy", "fedldf", "--ldf-n", "0"], "--ldf-n must be >= 1"),
         (["--strategy", "fedavg", "--wire", "delta"], "--wire has no effect here"),
         (["--delta-fraction", "0.2"], "applies to runs with --wire delta"),

@@ -93,7 +93,7 @@ def test_without_profiles_fedspu_uses_the_papers_tiers() -> None:
 
 @pytest.mark.parametrize("strategy", ["fedavg-ft", "dadpfl", "fedspu"])
 def test_a_stopped_agent_keeps_its_model_and_spends_nothing(strategy: str) -> None:
-    report = simulate(config(strategy, rounds=8, early_stop=True))
+    report = simulate(config(strategy, rounds=8, early_stop=True, stop_rule="paper"))
     stopped = report["summary"]["stopped"]
     assert stopped, "with one local epoch per round some agent's loss rises within 8 rounds"
     for agent_id, info in stopped.items():
@@ -110,7 +110,7 @@ def test_a_stopped_agent_keeps_its_model_and_spends_nothing(strategy: str) -> No
 
 
 def test_the_run_ends_when_every_agent_has_stopped() -> None:
-    report = simulate(config("fedavg-ft", rounds=40, early_stop=True, lr=0.5))
+    report = simulate(config("fedavg-ft", rounds=40, early_stop=True, stop_rule="paper", lr=0.5))
     stopped = report["summary"]["stopped"]
     assert len(stopped) == AGENTS
     assert report["summary"]["rounds"] == max(i["round"] for i in stopped.values()) < 40

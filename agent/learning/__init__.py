@@ -44,7 +44,13 @@ from agent.learning.config import (
     preset,
 )
 from agent.learning.delta import FLIP, apply_delta, encode_delta
-from agent.learning.early_stop import EarlyStop, StopWatch
+from agent.learning.early_stop import (
+    DEFAULT_STOP_RULE,
+    STOP_RULES,
+    EarlyStop,
+    StopRule,
+    StopWatch,
+)
 from agent.learning.learner import AgentState, Learner, LocalData, Published, RoundResult
 from agent.learning.models import MODEL_NAMES, build_model, default_model, forward_flops
 from agent.learning.pruning import DISTANCES, PruningPlan
@@ -78,11 +84,13 @@ from agent.learning.topology import TOPOLOGIES
 __all__ = [
     "CENTRALIZED",
     "DECENTRALIZED",
+    "DEFAULT_STOP_RULE",
     "DISTANCES",
     "FLIP",
     "MODEL_NAMES",
     "PRESETS",
     "REDUCE_MODES",
+    "STOP_RULES",
     "TOPOLOGIES",
     "WIRE_FORMATS",
     "Aggregate",
@@ -102,6 +110,7 @@ __all__ = [
     "RoundTopology",
     "ServerState",
     "State",
+    "StopRule",
     "StopWatch",
     "StrategyConfig",
     "Upload",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from agent.learning.early_stop import DEFAULT_STOP_RULE
 from agent.learning.training import SGDConfig
 
 DECENTRALIZED = ("dadpfl", "dispfl", "dfedavgm")
@@ -82,9 +83,26 @@ class StrategyConfig:
         "(train a p_k fraction of its neurons, FedSPU-style) or auto (freeze at p_k >= 0.5).",
     )
     early_stop: bool = param(
-        False, "Stop an agent once L = 0.7 L_train + 0.3 L_val rises from its previous round."
+        False,
+        "Stop an agent once L = 0.7 L_train + 0.3 L_val stops improving (see --stop-rule).",
     )
-    stop_patience: int = param(1, "Early stopping: consecutive rises of L that stop an agent.")
+    stop_rule: str = param(
+        DEFAULT_STOP_RULE,
+        "Early stopping rule: progress (stop once the last --stop-patience rounds improved the "
+        "best L by at most --stop-delta of its improvement since round 1; measured best, "
+        "bench/early_stopping.py) or paper (stop after --stop-patience consecutive rises of "
+        "L, the FedSPU paper's rule with patience 1).",
+    )
+    stop_patience: int = param(
+        0,
+        "Early stopping: progress: the window of rounds (0: 20); paper: the consecutive rises "
+        "of L that stop an agent (0: 1).",
+    )
+    stop_delta: float = param(
+        0.1,
+        "Early stopping, progress rule: the share of the agent's improvement of L since round "
+        "1 that its last --stop-patience rounds must exceed to go on (0: any new best L).",
+    )
     ssm_fraction: float = param(0.05, "FedAdam-SSM/-Top: fraction alpha of deltas kept (top-k).")
     ldf_n: int = param(
         4,

@@ -254,7 +254,7 @@ class Session:
             limits=limits,
         )
         self.state: AgentState = self.learner.init_agent(agent_id)
-        self.early = EarlyStop(self.cfg.early_stop, self.cfg.stop_patience)
+        self.early = EarlyStop.of(self.cfg)
         self.stopped_round: int | None = None
         self.meter = TrafficMeter(transport)
         self._trained_s = 0.0
@@ -348,7 +348,8 @@ class Session:
                     break
                 self.finish_round(driver, driver.run_round(round_))
             if self.stopped_round is not None:
-                log.info("stopped early after round %d: its loss rose", self.stopped_round)
+                reason = self.early.rule.reason
+                log.info("stopped early after round %d: %s", self.stopped_round, reason)
             if self.finished and self.on_finish:
                 self.on_finish(self.state)
             if not self.stop.is_set():
