@@ -26,6 +26,7 @@ from typing import Any
 
 from click.testing import CliRunner
 
+from agent.learning.early_stop import STOP_RULES
 from coordinator.cli import main as coordinator
 
 SMALL = ["--dataset", "mnist1d", "--agents", "6", "--rounds", "5", "--epochs", "1", "--seed", "3"]
@@ -65,7 +66,7 @@ CONFIGS: dict[str, str] = {
     ),
     "dadpfl-delta-fp16-stop": (
         "--strategy dadpfl --detection-distance norm --neighbours 3 --wire delta --fp16 --rounds "
-        "8 --early-stop"
+        "8 --early-stop --stop-rule paper"
     ),
     "dadpfl-layers": (
         "--strategy dadpfl --detection-distance norm --rounds 10 --delta-pr 100 --neighbours 3 "
@@ -73,7 +74,7 @@ CONFIGS: dict[str, str] = {
     ),
     "dadpfl-layers-stop": (
         "--strategy dadpfl --detection-distance squared --neighbours 3 --wire layers --ldf-n 2 "
-        "--rounds 8 --early-stop --fp16"
+        "--rounds 8 --early-stop --stop-rule paper --fp16"
     ),
     "dadpfl-auto-layers-fp16": (
         "--strategy dadpfl --detection-distance norm --profiles mixed --round-time-s 0.01 "
@@ -88,9 +89,9 @@ CONFIGS: dict[str, str] = {
     "dfedavgm-layers": "--strategy dfedavgm --neighbours 3 --wire layers",
     "dfedavgm-ring": "--strategy dfedavgm --topology ring --max-wait 0",
     "local": "--strategy local",
-    "local-stop": "--strategy local --rounds 8 --early-stop",
+    "local-stop": "--strategy local --rounds 8 --early-stop --stop-rule paper",
     "fedavg": "--strategy fedavg",
-    "fedavg-fp16-stop": "--strategy fedavg --fp16 --rounds 8 --early-stop",
+    "fedavg-fp16-stop": "--strategy fedavg --fp16 --rounds 8 --early-stop --stop-rule paper",
     "fedavg-ft": "--strategy fedavg-ft",
     "fedspu": "--strategy fedspu",
     "fedspu-mixed-fp16": "--strategy fedspu --profiles mixed --round-time-s 0.01 --fp16",
@@ -98,7 +99,9 @@ CONFIGS: dict[str, str] = {
     "fedadam": "--strategy fedadam",
     "fedadam-top": "--strategy fedadam-top --ssm-fraction 0.2",
     "fedadam-ssm": "--strategy fedadam-ssm",
-    "fedadam-ssm-fp16-stop": "--strategy fedadam-ssm --fp16 --rounds 8 --early-stop",
+    "fedadam-ssm-fp16-stop": (
+        "--strategy fedadam-ssm --fp16 --rounds 8 --early-stop --stop-rule paper"
+    ),
     "fedldf": "--strategy fedldf",
     "fedldf-n2-mixed": "--strategy fedldf --ldf-n 2 --profiles mixed --round-time-s 0.01",
     "digits-dadpfl": "--strategy dadpfl --detection-distance norm --dataset digits --neighbours 3",
@@ -109,7 +112,7 @@ EMULATED = ("dadpfl-squared", "dadpfl-delta", "dadpfl-layers", "fedavg", "fedspu
 WALL_KEYS = {"wall_seconds"}
 
 
-def simulate(name: str, folder: Path, extra: list[str] = ()) -> dict[str, Any]:
+def simulate(name: str, folder: Path, extra: tuple[str, ...] = ()) -> dict[str, Any]:
     """Run configuration `name` through the CLI; returns its report."""
     path = folder / f"{name}.json"
     args = ["simulate", *SMALL, *CONFIGS[name].split(), *extra, "--report", str(path)]
@@ -135,6 +138,17 @@ def recorded_fields(got: dict[str, Any], want: dict[str, Any]) -> dict[str, Any]
         for k, v in got.items()
         if k in want
     }
+
+
+def same_patience(got: dict[str, Any], want: dict[str, Any]) -> None:
+    """`--stop-patience` 0 means the rule's own default since `--stop-rule` came (1 under
+    `paper`), and means nothing without early stopping: write the recording's value where
+    ours says the same."""
+    learning, recorded = got.get("learning", {}), want.get("learning", {})
+    if learning.get("stop_patience") == 0 and "stop_patience" in recorded:
+        unused = not learning.get("early_stop")
+        if unused or STOP_RULES[learning.get("stop_rule", "paper")] == recorded["stop_patience"]:
+            learning["stop_patience"] = recorded["stop_patience"]
 
 
 def first_difference(want: Any, got: Any, where: str = "") -> str | None:
@@ -185,6 +199,7 @@ def compare(folder: Path) -> list[dict[str, Any]]:
             got = without_wall(simulate(name, Path(scratch)))
             # A configuration field added since the recording (with its default) is no change.
             got["config"] = recorded_fields(got["config"], want["config"])
+            same_patience(got["config"], want["config"])
             difference = first_difference(want, got)
             rows.append(
                 {
@@ -216,7 +231,7 @@ def emulate() -> list[dict[str, Any]]:
                 "--workdir",
                 str(folder / name),
             ]
-            simulated = simulate(name, folder, ["--rounds", "3"])
+            simulated = simulate(name, folder, ("--rounds", "3"))
             started = time.perf_counter()
             result = CliRunner().invoke(coordinator, args, catch_exceptions=False)
             if result.exit_code != 0:
