@@ -112,23 +112,26 @@ mnist1d has no 25% to cut at <= 1 point within 150 rounds either; and there `pro
 too soon: mnist1d's slow tail lowers L by less than a tenth of its early fall per 20 rounds
 yet adds several points.
 
-At 300 rounds (seeds 1-2 only, for time: `--rounds 300 --seeds 1,2`,
-bench/results/early_stopping_300.json; 6 baselines and 6 runs, about 11 minutes):
+At 300 rounds (seeds 1-3: `--rounds 300 --seeds 1,2,3 --datasets mnist1d --rules progress`,
+bench/results/early_stopping_300.json; 9 baselines and 9 runs, about 16 minutes):
 
     rule        dataset  strategy   cut %               change, points            met
-    progress    mnist1d  fedspu     78 (78..79)         -8.85 (-10.79..-6.91)     no
-    progress    mnist1d  fedavg-ft  77 (76..77)         -16.93 (-17.43..-16.43)   no
-    progress    mnist1d  dadpfl     81 (81..81)         -12.33 (-12.44..-12.21)   no
+    progress    mnist1d  fedspu     78 (78..79)         -8.72 (-10.79..-6.91)     no
+    progress    mnist1d  fedavg-ft  77 (76..77)         -15.49 (-17.43..-12.60)   no
+    progress    mnist1d  dadpfl     82 (81..82)         -13.15 (-14.79..-12.21)   no
 
-Here there are rounds to cut for fedspu and DA-DPFL: their mean accuracy rose by 0.7-3.8 and
-0.3-0.7 points from round 200 to 300, and stopping every agent at round 225 (25%) changes it
-by -0.69/+1.00 and +0.81/+0.78 points (fedavg-ft still learns: +3.4/+5.9, -1.36/-4.26).
-Yet `progress` stops every agent between rounds 30 and 123, as at 150 rounds (the same
-final figures): on mnist1d an agent's own L stalls for 20 rounds and then falls again as the
-fleet's models improve. After the replayed stop, an agent's best L still fell by a median
-0.30-0.67 of what it had fallen before, and its accuracy rose by a median 5.7-20.1 points.
-No replayed candidate met the target (the closest, `paper` with patience 5: cut 5-10% at
--1.3 to -3.0): a rule on the agent's own L cannot tell a stall from convergence here.
+Even at 300 rounds there is little to cut: the baselines' mean accuracy (5-round mean) rose
+from round 200 to 300 by 0.7/3.8/2.0 (fedspu, seeds 1-3), 3.4/5.9/6.1 (fedavg-ft) and
+0.3/0.7/2.7 points (dadpfl), and stopping every agent at round 225 (a 25% cut) changes it by
+-0.69/+1.00/-3.55, -1.36/-4.26/-1.80 and +0.81/+0.78/-1.41 points: an oracle stopping the
+whole fleet at once stays within a point in 4 of 9 runs. Yet `progress` stops every agent
+between rounds 25 and 139, as at 150 rounds: on mnist1d an agent's own L stalls for 20
+rounds and then falls again as the fleet's models improve. From an agent's stop to round
+300 of the baseline, its best L still fell by a median 0.24-0.63 of what it had fallen
+before the stop, and its accuracy rose by a median 3.2-15.2 points (per run). No replayed
+candidate met the target (the closest, `paper` with patience 5: cut 7-10% at -1.9 to -3.1;
+`best20`, no new best L in 20 rounds: 25-48% at -2.9 to -8.0): a rule on the agent's own L
+cannot tell a stall from convergence here.
 
 Claim "early stopping cuts 25-71% of the rounds while keeping accuracy" (FedSPU paper):
 
@@ -144,9 +147,9 @@ Claim "early stopping cuts 25-71% of the rounds while keeping accuracy" (FedSPU 
   of 1,200 agent-rounds changed the final mean accuracy by -3.3 to +1.1 points. At 150
   rounds it stops every agent, cuts 53-62% and costs 5-11 points: mnist1d is still learning
   there too (a 25% cut costs about 3 points even for an oracle stopping all at once). At
-  300 rounds, where fedspu and DA-DPFL have a 25% to cut (all agents stopped at round 225:
-  within a point), it stops every agent by round 123 and costs 9-17 points: an agent's
-  own L stalls for 20 rounds long before the fleet has converged.
+  300 rounds (3 seeds), where an oracle stopping all agents at round 225 stays within a
+  point in 4 of 9 runs, it stops every agent by round 139 and costs 9-16 points: an
+  agent's own L stalls for 20 rounds long before the fleet has converged.
 * DA-DPFL with `progress`: NOT shown. On digits the pruning restart took the loss from
   -1.80 to -1.18 points (-2.00..-0.07) at a 31% cut (29..33); `progress25` (before the
   restart) kept it at -0.96 but cut 25% (21..27) and fedavg-ft only 21%. What is left seems
