@@ -182,7 +182,7 @@ class Conductor:
         message = self._ours(topic, payload, "presence", check_run=False)
         if not isinstance(message, messages.Presence) or not self._presences.fresh(message):
             return
-        self.keeper.on_presence(message.sender, message.online)
+        self.keeper.on_presence(message.sender, message.online, message.reason)
         with self._changed:
             if message.online:
                 self.offline.pop(message.sender, None)

@@ -13,6 +13,13 @@ came; round 0's (who is ready) when every agent is ready or after `start_wait_s`
 vote of a round reaches the keeper before its status of that round (one connection, in
 order), so the votes of every agent that reported the round are in its tally: the settled
 tally, and with it t* (ALGORITHMS.md 1.7), is the one every agent computed itself before.
+
+Likewise for liveness: agents of a run with a keeper do not follow every presence of the
+fleet (retained, so a run's start delivered K of them to each agent: 10^6 at K = 1,000).
+The keeper follows them and publishes, retained, one `Absent` notice of who took part in
+the run, has not finished or stopped and is offline now (with the presence's reason), again
+whenever that changes, at most once per POLL_S: a mass outage is one notice, not one per
+agent, and agents that finished the run leaving at its end send none.
 """
 
 from __future__ import annotations
@@ -47,7 +54,8 @@ class _Heard:
     votes: dict[int, dict[str, bool]] = field(default_factory=dict)
     stopped: dict[str, int] = field(default_factory=dict)
     left: set[str] = field(default_factory=set)
-    offline: set[str] = field(default_factory=set)
+    offline: dict[str, str] = field(default_factory=dict)
+    """Agents whose presence says offline -> its reason."""
     first_report: dict[int, float] = field(default_factory=dict)
 
 
@@ -74,6 +82,9 @@ class TallyKeeper:
         self.wait_s, self.start_wait_s = wait_s, start_wait_s
         self.next_round = 0
         self._heard = _Heard()
+        self._absent: dict[str, str] = {}
+        """What the last `Absent` notice said."""
+        self._absent_at = -float("inf")
         self._lock = threading.Lock()
         self._started = time.monotonic()
         self._stop = threading.Event()
@@ -107,17 +118,51 @@ class TallyKeeper:
         with self._lock:
             self._heard.votes.setdefault(message.round, {}).setdefault(message.sender, message.vote)
 
-    def on_presence(self, agent: str, online: bool) -> None:
+    def on_presence(self, agent: str, online: bool, reason: str = "") -> None:
+        """A fresh presence of a roster member (the conductor checked both)."""
         with self._lock:
-            (self._heard.offline.discard if online else self._heard.offline.add)(agent)
+            if online:
+                self._heard.offline.pop(agent, None)
+            else:
+                self._heard.offline[agent] = reason
             self._publish_due()
+            self._publish_absent(at_most_every_s=POLL_S)
+
+    # ------------------------------------------------------------------ absences
+
+    def absent(self) -> dict[str, str]:
+        """Who took part in the run (is ready), has not finished it, stopped early or left,
+        and is offline: the agents the others might wait for in vain (lock held)."""
+        heard = self._heard
+        return {
+            agent: reason
+            for agent, reason in heard.offline.items()
+            if agent in heard.ready
+            and agent not in heard.left
+            and agent not in heard.stopped
+            and heard.done_up_to.get(agent, 0) < self.rounds
+        }
+
+    def _publish_absent(self, at_most_every_s: float) -> None:
+        """Publish the `Absent` notice if it changed, unless one went out within
+        `at_most_every_s` (the poll sends it then). Lock held."""
+        absent = self.absent()
+        if absent == self._absent or time.monotonic() - self._absent_at < at_most_every_s:
+            return
+        notice = messages.Absent(
+            fleet=self.fleet, sender=self.sender, run_id=self.run_id, agents=absent
+        )
+        self._absent, self._absent_at = absent, time.monotonic()
+        self._send(topics.absent(self.fleet, self.sender), messages.encode(notice, key=self.key))
 
     # ------------------------------------------------------------------ tallies
 
     def _poll(self) -> None:
-        while not self._stop.wait(POLL_S) and self.next_round <= self.rounds:
+        while not self._stop.wait(POLL_S):
             with self._lock:
-                self._publish_due()
+                self._publish_absent(at_most_every_s=0.0)
+                if self.next_round <= self.rounds:
+                    self._publish_due()
 
     def _complete(self, round_: int) -> bool:
         """Every agent still in the run reported `round_` (round 0: is ready)."""
@@ -168,13 +213,18 @@ class TallyKeeper:
             left=sorted(heard.left),
         )
         topic = topics.round_topic(self.fleet, round_, "tally", self.sender)
+        self._send(topic, messages.encode(tally, key=self.key))
+
+    def _send(self, topic: str, payload: bytes) -> None:
         try:
-            self.transport.publish(topic, messages.encode(tally, key=self.key), retain=True)
+            self.transport.publish(topic, payload, retain=True)
         except RuntimeError as exc:  # the transport stopped: the run is over
-            log.debug("tally of round %d not sent: %s", round_, exc)
+            log.debug("%s not sent: %s", topic, exc)
 
     def clear(self) -> None:
-        """Clear the retained tallies (the run is over)."""
+        """Clear the retained tallies and absence notice (the run is over)."""
+        if self._absent_at > -float("inf"):
+            self.transport.clear_retained(topics.absent(self.fleet, self.sender))
         for round_ in range(self.next_round):
             self.transport.clear_retained(
                 topics.round_topic(self.fleet, round_, "tally", self.sender)

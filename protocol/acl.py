@@ -4,8 +4,8 @@ Every member logs in to the broker under its own id. It may read every fleet top
 can log in may follow the fleet: confidentiality comes from TLS, authenticity from the
 signatures), but publish only the topics that carry its own id: its presence, status,
 telemetry and id probe, its round messages, the requests and re-sends it sends and the
-layers of its own model. The coordinator also publishes the run and the centralized
-rounds' global models.
+layers of its own model. The coordinator also publishes the run, the centralized
+rounds' global models and who of a run is offline.
 A member that could publish on another's topics could impersonate it (a retained presence,
 a forged model): the broker refuses it before any receiver has to.
 
@@ -46,9 +46,11 @@ def member_topics(fleet: str, member: str) -> list[str]:
 
 
 def coordinator_topics(fleet: str) -> list[str]:
-    """What only a coordinator publishes: the run and the centralized rounds' global models."""
+    """What only a coordinator publishes: the run, the centralized rounds' global models and,
+    as the run's keeper, who of the run is offline."""
     return [
         topics.run(fleet),
+        topics.absent(fleet, "+"),
         topics.global_model(fleet, "+"),
         topics.global_model(fleet, "+", "+"),
     ]

@@ -50,6 +50,7 @@ class MessageType(str, Enum):
     UPDATE = "update"
     GLOBAL = "global"
     TALLY = "tally"
+    ABSENT = "absent"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -160,6 +161,9 @@ class Request(Message):
     target: str
     layers: list[str] = dataclasses.field(default_factory=list)
     fraction: float = 0.0
+    since: float = 0.0
+    """When the asker's session began: an asker that restarted lost what was in flight to it
+    and may be answered again (its target need not follow its presence to know)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -210,6 +214,19 @@ class Tally(Message):
     left: list[str] = dataclasses.field(default_factory=list)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Absent(Message):
+    """The run's keeper's word on who of the run is offline now, retained, republished (whole)
+    whenever that changes: the agents of a run with a keeper follow this instead of every
+    presence of the fleet (K presences to each agent, K^2 at a run's start).
+
+    `agents`: every roster member that took part, has not finished the run and whose presence
+    says offline, with its presence's reason ("lost": a crash, "shutdown": it left)."""
+
+    TYPE = MessageType.ABSENT
+    agents: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
 MESSAGE_CLASSES: dict[str, type[Message]] = {
     cls.TYPE.value: cls
     for cls in (
@@ -223,6 +240,7 @@ MESSAGE_CLASSES: dict[str, type[Message]] = {
         Update,
         Global,
         Tally,
+        Absent,
     )
 }
 

@@ -2,6 +2,7 @@
 
 fl/v1/<fleet>/presence/<agent>            retained birth / last will
 fl/v1/<fleet>/status/<agent>              retained status
+fl/v1/<fleet>/absent/<keeper>             the run's keeper: who of the run is offline (retained)
 fl/v1/<fleet>/telemetry/<agent>           retained JSON copy of the status (optional; plain
                                           UTF-8, unframed, for MQTT tools)
 fl/v1/<fleet>/probe/<agent>               "is this agent id taken?" (never retained)
@@ -52,6 +53,12 @@ def presence(fleet: str, agent: str = "+") -> str:
 
 def status(fleet: str, agent: str = "+") -> str:
     return f"{fleet_root(fleet)}/status/{agent if agent == '+' else check_name(agent, 'agent')}"
+
+
+def absent(fleet: str, keeper: str = "+") -> str:
+    """Where a run's keeper (the coordinator) says which of its agents are offline, so that
+    agents need not follow every presence of the fleet."""
+    return f"{fleet_root(fleet)}/absent/{keeper if keeper == '+' else check_name(keeper, 'agent')}"
 
 
 def telemetry(fleet: str, agent: str = "+") -> str:
@@ -109,7 +116,7 @@ def parse(topic: str) -> tuple[str, str, dict[str, str]]:
     if len(parts) < 4 or "/".join(parts[:2]) != PREFIX:
         raise ProtocolError(f"not a fleet topic: {topic!r}")
     fleet, rest = parts[2], parts[3:]
-    if rest[0] in ("presence", "status") and len(rest) == 2:
+    if rest[0] in ("presence", "status", "absent") and len(rest) == 2:
         return fleet, rest[0], {"agent": rest[1]}
     if rest == ["run"]:
         return fleet, "run", {}

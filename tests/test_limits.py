@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from agent.runtime import Expected, Inbox, expected_shapes, model_message
+from agent.runtime.inbox import SESSIONS_ANSWERED
 from protocol import messages, topics
 from protocol.chunking import MAGIC, FrameError, Reassembler, split
 from protocol.limits import HEADROOM_BYTES, Limits, dense_model_bytes, limits_for_shapes
@@ -159,21 +160,28 @@ def test_num_samples_outside_the_allowed_range_is_rejected(num_samples: int) -> 
 def test_a_request_is_answered_once_per_askers_session() -> None:
     box = inbox()
 
-    def request(round_: int, layers: list[str] | None = None) -> messages.Request:
+    def request(
+        round_: int, layers: list[str] | None = None, since: float = 1.0
+    ) -> messages.Request:
         return messages.Request(
-            fleet=FLEET, sender="b", run_id=RUN, round=round_, target="a", layers=layers or []
+            fleet=FLEET,
+            sender="b",
+            run_id=RUN,
+            round=round_,
+            target="a",
+            layers=layers or [],
+            since=since,
         )
-
-    def born(since: float) -> None:
-        birth = messages.Presence(fleet=FLEET, sender="b", online=True, since=since)
-        box.on_presence(topics.presence(FLEET, "b"), messages.encode(birth))
 
     assert box.may_answer(request(1))
     assert not box.may_answer(request(1)) and not box.may_answer(request(1))
     assert box.may_answer(request(2)) and box.may_answer(request(1, ["fc"]))
-    born(10.0)  # b came back: what was in flight to it is lost, so it may ask again
-    assert box.may_answer(request(1)) and not box.may_answer(request(1))
+    # b came back (a new session): what was in flight to it is lost, so it may ask again
+    assert box.may_answer(request(1, since=10.0)) and not box.may_answer(request(1, since=10.0))
     assert box.dropped["answered"] == 3
+    # a peer claiming a new session with every ask gets a few answers, not one per ask
+    answered = sum(box.may_answer(request(3, since=float(s))) for s in range(100))
+    assert answered == SESSIONS_ANSWERED
 
 
 def test_a_vote_history_is_kept_only_when_it_fits_its_round() -> None:

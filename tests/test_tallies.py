@@ -30,6 +30,10 @@ class Recorder:
         decoded = [messages.decode(payload) for _, payload, _ in self.published]
         return [m for m in decoded if isinstance(m, messages.Tally)]
 
+    def absences(self) -> list[dict[str, str]]:
+        decoded = [messages.decode(payload) for _, payload, _ in self.published]
+        return [m.agents for m in decoded if isinstance(m, messages.Absent)]
+
 
 def keeper(wait_s: float = 60.0, start_wait_s: float = 60.0) -> tuple[TallyKeeper, Recorder]:
     transport = Recorder()
@@ -109,6 +113,54 @@ def test_a_late_round_is_tallied_with_what_came_after_the_wait() -> None:
     rounds = [t.round for t in transport.tallies()]
     assert rounds[:2] == [0, 1]
     assert messages.members(transport.tallies()[1].done, ROSTER) == {"a"}
+
+
+def test_the_keeper_says_who_of_the_run_is_offline_once_per_change() -> None:
+    kept, transport = keeper()
+    kept.on_presence("c", online=False, reason="lost")  # an earlier run's will: not in this run
+    assert transport.absences() == []
+    kept.on_presence("c", online=True)  # its birth, before its first status of this run
+    for agent in ROSTER:
+        kept.on_status(status(agent, 0, "ready"))
+    assert transport.absences() == []
+    kept.on_presence("b", online=False, reason="lost")  # b crashed
+    assert transport.absences() == [{"b": "lost"}]
+    kept.on_presence("b", online=True)  # within POLL_S of the last notice: the poll sends it
+    assert transport.absences() == [{"b": "lost"}]
+    kept.start()
+    try:
+        deadline = time.monotonic() + 5
+        while len(transport.absences()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert transport.absences() == [{"b": "lost"}, {}]
+        for agent in ROSTER:
+            kept.on_status(status(agent, 3, "done"))
+        kept.on_status(status("a", 2, "stopped", stopped=True))
+        for agent in ROSTER:  # leaving after the run (or after stopping early): no notice
+            kept.on_presence(agent, online=False, reason="shutdown")
+        time.sleep(0.8)
+    finally:
+        kept.close()
+    assert transport.absences() == [{"b": "lost"}, {}]
+
+
+def test_an_agent_learns_who_is_offline_from_the_keepers_notices() -> None:
+    box = inbox()
+    box.on_status(topics.status(FLEET, "a"), messages.encode(status("a", 0, "ready")))
+    box.on_status(topics.status(FLEET, "b"), messages.encode(status("b", 0, "ready")))
+
+    def notice(agents: dict[str, str], sender: str = "coordinator") -> None:
+        message = messages.Absent(fleet=FLEET, sender=sender, run_id=RUN, agents=agents)
+        box.on_absent(topics.absent(FLEET, sender), messages.encode(message))
+
+    notice({"a": "shutdown", "stranger": "lost"})
+    assert box.gone() == {"a"}, "a left: gone at once; a stranger is no member"
+    notice({"a": "shutdown", "b": "lost"})
+    assert box.gone() == {"a"}, "b crashed: it may be restarting, gone only after a grace"
+    notice({})
+    assert box.gone() == set() and box.offline == set()
+    notice({"a": "shutdown"}, sender="a")
+    assert box.offline == set() and box.rejected == 1, "only the keeper says who is gone"
 
 
 def inbox(keeper_id: str = "coordinator") -> Inbox:

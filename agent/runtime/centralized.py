@@ -102,7 +102,9 @@ class CentralizedRounds:
     def _ask(self, round_: int, fraction: float = 0.0) -> None:
         """Ask the aggregator for this round's part (fraction > 0) or its broadcast again."""
         s = self.session
-        request = messages.Request(**s.header(round_), target=self.aggregator, fraction=fraction)
+        request = messages.Request(
+            **s.header(round_), target=self.aggregator, fraction=fraction, since=s.born
+        )
         s.transport.publish(
             s.topic(round_, "request", s.me, to=self.aggregator),
             messages.encode(request, key=s.key),

@@ -146,7 +146,9 @@ class DecentralizedRounds:
         """Ask each (round, target) for its model again, or for these `layers` of it."""
         s = self.session
         for round_, target in sorted(missing):
-            message = messages.Request(**s.header(round_), target=target, layers=layers or [])
+            message = messages.Request(
+                **s.header(round_), target=target, layers=layers or [], since=s.born
+            )
             s.transport.publish(
                 s.topic(round_, "request", s.me, to=target), messages.encode(message, key=s.key)
             )

@@ -11,7 +11,7 @@ round more than `rounds_ahead` past it is dropped and counted (`dropped`), so at
 `rounds_ahead` + 2 rounds of (round, sender) entries are held ahead of `forget_before`;
 a model or layer whose `num_samples` is outside 1..`limits.max_num_samples` is rejected (it
 would dominate FedAvg); a peer asking again for what we published is answered once per
-(asker, round, layers) and asker's session (`may_answer`).
+(asker, round, layers) and asker's session, for a few sessions (`may_answer`).
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ ROUNDS_AHEAD = 4
 """Rounds past the one being run whose messages are kept: the round driver subscribes to the
 models of the next 4 rounds (`decentralized.LOOKAHEAD_ROUNDS`); a peer further ahead re-sends
 on request what it published (it keeps its last 4 rounds)."""
+SESSIONS_ANSWERED = 3
+"""How many sessions of one asker (restarts within a round) get an answer to the same ask:
+`since` is the asker's word, so a peer cannot claim new sessions without end."""
 
 
 class Inbox(FleetMail):
@@ -120,7 +123,7 @@ class Inbox(FleetMail):
         """Whether to answer a peer's request (re-send what we published, or publish layers)
         now: once per asker's session (`Guard.may_answer`). Ask only when about to answer:
         an ask for what is not published yet must not use up the answer."""
-        return self.guard.may_answer(request, self._presences.born(request.sender))
+        return self.guard.may_answer(request)
 
     def _resolve(self, sender: str) -> None:
         """Apply `sender`'s pending deltas whose base is here (in round order). Lock held."""
@@ -328,7 +331,7 @@ class Guard:
         until known: a resumed agent may be at any round, so nothing is dropped yet."""
         self.dropped: Counter[str] = Counter()
         """Messages (and votes) dropped unread by reason (`future_round`, `answered`)."""
-        self._answered: set[tuple[int, str, tuple[str, ...], float | None]] = set()
+        self._answered: dict[tuple[int, str, tuple[str, ...]], set[float]] = {}
 
     def reached(self, round_: int) -> None:
         """The agent runs round `round_` or a later one (it is told so, or holds a model of
@@ -340,7 +343,7 @@ class Guard:
         """The inbox forgets the rounds before `round_`: the agent runs `round_` + 2 at most."""
         with self._lock:
             self._floor = max(self._floor or 0, round_)
-            self._answered = {key for key in self._answered if key[0] >= round_}
+            self._answered = {k: v for k, v in self._answered.items() if k[0] >= round_}
 
     def ahead_ok(self, round_: int) -> bool:
         """Whether a message of `round_` is within the window kept: at most `rounds_ahead`
@@ -351,18 +354,19 @@ class Guard:
             self.dropped["future_round"] += 1
             return False
 
-    def may_answer(self, request: messages.Request, born: float | None) -> bool:
-        """Whether this is the asker's first request for this round and layers since it came
-        online (`born`: its session's start): a peer that got our publish has no reason to
-        ask, one that asked while the publish was in flight gets one copy, and one that came
-        back (and lost what was in flight to it) may ask again. A flood of requests cannot
-        make this agent send its model over and over."""
-        key = (request.round, request.sender, tuple(sorted(request.layers)), born)
+    def may_answer(self, request: messages.Request) -> bool:
+        """Whether this is the asker's first request for this round and layers in its
+        session (`since`): a peer that got our publish has no reason to ask, one that asked
+        while the publish was in flight gets one copy, and one that came back (and lost what
+        was in flight to it) may ask again, for at most SESSIONS_ANSWERED sessions. A flood
+        of requests cannot make this agent send its model over and over."""
+        key = (request.round, request.sender, tuple(sorted(request.layers)))
         with self._lock:
-            if key in self._answered:
+            sessions = self._answered.setdefault(key, set())
+            if request.since in sessions or len(sessions) >= SESSIONS_ANSWERED:
                 self.dropped["answered"] += 1
                 return False
-            self._answered.add(key)
+            sessions.add(request.since)
             return True
 
 

@@ -78,6 +78,8 @@ class FleetMail:
         """The last round each agent's status (or a tally) says it finished."""
         self._tallied: set[int] = set()
         """Rounds whose tally came: their votes are all there will be."""
+        self._noticed: dict[str, str] = {}
+        """Who the keeper's last `Absent` notice listed as offline."""
         self.on_keeper_lost: Callable[[], None] | None = None
         """Called once when the keeper's presence says it went offline: the agent then
         follows every status and vote itself, as in a fleet without a keeper."""
@@ -98,7 +100,7 @@ class FleetMail:
             self.reject(kind, claimed_sender(topic), topic, exc)
             return None
         aggregator = kind == "request" and message.sender == self.expected.aggregator
-        keeper = kind in ("tally", "presence") and message.sender == self.expected.keeper
+        keeper = kind in ("tally", "presence", "absent") and message.sender == self.expected.keeper
         if message.sender not in self.expected.roster and not (aggregator or keeper):
             log.debug("ignored %s of %s: not in this run's roster", kind, message.sender)
             return None
@@ -194,6 +196,28 @@ class FleetMail:
             if lost is not None and not message.online and message.sender == self.expected.keeper:
                 self.on_keeper_lost = None
                 lost()
+
+    def on_absent(self, topic: str, payload: bytes) -> None:
+        """The keeper's word on who of the run is offline, instead of every presence: an
+        agent it no longer lists came back (or finished), one it newly lists went offline
+        now, as its presence would have said."""
+        message = self._decode(topic, payload, "absent")
+        if not isinstance(message, messages.Absent):
+            return
+        if message.sender != self.expected.keeper:
+            self.reject("absent", message.sender, topic, "not the run's keeper")
+            return
+        absent = {a: r for a, r in message.agents.items() if a in self.expected.roster}
+        with self._changed:
+            for agent in self._noticed.keys() - absent.keys():
+                self.offline.discard(agent)
+                self._crashed_at.pop(agent, None)
+            for agent in absent.keys() - self._noticed.keys():
+                self.offline.add(agent)
+                if absent[agent] == LOST:
+                    self._crashed_at.setdefault(agent, time.monotonic())
+            self._noticed = absent
+            self._changed.notify_all()
 
     def _finished_round(self, agent: str, round_: int) -> None:
         """Note that `agent` finished `round_` (a status or a tally); reports may arrive out of

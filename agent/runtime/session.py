@@ -217,6 +217,8 @@ class Session:
         """`expects`: further fields of the inbox's `Expected` (what the wire format sends);
         `telemetry`: mirror every status as JSON on the telemetry topic."""
         self.me = agent_id
+        self.born = time.time()
+        """When this session began (its requests say so: `messages.Request.since`)."""
         self.fleet = fleet
         self.run_info = run
         self.config = run.config
@@ -487,22 +489,25 @@ class Session:
 
 def follow_fleet(session: Session) -> None:
     """Subscribe to who is ready, stopped or gone (the start barrier, stand-ins and lingering
-    need it). With a keeper, one tally a round says it all (and every vote): no agent
-    receives every other agent's statuses and votes, unless the keeper goes offline."""
-    keeper = session.run_info.keeper
+    need it). With a keeper, one tally a round says it all (and every vote), and its absence
+    notice who is offline: no agent receives every other agent's statuses, votes and
+    presences, unless the keeper goes offline."""
+    keeper, transport, inbox = session.run_info.keeper, session.transport, session.inbox
     if keeper:
-        tallies = topics.round_topic(session.fleet, "+", "tally", keeper)
-        session.transport.subscribe(tallies, session.inbox.on_tally)
-        session.inbox.on_keeper_lost = lambda: follow_everyone(session)
+        transport.subscribe(topics.round_topic(session.fleet, "+", "tally", keeper), inbox.on_tally)
+        transport.subscribe(topics.absent(session.fleet, keeper), inbox.on_absent)
+        inbox.on_keeper_lost = lambda: follow_everyone(session)
+        transport.subscribe(topics.presence(session.fleet, keeper), inbox.on_presence)
     else:
-        session.transport.subscribe(topics.status(session.fleet), session.inbox.on_status)
-    session.transport.subscribe(topics.presence(session.fleet), session.inbox.on_presence)
+        transport.subscribe(topics.status(session.fleet), inbox.on_status)
+        transport.subscribe(topics.presence(session.fleet), inbox.on_presence)
 
 
 def follow_everyone(session: Session) -> None:
     """The keeper went offline: follow every agent's (retained) status, which carries its
-    vote history, and every vote, so the run goes on without its tallies."""
+    vote history, every vote and every presence, so the run goes on without its tallies."""
     log.warning("the tally keeper %s went offline: following every agent", session.run_info.keeper)
     session.transport.subscribe(topics.status(session.fleet), session.inbox.on_status)
     vote = topics.round_topic(session.fleet, "+", "vote")
     session.transport.subscribe(vote, session.inbox.on_vote)
+    session.transport.subscribe(topics.presence(session.fleet), session.inbox.on_presence)
