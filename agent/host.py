@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import os
 import signal
 import sys
 import threading
@@ -30,6 +31,10 @@ from typing import IO, TYPE_CHECKING
 if TYPE_CHECKING:  # imported at run time once sys.stderr is routed (see `main`)
     from protocol import MqttTransport
 
+HOST_NICENESS = 10
+"""How much lower than the broker's and the coordinator's the agents' priority is."""
+SWITCH_INTERVAL_S = 0.05
+"""The interpreter's thread switch interval in a host process (Python's default: 0.005 s)."""
 KILLED = -signal.SIGKILL
 """The exit code reported for a killed agent: what a process killed with SIGKILL exits with."""
 
@@ -235,9 +240,17 @@ def main(argv: list[str]) -> int:
     router = ThreadRoutedStream(sys.stderr)
     # Before edgefl is imported: rich's console (protocol.cli) looks at stderr when made.
     sys.stdout = sys.stderr = router
-    from agent.experiment import share_partitions
+    from agent.experiment import share_compute, share_partitions
 
     share_partitions()
+    share_compute()
+    # The emulated devices yield the cores to the broker and the coordinator, which in a
+    # real fleet run on machines of their own: a broker starved by hundreds of agent
+    # threads stops answering keep-alives, and the fleet drops off it.
+    os.nice(HOST_NICENESS)
+    # Hundreds of threads: each one waiting for the interpreter lock wakes every switch
+    # interval to ask for it; a longer interval keeps those wake-ups from eating the cores.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     host = Host(specs, router, events)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: host.stop_all())

@@ -11,34 +11,41 @@ has too few samples for 1,000 agents; the agents sharing processes as
 at info level: each logs, per round, the frames its connection received (every MQTT
 delivery: models, tallies, presences, re-sends; a model larger than a frame counts once per
 frame). Reported over the agents, for the rounds after the first (round 1 also carries the
-run's start: retained presences, the start tally): mean and largest deliveries per agent
+run's start: the run, the start tally, the keeper's presence): mean and largest deliveries per agent
 and round; and the time per round.
 
 Before the tally keeper (coordinator/tallies.py) every agent received every other agent's
-status and vote each round: about 2K + M deliveries per agent and round.
+status and vote each round: about 2K + M deliveries per agent and round. Before the absence
+notice (`messages.Absent`), every agent also received the fleet's K retained presences at
+the start, and again after each reconnect.
 
 Measured here (2 cores, 24 GB, mosquitto 2.0.11, nothing else running but these runs; one
-run per size; round 1 includes every agent's K retained presences):
+run per size, `--sizes 100,300,1000`, bench/results/fleet_deliveries.json). Stragglers:
+agent-rounds that went on without a neighbour's model; USS: the peak summed unique memory
+of the agent processes:
 
-    agents  per process  done  mean  max  M+5  round 1  s/round  (2K + M before)
-        50            7  yes    4.9   10   10       56      0.6      105
-       100           13  yes    4.8   11   10      106      1.8      205
-       200           25  yes    4.9   11   10      206      2.7      405
-       300           38  yes    6.5  265   10      329      5.1      605
-     1,000          125  no       -    -   10        -        -    2,005
+    agents  per process  done  mean  max  M+5  round 1  s/round  stragglers  USS MB  wall s
+       100           13  yes    5.0   11   10        6      1.4           0    1735    12.5
+       300           38  yes    4.8   11   10        6      4.1           0    2416    24.3
+     1,000          125  yes    5.2   14   10        6     21.6           0    4958    99.2
 
-* The mean meets M + 5 at every size run; the largest single agent-round is 10-11 up to
-  200 agents. At 300 one agent-round received 265: an agent whose connection dropped (keep-
-  alive on a saturated machine) subscribes again to the fleet's presences and is sent all
-  of them (retained), which is also what fills round 1.
-* 1,000 agents did not start on this machine: 8 processes of 125 agents (3 threads each:
-  the agent, paho's network loop, the dispatcher) kept both cores at 100 % system time,
-  connections timed out on keep-alive, and the start barrier's tally had not come after
-  300 s (K^2 = 10^6 retained presences to deliver and check). Before the shared partition
-  (`agent.experiment.share_partitions`) each such process also grew to 6.5 GB and was
-  killed for memory; with it, 0.4 GB. What is left for 1,000: presences of the whole fleet
-  to every agent (offline notices from the keeper instead), and one network thread per
-  process for its agents' connections instead of one each.
+* The mean meets M + 5 at every size, 1,000 included (2K + M = 2,005 before the keeper); a
+  few agent-rounds get more (at most 11-14): an agent whose round-1 neighbours were slow
+  asks for their models, and a reconnect brings its retained subscriptions again.
+* Round 1 brings about 6 deliveries to each agent at every size (the start tally, the run,
+  the keeper's presence, models): K + 6 before the absence notice (329 at 300 agents).
+* Memory: 3.4 MB (100 to 300 agents) and 3.6 MB (300 to 1,000) per added agent.
+* What it took for 1,000 agents on 2 cores, besides the absence notice (before it, the
+  start barrier's tally had not come after 300 s: 10^6 retained presences to deliver and
+  check): agents in one process compute one at a time (`agent.experiment.share_compute`),
+  the host processes run at niceness 10 below the broker and the coordinator, and with a
+  thread switch interval of 50 ms instead of Python's 5 ms (agent/host.py). Without the
+  last, 8 processes of 375 threads made about 190,000 context switches a second (70-80 %
+  system time: every thread waiting for the interpreter lock wakes each switch interval),
+  mosquitto was starved and hundreds of connections dropped on keep-alive: of 5 runs at
+  1,000 agents, one finished (52 s a round) and 4 stalled or crawled in round 1 or 2; with
+  it, 3,300 a second, and both runs since finished all 3 rounds (22.0 and 21.6 s a round)
+  without a straggler.
 """
 
 from __future__ import annotations
@@ -60,7 +67,14 @@ from rich.table import Table  # noqa: E402
 
 from agent.experiment import ExperimentConfig  # noqa: E402
 from agent.learning import preset  # noqa: E402
-from bench.support import broker, environment, fleet_round_ends, steady_round_s, write_json  # noqa: E402
+from bench.support import (  # noqa: E402
+    MemoryWatch,
+    broker,
+    environment,
+    fleet_round_ends,
+    steady_round_s,
+    write_json,
+)
 from coordinator.emulate import Emulation, EmulationOptions, auto_agents_per_process  # noqa: E402
 
 DELIVERIES = re.compile(r"round (\d+): (\d+) deliveries received")
@@ -86,9 +100,13 @@ def measure(args: argparse.Namespace, agents: int) -> dict[str, Any]:
                 round_timeout_s=args.round_timeout,
             )
             emulation = Emulation(config, address, options)
+            watch = MemoryWatch(emulation)
+            watch.start()
             started = time.perf_counter()
             report = emulation.run()
             wall = time.perf_counter() - started
+            watch.done.set()
+            watch.join()
         per_agent = {a: deliveries(emulation.log_path(a)) for a in emulation.roster}
         ends = fleet_round_ends(options.workdir, emulation.roster)
     steady = [n for rounds in per_agent.values() for r, n in rounds.items() if r >= 2]
@@ -104,6 +122,10 @@ def measure(args: argparse.Namespace, agents: int) -> dict[str, Any]:
         "round1_mean": statistics.fmean(first),
         "target": args.neighbours + 5,
         "steady_round_s": steady_round_s(ends),
+        "stragglers": sum(
+            len(entry["stragglers"]) for r in report["rounds"] for entry in r["agents"].values()
+        ),
+        "agents_uss_mb": watch.peak_uss / 2**20,
         "wall_s": wall,
         "mean_accuracy": report["summary"]["mean_accuracy"],
     }
@@ -121,7 +143,18 @@ def main() -> None:
     )
     args = parser.parse_args()
     table = Table(title=f"deliveries per agent and round (M = {args.neighbours}, {args.broker})")
-    columns = ("agents", "per process", "done", "mean", "max", "target", "round 1", "s/round")
+    columns = (
+        "agents",
+        "per process",
+        "done",
+        "mean",
+        "max",
+        "target",
+        "round 1",
+        "s/round",
+        "stragglers",
+        "USS MB",
+    )
     for column in columns:
         table.add_column(column, justify="right")
     results = []
@@ -139,8 +172,10 @@ def main() -> None:
             str(result["target"]),
             f"{result['round1_mean']:.0f}",
             f"{result['steady_round_s'] or 0:.1f}",
+            str(result["stragglers"]),
+            f"{result['agents_uss_mb']:.0f}",
         )
-    Console().print(table)
+    Console(width=140).print(table)
 
 
 if __name__ == "__main__":

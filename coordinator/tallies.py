@@ -17,9 +17,10 @@ tally, and with it t* (ALGORITHMS.md 1.7), is the one every agent computed itsel
 Likewise for liveness: agents of a run with a keeper do not follow every presence of the
 fleet (retained, so a run's start delivered K of them to each agent: 10^6 at K = 1,000).
 The keeper follows them and publishes, retained, one `Absent` notice of who took part in
-the run, has not finished or stopped and is offline now (with the presence's reason), again
-whenever that changes, at most once per POLL_S: a mass outage is one notice, not one per
-agent, and agents that finished the run leaving at its end send none.
+the run, has not finished or stopped and is gone (left, or crashed CRASH_GRACE_S ago and
+not back), again whenever that changes, at most once per ABSENT_EVERY_S: a mass outage is a
+few notices, not one per agent; connections that drop and come back within the grace, and
+agents that finished the run leaving at its end, send none.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 
 from protocol import MqttTransport, messages, topics
+from protocol.membership import CRASH_GRACE_S, LOST
 from protocol.signing import Signer
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,9 @@ DEFAULT_VOTE_WAIT_S = 60.0
 agents' own default vote timeout)."""
 POLL_S = 0.5
 """How often the keeper looks for a round whose wait ran out."""
+ABSENT_EVERY_S = 2.0
+"""The `Absent` notice goes out at most this often: an outage of many agents at once (a
+broker restart, a saturated host) is a few notices to each agent, not one per agent."""
 
 
 @dataclass
@@ -54,8 +59,8 @@ class _Heard:
     votes: dict[int, dict[str, bool]] = field(default_factory=dict)
     stopped: dict[str, int] = field(default_factory=dict)
     left: set[str] = field(default_factory=set)
-    offline: dict[str, str] = field(default_factory=dict)
-    """Agents whose presence says offline -> its reason."""
+    offline: dict[str, tuple[str, float]] = field(default_factory=dict)
+    """Agents whose presence says offline -> its reason, and since when (monotonic)."""
     first_report: dict[int, float] = field(default_factory=dict)
 
 
@@ -74,15 +79,17 @@ class TallyKeeper:
         key: Signer | None,
         wait_s: float,
         start_wait_s: float,
+        crash_grace_s: float = CRASH_GRACE_S,
     ) -> None:
         self.fleet, self.run_id, self.sender, self.key = fleet, run_id, sender, key
         self.roster = sorted(roster)
         self.rounds = rounds
         self.transport = transport
         self.wait_s, self.start_wait_s = wait_s, start_wait_s
+        self.crash_grace_s = crash_grace_s
         self.next_round = 0
         self._heard = _Heard()
-        self._absent: dict[str, str] = {}
+        self._absent: set[str] = set()
         """What the last `Absent` notice said."""
         self._absent_at = -float("inf")
         self._lock = threading.Lock()
@@ -124,20 +131,23 @@ class TallyKeeper:
             if online:
                 self._heard.offline.pop(agent, None)
             else:
-                self._heard.offline[agent] = reason
+                self._heard.offline.setdefault(agent, (reason, time.monotonic()))
             self._publish_due()
-            self._publish_absent(at_most_every_s=POLL_S)
+            self._publish_absent(at_most_every_s=ABSENT_EVERY_S)
 
     # ------------------------------------------------------------------ absences
 
-    def absent(self) -> dict[str, str]:
+    def absent(self) -> set[str]:
         """Who took part in the run (is ready), has not finished it, stopped early or left,
-        and is offline: the agents the others might wait for in vain (lock held)."""
-        heard = self._heard
+        and is gone: left ("shutdown"), or crashed ("lost") `crash_grace_s` ago and not back.
+        The agents wait for nobody listed here; a connection that drops on keep-alive and
+        comes back within the grace is never listed, so it costs the fleet no notice."""
+        heard, now = self._heard, time.monotonic()
         return {
-            agent: reason
-            for agent, reason in heard.offline.items()
-            if agent in heard.ready
+            agent
+            for agent, (reason, since) in heard.offline.items()
+            if (reason != LOST or now - since >= self.crash_grace_s)
+            and agent in heard.ready
             and agent not in heard.left
             and agent not in heard.stopped
             and heard.done_up_to.get(agent, 0) < self.rounds
@@ -150,7 +160,10 @@ class TallyKeeper:
         if absent == self._absent or time.monotonic() - self._absent_at < at_most_every_s:
             return
         notice = messages.Absent(
-            fleet=self.fleet, sender=self.sender, run_id=self.run_id, agents=absent
+            fleet=self.fleet,
+            sender=self.sender,
+            run_id=self.run_id,
+            gone=messages.bitmap(absent, self.roster),
         )
         self._absent, self._absent_at = absent, time.monotonic()
         self._send(topics.absent(self.fleet, self.sender), messages.encode(notice, key=self.key))
@@ -160,7 +173,7 @@ class TallyKeeper:
     def _poll(self) -> None:
         while not self._stop.wait(POLL_S):
             with self._lock:
-                self._publish_absent(at_most_every_s=0.0)
+                self._publish_absent(at_most_every_s=ABSENT_EVERY_S)
                 if self.next_round <= self.rounds:
                     self._publish_due()
 

@@ -44,6 +44,9 @@ SHUTDOWN = "shutdown"
 PROBE_S = 1.0
 """How long a starting member waits for the holder of its id to answer; an answer on a
 link the size of a fleet's takes milliseconds, so this is mostly the cost of a free id."""
+CRASH_GRACE_S = 10.0
+"""How long a fleet still waits for a member whose will says it crashed ("lost"): time to
+restart and resume, or for a connection dropped on keep-alive to come back."""
 BROKER_WAIT_S = 10.0
 """How long `connect` waits for the broker before it gives up checking the id (the member
 still connects, whenever the broker comes up: an agent may start before its broker)."""

@@ -216,15 +216,17 @@ class Tally(Message):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Absent(Message):
-    """The run's keeper's word on who of the run is offline now, retained, republished (whole)
+    """The run's keeper's word on who of the run is gone, retained, republished (whole)
     whenever that changes: the agents of a run with a keeper follow this instead of every
     presence of the fleet (K presences to each agent, K^2 at a run's start).
 
-    `agents`: every roster member that took part, has not finished the run and whose presence
-    says offline, with its presence's reason ("lost": a crash, "shutdown": it left)."""
+    `gone`: a bitmap over the run's sorted roster (as `Tally`'s) of every agent that took
+    part, has not finished the run and is gone: it left, or crashed and did not come back
+    within the grace (`protocol.membership.CRASH_GRACE_S`). A bitmap, so that a thousand
+    agents each read a fleet-wide outage in 125 bytes, not a thousand names."""
 
     TYPE = MessageType.ABSENT
-    agents: dict[str, str] = dataclasses.field(default_factory=dict)
+    gone: bytes = b""
 
 
 MESSAGE_CLASSES: dict[str, type[Message]] = {

@@ -123,3 +123,36 @@ def test_the_emulate_command_shares_processes_as_asked_and_by_default_for_large_
     assert auto_agents_per_process(8, cores=2) == 1
     assert auto_agents_per_process(32, cores=2) == 4
     assert auto_agents_per_process(1000, cores=16) == 32
+
+
+def test_agents_sharing_a_process_compute_one_at_a_time(monkeypatch) -> None:
+    """A hundred threads training at once starve the network threads of the interpreter;
+    a host's agents take turns (`share_compute`), lone agents never wait."""
+    from agent import experiment
+
+    running, most = 0, 0
+    lock = threading.Lock()
+
+    def compute() -> None:
+        nonlocal running, most
+        with experiment.compute_slot():
+            with lock:
+                running += 1
+                most = max(most, running)
+            threading.Event().wait(0.05)
+            with lock:
+                running -= 1
+
+    def most_at_once() -> int:
+        threads = [threading.Thread(target=compute) for _ in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return most
+
+    monkeypatch.setattr(experiment, "_COMPUTE", [])
+    assert most_at_once() > 1, "no slots: a lone agent's process"
+    most = 0
+    experiment.share_compute(1)
+    assert most_at_once() == 1

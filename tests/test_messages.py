@@ -55,7 +55,7 @@ EXAMPLES: list[m.Message] = [
         stopped={"c": 2},
         left=["d"],
     ),
-    m.Absent(fleet="lab", sender="coordinator", run_id="r1", agents={"a": "lost", "b": "shutdown"}),
+    m.Absent(fleet="lab", sender="coordinator", run_id="r1", gone=b"\x05"),
 ]
 
 

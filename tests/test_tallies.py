@@ -10,6 +10,7 @@ import time
 import pytest
 
 from agent.runtime import Expected, Inbox, expected_shapes
+from coordinator import tallies
 from coordinator.tallies import TallyKeeper
 from protocol import messages, topics
 
@@ -30,12 +31,14 @@ class Recorder:
         decoded = [messages.decode(payload) for _, payload, _ in self.published]
         return [m for m in decoded if isinstance(m, messages.Tally)]
 
-    def absences(self) -> list[dict[str, str]]:
+    def absences(self) -> list[set[str]]:
         decoded = [messages.decode(payload) for _, payload, _ in self.published]
-        return [m.agents for m in decoded if isinstance(m, messages.Absent)]
+        return [messages.members(m.gone, ROSTER) for m in decoded if isinstance(m, messages.Absent)]
 
 
-def keeper(wait_s: float = 60.0, start_wait_s: float = 60.0) -> tuple[TallyKeeper, Recorder]:
+def keeper(
+    wait_s: float = 60.0, start_wait_s: float = 60.0, crash_grace_s: float = 60.0
+) -> tuple[TallyKeeper, Recorder]:
     transport = Recorder()
     kept = TallyKeeper(
         fleet=FLEET,
@@ -47,6 +50,7 @@ def keeper(wait_s: float = 60.0, start_wait_s: float = 60.0) -> tuple[TallyKeepe
         key=None,
         wait_s=wait_s,
         start_wait_s=start_wait_s,
+        crash_grace_s=crash_grace_s,
     )
     return kept, transport
 
@@ -115,51 +119,58 @@ def test_a_late_round_is_tallied_with_what_came_after_the_wait() -> None:
     assert messages.members(transport.tallies()[1].done, ROSTER) == {"a"}
 
 
-def test_the_keeper_says_who_of_the_run_is_offline_once_per_change() -> None:
-    kept, transport = keeper()
+def wait_for(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def test_the_keeper_says_who_of_the_run_is_gone_once_per_change(monkeypatch) -> None:
+    monkeypatch.setattr(tallies, "ABSENT_EVERY_S", 0.5)
+    kept, transport = keeper(crash_grace_s=1.0)
     kept.on_presence("c", online=False, reason="lost")  # an earlier run's will: not in this run
-    assert transport.absences() == []
     kept.on_presence("c", online=True)  # its birth, before its first status of this run
     for agent in ROSTER:
         kept.on_status(status(agent, 0, "ready"))
-    assert transport.absences() == []
-    kept.on_presence("b", online=False, reason="lost")  # b crashed
-    assert transport.absences() == [{"b": "lost"}]
-    kept.on_presence("b", online=True)  # within POLL_S of the last notice: the poll sends it
-    assert transport.absences() == [{"b": "lost"}]
     kept.start()
     try:
-        deadline = time.monotonic() + 5
-        while len(transport.absences()) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert transport.absences() == [{"b": "lost"}, {}]
+        kept.on_presence("a", online=False, reason="lost")  # a dropped out, and is back in time
+        time.sleep(0.5)
+        kept.on_presence("a", online=True)
+        kept.on_presence("b", online=False, reason="shutdown")  # b left: gone at once
+        assert transport.absences() == [{"b"}]
+        kept.on_presence("c", online=False, reason="lost")  # c crashed: gone after the grace
+        time.sleep(0.6)
+        assert transport.absences() == [{"b"}], "c may still come back"
+        wait_for(lambda: len(transport.absences()) == 2)
+        assert transport.absences()[-1] == {"b", "c"}
+        kept.on_presence("b", online=True)
+        kept.on_presence("c", online=True)  # within POLL_S of the last change: one notice
+        wait_for(lambda: len(transport.absences()) == 3)
         for agent in ROSTER:
             kept.on_status(status(agent, 3, "done"))
-        kept.on_status(status("a", 2, "stopped", stopped=True))
-        for agent in ROSTER:  # leaving after the run (or after stopping early): no notice
+        for agent in ROSTER:  # leaving after the run: no notice
             kept.on_presence(agent, online=False, reason="shutdown")
-        time.sleep(0.8)
+        time.sleep(1.5)
     finally:
         kept.close()
-    assert transport.absences() == [{"b": "lost"}, {}]
+    assert transport.absences()[2:] == [set()], "a's drop within the grace was never told"
 
 
-def test_an_agent_learns_who_is_offline_from_the_keepers_notices() -> None:
+def test_an_agent_learns_who_is_gone_from_the_keepers_notices() -> None:
     box = inbox()
     box.on_status(topics.status(FLEET, "a"), messages.encode(status("a", 0, "ready")))
-    box.on_status(topics.status(FLEET, "b"), messages.encode(status("b", 0, "ready")))
 
-    def notice(agents: dict[str, str], sender: str = "coordinator") -> None:
-        message = messages.Absent(fleet=FLEET, sender=sender, run_id=RUN, agents=agents)
+    def notice(agents: set[str], sender: str = "coordinator") -> None:
+        gone = messages.bitmap(agents, ROSTER)
+        message = messages.Absent(fleet=FLEET, sender=sender, run_id=RUN, gone=gone)
         box.on_absent(topics.absent(FLEET, sender), messages.encode(message))
 
-    notice({"a": "shutdown", "stranger": "lost"})
-    assert box.gone() == {"a"}, "a left: gone at once; a stranger is no member"
-    notice({"a": "shutdown", "b": "lost"})
-    assert box.gone() == {"a"}, "b crashed: it may be restarting, gone only after a grace"
-    notice({})
+    notice({"a"})
+    assert box.gone() == {"a"}, "the keeper served the grace"
+    notice(set())
     assert box.gone() == set() and box.offline == set()
-    notice({"a": "shutdown"}, sender="a")
+    notice({"a"}, sender="a")
     assert box.offline == set() and box.rejected == 1, "only the keeper says who is gone"
 
 

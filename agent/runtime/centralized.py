@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from agent.device import Budget
-from agent.experiment import attackers
+from agent.experiment import attackers, compute_slot
 from agent.learning import (
     Fit,
     Payload,
@@ -171,10 +171,11 @@ class CentralizedRounds:
                 return self._missed_round(round_, p_k, budget)
             view = ServerState(part.weights)
         waited = time.monotonic() - started
-        compute_started = time.monotonic()
-        fit, undone = checked_fit(
-            self.strategy.fit(s.learner, s.state, s.data, view, round_, p_k), s.state, view
-        )
+        with compute_slot():
+            compute_started = time.monotonic()
+            fit, undone = checked_fit(
+                self.strategy.fit(s.learner, s.state, s.data, view, round_, p_k), s.state, view
+            )
         if undone:
             log.warning("round %d: model not finite; kept the model from before it", round_)
         throttled = s.after_compute(compute_started, fit.train_flops)

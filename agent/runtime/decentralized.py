@@ -22,7 +22,7 @@ import logging
 import time
 from typing import Any
 
-from agent.experiment import attackers
+from agent.experiment import attackers, compute_slot
 from agent.learning import (
     Need,
     Published,
@@ -214,23 +214,25 @@ class DecentralizedRounds:
         waited = time.monotonic() - started
         prune_now = self.prune_now(round_)
         budget = s.budget()
-        compute_started = time.monotonic()
-        result, reduction = train_round(
-            s.learner,
-            s.state,
-            s.data,
-            inbox,
-            round_,
-            prune_now,
-            budget.p_k if budget else None,
-        )
+        with compute_slot():
+            compute_started = time.monotonic()
+            result, reduction = train_round(
+                s.learner,
+                s.state,
+                s.data,
+                inbox,
+                round_,
+                prune_now,
+                budget.p_k if budget else None,
+            )
         throttled = s.after_compute(compute_started, result.train_flops)
         s.state = result.state
         if result.recovered:
             log.warning("round %d: model not finite; kept the model from before it", round_)
-        stops = s.early.after(
-            s.learner, result.state.weights, result.train_loss, s.data, result.pruned
-        )
+        with compute_slot():
+            stops = s.early.after(
+                s.learner, result.state.weights, result.train_loss, s.data, result.pruned
+            )
         sent = result
         if s.me in attackers(s.config, s.roster):  # research: it sends a poisoned model
             sent = attacked(s.learner, result, s.config.attack, round_)

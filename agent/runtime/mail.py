@@ -23,7 +23,7 @@ from typing import Any
 from agent.learning import running
 from protocol import ProtocolError, messages
 from protocol.logs import RejectionLog, claimed_sender
-from protocol.membership import LOST, PresenceClock
+from protocol.membership import CRASH_GRACE_S, LOST, PresenceClock
 from protocol.signing import Signer
 
 log = logging.getLogger(__name__)
@@ -53,8 +53,6 @@ class Expected:
 
 ROUND_DONE_STATES = ("training", "stopped", "done")
 """The states of the status an agent publishes after each round it finished."""
-CRASH_GRACE_S = 10.0
-"""How long peers still wait for an agent whose will says it crashed: time to restart."""
 
 
 class FleetMail:
@@ -78,8 +76,8 @@ class FleetMail:
         """The last round each agent's status (or a tally) says it finished."""
         self._tallied: set[int] = set()
         """Rounds whose tally came: their votes are all there will be."""
-        self._noticed: dict[str, str] = {}
-        """Who the keeper's last `Absent` notice listed as offline."""
+        self._noticed: set[str] = set()
+        """Who the keeper's last `Absent` notice listed as gone."""
         self.on_keeper_lost: Callable[[], None] | None = None
         """Called once when the keeper's presence says it went offline: the agent then
         follows every status and vote itself, as in a fleet without a keeper."""
@@ -198,24 +196,20 @@ class FleetMail:
                 lost()
 
     def on_absent(self, topic: str, payload: bytes) -> None:
-        """The keeper's word on who of the run is offline, instead of every presence: an
-        agent it no longer lists came back (or finished), one it newly lists went offline
-        now, as its presence would have said."""
+        """The keeper's word on who of the run is gone, instead of every presence: an agent
+        it lists left, or crashed CRASH_GRACE_S ago and has not come back (the keeper served
+        the grace), so nobody waits for it; one it no longer lists came back."""
         message = self._decode(topic, payload, "absent")
         if not isinstance(message, messages.Absent):
             return
         if message.sender != self.expected.keeper:
             self.reject("absent", message.sender, topic, "not the run's keeper")
             return
-        absent = {a: r for a, r in message.agents.items() if a in self.expected.roster}
+        absent = messages.members(message.gone, sorted(self.expected.roster))
         with self._changed:
-            for agent in self._noticed.keys() - absent.keys():
+            for agent in self._noticed - absent:
                 self.offline.discard(agent)
-                self._crashed_at.pop(agent, None)
-            for agent in absent.keys() - self._noticed.keys():
-                self.offline.add(agent)
-                if absent[agent] == LOST:
-                    self._crashed_at.setdefault(agent, time.monotonic())
+            self.offline |= absent
             self._noticed = absent
             self._changed.notify_all()
 
