@@ -23,22 +23,41 @@ connection came back, or after 4 x `request_every_s` as a last resort, then ever
 sender answers once per asker's session, and the copy goes to the asker alone
 (`round/<t>/resend/<sender>/<asker>`).
 
-Measured here (dfedavgm, 6 rounds, embedded broker, agents sharing processes by default; the
-machine otherwise idle but for these runs): sent and received bytes against simulate's:
+Measured here (dfedavgm, 6 rounds, agents sharing processes by default; the machine
+otherwise idle but for these runs): sent and received bytes against simulate's.
 
-    agents   M   sent x  received x  re-sends  same accuracy
-         8   5    1.018       1.004         0  yes
-         8   7    1.018       1.003         0  yes
-        32   5    1.018       1.007         0  yes
-        32  31    1.133       1.002        22  yes
-        64   5    1.018       1.014         0  yes
+On mosquitto (`--broker mosquitto --sizes 8,32,64 --neighbours 5,all`,
+bench/results/emulate_traffic_mosquitto.json):
 
-(before: 32 agents all-to-all 10.2x, 20.6x in a second run; at 32 all-to-all the run
-right after the tally keeper gave 1.201x with 35 re-sends, 1.133x once an ask also waits
-one look after the report.) The 1.8 % left at M = 5 is each agent's status, vote and
-presence. Target 1.1x: met but for 32 all-to-all (1.133x: 22 re-sends, asked after
-reconnects or the 20 s last resort in rounds that ran that long on 2 cores with the
-embedded broker); 64 all-to-all was not run.
+    agents   M   sent x  received x  re-sends  same accuracy  emulate s
+         8   5    1.018       1.003         0  yes                 10.0
+         8   7    1.018       1.003         0  yes                 10.4
+        32   5    1.018       1.004         0  yes                 43.9
+        32  31    1.018       1.002         0  yes                 44.6
+        64   5    1.018       1.004         0  yes                 86.7
+        64  63    1.018       1.002         0  yes                115.7
+
+(A run `--sizes 32,64 --neighbours all` just before gave the same: 1.018x and no re-send
+for both, 44.6 and 111.7 s.)
+
+On the embedded broker (amqtt, in the coordinator's process; the default of `coordinator
+emulate`): 8, 32 and 64 agents at M = 5 and 8 all-to-all as above (1.018x sent, no
+re-sends, session 9's runs), but all-to-all beyond that it cannot keep up:
+
+    agents   M   sent x  received x  re-sends  same accuracy  emulate s
+        32  31    1.369       1.002        67  yes                 62.8
+        64  63    8.886       1.143     2,997  no                 242.9
+
+(`--sizes 32,64 --neighbours all`, bench/results/emulate_traffic_embedded_all.json; session
+9 measured 1.133x, 1.201x and 1.36x at 32 all-to-all.) 64 agents all-to-all are 24,000
+deliveries of 33 KB a round through one Python process: amqtt times out waiting for its
+clients' PUBACKs (15,700 such log lines), connections drop, and each reconnect asks for
+every model still missing, which the senders answer. The agents' rule is the same on both
+brokers; mosquitto, with the same rule, sent no re-send at all.
+
+The 1.8 % left is each agent's status, vote and presence. Target 1.1x: met on mosquitto at
+every size and neighbour count (8, 32, 64; M = 5 and all-to-all); on the embedded broker
+met but for 32 and 64 all-to-all: use mosquitto (`--broker`) for fleets that large.
 """
 
 from __future__ import annotations
