@@ -19,10 +19,12 @@ whose index is its `partition-id`, and Flower's own `flwr.serverapp.strategy.Fed
 report measures it: the new global model on each agent's test split, the mean over agents,
 in Flower's `evaluate_fn` (server side, so Flower runs no second round trip to evaluate).
 
-Runs: Flower fedavg, simulate fedavg, emulate fedavg (real agent processes over the embedded
-broker), simulate dadpfl and emulate dadpfl (5 neighbours); then the README's main job,
-`coordinator emulate --agents 8 --rounds 10` (dadpfl, 5 epochs, the CLI's defaults), against
-Flower's whole run of the same rounds and epochs.
+Runs: Flower fedavg, simulate fedavg, emulate fedavg (real agents over the embedded broker,
+`--agents-per-process` 4 by default, as the README's main job: 0 is emulate's automatic
+rule, one process each for 8 agents), simulate dadpfl and emulate dadpfl (5 neighbours);
+then the README's main job, `coordinator emulate --agents 8 --agents-per-process 4 --rounds
+10` (dadpfl, 5 epochs, the CLI's defaults), against Flower's whole run of the same rounds
+and epochs.
 
 * s / round: steady rounds, (end of the last round - end of the first) / rounds between,
   and the median round (less moved by a burst of other work). A round ends when its last
@@ -46,36 +48,37 @@ Flower's whole run of the same rounds and epochs.
   0.3121): its FedAvg sums float32 arrays in the order replies arrive, ours sums in float64
   in a fixed order. After 2 rounds both give exactly 0.11855.
 
-Measured here (flwr 1.41.0, Ray 2.55.1, torch 2.13 CPU, 2 cores, seed 1), other agents'
-tests and benchmarks running alongside (load average 5-10 at the quietest; the JSON holds the
-last run below). s / round and CPU s / round, with the multiple of Flower's:
+Measured here (flwr 1.41.0, Ray 2.55.1, torch 2.13 CPU, 2 cores, seed 1, nothing else
+running; the JSON holds this run). s / round and CPU s / round, with the multiple of
+Flower's; emulate with 4 agents to a process:
 
     job   engine    strategy E  s/round      median       CPU s/round  whole s     CPU s
-    task  flower    fedavg   1  0.194 1.00x  0.216 1.00x  0.136 1.00x  11.3 1.00x  11.8
-    task  simulate  fedavg   1  0.090 0.47x  0.086 0.40x  0.081 0.60x   1.0 0.09x   0.9
-    task  emulate   fedavg   1  0.216 1.12x  0.199 0.92x  0.195 1.44x  15.2 1.35x  19.9
-    task  simulate  dadpfl   1  0.122 0.63x  0.121 0.56x  0.122 0.90x   1.2 0.11x   1.2
-    task  emulate   dadpfl   1  0.290 1.49x  0.281 1.30x  0.364 2.69x  14.9 1.32x  20.5
-    main  flower    fedavg   5  0.453 1.00x  0.416 1.00x  0.431 1.00x  15.7 1.00x  13.7
-    main  emulate   dadpfl   5  0.782 1.73x  0.745 1.79x  0.880 2.04x  23.6 1.50x  25.7
+    task  flower    fedavg   1  0.161 1.00x  0.119 1.00x  0.132 1.00x  10.5 1.00x  11.9
+    task  simulate  fedavg   1  0.079 0.49x  0.079 0.67x  0.081 0.61x   0.8 0.08x   0.9
+    task  emulate   fedavg   1  0.153 0.95x  0.154 1.30x  0.183 1.39x   4.5 0.43x   5.9
+    task  simulate  dadpfl   1  0.119 0.74x  0.119 1.00x  0.183 1.39x   1.2 0.12x   2.0
+    task  emulate   dadpfl   1  0.217 1.35x  0.208 1.75x  0.312 2.37x   5.0 0.48x   6.6
+    main  flower    fedavg   5  0.339 1.00x  0.316 1.00x  0.400 1.00x  11.2 1.00x  14.7
+    main  emulate   dadpfl   5  0.378 1.11x  0.379 1.20x  0.557 1.39x   6.5 0.58x   8.6
 
 Bytes per round: Flower 541 kB (16 x 33.8 kB), simulate fedavg 525 kB, emulate fedavg
-564 kB, simulate dadpfl 667 kB, emulate dadpfl 614 kB. Accuracy after 10 rounds: fedavg
-0.3121 (all three), dadpfl 0.3638 (both); main job: Flower fedavg 0.4962, ours 0.5412.
-Start-up: Flower (Ray) 6-9 s, emulate (8 agent processes) 7-11 s; after the last round
-Flower 1.3-2.5 s, emulate 2-5 s (ONNX export).
+528 kB, simulate dadpfl 665 kB, emulate dadpfl 570 kB. Accuracy after 10 rounds: fedavg
+0.3121 (all three), dadpfl 0.3638 (both); main job: Flower fedavg 0.5006, ours 0.5412.
+Start-up: Flower (Ray) 5.5-7.4 s, emulate 2.5-3.1 s (two agent processes; 7-11 s with one
+process per agent, as before); after the last round Flower 1.5-2.3 s, emulate 0-0.3 s.
 
-Over five runs (load average 5 to 70) the multiples were: simulate fedavg s / round
-0.42-2.0x (CPU 0.58-0.70x), emulate fedavg 0.78-1.12x (CPU 1.28-1.56x), the main job's whole
-run 0.26-1.79x (CPU 1.53-1.88x): the wall-time multiples follow the machine's other work (an
-engine with more processes gets more of a busy machine's cores), the CPU ones do not.
-Targets (issue 16): simulate <= 0.4x Flower's steady s / round: NOT met (0.42x at the
-quietest; 0.58-0.70x in CPU: Flower's wall time per round includes the 0.1 s polls of its
-simulation engine's message loop and grid, which cost no CPU); emulate <= 0.5x: NOT met
-(0.78-1.12x; it spends 1.3-1.6x Flower's CPU per round: nine processes encode, send and
-decode over MQTT, with statuses); the README main job's whole run no slower than Flower's:
-NOT met (1.34-1.57x at load 5-10: eight interpreters importing torch cost ~1.8x the CPU of
-Ray's start-up, and dadpfl's rounds ~2x Flower fedavg's CPU).
+Earlier runs, one process per agent, over five runs at load average 5 to 70: simulate fedavg
+s / round 0.42-2.0x (CPU 0.58-0.70x), emulate fedavg 0.78-1.12x (CPU 1.28-1.56x), the main
+job's whole run 0.26-1.79x (CPU 1.53-1.88x), 1.34-1.57x at load 5-10: eight interpreters
+importing torch cost ~1.8x the CPU of Ray's start-up. Wall-time multiples follow the
+machine's other work (an engine with more processes gets more of a busy machine's cores),
+CPU ones do not.
+Targets (issue 16): the README main job's whole run no slower than Flower's: met (0.58x,
+CPU 0.59x: 4 agents to a process, so two interpreters import torch instead of eight).
+Simulate <= 0.4x Flower's steady s / round: NOT met (0.49x here, 0.42x at best before;
+0.58-0.70x in CPU: Flower's wall time per round includes the 0.1 s polls of its simulation
+engine's message loop and grid, which cost no CPU); emulate <= 0.5x: NOT met (0.95x; it
+spends 1.4x Flower's CPU per round: agents encode, send and decode over MQTT, with statuses).
 Flower here runs its fastest configuration: server-side evaluation (no second round trip
 per round) and one CPU per client actor (two train at once).
 """
@@ -118,6 +121,8 @@ SIMULATE_TARGET = 0.4
 EMULATE_TARGET = 0.5
 NEIGHBOURS = 5
 MAIN_JOB = "coordinator emulate, dadpfl"
+README_AGENTS_PER_PROCESS = 4
+"""The README's main job runs its 8 agents 4 to a process."""
 Ends = dict[int, float]
 """Round -> when it ended (epoch seconds)."""
 
@@ -219,14 +224,20 @@ def run_simulate(config: ExperimentConfig) -> tuple[Ends, dict[str, Any]]:
     return ends, {"wall_s": time.perf_counter() - clock, **report_figures(report)}
 
 
+AGENTS_PER_PROCESS = [README_AGENTS_PER_PROCESS]
+"""What `run_emulate` passes as `--agents-per-process` (`main` sets it from its option)."""
+
+
 def run_emulate(config: ExperimentConfig) -> tuple[Ends, dict[str, Any]]:
     """`coordinator emulate` on the embedded broker, as the CLI runs it."""
-    from coordinator.emulate import Emulation, EmulationOptions
+    from coordinator.emulate import Emulation, EmulationOptions, auto_agents_per_process
 
+    shared = AGENTS_PER_PROCESS[0] or auto_agents_per_process(config.agents)
     with tempfile.TemporaryDirectory(prefix="vs-flower-") as folder:
         workdir = pathlib.Path(folder)
         with broker("embedded", workdir) as address:
-            emulation = Emulation(config, address, EmulationOptions(workdir=workdir / "fleet"))
+            options = EmulationOptions(workdir=workdir / "fleet", agents_per_process=shared)
+            emulation = Emulation(config, address, options)
             clock = time.perf_counter()
             report = emulation.run()
             wall = time.perf_counter() - clock
@@ -497,6 +508,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--main-rounds", type=int, default=10, help="the README main job's")
     parser.add_argument("--main-epochs", type=int, default=5, help="the CLI's default epochs")
     parser.add_argument("--skip-main", action="store_true", help="leave the main job out")
+    parser.add_argument(
+        "--agents-per-process",
+        type=int,
+        default=README_AGENTS_PER_PROCESS,
+        help="emulate's agents per process (0: its automatic rule; default: the README's)",
+    )
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench/results/vs_flower.json")
     args = parser.parse_args(argv)
     if args.agents < 2 or min(args.rounds, args.main_rounds) < 2 or args.epochs < 1:
@@ -508,6 +525,8 @@ def main(argv: list[str] | None = None) -> int:
         print("Flower's simulation engine is not installed: pip install 'flwr[simulation]'")
         return 2
     import bench.vs_flower as bench  # Ray's workers unpickle the client app from this module
+
+    bench.AGENTS_PER_PROCESS[0] = args.agents_per_process
 
     console = Console(width=None if sys.stdout.isatty() else 160)
     plan = [("task", e, s, args.rounds, args.epochs) for e, s in RUNS + RUNS_DADPFL]
