@@ -106,6 +106,15 @@ class FleetMail:
             return None
         return message
 
+    def _from_keeper(self, topic: str, payload: bytes, kind: str) -> messages.Message | None:
+        """A message of `kind` that only the run's keeper may send; from anyone else it is
+        rejected."""
+        message = self._decode(topic, payload, kind)
+        if message is not None and message.sender != self.expected.keeper:
+            self.reject(kind, message.sender, topic, "not the run's keeper")
+            return None
+        return message
+
     def on_vote(self, topic: str, payload: bytes) -> None:
         message = self._decode(topic, payload, "vote")
         if isinstance(message, messages.Vote):
@@ -146,11 +155,8 @@ class FleetMail:
         """The keeper's tally of a round: what the statuses and votes of every agent would
         have said (ready, done, stopped, left, votes), in one message instead of two per
         agent."""
-        message = self._decode(topic, payload, "tally")
+        message = self._from_keeper(topic, payload, "tally")
         if not isinstance(message, messages.Tally):
-            return
-        if message.sender != self.expected.keeper:
-            self.reject("tally", message.sender, topic, "not the run's keeper")
             return
         roster = sorted(self.expected.roster)
         done = messages.members(message.done, roster)
@@ -199,11 +205,8 @@ class FleetMail:
         """The keeper's word on who of the run is gone, instead of every presence: an agent
         it lists left, or crashed CRASH_GRACE_S ago and has not come back (the keeper served
         the grace), so nobody waits for it; one it no longer lists came back."""
-        message = self._decode(topic, payload, "absent")
+        message = self._from_keeper(topic, payload, "absent")
         if not isinstance(message, messages.Absent):
-            return
-        if message.sender != self.expected.keeper:
-            self.reject("absent", message.sender, topic, "not the run's keeper")
             return
         absent = messages.members(message.gone, sorted(self.expected.roster))
         with self._changed:
