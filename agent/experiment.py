@@ -216,10 +216,9 @@ _COMPUTE: list[threading.Semaphore] = []
 
 def share_compute(slots: int = 1) -> None:
     """Agents sharing a process (agent/host.py) compute `slots` at a time. A hundred agent
-    threads training at once gain nothing on a few cores: they fight over the interpreter
-    lock, and their network threads, starved of it, miss keep-alives (1,000 agents in 8
-    processes: about 180,000 context switches a second, 70% system time, connections lost).
-    Which agent computes first changes no result: each agent's computation is its own."""
+    threads training at once gain nothing on a few cores: they take turns with the
+    interpreter lock anyway, and keep the process's network threads waiting for it. Which
+    agent computes first changes no result: each agent's computation is its own."""
     _COMPUTE[:] = [threading.Semaphore(slots)]
 
 
