@@ -146,7 +146,8 @@ def test_an_agent_the_coordinator_never_admitted_is_not_seen(amqtt_broker, tmp_p
         MqttTransport(amqtt_broker.address, TransportOptions()) as agents,
     ):
         feed = FleetFeed(transport, fleet, coordinator)
-        assert agents.wait_connected(10)
+        # The messages below are not retained: the feed must be subscribed before they go.
+        assert transport.wait_subscribed(10) and agents.wait_connected(10)
         for member in (known, stranger):
             presence = m.Presence(fleet=fleet, sender=member.me, online=True, since=time.time())
             status = m.Status(fleet=fleet, sender=member.me, state="idle")
