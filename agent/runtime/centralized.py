@@ -193,7 +193,7 @@ class CentralizedRounds:
             throttled_s=round(throttled, 3),
             stragglers=stragglers,
             wait_s=round(waited, 3),
-            stopped=s.early.after(s.learner, fit.state.weights, fit.train_loss, s.data),
+            stopped=s.stops_after(fit.state.weights, fit.train_loss),
         )
 
     def _exchange(self, round_: int, p_k: float, fit: Fit) -> list[str]:

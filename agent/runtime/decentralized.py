@@ -229,10 +229,7 @@ class DecentralizedRounds:
         s.state = result.state
         if result.recovered:
             log.warning("round %d: model not finite; kept the model from before it", round_)
-        with compute_slot():
-            stops = s.early.after(
-                s.learner, result.state.weights, result.train_loss, s.data, result.pruned
-            )
+        stops = s.stops_after(result.state.weights, result.train_loss, result.pruned)
         sent = result
         if s.me in attackers(s.config, s.roster):  # research: it sends a poisoned model
             sent = attacked(s.learner, result, s.config.attack, round_)

@@ -25,8 +25,8 @@ from typing_extensions import Required, TypedDict
 
 from agent.device import Budget, Throttle
 from agent.device.throttle import ENERGY_SOURCE
-from agent.experiment import ExperimentConfig, Workload
-from agent.learning import AgentState, EarlyStop, StopWatch
+from agent.experiment import ExperimentConfig, Workload, compute_slot
+from agent.learning import AgentState, EarlyStop, State, StopWatch
 from agent.report import AgentRound, early_stop_savings
 from agent.runtime import checkpoint
 from agent.runtime.codec import expected_shapes
@@ -326,6 +326,13 @@ class Session:
         )
         if self.telemetry:
             self.mirror(message)
+
+    def stops_after(self, weights: State, train_loss: float, restart: bool = False) -> bool:
+        """Whether early stopping stops the agent after a round that ended with `weights`
+        (`EarlyStop.after`); its loss on the local data is computation, so it holds a compute
+        slot (`agent.experiment.compute_slot`) like the round's training."""
+        with compute_slot():
+            return self.early.after(self.learner, weights, train_loss, self.data, restart)
 
     def mirror(self, message: messages.Status) -> None:
         publish_telemetry(self.transport, message)
