@@ -9,25 +9,23 @@ not trained, change = final mean accuracy over all agents against the same run w
   samples, so L_t rises by noise within a few rounds while the fleet is still learning, and
   the agent keeps that early model: cut 69-94%, change -16 to -63 points (patience 3: cut
   1-44%, change -0.4 to -21 points).
-* `progress` (the default): stop once the last `patience` (default 20) rounds lowered the
-  agent's best L by at most a fraction `delta` (default 0.1) of all it lowered it since its
-  first round, L_1 - L_best: "the curve has levelled off". It reads only the best L, so a
-  noisy rise changes nothing, and it measures progress against the agent's own (L's scale
-  differs by dataset and agent). On digits, where the fleet converges by round ~45, it cut
-  30-34% of the agent-rounds at -0.27 (fedspu) and -0.45 (fedavg-ft) points, the paper's
-  claim; on mnist1d, still learning at round 60, it cut 5-7% and there was no 25% to take:
-  stopping every agent at round 45 costs 0.7-5.9 points. At 150 rounds mnist1d still
-  learns (a 25% cut costs ~3 points even stopping all agents at once) and the rule stops
-  every agent, cutting 53-62% at -5 to -11 points; at 300 rounds (2 seeds), where a 25% cut
-  costs fedspu and DA-DPFL under a point, it stops them all by round 123 at -9 to -17
-  points: on mnist1d an agent's own L stalls for 20 rounds and falls again as the fleet's
-  models improve, which no rule on the agent's L alone told apart. A round that pruned the
-  agent's model (DA-DPFL) restarts the window: L from before belongs to another model,
-  and an agent that stopped right after pruning kept a model that had not recovered. With
-  the restart,
-  DA-DPFL lost 1.18 points on digits (1.80 without) and 2.67 on mnist1d (no agent pruned
-  there by round 60): its neighbours go on aggregating a stopped agent's last model.
-  With delta 0 it is the usual patience against the best L (no new best in `patience`
+* `progress` (the default): stop once the last `patience` (default 20) rounds lowered the agent's
+  best L by at most a fraction `delta` (default 0.1) of all it lowered it since its first round,
+  L_1 - L_best: "the curve has levelled off". It reads only the best L, so a noisy rise changes
+  nothing, and it measures progress against the agent's own (L's scale differs by dataset and
+  agent). On digits, where the fleet converges by round ~45, it cut 30-34% of the agent-rounds at
+  -0.27 (fedspu) and -0.45 (fedavg-ft) points, the paper's claim; on mnist1d, still learning at
+  round 60, it cut 5-7% and there was no 25% to take: stopping every agent at round 45 costs
+  0.7-5.9 points. At 150 rounds mnist1d still learns (a 25% cut costs ~3 points even stopping all
+  agents at once) and the rule stops every agent, cutting 53-62% at -5 to -11 points; at 300
+  rounds (3 seeds), where stopping all agents at round 225 stays within a point in 4 of 9 runs, it
+  stops them all by round 139 at -9 to -16 points: on mnist1d an agent's own L stalls for 20
+  rounds and falls again as the fleet's models improve, which no rule on the agent's L alone told
+  apart. A round that pruned the agent's model (DA-DPFL) restarts the window: L from before
+  belongs to another model, and an agent that stopped right after pruning kept a model that had
+  not recovered. With the restart, DA-DPFL lost 1.18 points on digits (1.80 without) and 2.67 on
+  mnist1d (no agent pruned there by round 60): its neighbours go on aggregating a stopped agent's
+  last model. With delta 0 it is the usual patience against the best L (no new best in `patience`
   rounds), which stopped agents mid-learning in the replay (up to 3.5 points at 10 rounds).
 """
 
