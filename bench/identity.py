@@ -10,6 +10,7 @@ that every agent's accuracy and sparsity in every round equal simulate's.
 
     python3 bench/identity.py record /tmp/before      # on the old code
     python3 bench/identity.py compare /tmp/before     # on the new code
+    python3 bench/identity.py compare /tmp/before --workers 2   # trained in 2 processes
     python3 bench/identity.py emulate
 
 Prints a table and writes bench/results/identity.json.
@@ -190,13 +191,13 @@ def record(folder: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def compare(folder: Path) -> list[dict[str, Any]]:
+def compare(folder: Path, extra: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for name in CONFIGS:
             want = without_wall(json.loads((folder / f"{name}.json").read_text()))
             started = time.perf_counter()
-            got = without_wall(simulate(name, Path(scratch)))
+            got = without_wall(simulate(name, Path(scratch), extra))
             # A configuration field added since the recording (with its default) is no change.
             got["config"] = recorded_fields(got["config"], want["config"])
             same_patience(got["config"], want["config"])
@@ -259,15 +260,22 @@ def emulate() -> list[dict[str, Any]]:
 
 
 def main(argv: list[str]) -> int:
+    mode, args = (argv[0], argv[1:]) if argv else ("", [])
+    workers = args[2:] if len(args) == 3 and args[1] == "--workers" else []
     if (
-        not argv
-        or argv[0] not in ("record", "compare", "emulate")
-        or (argv[0] != "emulate" and len(argv) != 2)
+        mode not in ("record", "compare", "emulate")
+        or (mode == "emulate" and args)
+        or (mode == "record" and len(args) != 1)
+        or (mode == "compare" and len(args) != 1 + len(workers) + bool(workers))
     ):
         print(__doc__.split("\n\n")[2], file=sys.stderr)
         return 2
-    mode = argv[0]
-    rows = emulate() if mode == "emulate" else globals()[mode](Path(argv[1]))
+    if mode == "emulate":
+        rows = emulate()
+    elif mode == "record":
+        rows = record(Path(args[0]))
+    else:
+        rows = compare(Path(args[0]), ("--workers", *workers) if workers else ())
     print(f"\n{'config':<26} {'rounds':>6} {'seconds':>8}  result")
     for row in rows:
         print(f"{row['config']:<26} {row['rounds']:>6} {row['seconds']:>8}  {row['result']}")

@@ -10,10 +10,14 @@ encoded messages an agent would send (`coordinator.traffic`, one model per wire 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import heapq
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
 from agent.device.throttle import ENERGY_SOURCE, round_energy
@@ -30,6 +34,7 @@ from agent.learning import (
     Fit,
     Payload,
     Published,
+    Reduction,
     RoundResult,
     RoundTopology,
     ServerState,
@@ -60,6 +65,7 @@ from agent.report import (
     summarize,
 )
 from coordinator.traffic import CentralTraffic, LocalWire, wire_traffic
+from coordinator.training_pool import FitJob, RoundJob, TrainingPool
 
 __all__ = ["ExperimentConfig", "ProgressCallback", "Simulation", "simulate"]
 
@@ -72,8 +78,10 @@ ProgressCallback = Callable[[int, str], None]
 class Simulation:
     """One run: builds the fleet, runs the rounds, and collects the report."""
 
-    def __init__(self, config: ExperimentConfig) -> None:
+    def __init__(self, config: ExperimentConfig, workers: int = 1) -> None:
         config.validate()
+        if workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {workers}")
         self.config = config
         cfg = config.learning
         self.roster = [f"agent-{k:03d}" for k in range(config.agents)]
@@ -95,14 +103,33 @@ class Simulation:
         """Centralized: what each participant last trained with (budget or static tier)."""
         self.attackers = attackers(config, self.roster)
         """The agents that send poisoned models (`--attackers`)."""
+        self.workers = workers
+        """Processes that train agents' rounds at once (`TrainingPool`); 1: all here."""
+        self.pool: TrainingPool | None = None
+
+    @contextlib.contextmanager
+    def _workers(self) -> Iterator[None]:
+        """The run's training pool (`self.pool`), with more than one worker."""
+        if self.workers < 2:
+            yield
+            return
+        try:
+            with TrainingPool(self.config, self.roster, self.workers) as self.pool:
+                yield
+        finally:
+            self.pool = None
+
+    @property
+    def centralized(self) -> bool:
+        """Whether a coordinator aggregates (the strategies of `agent.learning.central`)."""
+        return not (self.learner.decentralized or self.config.learning.strategy == "local")
 
     def run(self, progress: ProgressCallback | None = None) -> dict[str, Any]:
         started = time.perf_counter()
         cfg = self.config.learning
-        if self.learner.decentralized or cfg.strategy == "local":
-            rounds = self._decentralized(progress)
-        else:
-            rounds = self._centralized(progress)
+        run_rounds = self._centralized if self.centralized else self._decentralized
+        with self._workers():
+            rounds = run_rounds(progress)
         return {
             "config": {
                 **dataclasses.asdict(self.config),
@@ -127,18 +154,31 @@ class Simulation:
         if self.early_stops[k].after(self.learner, weights, train_loss, self.data[k], pruned):
             self.stopped[k] = t
 
-    def _train(
-        self, k: str, t: int, inbox: dict[str, Published], prune_now: bool
-    ) -> tuple[RoundResult, AgentRound]:
-        """Agent k's local round on its inbox, cut to its budget; the round's figures."""
+    def _start_round(
+        self, k: str, topology: RoundTopology, inbox: dict[str, Published]
+    ) -> Future[tuple[RoundResult, Reduction]]:
+        """Agent k's local round on `inbox`, cut to its budget: started in a worker, or
+        trained here at once."""
+        t, prune_now = topology.round, self.plan.is_pruning_round(topology.round)
         budget = self.budgets[k].p_k if k in self.budgets else None
-        result, reduction = train_round(
-            self.learner, self.states[k], self.data[k], inbox, t, prune_now, budget
+        if self.pool is not None:
+            return self.pool.local_round(RoundJob(k, self.states[k], inbox, t, prune_now, budget))
+        done: Future[tuple[RoundResult, Reduction]] = Future()
+        done.set_result(
+            train_round(self.learner, self.states[k], self.data[k], inbox, t, prune_now, budget)
         )
+        return done
+
+    def _finish_round(
+        self, k: str, t: int, result: RoundResult, reduction: Reduction
+    ) -> tuple[RoundResult, AgentRound]:
+        """Keep agent k's round: its state, early stopping, figures; what it sends (poisoned
+        if it is an attacker)."""
         self.states[k] = result.state
         if result.recovered:
             log.warning("%s round %d: model not finite; kept its model from before", k, t)
         self._early_stop(k, t, result.state.weights, result.train_loss, result.pruned)
+        budget = self.budgets[k].p_k if k in self.budgets else None
         record = AgentRound.of_result(t, k, result, reduction, budget)
         if k in self.attackers:
             result = attacked(self.learner, result, self.config.attack, t)
@@ -163,19 +203,14 @@ class Simulation:
         rounds = []
         for t in range(1, cfg.rounds + 1):
             topology = RoundTopology(self.config.seed, t, self.roster, cfg)
-            prune_now = self.plan.is_pruning_round(t)
             wire.begin(t)
             current: dict[str, Published] = {}
-            ran: dict[str, AgentRound] = {}
             for k in topology.order:
-                if not running(k, t, self.stopped):  # it stands in with its last model (stand_in)
+                if not running(k, t, self.stopped):  # stands in with its last model
                     current[k] = previous[k]
                     wire.stood_in(k)
-                    continue
-                prior, posterior = topology.prior_posterior(k)
-                inbox = {j: current[j] for j in prior} | {j: previous[j] for j in posterior}
-                inbox = wire.receive(k, topology, inbox)
-                result, ran[k] = self._train(k, t, inbox, prune_now)
+            ran: dict[str, AgentRound] = {}
+            for k, result, ran[k] in self._local_rounds(topology, wire, current, previous):
                 current[k] = wire.publish(k, t, result, previous[k])
                 if progress:
                     progress(t, k)
@@ -186,24 +221,80 @@ class Simulation:
                 break
         return rounds
 
+    def _local_rounds(
+        self,
+        topology: RoundTopology,
+        wire: LocalWire,
+        current: dict[str, Published],
+        previous: dict[str, Published],
+    ) -> Iterator[tuple[str, RoundResult, AgentRound]]:
+        """The running agents' local rounds (those not in `current`), each with its figures.
+        An agent's round starts once its prior neighbours are in `current`, which the caller
+        fills with each result before asking for the next. Here that is reuse order; with
+        workers, the earliest agents in it whose inboxes are complete train at once (one
+        more than the workers, so that none waits for this process), and each round is
+        taken as it finishes. Every agent's round depends only on its inbox, so the report
+        is the same."""
+        order = [k for k in topology.order if k not in current]
+        position = {k: i for i, k in enumerate(order)}
+        waiting = {k: set(topology.prior_posterior(k)[0]) - current.keys() for k in order}
+        needed_by: dict[str, list[str]] = {}
+        for k in order:
+            for j in waiting[k]:
+                needed_by.setdefault(j, []).append(k)
+        ready = [position[k] for k in order if not waiting[k]]
+        slots = self.workers + 1 if self.pool is not None else 1
+        training: dict[Future[tuple[RoundResult, Reduction]], str] = {}
+        while ready or training:
+            while ready and len(training) < slots:
+                k = order[heapq.heappop(ready)]
+                prior, posterior = topology.prior_posterior(k)
+                inbox = {j: current[j] for j in prior} | {j: previous[j] for j in posterior}
+                training[self._start_round(k, topology, wire.receive(k, topology, inbox))] = k
+            finished, _ = wait(training, return_when=FIRST_COMPLETED)
+            for future in sorted(finished, key=lambda f: position[training[f]]):
+                k = training.pop(future)
+                yield k, *self._finish_round(k, topology.round, *future.result())
+                for later in needed_by.get(k, []):
+                    waiting[later].discard(k)
+                    if not waiting[later]:
+                        heapq.heappush(ready, position[later])
+
     # -------------------------------------------------------------------- centralized rounds
 
-    def _fit(
+    def _job(
         self, strategy: CentralStrategy, server: ServerState, k: str, t: int
-    ) -> tuple[Fit, Payload | None]:
-        """Participant k's round: its download (if the strategy has one), then its fit."""
+    ) -> tuple[FitJob, Payload | None]:
+        """Participant k's fit to run, after its download (if the strategy has one)."""
         budget = self.budgets[k].p_k if k in self.budgets else None
         self.p_k[k] = participant_p_k(budget, self.roster, k)
         view, download = server, None
         if strategy.downloads:
             download = strategy.download(self.learner, server, k, t, self.p_k[k])
             view = ServerState(as_sent(download, self.config.learning.fp16).weights)
-        fit = strategy.fit(self.learner, self.states[k], self.data[k], view, t, self.p_k[k])
-        fit, undone = checked_fit(fit, self.states[k], view)
+        samples = len(self.data[k].y_train)
+        return FitJob(k, self.states[k], view, self.p_k[k], samples), download
+
+    def _fits(
+        self, strategy: CentralStrategy, jobs: list[FitJob], t: int, meanwhile: Callable[[], None]
+    ) -> Iterator[tuple[str, Fit]]:
+        """The jobs' fits, in order: trained here, or at once in the workers,
+        with `meanwhile` done here while they train."""
+        if self.pool is not None:
+            yield from self.pool.fit(jobs, t, meanwhile)
+            return
+        meanwhile()
+        for job in jobs:
+            k = job.agent
+            yield k, strategy.fit(self.learner, job.state, self.data[k], job.view, t, job.p_k)
+
+    def _checked(self, job: FitJob, fit: Fit, t: int) -> Fit:
+        """The fit kept (undone if not finite), and the participant's state after it."""
+        fit, undone = checked_fit(fit, job.state, job.view)
         if undone:
-            log.warning("%s round %d: model not finite; kept its model from before", k, t)
-        self.states[k] = fit.state
-        return fit, download
+            log.warning("%s round %d: model not finite; kept its model from before", job.agent, t)
+        self.states[job.agent] = fit.state
+        return fit
 
     def _uploads(
         self, strategy: CentralStrategy, fits: dict[str, Fit], t: int
@@ -227,41 +318,46 @@ class Simulation:
         }
 
     def _evaluate(
-        self, strategy: CentralStrategy, server: ServerState, k: str, t: int, fit: Fit
+        self, strategy: CentralStrategy, server: ServerState, job: FitJob, t: int, fit: Fit
     ) -> AgentRound:
-        """Participant k's figures after the round, on its own model or the global one."""
+        """A participant's figures after round t, on its own model or the global one."""
         evaluated = evaluated_weights(strategy, fit.state.weights, server)
-        loss, accuracy = self.learner.evaluate_on(evaluated, self.data[k])
-        self._early_stop(k, t, fit.state.weights, fit.train_loss)
+        loss, accuracy = self.learner.evaluate_on(evaluated, self.data[job.agent])
         return AgentRound(
             round=t,
-            agent=k,
+            agent=job.agent,
             accuracy=accuracy,
             loss=loss,
             train_loss=fit.train_loss,
             sparsity=reported_sparsity(fit.state.masks),
             train_flops=fit.train_flops,
-            p_k=self.p_k[k],
+            p_k=job.p_k,
         )
 
     def _centralized(self, progress: ProgressCallback | None) -> list[dict[str, Any]]:
         """The rounds of `agent.learning.central`'s contract in one process: downloads, fits,
-        (selection and responses), aggregation, evaluation."""
+        (selection and responses), aggregation, evaluation. A round's evaluation, which
+        nothing in the next round depends on (early stopping asks its own validation loss
+        at once), is done while the next round's fits train (`report_round`)."""
         cfg = self.config.learning
         strategy = central_strategy(cfg.strategy)
         server = strategy.init_server(self.learner)
         wire = CentralTraffic(self.roster, cfg.fp16)
         rounds: list[dict[str, Any]] = []
+        report_round: Callable[[], None] = lambda: None  # noqa: E731 (no round yet)
         for t in range(1, cfg.rounds + 1):
-            fits: dict[str, Fit] = {}
+            jobs: dict[str, FitJob] = {}
             downloads: dict[str, Payload] = {}
             for k in self.roster:
                 if running(k, t, self.stopped):
-                    fits[k], download = self._fit(strategy, server, k, t)
+                    jobs[k], download = self._job(strategy, server, k, t)
                     if download is not None:
                         downloads[k] = download
-                    if progress:
-                        progress(t, k)
+            fits: dict[str, Fit] = {}
+            for k, fit in self._fits(strategy, list(jobs.values()), t, report_round):
+                fits[k] = self._checked(jobs[k], fit, t)
+                if progress:
+                    progress(t, k)
             requests, payloads = self._uploads(strategy, fits, t)
             uploads = {  # what the aggregator decodes (fp16 on the wire rounds the values)
                 k: Upload(as_sent(payload, cfg.fp16), fits[k].num_samples)
@@ -274,11 +370,29 @@ class Simulation:
                 log.warning("round %d: aggregate not finite; the server kept its model", t)
             server = advance_server(strategy, server, aggregate, cfg.fp16)
             traffic = wire.round(t, fits, uploads, downloads, requests, aggregate)
-            ran = {k: self._evaluate(strategy, server, k, t, fit) for k, fit in fits.items()}
-            rounds.append(self._round_record(t, self.roster, ran, traffic))
+            for k, fit in fits.items():
+                self._early_stop(k, t, fit.state.weights, fit.train_loss)
+            report_round = functools.partial(
+                self._report_round, rounds, t, strategy, server, jobs, fits, traffic
+            )
             if len(self.stopped) == len(self.roster):
                 break
+        report_round()
         return rounds
+
+    def _report_round(
+        self,
+        rounds: list[dict[str, Any]],
+        t: int,
+        strategy: CentralStrategy,
+        server: ServerState,
+        jobs: dict[str, FitJob],
+        fits: dict[str, Fit],
+        traffic: dict[str, Traffic],
+    ) -> None:
+        """Evaluate round t's participants and add the round to `rounds`."""
+        ran = {k: self._evaluate(strategy, server, jobs[k], t, fit) for k, fit in fits.items()}
+        rounds.append(self._round_record(t, self.roster, ran, traffic))
 
     # ------------------------------------------------------------------------------- report
 
@@ -318,6 +432,9 @@ class Simulation:
         )
 
 
-def simulate(config: ExperimentConfig, progress: ProgressCallback | None = None) -> dict[str, Any]:
-    """Run one simulated experiment and return its report (config, rounds, summary)."""
-    return Simulation(config).run(progress)
+def simulate(
+    config: ExperimentConfig, progress: ProgressCallback | None = None, workers: int = 1
+) -> dict[str, Any]:
+    """Run one simulated experiment and return its report (config, rounds, summary); a
+    centralized run's fits train in `workers` processes (the same report)."""
+    return Simulation(config, workers).run(progress)

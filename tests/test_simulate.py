@@ -309,3 +309,41 @@ def test_a_weaker_device_trains_fewer_flops_per_round() -> None:
     assert last[weak]["sparsity"] > last[strong]["sparsity"]
     unbudgeted = simulate(small())
     assert {a["p_k"] for a in unbudgeted["rounds"][-1]["agents"].values()} == {1.0}
+
+
+EVERY_AGENT_STOPS = {"rounds": 6, "early_stop": True, "stop_rule": "paper", "stop_patience": 1}
+"""6 agents of `small`: every one stops early (fedavg's by round 5, DA-DPFL's by round 6)."""
+
+
+@pytest.mark.parametrize(
+    ("strategy", "learning"),
+    [
+        ("fedavg", EVERY_AGENT_STOPS),
+        ("fedspu", {}),  # per-participant downloads
+        ("fedldf", {}),  # layer selection after the fits
+        ("fedadam-ssm", {}),  # global moments
+        ("dadpfl", EVERY_AGENT_STOPS),  # reuse order: prior neighbours train first
+        ("dadpfl", {"wire": "layers", "rounds": 4}),  # inboxes of fetched layers
+        ("dispfl", {"wire": "delta"}),  # no prior neighbours: a round trains at once
+    ],
+)
+def test_rounds_trained_in_worker_processes_give_the_identical_report(
+    strategy: str, learning: dict
+) -> None:
+    config = small(strategy, **learning)
+    serial = simulate(config)
+    assert without_wall_time(simulate(config, workers=2)) == without_wall_time(serial)
+    if learning is EVERY_AGENT_STOPS:
+        assert len(serial["summary"]["stopped"]) == 6
+
+
+def test_the_cli_trains_in_workers(tmp_path: Path) -> None:
+    run = ["--strategy", "fedavg", "--agents", "4", "--rounds", "2", "--epochs", "1"]
+    serial = _cli(*run, "--report", "serial.json", cwd=tmp_path)
+    pooled = _cli(*run, "--workers", "2", "--report", "pooled.json", cwd=tmp_path)
+    assert serial.returncode == 0 and pooled.returncode == 0, pooled.stderr
+    assert "4 agents, 2 rounds, partition dirichlet:0.3, seed 1, 2 workers" in pooled.stdout
+    reports = [json.loads((tmp_path / f).read_text()) for f in ("serial.json", "pooled.json")]
+    assert without_wall_time(reports[0]) == without_wall_time(reports[1])
+    refused = _cli("--workers", "0", cwd=tmp_path)
+    assert refused.returncode == 2 and "--workers" in refused.stderr
