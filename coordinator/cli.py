@@ -10,6 +10,7 @@ import socket
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import click
@@ -561,7 +562,12 @@ def simulate(report_path: str, plot_dir: str | None, workers: int, **values: obj
         def advance(round_: int, _agent: str) -> None:
             progress.update(task, advance=1, description=f"round {round_}/{cfg.rounds}")
 
-        report = simulation.run(advance)
+        try:
+            report = simulation.run(advance)
+        except BrokenProcessPool:
+            raise click.ClickException(
+                "a worker process died (out of memory?): run with fewer --workers"
+            ) from None
     publish_report(report, report_path, plot_dir)
 
 

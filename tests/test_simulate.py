@@ -6,8 +6,10 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 import firmware_profiles
@@ -347,3 +349,31 @@ def test_the_cli_trains_in_workers(tmp_path: Path) -> None:
     assert without_wall_time(reports[0]) == without_wall_time(reports[1])
     refused = _cli("--workers", "0", cwd=tmp_path)
     assert refused.returncode == 2 and "--workers" in refused.stderr
+
+
+def test_a_worker_that_dies_ends_the_run_with_one_line(tmp_path: Path) -> None:
+    code = "from coordinator.cli import main; main(prog_name='coordinator')"
+    run = subprocess.Popen(
+        [sys.executable, "-c", code, "simulate", "--strategy", "dispfl", "--rounds", "500"]
+        + ["--workers", "2", "--report", str(tmp_path / "r.json")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={"PYTHONPATH": str(REPO), "COLUMNS": "120", "PATH": "/usr/bin:/bin"},
+    )
+    try:
+        deadline = time.monotonic() + 60
+        workers: list[psutil.Process] = []
+        while len(workers) < 2 and time.monotonic() < deadline:  # spawn's tracker + 2 workers
+            children = psutil.Process(run.pid).children()
+            workers = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+            time.sleep(0.2)
+        time.sleep(2)  # training
+        workers[0].kill()
+        _, err = run.communicate(timeout=60)
+    finally:
+        run.kill()
+    assert run.returncode == 1
+    assert "a worker process died (out of memory?): run with fewer --workers" in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "r.json").exists()
