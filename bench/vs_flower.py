@@ -72,19 +72,22 @@ Targets (issue 16):
 * Simulate <= 0.4x Flower's steady s / round: met with `--workers 2` (0.31-0.36x: the fits
   train on both cores, as Flower's two client actors do); one process 0.39-0.46x.
 * The README main job's whole run no slower than Flower's: met (0.57-0.76x).
-* Emulate <= 0.5x: NOT met (0.73-0.88x). What it costs, measured on the fedavg task
-  (30 rounds, CPU seconds per steady round by process, /proc): the coordinator with the
-  embedded broker 33 ms, the two agent processes 140 ms, that is 17.5 ms per agent and
-  round against simulate's 10 (one fit, 12.5 ms of its thread's CPU against 8-10 in one
-  process, two processes training at once on the two cores; then decoding the broadcast,
-  evaluating, the checkpoint and round log with their fsyncs, the status). 173 ms of CPU
-  a round on 2 cores is at least 87 ms a round however well it overlaps: 0.39-0.50x of
-  Flower's range, so the target would need the fleet's per-round CPU cut by a third as
-  well as a perfect overlap. Per round a timeline (instrumented agents) showed the fits
-  of each process at 16-25 ms of wall time each (4 one after the other), then about 40 ms
-  in which no fit runs: the last upload to the aggregator, the aggregate, the broadcast
-  through the broker (2 to 40 ms to reach every agent), evaluation, checkpoint, status.
-  The same with mosquitto (0.160-0.175 s a round): the broker is not the cost.
+* Emulate <= 0.5x: NOT met (0.73-0.88x). What it costs, measured on the fedavg task (CPU
+  seconds per steady round, from /proc per process and per thread, and the agent thread's
+  own clock around each step): the coordinator with the embedded broker 33 ms a round; each
+  agent 18 ms a round against simulate's 10: its thread 16-17 ms (the fit 10.3-11.1, two
+  processes training at once on the two cores, against 8-10 in one; evaluation 1.7; the
+  checkpoint and round log with their fsyncs 1.75; sending the upload and taking the
+  broadcast 0.9; the finite check 0.3; the status 0.24), its network thread 1.2. About 175
+  ms of CPU a round on 2 cores is at least 87 ms a round however well it overlaps, 0.39-0.50x
+  of Flower's range: the target needs the per-round CPU cut by a third and a perfect
+  overlap. The overlap is what is missing: a timeline of instrumented agents showed each
+  process's four fits taking 16-25 ms of wall time each, the two processes finishing up to
+  35 ms apart, then about 40 ms in which no fit runs (the last upload reaching the
+  aggregator, the aggregate, the broadcast through the broker: 2 to 40 ms to every agent,
+  evaluation, checkpoint, status). Neither the hosts' niceness (10 or 0) nor their switch
+  interval (50 or 5 ms) moved it (0.155-0.157 s a round in all four), nor the broker
+  (mosquitto: 0.160-0.175).
 Flower here runs its fastest configuration: server-side evaluation (no second round trip
 per round) and one CPU per client actor (two train at once). Wall-time multiples follow
 the machine's other work (an engine with more processes gets more of a busy machine's
