@@ -10,15 +10,13 @@ encoded messages an agent would send (`coordinator.traffic`, one model per wire 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import heapq
 import logging
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, wait
-from typing import Any
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
 
 from agent.device.throttle import ENERGY_SOURCE, round_energy
 from agent.experiment import (
@@ -53,7 +51,6 @@ from agent.learning import (
     running,
     settle_votes,
     sparse,
-    train_round,
 )
 from agent.report import (
     COORDINATOR,
@@ -65,7 +62,17 @@ from agent.report import (
     summarize,
 )
 from coordinator.traffic import CentralTraffic, LocalWire, wire_traffic
-from coordinator.training_pool import FitJob, RoundJob, TrainingPool
+from coordinator.training_pool import (
+    FitJob,
+    InProcess,
+    RoundJob,
+    Training,
+    training_on,
+    when_ready,
+)
+
+if TYPE_CHECKING:
+    from firmware_profiles import DeviceProfile
 
 __all__ = ["ExperimentConfig", "ProgressCallback", "Simulation", "simulate"]
 
@@ -99,25 +106,13 @@ class Simulation:
         """Agent -> the round after which it stopped (early stopping)."""
         self.last: dict[str, AgentRound] = {}
         """Each agent's latest round, which a stopped agent's later rounds repeat."""
-        self.p_k: dict[str, float] = {}
-        """Centralized: what each participant last trained with (budget or static tier)."""
         self.attackers = attackers(config, self.roster)
         """The agents that send poisoned models (`--attackers`)."""
         self.workers = workers
         """Processes that train agents' rounds at once (`TrainingPool`); 1: all here."""
-        self.pool: TrainingPool | None = None
-
-    @contextlib.contextmanager
-    def _workers(self) -> Iterator[None]:
-        """The run's training pool (`self.pool`), with more than one worker."""
-        if self.workers < 2:
-            yield
-            return
-        try:
-            with TrainingPool(self.config, self.roster, self.workers) as self.pool:
-                yield
-        finally:
-            self.pool = None
+        strategy = central_strategy(cfg.strategy) if self.centralized else None
+        self.training: Training = InProcess(self.learner, self.data, strategy)
+        """Where the agents train: here, or (while a run with workers runs) a pool."""
 
     @property
     def centralized(self) -> bool:
@@ -128,7 +123,7 @@ class Simulation:
         started = time.perf_counter()
         cfg = self.config.learning
         run_rounds = self._centralized if self.centralized else self._decentralized
-        with self._workers():
+        with training_on(self.workers, self.training, self.config, self.roster) as self.training:
             rounds = run_rounds(progress)
         return {
             "config": {
@@ -157,17 +152,10 @@ class Simulation:
     def _start_round(
         self, k: str, topology: RoundTopology, inbox: dict[str, Published]
     ) -> Future[tuple[RoundResult, Reduction]]:
-        """Agent k's local round on `inbox`, cut to its budget: started in a worker, or
-        trained here at once."""
+        """Agent k's local round on `inbox`, cut to its budget, started."""
         t, prune_now = topology.round, self.plan.is_pruning_round(topology.round)
         budget = self.budgets[k].p_k if k in self.budgets else None
-        if self.pool is not None:
-            return self.pool.local_round(RoundJob(k, self.states[k], inbox, t, prune_now, budget))
-        done: Future[tuple[RoundResult, Reduction]] = Future()
-        done.set_result(
-            train_round(self.learner, self.states[k], self.data[k], inbox, t, prune_now, budget)
-        )
-        return done
+        return self.training.local_round(RoundJob(k, self.states[k], inbox, t, prune_now, budget))
 
     def _finish_round(
         self, k: str, t: int, result: RoundResult, reduction: Reduction
@@ -230,35 +218,19 @@ class Simulation:
     ) -> Iterator[tuple[str, RoundResult, AgentRound]]:
         """The running agents' local rounds (those not in `current`), each with its figures.
         An agent's round starts once its prior neighbours are in `current`, which the caller
-        fills with each result before asking for the next. Here that is reuse order; with
-        workers, the earliest agents in it whose inboxes are complete train at once (one
-        more than the workers, so that none waits for this process), and each round is
-        taken as it finishes. Every agent's round depends only on its inbox, so the report
-        is the same."""
+        fills with each result before asking for the next (`when_ready`): here that is reuse
+        order; with workers, the earliest agents in it whose inboxes are complete train at
+        once. Every agent's round depends only on its inbox, so the report is the same."""
         order = [k for k in topology.order if k not in current]
-        position = {k: i for i, k in enumerate(order)}
-        waiting = {k: set(topology.prior_posterior(k)[0]) - current.keys() for k in order}
-        needed_by: dict[str, list[str]] = {}
-        for k in order:
-            for j in waiting[k]:
-                needed_by.setdefault(j, []).append(k)
-        ready = [position[k] for k in order if not waiting[k]]
-        slots = self.workers + 1 if self.pool is not None else 1
-        training: dict[Future[tuple[RoundResult, Reduction]], str] = {}
-        while ready or training:
-            while ready and len(training) < slots:
-                k = order[heapq.heappop(ready)]
-                prior, posterior = topology.prior_posterior(k)
-                inbox = {j: current[j] for j in prior} | {j: previous[j] for j in posterior}
-                training[self._start_round(k, topology, wire.receive(k, topology, inbox))] = k
-            finished, _ = wait(training, return_when=FIRST_COMPLETED)
-            for future in sorted(finished, key=lambda f: position[training[f]]):
-                k = training.pop(future)
-                yield k, *self._finish_round(k, topology.round, *future.result())
-                for later in needed_by.get(k, []):
-                    waiting[later].discard(k)
-                    if not waiting[later]:
-                        heapq.heappush(ready, position[later])
+
+        def start(k: str) -> Future[tuple[RoundResult, Reduction]]:
+            prior, posterior = topology.prior_posterior(k)
+            inbox = {j: current[j] for j in prior} | {j: previous[j] for j in posterior}
+            return self._start_round(k, topology, wire.receive(k, topology, inbox))
+
+        waits_for = {k: set(topology.prior_posterior(k)[0]) - current.keys() for k in order}
+        for k, (result, reduction) in when_ready(order, waits_for, start, self.training.slots):
+            yield k, *self._finish_round(k, topology.round, result, reduction)
 
     # -------------------------------------------------------------------- centralized rounds
 
@@ -267,26 +239,13 @@ class Simulation:
     ) -> tuple[FitJob, Payload | None]:
         """Participant k's fit to run, after its download (if the strategy has one)."""
         budget = self.budgets[k].p_k if k in self.budgets else None
-        self.p_k[k] = participant_p_k(budget, self.roster, k)
+        p_k = participant_p_k(budget, self.roster, k)
         view, download = server, None
         if strategy.downloads:
-            download = strategy.download(self.learner, server, k, t, self.p_k[k])
+            download = strategy.download(self.learner, server, k, t, p_k)
             view = ServerState(as_sent(download, self.config.learning.fp16).weights)
         samples = len(self.data[k].y_train)
-        return FitJob(k, self.states[k], view, self.p_k[k], samples), download
-
-    def _fits(
-        self, strategy: CentralStrategy, jobs: list[FitJob], t: int, meanwhile: Callable[[], None]
-    ) -> Iterator[tuple[str, Fit]]:
-        """The jobs' fits, in order: trained here, or at once in the workers,
-        with `meanwhile` done here while they train."""
-        if self.pool is not None:
-            yield from self.pool.fit(jobs, t, meanwhile)
-            return
-        meanwhile()
-        for job in jobs:
-            k = job.agent
-            yield k, strategy.fit(self.learner, job.state, self.data[k], job.view, t, job.p_k)
+        return FitJob(k, self.states[k], view, p_k, samples), download
 
     def _checked(self, job: FitJob, fit: Fit, t: int) -> Fit:
         """The fit kept (undone if not finite), and the participant's state after it."""
@@ -354,7 +313,7 @@ class Simulation:
                     if download is not None:
                         downloads[k] = download
             fits: dict[str, Fit] = {}
-            for k, fit in self._fits(strategy, list(jobs.values()), t, report_round):
+            for k, fit in self.training.fit(list(jobs.values()), t, report_round):
                 fits[k] = self._checked(jobs[k], fit, t)
                 if progress:
                     progress(t, k)
@@ -404,14 +363,15 @@ class Simulation:
         agents = {}
         for k in self.roster:
             spent = traffic[k]
-            self.last[k] = self._with_energy(
+            self.last[k] = with_energy(
+                self.profiles,
                 dataclasses.replace(
                     ran[k] if k in ran else self.last[k].idle(t),
                     bytes_sent=spent.sent,
                     bytes_received=spent.received,
                     nonzeros_sent=spent.nonzeros_sent,
                     stopped=k in self.stopped,
-                )
+                ),
             )
             agents[k] = self.last[k].report_entry()
         record: dict[str, Any] = {"round": t, "order": order, "agents": agents}
@@ -420,21 +380,22 @@ class Simulation:
         record["t_star"] = self.plan.t_star
         return record
 
-    def _with_energy(self, spent: AgentRound) -> AgentRound:
-        """`spent` with the energy its board's model gives its FLOPs and bytes (the emulated
-        agent computes the same, `Throttle.round_energy`); unchanged without a profile."""
-        if spent.agent not in self.profiles:
-            return spent
-        traffic = spent.bytes_sent + spent.bytes_received
-        energy, radio = round_energy(self.profiles[spent.agent], spent.train_flops, traffic)
-        return dataclasses.replace(
-            spent, energy_j=energy, radio_energy_j=radio, energy_source=ENERGY_SOURCE
-        )
+
+def with_energy(profiles: dict[str, DeviceProfile], spent: AgentRound) -> AgentRound:
+    """`spent` with the energy its board's model gives its FLOPs and bytes (the emulated agent
+    computes the same, `Throttle.round_energy`); unchanged without a profile."""
+    if spent.agent not in profiles:
+        return spent
+    traffic = spent.bytes_sent + spent.bytes_received
+    energy, radio = round_energy(profiles[spent.agent], spent.train_flops, traffic)
+    return dataclasses.replace(
+        spent, energy_j=energy, radio_energy_j=radio, energy_source=ENERGY_SOURCE
+    )
 
 
 def simulate(
     config: ExperimentConfig, progress: ProgressCallback | None = None, workers: int = 1
 ) -> dict[str, Any]:
-    """Run one simulated experiment and return its report (config, rounds, summary); a
-    centralized run's fits train in `workers` processes (the same report)."""
+    """Run one simulated experiment and return its report (config, rounds, summary); its
+    agents train in `workers` processes (the same report)."""
     return Simulation(config, workers).run(progress)

@@ -23,13 +23,15 @@ tensors.
 
 from __future__ import annotations
 
+import contextlib
+import heapq
 import io
 import multiprocessing
 import pickle
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -49,7 +51,17 @@ from agent.learning import (
 )
 from agent.learning.central import CENTRAL_STRATEGIES
 
-__all__ = ["FitJob", "RoundJob", "TrainingPool"]
+__all__ = [
+    "FitJob",
+    "InProcess",
+    "RoundJob",
+    "Training",
+    "TrainingPool",
+    "training_on",
+    "when_ready",
+]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -74,6 +86,87 @@ class RoundJob:
     round: int
     prune_now: bool
     p_k: float | None
+
+
+class Training(Protocol):
+    """Where agents' rounds train: here (`InProcess`) or in worker processes
+    (`TrainingPool`); the simulator's loop is the same on both."""
+
+    slots: int
+    """Rounds worth having under way at once."""
+
+    def fit(
+        self, jobs: Sequence[FitJob], round_: int, meanwhile: Callable[[], None]
+    ) -> Iterator[tuple[str, Fit]]:
+        """Each job's fit, in the jobs' order, with `meanwhile` done here as they train."""
+        ...
+
+    def local_round(self, job: RoundJob) -> Future[tuple[RoundResult, Reduction]]:
+        """The agent's round, started: its result and reduction when it is done."""
+        ...
+
+
+class InProcess:
+    """Training here, one agent after the other."""
+
+    slots = 1
+
+    def __init__(
+        self, learner: Learner, data: Mapping[str, LocalData], strategy: CentralStrategy | None
+    ) -> None:
+        self.learner, self.data, self.strategy = learner, data, strategy
+
+    def fit(
+        self, jobs: Sequence[FitJob], round_: int, meanwhile: Callable[[], None]
+    ) -> Iterator[tuple[str, Fit]]:
+        meanwhile()
+        assert self.strategy is not None  # a centralized run has one
+        for job in jobs:
+            data = self.data[job.agent]
+            yield (
+                job.agent,
+                self.strategy.fit(self.learner, job.state, data, job.view, round_, job.p_k),
+            )
+
+    def local_round(self, job: RoundJob) -> Future[tuple[RoundResult, Reduction]]:
+        done: Future[tuple[RoundResult, Reduction]] = Future()
+        data = self.data[job.agent]
+        done.set_result(
+            train_round(self.learner, job.state, data, job.inbox, job.round, job.prune_now, job.p_k)
+        )
+        return done
+
+
+def when_ready(
+    order: Sequence[str],
+    waits_for: Mapping[str, set[str]],
+    start: Callable[[str], Future[T]],
+    slots: int,
+) -> Iterator[tuple[str, T]]:
+    """Start each of `order` once everything it `waits_for` has been yielded (the caller acts
+    on each before asking for the next), at most `slots` at once, the earliest in `order`
+    first; yield each as it finishes (those that finish together in `order`). With one slot
+    that is `order` itself."""
+    position = {k: i for i, k in enumerate(order)}
+    waiting = {k: set(waits_for.get(k, ())) for k in order}
+    needed_by: dict[str, list[str]] = {}
+    for k in order:
+        for j in waiting[k]:
+            needed_by.setdefault(j, []).append(k)
+    ready = [position[k] for k in order if not waiting[k]]
+    under_way: dict[Future[T], str] = {}
+    while ready or under_way:
+        while ready and len(under_way) < slots:
+            k = order[heapq.heappop(ready)]
+            under_way[start(k)] = k
+        finished, _ = wait(under_way, return_when=FIRST_COMPLETED)
+        for future in sorted(finished, key=lambda f: position[under_way[f]]):
+            k = under_way.pop(future)
+            yield k, future.result()
+            for later in needed_by.get(k, []):
+                waiting[later].discard(k)
+                if not waiting[later]:
+                    heapq.heappush(ready, position[later])
 
 
 @dataclass
@@ -137,6 +230,8 @@ class TrainingPool:
     def __init__(self, config: ExperimentConfig, roster: list[str], workers: int) -> None:
         if workers < 2:
             raise ValueError(f"a training pool needs at least 2 workers, got {workers}")
+        self.slots = workers + 1
+        """One more than the workers, so that none waits for the simulator between rounds."""
         self._pool = ProcessPoolExecutor(
             max_workers=workers,
             mp_context=multiprocessing.get_context("spawn"),
@@ -177,3 +272,15 @@ class TrainingPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def training_on(
+    workers: int, here: Training, config: ExperimentConfig, roster: list[str]
+) -> Iterator[Training]:
+    """`here` for one worker; else a `TrainingPool` of `workers`, stopped at the end."""
+    if workers < 2:
+        yield here
+        return
+    with TrainingPool(config, roster, workers) as pool:
+        yield pool
