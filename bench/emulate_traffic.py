@@ -79,7 +79,11 @@ from rich.table import Table  # noqa: E402
 from agent.experiment import ExperimentConfig  # noqa: E402
 from agent.learning import preset  # noqa: E402
 from bench.support import broker, environment, write_json  # noqa: E402
-from coordinator.emulate import Emulation, EmulationOptions  # noqa: E402
+from coordinator.emulate import (  # noqa: E402
+    Emulation,
+    EmulationOptions,
+    auto_agents_per_process,
+)
 from coordinator.simulate import simulate  # noqa: E402
 
 
@@ -106,7 +110,11 @@ def case(args: argparse.Namespace, agents: int, neighbours: int) -> dict[str, An
     with tempfile.TemporaryDirectory(prefix="traffic-") as folder:
         workdir = pathlib.Path(folder)
         with broker(args.broker, workdir) as address:
-            options = EmulationOptions(workdir=workdir / "fleet", verbose=1)
+            options = EmulationOptions(
+                workdir=workdir / "fleet",
+                verbose=1,
+                agents_per_process=auto_agents_per_process(agents),  # as the CLI runs them
+            )
             started = time.perf_counter()
             emulated = Emulation(config, address, options).run()
             emulate_s = time.perf_counter() - started

@@ -31,7 +31,7 @@ from agent.runtime import checkpoint, new_run_id, run_folder
 from coordinator.broker_config import COORDINATOR
 from coordinator.conductor import Conductor, assemble_report
 from protocol import BrokerAddress, Identity, connect, leave
-from protocol.cli import read_key
+from protocol.cli import log_flags, read_key
 from protocol.signing import (
     IDENTITY_FILE,
     Signer,
@@ -47,8 +47,9 @@ class EmulationOptions:
     round_timeout_s: float = 120.0
     vote_timeout_s: float = 60.0
     linger_s: float = 30.0
-    verbose: int = 0
-    """Log level of the agents (1: info, 2: debug)."""
+    verbose: int | None = None
+    """Log level of the agents (0: warnings, 1: info, 2: debug); None: as this process logs
+    (`coordinator -v --log-format json emulate` makes the agents' logs the same)."""
     telemetry: bool = False
     """Agents mirror their statuses as plain JSON (`edge-agent --telemetry`)."""
     run_timeout_s: float | None = None
@@ -226,8 +227,15 @@ class Emulation:
             "--once",
             *self.signing_args,
             *(["--telemetry"] if self.options.telemetry else []),
-            *(["-" + "v" * self.options.verbose] if self.options.verbose else []),
+            *self.log_args(),
         ]  # fmt: skip
+
+    def log_args(self) -> list[str]:
+        """The agents' logging flags: `verbose` if given, else this process's own."""
+        verbose = self.options.verbose
+        if verbose is None:
+            return log_flags()
+        return ["-" + "v" * verbose] if verbose else []
 
     def log_path(self, agent_id: str) -> Path:
         """Where an agent's output goes (appended to by each process started for it)."""

@@ -77,3 +77,16 @@ def test_the_pause_never_passes_the_deadline() -> None:
     _, _, asking = setup()
     assert asking.pause(EVERY_S, time.monotonic() + 0.01) <= 0.01
     assert asking.pause(EVERY_S, time.monotonic() - 1.0) == 0.0
+
+
+def test_nothing_is_asked_while_awaited_models_keep_arriving() -> None:
+    box, _, asking = setup()
+    status(box, "b", 2)  # b and c reported round 2 done: their models may be queued
+    status(box, "c", 2)
+    missing = {(2, "a"), (2, "b"), (2, "c")}
+    assert asking.to_ask(missing) == set()
+    time.sleep(FALLBACK_FACTOR * EVERY_S)  # past the last resort, but the broker delivers
+    assert asking.to_ask(missing - {(2, "a")}) == set(), "a's came: b's and c's are late"
+    assert asking.to_ask({(2, "b")}) == set(), "c's came too"
+    assert asking.to_ask({(2, "b")}) == set(), "nothing came: b is suspect"
+    assert asking.to_ask({(2, "b")}) == {(2, "b")}, "still nothing a look later: lost"

@@ -21,6 +21,7 @@ from agent.runtime import checkpoint
 from coordinator.emulate import Emulation, EmulationOptions
 from coordinator.simulate import Simulation, simulate
 from protocol import BrokerAddress, MqttTransport, TransportOptions
+from protocol.cli import setup_logging
 
 AGENTS = 6
 # Real processes on two cores: generous per-test limits, the runs themselves are bounded.
@@ -60,6 +61,19 @@ def assert_same_learning(emulated: dict, simulated: dict) -> None:
 
 def options(tmp_path: Path, **overrides: object) -> EmulationOptions:
     return EmulationOptions(workdir=tmp_path / "fleet", linger_s=20.0, **overrides)
+
+
+def test_agents_log_as_the_coordinator_does_unless_told(tmp_path: Path) -> None:
+    config = ExperimentConfig(agents=2, learning=preset("fedavg", rounds=1))
+    nowhere = BrokerAddress("127.0.0.1", 1)
+    try:
+        setup_logging(2, "json")  # coordinator -vv --log-format json emulate
+        same = Emulation(config, nowhere, options(tmp_path)).agent_args(0)
+        told = Emulation(config, nowhere, options(tmp_path, verbose=1)).agent_args(0)
+    finally:
+        setup_logging(0, "text")
+    assert same[-3:] == ["-vv", "--log-format", "json"]
+    assert told[-1] == "-v" and "--log-format" not in told
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,12 @@ only when something was lost:
 * its own connection came back (the broker dropped what was queued for it);
 * or, as a last resort, after FALLBACK_FACTOR x `request_every_s`, then at twice that
   interval each time (a lost status as well as a lost model).
+
+The first and the last wait while awaited models keep arriving: a broker still delivering
+is busy, not losing. On the embedded broker, 64 agents all-to-all fan a round's models out
+over 30-80 s (133 MB through one Python process); the reports of them came long before,
+and every ask sent a model again into the same queue (2,325 re-sends in 6 rounds, 8.3x the
+algorithm's traffic, bench/emulate_traffic.py).
 """
 
 from __future__ import annotations
@@ -48,12 +54,20 @@ class Asking:
         """Needs reported done but missing at the last look: asked for if still missing at
         the next (a model and the report of it come by different paths, from its sender and
         from the keeper, so the report may overtake the model by a little)."""
+        self.waiting: set[Need] = set()
+        """What was missing at the last look."""
 
     def to_ask(self, missing: set[Need]) -> set[Need]:
-        """The missing to ask for now: all of them after a reconnect or when the last-resort
-        interval passed (the next is twice as long), else those whose sender reported the
-        round done already at the last look, once each."""
+        """The missing to ask for now: all of them after a reconnect; nothing while awaited
+        models keep arriving (the last resort put off); else all of them when the
+        last-resort interval passed (the next is twice as long), or those whose sender
+        reported the round done already at the last look, once each."""
         now, connects = time.monotonic(), self.transport.connects
+        arriving, self.waiting = bool(self.waiting - missing), set(missing)
+        if arriving and connects == self.connects:
+            self.next_at = max(self.next_at, now + self.pause_s)
+            self.suspect = set()  # late, not lost: suspected again only once nothing comes
+            return set()
         if connects != self.connects or now >= self.next_at:
             self.connects = connects
             self.pause_s *= 2
