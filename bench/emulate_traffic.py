@@ -44,10 +44,11 @@ emulate`), `--sizes 8,32,64 --neighbours 5,all`, bench/results/emulate_traffic.j
 
 All-to-all at 32 and 64 is at the edge of what amqtt carries here (a round of 64 is 4,032
 deliveries of 33 KB, 133 MB, through one Python process, 30-80 s), and it varies from run
-to run: other runs of the same code gave 1.065x (9 re-sends) at 32 and 1.952x (353) and
-no re-send at all (`coordinator emulate` itself, 6 rounds) at 64; 32 all-to-all as the CLI
-runs it gave 1.029x and 1.092x before the change. Before it, 64 all-to-all was 8.3x (2,782
-re-sends, 1 of 1 runs) with agents sharing processes and 8.9x (2,997) one process each:
+to run: other runs of the same code gave 1.065x (9 re-sends) at 32, and 1.952x (353) and
+no re-send at all (one more run of the same 6 rounds outside this bench) at 64; 32
+all-to-all as the CLI runs it gave 1.029x and 1.092x before the change. Before it, 64
+all-to-all was 8.3x (2,782 re-sends) with agents sharing processes and 8.9x (2,997) one
+process each:
 when a model takes longer to arrive than a look (5 s) after its sender's report, the agent
 asked for it, and every copy went into the same queue. What is left are stalls of amqtt
 longer than two looks with nothing arriving; then the agents ask. Raising amqtt's 5 s
