@@ -322,8 +322,6 @@ EVERY_AGENT_STOPS = {"rounds": 6, "early_stop": True, "stop_rule": "paper", "sto
     [
         ("fedavg", EVERY_AGENT_STOPS),
         ("fedspu", {}),  # per-participant downloads
-        ("fedldf", {}),  # layer selection after the fits
-        ("fedadam-ssm", {}),  # global moments
         ("dadpfl", EVERY_AGENT_STOPS),  # reuse order: prior neighbours train first
         ("dadpfl", {"wire": "layers", "rounds": 4}),  # inboxes of fetched layers
         ("dispfl", {"wire": "delta"}),  # no prior neighbours: a round trains at once
@@ -332,6 +330,7 @@ EVERY_AGENT_STOPS = {"rounds": 6, "early_stop": True, "stop_rule": "paper", "sto
 def test_rounds_trained_in_worker_processes_give_the_identical_report(
     strategy: str, learning: dict
 ) -> None:
+    """Every preset, wire and reduction: `bench/identity.py compare DIR --workers 2`."""
     config = small(strategy, **learning)
     serial = simulate(config)
     assert without_wall_time(simulate(config, workers=2)) == without_wall_time(serial)
