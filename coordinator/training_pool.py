@@ -169,16 +169,8 @@ def when_ready(
                     heapq.heappush(ready, position[later])
 
 
-@dataclass
-class _Worker:
-    """What a worker process builds once: the run's learner and data (and central strategy)."""
-
-    learner: Learner
-    data: dict[str, LocalData]
-    strategy: CentralStrategy | None
-
-
-_WORKER: list[_Worker] = []
+_WORKER: list[InProcess] = []
+"""A worker process's own `InProcess`: the run's learner, data and central strategy."""
 
 
 def _start(config: ExperimentConfig, roster: list[str]) -> None:
@@ -186,7 +178,7 @@ def _start(config: ExperimentConfig, roster: list[str]) -> None:
     workload = build_workload(config, roster)
     name = config.learning.strategy
     strategy = central_strategy(name) if name in CENTRAL_STRATEGIES else None
-    _WORKER[:] = [_Worker(workload.learner, workload.data, strategy)]
+    _WORKER[:] = [InProcess(workload.learner, workload.data, strategy)]
 
 
 class _Pickler(pickle.Pickler):
@@ -206,22 +198,13 @@ def _dumps(obj: object) -> bytes:
 
 def _fit(job: bytes, round_: int) -> bytes:
     """The fit of one pickled `FitJob`, pickled."""
-    worker = _WORKER[0]
-    fit_job: FitJob = pickle.loads(job)
-    assert worker.strategy is not None  # a centralized run's workers have one
-    data = worker.data[fit_job.agent]
-    fit = worker.strategy.fit(
-        worker.learner, fit_job.state, data, fit_job.view, round_, fit_job.p_k
-    )
+    ((_, fit),) = _WORKER[0].fit([pickle.loads(job)], round_, lambda: None)
     return _dumps(fit)
 
 
 def _local_round(job: bytes) -> bytes:
-    """`train_round` on one pickled `RoundJob`; its result and reduction, pickled."""
-    worker = _WORKER[0]
-    j: RoundJob = pickle.loads(job)
-    data = worker.data[j.agent]
-    return _dumps(train_round(worker.learner, j.state, data, j.inbox, j.round, j.prune_now, j.p_k))
+    """The round of one pickled `RoundJob` (its result and reduction), pickled."""
+    return _dumps(_WORKER[0].local_round(pickle.loads(job)).result())
 
 
 class TrainingPool:
