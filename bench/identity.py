@@ -261,13 +261,12 @@ def emulate() -> list[dict[str, Any]]:
 
 def main(argv: list[str]) -> int:
     mode, args = (argv[0], argv[1:]) if argv else ("", [])
-    workers = args[2:] if len(args) == 3 and args[1] == "--workers" else []
-    if (
-        mode not in ("record", "compare", "emulate")
-        or (mode == "emulate" and args)
-        or (mode == "record" and len(args) != 1)
-        or (mode == "compare" and len(args) != 1 + len(workers) + bool(workers))
-    ):
+    valid = {
+        "record": len(args) == 1,
+        "compare": len(args) == 1 or (len(args) == 3 and args[1] == "--workers"),
+        "emulate": not args,
+    }
+    if not valid.get(mode):
         print(__doc__.split("\n\n")[2], file=sys.stderr)
         return 2
     if mode == "emulate":
@@ -275,7 +274,7 @@ def main(argv: list[str]) -> int:
     elif mode == "record":
         rows = record(Path(args[0]))
     else:
-        rows = compare(Path(args[0]), ("--workers", *workers) if workers else ())
+        rows = compare(Path(args[0]), tuple(args[1:]))
     print(f"\n{'config':<26} {'rounds':>6} {'seconds':>8}  result")
     for row in rows:
         print(f"{row['config']:<26} {row['rounds']:>6} {row['seconds']:>8}  {row['result']}")

@@ -149,13 +149,17 @@ class Simulation:
         if self.early_stops[k].after(self.learner, weights, train_loss, self.data[k], pruned):
             self.stopped[k] = t
 
+    def _budget(self, k: str) -> float | None:
+        """Agent k's nominal budget p_k (none: it trains whole)."""
+        return self.budgets[k].p_k if k in self.budgets else None
+
     def _start_round(
         self, k: str, topology: RoundTopology, inbox: dict[str, Published]
     ) -> Future[tuple[RoundResult, Reduction]]:
         """Agent k's local round on `inbox`, cut to its budget, started."""
         t, prune_now = topology.round, self.plan.is_pruning_round(topology.round)
-        budget = self.budgets[k].p_k if k in self.budgets else None
-        return self.training.local_round(RoundJob(k, self.states[k], inbox, t, prune_now, budget))
+        job = RoundJob(k, self.states[k], inbox, t, prune_now, self._budget(k))
+        return self.training.local_round(job)
 
     def _finish_round(
         self, k: str, t: int, result: RoundResult, reduction: Reduction
@@ -166,8 +170,7 @@ class Simulation:
         if result.recovered:
             log.warning("%s round %d: model not finite; kept its model from before", k, t)
         self._early_stop(k, t, result.state.weights, result.train_loss, result.pruned)
-        budget = self.budgets[k].p_k if k in self.budgets else None
-        record = AgentRound.of_result(t, k, result, reduction, budget)
+        record = AgentRound.of_result(t, k, result, reduction, self._budget(k))
         if k in self.attackers:
             result = attacked(self.learner, result, self.config.attack, t)
         return result, record
@@ -238,8 +241,7 @@ class Simulation:
         self, strategy: CentralStrategy, server: ServerState, k: str, t: int
     ) -> tuple[FitJob, Payload | None]:
         """Participant k's fit to run, after its download (if the strategy has one)."""
-        budget = self.budgets[k].p_k if k in self.budgets else None
-        p_k = participant_p_k(budget, self.roster, k)
+        p_k = participant_p_k(self._budget(k), self.roster, k)
         view, download = server, None
         if strategy.downloads:
             download = strategy.download(self.learner, server, k, t, p_k)
