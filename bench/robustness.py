@@ -108,6 +108,7 @@ from __future__ import annotations
 import argparse
 import logging
 import pathlib
+import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -131,9 +132,13 @@ DEFENCES: dict[str, dict[str, str]] = {
 ATTACKS = ("none", *robust.ATTACKS)
 
 
-def run(job: tuple[str, str, str, str, argparse.Namespace]) -> dict[str, Any]:
+Job = tuple[str, str, str, str, int, argparse.Namespace]
+"""(dataset, strategy, defence, attack, seed, settings): one simulated run."""
+
+
+def run(job: Job) -> dict[str, Any]:
     """One simulated run; its honest agents' final mean accuracy."""
-    dataset, strategy, defence, attack, args = job
+    dataset, strategy, defence, attack, seed, args = job
     # Under attack without a defence, agents undo rounds every round: one line each.
     logging.getLogger("coordinator.simulate").setLevel(logging.ERROR)
     learning = preset(strategy, rounds=args.rounds, epochs=args.epochs, **DEFENCES[defence])
@@ -142,7 +147,7 @@ def run(job: tuple[str, str, str, str, argparse.Namespace]) -> dict[str, Any]:
         dataset=dataset,
         partition=args.partition,
         agents=args.agents,
-        seed=args.seed,
+        seed=seed,
         attackers=attackers,
         attack="scale" if attack == "none" else attack,
         learning=learning,
@@ -159,32 +164,106 @@ def run(job: tuple[str, str, str, str, argparse.Namespace]) -> dict[str, Any]:
         "strategy": strategy,
         "defence": defence,
         "attack": attack,
+        "seed": seed,
         "attackers": attackers,
         "honest_mean_accuracy": accuracy,
         "seconds": round(time.perf_counter() - started, 1),
     }
 
 
-def table(results: list[dict[str, Any]]) -> list[str]:
-    """Rows per (dataset, strategy, defence): accuracy per attack, and the worst drop from
-    the clean run (mean, no attackers)."""
-    acc = {(r["dataset"], r["strategy"], r["defence"], r["attack"]): r for r in results}
+def jobs(args: argparse.Namespace) -> list[Job]:
+    """Every (dataset, strategy, defence, attack, seed) asked for, plus each seed's clean
+    run (`mean`, no attackers) that the acceptance compares with."""
+    defences = args.defences.split(",")
+    unknown = [d for d in defences if d not in DEFENCES]
+    if unknown:
+        raise SystemExit(f"--defences: unknown {unknown}; known: {', '.join(DEFENCES)}")
+    cells = [(d, a) for d in defences for a in ATTACKS] + [("mean", "none")]
+    return [
+        (dataset, strategy, defence, attack, seed, args)
+        for dataset in args.datasets.split(",")
+        for strategy in args.strategies.split(",")
+        for defence, attack in dict.fromkeys(cells)
+        for seed in args.seeds
+    ]
+
+
+def table(results: list[dict[str, Any]], seed: int) -> list[str]:
+    """Rows per (dataset, strategy, defence) for one seed: accuracy per attack, and the worst
+    drop from the clean run (mean, no attackers)."""
+    acc = {
+        (r["dataset"], r["strategy"], r["defence"], r["attack"]): r["honest_mean_accuracy"]
+        for r in results
+        if r["seed"] == seed
+    }
     lines = [
         f"{'dataset':8} {'strategy':8} {'defence':12} "
         + " ".join(f"{a:>8}" for a in ATTACKS)
         + f" {'worst-clean':>11}"
     ]
-    for dataset, strategy in dict.fromkeys((r["dataset"], r["strategy"]) for r in results):
-        clean = acc[(dataset, strategy, "mean", "none")]["honest_mean_accuracy"]
-        for defence in DEFENCES:
-            cells = [acc[(dataset, strategy, defence, a)]["honest_mean_accuracy"] for a in ATTACKS]
-            worst = min(cells[1:]) - clean
-            lines.append(
-                f"{dataset:8} {strategy:8} {defence:12} "
-                + " ".join(f"{c:8.3f}" for c in cells)
-                + f" {100 * worst:+10.1f}p"
-            )
+    for dataset, strategy, defence in dict.fromkeys(k[:3] for k in acc):
+        if (dataset, strategy, defence, "scale") not in acc:
+            continue  # only the clean run of `mean` was asked for
+        clean = acc[(dataset, strategy, "mean", "none")]
+        cells = [acc[(dataset, strategy, defence, a)] for a in ATTACKS]
+        lines.append(
+            f"{dataset:8} {strategy:8} {defence:12} "
+            + " ".join(f"{c:8.3f}" for c in cells)
+            + f" {100 * (min(cells[1:]) - clean):+10.1f}p"
+        )
     return lines
+
+
+def worst_drops(results: list[dict[str, Any]]) -> dict[tuple[str, str, str], list[float]]:
+    """Per (dataset, strategy, defence): each seed's worst attack - clean, in points."""
+    acc = {
+        (r["dataset"], r["strategy"], r["defence"], r["attack"], r["seed"]): r[
+            "honest_mean_accuracy"
+        ]
+        for r in results
+    }
+    seeds = sorted({key[4] for key in acc})
+    drops: dict[tuple[str, str, str], list[float]] = {}
+    for dataset, strategy, defence in dict.fromkeys(key[:3] for key in acc):
+        if defence == "mean" and (dataset, strategy, defence, "scale", seeds[0]) not in acc:
+            continue  # only the clean run of `mean` was asked for
+        drops[(dataset, strategy, defence)] = [
+            100
+            * (
+                min(acc[(dataset, strategy, defence, a, seed)] for a in robust.ATTACKS)
+                - acc[(dataset, strategy, "mean", "none", seed)]
+            )
+            for seed in seeds
+        ]
+    return drops
+
+
+def seeds_table(results: list[dict[str, Any]]) -> list[str]:
+    """Rows per (dataset, strategy, defence) over the seeds: the worst attack's distance
+    from the clean run, its mean, sd, range, and the seeds within the acceptance's 2 points."""
+    lines = [
+        f"{'dataset':8} {'strategy':8} {'defence':12} {'mean':>6} {'sd':>5} "
+        f"{'min':>6} {'max':>6} {'within 2p':>9}"
+    ]
+    for (dataset, strategy, defence), drops in worst_drops(results).items():
+        sd = statistics.stdev(drops) if len(drops) > 1 else 0.0
+        within = sum(d >= -2.0 for d in drops)
+        lines.append(
+            f"{dataset:8} {strategy:8} {defence:12} {statistics.mean(drops):+6.2f} {sd:5.2f} "
+            f"{min(drops):+6.1f} {max(drops):+6.1f} {within:>4} of {len(drops)}"
+        )
+    return lines
+
+
+def seeds(spec: str) -> list[int]:
+    """`--seeds`: a list (1,2,3) or a range (1-10)."""
+    try:
+        if "-" in spec:
+            first, last = (int(x) for x in spec.split("-"))
+            return list(range(first, last + 1))
+        return [int(x) for x in spec.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 1,2,3 or 1-10, got {spec!r}") from None
 
 
 def main() -> None:
@@ -193,24 +272,18 @@ def main() -> None:
     parser.add_argument("--attackers", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--seeds", type=seeds, default=[1], help="1,2,3 or 1-10")
     parser.add_argument("--partition", default="dirichlet:0.3")
     parser.add_argument("--datasets", default="digits,mnist1d")
     parser.add_argument("--strategies", default="dadpfl,fedavg")
+    parser.add_argument("--defences", default=",".join(DEFENCES))
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench/results/robustness.json")
     args = parser.parse_args()
-    jobs = [
-        (dataset, strategy, defence, attack, args)
-        for dataset in args.datasets.split(",")
-        for strategy in args.strategies.split(",")
-        for defence in DEFENCES
-        for attack in ATTACKS
-    ]
     started = time.perf_counter()
     with ProcessPoolExecutor(args.jobs) as pool:
-        results = list(pool.map(run, jobs))
-    lines = table(results)
+        results = list(pool.map(run, jobs(args)))
+    lines = table(results, args.seeds[0]) if len(args.seeds) == 1 else seeds_table(results)
     print("\n".join(lines))
     wall = time.perf_counter() - started
     print(f"{len(results)} runs in {wall:.0f} s")
