@@ -46,6 +46,7 @@ from agent.learning import (
     checked_fit,
     evaluated_weights,
     layer_requests,
+    live,
     participant_p_k,
     pruning,
     running,
@@ -197,7 +198,7 @@ class Simulation:
             wire.begin(t)
             current: dict[str, Published] = {}
             for k in topology.order:
-                if not running(k, t, self.stopped):  # stands in with its last model
+                if not running(k, t, self.stopped):  # nobody waits for it: it is left out
                     current[k] = previous[k]
                     wire.stood_in(k)
             ran: dict[str, AgentRound] = {}
@@ -228,7 +229,10 @@ class Simulation:
 
         def start(k: str) -> Future[tuple[RoundResult, Reduction]]:
             prior, posterior = topology.prior_posterior(k)
-            inbox = {j: current[j] for j in prior} | {j: previous[j] for j in posterior}
+            fresh = {j for _, j in live(topology.needs(k), self.stopped)}
+            inbox = {j: current[j] for j in prior if j in fresh} | {
+                j: previous[j] for j in posterior if j in fresh
+            }
             return self._start_round(k, topology, wire.receive(k, topology, inbox))
 
         waits_for = {k: set(topology.prior_posterior(k)[0]) - current.keys() for k in order}

@@ -14,7 +14,7 @@ receives the round's tally (`coordinator.tallies`).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from agent.learning import (
     Aggregate,
@@ -30,7 +30,6 @@ from agent.learning import (
     delta,
     layers_to_fetch,
     running,
-    stand_in,
 )
 from agent.report import COORDINATOR, Traffic
 from agent.runtime import divergence_message, encode_state, model_message, values_sent
@@ -80,40 +79,13 @@ def divergence_size(round_: int, sender: str, divergence: dict[str, float]) -> i
     return len(message)
 
 
-@dataclass
-class Deliveries:
-    """Who received which model, for the traffic of agents that stopped early: one that
-    stopped after round s stands in with its round-s model, which a receiver that never got
-    it fetches once (the stopped agent re-sends it on request)."""
-
-    final_size: dict[str, int] = field(default_factory=dict)
-    held: set[tuple[str, str, int]] = field(default_factory=set)
-
-    def count(
-        self,
-        traffic: dict[str, Traffic],
-        receiver: str,
-        sender: str,
-        needed: int,
-        fresh_size: int,
-        stopped: Mapping[str, int],
-    ) -> None:
-        """Charge the delivery of `sender`'s round-`needed` model (`fresh_size` bytes)."""
-        source, _ = stand_in((needed, sender), stopped)
-        cost = fresh_size
-        if source != needed:
-            cost = 0 if (receiver, sender, source) in self.held else self.final_size[sender]
-            traffic[sender].sent += cost
-        self.held.add((receiver, sender, source))
-        traffic[receiver].received += cost
-
-
 class LocalWire:
     """`--strategy local`: no models on the wire; the base of the decentralized wires.
 
-    A round goes `begin`, then per agent in reuse order `receive` (its inbox as it arrives)
-    and `publish` (what its receivers will hold), or `stood_in` for one that stopped early,
-    then `votes` and `end`. `stopped` is the simulator's live record of early stops."""
+    A round goes `begin`, then per agent in reuse order `receive` (its inbox as it arrives:
+    the neighbours that stopped early left out) and `publish` (what its receivers will
+    hold), or `stood_in` for one that stopped early, then `votes` and `end`. `stopped` is the
+    simulator's live record of early stops."""
 
     def __init__(self, roster: Sequence[str], stopped: Mapping[str, int], fp16: bool) -> None:
         self.roster = list(roster)
@@ -125,7 +97,7 @@ class LocalWire:
         self.traffic = {k: Traffic() for k in self.roster}
 
     def stood_in(self, agent: str) -> None:
-        """`agent` stopped early: its neighbours keep using its last model."""
+        """`agent` stopped early: it publishes nothing more."""
 
     def receive(self, agent: str, topology: RoundTopology, inbox: Models) -> Models:
         """The inbox `agent` aggregates in `topology`'s round (this round's models of its
@@ -184,24 +156,18 @@ class FullWire(ModelWire):
 
     def __init__(self, roster: Sequence[str], stopped: Mapping[str, int], fp16: bool) -> None:
         super().__init__(roster, stopped, fp16)
-        self.deliveries = Deliveries()
         self.previous_size = dict.fromkeys(self.roster, 0)  # round-0 models: never sent
 
     def receive(self, agent: str, topology: RoundTopology, inbox: Models) -> Models:
-        prior, posterior = topology.prior_posterior(agent)
-        t = topology.round
-        for j in prior:
-            self.deliveries.count(self.traffic, agent, j, t, self.size[j], self.stopped)
-        for j in posterior:
-            size = self.previous_size[j]
-            self.deliveries.count(self.traffic, agent, j, t - 1, size, self.stopped)
+        prior, _ = topology.prior_posterior(agent)
+        for j in inbox:
+            self.traffic[agent].received += self.size[j] if j in prior else self.previous_size[j]
         return inbox
 
     def publish(
         self, agent: str, round_: int, result: RoundResult, previous: Published
     ) -> Published:
         self._send(agent, round_, result.published)
-        self.deliveries.final_size[agent] = self.size[agent]
         return as_received(result.published, self.fp16)
 
     def end(self, round_: int) -> dict[str, Traffic]:
@@ -268,7 +234,6 @@ class LayersWire(LocalWire):
         super().__init__(roster, stopped, fp16)
         self.learner = learner
         self.ldf_n = ldf_n
-        self.announcements = Deliveries()
         self.divergence: dict[str, Announced] = {}
         self.previous_divergence: dict[str, Announced] = {}
         self.held: set[tuple[str, str, int, str]] = set()
@@ -282,27 +247,23 @@ class LayersWire(LocalWire):
         super().begin(round_)
         self.divergence, self.published = {}, set()
 
-    def stood_in(self, agent: str) -> None:
-        self.divergence[agent] = self.previous_divergence[agent]
-
     def receive(self, agent: str, topology: RoundTopology, inbox: Models) -> Models:
         """`agent` receives its neighbours' divergence vectors (round-0 models are derivable
         and taken whole), and asks each for the layers it picked; each neighbour's vector is
-        the one for the round `agent` needs (an agent that stopped early stands in with its
-        last)."""
+        the one for the round `agent` needs."""
         prior, posterior = topology.prior_posterior(agent)
         t = topology.round
-        announced = {j: (t, self.divergence[j]) for j in prior}  # round 0's is derivable
+        announced = {j: self.divergence[j] for j in prior if j in inbox}  # round 0: derivable
         if t > 1:
-            announced |= {j: (t - 1, self.previous_divergence[j]) for j in posterior}
-        for j, (needed, a) in announced.items():
-            self.announcements.count(self.traffic, agent, j, needed, a.size, self.stopped)
-        vectors = {j: a.values for j, (_, a) in announced.items()}
+            announced |= {j: self.previous_divergence[j] for j in posterior if j in inbox}
+        for a in announced.values():
+            self.traffic[agent].received += a.size
+        vectors = {j: a.values for j, a in announced.items()}
         chosen = layers_to_fetch(vectors, self.ldf_n)
         received = {j: m for j, m in inbox.items() if j not in announced}
         for j, layers in chosen.items():
             if layers:
-                r = announced[j][1].round
+                r = announced[j].round
                 received[j] = self.learner.layer_part(inbox[j], layers)
                 self._fetch(agent, j, r, inbox[j], layers)
         return received
@@ -341,7 +302,6 @@ class LayersWire(LocalWire):
         size = divergence_size(round_, agent, result.divergence)
         self.traffic[agent].sent += size
         self.divergence[agent] = Announced(round_, result.divergence, size)
-        self.announcements.final_size[agent] = size
         return as_received(result.published, self.fp16)
 
     def end(self, round_: int) -> dict[str, Traffic]:

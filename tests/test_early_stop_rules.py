@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from agent.experiment import ExperimentConfig
-from agent.learning import DEFAULT_STOP_RULE, StopRule, StopWatch, preset
+from agent.learning import DEFAULT_STOP_RULE, RoundTopology, StopRule, StopWatch, live, preset
 from agent.runtime import checkpoint
 from coordinator.simulate import Simulation
 
@@ -178,3 +178,41 @@ def test_a_simulated_agent_trains_on_while_it_prunes() -> None:
     levelled, never = stopped(0.0)
     assert levelled and not never, "without pruning, these agents level off and stop"
     assert stopped(100.0) == ({}, [2, 3, 4, 5, 6, 7])
+
+
+def test_a_need_counts_only_if_its_sender_trained_in_that_round() -> None:
+    """`live`: a neighbour that stopped after round 2 counts with its round-2 model (it
+    trained then) and is left out of every later round's needs."""
+    needs = {(3, "a"), (2, "b"), (3, "c"), (0, "d")}
+    assert live(needs, {"a": 2, "b": 2, "d": 1}) == {(2, "b"), (3, "c"), (0, "d")}
+    assert live(needs, {}) == needs
+
+
+def test_a_decentralized_agent_leaves_stopped_neighbours_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """DA-DPFL in the simulator: no aggregate holds a model of a round its sender did not
+    train (a stopped agent's stale model pulled its neighbours back: bench/early_stopping.py),
+    and the run does leave some neighbour out."""
+    learning = preset(
+        "dadpfl", rounds=8, neighbours=3, epochs=1, early_stop=True, stop_rule="paper"
+    )
+    config = ExperimentConfig(dataset="mnist1d", agents=6, seed=7, threads=1)
+    simulation = Simulation(dataclasses.replace(config, learning=learning))
+    inboxes: list[tuple[int, set[str], set[str]]] = []
+    start_round = simulation._start_round
+
+    def recorded(k: str, topology: RoundTopology, inbox: dict) -> object:
+        prior, posterior = topology.prior_posterior(k)
+        inboxes.append((topology.round, set(prior), set(inbox)))
+        assert set(inbox) <= set(prior) | set(posterior)
+        return start_round(k, topology, inbox)
+
+    monkeypatch.setattr(simulation, "_start_round", recorded)
+    simulation.run()
+    stopped = simulation.stopped
+    assert stopped, "the case must exercise early stopping"
+    for t, prior, senders in inboxes:
+        for j in senders:
+            assert stopped.get(j, t) >= (t if j in prior else t - 1), (t, j, stopped)
+    assert any(len(senders) < 3 for _, _, senders in inboxes), "someone was left out"

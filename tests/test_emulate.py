@@ -136,7 +136,7 @@ def test_emulate_gives_the_numbers_of_simulate(
     } == stopped
     assert emulated["summary"]["rounds"] == simulated["summary"]["rounds"]
     if learning.get("early_stop"):
-        assert stopped, "some agents stop early, and their neighbours use their last models"
+        assert stopped, "some agents stop early, and their neighbours leave them out"
     assert_onnx_models_match_torch(simulation, tmp_path / "fleet")
     if learning.get("profiles"):
         p_k = {a["p_k"] for r in emulated["rounds"] for a in r["agents"].values()}

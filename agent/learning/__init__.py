@@ -72,10 +72,10 @@ from agent.learning.rounds import (
     evaluated_weights,
     layer_requests,
     layers_to_fetch,
+    live,
     participant_p_k,
     running,
     settle_votes,
-    stand_in,
     train_round,
 )
 from agent.learning.sparse import Masks, State
@@ -149,7 +149,7 @@ __all__ = [
     "running",
     "settle_votes",
     "sparse",
-    "stand_in",
+    "live",
     "static_tier",
     "topology",
     "train_round",

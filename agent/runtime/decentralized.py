@@ -29,9 +29,9 @@ from agent.learning import (
     RoundResult,
     RoundTopology,
     attacked,
+    live,
     pruning,
     settle_votes,
-    stand_in,
     train_round,
 )
 from agent.report import AgentRound
@@ -77,18 +77,17 @@ class DecentralizedRounds:
                 del self._needs[min(self._needs)]
         return set(self._needs[round_])
 
-    def sources(self, needs: set[Need]) -> dict[Need, Need]:
-        """The model that stands for each need (`stand_in`: an agent that stopped early
-        after round s is represented by its round-s model in every later round)."""
-        stopped = self.session.inbox.stopped_agents()
-        return {need: stand_in(need, stopped) for need in needs}
+    def live(self, needs: set[Need]) -> set[Need]:
+        """The needs that count (`live`: a neighbour that stopped early is left out of the
+        rounds after its stop), as far as this agent knows of stops yet."""
+        return live(needs, self.session.inbox.stopped_agents())
 
     def ahead(self, round_: int) -> set[Need]:
-        """The announced stand-ins of the needs of round `round_` and the few after it."""
+        """The announced needs of round `round_` and the few after it."""
         last = min(round_ + LOOKAHEAD_ROUNDS, self.session.cfg.rounds)
         wanted: set[Need] = set()
         for upcoming in range(round_, last + 1):
-            wanted |= {src for src in self.sources(self.needs(upcoming)).values() if src[0] >= 1}
+            wanted |= {need for need in self.live(self.needs(upcoming)) if need[0] >= 1}
         return wanted
 
     # ------------------------------------------------------------------ wiring
@@ -166,29 +165,23 @@ class DecentralizedRounds:
 
     # ------------------------------------------------------------------ round
 
-    def await_sources(
+    def await_needs(
         self, round_: int, needs: set[Need], deadline: float, have: Have, wait: Wait
-    ) -> dict[Need, Need]:
+    ) -> set[Need]:
         """Wait for the announcement (`have`/`wait`: models, or divergence vectors) of every
-        need's source, asking again for the missing when `Asking` says so, until the
-        deadline; returns the sources, which change when a neighbour stops early meanwhile."""
+        live need, asking again for the missing when `Asking` says so, until the deadline;
+        returns the live needs, fewer when a neighbour stops early meanwhile."""
         s = self.session
         check_every_s = s.timeouts.request_every_s
         asking = Asking(s.transport, check_every_s, s.inbox.reported_done)
-        sources = self.sources(needs)
-        self.request({src for need, src in sources.items() if src != need and have(*src) is None})
+        awaited = self.live(needs)
         while True:
-            missing = wait(set(sources.values()), asking.pause(check_every_s, deadline))
-            if (now := self.sources(needs)) != sources:
-                # A neighbour stopped early meanwhile: fetch its last model now (this agent
-                # may never have subscribed to it).
-                self.subscribe_ahead(round_)
-                changed = set(now.values()) - set(sources.values())
-                self.request({k for k in changed if have(*k) is None})
-                sources = now
+            missing = wait(awaited, asking.pause(check_every_s, deadline))
+            if (now := self.live(needs)) != awaited:  # a neighbour stopped early meanwhile
+                awaited = now
                 continue
             if not missing or time.monotonic() >= deadline or self.session.stop.is_set():
-                return sources
+                return awaited
             self.request(asking.to_ask(missing))
 
     def prune_now(self, round_: int) -> bool:
@@ -297,13 +290,9 @@ class DecentralizedRounds:
         }
 
     def held(self, round_: int) -> dict[str, dict[str, Any]]:
-        """Peers' models to keep across a restart: this round's and next round's, and the
-        last models of agents that stopped early that the next round uses (they may have
-        left by the time we restart)."""
+        """Peers' models to keep across a restart: this round's and next round's."""
         s = self.session
         keys = {(r, j) for r in (round_, round_ + 1) for j in s.roster}
-        if round_ < s.cfg.rounds:
-            keys |= set(self.sources(self.needs(round_ + 1)).values())
         held: dict[str, dict[str, Any]] = {}
         for r, j in sorted(keys):
             if (p := s.inbox.model(r, j)) is not None:

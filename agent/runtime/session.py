@@ -433,8 +433,8 @@ class Session:
     def linger(self) -> None:
         """Keep answering requests until every other agent reports done (or time runs out).
 
-        An agent that stopped early stays for the rest of the run: its neighbours keep
-        using, and may still ask for, its last model."""
+        An agent that stopped early stays for the rest of the run: its neighbours may still
+        ask for its last round's model, and it stays reachable."""
         others = set(self.roster) - {self.me}
         timeout = self.timeouts.linger_s
         if self.stopped_round is not None:
@@ -495,8 +495,8 @@ class Session:
 
 
 def follow_fleet(session: Session) -> None:
-    """Subscribe to who is ready, stopped or gone (the start barrier, stand-ins and lingering
-    need it). With a keeper, one tally a round says it all (and every vote), and its absence
+    """Subscribe to who is ready, stopped or gone (the start barrier, the needs left out and
+    lingering need it). With a keeper, one tally a round says it all (and every vote), and its absence
     notice who is offline: no agent receives every other agent's statuses, votes and
     presences, unless the keeper goes offline."""
     keeper, transport, inbox = session.run_info.keeper, session.transport, session.inbox

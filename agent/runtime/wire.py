@@ -32,10 +32,11 @@ Gathered = tuple[dict[str, Published], list[str]]
 class Fetcher(Protocol):
     """The round driver's waiting, as a wire format's gathering uses it."""
 
-    def await_sources(
+    def await_needs(
         self, round_: int, needs: set[Need], deadline: float, have: Have, wait: Wait
-    ) -> dict[Need, Need]:
-        """Wait for what announces each need's stand-in; returns the stand-ins."""
+    ) -> set[Need]:
+        """Wait for what announces each live need (a neighbour that stopped early is left
+        out); returns the live needs."""
 
     def request(self, missing: set[Need], layers: list[str] | None = None) -> None:
         """Ask each (round, target) for its announcement again, or for these layers."""
@@ -51,8 +52,8 @@ class Wire(Protocol):
         """The inbox handler of neighbours' announcements."""
 
     def wanted(self, round_: int, ahead: Callable[[int], set[Need]]) -> set[str]:
-        """The announcement topics to hold from round `round_` on (`ahead`: the stand-ins
-        of the needs of the next few rounds)."""
+        """The announcement topics to hold from round `round_` on (`ahead`: the live needs
+        of the next few rounds)."""
 
     def encode(self, round_: int, result: RoundResult) -> tuple[bytes, bytes, Published]:
         """What to publish after the round, what to re-send on request, and what the
@@ -109,12 +110,12 @@ class WholeModels:
         for r, j in needs:
             if r == 0:
                 inbox.put_model(0, j, learner.published(learner.init_agent(j), 0))
-        sources = fetch.await_sources(round_, needs, deadline, inbox.model, inbox.wait_models)
+        awaited = fetch.await_needs(round_, needs, deadline, inbox.model, inbox.wait_models)
         gone = inbox.gone()
         models: dict[str, Published] = {}
         stragglers = []
-        for r, j in sorted(needs):
-            model = inbox.model(*sources[(r, j)])
+        for r, j in sorted(awaited | {need for need in needs if need[0] == 0}):
+            model = inbox.model(r, j)
             if model is None:
                 stragglers.append(j)
                 fallback = inbox.latest(j, r)

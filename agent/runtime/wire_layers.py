@@ -124,16 +124,14 @@ class LayersWire:
         inbox, learner = self.session.inbox, self.session.learner
         models = {j: learner.published(learner.init_agent(j), 0) for r, j in needs if r == 0}
         announced = {need for need in needs if need[0] >= 1}
-        sources = fetch.await_sources(
+        awaited = fetch.await_needs(
             round_, announced, deadline, inbox.divergence, inbox.wait_divergences
         )
         divergences = {
-            j: vector
-            for (_, j), src in sources.items()
-            if (vector := inbox.divergence(*src)) is not None
+            j: vector for r, j in awaited if (vector := inbox.divergence(r, j)) is not None
         }
         chosen = layers_to_fetch(divergences, self.session.cfg.ldf_n)
-        source_of = {j: src for (_, j), src in sources.items()}
+        source_of = {j: (r, j) for r, j in awaited}
         wanted = {
             (*source_of[j], layer): self.topic(source_of[j], layer)
             for j, layers in chosen.items()
@@ -144,8 +142,7 @@ class LayersWire:
         deadline = max(deadline, time.monotonic() + self.session.timeouts.request_every_s)
         missing = self._fetch_layers(fetch_now, deadline, fetch)
         stragglers = sorted(
-            {j for (_, j), src in sources.items() if inbox.divergence(*src) is None}
-            | {key[1] for key in missing}
+            {j for r, j in awaited if inbox.divergence(r, j) is None} | {key[1] for key in missing}
         )
         gone = inbox.gone()
         for j in stragglers:
