@@ -228,11 +228,8 @@ class Simulation:
         order = [k for k in topology.order if k not in current]
 
         def start(k: str) -> Future[tuple[RoundResult, Reduction]]:
-            prior, posterior = topology.prior_posterior(k)
-            fresh = {j for _, j in live(topology.needs(k), self.stopped)}
-            inbox = {j: current[j] for j in prior if j in fresh} | {
-                j: previous[j] for j in posterior if j in fresh
-            }
+            needs = sorted(live(topology.needs(k), self.stopped))
+            inbox = {j: (current if r == topology.round else previous)[j] for r, j in needs}
             return self._start_round(k, topology, wire.receive(k, topology, inbox))
 
         waits_for = {k: set(topology.prior_posterior(k)[0]) - current.keys() for k in order}
