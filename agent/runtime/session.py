@@ -496,9 +496,9 @@ class Session:
 
 def follow_fleet(session: Session) -> None:
     """Subscribe to who is ready, stopped or gone (the start barrier, the needs left out and
-    lingering need it). With a keeper, one tally a round says it all (and every vote), and its absence
-    notice who is offline: no agent receives every other agent's statuses, votes and
-    presences, unless the keeper goes offline."""
+    lingering need it). With a keeper, one tally a round says it all (and every vote), and
+    its absence notice who is offline: no agent receives every other agent's statuses, votes
+    and presences, unless the keeper goes offline."""
     keeper, transport, inbox = session.run_info.keeper, session.transport, session.inbox
     if keeper:
         transport.subscribe(topics.round_topic(session.fleet, "+", "tally", keeper), inbox.on_tally)
