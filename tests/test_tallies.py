@@ -1,6 +1,6 @@
 """The coordinator keeps the round tallies: each agent receives one message a round instead of
 every other agent's status and vote, and learns from it what those said (ready, done,
-stopped, left, the votes), so t* and the stand-ins are what they were."""
+stopped, left, the votes), so t* and who is left out are what they were."""
 
 from __future__ import annotations
 
