@@ -113,7 +113,7 @@ What it shows:
 
   Within 2 points on average in every case, and in 38 of 40 runs. Seed 1's digits DA-DPFL
   (-4.3, the miss of the one-seed table above) is the low end of a spread of about 2 points
-  either way: the same case gains 3.1 on seed 9, and mnist1d DA-DPFL 4.5 on seed 7. What
+  either way: the same case gains 3.1 on seed 9, and mnist1d DA-DPFL 4.5 on seed 9. What
   moves is the honest fleet's trajectory, not the attack: every poisoned model is screened
   out (instrumented on seed 1: 279 of 279; the 10 attacker models kept were their round-0
   models, unpoisoned), and no honest model is touched. Leaving a screened model out of a
