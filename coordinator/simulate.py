@@ -200,7 +200,7 @@ class Simulation:
             for k in topology.order:
                 if not running(k, t, self.stopped):  # nobody waits for it: it is left out
                     current[k] = previous[k]
-                    wire.stood_in(k)
+                    wire.sat_out(k)
             ran: dict[str, AgentRound] = {}
             for k, result, ran[k] in self._local_rounds(topology, wire, current, previous):
                 current[k] = wire.publish(k, t, result, previous[k])

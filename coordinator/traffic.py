@@ -84,7 +84,7 @@ class LocalWire:
 
     A round goes `begin`, then per agent in reuse order `receive` (its inbox as it arrives:
     the neighbours that stopped early left out) and `publish` (what its receivers will
-    hold), or `stood_in` for one that stopped early, then `votes` and `end`. `stopped` is the
+    hold), or `sat_out` for one that stopped early, then `votes` and `end`. `stopped` is the
     simulator's live record of early stops."""
 
     def __init__(self, roster: Sequence[str], stopped: Mapping[str, int], fp16: bool) -> None:
@@ -96,7 +96,7 @@ class LocalWire:
     def begin(self, round_: int) -> None:
         self.traffic = {k: Traffic() for k in self.roster}
 
-    def stood_in(self, agent: str) -> None:
+    def sat_out(self, agent: str) -> None:
         """`agent` stopped early: it publishes nothing more."""
 
     def receive(self, agent: str, topology: RoundTopology, inbox: Models) -> Models:
@@ -140,7 +140,7 @@ class ModelWire(LocalWire):
         super().begin(round_)
         self.size = {}
 
-    def stood_in(self, agent: str) -> None:
+    def sat_out(self, agent: str) -> None:
         self.size[agent] = 0
 
     def _send(self, agent: str, round_: int, model: Published, base_round: int = -1) -> None:
