@@ -132,6 +132,7 @@ import pathlib
 import statistics
 import sys
 import time
+from collections.abc import Iterable
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
@@ -209,6 +210,13 @@ def jobs(args: argparse.Namespace) -> list[Job]:
     ]
 
 
+def attacked_cases(keys: Iterable[tuple]) -> list[tuple[str, str, str]]:
+    """The (dataset, strategy, defence) of results keyed (dataset, strategy, defence, attack,
+    ...) that were run under attack: the defences asked for, not `mean` when only its clean
+    run was (the comparison's baseline)."""
+    return list(dict.fromkeys(key[:3] for key in keys if key[3] != "none"))
+
+
 def table(results: list[dict[str, Any]], seed: int) -> list[str]:
     """Rows per (dataset, strategy, defence) for one seed: accuracy per attack, and the worst
     drop from the clean run (mean, no attackers)."""
@@ -222,9 +230,7 @@ def table(results: list[dict[str, Any]], seed: int) -> list[str]:
         + " ".join(f"{a:>8}" for a in ATTACKS)
         + f" {'worst-clean':>11}"
     ]
-    for dataset, strategy, defence in dict.fromkeys(k[:3] for k in acc):
-        if (dataset, strategy, defence, "scale") not in acc:
-            continue  # only the clean run of `mean` was asked for
+    for dataset, strategy, defence in attacked_cases(acc):
         clean = acc[(dataset, strategy, "mean", "none")]
         cells = [acc[(dataset, strategy, defence, a)] for a in ATTACKS]
         lines.append(
@@ -245,9 +251,7 @@ def worst_drops(results: list[dict[str, Any]]) -> dict[tuple[str, str, str], lis
     }
     seeds = sorted({key[4] for key in acc})
     drops: dict[tuple[str, str, str], list[float]] = {}
-    for dataset, strategy, defence in dict.fromkeys(key[:3] for key in acc):
-        if defence == "mean" and (dataset, strategy, defence, "scale", seeds[0]) not in acc:
-            continue  # only the clean run of `mean` was asked for
+    for dataset, strategy, defence in attacked_cases(acc):
         drops[(dataset, strategy, defence)] = [
             100
             * (
