@@ -131,9 +131,9 @@ class LayersWire:
             j: vector for r, j in awaited if (vector := inbox.divergence(r, j)) is not None
         }
         chosen = layers_to_fetch(divergences, self.session.cfg.ldf_n)
-        source_of = {j: (r, j) for r, j in awaited}
+        need_of = {j: (r, j) for r, j in awaited}
         wanted = {
-            (*source_of[j], layer): self.topic(source_of[j], layer)
+            (*need_of[j], layer): self.topic(need_of[j], layer)
             for j, layers in chosen.items()
             for layer in layers
         }
@@ -149,7 +149,7 @@ class LayersWire:
             why = "is offline" if j in gone else "did not deliver in time"
             log.warning("round %d: %s %s", round_, j, why)
         for j, layers in chosen.items():
-            part = inbox.layers_of(*source_of[j], layers)
+            part = inbox.layers_of(*need_of[j], layers)
             if part is not None:
                 models[j] = part
         return models, stragglers
