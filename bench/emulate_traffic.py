@@ -35,26 +35,24 @@ On the embedded broker (amqtt, in the coordinator's process; the default of `coo
 emulate`), `--sizes 8,32,64 --neighbours 5,all`, bench/results/emulate_traffic.json:
 
     agents   M   sent x  received x  re-sends  same accuracy  emulate s
-         8   5    1.018       1.003         0  yes                 11
-         8   7    1.018       1.003         0  yes                 11
-        32   5    1.018       1.004         0  yes                 12
-        32  31    1.123       1.002        20  yes                 33
-        64   5    1.018       1.004         0  yes                 17
-        64  63    3.853       1.052     1,083  no                 174
+         8   5    1.018       1.003         0  yes                 15
+         8   7    1.018       1.003         0  yes                 13
+        32   5    1.018       1.004         0  yes                 13
+        32  31    1.018       1.002         0  yes                 26
+        64   5    1.018       1.004         0  yes                 19
+        64  63    1.018       1.002         0  yes                181
 
-All-to-all at 32 and 64 is at the edge of what amqtt carries here (a round of 64 is 4,032
-deliveries of 33 KB, 133 MB, through one Python process, 30-80 s), and it varies from run
-to run: other runs of the same code gave 1.065x (9 re-sends) at 32, and 1.952x (353) and
-no re-send at all (one more run of the same 6 rounds outside this bench) at 64; 32
-all-to-all as the CLI runs it gave 1.029x and 1.092x before the change. Before it, 64
-all-to-all was 8.3x (2,782 re-sends) with agents sharing processes and 8.9x (2,997) one
-process each:
-when a model takes longer to arrive than a look (5 s) after its sender's report, the agent
-asked for it, and every copy went into the same queue. What is left are stalls of amqtt
-longer than two looks with nothing arriving; then the agents ask. Raising amqtt's 5 s
-PUBACK timeout (a delivery it drops for good) to 60 s made it worse (a run of 120 s
-rounds: the stuck deliveries held their clients' queues longer), so that stays as amqtt
-has it.
+Two more runs of 64 all-to-all (`--sizes 64 --neighbours all`) gave the same: 1.018x, no
+re-send, simulate's accuracies (160 and 178 s). Since session 14 the embedded broker sends
+every message at QoS 0 (coordinator/broker.py `_deliver_at_qos0`). Before, at QoS 1, it
+waited 5 s for each delivery's PUBACK; a round of 64 all-to-all (4,032 deliveries of 33 KB,
+133 MB through one Python process) is read out so slowly that thousands of PUBACKs came
+later than that, each logged as a failed task with its traceback, and the broker fell
+further behind: the run of the old code just before the change gave 4.109x, 1,180
+re-sends, accuracies off simulate's, and 6,179 such tracebacks in 6 rounds (181 s); earlier
+runs 1.952x and 3.853x, and 1.065-1.123x at 32 all-to-all. Agents waited while models
+kept arriving (agent/runtime/asking.py) but asked once amqtt stalled for more than two
+looks with nothing arriving.
 
 On mosquitto (`--broker mosquitto --sizes 8,32,64 --neighbours 5,all`, before the change
 and one process per agent, bench/results/emulate_traffic_mosquitto.json):
@@ -67,10 +65,8 @@ and one process per agent, bench/results/emulate_traffic_mosquitto.json):
         64   5    1.018       1.004         0  yes                 86.7
         64  63    1.018       1.002         0  yes                115.7
 
-The 1.8 % left is each agent's status, vote and presence. Target 1.1x: met on mosquitto at
-every size and neighbour count (8, 32, 64; M = 5 and all-to-all); on the embedded broker met
-at every size with M = 5 and at 8 all-to-all, at the edge at 32 all-to-all (1.03-1.12x) and
-not at 64 all-to-all (1.0-3.9x): use mosquitto (`--broker`) for all-to-all fleets that large.
+The 1.8 % left is each agent's status, vote and presence. Target 1.1x: met at every size
+and neighbour count (8, 32, 64; M = 5 and all-to-all), on both brokers.
 """
 
 from __future__ import annotations

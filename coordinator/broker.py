@@ -7,9 +7,9 @@ loopback unless told otherwise. Given a folder written by `coordinator broker-co
 admits only the members listed there, each with its password, and enforces the fleet's ACL
 (`protocol.acl`) on every publish, subscription and last will, through amqtt's plugin API.
 
-amqtt's broker is subclassed at three private points (keepalive, subscription table,
-retained messages on connect; see `_FleetBroker`), so pyproject.toml pins amqtt to the
-versions tested.
+amqtt's broker is subclassed at four private points (keepalive, subscription table,
+retained messages on connect, QoS of deliveries; see `_FleetBroker`), so pyproject.toml pins
+amqtt to the versions tested.
 
 Run `python -m coordinator.broker --port N [--auth DIR]` for a standalone broker process
 (tests use it to kill and restart a broker on the same port).
@@ -31,8 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from amqtt.broker import Broker
+from amqtt.broker import Broker, BrokerProtocolHandler
 from amqtt.contexts import Action
+from amqtt.mqtt.constants import QOS_0
 from amqtt.plugins.base import BaseAuthPlugin, BaseTopicPlugin
 from amqtt.session import Session
 
@@ -73,10 +74,37 @@ class _SnapshotDict(dict):
         return list(dict.items(self))
 
 
+def _deliver_at_qos0(handler: BrokerProtocolHandler) -> None:
+    """Make every message the broker sends this client go out at QoS 0.
+
+    A QoS 1 delivery costs amqtt (0.12.1) a PUBACK to read and match and a 5 s timer; when
+    the PUBACK comes later than that, amqtt logs the delivery as a failed task with its
+    traceback (it was sent; it is not sent again). A broker fanning a round out (64 agents
+    all-to-all: 133 MB a round through this one Python process) reads PUBACKs late, so it
+    logged 6,179 tracebacks in 6 rounds and fell further behind; agents saw nothing arrive
+    for two looks and asked again: 4.1x the algorithm's traffic, 1,180 re-sends, and
+    accuracies off simulate's. At QoS 0 the same run sent 1.018x, with no re-send and
+    simulate's accuracies (bench/emulate_traffic.py). edgefl's clients connect with a clean
+    session, which holds nothing for them across a reconnect, so QoS 1 gave a connected
+    client nothing that TCP does not; an agent that reconnects asks for what it missed
+    (agent/runtime/asking.py). What clients publish to the broker keeps its QoS and its
+    PUBACK. A client that wants messages held while it is away (a persistent session) needs
+    another broker, such as mosquitto.
+    """
+    publish = handler.mqtt_publish
+
+    async def publish_at_qos0(
+        topic: str, data: bytes | bytearray, qos: int | None, retain: bool, *args: Any
+    ) -> Any:
+        return await publish(topic, data, QOS_0, retain, *args)
+
+    handler.mqtt_publish = publish_at_qos0
+
+
 class _FleetBroker(Broker):
     """amqtt's broker with MQTT's keepalive rule enforced, its subscription table safe to
-    change while it is walked (see _SnapshotDict), and retained messages sent only to the
-    subscriptions they match.
+    change while it is walked (see _SnapshotDict), retained messages sent only to the
+    subscriptions they match, and every delivery at QoS 0 (see `_deliver_at_qos0`).
 
     amqtt notices a client that closed its socket, but never drops one that merely went
     silent (its read timeout handler does nothing). A device that loses power or network
@@ -99,7 +127,12 @@ class _FleetBroker(Broker):
                 asyncio.ensure_future(handler.handle_connection_closed())
 
             handler.handle_read_timeout = close_silent_client
+        _deliver_at_qos0(handler)
         return handler, session
+
+    async def add_subscription(self, subscription: tuple[str, int], session: Session) -> int:
+        """Grant QoS 0 to every subscription: see `_deliver_at_qos0`."""
+        return await super().add_subscription((subscription[0], QOS_0), session)
 
     async def _publish_retained_messages_for_subscription(
         self, subscription: tuple[str, int], session: Session
