@@ -66,6 +66,9 @@ against 0.100-0.109 in the others):
     main  flower      fedavg   5  0.471         1           1           13.6        1
     main  emulate     dadpfl   5  0.589         1.25        1.34        9.0         0.67
 
+Three more runs with --skip-main, at once after these (emulate fedavg, simulate/2 fedavg):
+0.41x and 0.38x, 0.70x and 0.44x, 0.47x and 0.40x of Flower's 0.249, 0.198 and 0.236.
+
 Before (session 12, the embedded broker at QoS 1, three runs): emulate fedavg 0.150..0.165
 s a round, 0.73..0.88x Flower's; emulate dadpfl 0.222..0.246; the main job 0.57..0.76x.
 
@@ -75,11 +78,13 @@ Bytes per round: Flower 541 kB (16 x 33.8 kB), simulate fedavg 525 kB, emulate f
 (both); main job: Flower fedavg 0.4793, ours 0.5412.
 
 Targets (issue 16):
-* Simulate <= 0.4x Flower's steady s / round: met with `--workers 2` (0.32-0.39x: the fits
-  train on both cores, as Flower's two client actors do); one process 0.44-0.67x.
+* Simulate <= 0.4x Flower's steady s / round: met with `--workers 2` in 5 runs of 6
+  (0.32-0.40x, and 0.44x in the sixth: the fits train on both cores, as Flower's two client
+  actors do); one process 0.34-0.71x.
 * The README main job's whole run no slower than Flower's: met (0.67x; 0.57-0.76x over
   session 12's three runs).
-* Emulate <= 0.5x: at the edge, met in one run of three (0.50, 0.54 and 0.69x). At QoS 1
+* Emulate <= 0.5x: at the edge, met in 3 runs of 6 (0.41, 0.47 and 0.50x; 0.54, 0.69 and
+  0.70x in the others, median 0.52x). At QoS 1
   (session 12) it was 0.73-0.88x: each delivery of the embedded broker waited for its
   PUBACK, and every client spent a PUBACK on each message it received; at QoS 0 the same
   8-agent fedavg task takes 0.106-0.155 s a round (0.174-0.181 with the QoS 1 broker, two
