@@ -1,6 +1,6 @@
 """When an agent asks its peers again for what has not come.
 
-A model published while its receiver was subscribed and connected reaches it (QoS 1), so a
+A model published while its receiver was subscribed and connected reaches it, so a
 receiver that asks while the model is only late (its sender still training, or the broker
 busy) makes the sender send it twice. In a busy fleet whose agents asked every
 `request_every_s`, each late model went out again to every asker, which made the fleet
@@ -11,6 +11,10 @@ only when something was lost:
   still not here a look later (`request_every_s`: the model went out before the report of
   it, so it is not merely late);
 * its own connection came back (the broker dropped what was queued for it);
+* it is back from a restart (resumed from its checkpoint): what its peers published while it
+  was gone never reached it, so it asks at once, in the first round it waits in (a peer
+  that has not published its model yet answers nothing and publishes it as usual). Before,
+  a restarted agent waited out the last resort there, 20 s, and its peers with it;
 * or, as a last resort, after FALLBACK_FACTOR x `request_every_s`, then at twice that
   interval each time (a lost status as well as a lost model).
 
@@ -42,9 +46,13 @@ class Asking:
         transport: MqttTransport,
         request_every_s: float,
         reported_done: Callable[[int, str], bool],
+        returned: bool = False,
     ) -> None:
         self.transport = transport
         self.reported_done = reported_done
+        self.returned = returned
+        """This agent is back from a restart: its first look comes at once and asks for
+        everything missing."""
         self.pause_s = FALLBACK_FACTOR * request_every_s
         self.next_at = time.monotonic() + self.pause_s
         self.connects = transport.connects
@@ -58,12 +66,17 @@ class Asking:
         """What was missing at the last look."""
 
     def to_ask(self, missing: set[Need]) -> set[Need]:
-        """The missing to ask for now: all of them after a reconnect; nothing while awaited
+        """The missing to ask for now: all of them after a reconnect or at the first look
+        after a restart; nothing while awaited
         models keep arriving (the last resort put off); else all of them when the
         last-resort interval passed (the next is twice as long), or those whose sender
         reported the round done already at the last look, once each."""
         now, connects = time.monotonic(), self.transport.connects
         arriving, self.waiting = bool(self.waiting - missing), set(missing)
+        if self.returned:
+            self.returned = False
+            self.asked = set(missing)
+            return set(missing)
         if arriving and connects == self.connects:
             self.next_at = max(self.next_at, now + self.pause_s)
             self.suspect = set()  # late, not lost: suspected again only once nothing comes
@@ -81,6 +94,9 @@ class Asking:
 
     def pause(self, check_every_s: float, deadline: float) -> float:
         """How long to wait before looking again: at most `check_every_s` (a reconnect or a
-        status is noticed within it), never past `deadline`."""
+        status is noticed within it), never past `deadline`; nothing before the first look
+        of an agent back from a restart."""
+        if self.returned:
+            return 0.0
         now = time.monotonic()
         return max(min(check_every_s, self.next_at - now, deadline - now), 0.0)

@@ -64,6 +64,8 @@ class DecentralizedRounds:
         layers its divergence vector), re-sent on request."""
         self.subscribed: set[str] = set()
         self._needs: dict[int, set[Need]] = {}
+        self.resumed_after: int | None = None
+        """The round this agent resumed after, when it restarted from its checkpoint."""
 
     # ------------------------------------------------------------------ needs
 
@@ -158,6 +160,7 @@ class DecentralizedRounds:
             s.transport.publish(s.topic(round_, self.wire.announcement, s.me), data)
 
     def resumed(self, done: int) -> None:
+        self.resumed_after = done
         self.wire.resumed(done)
 
     def close(self) -> None:
@@ -173,7 +176,8 @@ class DecentralizedRounds:
         returns the live needs, fewer when a neighbour stops early meanwhile."""
         s = self.session
         check_every_s = s.timeouts.request_every_s
-        asking = Asking(s.transport, check_every_s, s.inbox.reported_done)
+        returned = self.resumed_after is not None and round_ == self.resumed_after + 1
+        asking = Asking(s.transport, check_every_s, s.inbox.reported_done, returned)
         awaited = self.live(needs)
         while True:
             missing = wait(awaited, asking.pause(check_every_s, deadline))
