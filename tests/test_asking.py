@@ -59,8 +59,8 @@ def test_everything_missing_is_asked_for_after_a_reconnect() -> None:
 
 
 def test_an_agent_back_from_a_restart_asks_at_once_for_everything_missing() -> None:
-    box = Inbox(Expected(FLEET, RUN, frozenset({"a", "b", "c"}), expected_shapes({})))
-    asking = Asking(FakeTransport(), EVERY_S, box.reported_done, returned=True)  # type: ignore[arg-type]
+    box, transport, _ = setup()
+    asking = Asking(transport, EVERY_S, box.reported_done, returned=True)  # type: ignore[arg-type]
     missing = {(2, "b"), (3, "c")}  # published while it was gone; nobody reported them done
     assert asking.pause(EVERY_S, time.monotonic() + 10) == 0.0, "its first look comes at once"
     assert asking.to_ask(missing) == missing

@@ -67,10 +67,10 @@ class Asking:
 
     def to_ask(self, missing: set[Need]) -> set[Need]:
         """The missing to ask for now: all of them after a reconnect or at the first look
-        after a restart; nothing while awaited
-        models keep arriving (the last resort put off); else all of them when the
-        last-resort interval passed (the next is twice as long), or those whose sender
-        reported the round done already at the last look, once each."""
+        after a restart; nothing while awaited models keep arriving (the last resort put
+        off); else all of them when the last-resort interval passed (the next is twice as
+        long), or those whose sender reported the round done already at the last look, once
+        each."""
         now, connects = time.monotonic(), self.transport.connects
         arriving, self.waiting = bool(self.waiting - missing), set(missing)
         if self.returned:
