@@ -275,19 +275,28 @@ class Lan:
         returns its exit status."""
         if process.poll() is None:
             self._signal_group(process, signal.SIGTERM)
-            try:
-                process.wait(_STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                self._signal_group(process, signal.SIGKILL)
-                process.wait(_STOP_GRACE_S)
+        return self._reap(process)
+
+    def _reap(self, process: subprocess.Popen[bytes]) -> int:
+        """Wait out a process told to stop, SIGKILL it after the grace period; its status."""
+        try:
+            process.wait(_STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            self._signal_group(process, signal.SIGKILL)
+            process.wait(_STOP_GRACE_S)
         if process in self._processes:
             self._processes.remove(process)
         return process.returncode
 
     def close(self) -> None:
-        """Kill every process started here and delete the namespaces; safe to call twice."""
+        """Kill every process started here and delete the namespaces; safe to call twice.
+        Every process is told to stop before any is waited for: they stop together (each
+        agent takes about a second to shut down, and a test may leave seven running)."""
+        for process in self._processes:
+            if process.poll() is None:
+                self._signal_group(process, signal.SIGTERM)
         for process in list(self._processes):
-            self.kill(process)
+            self._reap(process)
         errors = []
         for namespace in reversed(self._created):
             try:

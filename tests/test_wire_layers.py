@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from agent.experiment import build_workload
 from agent.learning import Published, preset
 from agent.runtime import Expected, Inbox, expected_shapes, model_message
 from agent.runtime.layer_server import LayerServer, PublishLayers
+from agent.runtime.wire_layers import LayersWire
 from coordinator.simulate import ExperimentConfig, simulate
 from protocol import messages, topics
 
@@ -165,6 +167,76 @@ def test_divergence_vectors_must_give_one_value_per_layer() -> None:
     box.on_divergence(topic, divergence_payload(["fc", "conv"], [1.0, 2.0]))
     assert box.divergence(2, "b") == {"conv": 2.0, "fc": 1.0}
     assert list(box.divergence(2, "b") or {}) == ["conv", "fc"], "kept in the model's order"
+
+
+class FakeTransport:
+    """What fetching layers uses of a transport: subscriptions that take at once."""
+
+    connects = 1
+
+    def subscribe(self, topic: str, handler: object) -> None: ...
+
+    def unsubscribe(self, topic: str) -> None: ...
+
+    def wait_subscribed(self, timeout_s: float) -> bool:
+        return True
+
+
+class RecordingFetcher:
+    """A round driver that records the layer requests it is told to send."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[set[tuple[int, str]], list[str] | None, float]] = []
+
+    def request(self, missing: set[tuple[int, str]], layers: list[str] | None = None) -> None:
+        self.requests.append((missing, layers, time.monotonic()))
+
+
+def test_a_sender_that_announces_again_is_asked_again_for_its_layers_at_once() -> None:
+    """A request sent to a peer while it was down is lost; the peer, back from its restart,
+    announces its recent rounds again, which tells its askers to ask again (not 4 request
+    intervals later, as their last resort)."""
+    box = inbox()
+    topic = topics.round_topic(FLEET, 2, "divergence", "b")
+    box.on_divergence(topic, divergence_payload(["conv", "fc"], [1.0, 2.0]))
+    session = SimpleNamespace(
+        inbox=box,
+        learner=SimpleNamespace(layer_groups=GROUPS),
+        transport=FakeTransport(),
+        timeouts=SimpleNamespace(request_every_s=30.0),
+        stop=threading.Event(),
+    )
+    wire = LayersWire(session)  # type: ignore[arg-type]
+    fetcher = RecordingFetcher()
+    fetching = {(2, "b", "fc"): topics.layer(FLEET, 2, "b", 1)}
+    result: list[set[tuple[int, str, str]]] = []
+    thread = threading.Thread(
+        target=lambda: result.append(
+            wire._fetch_layers(fetching, time.monotonic() + 20, fetcher)  # type: ignore[arg-type]
+        )
+    )
+    thread.start()
+    try:
+        wait_until(lambda: len(fetcher.requests) == 1)
+        time.sleep(0.6)  # more than a look of the inbox's wait: no ask while b stays silent
+        assert len(fetcher.requests) == 1
+        box.on_divergence(topic, divergence_payload(["conv", "fc"], [1.0, 2.0]))  # b is back
+        wait_until(lambda: len(fetcher.requests) == 2)
+        assert fetcher.requests[1][:2] == ({(2, "b")}, ["fc"])
+        box.on_layer(topics.layer(FLEET, 2, "b", 1), layer_payload(["fc.weight"]))
+        thread.join(5)
+        assert result == [set()], "the layer came: nothing missing"
+        assert len(fetcher.requests) == 2
+    finally:
+        session.stop.set()
+        thread.join(5)
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
 
 
 # ---------------------------------------------------------------------------- the sender

@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from agent.learning import Published, apply_delta
@@ -65,6 +65,10 @@ class Inbox(FleetMail):
         self._divergences: dict[tuple[int, str], dict[str, float]] = {}
         self._layers: dict[tuple[int, str, str], Published] = {}
         """`--wire layers`: (round, sender, layer) -> that layer of the sender's model."""
+        self._announced_again: Counter[str] = Counter()
+        """`--wire layers`: divergence vectors that came again, by sender. A sender back
+        from a restart announces its recent rounds again, and a request for layers that
+        reached it while it was gone is lost: its askers ask again (`announced_again`)."""
 
     def on_model(self, topic: str, payload: bytes) -> None:
         """A peer's model, whole or (`base_round` >= 0) as a delta on an earlier one, which
@@ -151,8 +155,17 @@ class Inbox(FleetMail):
             self.reject("divergence", message.sender, topic, exc)
             return
         with self._changed:
-            self._divergences.setdefault((message.round, message.sender), vector)
+            key = (message.round, message.sender)
+            if key in self._divergences:
+                self._announced_again[message.sender] += 1
+            self._divergences.setdefault(key, vector)
             self._changed.notify_all()
+
+    def announced_again(self, sender: str) -> int:
+        """How many of `sender`'s divergence vectors came again (a count that grows when it
+        is back from a restart, or answered someone's request for its announcements)."""
+        with self._changed:
+            return self._announced_again[sender]
 
     def on_layer(self, topic: str, payload: bytes) -> None:
         """One layer of a neighbour's model (`--wire layers`), checked against the layer's
@@ -304,10 +317,14 @@ class Inbox(FleetMail):
         return self._wait_missing(needed, self._divergences, timeout_s)
 
     def wait_layers(
-        self, needed: Iterable[tuple[int, str, str]], timeout_s: float
+        self,
+        needed: Iterable[tuple[int, str, str]],
+        timeout_s: float,
+        until: Callable[[], bool] | None = None,
     ) -> set[tuple[int, str, str]]:
-        """`wait_models` for (round, sender, layer)s (`--wire layers`)."""
-        return self._wait_missing(needed, self._layers, timeout_s)
+        """`wait_models` for (round, sender, layer)s (`--wire layers`), returning early too
+        once `until()` holds (it is called with the inbox locked, on every change)."""
+        return self._wait_missing(needed, self._layers, timeout_s, until)
 
     def forget_before(self, round_: int) -> None:
         """Drop models older than round_ (except each sender's newest, kept as a fallback)."""

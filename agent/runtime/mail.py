@@ -255,10 +255,17 @@ class FleetMail:
             if now - self._crashed_at.get(agent, -math.inf) >= CRASH_GRACE_S
         }
 
-    def _wait_missing(self, needed: Iterable[Any], store: Container[Any], timeout_s: float) -> Any:
+    def _wait_missing(
+        self,
+        needed: Iterable[Any],
+        store: Container[Any],
+        timeout_s: float,
+        until: Callable[[], bool] | None = None,
+    ) -> Any:
         """Wait until every key (round, sender, ...) is in `store` or will not come (its
-        sender stopped early before that round, or is gone), or the timeout passes; returns
-        the missing still worth waiting for (a gone sender's are left out)."""
+        sender stopped early before that round, or is gone), the timeout passes, or
+        `until()` holds; returns the missing still worth waiting for (a gone sender's are
+        left out)."""
         needed = set(needed)
         deadline = time.monotonic() + timeout_s
         with self._changed:
@@ -272,7 +279,7 @@ class FleetMail:
                     and key[1] not in gone
                 }
                 remaining = deadline - time.monotonic()
-                if not missing or remaining <= 0:
+                if not missing or remaining <= 0 or (until is not None and until()):
                     return missing
                 self._changed.wait(min(remaining, 0.5))
 

@@ -158,27 +158,37 @@ class LayersWire:
         self, fetch_now: dict[LayerKey, str], deadline: float, fetch: Fetcher
     ) -> set[LayerKey]:
         """Subscribe to the layers' topics, ask their senders for them (and again when
-        `Asking` says so) until they came, their senders are gone or the deadline; returns
-        the missing."""
-        session = self.session
+        `Asking` says so, or at once when a sender announced again: it is back from a
+        restart, and lost what was asked of it while it was gone) until they came, their
+        senders are gone or the deadline; returns the missing."""
+        session, inbox = self.session, self.session.inbox
         missing = set(fetch_now)
         try:
             for topic in sorted(set(fetch_now.values())):
-                session.transport.subscribe(topic, session.inbox.on_layer)
+                session.transport.subscribe(topic, inbox.on_layer)
             if fetch_now:
                 session.transport.wait_subscribed(max(deadline - time.monotonic(), 0.0))
             check_every_s = session.timeouts.request_every_s
             # Layers are asked for once; again only after a reconnect or as a last resort.
             asking = Asking(session.transport, check_every_s, lambda _round, _sender: False)
             ask = {key[:2] for key in missing}
+            again = {j: inbox.announced_again(j) for _, j in ask}
+
+            def back() -> set[str]:
+                return {j for j, seen in again.items() if inbox.announced_again(j) > seen}
+
             while missing and not session.stop.is_set():
                 for r, j in sorted(ask):
                     asked = [key[2] for key in sorted(missing) if key[:2] == (r, j)]
                     fetch.request({(r, j)}, asked)
-                missing = session.inbox.wait_layers(missing, asking.pause(check_every_s, deadline))
+                pause = asking.pause(check_every_s, deadline)
+                missing = inbox.wait_layers(missing, pause, until=lambda: bool(back()))
                 if time.monotonic() >= deadline:
                     break
-                ask = asking.to_ask({key[:2] for key in missing})
+                returned = back()
+                again |= {j: inbox.announced_again(j) for j in returned}
+                waiting = {key[:2] for key in missing}
+                ask = asking.to_ask(waiting) | {need for need in waiting if need[1] in returned}
         finally:
             for topic in sorted(set(fetch_now.values())):
                 session.transport.unsubscribe(topic)
