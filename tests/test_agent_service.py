@@ -177,6 +177,7 @@ def test_coordinator_run_admits_by_key_and_agents_take_runs_only_from_it(
     finally:
         for process in agents.values():
             process.terminate()
+        for process in agents.values():
             process.wait(30)
     assert result.returncode == 0, result.stderr
     report = json.loads((tmp_path / "report.json").read_text())

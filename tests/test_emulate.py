@@ -63,6 +63,18 @@ def options(tmp_path: Path, **overrides: object) -> EmulationOptions:
     return EmulationOptions(workdir=tmp_path / "fleet", linger_s=20.0, **overrides)
 
 
+SHARED = 3
+"""Agents to a process in the cases that compare numbers with simulate: two processes start
+the six agents in about a third of the time six take (each imports torch), and sharing a
+process changes no number (tests/test_agents_per_process.py)."""
+
+
+def per_process(request: pytest.FixtureRequest) -> int:
+    """The first case of a parametrized test runs its agents a process each, as on devices;
+    the others share processes (`SHARED`)."""
+    return 1 if request.node.callspec.indices["learning"] == 0 else SHARED
+
+
 def test_agents_log_as_the_coordinator_does_unless_told(tmp_path: Path) -> None:
     config = ExperimentConfig(agents=2, learning=preset("fedavg", rounds=1))
     nowhere = BrokerAddress("127.0.0.1", 1)
@@ -114,14 +126,15 @@ def test_agents_log_as_the_coordinator_does_unless_told(tmp_path: Path) -> None:
     ],  # fmt: skip
 )
 def test_emulate_gives_the_numbers_of_simulate(
-    amqtt_broker, tmp_path: Path, monkeypatch, learning
+    amqtt_broker, tmp_path: Path, monkeypatch, request, learning
 ) -> None:
     # A folder named like the agent package in the working directory must not shadow it.
     (tmp_path / "agent").mkdir()
     (tmp_path / "agent" / "__main__.py").write_text("raise SystemExit(3)\n")
     monkeypatch.chdir(tmp_path)
     cfg = config(**learning)
-    emulated = Emulation(cfg, amqtt_broker.address, options(tmp_path)).run()
+    shared = options(tmp_path, agents_per_process=per_process(request))
+    emulated = Emulation(cfg, amqtt_broker.address, shared).run()
     assert emulated["summary"]["failed_agents"] == {}
     assert emulated["summary"]["stragglers"] == []
     simulation = Simulation(cfg)
@@ -170,10 +183,11 @@ def test_emulate_gives_the_numbers_of_simulate(
     ids=["fedavg", "fedspu-early-stop", "fedadam-ssm-fp16", "fedldf"],
 )
 def test_the_coordinator_aggregates_centralized_strategies_as_simulate_does(
-    amqtt_broker, tmp_path: Path, learning
+    amqtt_broker, tmp_path: Path, request, learning
 ) -> None:
     cfg = config(**learning)
-    emulated = Emulation(cfg, amqtt_broker.address, options(tmp_path)).run()
+    shared = options(tmp_path, agents_per_process=per_process(request))
+    emulated = Emulation(cfg, amqtt_broker.address, shared).run()
     assert emulated["summary"]["failed_agents"] == {}
     assert emulated["summary"]["stragglers"] == []
     simulated = simulate(cfg)
@@ -204,7 +218,10 @@ def test_agents_whose_training_diverges_finish_the_run_and_say_why(
     (a NaN vote score or status loss used to crash every agent), so each agent keeps its
     model from before the round, sends that, finishes the run and logs why."""
     cfg = config(rounds=2, lr=1e12, wire=wire)
-    emulation = Emulation(cfg, amqtt_broker.address, options(tmp_path, round_timeout_s=3.0))
+    shared = SHARED if wire == "layers" else 1  # the second case shares processes
+    emulation = Emulation(
+        cfg, amqtt_broker.address, options(tmp_path, round_timeout_s=3.0, agents_per_process=shared)
+    )
     report = emulation.run()
     assert report["summary"]["failed_agents"] == {}
     assert [r["round"] for r in report["rounds"]] == [1, 2]

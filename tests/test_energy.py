@@ -14,7 +14,7 @@ from coordinator.emulate import Emulation
 from coordinator.plots import write_plots
 from coordinator.simulate import simulate
 from firmware_profiles import load_profile
-from tests.test_emulate import assert_same_learning, options
+from tests.test_emulate import SHARED, assert_same_learning, options
 
 PI4 = load_profile("raspberry-pi-4")
 ORIN = load_profile("jetson-orin-nano")
@@ -120,7 +120,8 @@ def test_simulate_and_emulate_report_the_same_training_energy(
     also carries statuses, envelopes and re-sends), so it is close, not equal."""
     cfg = config(**learning)
     boards = agent_profiles(cfg, [f"agent-{k:03d}" for k in range(cfg.agents)])
-    emulated = Emulation(cfg, amqtt_broker.address, options(tmp_path)).run()
+    shared = options(tmp_path, agents_per_process=SHARED)
+    emulated = Emulation(cfg, amqtt_broker.address, shared).run()
     simulated = simulate(cfg)
     assert_same_learning(emulated, simulated)
     for got, want in zip(emulated["rounds"], simulated["rounds"], strict=True):

@@ -11,6 +11,7 @@ from agent.experiment import ExperimentConfig
 from agent.learning import preset
 from coordinator.emulate import Emulation, EmulationOptions
 from coordinator.simulate import simulate
+from tests.test_emulate import SHARED
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -35,7 +36,7 @@ def test_emulate_equals_simulate_under_attack(
         attack=attack,
         learning=preset(strategy, rounds=2, epochs=1, **learning),
     )
-    options = EmulationOptions(workdir=tmp_path / "fleet", linger_s=20.0)
+    options = EmulationOptions(workdir=tmp_path / "fleet", linger_s=20.0, agents_per_process=SHARED)
     emulated = Emulation(cfg, amqtt_broker.address, options).run()
     assert emulated["summary"]["failed_agents"] == {}
     assert emulated["summary"]["stragglers"] == []
@@ -68,7 +69,9 @@ def test_emulated_agents_whose_models_turn_non_finite_keep_their_models_and_go_o
         seed=7,
         learning=preset("dadpfl", rounds=2, epochs=1, neighbours=2, lr=1e12),
     )
-    options = EmulationOptions(workdir=tmp_path / "fleet", linger_s=20.0, round_timeout_s=30.0)
+    options = EmulationOptions(
+        workdir=tmp_path / "fleet", linger_s=20.0, round_timeout_s=30.0, agents_per_process=SHARED
+    )
     emulation = Emulation(cfg, amqtt_broker.address, options)
     report = emulation.run()
     assert report["summary"]["failed_agents"] == {}

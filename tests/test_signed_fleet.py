@@ -109,7 +109,11 @@ def test_a_fleet_with_member_keys_learns_as_simulate_while_attacked(
 ) -> None:
     cfg = config()
     options = EmulationOptions(
-        workdir=tmp_path / "fleet", round_timeout_s=10.0, linger_s=5.0, agent_keys=True
+        workdir=tmp_path / "fleet",
+        round_timeout_s=10.0,
+        linger_s=5.0,
+        agent_keys=True,
+        agents_per_process=3,  # three to a process: faster to start, the same keys and code
     )
     emulation = Emulation(cfg, amqtt_broker.address, options)
     result: dict[str, Any] = {}

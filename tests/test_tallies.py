@@ -250,10 +250,10 @@ def test_a_fleet_whose_coordinator_dies_mid_run_learns_as_simulate(amqtt_broker,
     votes (the statuses carry their vote histories), so t* and every figure stay."""
     from coordinator.emulate import Emulation
     from coordinator.simulate import simulate
-    from tests.test_emulate import assert_same_learning, config, options, run_in_background
+    from tests.test_emulate import SHARED, assert_same_learning, config, options, run_in_background
 
     cfg = config(rounds=5, max_wait=2, delta_pr=100.0)
-    emulation = Emulation(cfg, amqtt_broker.address, options(tmp_path))
+    emulation = Emulation(cfg, amqtt_broker.address, options(tmp_path, agents_per_process=SHARED))
     thread, result = run_in_background(emulation)
     deadline = time.monotonic() + 300
     while getattr(emulation, "conductor", None) is None or emulation.conductor.rounds_done() < 3:

@@ -15,6 +15,8 @@ only when something was lost:
   was gone never reached it, so it asks at once, in the first round it waits in (a peer
   that has not published its model yet answers nothing and publishes it as usual). Before,
   a restarted agent waited out the last resort there, 20 s, and its peers with it;
+* with `--wire layers`, a sender it asked for layers announced a round again: it is back
+  from a restart, and lost the request sent while it was gone (`wire_layers`);
 * or, as a last resort, after FALLBACK_FACTOR x `request_every_s`, then at twice that
   interval each time (a lost status as well as a lost model).
 
