@@ -25,8 +25,9 @@ sender answers once per asker's session, and the copy goes to the asker alone
 
 Since session 12 an agent also waits while awaited models keep arriving (a broker still
 delivering is busy, not losing: agent/runtime/asking.py), and this bench runs the agents as
-`coordinator emulate` does, several to a process (`auto_agents_per_process`: 4 to a process
-at 32 agents, 8 at 64). Before, it ran one process per agent, which is not what a user runs.
+`coordinator emulate` does, several to a process (`auto_agents_per_process`; the figures
+below were measured under its rule before session 15: 4 to a process at 32 agents, 8 at 64;
+now 8 and 16 on 2 cores). Before, it ran one process per agent, which is not what a user runs.
 
 Measured here (dfedavgm, 6 rounds; the machine otherwise idle but for these runs): sent and
 received bytes against simulate's.

@@ -21,10 +21,10 @@ in Flower's `evaluate_fn` (server side, so Flower runs no second round trip to e
 
 Runs: Flower fedavg, simulate fedavg (one process, and `--workers 2`: `simulate/2`), emulate
 fedavg (real agents over the embedded broker, `--agents-per-process` 4 by default, as the
-README's main job: 0 is emulate's automatic rule, one process each for 8 agents), simulate
-dadpfl and emulate dadpfl (5 neighbours); then the README's main job, `coordinator emulate
---agents 8 --agents-per-process 4 --rounds 10` (dadpfl, 5 epochs, the CLI's defaults),
-against Flower's whole run of the same rounds and epochs.
+README's main job: 0 is emulate's automatic rule, 2 x cores processes, so 2 to a process
+for 8 agents on 2 cores), simulate dadpfl and emulate dadpfl (5 neighbours); then the
+README's main job, `coordinator emulate --agents 8 --agents-per-process 4 --rounds 10`
+(dadpfl, 5 epochs, the CLI's defaults), against Flower's whole run of the same rounds and epochs.
 
 * s / round: steady rounds, (end of the last round - end of the first) / rounds between,
   and the median round (less moved by a burst of other work). A round ends when its last

@@ -658,10 +658,10 @@ def summary_table(report: dict) -> Table:
     type=click.IntRange(1),
     default=None,
     help="Run this many agents as threads of one process (each still with its own "
-    "connection, state and log); 1: a process per agent. [default: 1 up to max(8, 2 x "
-    "cores) agents, else the agents spread over that many processes: a process costs "
-    "about 175 MB, one more agent in a shared one about 4, and more processes than that "
-    "add no speed]",
+    "connection, state and log); 1: a process per agent. [default: the agents spread over "
+    "2 x cores processes, one each up to that many: a process costs about 175 MB and 2-3 s "
+    "of CPU to start, one more agent in a shared one about 4 MB, and more processes than "
+    "that add no speed]",
 )
 @http_options
 @report_options

@@ -67,13 +67,14 @@ class EmulationOptions:
 
 
 def auto_agents_per_process(agents: int, cores: int | None = None) -> int:
-    """How many agents share a process by default: one each while the fleet has at most
-    max(8, 2 x cores) agents, else the fleet spread evenly over that many processes. An
-    agent process costs about 175 MB (its interpreter and torch), one more agent in a
-    shared one about 4 MB (bench/agents_per_process.py); more processes than about two per
-    core add no speed (each agent mostly waits), but fewer than the cores would leave cores
-    idle in the agents' Python work, which one process runs on one core at a time."""
-    processes = max(8, 2 * (cores or os.cpu_count() or 1))
+    """How many agents share a process by default: the fleet spread evenly over 2 x cores
+    processes, one agent each when it has no more agents than that. A process costs about
+    175 MB and 2-3 s of CPU to start (its interpreter and torch), one more agent in a shared
+    one about 4 MB (bench/agents_per_process.py). Two processes a core keep every core busy
+    in the agents' Python work, which one process runs on one core at a time; more add no
+    speed and cost start-up: on 2 cores, 8 agents (dadpfl, 5 rounds) ran in 6.7 s as 4
+    processes, 5.0 s as 2 and 14.6 s as 8 (the minimum of 8 processes before session 15)."""
+    processes = 2 * (cores or os.cpu_count() or 1)
     return math.ceil(agents / processes)
 
 

@@ -119,9 +119,11 @@ def test_the_emulate_command_shares_processes_as_asked_and_by_default_for_large_
         ["agent-002", "agent-003"],
     ]
     assert json.loads(report.read_text())["summary"]["failures"] == {}
-    # A small fleet keeps a process per agent; a large one shares max(8, 2 x cores) of them.
-    assert auto_agents_per_process(8, cores=2) == 1
-    assert auto_agents_per_process(32, cores=2) == 4
+    # A fleet spreads over 2 x cores processes: a process per agent while the cores allow.
+    assert auto_agents_per_process(4, cores=2) == 1
+    assert auto_agents_per_process(8, cores=2) == 2
+    assert auto_agents_per_process(8, cores=16) == 1
+    assert auto_agents_per_process(32, cores=2) == 8
     assert auto_agents_per_process(1000, cores=16) == 32
 
 
