@@ -98,14 +98,17 @@ Targets (issue 16):
   upload 1.3, taking the broadcast 0.7, the round's console line 0.6, the status 0.3;
   the coordinator's process (the embedded broker and the aggregator) 34 ms a round. With
   the fsyncs left out (an experiment, not a change) the round took as long.
-Session 15, the same bench twice on one morning (the machine's speed moved between them:
-simulate fedavg took 0.092 CPU s a round in the first and 0.117-0.172 in the second, for
-the same work; Flower 0.172 and 0.23-0.27):
+Session 15, the same bench four times on one morning (the machine's speed moved between
+and within them: simulate fedavg took 0.092-0.184 CPU s a round for the same work; the
+last run, in full, is the JSON):
 
-    run                       Flower s   simulate    simulate/2   emulate
-    1 pass                    0.195      0.45x       0.35x        0.59x
-    --repeats 5 (per pass)    0.238-257  0.47-0.70x  0.29-0.48x   0.52-0.68x
-    --repeats 5 (median)                 0.64x       0.46x        0.61x
+    run                       Flower s     simulate    simulate/2   emulate      main job
+    1 pass                    0.195        0.45x       0.35x        0.59x
+    --repeats 5, per pass     0.238-0.257  0.47-0.70x  0.29-0.48x   0.52-0.68x
+    --repeats 5, median                    0.64x       0.46x        0.61x
+    --repeats 3, median       0.214-0.221  0.48x       0.38x        0.49x
+    --repeats 5, per pass     0.198-0.234  0.42-0.79x  0.31-0.57x   0.43-0.66x   0.67x
+    --repeats 5, median                    0.63x       0.34x        0.51x
 
 On a slower machine every ratio of ours grows: our rounds are CPU (1.7 of 2 cores busy),
 Flower's mostly waiting. Emulate fedavg alone, 40 rounds, the same morning: 0.097-0.147 s
