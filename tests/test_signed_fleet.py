@@ -21,7 +21,7 @@ from coordinator.watch import FleetFeed
 from protocol import MqttTransport, TransportOptions, topics
 from protocol import messages as m
 from protocol.signing import IDENTITY_FILE, MemberKeys, load_or_create_private, member_keys
-from tests.test_emulate import assert_same_learning
+from tests.test_emulate import SHARED, assert_same_learning
 
 pytestmark = pytest.mark.timeout(300)
 ROUNDS = 4
@@ -113,7 +113,7 @@ def test_a_fleet_with_member_keys_learns_as_simulate_while_attacked(
         round_timeout_s=10.0,
         linger_s=5.0,
         agent_keys=True,
-        agents_per_process=3,  # three to a process: faster to start, the same keys and code
+        agents_per_process=SHARED,  # faster to start, with the same keys and code
     )
     emulation = Emulation(cfg, amqtt_broker.address, options)
     result: dict[str, Any] = {}
