@@ -503,13 +503,13 @@ def verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 ratios.append(ours["steady_round_s"] / flower["steady_round_s"])
                 cpu.append(cpu_ratio(ours, flower, "steady_cpu_round_s"))
         if ratios:
-            known = [c for c in cpu if c is not None]
+            known, median = [c for c in cpu if c is not None], statistics.median(ratios)
             checks.append(
                 {
                     "target": f"{engine} fedavg steady s / round <= {limit}x Flower's",
-                    "ratio": statistics.median(ratios),
+                    "ratio": median,
                     "ratios": ratios,
-                    "met": statistics.median(ratios) <= limit,
+                    "met": median <= limit,
                     "cpu_ratio": statistics.median(known) if known else None,
                 }
             )

@@ -169,7 +169,8 @@ class LayersWire:
             if fetch_now:
                 session.transport.wait_subscribed(max(deadline - time.monotonic(), 0.0))
             check_every_s = session.timeouts.request_every_s
-            # Layers are asked for once; again only after a reconnect or as a last resort.
+            # Layers are asked for once; again only after a reconnect, when their sender
+            # announced again (`back`), or as a last resort.
             asking = Asking(session.transport, check_every_s, lambda _round, _sender: False)
             ask = {key[:2] for key in missing}
             again = {j: inbox.announced_again(j) for _, j in ask}
