@@ -194,8 +194,8 @@ def report_figures(report: dict[str, Any]) -> dict[str, Any]:
     ]
     summary = report["summary"]
     return {
-        "bytes_per_round": sum(delivered) / len(delivered),
-        "accuracy": summary["mean_accuracy"],
+        "bytes_per_round": sum(delivered) / len(delivered) if delivered else None,
+        "accuracy": summary.get("mean_accuracy") if delivered else None,
         "rounds_done": len(report["rounds"]),
         "failed": summary.get("failed_agents") or summary.get("stragglers") or None,
     }
@@ -467,7 +467,10 @@ def measure(
     if ends and row["steady_round_s"] is not None:  # where the whole run's time went
         row["startup_s"] = max(0.0, ends[min(ends)] - started - row["steady_round_s"])
         row["shutdown_s"] = max(0.0, started + row["wall_s"] - ends[max(ends)])
-    console.print(f"  {row['wall_s']:.1f} s, accuracy {row['accuracy']:.4f}")
+    if row["failed"] or row["rounds_done"] < cfg.rounds:
+        console.print(f"  [red]failed[/] after {row['rounds_done']} rounds: {row['failed']}")
+    else:
+        console.print(f"  {row['wall_s']:.1f} s, accuracy {row['accuracy']:.4f}")
     return row
 
 
@@ -499,25 +502,27 @@ def verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for repeat in repeats:
             flower = find("task", "flower", "fedavg", repeat)
             ours = find("task", engine, "fedavg", repeat)
-            if flower and ours and flower["steady_round_s"] and ours["steady_round_s"]:
+            timed = [r for r in (flower, ours) if r and r["steady_round_s"] and not r["failed"]]
+            if flower and ours and len(timed) == 2:
                 ratios.append(ours["steady_round_s"] / flower["steady_round_s"])
                 cpu.append(cpu_ratio(ours, flower, "steady_cpu_round_s"))
-        if ratios:
-            known, median = [c for c in cpu if c is not None], statistics.median(ratios)
-            checks.append(
-                {
-                    "target": f"{engine} fedavg steady s / round <= {limit}x Flower's",
-                    "ratio": median,
-                    "ratios": ratios,
-                    "met": median <= limit,
-                    "cpu_ratio": statistics.median(known) if known else None,
-                }
-            )
+        known = [c for c in cpu if c is not None]
+        median = statistics.median(ratios) if ratios else None  # None: no complete run
+        checks.append(
+            {
+                "target": f"{engine} fedavg steady s / round <= {limit}x Flower's",
+                "ratio": median,
+                "ratios": ratios,
+                "met": median is not None and median <= limit,
+                "cpu_ratio": statistics.median(known) if known else None,
+            }
+        )
     main_job, main_flower = (
         find("main", "emulate", "dadpfl", 1),
         find("main", "flower", "fedavg", 1),
     )
     if main_job and main_flower:
+        complete = not main_job["failed"] and main_job["rounds_done"] == main_job["rounds"]
         ratio = main_job["wall_s"] / main_flower["wall_s"]
         checks.append(
             {
@@ -525,7 +530,7 @@ def verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 f"{main_job['epochs']} epochs): whole run <= Flower's",
                 "ratio": ratio,
                 "ratios": [ratio],
-                "met": ratio <= 1.0,
+                "met": complete and ratio <= 1.0,
                 "cpu_ratio": cpu_ratio(main_job, main_flower, "cpu_s"),
             }
         )
@@ -565,7 +570,7 @@ def table(rows: list[dict[str, Any]], checks: list[dict[str, Any]]) -> tuple[Tab
             str(r["epochs"]),
             *(cell(r, flower, key, digits) for key, digits in figures.values()),
             *(cell(r, {}, key, 1) for key in parts.values()),
-            f"{r['bytes_per_round'] / 1e3:,.0f} kB",
+            f"{r['bytes_per_round'] / 1e3:,.0f} kB" if r["bytes_per_round"] is not None else "-",
             f"{r['accuracy']:.4f}" if r["accuracy"] is not None else "-",
         )
     targets = Table(title="targets (issue 16)")
@@ -574,8 +579,11 @@ def table(rows: list[dict[str, Any]], checks: list[dict[str, Any]]) -> tuple[Tab
     for c in checks:
         cpu = f" (CPU s: {c['cpu_ratio']:.2f}x)" if c["cpu_ratio"] is not None else ""
         each = ", ".join(f"{r:.2f}" for r in c["ratios"])
-        measured = f"{c['ratio']:.2f}x{cpu}" + (
-            f" (median of {each})" if len(c["ratios"]) > 1 else ""
+        measured = (
+            "no complete run"
+            if c["ratio"] is None
+            else f"{c['ratio']:.2f}x{cpu}"
+            + (f" (median of {each})" if len(c["ratios"]) > 1 else "")
         )
         targets.add_row(c["target"], measured, "yes" if c["met"] else "NO")
     return runs, targets
