@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -158,3 +159,36 @@ def test_agents_sharing_a_process_compute_one_at_a_time(monkeypatch) -> None:
     most = 0
     experiment.share_compute(1)
     assert most_at_once() == 1
+
+
+def test_an_agent_without_early_stopping_records_its_round_while_others_compute(
+    monkeypatch,
+) -> None:
+    """Early stopping off: `stops_after` computes nothing, so it must not wait for the
+    process's compute slot (held here by another agent's training until the test ends)."""
+    from agent import experiment
+    from agent.learning.early_stop import EarlyStop, StopRule
+    from agent.runtime.session import Session
+
+    monkeypatch.setattr(experiment, "_COMPUTE", [])
+    experiment.share_compute(1)
+    training, done = threading.Event(), threading.Event()
+
+    def other_agent_trains() -> None:
+        with experiment.compute_slot():
+            training.set()
+            done.wait(30)
+
+    other = threading.Thread(target=other_agent_trains)
+    other.start()
+    training.wait(5)
+    answers: list[bool] = []
+    agent = SimpleNamespace(early=EarlyStop(False, StopRule("progress", 20, 0.1)))
+    recording = threading.Thread(target=lambda: answers.append(Session.stops_after(agent, {}, 1.0)))
+    recording.start()
+    recording.join(5)
+    answered_while_the_other_trained = list(answers)
+    done.set()
+    other.join()
+    recording.join()
+    assert answered_while_the_other_trained == [False], "it waited for the compute slot"

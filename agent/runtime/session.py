@@ -330,7 +330,11 @@ class Session:
     def stops_after(self, weights: State, train_loss: float, restart: bool = False) -> bool:
         """Whether early stopping stops the agent after a round that ended with `weights`
         (`EarlyStop.after`); its loss on the local data is computation, so it holds a compute
-        slot (`agent.experiment.compute_slot`) like the round's training."""
+        slot (`agent.experiment.compute_slot`) like the round's training. With early stopping
+        off there is nothing to compute, and no slot to wait for: waiting held the round's
+        record, checkpoint and status back until the agents training meanwhile were done."""
+        if not self.early.enabled:
+            return False
         with compute_slot():
             return self.early.after(self.learner, weights, train_loss, self.data, restart)
 
