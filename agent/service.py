@@ -49,6 +49,7 @@ from agent.runtime import (
     publish_telemetry,
     run_folder,
 )
+from agent.runtime.heap import settle_heap
 from firmware_profiles import DeviceProfile, load_profile
 from protocol import Identity, MqttTransport, ProtocolError, messages, topics
 from protocol.logs import RejectionLog, claimed_sender
@@ -361,6 +362,7 @@ class AgentService:
             throttle=throttle,
             telemetry=self.options.telemetry,
         )
+        settle_heap()
         try:
             with disk_full_as_error(folder):
                 runtime.run()
