@@ -23,7 +23,6 @@ from agent.experiment import ExperimentConfig, attackers, config_to_dict
 from agent.learning import CENTRALIZED, running, topology
 from agent.report import AgentRound, honest_summary, stopped_summary, summarize
 from agent.runtime import new_run_id
-from agent.runtime.heap import settle_heap
 from coordinator.aggregator import Aggregator, AggregatorRecord
 from coordinator.tallies import DEFAULT_VOTE_WAIT_S, TallyKeeper
 from protocol import MqttTransport, ProtocolError, messages, topics
@@ -119,7 +118,6 @@ class Conductor:
                 target=self.aggregator.run, name="aggregator", daemon=True
             )
             self._thread.start()
-        settle_heap()
         run = messages.RunConfig(
             fleet=self.fleet,
             sender=self.sender,

@@ -20,6 +20,7 @@ from typing import Any
 from agent.experiment import DEFAULT_MIN_SAMPLES, ExperimentConfig
 from agent.own_data import misfit
 from agent.runfile import RunFile, run_timeouts
+from agent.runtime.heap import settle_heap
 from coordinator.conductor import Conductor, assemble_report, wait_until_finished
 from coordinator.fleet import AgentEntry
 from coordinator.watch import FleetFeed
@@ -206,6 +207,7 @@ def conduct(
     total = config.learning.rounds * len(roster.agents)
     started = time.perf_counter()
     conductor.start()
+    settle_heap()  # while the agents build their workloads
     try:
         unfinished = wait_until_finished(
             conductor,
