@@ -50,69 +50,57 @@ README's main job, `coordinator emulate --agents 8 --agents-per-process 4 --roun
   in a fixed order. After 2 rounds both give exactly 0.11855.
 
 Measured here (flwr 1.41.0, Ray 2.55.1, torch 2.13 CPU, 2 cores, seed 1, nothing else
-running), since session 14's embedded broker sends at QoS 0 (coordinator/broker.py
-`_deliver_at_qos0`): three runs of the bench, one after the other, the first in full (the
-JSON holds it), the other two with --skip-main. s / round is the steady mean; each figure
-is min..max over the runs, the multiple of Flower's taken within each run (Flower's own
-s / round moved from 0.221 to 0.248; the second run was noisy: simulate took 0.153 there
-against 0.100-0.109 in the others):
+running), session 16, `--repeats 5` (the JSON holds this run): s / round is the steady mean,
+each figure min..max over the five passes, the multiple of Flower's taken within each pass:
 
     job   engine      strategy E  s / round     x Flower    CPU x       whole s     x Flower
-    task  flower      fedavg   1  0.221..0.248  1           1           10.9..13.3  1
-    task  simulate    fedavg   1  0.100..0.153  0.44..0.67  0.50..0.67  1.0..1.6    0.09..0.12
-    task  simulate/2  fedavg   1  0.080..0.087  0.32..0.39  0.62..0.76  2.9..3.5    0.22..0.27
-    task  emulate     fedavg   1  0.119..0.155  0.50..0.69  0.94..1.15  4.3..5.3    0.35..0.40
-    task  simulate    dadpfl   1  0.156..0.178  0.69..0.81  1.10..1.49  1.6..1.8    0.12..0.17
-    task  emulate     dadpfl   1  0.198..0.277  0.80..1.22  1.40..1.90  5.2..6.7    0.41..0.50
-    main  flower      fedavg   5  0.471         1           1           13.6        1
-    main  emulate     dadpfl   5  0.589         1.25        1.34        9.0         0.67
+    task  flower      fedavg   1  0.167..0.179  1           1           8.7..9.6    1
+    task  simulate    fedavg   1  0.050..0.056  0.28..0.34  0.45..0.52  0.5..0.6    0.05..0.06
+    task  simulate/2  fedavg   1  0.043..0.050  0.25..0.30  0.64..0.79  1.9..2.2    0.21..0.24
+    task  emulate     fedavg   1  0.064..0.070  0.36..0.42  1.03..1.15  3.2..3.4    0.36..0.37
+    task  simulate    dadpfl   1  0.076..0.082  0.43..0.49  0.71..0.82  0.8         0.09
+    task  emulate     dadpfl   1  0.128..0.148  0.76..0.89  1.85..2.23  3.8..4.0    0.40..0.45
+    main  flower      fedavg   5  0.256         1           1           9.5         1
+    main  emulate     dadpfl   5  0.258         1.01        1.52        5.0         0.53
 
-Three more runs with --skip-main, at once after these (emulate fedavg, simulate/2 fedavg):
-0.41x and 0.38x, 0.70x and 0.44x, 0.47x and 0.40x of Flower's 0.249, 0.198 and 0.236.
+What made emulate's rounds steady (session 16; before it, one pass in five came out at
+0.53-0.65x while the others gave 0.36-0.45x, on the same machine the same hour):
+* The coordinator's garbage collector: a full collection walked its ~350,000 start-up
+  objects (torch, Ray's and Flower's in this process) with the interpreter lock held,
+  186-230 ms, and one that fell inside the 10 rounds held the broker and the aggregator,
+  so the whole fleet (a pass's steady round 0.089 s against a median round of 0.062). A run
+  now starts by freezing the heap of the coordinator and of each agent process
+  (`agent.runtime.heap`): the coordinator's later full collections take 1-2 ms.
+* An agent without early stopping waited for its process's compute slot to decide that it
+  does not stop, so its round's record, checkpoint and status waited for the agents
+  training meanwhile: over 40 rounds the rounds' lengths had a standard deviation of
+  16.5-18.8 ms, now 7.1-9.2 (means unchanged).
+* The embedded broker passes a message on without amqtt's debug string of it
+  (bench/broker_cost.py: 0.44 -> 0.22 ms of broker CPU per 34 kB model).
+Where a steady emulated round's CPU goes (0.118 s a round, 60 rounds, each thread's clock):
+the fits 56 ms (7.0 ms each, 5.5-5.8 in simulate, where one fit runs at a time), the rest of
+each agent's round 30 ms (decoding and evaluating the global model 1.1 ms each, checkpoint
+and round log 1.35, status, console line and record 0.5, upload 0.3), the agents' network
+threads 8 ms, the embedded broker 7.4 ms, the coordinator's MQTT client and aggregator
+7.9 ms. Both cores are busy (1.72 of 2), so only less CPU makes a round shorter: one agent
+per process, or all 8 in 2, or 4 in 2, or other thread switch intervals, gave the same.
 
-Before (session 12, the embedded broker at QoS 1, three runs): emulate fedavg 0.150..0.165
-s a round, 0.73..0.88x Flower's; emulate dadpfl 0.222..0.246; the main job 0.57..0.76x.
+Before, for the record: session 15 measured the same bench at 0.49-0.61x (medians of 3-5
+passes, emulate) on a machine running about 1.4x slower (simulate fedavg 0.092-0.184 CPU s
+a round for the same work); session 12, with the embedded broker at QoS 1, 0.73-0.88x.
 
 Bytes per round: Flower 541 kB (16 x 33.8 kB), simulate fedavg 525 kB, emulate fedavg
 528 kB, simulate dadpfl 665 kB, emulate dadpfl 570 kB. Accuracy after 10 rounds: fedavg
-0.3121 (ours, all engines), Flower 0.3101 (its float32 sum in arrival order); dadpfl 0.3638
-(both); main job: Flower fedavg 0.4793, ours 0.5412.
+0.3121 (ours, all engines), Flower 0.3040-0.3121 (its float32 sum in arrival order); dadpfl
+0.3638 (both); main job: Flower fedavg 0.5112, ours 0.5412.
 
-Targets (issue 16):
-* Simulate <= 0.4x Flower's steady s / round: met with `--workers 2` in 5 runs of 6
-  (0.32-0.40x, and 0.44x in the sixth: the fits train on both cores, as Flower's two client
-  actors do); one process 0.34-0.71x.
-* The README main job's whole run no slower than Flower's: met (0.67x; 0.57-0.76x over
-  session 12's three runs).
-* Emulate <= 0.5x: at the edge, met in 3 runs of 6 (0.41, 0.47 and 0.50x; 0.54, 0.69 and
-  0.70x in the others, median 0.52x). At QoS 1
-  (session 12) it was 0.73-0.88x: each delivery of the embedded broker waited for its
-  PUBACK, and every client spent a PUBACK on each message it received; at QoS 0 the same
-  8-agent fedavg task takes 0.106-0.155 s a round (0.174-0.181 with the QoS 1 broker, two
-  runs of each one after the other). What is left is CPU: the agents and the coordinator
-  keep both cores about 87 % busy (1.74 cores, from /proc over 10 s of steady rounds;
-  0.20-0.26 CPU s a round against Flower's 0.19-0.23, whose wall time is mostly waiting).
-  Per agent and round, from each agent thread's own clock around each step (60 rounds): the
-  fit 16-18 ms (12 in simulate, where one fit runs at a time; here two train at once on
-  the two cores), evaluation 2.6 (1.3), checkpoint and round log with their fsyncs 2.7,
-  upload 1.3, taking the broadcast 0.7, the round's console line 0.6, the status 0.3;
-  the coordinator's process (the embedded broker and the aggregator) 34 ms a round. With
-  the fsyncs left out (an experiment, not a change) the round took as long.
-Session 15, the same bench four times on one morning (the machine's speed moved between
-and within them: simulate fedavg took 0.092-0.184 CPU s a round for the same work; the
-last run, in full, is the JSON):
-
-    run                       Flower s     simulate    simulate/2   emulate      main job
-    1 pass                    0.195        0.45x       0.35x        0.59x
-    --repeats 5, per pass     0.238-0.257  0.47-0.70x  0.29-0.48x   0.52-0.68x
-    --repeats 5, median                    0.64x       0.46x        0.61x
-    --repeats 3, median       0.214-0.221  0.48x       0.38x        0.49x
-    --repeats 5, per pass     0.198-0.234  0.42-0.79x  0.31-0.57x   0.43-0.66x   0.67x
-    --repeats 5, median                    0.63x       0.34x        0.51x
-
-On a slower machine every ratio of ours grows: our rounds are CPU (1.7 of 2 cores busy),
-Flower's mostly waiting. Emulate fedavg alone, 40 rounds, the same morning: 0.097-0.147 s
-a round (0.17-0.25 CPU s) over eight runs.
+Targets (issue 16), in this run:
+* Simulate <= 0.4x Flower's steady s / round: met, 0.30x (0.28-0.34 over the passes); with
+  `--workers 2` 0.28x (0.25-0.30).
+* Emulate <= 0.5x: met, 0.41x (0.36-0.42 over the passes; CPU seconds 1.06x Flower's:
+  ours are spent, Flower's rounds mostly wait). On a slower machine every ratio of ours
+  grows, since our rounds are CPU and Flower's are not.
+* The README main job's whole run no slower than Flower's: met, 0.53x.
 Flower here runs its fastest configuration: server-side evaluation (no second round trip
 per round) and one CPU per client actor (two train at once). Wall-time multiples follow
 the machine's other work (an engine with more processes gets more of a busy machine's
