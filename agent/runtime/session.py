@@ -325,21 +325,16 @@ class Session:
             topics.status(self.fleet, self.me), messages.encode(message, key=self.key), retain=True
         )
         if self.telemetry:
-            self.mirror(message)
+            publish_telemetry(self.transport, message)
 
     def stops_after(self, weights: State, train_loss: float, restart: bool = False) -> bool:
         """Whether early stopping stops the agent after a round that ended with `weights`
-        (`EarlyStop.after`); its loss on the local data is computation, so it holds a compute
-        slot (`agent.experiment.compute_slot`) like the round's training. With early stopping
-        off there is nothing to compute, and no slot to wait for: waiting held the round's
-        record, checkpoint and status back until the agents training meanwhile were done."""
+        (`EarlyStop.after`): computation, so in a compute slot (`experiment.compute_slot`)
+        when it is on; off, no wait for a slot (it held the round's record and status back)."""
         if not self.early.enabled:
             return False
         with compute_slot():
             return self.early.after(self.learner, weights, train_loss, self.data, restart)
-
-    def mirror(self, message: messages.Status) -> None:
-        publish_telemetry(self.transport, message)
 
     # ------------------------------------------------------------------ rounds
 
