@@ -49,7 +49,7 @@ from agent.runtime import (
     publish_telemetry,
     run_folder,
 )
-from agent.runtime.heap import settle_heap
+from agent.runtime.heap import settled_heap
 from firmware_profiles import DeviceProfile, load_profile
 from protocol import Identity, MqttTransport, ProtocolError, messages, topics
 from protocol.logs import RejectionLog, claimed_sender
@@ -362,9 +362,8 @@ class AgentService:
             throttle=throttle,
             telemetry=self.options.telemetry,
         )
-        settle_heap()
         try:
-            with disk_full_as_error(folder):
+            with settled_heap(), disk_full_as_error(folder):
                 runtime.run()
                 if runtime.session.finished:
                     (folder / FINISHED_MARK).touch()

@@ -28,7 +28,7 @@ from typing import IO, Any, Protocol
 from agent.data import load_dataset
 from agent.experiment import ExperimentConfig, check_networked, profile_names
 from agent.runtime import checkpoint, new_run_id, run_folder
-from agent.runtime.heap import settle_heap
+from agent.runtime.heap import settled_heap
 from coordinator.broker_config import COORDINATOR
 from coordinator.conductor import Conductor, assemble_report
 from protocol import BrokerAddress, Identity, connect, leave
@@ -312,8 +312,8 @@ class Emulation:
         try:
             self.conductor.start()
             self.start_agents()
-            settle_heap()  # while the agents start
-            self._wait(progress)
+            with settled_heap():  # its collection runs while the agents start
+                self._wait(progress)
         finally:
             for process in self.processes.values():
                 if process.poll() is None:

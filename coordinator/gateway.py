@@ -20,7 +20,7 @@ from typing import Any
 from agent.experiment import DEFAULT_MIN_SAMPLES, ExperimentConfig
 from agent.own_data import misfit
 from agent.runfile import RunFile, run_timeouts
-from agent.runtime.heap import settle_heap
+from agent.runtime.heap import settled_heap
 from coordinator.conductor import Conductor, assemble_report, wait_until_finished
 from coordinator.fleet import AgentEntry
 from coordinator.watch import FleetFeed
@@ -207,15 +207,15 @@ def conduct(
     total = config.learning.rounds * len(roster.agents)
     started = time.perf_counter()
     conductor.start()
-    settle_heap()  # while the agents build their workloads
     try:
-        unfinished = wait_until_finished(
-            conductor,
-            run_limit_s(config, runfile),
-            (lambda done: progress(done, total)) if progress else None,
-            stop=stop,
-            gone_after_s=runfile.timeouts.round_s + runfile.timeouts.vote_s,
-        )
+        with settled_heap():  # its collection runs while the agents build their workloads
+            unfinished = wait_until_finished(
+                conductor,
+                run_limit_s(config, runfile),
+                (lambda done: progress(done, total)) if progress else None,
+                stop=stop,
+                gone_after_s=runfile.timeouts.round_s + runfile.timeouts.vote_s,
+            )
     finally:
         conductor.close()
     failed = why_failed(conductor, unfinished)

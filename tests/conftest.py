@@ -6,7 +6,6 @@ it again on the same port.
 
 from __future__ import annotations
 
-import gc
 import os
 import shutil
 import signal
@@ -27,15 +26,6 @@ from protocol import BrokerAddress
 torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(autouse=True)
-def unfrozen_heap() -> Iterator[None]:
-    """A run started in the test process freezes its heap (`agent.runtime.heap`), as a
-    coordinator or an agent process does for the run's length; the next test starts with
-    it unfrozen, so what the last one left behind is collected as usual."""
-    yield
-    gc.unfreeze()
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -1,4 +1,4 @@
-"""Short pauses of the garbage collector in a process that runs a fleet's rounds.
+"""Short pauses of the garbage collector while a process runs a fleet's rounds.
 
 A coordinator or agent process holds some 300,000 objects that live as long as it does
 (modules, classes, torch, the dataset, the model), and each full collection of Python's
@@ -10,12 +10,31 @@ steady round 0.089 s instead of 0.064).
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import threading
+from collections.abc import Iterator
+
+_LOCK = threading.Lock()
+_RUNS = [0]
+"""How many runs of this process are inside `settled_heap`."""
 
 
-def settle_heap() -> None:
-    """Collect what start-up left behind, then freeze what survives (`gc.freeze`): later
-    collections leave those objects out. Called when a run starts, once its workload is
-    built; what a run creates afterwards is collected as before."""
-    gc.collect()
-    gc.freeze()
+@contextlib.contextmanager
+def settled_heap() -> Iterator[None]:
+    """Run a run's rounds with the process's heap settled: what start-up left behind is
+    collected, and what survives is frozen (`gc.freeze`), so the rounds' collections leave
+    it out. Once no run of the process is under way any more, the heap is unfrozen: a
+    process that runs run after run (a gateway, a device) still collects what a finished
+    run left behind."""
+    with _LOCK:
+        gc.collect()
+        gc.freeze()
+        _RUNS[0] += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _RUNS[0] -= 1
+            if _RUNS[0] == 0:
+                gc.unfreeze()
