@@ -68,9 +68,10 @@ What made emulate's rounds steady (session 16; before it, one pass in five came 
 * The coordinator's garbage collector: a full collection walked its ~350,000 start-up
   objects (torch, Ray's and Flower's in this process) with the interpreter lock held,
   186-230 ms, and one that fell inside the 10 rounds held the broker and the aggregator,
-  so the whole fleet (a pass's steady round 0.089 s against a median round of 0.062). A run
-  now starts by freezing the heap of the coordinator and of each agent process
-  (`agent.runtime.heap`): the coordinator's later full collections take 1-2 ms.
+  so the whole fleet (a pass's steady round 0.089 s against a median round of 0.062). The
+  coordinator and each agent process now freeze their heap for the length of a run
+  (`agent.runtime.heap.settled_heap`): the coordinator's full collections in the rounds
+  take 1-2 ms.
 * An agent without early stopping waited for its process's compute slot to decide that it
   does not stop, so its round's record, checkpoint and status waited for the agents
   training meanwhile: over 40 rounds the rounds' lengths had a standard deviation of
