@@ -63,12 +63,11 @@ each figure min..max over the five passes, the multiple of Flower's taken within
     main  flower      fedavg   5  0.245         1           1           9.3         1
     main  emulate     dadpfl   5  0.253         1.03        1.49        5.2         0.55
 
-One emulate dadpfl run of the five (left out of its whole-run figures above) took 32.1 s
-in all, its rounds as long as the others': at its
-start the coordinator's connection saw nothing from the broker for its 30 s keep-alive
-("lost MQTT broker (Keep alive timeout)"), and the broker had refused a connection whose
-first packet was a PUBLISH, not a CONNECT. Seen once in about 45 emulated runs that day;
-not explained yet.
+One emulate dadpfl run of the five (left out of its whole-run figures above) took 32.1 s in
+all, its rounds as long as the others': at its start the coordinator's connection saw
+nothing from the broker for its 30 s keep-alive ("lost MQTT broker (Keep alive timeout)"),
+and the broker had refused a connection whose first packet was a PUBLISH, not a CONNECT.
+Seen once in about 45 emulated runs that day; not explained yet.
 
 What made emulate's rounds steady (session 16; before it, one pass in five came out at
 0.53-0.65x while the others gave 0.36-0.45x, on the same machine the same hour):
