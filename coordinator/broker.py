@@ -7,9 +7,9 @@ loopback unless told otherwise. Given a folder written by `coordinator broker-co
 admits only the members listed there, each with its password, and enforces the fleet's ACL
 (`protocol.acl`) on every publish, subscription and last will, through amqtt's plugin API.
 
-amqtt's broker is subclassed at five private points (keepalive, subscription table,
-retained messages on connect, QoS of deliveries, the fan-out of a message; see `_FleetBroker`),
-so pyproject.toml pins amqtt to the versions tested.
+amqtt's broker is subclassed at five private points (session start: keepalive and closing a
+refused connection; subscription table; retained messages on connect; QoS of deliveries; the
+fan-out of a message; see `_FleetBroker`), so pyproject.toml pins amqtt to the versions tested.
 
 Run `python -m coordinator.broker --port N [--auth DIR]` for a standalone broker process
 (tests use it to kill and restart a broker on the same port).
@@ -32,9 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from amqtt.adapters import ReaderAdapter, WriterAdapter
 from amqtt.broker import Broker, BrokerProtocolHandler
+from amqtt.codecs_amqtt import read_or_raise
 from amqtt.contexts import Action
+from amqtt.errors import AMQTTError, MQTTError, NoDataError
 from amqtt.mqtt.constants import QOS_0, QOS_1, QOS_2
+from amqtt.mqtt.packet import CONNECT
 from amqtt.plugins.base import BaseAuthPlugin, BaseTopicPlugin
 from amqtt.session import Session
 
@@ -102,9 +106,27 @@ def _deliver_at_qos0(handler: BrokerProtocolHandler) -> None:
     handler.mqtt_publish = publish_at_qos0
 
 
+class _ByteBack(ReaderAdapter):
+    """`reader`, with the byte already read from it given back first (the broker reads a
+    connection's first byte itself, to refuse at once one that is not a CONNECT)."""
+
+    def __init__(self, first: bytes, reader: ReaderAdapter) -> None:
+        self._first, self._reader = first, reader
+
+    async def read(self, n: int = -1) -> bytes:
+        if not self._first or n == 0:
+            return await self._reader.read(n)
+        first, self._first = self._first, b""
+        return first if n == 1 else first + await self._reader.read(n - 1 if n > 1 else n)
+
+    def feed_eof(self) -> None:
+        self._reader.feed_eof()
+
+
 class _FleetBroker(Broker):
-    """amqtt's broker with MQTT's keepalive rule enforced, its subscription table safe to
-    change while it is walked (see _SnapshotDict), retained messages sent only to the
+    """amqtt's broker with MQTT's keepalive rule enforced, a connection it refuses closed (see
+    `_initialize_client_session`), its subscription table safe to change while it is walked
+    (see _SnapshotDict), retained messages sent only to the
     subscriptions they match, every delivery at QoS 0 (see `_deliver_at_qos0`), and a
     message's fan-out without the cost of amqtt's debug lines (see `_run_broadcast`).
 
@@ -119,8 +141,26 @@ class _FleetBroker(Broker):
         super().__init__(*args, **kwargs)
         self._subscriptions: _SnapshotDict = _SnapshotDict(self._subscriptions)
 
-    async def _initialize_client_session(self, *args: Any, **kwargs: Any) -> Any:
-        handler, session = await super()._initialize_client_session(*args, **kwargs)
+    async def _initialize_client_session(
+        self, reader: ReaderAdapter, writer: WriterAdapter, *args: Any
+    ) -> Any:
+        """amqtt's session start, and two rules of MQTT 3.1.1 it leaves out. A connection
+        whose first packet is not a CONNECT is closed at once (3.1.0-1), and so is one whose
+        CONNECT is refused: amqtt (0.12.1) read on, as a CONNECT, whatever came (a PUBLISH
+        that paho's reconnect had let out ahead of its CONNECT), waited for bytes that never
+        came and left the connection open, and the client waited out its keep-alive (30 s
+        for edgefl's) for a CONNACK. And a silent client is dropped (below)."""
+        first = await read_or_raise(reader, 1)
+        if first[0] >> 4 != CONNECT:
+            await writer.close()
+            raise AMQTTError(f"[MQTT-3.1.0-1] first packet of type {first[0] >> 4}, not CONNECT")
+        try:
+            handler, session = await super()._initialize_client_session(
+                _ByteBack(first, reader), writer, *args
+            )
+        except (AMQTTError, MQTTError, NoDataError):
+            await writer.close()
+            raise
         if session.keep_alive > 0:
             session.keep_alive = math.ceil(session.keep_alive * 1.5)
 

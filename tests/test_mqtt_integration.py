@@ -433,3 +433,25 @@ def test_the_embedded_brokers_subscription_table_can_change_while_walked(unused_
         for topic, _ in table.items():
             del table[topic]
         assert walked == ["a/1", "a/2"] and not table
+
+
+def test_the_embedded_broker_closes_a_connection_that_does_not_start_with_connect(
+    unused_port: int,
+) -> None:
+    """MQTT 3.1.1 [MQTT-3.1.0-1]: a first packet that is not CONNECT closes the connection.
+    amqtt left it open, and a client whose PUBLISH went out ahead of its CONNECT (paho's
+    reconnect has such a window) waited out its keep-alive, 30 s, for a CONNACK."""
+    topic = b"fl/v1/fleet/x"
+    publish = bytes([0x30, 2 + len(topic) + 4]) + len(topic).to_bytes(2, "big") + topic + b"data"
+    connect = bytes([0x10, 13]) + b"\x00\x04MQTT\x04\x02\x00\x3c" + b"\x00\x01x"
+    with (
+        EmbeddedBroker("127.0.0.1", unused_port) as broker,
+        socket.create_connection((broker.address.host, broker.address.port), 5) as raw,
+    ):
+        raw.sendall(publish + connect)  # the CONNECT right behind, as in paho's race
+        raw.settimeout(WAIT_S)
+        try:
+            answer = raw.recv(16)
+        except TimeoutError:
+            pytest.fail("the broker kept a connection that began with a PUBLISH open")
+        assert answer == b"", "the broker answered a connection that never sent CONNECT"
