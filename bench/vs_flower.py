@@ -65,11 +65,12 @@ each figure min..max over the five passes, the multiple of Flower's taken within
 
 One emulate dadpfl run of the five (left out of its whole-run figures above) took 32.1 s in
 all, its rounds as long as the others': at its start a client's PUBLISH had gone out ahead
-of its CONNECT (a window in paho's reconnect), amqtt read it as a CONNECT and waited for
-bytes that never came, and the client waited out its 30 s keep-alive for a CONNACK ("lost
-MQTT broker (Keep alive timeout)"). Seen once in about 45 emulated runs that day; since
-then the embedded broker closes such a connection at once (MQTT-3.1.0-1,
-coordinator/broker.py) and the client connects again within paho's reconnect delay.
+of its CONNECT (most likely through a window in paho's reconnect), amqtt read it as a
+CONNECT and waited for bytes that never came, and the client waited out its 30 s keep-alive
+for a CONNACK ("lost MQTT broker (Keep alive timeout)"). Seen once in about 45 emulated
+runs that day; since then the embedded broker closes such a connection at once
+(MQTT-3.1.0-1, coordinator/broker.py) and the client connects again within paho's reconnect
+delay.
 
 What made emulate's rounds steady (session 16; before it, one pass in five came out at
 0.53-0.65x while the others gave 0.36-0.45x, on the same machine the same hour):
