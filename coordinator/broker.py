@@ -126,9 +126,9 @@ class _ByteBack(ReaderAdapter):
 class _FleetBroker(Broker):
     """amqtt's broker with MQTT's keepalive rule enforced, a connection it refuses closed (see
     `_initialize_client_session`), its subscription table safe to change while it is walked
-    (see _SnapshotDict), retained messages sent only to the
-    subscriptions they match, every delivery at QoS 0 (see `_deliver_at_qos0`), and a
-    message's fan-out without the cost of amqtt's debug lines (see `_run_broadcast`).
+    (see _SnapshotDict), retained messages sent only to the subscriptions they match, every
+    delivery at QoS 0 (see `_deliver_at_qos0`), and a message's fan-out without the cost of
+    amqtt's debug lines (see `_run_broadcast`).
 
     amqtt notices a client that closed its socket, but never drops one that merely went
     silent (its read timeout handler does nothing). A device that loses power or network
