@@ -109,7 +109,10 @@ Targets (issue 16), in this run:
   `--workers 2` 0.27x (0.24-0.28).
 * Emulate <= 0.5x: met, 0.41x (0.37-0.46 over the passes; CPU seconds 1.14x Flower's:
   ours are spent, Flower's rounds mostly wait). On a slower machine every ratio of ours
-  grows, since our rounds are CPU and Flower's are not.
+  grows, since our rounds are CPU and Flower's are not: a second run half an hour later, on
+  the final code of the session, found the machine slower (simulate fedavg 0.052-0.065 s a
+  round against 0.048-0.051; emulate's CPU s a round 0.111-0.137 against 0.113-0.123) and
+  gave 0.38-0.50x, median 0.45x, with no pass over the target; the main job 0.53x.
 * The README main job's whole run no slower than Flower's: met, 0.55x.
 Flower here runs its fastest configuration: server-side evaluation (no second round trip
 per round) and one CPU per client actor (two train at once). Wall-time multiples follow
