@@ -468,11 +468,16 @@ def measure(
     if ends and row["steady_round_s"] is not None:  # where the whole run's time went
         row["startup_s"] = max(0.0, ends[min(ends)] - started - row["steady_round_s"])
         row["shutdown_s"] = max(0.0, started + row["wall_s"] - ends[max(ends)])
-    if row["failed"] or row["rounds_done"] < cfg.rounds:
+    if not complete(row):
         console.print(f"  [red]failed[/] after {row['rounds_done']} rounds: {row['failed']}")
     else:
         console.print(f"  {row['wall_s']:.1f} s, accuracy {row['accuracy']:.4f}")
     return row
+
+
+def complete(row: dict[str, Any]) -> bool:
+    """Whether a run did every round with nobody failing: only those count for a target."""
+    return not row["failed"] and row["rounds_done"] == row["rounds"]
 
 
 def cpu_ratio(ours: dict[str, Any], flower: dict[str, Any], key: str) -> float | None:
@@ -503,7 +508,7 @@ def verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for repeat in repeats:
             flower = find("task", "flower", "fedavg", repeat)
             ours = find("task", engine, "fedavg", repeat)
-            timed = [r for r in (flower, ours) if r and r["steady_round_s"] and not r["failed"]]
+            timed = [r for r in (flower, ours) if r and complete(r) and r["steady_round_s"]]
             if flower and ours and len(timed) == 2:
                 ratios.append(ours["steady_round_s"] / flower["steady_round_s"])
                 cpu.append(cpu_ratio(ours, flower, "steady_cpu_round_s"))
@@ -523,7 +528,6 @@ def verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         find("main", "flower", "fedavg", 1),
     )
     if main_job and main_flower:
-        complete = not main_job["failed"] and main_job["rounds_done"] == main_job["rounds"]
         ratio = main_job["wall_s"] / main_flower["wall_s"]
         checks.append(
             {
@@ -531,7 +535,7 @@ def verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 f"{main_job['epochs']} epochs): whole run <= Flower's",
                 "ratio": ratio,
                 "ratios": [ratio],
-                "met": complete and ratio <= 1.0,
+                "met": complete(main_job) and ratio <= 1.0,
                 "cpu_ratio": cpu_ratio(main_job, main_flower, "cpu_s"),
             }
         )
