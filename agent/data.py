@@ -26,6 +26,7 @@ import numpy as np
 import platformdirs
 
 from agent.files import atomic_write
+from protocol.extras import DATASETS, LAB_EXTRA, require
 
 log = logging.getLogger(__name__)
 
@@ -474,6 +475,8 @@ def load_dataset(spec: str, *, seed: int) -> Dataset:
             f"synthetic-{alpha!r}-{beta!r}-{groups}-seed{seed}",
             lambda: load_synthetic(seed, alpha, beta, groups),
         )
+    if kind in DATASETS and not arg:
+        require(LAB_EXTRA, DATASETS[kind], f"the {kind} dataset")
     if kind == "digits" and not arg:
         return cached(f"digits-sklearn{metadata.version('scikit-learn')}", load_digits)
     if kind == "mnist1d" and not arg:

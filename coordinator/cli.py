@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import ipaddress
 import json
+import shutil
 import socket
 import tempfile
 import time
@@ -36,7 +37,6 @@ from coordinator.broker_config import (
 )
 from coordinator.conductor import describe_failures
 from coordinator.fleet import AgentEntry, FleetView, describe_presence, describe_state
-from coordinator.plots import write_plots
 from coordinator.watch import follow, mdns_sightings, show
 from coordinator.watch import watch as watch_fleet
 from protocol import (
@@ -56,6 +56,15 @@ from protocol import (
 )
 from protocol.cli import BrokerSettings, broker_options, logging_options, say, version_option
 from protocol.cli import console as output_console
+from protocol.extras import (
+    DASHBOARD,
+    DATASETS,
+    EMBEDDED_BROKER,
+    GATEWAY_EXTRA,
+    LAB_EXTRA,
+    PLOTS,
+    require,
+)
 from protocol.signing import Signer, add_key, member_keys, public_line
 
 console = output_console(stderr=False)
@@ -321,6 +330,28 @@ def join_fleet(
         raise click.ClickException(str(exc)) from None
 
 
+def require_extra(
+    extra: str,
+    command: str,
+    *,
+    embedded_broker: bool = False,
+    http: str | None = None,
+    plot_dir: str | None = None,
+    dataset: str | None = None,
+) -> None:
+    """Before `command` starts anything: the modules of each feature it will use are
+    installed, or one line says which extra brings them (exit 2). The dashboard is the
+    gateway's, whichever command serves it."""
+    if embedded_broker:
+        require(extra, EMBEDDED_BROKER, f"{command}'s embedded broker (without --broker)")
+    if http is not None:
+        require(GATEWAY_EXTRA, DASHBOARD, f"{command} --http (the dashboard and /metrics)")
+    if plot_dir is not None:
+        require(extra, PLOTS, f"{command} --plot")
+    if dataset in DATASETS:
+        require(extra, DATASETS[dataset], f"the {dataset} dataset")
+
+
 @main.command()
 @click.argument("agent_id", type=NAME)
 @click.argument("public_key")
@@ -385,6 +416,12 @@ def serve(
 ) -> None:
     """Host the fleet's broker (unless --broker is given) and follow the fleet until Ctrl-C;
     `coordinator run` starts runs on it."""
+    require_extra(
+        GATEWAY_EXTRA,
+        "coordinator serve",
+        embedded_broker=broker_settings.address is None,
+        http=http,
+    )
     stop = stop_on_signal()
     broker_settings = embedded_login(broker_settings, broker_auth)
     key = coordinator_signer(key_file, admitted_file, identity_file)
@@ -536,6 +573,9 @@ def report_options(command: Callable) -> Callable:
 )
 def simulate(report_path: str, plot_dir: str | None, workers: int, **values: object) -> None:
     """Run a whole fleet in one process (no network) and write the JSON report."""
+    require_extra(
+        LAB_EXTRA, "coordinator simulate", plot_dir=plot_dir, dataset=str(values["dataset"])
+    )
     from coordinator.simulate import Simulation
 
     try:
@@ -578,6 +618,8 @@ def publish_report(report: dict, report_path: str, plot_dir: str | None) -> None
         console.print(summary_table(report))
     console.print(f"report written to [bold]{report_path}[/]")
     if plot_dir and report["rounds"]:
+        from coordinator.plots import write_plots
+
         for path in write_plots(report, plot_dir):
             console.print(f"plot written to {path}")
 
@@ -680,6 +722,14 @@ def emulate(
     **values: object,
 ) -> None:
     """Run a fleet of real edge-agent processes over MQTT and write the same report as simulate."""
+    require_extra(
+        LAB_EXTRA,
+        "coordinator emulate",
+        embedded_broker=not brokers,
+        http=http,
+        plot_dir=plot_dir,
+        dataset=str(values["dataset"]),
+    )
     from coordinator.broker import EmbeddedBroker
     from coordinator.emulate import Emulation, EmulationOptions, auto_agents_per_process
 
@@ -707,7 +757,7 @@ def emulate(
         emulation = Emulation(config, broker, options)
     except (ValueError, OSError) as exc:
         if not workdir:
-            folder.rmdir()
+            shutil.rmtree(folder, ignore_errors=True)
         raise ConfigError(str(exc)) from None
     if embedded:
         embedded.start()
@@ -769,6 +819,13 @@ def run_command(
     writes the report (the schema of `simulate`) from what they published. With no --broker
     it starts the embedded broker itself.
     """
+    require_extra(
+        GATEWAY_EXTRA,
+        "coordinator run",
+        embedded_broker=broker_settings.address is None,
+        http=http,
+        plot_dir=plot_dir,
+    )
     stop = stop_on_signal()
     from agent.runfile import load_run_file
     from coordinator.gateway import RunFailed, conduct

@@ -33,7 +33,7 @@ from protocol import topics
 from protocol.errors import ProtocolError
 from protocol.mqtt import BrokerAddress, TlsOptions, TransportOptions
 from protocol.signing import MIN_FLEET_KEY_BYTES, FleetKey
-from protocol.version import PROTOCOL_VERSION
+from protocol.version import DISTRIBUTION, PROTOCOL_VERSION
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -534,7 +534,7 @@ def say(message: str, out: Console | None = None) -> None:
 
 
 version_option = click.version_option(
-    package_name="edgefl",
+    package_name=DISTRIBUTION,
     message=f"%(prog)s %(version)s (edgefl protocol {PROTOCOL_VERSION})",
 )
 """`--version`: the installed edgefl's version and the wire protocol version it speaks."""

@@ -440,10 +440,21 @@ def test_jetson_stats_where_installed(monkeypatch) -> None:
     assert (read_device().gpu_load_percent, read_device().power_mode) == (None, None)
 
 
-def test_jetson_stats_absent() -> None:
-    if "jtop" in sys.modules:
-        pytest.skip("jetson-stats is installed here")
-    assert budget_module._read_jetson() == (None, None)
+def test_jetson_stats_absent(monkeypatch, tmp_path, caplog) -> None:
+    monkeypatch.setitem(sys.modules, "jtop", None)  # import jtop raises ImportError
+    monkeypatch.setattr(budget_module, "TEGRA_RELEASE", tmp_path / "nv_tegra_release")
+    budget_module._say_jetson_stats_missing.cache_clear()
+    with caplog.at_level("INFO", logger=budget_module.__name__):
+        assert budget_module._read_jetson() == (None, None)
+        assert caplog.messages == []  # not a Jetson: nothing to install
+        (tmp_path / "nv_tegra_release").write_text("# R32 (release), REVISION: 7.1\n")
+        assert read_device().gpu_load_percent is None
+        assert read_device().power_mode is None
+    hints = [m for m in caplog.messages if "jetson-stats is not installed" in m]
+    assert hints == [
+        "this is a Jetson, but jetson-stats is not installed: GPU load and power mode go "
+        "unread (pip install 'edgefl-fleet[jetson]')"
+    ]
 
 
 def test_nominal_reading_is_an_idle_board() -> None:

@@ -1,11 +1,14 @@
 """An installed edgefl has every package of the source tree: `pip install .` (not only an
-editable install) must ship the subpackages (agent.learning, agent.runtime, ...)."""
+editable install) must ship the subpackages (agent.learning, agent.runtime, ...), and every
+distribution it imports is declared. tests/test_install.py installs the wheel for real."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from setuptools import find_packages
 
 if sys.version_info >= (3, 11):
@@ -27,3 +30,17 @@ def test_the_distribution_ships_every_package_of_the_tree() -> None:
     }
     assert {"agent.learning", "agent.learning.central", "agent.runtime"} <= in_tree
     assert shipped == in_tree
+
+
+UNDECLARED = ROOT.parent / "shared" / "tools" / "undeclared_imports.py"
+
+
+@pytest.mark.skipif(not UNDECLARED.is_file(), reason="../shared/tools is not beside the checkout")
+def test_every_imported_distribution_is_declared() -> None:
+    """Each distribution the shipped packages import is in `dependencies` or an extra: one
+    that is only here because another package pulled it in fails a clean install."""
+    done = subprocess.run(
+        [sys.executable, str(UNDECLARED)], cwd=ROOT, capture_output=True, text=True
+    )
+    assert done.stdout.strip().splitlines()[-1] == "undeclared imports: 0", done.stdout
+    assert done.returncode == 0

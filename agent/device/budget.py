@@ -59,10 +59,13 @@ shows in the measured throughput instead (`calibrated_efficiency`).
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import psutil
@@ -71,6 +74,9 @@ from torch import Tensor, nn
 
 from agent.learning import forward_flops
 from firmware_profiles import DeviceProfile
+from protocol.extras import install_hint
+
+log = logging.getLogger(__name__)
 
 DEFAULT_EFFICIENCY = 0.1
 MIB = 2**20
@@ -136,12 +142,27 @@ def _own_cpu_s() -> float:
     return times.user + times.system + times.children_user + times.children_system
 
 
+TEGRA_RELEASE = Path("/etc/nv_tegra_release")
+"""Present on every Jetson (L4T): where jetson-stats is worth installing."""
+
+
+@functools.cache
+def _say_jetson_stats_missing() -> None:
+    log.info(
+        "this is a Jetson, but jetson-stats is not installed: GPU load and power mode go "
+        "unread (%s)",
+        install_hint("jetson"),
+    )
+
+
 def _read_jetson() -> tuple[float | None, str | None]:
     """GPU load [%] and power mode from jetson-stats, or (None, None) where it is missing or
-    its service is not running."""
+    its service is not running. A Jetson without it says once what to install."""
     try:
-        from jtop import jtop  # optional: only on Jetson boards with jetson-stats installed
+        from jtop import jtop  # optional: the `jetson` extra, on Jetson boards
     except ImportError:
+        if TEGRA_RELEASE.exists():
+            _say_jetson_stats_missing()
         return None, None
     try:
         with jtop() as jetson:
