@@ -1,0 +1,58 @@
+"""README.md's first command on a Debian system Python that refuses pip (PEP 668), as on
+Debian 12 and Raspberry Pi OS: scripts/setup.sh makes its own virtual environment with that
+Python, installs there, and the main job then runs exactly as README.md writes it.
+
+(CI's own run of scripts/setup.sh covers a Python whose pip installs freely.)"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from bench.install_footprint import SOURCES, copy_sources
+
+ROOT = Path(__file__).resolve().parents[1]
+SYSTEM_PYTHON = Path("/usr/bin/python3")
+
+
+def externally_managed() -> bool:
+    if not SYSTEM_PYTHON.is_file():
+        return False
+    stdlib = subprocess.run(
+        [SYSTEM_PYTHON, "-c", "import sysconfig; print(sysconfig.get_path('stdlib'))"],
+        capture_output=True, text=True,
+    ).stdout.strip()  # fmt: skip
+    return (Path(stdlib) / "EXTERNALLY-MANAGED").is_file()
+
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(not externally_managed(), reason="no externally managed system Python"),
+]
+
+
+def test_readme_first_command_on_an_externally_managed_python(tmp_path: Path) -> None:
+    checkout = copy_sources(tmp_path / "edgefl", (*SOURCES, "scripts"))
+    first = re.search(r"^bash scripts/setup\.sh && .+$", (ROOT / "README.md").read_text(), re.M)
+    assert first, "README.md's first command is not `bash scripts/setup.sh && ...`"
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    env["PATH"] = f"{SYSTEM_PYTHON.parent}:{env['PATH']}"  # `python3` is Debian's
+    done = subprocess.run(
+        ["bash", "-c", first.group(0)], cwd=checkout, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "setup: making the virtual environment .venv" in done.stdout
+    config = (checkout / ".venv" / "pyvenv.cfg").read_text()
+    assert f"home = {SYSTEM_PYTHON.parent}" in config  # made by the system Python
+    assert (checkout / "report.json").is_file()
+    assert (checkout / "plots" / "accuracy.png").is_file()
+    system_packages = subprocess.run(
+        [SYSTEM_PYTHON, "-c", "import importlib.util as u; print(u.find_spec('coordinator'))"],
+        capture_output=True, text=True, cwd=tmp_path,
+    ).stdout  # fmt: skip
+    assert system_packages.strip() == "None"  # the system Python was left alone
