@@ -25,8 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from agent.data import load_dataset
-from agent.experiment import ExperimentConfig, check_networked, profile_names
+from agent.experiment import ExperimentConfig, build_workload, check_networked, profile_names
 from agent.runtime import checkpoint, new_run_id, run_folder
 from agent.runtime.heap import settled_heap
 from coordinator.broker_config import COORDINATOR
@@ -166,15 +165,18 @@ class Emulation:
         self, config: ExperimentConfig, broker: BrokerAddress, options: EmulationOptions
     ) -> None:
         check_networked(config, aggregator=True)
-        # Once here rather than in every agent: fills the dataset cache the agents read, and a
-        # bad --dataset fails now (ValueError or OSError), not in N processes.
-        load_dataset(config.dataset, seed=config.seed)
+        self.roster = [f"agent-{k:03d}" for k in range(config.agents)]
+        # The whole run is checked here, before any agent starts, by the code simulate builds
+        # its fleet with (`build_workload`: the dataset, its partition over the roster, the
+        # model for the data's shapes): a run the agents cannot start fails now, with
+        # simulate's one sentence (ValueError or OSError), not in N agents' logs. No agent's
+        # data is kept; the dataset cache the agents read is filled.
+        build_workload(config, self.roster, agents=[])
         self.config = config
         self.broker = broker
         self.options = options
         self.run_id = new_run_id()
         self.fleet = f"emu-{self.run_id[4:12]}"
-        self.roster = [f"agent-{k:03d}" for k in range(config.agents)]
         self.processes: dict[str, AgentProcess] = {}
         self.shared: dict[str, SharedProcess] = {}
         """The process each agent shares with others (agents_per_process > 1)."""
