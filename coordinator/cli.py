@@ -58,11 +58,11 @@ from protocol.cli import BrokerSettings, broker_options, logging_options, say, v
 from protocol.cli import console as output_console
 from protocol.extras import (
     DASHBOARD,
-    DATASETS,
     EMBEDDED_BROKER,
     GATEWAY_EXTRA,
     LAB_EXTRA,
     PLOTS,
+    MissingExtra,
     require,
 )
 from protocol.signing import Signer, add_key, member_keys, public_line
@@ -337,19 +337,17 @@ def require_extra(
     embedded_broker: bool = False,
     http: str | None = None,
     plot_dir: str | None = None,
-    dataset: str | None = None,
 ) -> None:
     """Before `command` starts anything: the modules of each feature it will use are
     installed, or one line says which extra brings them (exit 2). The dashboard is the
-    gateway's, whichever command serves it."""
+    gateway's, whichever command serves it; a built-in dataset is checked where it is
+    loaded (`agent.data.load_dataset`), before any agent starts."""
     if embedded_broker:
         require(extra, EMBEDDED_BROKER, f"{command}'s embedded broker (without --broker)")
     if http is not None:
         require(GATEWAY_EXTRA, DASHBOARD, f"{command} --http (the dashboard and /metrics)")
     if plot_dir is not None:
         require(extra, PLOTS, f"{command} --plot")
-    if dataset in DATASETS:
-        require(extra, DATASETS[dataset], f"the {dataset} dataset")
 
 
 @main.command()
@@ -573,9 +571,7 @@ def report_options(command: Callable) -> Callable:
 )
 def simulate(report_path: str, plot_dir: str | None, workers: int, **values: object) -> None:
     """Run a whole fleet in one process (no network) and write the JSON report."""
-    require_extra(
-        LAB_EXTRA, "coordinator simulate", plot_dir=plot_dir, dataset=str(values["dataset"])
-    )
+    require_extra(LAB_EXTRA, "coordinator simulate", plot_dir=plot_dir)
     from coordinator.simulate import Simulation
 
     try:
@@ -728,7 +724,6 @@ def emulate(
         embedded_broker=not brokers,
         http=http,
         plot_dir=plot_dir,
-        dataset=str(values["dataset"]),
     )
     from coordinator.broker import EmbeddedBroker
     from coordinator.emulate import Emulation, EmulationOptions, auto_agents_per_process
@@ -755,7 +750,7 @@ def emulate(
             agents_per_process=per_process,
         )
         emulation = Emulation(config, broker, options)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, MissingExtra) as exc:
         if not workdir:
             shutil.rmtree(folder, ignore_errors=True)
         raise ConfigError(str(exc)) from None

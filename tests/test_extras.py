@@ -62,6 +62,11 @@ def without(monkeypatch: pytest.MonkeyPatch):
             f"(amqtt not installed): {LAB}",
         ),
         (
+            ["mnist1d"],
+            ["emulate", "--broker", "127.0.0.1:1", "--agents", "2"],
+            f"the mnist1d dataset needs the lab extra (mnist1d not installed): {LAB}",
+        ),
+        (
             ["prometheus_client"],
             ["emulate", "--broker", "127.0.0.1:1", "--dataset", "synthetic", "--http", "8080"],
             "coordinator emulate --http (the dashboard and /metrics) needs the gateway extra "
