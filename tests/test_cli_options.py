@@ -296,7 +296,7 @@ def test_console_output_does_not_wrap_when_not_on_a_terminal() -> None:
 def test_version_names_the_package_and_protocol_versions() -> None:
     result = CliRunner().invoke(probe([]), ["--version"], prog_name="edge-agent")
     assert result.exit_code == 0
-    version = importlib.metadata.version("edgefl")
+    version = importlib.metadata.version("edgefl-fleet")
     assert result.stdout == f"edge-agent {version} (edgefl protocol 1)\n"
 
 

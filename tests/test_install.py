@@ -1,6 +1,7 @@
 """The install as users get it: the wheel, built without build isolation on the oldest
 setuptools the metadata allows, installed into a fresh virtual environment (none of this
-machine's packages), the device profile first and then each extra on top. After each step
+machine's packages; made by the system Python where that one refuses pip, as on Debian 12 and
+Raspberry Pi OS), the device profile first and then each extra on top. After each step
 the commands of that profile run, and those of a missing extra say in one line, before
 starting anything, which extra to install."""
 
@@ -11,6 +12,7 @@ import shlex
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -18,7 +20,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.install_footprint import TORCH_PIN, FreshVenv, build_wheel, requirement, run
+from bench.install_footprint import (
+    TORCH_PIN,
+    FreshVenv,
+    build_wheel,
+    externally_managed_python,
+    requirement,
+    run,
+)
 from bench.support import broker
 from coordinator.cli import free_port
 
@@ -110,7 +119,8 @@ def readme_main_job() -> list[str]:
 
 def test_each_profile_installs_from_the_wheel_and_runs_its_commands(tmp_path: Path) -> None:
     wheel = build_wheel(tmp_path)
-    venv = FreshVenv(tmp_path / "venv")
+    python = externally_managed_python() or sys.executable
+    venv = FreshVenv(tmp_path / "venv", python, compile_bytecode=False)
     venv.install(TORCH_PIN)
     work = tmp_path / "work"
     work.mkdir()
