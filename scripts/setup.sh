@@ -36,7 +36,7 @@ fi
 
 if [ -n "${VIRTUAL_ENV:-}" ]; then
   venv="$VIRTUAL_ENV"
-  if [ -e .venv ] && [ "$(cd .venv && pwd -P)" != "$(cd "$venv" && pwd -P)" ]; then
+  if [ -e .venv ] && [ "$(readlink -f .venv)" != "$(readlink -f "$venv")" ]; then
     echo "setup: $venv is active but .venv here is another environment: deactivate to use" \
       ".venv, or remove .venv to use $venv" >&2
     exit 1
