@@ -21,6 +21,7 @@ tests/test_install.py runs the same install steps with the commands each profile
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import shutil
@@ -33,6 +34,13 @@ from collections.abc import Sequence
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import psutil  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from bench.support import broker, environment, write_json  # noqa: E402
 
 TORCH_PIN = os.environ.get("TORCH_PIN", "torch==2.13.0")
 SETUPTOOLS_MINIMUM = "setuptools==77.0.1"
@@ -64,8 +72,8 @@ while todo:
             todo.append(norm(req.name))
 print(json.dumps({n: [size(d), n in torch] for n, d in dists.items()}))
 """
-IDLE_RSS = (
-    "import {module}, os, psutil, time; time.sleep(0.5); print(psutil.Process().memory_info().rss)"
+IMPORT_RSS = (
+    "import {module}, psutil, time; time.sleep(0.5); print(psutil.Process().memory_info().rss)"
 )
 
 
@@ -103,8 +111,6 @@ class FreshVenv:
     def site_packages(self) -> dict[str, float]:
         """MiB on disk: torch with its requirements, the environment's pip and setuptools,
         and the rest (what this project's profile brought)."""
-        import json
-
         sizes = json.loads(run([self.python, "-c", SPLIT]).stdout)
         split = {"torch": 0.0, "pip": 0.0, "rest": 0.0}
         for name, (size, of_torch) in sizes.items():
@@ -167,17 +173,13 @@ def requirement(wheel: pathlib.Path, profile: str) -> str:
 def rss_mb(venv: FreshVenv, module: str) -> float:
     """RSS of a process of the environment once it has imported `module` (best of 3)."""
     return min(
-        int(run([venv.python, "-c", IDLE_RSS.format(module=module)]).stdout) / MB for _ in range(3)
+        int(run([venv.python, "-c", IMPORT_RSS.format(module=module)]).stdout) / MB
+        for _ in range(3)
     )
 
 
 def idle_agent_mb(venv: FreshVenv, workdir: pathlib.Path) -> float:
     """RSS of an edge-agent with its own data, connected and waiting for a run (best of 3)."""
-    import numpy as np
-    import psutil
-
-    from bench.support import broker
-
     rng = np.random.default_rng(0)
     labels = rng.integers(0, 10, 2000)
     np.savez(workdir / "own.npz", x=rng.random((2000, 1, 8, 8), np.float32), y=labels)
@@ -235,11 +237,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(ROOT / "bench/results/install_footprint.json"))
     args = parser.parse_args()
-    from rich.console import Console
-    from rich.table import Table
-
-    from bench.support import environment, write_json
-
     with tempfile.TemporaryDirectory(prefix="install-footprint-") as tmp:
         results = measure(pathlib.Path(tmp))
     base = results["base"]
