@@ -7,6 +7,7 @@ starting anything, which extra to install."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import signal
@@ -78,7 +79,7 @@ def device_runs_own_data(venv: FreshVenv, work: Path) -> None:
         [venv.bin("edge-agent"), "predict", "own.npz", "--model", "state/model.onnx", "--json"],
         cwd=work,
     ).stdout
-    classes = np.array(__import__("json").loads(predicted)["predictions"])
+    classes = np.array(json.loads(predicted)["predictions"])
     assert classes.shape == (300,)
     assert (classes == labels).mean() > 0.5  # it learned: chance is 1/3
 
