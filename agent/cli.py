@@ -8,6 +8,7 @@ import logging
 import re
 import socket
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from click.core import ParameterSource
 from agent.device import resolve_device
 from agent.experiment import ExperimentConfig, check_networked, data_misfit
 from agent.files import DiskFullError
+from agent.model_store import DEFAULT_KEEP_RUNS, MODEL_ONNX, ModelStore
 from agent.onnx_export import OnnxModel, load_inputs
 from agent.options import experiment_options
 from agent.own_data import OwnData, load_own_data
@@ -41,6 +43,8 @@ from protocol import (
 )
 from protocol.cli import BrokerSettings, broker_options, logging_options, say, version_option
 from protocol.limits import PRE_RUN_LIMITS
+from protocol.membership import BROKER_WAIT_S
+from protocol.mqtt import unreachable
 from protocol.signing import (
     IDENTITY_FILE,
     Signer,
@@ -203,6 +207,20 @@ class Hosted:
 )
 @click.option("--once", is_flag=True, help="Exit after one run instead of waiting for the next.")
 @click.option(
+    "--keep-best",
+    is_flag=True,
+    help="Keep the most accurate run's model current (STATE_DIR/model.onnx), whatever a "
+    "run's `keep` says [default: the newest run's, unless it is less accurate by more than "
+    "the run's keep_margin].",
+)
+@shown(
+    "--keep-runs",
+    click.IntRange(1),
+    DEFAULT_KEEP_RUNS,
+    "Keep the folders (model, checkpoint, round log) of this many ended runs; older ones are "
+    "deleted when a run finishes, never the current model's.",
+)
+@click.option(
     "--telemetry",
     is_flag=True,
     help="Also publish each status as plain JSON on fl/v1/FLEET/telemetry/ID (retained), "
@@ -264,6 +282,8 @@ def main(
     run_file: str | None,
     expect: int | None,
     once: bool,
+    keep_best: bool,
+    keep_runs: int,
     telemetry: bool,
     round_timeout: float,
     vote_timeout: float,
@@ -297,8 +317,6 @@ def main(
     folder = agent_state_dir(state_dir, fleet, agent_id)
     key = agent_signer(key_file, trust_file, agent_id, folder)
     broker_settings = find_broker(broker_settings, fleet, mdns_interfaces)
-    broker = broker_settings.address
-    assert broker is not None
     identity = Identity(fleet, agent_id, profile=device.name if device else "", key=key)
     options = ServiceOptions(
         state_dir=folder,
@@ -313,45 +331,93 @@ def main(
         compute=trains_on,
         compute_auto=compute == "auto",
         telemetry=telemetry,
+        keep_best=keep_best,
+        keep_runs=keep_runs,
     )
-    transport = join(broker_settings, identity)
+    serve(broker_settings, identity, options, stop, hosted, mdns_interfaces)
+    say(f"agent {agent_id} stopped")
+
+
+def serve(
+    settings: BrokerSettings,
+    identity: Identity,
+    options: ServiceOptions,
+    stop: threading.Event,
+    hosted: Hosted | None,
+    mdns_interfaces: tuple[str, ...],
+) -> None:
+    """Join the fleet and serve it until `stop`, leaving it cleanly whatever happens (a
+    full disk is a one-line error after the goodbye)."""
+    broker = settings.address
+    assert broker is not None
+    transport = join(settings, identity)
     if hosted is not None:
         hosted.joined(transport)
     discovery = None
     try:
         if mdns_interfaces:
             discovery = advertise(identity, broker, mdns_interfaces)
-        AgentService(identity, transport, options, stop).serve()
+        if wait_for_broker(transport, stop):
+            AgentService(identity, transport, options, stop).serve()
     except DiskFullError as exc:  # one line, exit 1, after the goodbye below
         raise click.ClickException(str(exc)) from None
     finally:
         leave(transport, identity)
         if discovery is not None:
             discovery.close()
-    say(f"agent {agent_id} stopped")
 
 
 def join(settings: BrokerSettings, identity: Identity) -> MqttTransport:
     """The agent's connection to its fleet, its id claimed; a duplicate id or refused
-    credentials are one-line errors."""
+    credentials are one-line errors. Where no broker answers (a device may boot before its
+    gateway), it says why at once and keeps connecting in the background."""
     broker = settings.address
     assert broker is not None
     # Until a run names its model, nothing larger than a run message is expected.
     wire = dataclasses.replace(settings.transport_options(None), limits=PRE_RUN_LIMITS)
+    problem = unreachable(broker)
+    if problem is not None:
+        say(f"{problem}; retrying until it does")
     try:
-        transport = connect(broker, identity, wire)
+        # Nobody to ask whether the id is taken: no need to wait for an answer.
+        transport = connect(broker, identity, wire, broker_wait_s=0.0 if problem else BROKER_WAIT_S)
     except ProtocolError as exc:
         raise click.ClickException(str(exc)) from None
     who = f"agent {identity.sender}"
     if transport.connected:
         say(f"{who} joined fleet {identity.fleet} via {broker}")
-    else:
-        say(f"{who}: broker {broker} not reachable yet; retrying in the background")
+    elif problem is None:
+        say(f"{who}: broker {broker} does not answer yet; retrying in the background")
     return transport
+
+
+def wait_for_broker(transport: MqttTransport, stop: threading.Event) -> bool:
+    """Wait until the transport is connected, however long (a gateway may be down for a
+    while); False if `stop` came first. A broker that answers but refuses the agent's login
+    is a one-line error, as it is at the start."""
+    if transport.connected:
+        return True
+    while not transport.wait_connected(1.0):
+        if stop.is_set():
+            return False
+        if transport.refused is not None:
+            raise click.ClickException(
+                f"the MQTT broker {transport.broker} refused the connection "
+                f"({transport.refused}): check the user name, password and TLS options"
+            )
+    say(f"connected to broker {transport.broker}")
+    return True
 
 
 def agent_state_dir(state_dir: str | None, fleet: str, agent_id: str) -> Path:
     return Path(state_dir) if state_dir else Path.home() / ".edgefl" / fleet / agent_id
+
+
+def named_state_dir(ctx: click.Context) -> Path:
+    """The state folder of the agent a subcommand's command line names (--state-dir, else
+    --fleet and --id), resolved as the agent itself resolves it."""
+    root = ctx.find_root()
+    return agent_state_dir(root.params.get("state_dir"), root.params["fleet"], ctx.meta["agent_id"])
 
 
 def agent_signer(
@@ -383,11 +449,9 @@ def key(ctx: click.Context) -> None:
 
     Give the same --id, --fleet and --state-dir as the agent itself:
     `edge-agent --id d1 key >> admitted.keys`."""
-    params = ctx.parent.params if ctx.parent else {}
     agent_id = ctx.meta["agent_id"]
-    folder = agent_state_dir(params.get("state_dir"), params["fleet"], agent_id)
     try:
-        click.echo(public_line(agent_id, folder / IDENTITY_FILE))
+        click.echo(public_line(agent_id, named_state_dir(ctx) / IDENTITY_FILE))
     except ProtocolError as exc:
         raise click.ClickException(str(exc)) from None
 
@@ -405,14 +469,66 @@ def advertise(identity: Identity, broker: BrokerAddress, interfaces: tuple[str, 
     return discovery
 
 
+@main.group(invoke_without_command=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the list as JSON.")
+@click.pass_context
+def models(ctx: click.Context, as_json: bool) -> None:
+    """List the models this device kept, one per finished run, newest first; the current
+    one (STATE_DIR/model.onnx, which `predict` serves) is marked with *.
+
+    Give the same --id, --fleet and --state-dir as the agent itself:
+    `edge-agent --state-dir /var/lib/edgefl models`. `models use RUN` makes RUN's model
+    current (a rollback)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    folder = named_state_dir(ctx)
+    store = ModelStore(folder)
+    kept, current = store.models(), store.current_run()
+    if as_json:
+        rows = [{**dataclasses.asdict(m), "current": m.run_id == current} for m in kept]
+        click.echo(json.dumps(rows))
+        return
+    if not kept:
+        say(f"no models kept in {folder} yet: each run this agent finishes keeps one")
+        return
+    click.echo(f"  {'RUN':<18} {'FINISHED':<19} {'STRATEGY':<11} {'MODEL':<9} ROUNDS ACCURACY")
+    for m in kept:
+        finished = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.finished))
+        accuracy = "-" if m.accuracy is None else f"{m.accuracy:.4f}"
+        mark = "*" if m.run_id == current else " "
+        click.echo(
+            f"{mark} {m.run_id:<18} {finished:<19} {m.strategy:<11} {m.model:<9} "
+            f"{m.rounds:>6} {accuracy:>8}"
+        )
+
+
+@models.command("use")
+@click.argument("run_id", metavar="RUN")
+@click.pass_context
+def use_model(ctx: click.Context, run_id: str) -> None:
+    """Make RUN's kept model the current one (STATE_DIR/model.onnx), e.g. to roll back to
+    it. A running agent picks again by its policy when its next run finishes."""
+    store = ModelStore(named_state_dir(ctx))
+    try:
+        kept = store.use(run_id)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    accuracy = "unknown" if kept.accuracy is None else f"{kept.accuracy:.4f}"
+    rounds = f"{kept.rounds} round{'' if kept.rounds == 1 else 's'}"
+    say(
+        f"run {run_id} is now the current model (accuracy {accuracy}, {rounds}): "
+        f"{store.current_path}"
+    )
+
+
 @main.command()
 @click.argument("inputs", type=click.Path(exists=True, dir_okay=False))
 @click.option(
     "--model",
     "model_path",
     type=click.Path(exists=True, dir_okay=False),
-    required=True,
-    help="The exported model (STATE_DIR/model.onnx).",
+    default=None,
+    help="The exported model [default: the agent's current model, STATE_DIR/model.onnx].",
 )
 @shown("--threads", click.IntRange(1), 1, "onnxruntime intra-op threads.")
 @shown(
@@ -422,12 +538,18 @@ def advertise(identity: Identity, broker: BrokerAddress, interfaces: tuple[str, 
     "Samples to time one at a time for the per-sample latency.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (predictions and latency).")
+@click.pass_context
 def predict(
-    inputs: str, model_path: str, threads: int, latency_samples: int, as_json: bool
+    ctx: click.Context,
+    inputs: str,
+    model_path: str | None,
+    threads: int,
+    latency_samples: int,
+    as_json: bool,
 ) -> None:
     """Classify INPUTS (.npy, or .npz with x) with an exported personalized model."""
     try:
-        model = OnnxModel.load(model_path, threads=threads)
+        model = OnnxModel.load(model_path or named_state_dir(ctx) / MODEL_ONNX, threads=threads)
         x = load_inputs(inputs, model.input_shape)
     except (ValueError, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from None

@@ -42,6 +42,11 @@ if TYPE_CHECKING:
 DEVICE_DATA = "device"
 """The `dataset` of a run in which every agent learns from its own data."""
 DEFAULT_MIN_SAMPLES = 10
+INIT_CHOICES = ("seed", "previous")
+"""Where a run's model starts: the fleet's seeded weights, or each device's current model."""
+KEEP_POLICIES = ("latest", "best")
+"""Which finished run's model a device makes current (`agent.model_store.choose`)."""
+DEFAULT_KEEP_MARGIN = 0.02
 
 
 def run_param(default: Any, help: str) -> Any:
@@ -89,6 +94,21 @@ class ExperimentConfig:
         "scale",
         f"What attackers send: scale (x {robust.SCALE_FACTOR:g}), noise (+ N(0, "
         f"{robust.NOISE_STD:g}^2)) or signflip (negated).",
+    )
+    init: str = run_param(
+        "seed",
+        "Where each device's model starts: 'seed' (the fleet's seeded weights) or 'previous' "
+        "(the device's current model, where it has a fitting one).",
+    )
+    keep: str = run_param(
+        "latest",
+        "Which model a device keeps current: 'latest' (the newest run's, unless it is less "
+        "accurate than the current one by more than keep_margin) or 'best' (the most accurate).",
+    )
+    keep_margin: float = run_param(
+        DEFAULT_KEEP_MARGIN,
+        "Under keep = 'latest': how much lower (absolute accuracy) a new run's model may be "
+        "and still become current.",
     )
     learning: StrategyConfig = field(default_factory=StrategyConfig)
 
@@ -142,6 +162,7 @@ class ExperimentConfig:
         if self.profiles:
             profile_names(self.profiles)
         check_robustness(self)
+        check_model_keeping(self)
         if cfg.schedule_b < 0:
             # t_1 = 2 t* + b >= 2 t* lets networked agents decide with old votes only.
             raise ValueError(f"--schedule-b must be >= 0, got {cfg.schedule_b}")
@@ -160,6 +181,16 @@ def check_robustness(config: ExperimentConfig) -> None:
         raise ValueError(
             f"--attack must be one of {', '.join(robust.ATTACKS)}, got {config.attack!r}"
         )
+
+
+def check_model_keeping(config: ExperimentConfig) -> None:
+    """How a device starts a run and keeps its models: one clear sentence for a bad value."""
+    if config.init not in INIT_CHOICES:
+        raise ValueError(f"init must be one of {', '.join(INIT_CHOICES)}, got {config.init!r}")
+    if config.keep not in KEEP_POLICIES:
+        raise ValueError(f"keep must be one of {', '.join(KEEP_POLICIES)}, got {config.keep!r}")
+    if not 0 <= config.keep_margin <= 1:
+        raise ValueError(f"keep_margin must be in [0, 1], got {config.keep_margin}")
 
 
 def attackers(config: ExperimentConfig, roster: list[str]) -> list[str]:

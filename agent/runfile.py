@@ -16,6 +16,8 @@ timeouts. For example::
     rounds = 20
     early_stop = true
     round_timeout = 60     # seconds to wait for a neighbour's model
+    init = "previous"      # each device starts from its current model (default: "seed")
+    keep = "latest"        # which model a device keeps current; or "best"
 
 Everything that can be checked before the roster is known is checked when the file is loaded,
 so a mistake is a one-line error before anyone waits for the fleet.
@@ -35,7 +37,13 @@ from pathlib import Path
 from typing import Any
 
 from agent.data import BUILTIN_DATASETS, USER_DATASETS
-from agent.experiment import DEVICE_DATA, ExperimentConfig
+from agent.experiment import (
+    DEVICE_DATA,
+    INIT_CHOICES,
+    KEEP_POLICIES,
+    ExperimentConfig,
+    default_model,
+)
 from agent.learning import StrategyConfig, models
 from agent.options import _CHOICES, experiment_config
 from protocol.errors import ProtocolError
@@ -68,7 +76,12 @@ _TIMEOUT_KEYS = {
     "join_timeout": "join_s",
 }
 _DEVICE_ONLY = ("input_shape", "classes", "min_samples")
-_VALUE_CHOICES: dict[str, tuple[str, ...]] = {**_CHOICES, "model": models.MODEL_NAMES}
+_VALUE_CHOICES: dict[str, tuple[str, ...]] = {
+    **_CHOICES,
+    "model": models.MODEL_NAMES,
+    "init": INIT_CHOICES,
+    "keep": KEEP_POLICIES,
+}
 _DATASETS = (DEVICE_DATA, *BUILTIN_DATASETS, *(f"{kind}:PATH" for kind in USER_DATASETS))
 
 
@@ -141,6 +154,9 @@ class RunFile:
             for key in ("input_shape", "classes"):
                 if values[key] is None:
                     raise ValueError(f"{key} is not in [run] and the agents reported none")
+            # Named, the model of the devices' data goes into the run message and the report
+            # (the agents would build the same from None, which a report shows as null).
+            values.setdefault("model", default_model(DEVICE_DATA, values["input_shape"]))
         return experiment_config(values)
 
 

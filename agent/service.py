@@ -7,13 +7,17 @@ first agent of the roster publishes once N agents are online, which every other 
 accepts only if it describes the run its own run file (or flags) describe. Every run has a
 fresh id; each run's checkpoint and round log live in their own folder
 (`STATE_DIR/runs/RUN_ID`), and a run this agent finished is marked there, so a stale
-retained message is never run twice and a restart resumes the run it was in.
+retained message is never run twice and a restart resumes the run it was in. A run's
+signer calls it off by publishing its message again with `cancelled` set: the agent ends
+it after the round it is in, marks its folder, and waits for the next run. Each finished
+run's model is kept in its folder, and a policy picks the current one (`agent.model_store`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Container, Mapping
@@ -38,13 +42,23 @@ from agent.experiment import (
     round_work,
 )
 from agent.files import DiskFullError, disk_full_as_error
-from agent.learning import AgentState
+from agent.learning import AgentState, Masks, State
+from agent.model_store import (
+    CANCELLED_MARK,
+    DEFAULT_KEEP_RUNS,
+    FINISHED_MARK,
+    KeptModel,
+    ModelStore,
+    ended,
+    weights_misfit,
+)
 from agent.onnx_export import export_onnx
 from agent.own_data import OwnData
 from agent.runtime import (
     AgentRuntime,
     Run,
     Timeouts,
+    checkpoint,
     new_run_id,
     publish_telemetry,
     run_folder,
@@ -53,12 +67,9 @@ from agent.runtime.heap import settled_heap
 from firmware_profiles import DeviceProfile, load_profile
 from protocol import Identity, MqttTransport, ProtocolError, messages, topics
 from protocol.logs import RejectionLog, claimed_sender
-from protocol.signing import Signer, keys_to_list, signer_for_run
+from protocol.signing import MemberKeys, Signer, keys_to_list, signer_for_run
 
 log = logging.getLogger(__name__)
-
-FINISHED_MARK = "finished"
-"""The file that marks a run this agent finished, in the run's folder."""
 
 
 def _ignore(_: str) -> None:
@@ -89,6 +100,10 @@ class ServiceOptions:
     """Mirror every status as plain JSON on the telemetry topic, for MQTT tools."""
     compute_auto: bool = False
     """`--device auto` chose `compute`: a strategy that cannot use it falls back to the CPU."""
+    keep_best: bool = False
+    """`--keep-best`: keep the most accurate model current, whatever a run's `keep` says."""
+    keep_runs: int = DEFAULT_KEEP_RUNS
+    """How many ended runs' folders to keep (the current model's is kept in any case)."""
 
 
 ONNX_EXPORT = threading.Lock()
@@ -97,10 +112,15 @@ sharing a process (agent/host.py) may finish at once."""
 
 REFUSAL_INTERVAL_S = 5.0
 """At most one "rejected" status for runs that fail their checks in this many seconds."""
+ANNOUNCE_INTERVAL_S = 5.0
+"""At most one answer to requests to announce this agent again in this many seconds."""
+ROUND_LOG = "rounds.jsonl"
+"""A run's round records in its folder (`Session.records_path`): the final accuracy."""
 
 
 class RunBoard:
-    """The fleet's retained run message as it changes (empty: no run is on)."""
+    """The fleet's retained run message as it changes (empty: no run is on), and which runs
+    their signers called off."""
 
     def __init__(
         self,
@@ -118,6 +138,10 @@ class RunBoard:
         self._last_refusal = (-REFUSAL_INTERVAL_S, "")
         self._changed = threading.Condition()
         self._current: messages.RunConfig | None = None
+        self._called_off: dict[str, str] = {}
+        """Run id -> who signed its cancel, for every cancelled run message seen."""
+        self._watched: dict[str, tuple[str, threading.Event]] = {}
+        """The run this agent is in: its id -> (its signer, the event its cancel sets)."""
         self._rejections = RejectionLog(log)
         transport.subscribe(topics.run(fleet), self._on_run)
 
@@ -134,9 +158,35 @@ class RunBoard:
                 self._rejections.reject("run", claimed_sender(topic), topic, exc)
                 self._tell_refused(payload, exc)
                 return
+        if message is not None and message.cancelled and not self._call_off(message, topic):
+            return
         with self._changed:
             self._current = message
             self._changed.notify_all()
+
+    def _call_off(self, cancel: messages.RunConfig, topic: str) -> bool:
+        """Note a (checked) cancel, and end the run this agent is in if it is the one; False
+        for a cancel of that run signed by another member than the run itself."""
+        with self._changed:
+            watched = self._watched.get(cancel.run_id)
+            if watched is not None and watched[0] != cancel.sender:
+                reason = f"the run was signed by {watched[0]!r}, the cancel by {cancel.sender!r}"
+                self._rejections.reject("cancel", cancel.sender, topic, reason)
+                return False
+            self._called_off[cancel.run_id] = cancel.sender
+        if watched is not None:
+            watched[1].set()
+        return True
+
+    def watch(self, run: messages.RunConfig) -> threading.Event:
+        """The event a cancel of `run` by its signer sets (at once if one came already):
+        the session of the run this agent joins ends on it."""
+        event = threading.Event()
+        with self._changed:
+            self._watched = {run.run_id: (run.sender, event)}  # one run at a time
+            if self._called_off.get(run.run_id) == run.sender:
+                event.set()
+        return event
 
     def _tell_refused(self, payload: bytes, why: ProtocolError) -> None:
         """A run naming this agent that it cannot trust (a wrong trust file, a coordinator
@@ -176,6 +226,42 @@ class RunBoard:
         return None
 
 
+class Announcer:
+    """Answers the coordinator's requests to announce this agent again (after `coordinator
+    forget` cleared its retained presence and status, or a broker lost them): publishes its
+    birth and kept statuses anew (`MqttTransport.reassert`), at most once per
+    ANNOUNCE_INTERVAL_S, for a member trusted to start runs (with keys per member)."""
+
+    def __init__(self, transport: MqttTransport, identity: Identity) -> None:
+        self.transport = transport
+        self.identity = identity
+        self._answered_at = -ANNOUNCE_INTERVAL_S
+        self._lock = threading.Lock()
+        self._rejections = RejectionLog(log)
+        transport.subscribe(topics.announce(identity.fleet, identity.sender), self._on_request)
+
+    def _on_request(self, topic: str, payload: bytes) -> None:
+        key, me = self.identity.key, self.identity.sender
+        try:
+            request = messages.decode(payload, key=key)
+            if not isinstance(request, messages.Request) or request.fleet != self.identity.fleet:
+                raise ProtocolError("not a request of this fleet")
+            if request.target != me:
+                raise ProtocolError(f"addressed to {request.target!r}, not to this agent")
+            if isinstance(key, MemberKeys) and not key.may_run(request.sender):
+                raise ProtocolError(f"{request.sender!r} is not trusted to start runs here")
+        except ProtocolError as exc:
+            self._rejections.reject("announce request", "?", topic, exc)
+            return
+        with self._lock:
+            now = time.monotonic()
+            if now - self._answered_at < ANNOUNCE_INTERVAL_S:
+                return
+            self._answered_at = now
+        log.info("announcing again, as %s asked", request.sender)
+        self.transport.reassert()
+
+
 class AgentService:
     """One device's agent over a started transport: `serve()` until `stop` (or one run)."""
 
@@ -194,9 +280,13 @@ class AgentService:
         self.stop = stop
         self.say = options.say
         self.runs_done = 0
+        self.models = ModelStore(options.state_dir)
+        self.run_models = RunModels(self.models, self.me, options.keep_best, self.say)
 
     def serve(self) -> None:
+        self.models.reconcile()
         board = RunBoard(self.transport, self.fleet, self.identity.key, self.reject, self.me)
+        Announcer(self.transport, self.identity)
         self.publish_status("idle")
         self.say(f"waiting for a run of fleet {self.fleet}")
         handled: set[str] = set()
@@ -212,7 +302,8 @@ class AgentService:
             run = self.accept(offer)
             if run is None:
                 continue
-            self.learn(run, self.timeouts_of(offer), signer_for_run(self.identity.key, offer))
+            key = signer_for_run(self.identity.key, offer)
+            self.learn(run, self.timeouts_of(offer), key, board.watch(offer))
             self.runs_done += 1
             if self.options.once or self.stop.is_set():
                 return
@@ -224,11 +315,14 @@ class AgentService:
     def accept(self, offer: messages.RunConfig) -> Run | None:
         """The run `offer` describes, if this agent is to take part in it; otherwise None,
         having said why (and, when its data does not fit, told the fleet)."""
-        if self.me not in offer.roster:
-            self.say(f"run {offer.run_id} does not name this agent; waiting for the next")
-            self.tell_misfit(offer)
+        folder = run_folder(self.options.state_dir, offer.run_id)
+        if offer.cancelled:
+            self.forget_cancelled(offer.run_id, folder)
             return None
-        if (run_folder(self.options.state_dir, offer.run_id) / FINISHED_MARK).exists():
+        if self.me not in offer.roster:
+            self.left_out(offer)
+            return None
+        if (folder / FINISHED_MARK).exists():
             log.info("run %s: already finished here", offer.run_id)
             return None
         try:
@@ -248,14 +342,26 @@ class AgentService:
         keeper = offer.keeper if offer.keeper == offer.sender else ""
         return Run(offer.run_id, tuple(sorted(offer.roster)), config, offer.sender, keeper)
 
-    def tell_misfit(self, offer: messages.RunConfig) -> None:
-        """A run left this agent out: if its data is why, say so (log and status)."""
+    def left_out(self, offer: messages.RunConfig) -> None:
+        """A run that does not name this agent: say why in one line, and when its data is
+        why (a coordinator leaves out devices whose data does not fit), tell the fleet."""
         try:
             config = config_from_dict(offer.config)
             if config.on_devices:
                 self.check_own_data(config)
         except ValueError as exc:
-            self.reject(offer.run_id, str(exc))
+            self.reject(offer.run_id, str(exc), left_out=True)
+            return
+        self.say(f"run {offer.run_id} does not name this agent; waiting for the next run")
+
+    def forget_cancelled(self, run_id: str, folder: Path) -> None:
+        """A run called off before this agent joined it, or while it was down: never join
+        it, and mark a run it was in, so no later start resumes it."""
+        if folder.is_dir() and not ended(folder):
+            (folder / CANCELLED_MARK).touch()
+            self.say(f"run {run_id} was cancelled; not resuming it (its checkpoint is kept)")
+        else:
+            log.info("run %s is cancelled: not joining it", run_id)
 
     def timeouts_of(self, offer: messages.RunConfig) -> Timeouts:
         """The run's timeouts where its message gives them, else this agent's own."""
@@ -277,10 +383,17 @@ class AgentService:
         if problem is not None:
             raise ValueError(f"its data does not fit the run: {problem}")
 
-    def reject(self, run_id: str, reason: str) -> None:
-        """Tell the fleet (and the user) that this agent does not take part in a run."""
-        self.say(f"not joining run {run_id}: {reason}")
-        log.warning("not joining run %s: %s", run_id, reason)
+    def reject(self, run_id: str, reason: str, *, left_out: bool = False) -> None:
+        """Tell the fleet (in a status) and the user (in one line) that this agent does not
+        take part in a run (`left_out`: one whose roster leaves it out, for `reason`)."""
+        if left_out:
+            self.say(
+                f"not joining run {run_id} (it leaves this agent out): {reason}; "
+                "waiting for the next run"
+            )
+        else:
+            self.say(f"not joining run {run_id}: {reason}")
+        log.info("not joining run %s: %s", run_id, reason)
         self.publish_status("rejected", run_id, {"error": reason})
 
     def start_without_coordinator(self) -> None:
@@ -322,15 +435,19 @@ class AgentService:
             topics.status(self.fleet, self.me),
             messages.encode(status, key=self.identity.key),
             retain=True,
+            keep=True,
         )
         if self.options.telemetry:
             publish_telemetry(self.transport, status)
 
     # ------------------------------------------------------------------ one run
 
-    def learn(self, run: Run, timeouts: Timeouts, key: Signer | None) -> None:
-        """Run the rounds of `run` (resuming from its checkpoint), export the model, and
-        mark the run finished once its model is final. `key` checks the run's messages."""
+    def learn(
+        self, run: Run, timeouts: Timeouts, key: Signer | None, cancelled: threading.Event
+    ) -> None:
+        """Run the rounds of `run` (resuming from its checkpoint), keep the model, and mark
+        the run finished once its model is final, or cancelled once `cancelled` ended it
+        first. `key` checks the run's messages."""
         folder = run_folder(self.options.state_dir, run.run_id)
         cfg = run.config.learning
         self.say(
@@ -346,6 +463,7 @@ class AgentService:
         except ValueError as exc:
             self.reject(run.run_id, str(exc))
             return
+        start_from = self.run_models.starting_point(run, workload)
         runtime = AgentRuntime(
             agent_id=self.me,
             fleet=self.fleet,
@@ -356,17 +474,19 @@ class AgentService:
             timeouts=timeouts,
             key=key,
             on_round=self.report_round,
-            on_finish=lambda state: self.export(run, workload, state),
+            on_finish=lambda state: self.run_models.keep(run, workload, state),
             stop=self.stop,
             budget=budget,
             throttle=throttle,
             telemetry=self.options.telemetry,
+            cancelled=cancelled,
+            start_from=start_from,
+            say=self.say,
         )
         try:
             with settled_heap(), disk_full_as_error(folder):
                 runtime.run()
-                if runtime.session.finished:
-                    (folder / FINISHED_MARK).touch()
+                self.mark_ended(run, runtime.session.finished, cancelled, runtime.session.state)
         except DiskFullError as exc:
             # The fleet learns now that this agent is out (the CLI then says goodbye); its
             # last checkpoint is kept, so a restart with room on the disk resumes the run.
@@ -398,18 +518,90 @@ class AgentService:
             + (f", stragglers {record['stragglers']}" if record["stragglers"] else "")
         )
 
-    def export(self, run: Run, workload: Workload, state: AgentState) -> None:
-        """The personalized model as ONNX, for `edge-agent predict` (the latest run's)."""
-        with ONNX_EXPORT:
-            path = self._export(run, workload, state)
-        self.say(f"run {run.run_id}: personalized model final, exported to {path}")
+    def mark_ended(
+        self, run: Run, finished: bool, cancelled: threading.Event, state: AgentState
+    ) -> None:
+        """Mark the run's folder once the run is over for this agent, so no restart resumes
+        it, and drop the folders retention no longer keeps."""
+        folder = run_folder(self.options.state_dir, run.run_id)
+        if finished:
+            (folder / FINISHED_MARK).touch()
+        elif cancelled.is_set() and not self.stop.is_set():
+            (folder / CANCELLED_MARK).touch()
+            self.say(
+                f"run {run.run_id} cancelled after round {state.round}: its checkpoint is "
+                "kept, the current model unchanged"
+            )
+        else:
+            return
+        deleted = self.models.prune(self.options.keep_runs)
+        if deleted:
+            log.info("deleted the folders of %d old runs: %s", len(deleted), ", ".join(deleted))
 
-    def _export(self, run: Run, workload: Workload, state: AgentState) -> Path:
+
+class RunModels:
+    """What becomes of the models of one agent's runs: a run may start from the current
+    one (`init = "previous"`), each finished run's is kept in its folder, and the policy picks
+    the current one (`agent.model_store`)."""
+
+    def __init__(
+        self, store: ModelStore, me: str, keep_best: bool, say: Callable[[str], None]
+    ) -> None:
+        self.store = store
+        self.me = me
+        self.keep_best = keep_best
+        self.say = say
+
+    def starting_point(self, run: Run, workload: Workload) -> tuple[State, Masks | None] | None:
+        """Under `init = "previous"`: this device's current model's weights (and masks), when
+        they fit the run's model; None to start from the fleet's seed, having said why."""
+        if run.config.init != "previous":
+            return None
+        learner, start = workload.learner, f"run {run.run_id}: starting from"
+        saved = self.store.start_weights()
+        if saved is None:
+            self.say(f"{start} the seed: this device has no current model to start from")
+            return None
+        kept, weights, masks = saved
+        names = learner.prunable if learner.sparse else None
+        problem = weights_misfit(learner.initial, names, weights, masks)
+        if problem is not None:
+            self.say(f"{start} the seed: the current model (run {kept.run_id}) {problem}")
+            return None
+        accuracy = "unknown" if kept.accuracy is None else f"{kept.accuracy:.4f}"
+        self.say(f"{start} the current model (run {kept.run_id}, accuracy {accuracy})")
+        return weights, masks if learner.sparse else None
+
+    def keep(self, run: Run, workload: Workload, state: AgentState) -> None:
+        """Keep the personalized model in the run's folder and make it current if the
+        policy says so (`agent.model_store`): `edge-agent predict` serves the current one."""
+        folder = run_folder(self.store.state_dir, run.run_id)
+        accuracy = checkpoint.read_records(folder / ROUND_LOG).get(state.round, {}).get("accuracy")
+        if not isinstance(accuracy, (int, float)) or not math.isfinite(accuracy):
+            accuracy = None
+        kept = KeptModel(
+            run_id=run.run_id,
+            finished=time.time(),
+            strategy=run.config.learning.strategy,
+            model=workload.model_name,
+            rounds=state.round,
+            accuracy=None if accuracy is None else float(accuracy),
+        )
+        with ONNX_EXPORT:
+            path = self.store.keep(
+                kept, state.weights, state.masks, lambda to: self._export(run, workload, state, to)
+            )
+        policy = "best" if self.keep_best else run.config.keep
+        choice = self.store.settle(kept, policy, run.config.keep_margin)
+        self.say(f"run {run.run_id}: personalized model final, kept as {path}")
+        self.say(choice.reason)
+
+    def _export(self, run: Run, workload: Workload, state: AgentState, path: Path) -> Path:
         return export_onnx(
             workload.learner.model,
             state.weights,
             workload.learner.input_shape,
-            self.options.state_dir / "model.onnx",
+            path,
             metadata={
                 "agent": self.me,
                 "run_id": run.run_id,

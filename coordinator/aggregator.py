@@ -19,17 +19,20 @@ run (`error`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from agent.experiment import ExperimentConfig, build_workload
 from agent.learning import (
     Payload,
+    ServerState,
     Upload,
     advance_server,
     central_strategy,
@@ -39,7 +42,7 @@ from agent.learning import (
     running,
 )
 from agent.report import Traffic
-from agent.runtime import decode_upload, encode_state, expected_shapes, values_sent
+from agent.runtime import checkpoint, decode_upload, encode_state, expected_shapes, values_sent
 from agent.runtime.inbox import ROUNDS_AHEAD
 from protocol import MqttTransport, ProtocolError, messages, topics
 from protocol.limits import DEFAULT_LIMITS, run_limits
@@ -220,7 +223,10 @@ class Aggregator:
         key: Signer | None = None,
         round_timeout_s: float = 120.0,
         stop: threading.Event | None = None,
+        state_path: Path | None = None,
     ) -> None:
+        """`state_path`: where the server state is kept after every round (and read back
+        from, when it is there: a restarted `coordinator run` goes on from it)."""
         self.fleet = fleet
         self.run_id = run_id
         self.roster = sorted(roster)
@@ -248,6 +254,52 @@ class Aggregator:
         self._missed: set[str] = set()
         """Who did not deliver in the last round."""
         self.error: Exception | None = None
+        self.state_path = state_path
+        self.first_round = 1
+        """The round to aggregate first: after the last one kept at `state_path`."""
+        self.resumed_round = 0
+        """`first_round` when it was read back from `state_path` (0: a fresh run)."""
+        if state_path is not None:
+            self._restore(state_path)
+
+    # ------------------------------------------------------------------ kept state
+
+    def _save(self, round_: int) -> None:
+        """Keep what the next round needs, atomically, so a restart loses at most the round
+        in progress (whose uploads the agents send again, see agent/runtime/centralized.py)."""
+        if self.state_path is None:
+            return
+        with self._changed:
+            kept = {
+                "run_id": self.run_id,
+                "round": round_,
+                "server": dataclasses.asdict(self.server),
+                "records": [dataclasses.asdict(r) for r in self.records],
+                "globals": dict(self._globals),
+                "missed": sorted(self._missed),
+                "stopped": dict(self.intake.stopped),
+            }
+        checkpoint.save(self.state_path, kept)
+
+    def _restore(self, path: Path) -> None:
+        kept = checkpoint.load(path)
+        if kept is None:
+            return
+        if kept["run_id"] != self.run_id:
+            raise ValueError(f"{path} holds the server state of run {kept['run_id']}")
+        self.server = ServerState(**kept["server"])
+        self.records = [
+            AggregatorRecord(
+                r["round"], r["participants"], r["stragglers"], Traffic(**r["traffic"])
+            )
+            for r in kept["records"]
+        ]
+        self._globals = dict(kept["globals"])
+        self._missed = set(kept["missed"])
+        self.intake.stopped.update(kept["stopped"])
+        self.first_round = self.resumed_round = kept["round"] + 1
+        self.intake.current_round = self.first_round
+        log.info("resuming aggregation after round %d from %s", kept["round"], path)
 
     def start(self) -> None:
         """Subscribe; call before the run is published so that no upload is missed. The
@@ -325,7 +377,10 @@ class Aggregator:
 
         The timeout runs from the first delivery (or, when `asked`, from now): until someone
         delivers nobody is late, however long the fleet takes to start or train."""
-        deadline = time.monotonic() + self.round_timeout_s if asked else math.inf
+        # A round resumed after a restart may never see a first delivery: what the agents
+        # uploaded while no aggregator ran is lost, and they may have gone on already.
+        timed = asked or round_ == self.resumed_round
+        deadline = time.monotonic() + self.round_timeout_s if timed else math.inf
         while True:
             if self.strategy.downloads:
                 self._answer_downloads(round_)
@@ -438,9 +493,10 @@ class Aggregator:
         keep re-sending kept broadcasts on request while the transport is up). An error is
         logged and kept in `error`: the caller ends the run with it."""
         try:
-            for round_ in range(1, self.config.learning.rounds + 1):
+            for round_ in range(self.first_round, self.config.learning.rounds + 1):
                 if self.stop.is_set() or not self.run_round(round_):
                     break
+                self._save(round_)
                 participants = len(self.records[-1].participants)
                 log.info("round %d aggregated from %d participants", round_, participants)
         except Exception as exc:

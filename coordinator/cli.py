@@ -15,6 +15,7 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import click
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -36,8 +37,18 @@ from coordinator.broker_config import (
     member_password,
 )
 from coordinator.conductor import describe_failures
-from coordinator.fleet import AgentEntry, FleetView, describe_presence, describe_state
-from coordinator.watch import follow, mdns_sightings, show
+from coordinator.fleet import FleetLog
+from coordinator.runs import (
+    DEFAULT_RUNS_DIR,
+    RUNS_DIR_ENV,
+    RunEntry,
+    find_entry,
+    load_entries,
+    resumable,
+    save_entry,
+)
+from coordinator.runs import runs_dir as runs_dir_of
+from coordinator.watch import follow, mdns_sightings, require_broker, show
 from coordinator.watch import watch as watch_fleet
 from protocol import (
     BROKER,
@@ -65,6 +76,7 @@ from protocol.extras import (
     MissingExtra,
     require,
 )
+from protocol.mqtt import unreachable
 from protocol.signing import Signer, add_key, member_keys, public_line
 
 console = output_console(stderr=False)
@@ -421,15 +433,16 @@ def serve(
         http=http,
     )
     stop = stop_on_signal()
+    if broker_settings.address is not None:
+        require_broker(broker_settings.address, given=True)
     broker_settings = embedded_login(broker_settings, broker_auth)
     key = coordinator_signer(key_file, admitted_file, identity_file)
     identity = Identity(fleet, GATEWAY, role="coordinator", key=key)
-    view = FleetView(key=key)
+    fleet_log = FleetLog(key=key)
 
     def on_fleet_message(topic: str, payload: bytes) -> None:
-        entry = view.feed(topic, payload)
-        if entry is not None and entry.role == "agent":
-            say(describe_entry(entry))
+        for line in fleet_log.feed(topic, payload):
+            say(escape(line))
 
     with (
         gateway_broker(broker_settings, host, port, fleet, mdns_interfaces, broker_auth) as broker,
@@ -439,20 +452,13 @@ def serve(
         try:
             transport.subscribe(topics.presence(fleet), on_fleet_message)
             transport.subscribe(topics.status(fleet), on_fleet_message)
+            transport.subscribe(topics.run(fleet), on_fleet_message)
             say(f"following fleet [bold]{fleet}[/]; press Ctrl-C to stop")
             wait_for(stop)
         finally:
             say("stopping")
             leave(transport, identity)
     say("stopped")
-
-
-"""`coordinator serve`'s name in the fleet (a run's coordinator is `coordinator`)."""
-
-
-def describe_entry(entry: AgentEntry) -> str:
-    state = f", {describe_state(entry)}" if entry.state else ""
-    return f"{entry.fleet}/{entry.agent}: {describe_presence(entry)}{state}"
 
 
 @main.command()
@@ -537,6 +543,125 @@ def status(
         click.echo(json.dumps(rows, indent=2))
         return
     show(console, entries, seen)
+
+
+def runs_dir_option(command: Callable) -> Callable:
+    """--runs-dir: where `coordinator run` records the gateway's runs (runs, cancel)."""
+    return click.option(
+        "--runs-dir",
+        envvar=RUNS_DIR_ENV,
+        show_envvar=True,
+        type=click.Path(file_okay=False),
+        default=None,
+        help=f"Where the gateway keeps its runs (default {DEFAULT_RUNS_DIR}).",
+    )(command)
+
+
+@main.command()
+@runs_dir_option
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def runs(runs_dir: str | None, as_json: bool) -> None:
+    """List the runs this gateway recorded, oldest first: id, strategy, state (an
+    unfinished run whose `coordinator run` is gone is "interrupted"), rounds, agents and
+    when each began."""
+    from coordinator.manage import runs_table
+
+    base = runs_dir_of(runs_dir)
+    entries = load_entries(base)
+    if as_json:
+        click.echo(json.dumps([entry.summary() for entry in entries], indent=2))
+    elif not entries:
+        console.print(f"no runs recorded in {base}")
+    else:
+        console.print(runs_table(entries, base))
+
+
+@main.command()
+@click.argument("run_id", metavar="RUN")
+@broker_options
+@click.option(
+    "--fleet",
+    default=None,
+    type=NAME,
+    help="The run's fleet [default: the one the gateway recorded for RUN, else default].",
+)
+@signing_options
+@runs_dir_option
+@click.option(
+    "--wait",
+    "wait_s",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(0, 3600),
+    help="Seconds to wait for the run's agents to end their round.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+def cancel(
+    run_id: str,
+    broker_settings: BrokerSettings,
+    fleet: str | None,
+    key_file: str | None,
+    admitted_file: str | None,
+    identity_file: str,
+    runs_dir: str | None,
+    wait_s: float,
+    as_json: bool,
+) -> None:
+    """Cancel the run RUN: its agents end it after the round they are in, keep their
+    checkpoint and model, and wait for the next run; the `coordinator run` conducting it
+    writes its report. Signed with the key `coordinator run` signs with."""
+    from coordinator.manage import cancel_run, describe_cancellation, mark_cancelled
+
+    base = runs_dir_of(runs_dir)
+    entry = find_entry(base, run_id)
+    fleet = fleet or (entry.fleet if entry is not None else "default")
+    key = coordinator_signer(key_file, admitted_file, identity_file, signs=False)
+    done = cancel_run(broker_settings, fleet, run_id, key, wait_s, say)
+    recorded = mark_cancelled(base, run_id)
+    if as_json:
+        click.echo(json.dumps(done.as_json(), indent=2))
+        return
+    for line in describe_cancellation(done, wait_s):
+        console.print(escape(line))
+    if recorded:
+        console.print(f"recorded it as cancelled in {base}")
+
+
+@main.command()
+@click.argument("agent", type=NAME)
+@broker_options
+@click.option("--fleet", default="default", show_default=True, type=NAME, help="The fleet.")
+@signing_options
+@click.option(
+    "--wait",
+    "wait_s",
+    default=3.0,
+    show_default=True,
+    type=click.FloatRange(0, 60),
+    help="Seconds to wait for a live agent to announce itself again.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+def forget(
+    agent: str,
+    broker_settings: BrokerSettings,
+    fleet: str,
+    key_file: str | None,
+    admitted_file: str | None,
+    identity_file: str,
+    wait_s: float,
+    as_json: bool,
+) -> None:
+    """Forget the agent AGENT: clear its retained presence, status and telemetry, so a
+    device that is gone for good leaves `coordinator status` and the dashboard. An agent
+    that is in fact alive is asked to announce itself, and comes back."""
+    from coordinator.manage import forget_agent
+
+    key = coordinator_signer(key_file, admitted_file, identity_file, signs=False)
+    forgotten = forget_agent(broker_settings, fleet, agent, key, wait_s)
+    if as_json:
+        click.echo(json.dumps(forgotten.as_json(), indent=2))
+    else:
+        console.print(forgotten.describe())
 
 
 def report_options(command: Callable) -> Callable:
@@ -719,11 +844,7 @@ def emulate(
 ) -> None:
     """Run a fleet of real edge-agent processes over MQTT and write the same report as simulate."""
     require_extra(
-        LAB_EXTRA,
-        "coordinator emulate",
-        embedded_broker=not brokers,
-        http=http,
-        plot_dir=plot_dir,
+        LAB_EXTRA, "coordinator emulate", embedded_broker=not brokers, http=http, plot_dir=plot_dir
     )
     from coordinator.broker import EmbeddedBroker
     from coordinator.emulate import Emulation, EmulationOptions, auto_agents_per_process
@@ -762,7 +883,7 @@ def emulate(
         f"({per_process} per process) on {config.dataset}, "
         f"{cfg.rounds} rounds, broker {', '.join(map(str, brokers or [broker]))}"
         f"{' (embedded)' if embedded else ''}, "
-        f"logs in {folder}"
+        f"logs in {folder}{'' if workdir else ' (removed after a run that went well)'}"
     )
     watched = dashboard(
         http, http_token, broker, BrokerSettings(broker), emulation.fleet, emulation.key
@@ -782,6 +903,74 @@ def emulate(
         raise click.ClickException(f"{failed}; see their logs in {folder}")
     if not report["rounds"]:
         raise click.ClickException(f"no agent completed a round; see the logs in {folder}")
+    if not workdir:
+        remove_scratch(folder, report_path, plot_dir)
+
+
+def remove_scratch(folder: Path, *kept: str | None) -> None:
+    """Remove emulate's temporary folder after a run that went well (agents' state and
+    logs, nothing the user asked for), unless a path the user gave lies inside it."""
+    inside = [p for p in kept if p and Path(p).resolve().is_relative_to(folder.resolve())]
+    if not inside:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def resume_options(command: Callable) -> Callable:
+    """--resume, --new and --runs-dir of `coordinator run`."""
+    command = runs_dir_option(command)
+    command = click.option(
+        "--new",
+        "fresh",
+        is_flag=True,
+        help="Start a new run even when a run of this file was interrupted (it is dropped).",
+    )(command)
+    return click.option(
+        "--resume",
+        is_flag=True,
+        help="Go on with the interrupted run of this run file (an error if there is none); "
+        "without --new the same command does so too.",
+    )(command)
+
+
+def run_broker(
+    settings: BrokerSettings, host: str, port: int, broker_auth: str | None
+) -> BrokerSettings:
+    """The broker `coordinator run` uses, said before anything waits: the one given (one
+    line and exit 1 when nothing answers there); without --broker, the one already
+    listening at --host:--port (a `coordinator serve`'s), else its own embedded one."""
+    if settings.address is not None:
+        problem = unreachable(settings.address)
+        if problem is not None:
+            raise click.ClickException(f"{problem}: check --broker")
+        return settings
+    here = BrokerAddress("127.0.0.1" if host in ("0.0.0.0", "") else host, port)
+    if unreachable(here, timeout_s=1.0) is None and broker_auth is None:
+        say(f"a broker already listens on {here} (coordinator serve?): using it")
+        return dataclasses.replace(settings, address=here)
+    return settings
+
+
+def with_broker_hint(error: str, own_broker: bool, broker: BrokerAddress) -> str:
+    """A join that found no agent at all on a broker this command started itself: the
+    agents are on another broker, or were never told of this one."""
+    if own_broker and "only 0 of" in error:
+        return (
+            f"{error}; this command started its own broker on {broker}: agents must connect "
+            "there (edge-agent --broker), or give --broker for the fleet's broker"
+        )
+    return error
+
+
+def drop_interrupted(base: Path, entry: RunEntry | None, fresh: bool, resume: bool) -> None:
+    """--new drops the interrupted run; --resume needs one."""
+    if resume and fresh:
+        raise click.BadParameter("--resume and --new exclude each other", param_hint="--new")
+    if resume and entry is None:
+        raise ConfigError(f"no interrupted run of this run file to resume in {base}")
+    if fresh and entry is not None:
+        entry.state, entry.error = "failed", "dropped for a new run (--new)"
+        save_entry(base, entry)
+        say(f"dropped the interrupted run {entry.run_id}")
 
 
 @main.command("run")
@@ -791,6 +980,7 @@ def emulate(
 @fleet_options
 @http_options
 @report_options
+@resume_options
 def run_command(
     run_file: str,
     broker_settings: BrokerSettings,
@@ -806,13 +996,18 @@ def run_command(
     http_token: str | None,
     report_path: str,
     plot_dir: str | None,
+    resume: bool,
+    fresh: bool,
+    runs_dir: str | None,
 ) -> None:
     """Run RUN_FILE (TOML, table [run]) on the fleet's devices and write the report.
 
     Waits for the agents the run wants (online, idle, with data that fits), fixes the roster,
     publishes the run, aggregates centralized strategies, follows the agents' statuses, and
     writes the report (the schema of `simulate`) from what they published. With no --broker
-    it starts the embedded broker itself.
+    it uses the broker listening at --host:--port, else starts the embedded broker itself.
+    The run is recorded in --runs-dir as it goes: if this command is stopped or its host
+    restarts, the same command again goes on with the run (`coordinator runs` lists them).
     """
     require_extra(
         GATEWAY_EXTRA,
@@ -821,16 +1016,21 @@ def run_command(
         http=http,
         plot_dir=plot_dir,
     )
-    stop = stop_on_signal()
     from agent.runfile import load_run_file
-    from coordinator.gateway import RunFailed, conduct
+    from coordinator.gateway import Registry, RunFailed, conduct
 
     try:
         runfile = load_run_file(run_file)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    broker_settings = run_broker(broker_settings, host, port, broker_auth)
+    stop = stop_on_signal()
     key = coordinator_signer(key_file, admitted_file, identity_file)
     identity = Identity(fleet, COORDINATOR, role="coordinator", key=key)
+    registry = Registry(runs_dir_of(runs_dir), str(Path(report_path).resolve()))
+    interrupted = resumable(registry.base, run_file, fleet)
+    drop_interrupted(registry.base, interrupted, fresh, resume)
+    own_broker = broker_settings.address is None
     broker_settings = embedded_login(broker_settings, broker_auth)
     with (
         gateway_broker(broker_settings, host, port, fleet, mdns_interfaces, broker_auth) as broker,
@@ -844,12 +1044,25 @@ def run_command(
                 def advance(done: int, total: int) -> None:
                     progress.update(task, completed=done, total=total)
 
-                report = conduct(runfile, transport, fleet, key, stop, say, advance)
-        except (RunFailed, ValueError, RuntimeError) as exc:
+                report = conduct(
+                    runfile, transport, fleet, key, stop, say, advance,
+                    registry=registry, resume=None if fresh else interrupted,
+                )  # fmt: skip
+        except RunFailed as exc:
+            raise click.ClickException(with_broker_hint(str(exc), own_broker, broker)) from None
+        except (ValueError, RuntimeError) as exc:
             raise click.ClickException(str(exc)) from None
         finally:
             leave(transport, identity)
     publish_report(report, report_path, plot_dir)
+    if report["summary"].get("interrupted"):
+        raise click.ClickException(
+            f"run {report['config']['run_id']} interrupted after {len(report['rounds'])} "
+            "rounds; the same command goes on with it"
+        )
+    if report["summary"].get("cancelled"):
+        say(f"run {report['config']['run_id']} was cancelled")
+        return
     failed = describe_failures(report)
     if failed:
         raise click.ClickException(failed)

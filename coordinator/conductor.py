@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from agent.experiment import ExperimentConfig, attackers, config_to_dict
@@ -31,11 +32,19 @@ from protocol.signing import Signer, keys_to_list
 
 log = logging.getLogger(__name__)
 
-FINAL_STATES = ("done", "stopped", "rejected", "failed")
+FINAL_STATES = ("done", "stopped", "rejected", "failed", "cancelled")
 """States after which an agent does nothing more for the run."""
 
 Records = dict[str, dict[int, dict[str, Any]]]
 """Per agent, per round, the agent's round record (`AgentRound.as_dict`)."""
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What an earlier process of a run kept, for `coordinator run --resume` to go on."""
+
+    records: Records
+    """The round records the agents had reported."""
 
 
 @dataclass
@@ -64,8 +73,12 @@ class Conductor:
         round_timeout_s: float = 120.0,
         run_id: str | None = None,
         timeouts: Mapping[str, float] | None = None,
+        resumed: Resumed | None = None,
+        state_path: Path | None = None,
     ) -> None:
-        """`timeouts`: the run's timeouts for the agents (see `messages.RunConfig`)."""
+        """`timeouts`: the run's timeouts for the agents (see `messages.RunConfig`);
+        `resumed`: what an earlier process of this run kept (`coordinator run --resume`);
+        `state_path`: where a centralized run's server state is kept after every round."""
         self.fleet = fleet
         self.roster = sorted(roster)
         self.config = config
@@ -78,6 +91,14 @@ class Conductor:
         self._presences = PresenceClock()
         """Agents whose presence says they are gone, and since when (monotonic)."""
         self.agents = {agent: AgentProgress() for agent in self.roster}
+        self.cancelled = False
+        """The run's signer called it off (`coordinator cancel`)."""
+        self.resumed = resumed
+        if resumed is not None:
+            for agent, rows in resumed.records.items():
+                if agent in self.agents:
+                    self.agents[agent].records.update(rows)
+                    self.agents[agent].round = max(rows, default=0)
         self._changed = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -104,6 +125,7 @@ class Conductor:
                 key=key,
                 round_timeout_s=round_timeout_s,
                 stop=self._stop,
+                state_path=state_path,
             )
 
     def start(self) -> None:
@@ -111,7 +133,12 @@ class Conductor:
         self.transport.subscribe(topics.status(self.fleet), self._on_status)
         self.transport.subscribe(topics.presence(self.fleet), self._on_presence)
         self.transport.subscribe(topics.round_topic(self.fleet, "+", "vote"), self._on_vote)
-        self.keeper.start()
+        self.transport.subscribe(topics.run(self.fleet), self._on_run)
+        # The agents of a run resumed here followed every status and vote themselves since
+        # their keeper went offline; a keeper restarted in mid-run does not know which
+        # tallies they already took, and a wrong one would split the fleet.
+        if self.resumed is None:
+            self.keeper.start()
         if self.aggregator is not None:
             self.aggregator.start()
             self._thread = threading.Thread(
@@ -129,17 +156,48 @@ class Conductor:
             keys=keys_to_list(self.key, self.roster),
             keeper=self.sender,
         )
+        self._publish_run(run)
+
+    def _publish_run(self, run: messages.RunConfig) -> None:
+        """Retained and kept: after a broker restart it is there again for an agent that
+        restarts and looks for the run it was in."""
         self.transport.publish(
-            topics.run(self.fleet), messages.encode(run, key=self.key), retain=True
+            topics.run(self.fleet), messages.encode(run, key=self.key), retain=True, keep=True
         )
 
-    def close(self) -> None:
-        """Stop aggregating and clear the retained run message (it is over)."""
+    def _on_run(self, topic: str, payload: bytes) -> None:
+        """`coordinator cancel` replaced the run message with a cancelled one: stop
+        aggregating, keep that message (a reconnect must not bring the run back), and wait
+        for the agents to end their round ("cancelled" is a final state)."""
+        if not payload:
+            return
+        try:
+            message = messages.decode(payload, key=self.key)
+        except ProtocolError:
+            return
+        if (
+            not isinstance(message, messages.RunConfig)
+            or message.fleet != self.fleet
+            or message.run_id != self.run_id
+            or not message.cancelled
+            or message.sender != self.sender
+            or self.cancelled
+        ):
+            return
+        log.warning("run %s cancelled", self.run_id)
+        with self._changed:
+            self.cancelled = True
+            self._changed.notify_all()
+        self._stop.set()
+        self._publish_run(message)
+
+    def close(self, clear: bool = True) -> None:
+        """Stop aggregating and (`clear`) clear the retained run message: it is over."""
         self._stop.set()
         self.keeper.close()
         if self._thread is not None:
             self._thread.join(10)
-        if self.transport.connected:
+        if clear and self.transport.connected:
             self.keeper.clear()
             self.transport.clear_retained(topics.run(self.fleet)).wait_for_publish(5)
 
@@ -214,6 +272,11 @@ class Conductor:
                 rounds if p.stopped or p.state in FINAL_STATES else p.round
                 for p in self.agents.values()
             )
+
+    def last_round(self) -> int:
+        """The latest round any agent of the run reported finished."""
+        with self._changed:
+            return max((p.round for p in self.agents.values()), default=0)
 
     def unfinished(self) -> list[str]:
         with self._changed:

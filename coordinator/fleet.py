@@ -19,6 +19,7 @@ from rich import box
 from rich.console import Console
 from rich.filesize import decimal
 from rich.table import Table
+from rich.text import Text
 
 from protocol import ProtocolError, messages, topics
 from protocol.logs import RejectionLog, claimed_sender
@@ -38,6 +39,7 @@ class AgentEntry:
     reason: str = ""
     state: str = ""
     round: int = 0
+    run_id: str = ""
     stopped: bool = False
     metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -81,11 +83,99 @@ class FleetView:
             entry.reason = message.reason
         elif isinstance(message, messages.Status):
             entry.state, entry.round, entry.stopped = message.state, message.round, message.stopped
-            entry.metrics = message.metrics
+            entry.metrics, entry.run_id = message.metrics, message.run_id
         return entry
 
     def entries(self) -> list[AgentEntry]:
         return [self._entries[k] for k in sorted(self._entries)]
+
+
+class FleetLog:
+    """What `coordinator serve` tells its user as the fleet goes: a line when an agent's
+    presence or state changes, and a line when a run starts or is cancelled, and as it
+    reaches further rounds (every `progress_every_s` at most). Not a line per agent per
+    round: fifty agents in a hundred-round run would print five thousand."""
+
+    def __init__(self, key: Signer | None = None, progress_every_s: float = 30.0) -> None:
+        self.view = FleetView(key=key)
+        self._key = key
+        self._every_s = progress_every_s
+        self._said: dict[tuple[str, str], float] = {}
+        """(fleet, run) -> when its progress was last told."""
+        self._shown: dict[tuple[str, str], tuple[bool, str, str, bool]] = {}
+        self._rounds: dict[tuple[str, str], int] = {}
+        """(fleet, run) -> the run's rounds, from its run message."""
+        self._furthest: dict[tuple[str, str], int] = {}
+        self._runs: dict[str, tuple[str, bool]] = {}
+        """fleet -> the run message last told of (a kept run message comes again on every
+        reconnect of its coordinator)."""
+
+    def feed(self, topic: str, payload: bytes) -> list[str]:
+        """The lines one presence, status or run message calls for (often none)."""
+        try:
+            fleet, kind, _fields = topics.parse(topic)
+        except ProtocolError:
+            return []
+        if kind == "run":
+            return self._run(fleet, payload)
+        entry = self.view.feed(topic, payload)
+        if entry is None or entry.role != "agent":
+            return []
+        lines = []
+        key = (entry.fleet, entry.agent)
+        shown = (entry.online, entry.reason, entry.state, entry.stopped)
+        if self._shown.get(key) != shown:
+            self._shown[key] = shown
+            lines.append(self.describe(entry))
+        run = (entry.fleet, entry.run_id)
+        if entry.run_id and entry.state == "training" and entry.round > self._furthest.get(run, 0):
+            self._furthest[run] = entry.round
+            now = time.monotonic()
+            if now - self._said.get(run, -self._every_s) >= self._every_s:
+                self._said[run] = now
+                lines.append(
+                    f"{entry.fleet}: run {entry.run_id} at round {self._of(run, entry.round)}"
+                )
+        return lines
+
+    def describe(self, entry: AgentEntry) -> str:
+        """'lab/x1: online, training round 3/10': presence without its age (a log line
+        carries its own time), the state and, in a run, the round."""
+        presence = "online" if entry.online else "lost" if entry.reason == "lost" else "offline"
+        if entry.since <= 0:
+            presence = "presence unknown"
+        state = describe_state(entry)
+        if entry.round and entry.state in ("training", "done", "cancelled", "failed"):
+            state += f" round {self._of((entry.fleet, entry.run_id), entry.round)}"
+        return f"{entry.fleet}/{entry.agent}: {presence}" + (f", {state}" if state else "")
+
+    def _of(self, run: tuple[str, str], round_: int) -> str:
+        total = self._rounds.get(run)
+        return f"{round_}/{total}" if total else str(round_)
+
+    def _run(self, fleet: str, payload: bytes) -> list[str]:
+        if not payload:
+            return []
+        try:
+            run = messages.decode(payload, key=self._key)
+        except ProtocolError:
+            return []
+        if not isinstance(run, messages.RunConfig) or run.fleet != fleet:
+            return []
+        if self._runs.get(fleet) == (run.run_id, run.cancelled):
+            return []
+        self._runs[fleet] = (run.run_id, run.cancelled)
+        learning = run.config.get("learning", {})
+        rounds = learning.get("rounds") if isinstance(learning, dict) else None
+        if isinstance(rounds, int):
+            self._rounds[fleet, run.run_id] = rounds
+        if run.cancelled:
+            return [f"{fleet}: run {run.run_id} cancelled"]
+        strategy = learning.get("strategy", "?") if isinstance(learning, dict) else "?"
+        return [
+            f"{fleet}: run {run.run_id}: {strategy}, {len(run.roster)} agents, "
+            f"{rounds if isinstance(rounds, int) else '?'} rounds"
+        ]
 
 
 def describe_presence(entry: AgentEntry, now: float | None = None) -> str:
@@ -112,6 +202,30 @@ def describe_state(entry: AgentEntry) -> str:
             f"{decimal(saved['saved_bytes'])}"
         )
     return text
+
+
+def state_word(entry: AgentEntry) -> str:
+    """The state as one short word or two, for a table column (`describe_state` says more)."""
+    return "left out" if entry.state == "rejected" else entry.state
+
+
+def error_of(entry: AgentEntry) -> str | None:
+    """Why the agent left a run out or failed, if its status says."""
+    error = entry.metrics.get("error")
+    return error if isinstance(error, str) and error else None
+
+
+def footnotes(entries: list[AgentEntry]) -> dict[tuple[str, str], int]:
+    """A number per distinct reason an agent gives for being left out or failing, keyed by
+    agent: a table shows the number beside the state and the reason once below, so that a
+    reason of 200 characters (or the same one from fifty agents) does not widen the table."""
+    numbers: dict[str, int] = {}
+    marks = {}
+    for entry in entries:
+        error = error_of(entry)
+        if error is not None:
+            marks[(entry.fleet, entry.agent)] = numbers.setdefault(error, len(numbers) + 1)
+    return marks
 
 
 def describe_since(since: float, now: float | None = None) -> str:
@@ -173,8 +287,8 @@ COLUMNS: dict[str, Cell] = {
     "fleet": lambda e: e.fleet,
     "agent": lambda e: e.agent if e.role == "agent" else f"{e.agent} [dim]({e.role})[/]",
     "presence": lambda e: f"[{'green' if e.online else 'red'}]{describe_presence(e)}[/]",
-    "state": describe_state,
-    "round": lambda e: str(e.round) if e.state else "",
+    "state": lambda e: describe_state(e) if error_of(e) is None else state_word(e),
+    "round": lambda e: str(e.round) if e.state and e.round else "",
     "accuracy": lambda e: describe_number(e, "accuracy", "{:.3f}"),
     "sparsity": lambda e: describe_number(e, "sparsity", "{:.1%}"),
     "p_k": describe_budget,
@@ -243,9 +357,11 @@ def build_table(
     notes = [caption] if caption else []
     if left_out:
         notes.append(f"too narrow for {', '.join(left_out)}")
+    marks = footnotes(entries)
     table = Table(
         title=f"fleet {fleets[0]}" if len(fleets) == 1 else None,
-        caption=" · ".join(notes) or None,
+        caption=table_caption(" · ".join(notes), entries, marks),
+        caption_justify="left" if marks else "center",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
     )
@@ -258,5 +374,25 @@ def build_table(
         table.add_column("mDNS", no_wrap=True)
     for e in entries:
         mdns = [("seen" if (e.fleet, e.agent) in seen else "not seen")] if seen is not None else []
-        table.add_row(*(COLUMNS[name](e) for name in names), *mdns)
+        cells = [COLUMNS[name](e) for name in names]
+        if "state" in names and (e.fleet, e.agent) in marks:
+            cells[names.index("state")] += f" [{marks[e.fleet, e.agent]}]"
+        table.add_row(*cells, *mdns)
     return table
+
+
+def table_caption(
+    notes: str, entries: list[AgentEntry], marks: dict[tuple[str, str], int]
+) -> Text | None:
+    """The caption: `notes` (rich markup), then one line per footnote, each cut to the
+    table's width with an ellipsis rather than wrapped."""
+    if not notes and not marks:
+        return None
+    text = Text.from_markup(notes) if notes else Text()
+    reasons = {number: error_of(e) for e in entries if (number := marks.get((e.fleet, e.agent)))}
+    for number, reason in sorted(reasons.items()):
+        if text:
+            text.append("\n")
+        text.append(f"[{number}] {reason}")
+    text.no_wrap, text.overflow = True, "ellipsis"
+    return text

@@ -10,19 +10,35 @@ agents published.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from agent.experiment import DEFAULT_MIN_SAMPLES, ExperimentConfig
+from agent.experiment import (
+    DEFAULT_MIN_SAMPLES,
+    ExperimentConfig,
+    config_from_dict,
+    config_to_dict,
+)
 from agent.own_data import misfit
 from agent.runfile import RunFile, run_timeouts
+from agent.runtime import new_run_id
 from agent.runtime.heap import settled_heap
-from coordinator.conductor import Conductor, assemble_report, wait_until_finished
+from coordinator.conductor import Conductor, Resumed, assemble_report, wait_until_finished
 from coordinator.fleet import AgentEntry
+from coordinator.runs import (
+    SERVER_STATE,
+    RunEntry,
+    load_records,
+    run_dir,
+    save_entry,
+    save_records,
+)
 from coordinator.watch import FleetFeed
 from protocol import MqttTransport, topics
 from protocol.signing import Signer
@@ -179,6 +195,85 @@ def why_failed(conductor: Conductor, unfinished: list[str]) -> dict[str, str]:
     return failed
 
 
+@dataclass(frozen=True)
+class Registry:
+    """Where `coordinator run` keeps its runs (`coordinator.runs`), and the report's path."""
+
+    base: Path
+    report_path: str = ""
+
+
+def begin(
+    runfile: RunFile,
+    transport: MqttTransport,
+    fleet: str,
+    key: Signer | None,
+    stop: threading.Event,
+    say: Say,
+    registry: Registry | None,
+) -> tuple[RunEntry, ExperimentConfig]:
+    """A new run: its registry entry (waiting) while the roster forms, then its config."""
+    # Placeholders where the agents report their data: only the strategy and rounds count.
+    config = runfile.config(runfile.wanted, (1,), 2)
+    entry = RunEntry(
+        run_id=new_run_id(),
+        fleet=fleet,
+        strategy=config.learning.strategy,
+        rounds=config.learning.rounds,
+        run_file=str(Path(runfile.path).resolve()),
+        report=registry.report_path if registry else "",
+    )
+    note(registry, entry)
+    try:
+        roster = gather_roster(transport, fleet, key, runfile, stop, say)
+    except RunFailed as exc:
+        end(registry, entry, "failed", str(exc))
+        raise
+    config = runfile.config(len(roster.agents), roster.input_shape, roster.classes)
+    entry.agents, entry.config = roster.agents, config_to_dict(config)
+    return entry, config
+
+
+def note(registry: Registry | None, entry: RunEntry) -> None:
+    if registry is not None:
+        save_entry(registry.base, entry)
+
+
+def end(registry: Registry | None, entry: RunEntry, state: str, error: str = "") -> None:
+    entry.state, entry.error, entry.ended = state, error, time.time()
+    note(registry, entry)
+
+
+def follow(
+    conductor: Conductor,
+    config: ExperimentConfig,
+    runfile: RunFile,
+    stop: threading.Event,
+    progress: Callable[[int, int], None] | None,
+    keep: Callable[[], None],
+) -> list[str]:
+    """Follow the run to its end (see `wait_until_finished`), keeping its records as they
+    come (`keep`), so that a restart of this process loses none; returns the unfinished."""
+    total = config.learning.rounds * len(conductor.roster)
+    done = [-1]
+
+    def advanced(now: int) -> None:
+        if now != done[0]:
+            done[0] = now
+            keep()
+        if progress is not None:
+            progress(now, total)
+
+    with settled_heap():  # its collection runs while the agents build their workloads
+        return wait_until_finished(
+            conductor,
+            run_limit_s(config, runfile),
+            advanced,
+            stop=stop,
+            gone_after_s=runfile.timeouts.round_s + runfile.timeouts.vote_s,
+        )
+
+
 def conduct(
     runfile: RunFile,
     transport: MqttTransport,
@@ -187,49 +282,88 @@ def conduct(
     stop: threading.Event,
     say: Say,
     progress: Callable[[int, int], None] | None = None,
+    *,
+    registry: Registry | None = None,
+    resume: RunEntry | None = None,
 ) -> dict[str, Any]:
-    """Run `runfile` on the fleet and return the report (`simulate`'s schema)."""
-    roster = gather_roster(transport, fleet, key, runfile, stop, say)
-    config = runfile.config(len(roster.agents), roster.input_shape, roster.classes)
+    """Run `runfile` on the fleet (or go on with the interrupted run `resume`) and return
+    the report (`simulate`'s schema). With a `registry`, the run is recorded there as it
+    goes, with what a resume needs."""
+    resumed = None
+    if resume is None:
+        entry, config = begin(runfile, transport, fleet, key, stop, say, registry)
+    else:
+        entry, config = resume, config_from_dict(resume.config)
+        entry.pid, entry.report = os.getpid(), registry.report_path if registry else ""
+        resumed = Resumed(load_records(registry.base, entry.run_id) if registry else {})
+    folder = run_dir(registry.base, entry.run_id) if registry else None
     conductor = Conductor(
         fleet=fleet,
-        roster=roster.agents,
+        roster=entry.agents,
         config=config,
         transport=transport,
         key=key,
         round_timeout_s=runfile.timeouts.round_s,
+        run_id=entry.run_id,
         timeouts=run_timeouts(runfile.timeouts),
+        resumed=resumed,
+        state_path=folder / SERVER_STATE if folder else None,
     )
     say(
-        f"run {conductor.run_id}: {config.learning.strategy}, {len(roster.agents)} agents "
-        f"({', '.join(roster.agents)}), {config.learning.rounds} rounds"
+        f"{'resuming run' if resume else 'run'} {conductor.run_id}: {config.learning.strategy}, "
+        f"{len(entry.agents)} agents ({', '.join(entry.agents)}), {config.learning.rounds} rounds"
     )
-    total = config.learning.rounds * len(roster.agents)
+
+    def keep() -> None:
+        entry.rounds_done = conductor.last_round()
+        if registry is not None:
+            save_records(registry.base, entry.run_id, conductor.records())
+        note(registry, entry)
+
+    entry.state = "running"
+    note(registry, entry)
     started = time.perf_counter()
     conductor.start()
+    interrupted = False
     try:
-        with settled_heap():  # its collection runs while the agents build their workloads
-            unfinished = wait_until_finished(
-                conductor,
-                run_limit_s(config, runfile),
-                (lambda done: progress(done, total)) if progress else None,
-                stop=stop,
-                gone_after_s=runfile.timeouts.round_s + runfile.timeouts.vote_s,
-            )
+        unfinished = follow(conductor, config, runfile, stop, progress, keep)
+        # Stopped (Ctrl-C, SIGTERM) with the run still on: the entry stays unfinished and
+        # the run message stays up, so agents that restart meanwhile find their run and
+        # `coordinator run --resume` goes on with it.
+        interrupted = stop.is_set() and bool(unfinished) and not conductor.cancelled
+    except RuntimeError as exc:
+        end(registry, entry, "failed", str(exc))
+        raise
     finally:
-        conductor.close()
-    failed = why_failed(conductor, unfinished)
+        conductor.close(clear=not interrupted)
+    keep()
+    report = report_of(conductor, config, entry, runfile, time.perf_counter() - started)
+    report["summary"]["interrupted"] = interrupted
+    if not interrupted:
+        failed = report["summary"]["failed_agents"]
+        end(registry, entry, "cancelled" if conductor.cancelled else "failed" if failed else "done")
+    return report
+
+
+def report_of(
+    conductor: Conductor,
+    config: ExperimentConfig,
+    entry: RunEntry,
+    runfile: RunFile,
+    wall_s: float,
+) -> dict[str, Any]:
+    failed = why_failed(conductor, conductor.unfinished())
     report = assemble_report(
-        config, roster.agents, conductor.records(), conductor.aggregated(),
-        time.perf_counter() - started, failed,
-    )  # fmt: skip
+        config, entry.agents, conductor.records(), conductor.aggregated(), wall_s, failed
+    )
     report["summary"]["failed_agents"] = failed
+    report["summary"]["cancelled"] = conductor.cancelled
     return {
         "config": {
             **dataclasses.asdict(config),
-            "roster": roster.agents,
-            "run_id": conductor.run_id,
-            "fleet": fleet,
+            "roster": entry.agents,
+            "run_id": entry.run_id,
+            "fleet": entry.fleet,
             "run_file": str(runfile.path),
         },
         **report,

@@ -25,6 +25,7 @@ from rich.table import Table
 from coordinator.fleet import AgentEntry, FleetView, fleet_table
 from protocol import BrokerAddress, MqttTransport, topics
 from protocol.cli import BrokerSettings
+from protocol.mqtt import unreachable
 from protocol.signing import Signer
 
 Sightings = Callable[[], set[tuple[str, str]]]
@@ -67,21 +68,47 @@ class FleetFeed:
         ]
 
 
+LOCAL_BROKER = BrokerAddress("127.0.0.1", 1883)
+"""The broker of a command not given --broker: this machine's (`coordinator serve`'s)."""
+
+
+def require_broker(broker: BrokerAddress, given: bool, timeout_s: float = 3.0) -> None:
+    """One line naming the address and the cause (exit 1) when nothing answers there: an
+    MQTT client retries a dead address in silence, and a command would wait out its
+    timeout, or forever, with the user none the wiser."""
+    problem = unreachable(broker, timeout_s)
+    if problem is not None:
+        hint = "check --broker" if given else "give --broker, or start `coordinator serve`"
+        raise click.ClickException(f"{problem}: {hint}")
+
+
+def connected(transport: MqttTransport, timeout_s: float) -> None:
+    """Wait for `transport` to connect; a refusal (a wrong password, a user the broker does
+    not know) or silence is a one-line error."""
+    if transport.wait_connected(timeout_s):
+        return
+    if transport.refused:
+        raise click.ClickException(
+            f"the MQTT broker at {transport.broker} refused the connection: {transport.refused}"
+        )
+    raise click.ClickException(
+        f"cannot reach the MQTT broker at {transport.broker} within {timeout_s:g}s"
+    )
+
+
 @contextlib.contextmanager
 def follow(
     settings: BrokerSettings, fleet: str | None, key: Signer | None, timeout_s: float
 ) -> Iterator[FleetFeed]:
     """A connected `FleetFeed` of the broker (default: this machine's); a broker that cannot
-    be reached within `timeout_s` is a one-line error."""
-    broker = settings.address or BrokerAddress("127.0.0.1", 1883)
+    be reached is a one-line error, within `timeout_s` at most."""
+    broker = settings.address or LOCAL_BROKER
+    require_broker(broker, settings.address is not None, min(timeout_s, 3.0))
     transport = MqttTransport(broker, settings.transport_options(None))
     feed = FleetFeed(transport, fleet, key)
     transport.start()
     try:
-        if not transport.wait_connected(timeout_s):
-            raise click.ClickException(
-                f"cannot reach the MQTT broker at {broker.host}:{broker.port} within {timeout_s:g}s"
-            )
+        connected(transport, timeout_s)
         yield feed
     finally:
         transport.stop()

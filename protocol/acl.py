@@ -5,7 +5,7 @@ can log in may follow the fleet: confidentiality comes from TLS, authenticity fr
 signatures), but publish only the topics that carry its own id: its presence, status,
 telemetry and id probe, its round messages, the requests and re-sends it sends and the
 layers of its own model. The coordinator also publishes the run, the centralized
-rounds' global models and who of a run is offline.
+rounds' global models, requests to announce again and who of a run is offline.
 A member that could publish on another's topics could impersonate it (a retained presence,
 a forged model): the broker refuses it before any receiver has to.
 
@@ -46,10 +46,17 @@ def member_topics(fleet: str, member: str) -> list[str]:
 
 
 def coordinator_topics(fleet: str) -> list[str]:
-    """What only a coordinator publishes: the run, the centralized rounds' global models and,
-    as the run's keeper, who of the run is offline."""
+    """What only a coordinator publishes: the run, the centralized rounds' global models, the
+    requests to announce again and, as the run's keeper, who of the run is offline; and it
+    may clear a gone agent's retained presence, status and telemetry (`coordinator forget`:
+    an ACL cannot grant empty payloads alone, so the signatures keep it from speaking for
+    an agent)."""
     return [
         topics.run(fleet),
+        topics.announce(fleet, "+"),
+        topics.presence(fleet, "+"),
+        topics.status(fleet, "+"),
+        topics.telemetry(fleet, "+"),
         topics.absent(fleet, "+"),
         topics.global_model(fleet, "+"),
         topics.global_model(fleet, "+", "+"),

@@ -264,8 +264,8 @@ def connect(
         problem = tls_problem(broker, options.tls) if not asked and options.tls else None
         if problem is not None:
             raise ProtocolError(f"{problem}: check --tls-ca and the broker's address")
-        if not asked:
-            log.warning("broker %s unreachable: id %r taken unchecked", broker, identity.sender)
+        if not asked:  # the caller says why no broker answers (`protocol.mqtt.unreachable`)
+            log.info("broker %s unreachable: id %r taken unchecked", broker, identity.sender)
         transport = _join(broker, identity, options, claim)
         # The prober answers for the id until the member does: no gap between. A broker
         # that let the prober in but refuses the member refuses its id (a per-member login

@@ -118,6 +118,11 @@ class RunConfig(Message):
     """Who publishes the round tallies (`Tally`), so agents need not receive every other
     agent's votes and statuses: the coordinator; empty in a fleet without one (each agent
     follows every status and vote itself)."""
+    cancelled: bool = False
+    """The run's signer called it off (`coordinator cancel`): its agents end it after the
+    round they are in, keep their checkpoint and current model, and go back to idle; an
+    agent that sees it before joining never joins. Published retained in place of the run
+    message, signed like it."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -40,7 +40,7 @@ import ssl
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -326,6 +326,22 @@ class _SubscriptionTable:
             if self._subs.pop(topic_filter, None) is not None and self.is_connected:
                 self._client.unsubscribe(topic_filter)
 
+    @contextlib.contextmanager
+    def scoped(self) -> Iterator[None]:
+        """Drop the handlers added inside (and the filters left without one) at its end."""
+        with self._cond:
+            mark = {f: len(sub.handlers) for f, sub in self._subs.items()}
+        try:
+            yield
+        finally:
+            with self._cond:
+                for topic_filter, sub in list(self._subs.items()):
+                    kept = mark.get(topic_filter, 0)
+                    if kept == 0:
+                        self.remove(topic_filter)
+                    else:
+                        del sub.handlers[kept:]
+
     def handlers_for(self, topic: str) -> list[Handler]:
         with self._cond:
             return [
@@ -378,6 +394,44 @@ CALLBACKS = (
 """The paho events a transport handles, each in its `_on_<event>` method."""
 
 
+class _KeptRetained:
+    """Retained messages published with `keep`: the latest payload of each topic, and
+    whether it is framed (framed anew for every publish, so that no receiver takes it for a
+    redelivery of what it has seen)."""
+
+    def __init__(self) -> None:
+        self._kept: dict[str, tuple[bytes, bool]] = {}
+        self._lock = threading.Lock()
+
+    def note(self, topic: str, payload: bytes, retain: bool, keep: bool, framed: bool) -> None:
+        """A publish on `topic`: kept, or (a newer message not kept) the kept one dropped."""
+        if keep and not retain:
+            raise ValueError("only a retained message is kept for reconnects")
+        with self._lock:
+            if keep:
+                self._kept[topic] = (payload, framed)
+            else:
+                self._kept.pop(topic, None)
+
+    def publish(
+        self,
+        client: paho.Client,
+        birth: tuple[str, bytes] | None,
+        chunk_size: int,
+        count: Callable[[str, int], None],
+    ) -> None:
+        """Publish the birth and the kept messages, retained with QoS 1, through `client`."""
+        with self._lock:
+            kept = list(self._kept.items())
+        if birth is not None:
+            kept.insert(0, (birth[0], (birth[1], True)))
+        for topic, (payload, framed) in kept:
+            frame = split(payload, chunk_size)[0] if framed else payload
+            client.publish(topic, frame, qos=1, retain=True)
+            count("published_frames", 1)
+            count("published_bytes", len(frame))
+
+
 class MqttTransport:
     """One connection to one broker; see the module docstring for what it guarantees.
 
@@ -401,6 +455,7 @@ class MqttTransport:
                 raise ValueError(f"{name} payload must fit in one frame ({options.chunk_size} B)")
         self._will = will
         self._birth = birth
+        self._kept = _KeptRetained()
         self.client_id = options.client_id or f"edgefl-{secrets.token_hex(6)}"
         self._reassembler = Reassembler(options.limits, options.reassembly_timeout_s)
         self._stats: Counter[str] = Counter()
@@ -503,7 +558,7 @@ class MqttTransport:
     # -- publishing ------------------------------------------------------------------------
 
     def publish(
-        self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False
+        self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False, keep: bool = False
     ) -> Publication:
         """Publish `payload` (chunked above chunk_size) and return at once when it is queued.
 
@@ -512,6 +567,9 @@ class MqttTransport:
         this waits up to queue_timeout_s and then raises PublishQueueFull; a message with
         more frames than max_queued can never fit and raises ValueError. Retained messages
         must fit in one frame (a broker retains packets, not messages).
+
+        `keep` (retained only): this client's current state on `topic`, published again on
+        every reconnect (a broker restarted without persistence lost it) and `reassert`.
         """
         frames = split(payload, self.options.chunk_size)
         if retain and len(frames) > 1:
@@ -519,16 +577,23 @@ class MqttTransport:
                 f"retained payload of {len(payload)} bytes exceeds one frame "
                 f"({self.options.chunk_size} bytes)"
             )
+        self._kept.note(topic, payload, retain, keep, framed=True)
         return self._send(topic, frames, qos, retain)
 
     def publish_plain(
-        self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False
+        self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False, keep: bool = False
     ) -> Publication:
         """`payload` as it is, without the frame header: for readers outside the fleet (the
         JSON telemetry mirror), which must fit one frame."""
         if not self.fits_one_frame(payload):
             raise ValueError(f"plain payload of {len(payload)} bytes exceeds one frame")
+        self._kept.note(topic, payload, retain, keep, framed=False)
         return self._send(topic, [payload], qos, retain)
+
+    def reassert(self) -> None:
+        """Publish the birth and every kept retained message again (done on every connect):
+        after a broker restart, or after someone cleared them (`coordinator forget`)."""
+        self._kept.publish(self._client, self._birth, self.options.chunk_size, self._count)
 
     def fits_one_frame(self, payload: bytes) -> bool:
         """Whether `payload` goes out as one frame, as a retained message must."""
@@ -537,6 +602,7 @@ class MqttTransport:
     def clear_retained(self, topic: str) -> Publication:
         """Delete the broker's retained message on `topic`: a retained publish with an empty
         payload (MQTT 3.1.1, 3.3.1.3), which is not a frame; receivers skip it."""
+        self._kept.note(topic, b"", retain=True, keep=False, framed=False)
         return self._send(topic, [b""], qos=1, retain=True)
 
     def _send(self, topic: str, frames: list[bytes], qos: int, retain: bool) -> Publication:
@@ -605,12 +671,7 @@ class MqttTransport:
         self.refused = None
         self._count("connects")
         log.info("connected to MQTT broker %s", self.broker)
-        if self._birth is not None:
-            topic, payload = self._birth
-            frame = split(payload, self.options.chunk_size)[0]
-            client.publish(topic, frame, qos=1, retain=True)
-            self._count("published_frames")
-            self._count("published_bytes", len(frame))
+        self.reassert()
         self._subscriptions.connected()
 
     def _on_connect_fail(self, client: paho.Client, userdata: Any) -> None:
@@ -678,6 +739,36 @@ class MqttTransport:
     def _count(self, key: str, n: int = 1) -> None:
         with self._stats_lock:
             self._stats[key] += n
+
+
+def scoped_subscriptions(transport: MqttTransport) -> contextlib.AbstractContextManager[None]:
+    """Drop every handler subscribed on `transport` inside, at its end: a process that lives
+    through many runs would otherwise keep each old run's handlers, state and deliveries."""
+    return transport._subscriptions.scoped()
+
+
+def unreachable(broker: BrokerAddress, timeout_s: float = 3.0) -> str | None:
+    """Why nothing answers at `broker` (a name that does not resolve, a refused or timed
+    out connection), in words for the user; None when a TCP connection opens.
+
+    paho retries a dead address silently and forever, which is right for a device (its
+    gateway may come up later) but leaves a user who mistyped the address with nothing to go
+    on: the programs ask this first and say it."""
+    try:
+        infos = socket.getaddrinfo(broker.host, broker.port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        return f"the broker's name {broker.host!r} does not resolve ({exc.strerror or exc})"
+    reasons = []
+    for family, kind, proto, _name, address in infos:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.settimeout(timeout_s)
+                probe.connect(address)
+                return None
+        except OSError as exc:
+            reasons.append(exc.strerror or type(exc).__name__)
+    why = reasons[0] if reasons else "no address"
+    return f"no MQTT broker answers at {broker} ({why.lower()})"
 
 
 def tls_problem(broker: BrokerAddress, tls: TlsOptions, timeout_s: float = 5.0) -> str | None:

@@ -8,6 +8,8 @@ fl/v1/<fleet>/telemetry/<agent>           retained JSON copy of the status (opti
 fl/v1/<fleet>/probe/<agent>               "is this agent id taken?" (never retained)
 fl/v1/<fleet>/probe/<agent>/answer        "yes: I hold it" (never retained)
 fl/v1/<fleet>/run                         retained run config and roster
+fl/v1/<fleet>/announce/<agent>            the coordinator asks a live agent to publish its
+                                          presence and status again (`coordinator forget`)
 fl/v1/<fleet>/round/<t>/<kind>/<agent>    model, vote, divergence, update, tally (the
                                           keeper's, retained)
 fl/v1/<fleet>/round/<t>/request/<agent>/<to>  a request, addressed to its target alone
@@ -81,6 +83,12 @@ def run(fleet: str) -> str:
     return f"{fleet_root(fleet)}/run"
 
 
+def announce(fleet: str, agent: str = "+") -> str:
+    """Where the coordinator asks `agent` to announce itself again: after `coordinator forget`
+    cleared its retained messages, a live agent publishes them anew."""
+    return f"{fleet_root(fleet)}/announce/{agent if agent == '+' else check_name(agent, 'agent')}"
+
+
 def round_topic(
     fleet: str, round_: int | str, kind: str, agent: str = "+", to: str | None = None
 ) -> str:
@@ -116,7 +124,7 @@ def parse(topic: str) -> tuple[str, str, dict[str, str]]:
     if len(parts) < 4 or "/".join(parts[:2]) != PREFIX:
         raise ProtocolError(f"not a fleet topic: {topic!r}")
     fleet, rest = parts[2], parts[3:]
-    if rest[0] in ("presence", "status", "absent") and len(rest) == 2:
+    if rest[0] in ("presence", "status", "absent", "announce") and len(rest) == 2:
         return fleet, rest[0], {"agent": rest[1]}
     if rest == ["run"]:
         return fleet, "run", {}

@@ -37,6 +37,16 @@ def dataset_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         yield folder
 
 
+@pytest.fixture(autouse=True, scope="session")
+def runs_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """One gateway run registry for the session (`coordinator run` processes inherit it),
+    not the user's ~/.edgefl/runs."""
+    folder = tmp_path_factory.mktemp("runs")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("EDGEFL_RUNS_DIR", str(folder))
+        yield folder
+
+
 BROKER_START_TIMEOUT_S = 20.0
 
 

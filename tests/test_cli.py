@@ -129,7 +129,9 @@ def test_serve_refuses_a_port_in_use(served, tmp_path: Path) -> None:
 def test_status_says_when_the_broker_is_unreachable(unused_port: int) -> None:
     result = _status(unused_port, "--timeout", "1")
     assert result.returncode == 1
-    assert f"cannot reach the MQTT broker at 127.0.0.1:{unused_port}" in result.stderr
+    assert (
+        f"no MQTT broker answers at 127.0.0.1:{unused_port} (connection refused)" in result.stderr
+    )
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,9 @@ only moves their payloads. Round t of agent k:
     FedLDF          answer the aggregator's `Request` for layers with an `Update` of them
     broadcasting    wait for round/t/global, apply it to the view of the server state
 
-A message that does not come is asked for again every `request_every_s`. If it never comes
+A message that does not come is asked for again every `request_every_s`; when the
+aggregator was born again since this round's uploads went out (`coordinator run` restarted
+and resumed the run), they are sent again first: the new process never got them. If it never comes
 (the coordinator is down or the agent fell behind) the agent names the coordinator as its
 straggler after three round timeouts: without its part of the global model a FedSPU-family
 agent skips the round's training, and without a broadcast any agent keeps the view it holds.
@@ -66,6 +68,10 @@ class CentralizedRounds:
         """Values this round's uploads carried."""
         self.attacker = session.me in attackers(session.config, session.roster)
         """Research (`--attackers`): this agent uploads poisoned models."""
+        self._uploads: list[tuple[str, bytes]] = []
+        """What this round sent the aggregator, to send again if it restarts."""
+        self._uploaded_to: float | None = None
+        """The birth of the aggregator that this round's uploads went to."""
 
     # ------------------------------------------------------------------ wiring
 
@@ -118,7 +124,28 @@ class CentralizedRounds:
         self.values_sent += values_sent(payload.weights, payload.masks)
         body = encode_state(payload.weights, payload.masks, fp16=s.cfg.fp16)
         update = messages.Update(**s.header(round_), tensors=body, num_samples=num_samples)
-        s.send(s.topic(round_, "update", s.me), messages.encode(update, key=s.key))
+        self._upload(s.topic(round_, "update", s.me), messages.encode(update, key=s.key))
+
+    def _upload(self, topic: str, data: bytes, throttled: bool = True) -> None:
+        """Send (at the emulated link's speed unless not `throttled`) and keep for a resend."""
+        self._uploads.append((topic, data))
+        if throttled:
+            self.session.send(topic, data)
+        else:
+            self.session.transport.publish(topic, data)
+
+    def _upload_again_if_reborn(self) -> bool:
+        """Send this round's uploads again if the aggregator was born again since they went
+        out; True if they were."""
+        born = self.session.inbox.born(self.aggregator)
+        if born is None or born == self._uploaded_to or not self._uploads:
+            self._uploaded_to = born
+            return False
+        log.info("the aggregator %s restarted: sending this round's uploads again", self.aggregator)
+        self._uploaded_to = born
+        for topic, data in self._uploads:
+            self.session.send(topic, data)
+        return True
 
     def _receive(
         self, round_: int, addressed: bool, p_k: float, fit: Fit | None = None
@@ -150,6 +177,8 @@ class CentralizedRounds:
                     inbox.rejected += 1
                     log.warning("rejected the round %d global model: %s", round_, exc)
                     return None
+            if self._upload_again_if_reborn() and fit is not None:
+                answered = False  # the new aggregator asks for the layers anew
             if answered or inbox.layer_request(round_, s.me) is None:
                 self._ask(round_, p_k if addressed else 0.0)
         log.warning("round %d: no global model from %s; going on", round_, self.aggregator)
@@ -164,6 +193,7 @@ class CentralizedRounds:
         budget = s.budget()
         p_k = participant_p_k(budget.p_k if budget else None, s.roster, s.me)
         view = self.view
+        self._uploads, self._uploaded_to = [], s.inbox.born(self.aggregator)
         if self.strategy.downloads:
             self._ask(round_, p_k)
             part = self._receive(round_, True, p_k)
@@ -204,9 +234,10 @@ class CentralizedRounds:
         if fit.upload.weights:
             self._send(round_, fit.upload, fit.num_samples)
         if fit.divergence is not None:
-            s.transport.publish(
+            self._upload(
                 s.topic(round_, "divergence", s.me),
                 divergence_message(**s.header_fields(round_), divergence=fit.divergence, key=s.key),
+                throttled=False,
             )
         if not self.strategy.broadcasts:
             return []

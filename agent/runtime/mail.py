@@ -180,6 +180,12 @@ class FleetMail:
             self._tallied.add(message.round)
             self._changed.notify_all()
 
+    def born(self, member: str) -> float | None:
+        """When `member`'s current session began (its latest birth), None if none was seen:
+        a member born again has lost what was sent to it before."""
+        with self._changed:
+            return self._presences.born(member)
+
     def on_presence(self, topic: str, payload: bytes) -> None:
         """Track who is offline, so nobody waits out a timeout for an agent known gone."""
         message = self._decode(topic, payload, "presence", check_run=False)

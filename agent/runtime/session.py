@@ -26,7 +26,7 @@ from typing_extensions import Required, TypedDict
 from agent.device import Budget, Throttle
 from agent.device.throttle import ENERGY_SOURCE
 from agent.experiment import ExperimentConfig, Workload, compute_slot
-from agent.learning import AgentState, EarlyStop, State, StopWatch
+from agent.learning import AgentState, EarlyStop, Learner, Masks, State, StopWatch
 from agent.report import AgentRound, early_stop_savings
 from agent.runtime import checkpoint
 from agent.runtime.codec import expected_shapes
@@ -119,7 +119,7 @@ def publish_telemetry(transport: MqttTransport, status: messages.Status) -> None
     """Publish `status` again as plain JSON, retained, for MQTT tools; it stays after the run
     like the status, the latest state. Unframed: a JSON reader expects no frame header."""
     topic = topics.telemetry(status.fleet, status.sender)
-    transport.publish_plain(topic, telemetry_json(status, time.time()), retain=True)
+    transport.publish_plain(topic, telemetry_json(status, time.time()), retain=True, keep=True)
 
 
 class TrafficMeter:
@@ -129,8 +129,11 @@ class TrafficMeter:
     KEYS = ("published_bytes", "received_bytes", "published_frames", "received_frames")
 
     def __init__(self, transport: MqttTransport) -> None:
+        """Counts from now: a long-lived agent's transport carried its earlier runs too, and
+        none of that is this run's traffic."""
         self.transport = transport
         self._seen = dict.fromkeys(self.KEYS, 0)
+        self.take()
 
     def take(self) -> dict[str, int]:
         stats = self.transport.stats
@@ -138,6 +141,19 @@ class TrafficMeter:
         used = {key: now[key] - self._seen[key] for key in self.KEYS}
         self._seen = now
         return used
+
+
+class EitherSet(threading.Event):
+    """Reads as set once any of its events is: a session's stop is the process's stop or
+    its run called off. The round drivers' waits check `is_set`, so a cancel ends them as a
+    stop does, while the process (a long-lived agent) goes on serving."""
+
+    def __init__(self, *events: threading.Event) -> None:
+        super().__init__()
+        self.events = events
+
+    def is_set(self) -> bool:
+        return super().is_set() or any(event.is_set() for event in self.events)
 
 
 class RoundDriver(Protocol):
@@ -190,6 +206,37 @@ class SessionOptions(TypedDict, total=False):
     budget: Callable[[], Budget | None] | None
     throttle: Throttle | None
     telemetry: bool
+    cancelled: threading.Event | None
+    start_from: tuple[State, Masks | None] | None
+    say: Callable[[str], None] | None
+
+
+def run_inbox(
+    fleet: str,
+    run: Run,
+    learner: Learner,
+    transport: MqttTransport,
+    key: Signer | None,
+    expects: Mapping[str, Any],
+) -> Inbox:
+    """The inbox of one agent's run, and the transport's limits set for it: what a message
+    of this run can be at most follows from its model, so a hostile peer cannot make the
+    agent buffer more than a few models' worth."""
+    shapes = expected_shapes(learner.initial)
+    limits = run_limits(shapes, len(run.roster))
+    transport.set_limits(limits)
+    expected = Expected(
+        fleet=fleet,
+        run_id=run.run_id,
+        roster=frozenset(run.roster),
+        shapes=shapes,
+        key=key,
+        aggregator=run.aggregator,
+        keeper=run.keeper,
+        rounds=run.config.learning.rounds,
+        **expects,
+    )
+    return Inbox(expected, limits=limits)
 
 
 class Session:
@@ -212,10 +259,15 @@ class Session:
         budget: Callable[[], Budget | None] | None = None,
         throttle: Throttle | None = None,
         telemetry: bool = False,
+        cancelled: threading.Event | None = None,
+        start_from: tuple[State, Masks | None] | None = None,
+        say: Callable[[str], None] | None = None,
         expects: Mapping[str, Any] | None = None,
     ) -> None:
-        """`expects`: further fields of the inbox's `Expected` (what the wire format sends);
-        `telemetry`: mirror every status as JSON on the telemetry topic."""
+        """`expects`: more fields of the inbox's `Expected` (what the wire format sends);
+        `telemetry`: mirror statuses as JSON; `cancelled`: set when the run is called off (it
+        ends after its round); `start_from`: weights and masks to start from instead of the
+        seed's (`init = "previous"`); `say`: where user-facing lines go (else the log)."""
         self.me = agent_id
         self.born = time.time()
         """When this session began (its requests say so: `messages.Request.since`)."""
@@ -232,30 +284,19 @@ class Session:
         self.on_round = on_round
         self.on_finish = on_finish
         """Called once the model is final, before lingering (the CLI exports it to ONNX)."""
-        self.stop = stop or threading.Event()
+        self.cancelled = cancelled or threading.Event()
+        self.stop: threading.Event = EitherSet(stop or threading.Event(), self.cancelled)
+        """Ends the rounds: the process stopping, or the run called off (`cancelled`)."""
+        self.say = say or log.info
         self.budget = budget or (lambda: None)
         self.throttle = throttle
         self.telemetry = telemetry
-        shapes = expected_shapes(self.learner.initial)
-        # What a message of this run can be at most follows from its model: a hostile peer
-        # cannot make the agent buffer more than a few models' worth.
-        limits = run_limits(shapes, len(self.roster))
-        transport.set_limits(limits)
-        self.inbox = Inbox(
-            Expected(
-                fleet=fleet,
-                run_id=run.run_id,
-                roster=frozenset(self.roster),
-                shapes=shapes,
-                key=key,
-                aggregator=run.aggregator,
-                keeper=run.keeper,
-                rounds=self.cfg.rounds,
-                **(expects or {}),
-            ),
-            limits=limits,
-        )
+        self.inbox = run_inbox(fleet, run, self.learner, transport, key, expects or {})
         self.state: AgentState = self.learner.init_agent(agent_id)
+        if start_from is not None:
+            weights, masks = start_from
+            self.state = dataclasses.replace(self.state, weights=weights, masks=masks)
+            self.state.init_weights = weights
         self.early = EarlyStop.of(self.cfg)
         self.stopped_round: int | None = None
         self.meter = TrafficMeter(transport)
@@ -322,7 +363,10 @@ class Session:
             stopped=self.stopped_round is not None,
         )
         self.transport.publish(
-            topics.status(self.fleet, self.me), messages.encode(message, key=self.key), retain=True
+            topics.status(self.fleet, self.me),
+            messages.encode(message, key=self.key),
+            retain=True,
+            keep=True,
         )
         if self.telemetry:
             publish_telemetry(self.transport, message)
@@ -360,6 +404,8 @@ class Session:
                 log.info("stopped early after round %d: %s", self.stopped_round, reason)
             if self.finished and self.on_finish:
                 self.on_finish(self.state)
+            elif self.cancelled.is_set():
+                self.status("cancelled", self.state.round, {}, driver.votes)
             if not self.stop.is_set():
                 self.linger()
         finally:
@@ -374,12 +420,8 @@ class Session:
         """Add the round's traffic to its record, persist it, publish the status."""
         used = self.meter.take()
         record.bytes_sent, record.bytes_received = used["published_bytes"], used["received_bytes"]
-        log.info(
-            "round %d: %d deliveries received, %d frames sent",
-            record.round,
-            used["received_frames"],
-            used["published_frames"],
-        )
+        frames = (used["received_frames"], used["published_frames"])
+        log.info("round %d: %d deliveries received, %d frames sent", record.round, *frames)
         record.finished_at = time.time()
         if self.throttle is not None:  # a profile's board: its energy model
             record.energy_j, record.radio_energy_j = self.throttle.round_energy(
@@ -489,7 +531,10 @@ class Session:
         if saved["record"].get("stopped"):
             self.stopped_round = int(saved["round"])
         driver.restore(saved)
-        log.info("resuming after round %d from %s", saved["round"], self.checkpoint_path)
+        self.say(
+            f"run {self.run_info.run_id}: resuming after round {saved['round']} of "
+            f"{self.cfg.rounds} from its checkpoint"
+        )
         return int(saved["round"])
 
 
@@ -512,7 +557,10 @@ def follow_fleet(session: Session) -> None:
 def follow_everyone(session: Session) -> None:
     """The keeper went offline: follow every agent's (retained) status, which carries its
     vote history, every vote and every presence, so the run goes on without its tallies."""
-    log.warning("the tally keeper %s went offline: following every agent", session.run_info.keeper)
+    # A keeper leaves when its run is over for it, often while this agent lingers: only a
+    # keeper lost before this agent's last round is worth a warning.
+    lost = log.info if session.finished else log.warning
+    lost("the tally keeper %s went offline: following every agent", session.run_info.keeper)
     session.transport.subscribe(topics.status(session.fleet), session.inbox.on_status)
     vote = topics.round_topic(session.fleet, "+", "vote")
     session.transport.subscribe(vote, session.inbox.on_vote)

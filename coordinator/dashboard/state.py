@@ -34,7 +34,9 @@ agents ten thousand rounds long)."""
 SERIES = ("accuracy", "loss", "sparsity", "bytes_sent", "bytes_received", "energy_j")
 """Per-round figures kept from each record: what the charts draw."""
 TOTALS = ("bytes_sent", "bytes_received", "train_flops", "energy_j")
-"""Figures summed over every round received: the run's totals (Prometheus counters)."""
+"""Figures summed over every round received of the agent's latest run: the run's totals
+(Prometheus counters, which start again at zero with each run, as a restarted process's
+do)."""
 _KINDS = ("presence", "status")
 
 
@@ -233,7 +235,8 @@ def agent_row(entry: AgentEntry, series: AgentSeries | None, with_series: bool) 
         "presence": presence_word(entry),
         "since": number(entry.since),
         "state": text(entry.state, 64),
-        "round": entry.round,
+        # An agent back to idle after a run says round 0: show the run's last round.
+        "round": entry.round or series.last_round,
         "run_id": series.run_id,
         **{name: number(figure(name)) for name in ("accuracy", "loss", "sparsity", "p_k")},
         "limited_by": text(figure("limited_by"), 64),

@@ -22,7 +22,8 @@ function si(v, unit) {
   for (const [size, prefix] of steps) {
     if (Math.abs(v) >= size) return (v / size).toFixed(1) + " " + prefix + unit;
   }
-  return Math.round(v) + " " + unit;
+  // Three significant digits: a round's 0.2 J is not "0 J".
+  return Number(v.toPrecision(3)) + " " + unit;
 }
 
 function bytes(v) { return si(v, "B"); }
@@ -129,7 +130,7 @@ function row(agent, index, multi) {
     cell("p_k", agent.p_k == null ? "–" : agent.p_k.toFixed(2) + limited, "num"),
     cell("bytes_sent", bytes(agent.bytes_sent), "num"),
     cell("bytes_received", bytes(agent.bytes_received), "num"),
-    cell("energy", agent.energy_j == null ? "–" : si(agent.energy_j, "J"), "num"),
+    cell("energy", si(agent.energy_total_j, "J"), "num"),
     cell("stragglers", agent.stragglers.length ? agent.stragglers.join(", ") : "–"));
   return tr;
 }
