@@ -42,10 +42,10 @@ from coordinator.runs import (
     DEFAULT_RUNS_DIR,
     RUNS_DIR_ENV,
     RunEntry,
+    end_entry,
     find_entry,
     load_entries,
     resumable,
-    save_entry,
 )
 from coordinator.runs import runs_dir as runs_dir_of
 from coordinator.watch import follow, mdns_sightings, require_broker, show
@@ -939,9 +939,7 @@ def run_broker(
     line and exit 1 when nothing answers there); without --broker, the one already
     listening at --host:--port (a `coordinator serve`'s), else its own embedded one."""
     if settings.address is not None:
-        problem = unreachable(settings.address)
-        if problem is not None:
-            raise click.ClickException(f"{problem}: check --broker")
+        require_broker(settings.address, given=True)
         return settings
     here = BrokerAddress("127.0.0.1" if host in ("0.0.0.0", "") else host, port)
     if unreachable(here, timeout_s=1.0) is None and broker_auth is None:
@@ -968,8 +966,7 @@ def drop_interrupted(base: Path, entry: RunEntry | None, fresh: bool, resume: bo
     if resume and entry is None:
         raise ConfigError(f"no interrupted run of this run file to resume in {base}")
     if fresh and entry is not None:
-        entry.state, entry.error = "failed", "dropped for a new run (--new)"
-        save_entry(base, entry)
+        end_entry(base, entry, "failed", "dropped for a new run (--new)")
         say(f"dropped the interrupted run {entry.run_id}")
 
 

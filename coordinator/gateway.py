@@ -34,6 +34,7 @@ from coordinator.fleet import AgentEntry
 from coordinator.runs import (
     SERVER_STATE,
     RunEntry,
+    end_entry,
     load_records,
     run_dir,
     save_entry,
@@ -240,8 +241,8 @@ def note(registry: Registry | None, entry: RunEntry) -> None:
 
 
 def end(registry: Registry | None, entry: RunEntry, state: str, error: str = "") -> None:
-    entry.state, entry.error, entry.ended = state, error, time.time()
-    note(registry, entry)
+    if registry is not None:
+        end_entry(registry.base, entry, state, error)
 
 
 def follow(

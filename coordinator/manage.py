@@ -30,7 +30,7 @@ from rich.table import Table
 
 from coordinator.broker_config import COORDINATOR
 from coordinator.conductor import FINAL_STATES
-from coordinator.runs import INTERRUPTED, RunEntry, find_entry, save_entry
+from coordinator.runs import INTERRUPTED, RunEntry, end_entry, find_entry
 from coordinator.watch import LOCAL_BROKER, connected, require_broker
 from protocol import MqttTransport, ProtocolError, messages, topics
 from protocol.cli import BrokerSettings
@@ -297,8 +297,7 @@ def mark_cancelled(base: Path, run_id: str) -> bool:
     entry = find_entry(base, run_id)
     if entry is None or entry.shown_state != INTERRUPTED:
         return False
-    entry.state, entry.ended = "cancelled", time.time()
-    save_entry(base, entry)
+    end_entry(base, entry, "cancelled")
     return True
 
 

@@ -99,6 +99,12 @@ def save_entry(base: Path, entry: RunEntry) -> None:
     atomic_write(run_dir(base, entry.run_id) / ENTRY, lambda handle: handle.write(text))
 
 
+def end_entry(base: Path, entry: RunEntry, state: str, error: str = "") -> None:
+    """Record that `entry` ended (done, failed or cancelled), and when."""
+    entry.state, entry.error, entry.ended = state, error, time.time()
+    save_entry(base, entry)
+
+
 def load_entry(path: Path) -> RunEntry | None:
     """The entry in `path` (a run.json), None when it is missing or unreadable."""
     try:
