@@ -42,7 +42,8 @@ from agent.experiment import (
     round_work,
 )
 from agent.files import DiskFullError, disk_full_as_error
-from agent.learning import AgentState, Masks, State
+from agent.learning import CENTRALIZED, AgentState, Masks, State
+from agent.learning.central import central_strategy
 from agent.model_store import (
     CANCELLED_MARK,
     DEFAULT_KEEP_RUNS,
@@ -64,6 +65,7 @@ from agent.runtime import (
     run_folder,
 )
 from agent.runtime.heap import settled_heap
+from agent.runtime.run_files import ending
 from firmware_profiles import DeviceProfile, load_profile
 from protocol import Identity, MqttTransport, ProtocolError, messages, topics
 from protocol.logs import RejectionLog, claimed_sender
@@ -280,6 +282,8 @@ class AgentService:
         self.stop = stop
         self.say = options.say
         self.runs_done = 0
+        self.last_run: dict[str, Any] | None = None
+        """How this process's last run ended (`Session.ending`), carried by idle statuses."""
         self.models = ModelStore(options.state_dir)
         self.run_models = RunModels(self.models, self.me, options.keep_best, self.say)
 
@@ -426,6 +430,8 @@ class AgentService:
         """A retained status outside a run: idle (with a description of this device's data,
         so a coordinator can check the fit before it fixes a roster) or rejected."""
         figures = dict(metrics or {})
+        if state == "idle" and self.last_run is not None:
+            figures["last_run"] = self.last_run
         if self.options.own is not None:
             figures.setdefault("data", self.options.own.describe())
         status = messages.Status(
@@ -487,6 +493,7 @@ class AgentService:
             with settled_heap(), disk_full_as_error(folder):
                 runtime.run()
                 self.mark_ended(run, runtime.session.finished, cancelled, runtime.session.state)
+                self.last_run = ending(runtime.session)
         except DiskFullError as exc:
             # The fleet learns now that this agent is out (the CLI then says goodbye); its
             # last checkpoint is kept, so a restart with room on the disk resumes the run.
@@ -558,6 +565,13 @@ class RunModels:
         if run.config.init != "previous":
             return None
         learner, start = workload.learner, f"run {run.run_id}: starting from"
+        strategy = run.config.learning.strategy
+        if strategy in CENTRALIZED and not central_strategy(strategy).trains_own:
+            self.say(
+                f"{start} the seed: {strategy} trains every round from the aggregator's "
+                "global model, not from a device's own"
+            )
+            return None
         saved = self.store.start_weights()
         if saved is None:
             self.say(f"{start} the seed: this device has no current model to start from")

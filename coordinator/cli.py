@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.markup import escape
@@ -1052,6 +1053,12 @@ def run_command(
         finally:
             leave(transport, identity)
     publish_report(report, report_path, plot_dir)
+    say_how_it_ended(report)
+
+
+def say_how_it_ended(report: dict[str, Any]) -> None:
+    """Exit 1 with the reason when the run did not finish well (interrupted, failed agents,
+    no round at all); a cancelled run is said and is not an error."""
     if report["summary"].get("interrupted"):
         raise click.ClickException(
             f"run {report['config']['run_id']} interrupted after {len(report['rounds'])} "

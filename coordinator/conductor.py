@@ -136,7 +136,8 @@ class Conductor:
         self.transport.subscribe(topics.run(self.fleet), self._on_run)
         # The agents of a run resumed here followed every status and vote themselves since
         # their keeper went offline; a keeper restarted in mid-run does not know which
-        # tallies they already took, and a wrong one would split the fleet.
+        # tallies they already took, and a wrong one would split the fleet. So the run
+        # message names no keeper any more: an agent that restarts follows everyone too.
         if self.resumed is None:
             self.keeper.start()
         if self.aggregator is not None:
@@ -154,7 +155,7 @@ class Conductor:
             config=config_to_dict(self.config),
             timeouts=self.timeouts,
             keys=keys_to_list(self.key, self.roster),
-            keeper=self.sender,
+            keeper=self.sender if self.resumed is None else "",
         )
         self._publish_run(run)
 
@@ -220,7 +221,9 @@ class Conductor:
         return message
 
     def _on_status(self, topic: str, payload: bytes) -> None:
-        message = self._ours(topic, payload, "status")
+        message = self._ours(topic, payload, "status", check_run=False)
+        if isinstance(message, messages.Status) and message.run_id != self.run_id:
+            message = ended_earlier(message, self.run_id)
         if not isinstance(message, messages.Status):
             return
         progress = self.agents[message.sender]
@@ -231,6 +234,8 @@ class Conductor:
             record = message.metrics.get("record")
             if isinstance(record, dict) and message.round >= 1:
                 progress.records.setdefault(message.round, record)
+            for row in earlier_records(message.metrics.get("records")):
+                progress.records.setdefault(row["round"], row)
             error = message.metrics.get("error")
             if isinstance(error, str):
                 progress.error = error[:500]
@@ -294,6 +299,38 @@ class Conductor:
 
     def aggregated(self) -> list[AggregatorRecord]:
         return self.aggregator.records if self.aggregator is not None else []
+
+
+def ended_earlier(idle: messages.Status, run_id: str) -> messages.Status | None:
+    """An agent's idle status read as its final status of run `run_id`, when that run is the
+    last one it ended (`last_run`): the run finished while no coordinator followed it, and
+    the idle status has taken the final one's place on the broker."""
+    last = idle.metrics.get("last_run")
+    if idle.state != "idle" or not isinstance(last, dict) or last.get("run_id") != run_id:
+        return None
+    state, round_ = last.get("state"), last.get("round")
+    if state not in FINAL_STATES or not isinstance(round_, int):
+        return None
+    return dataclasses.replace(
+        idle,
+        run_id=run_id,
+        round=round_,
+        state=state,
+        stopped=state == "stopped",
+        metrics={"records": last.get("records")},
+    )
+
+
+def earlier_records(rows: object) -> list[dict[str, Any]]:
+    """The round records an agent's final status repeats (`records`), those well formed: the
+    rounds whose statuses went by while no coordinator followed the run."""
+    if not isinstance(rows, list):
+        return []
+    return [
+        row
+        for row in rows
+        if isinstance(row, dict) and isinstance(row.get("round"), int) and row["round"] >= 1
+    ]
 
 
 def assemble_report(

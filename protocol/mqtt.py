@@ -432,6 +432,15 @@ class _KeptRetained:
             count("published_bytes", len(frame))
 
 
+def _one_frame(
+    name: str, message: tuple[str, bytes] | None, options: TransportOptions
+) -> tuple[str, bytes] | None:
+    """`message` (a will or birth: retained, so one frame), or ValueError."""
+    if message is not None and len(message[1]) > options.chunk_size:
+        raise ValueError(f"{name} payload must fit in one frame ({options.chunk_size} B)")
+    return message
+
+
 class MqttTransport:
     """One connection to one broker; see the module docstring for what it guarantees.
 
@@ -450,11 +459,8 @@ class MqttTransport:
     ) -> None:
         self.broker = broker
         self.options = options = options or TransportOptions()
-        for name, message in (("will", will), ("birth", birth)):
-            if message is not None and len(message[1]) > options.chunk_size:
-                raise ValueError(f"{name} payload must fit in one frame ({options.chunk_size} B)")
-        self._will = will
-        self._birth = birth
+        self._will = _one_frame("will", will, options)
+        self._birth = _one_frame("birth", birth, options)
         self._kept = _KeptRetained()
         self.client_id = options.client_id or f"edgefl-{secrets.token_hex(6)}"
         self._reassembler = Reassembler(options.limits, options.reassembly_timeout_s)
@@ -585,7 +591,7 @@ class MqttTransport:
     ) -> Publication:
         """`payload` as it is, without the frame header: for readers outside the fleet (the
         JSON telemetry mirror), which must fit one frame."""
-        if not self.fits_one_frame(payload):
+        if not fits_one_frame(len(payload), self.options.chunk_size):
             raise ValueError(f"plain payload of {len(payload)} bytes exceeds one frame")
         self._kept.note(topic, payload, retain, keep, framed=False)
         return self._send(topic, [payload], qos, retain)
@@ -594,10 +600,6 @@ class MqttTransport:
         """Publish the birth and every kept retained message again (done on every connect):
         after a broker restart, or after someone cleared them (`coordinator forget`)."""
         self._kept.publish(self._client, self._birth, self.options.chunk_size, self._count)
-
-    def fits_one_frame(self, payload: bytes) -> bool:
-        """Whether `payload` goes out as one frame, as a retained message must."""
-        return fits_one_frame(len(payload), self.options.chunk_size)
 
     def clear_retained(self, topic: str) -> Publication:
         """Delete the broker's retained message on `topic`: a retained publish with an empty

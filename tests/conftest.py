@@ -12,8 +12,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,25 @@ def _running(broker: BrokerProcess) -> Iterator[BrokerProcess]:
 def unused_port() -> int:
     """A loopback TCP port that was free a moment ago."""
     return _unused_port()
+
+
+@pytest.fixture
+def embedded_address(unused_port: int) -> Iterator[BrokerAddress]:
+    """The embedded broker in this process (no kill and restart: see `amqtt_broker`)."""
+    from coordinator.broker import EmbeddedBroker
+
+    with EmbeddedBroker("127.0.0.1", unused_port) as embedded:
+        yield embedded.address
+
+
+def run_in_threads(runs: list[Callable[[], None]], timeout_s: float = 60) -> None:
+    """Run each of `runs` (agents' `run`) in a thread of its own and wait for them all."""
+    threads = [threading.Thread(target=run) for run in runs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout_s)
+    assert not any(thread.is_alive() for thread in threads), "the run did not finish"
 
 
 @pytest.fixture

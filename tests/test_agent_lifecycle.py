@@ -333,3 +333,29 @@ def test_an_agent_without_a_broker_says_why_and_joins_once_one_answers(
     finally:
         if agent.poll() is None:
             stop(agent)
+
+
+def test_after_the_broker_restarts_empty_the_agent_restores_what_the_fleet_reads(
+    broker: BrokerProcess, tmp_path: Path
+) -> None:
+    agent = start_agent(tmp_path, broker, "pi.log")
+    try:
+        wait_for_text(tmp_path / "pi.log", "waiting for a run")
+        broker.kill()
+        broker.start()  # no persistence: it comes back with no retained message at all
+        restarted = time.monotonic()
+        reader = Fleet(broker, "pi")  # a coordinator that connects after the restart
+        try:
+            reader.wait_for(lambda seen: any(s.state == "idle" for s in seen), timeout_s=20)
+            waited = time.monotonic() - restarted
+            deadline = time.monotonic() + 10
+            while reader.presences == 0:
+                assert time.monotonic() < deadline, "no presence after the restart"
+                time.sleep(0.05)
+            reader.publish(run_message(WARM, ["pi"], strategy="local", rounds=1), RUN_TOPIC)
+            reader.wait_for(lambda seen: any(s.state == "done" for s in seen), timeout_s=30)
+        finally:
+            reader.transport.stop()
+    finally:
+        stop(agent)
+    assert waited < 15, f"the retained status came back after {waited:.1f} s"

@@ -25,6 +25,7 @@ from agent.experiment import ExperimentConfig, build_workload
 from agent.files import DiskFullError
 from agent.learning import preset
 from agent.runtime import AgentRuntime, Run, checkpoint
+from agent.runtime.run_files import persist, restore
 from protocol import BrokerAddress, MqttTransport, messages, topics
 from protocol.cli import say, setup_logging
 
@@ -59,14 +60,14 @@ def test_a_failed_checkpoint_write_keeps_the_previous_one_and_no_temporary_file(
     tmp_path: Path, run: Run, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     agent = runtime_of(tmp_path, run)
-    agent.session.persist(agent.driver, 1, record(1))
+    persist(agent.session, agent.driver, 1, record(1))
 
     def full(_descriptor: int) -> None:
         raise FULL
 
     monkeypatch.setattr("agent.files.os.fsync", full)  # where a full disk shows up, at last
     with pytest.raises(DiskFullError, match=r"disk full: cannot write .*checkpoint\.pt"):
-        agent.session.persist(agent.driver, 2, record(2))
+        persist(agent.session, agent.driver, 2, record(2))
     monkeypatch.undo()
     saved = checkpoint.load(agent.session.checkpoint_path)
     assert saved is not None and saved["round"] == 1 and saved["record"] == record(1)
@@ -80,12 +81,12 @@ def test_a_failed_checkpoint_write_keeps_the_previous_one_and_no_temporary_file(
 def test_a_torn_round_log_is_repaired_on_restore(tmp_path: Path, run: Run) -> None:
     agent = runtime_of(tmp_path, run)
     for round_ in (1, 2):
-        agent.session.persist(agent.driver, round_, record(round_))
+        persist(agent.session, agent.driver, round_, record(round_))
     log = agent.session.records_path
     text = log.read_text()
     log.write_text(text[: len(text) - 25])  # the crash cut round 2's line mid-JSON
     resumed = runtime_of(tmp_path, run)
-    assert resumed.session.restore(resumed.driver) == 2
+    assert restore(resumed.session, resumed.driver) == 2
     lines = log.read_text().splitlines()
     assert [json.loads(line) for line in lines] == [record(1), record(2)]
     checkpoint.append_record(log, record(3))

@@ -455,3 +455,27 @@ def test_the_embedded_broker_closes_a_connection_that_does_not_start_with_connec
         except TimeoutError:
             pytest.fail("the broker kept a connection that began with a PUBLISH open")
         assert answer == b"", "the broker answered a connection that never sent CONNECT"
+
+
+def test_a_filter_dropped_right_after_subscribing_receives_nothing_more(
+    broker: BrokerProcess,
+) -> None:
+    """A run's subscriptions end with it, sometimes a moment after they were made (a keeper
+    lost at a run's end). amqtt takes SUBSCRIBE and UNSUBSCRIBE packets from two queues, so
+    an UNSUBSCRIBE sent before the broker acknowledged the SUBSCRIBE could be handled first
+    and the subscription stayed: the device then received (and counted) every status of the
+    fleet in every later run."""
+    kept = [f"{FLEET}/vote/{k}/+" for k in range(8)]
+    dropped = f"{FLEET}/status/+"
+    with transport(broker.address, "device") as device, transport(broker.address, "peer") as peer:
+        for topic_filter in [*kept, dropped]:
+            device.subscribe(topic_filter, lambda *_: None)
+        device.unsubscribe(dropped)
+        received, handler = collector()
+        device.subscribe(f"{FLEET}/marker", handler)
+        assert device.wait_subscribed(WAIT_S)
+        before = device.stats.get("received_frames", 0)
+        peer.publish(f"{FLEET}/status/d1", b"not for the device")
+        peer.publish(f"{FLEET}/marker", b"last").wait_for_publish(WAIT_S)
+        assert received.get(timeout=WAIT_S) == (f"{FLEET}/marker", b"last")
+        assert device.stats.get("received_frames", 0) - before == 1, "the dropped filter stayed"

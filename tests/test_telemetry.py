@@ -8,19 +8,18 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as paho
 import pytest
+from conftest import run_in_threads
 from paho.mqtt.enums import CallbackAPIVersion
 
 from agent.experiment import ExperimentConfig, build_workload
 from agent.learning import preset
 from agent.runtime import AgentRuntime, Run, Timeouts, new_run_id
-from agent.runtime.session import telemetry_json
-from coordinator.broker import EmbeddedBroker
+from agent.runtime.session import REPORT_ONLY, telemetry_json
 from protocol import BrokerAddress, MqttTransport, TransportOptions, messages, topics
 
 FLEET = "telemetry"
@@ -31,9 +30,8 @@ pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture
-def broker(unused_port: int) -> Iterator[BrokerAddress]:
-    with EmbeddedBroker("127.0.0.1", unused_port) as embedded:
-        yield embedded.address
+def broker(embedded_address: BrokerAddress) -> BrokerAddress:
+    return embedded_address
 
 
 def run_fleet(address: BrokerAddress, tmp_path: Path, mirrored: set[str]) -> None:
@@ -65,13 +63,8 @@ def run_fleet(address: BrokerAddress, tmp_path: Path, mirrored: set[str]) -> Non
     for transport in transports.values():
         transport.start()
         assert transport.wait_connected(WAIT_S)
-    threads = [threading.Thread(target=runtime.run) for runtime in runtimes]
     try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
-        assert not any(thread.is_alive() for thread in threads), "the run did not finish"
+        run_in_threads([runtime.run for runtime in runtimes])
     finally:
         for transport in transports.values():
             transport.stop()
@@ -149,7 +142,8 @@ def test_an_agent_mirrors_every_status_as_json_only_when_asked(
     status = retained_statuses(broker)["a"]
     assert (final["fleet"], final["agent"], final["run_id"]) == (FLEET, "a", status.run_id)
     assert (final["round"], final["state"], final["stopped"]) == (2, "done", False)
-    assert final["metrics"] == {k: v for k, v in status.metrics.items() if k != "record"}
+    assert final["metrics"] == {k: v for k, v in status.metrics.items() if k not in REPORT_ONLY}
+    assert len(status.metrics["records"]) == 2, "the final status repeats every round's record"
     assert final["metrics"]["accuracy"] == status.metrics["record"]["accuracy"]
     assert abs(final["time"] - time.time()) < 60
 

@@ -11,7 +11,9 @@ only moves their payloads. Round t of agent k:
 
 A message that does not come is asked for again every `request_every_s`; when the
 aggregator was born again since this round's uploads went out (`coordinator run` restarted
-and resumed the run), they are sent again first: the new process never got them. If it never comes
+and resumed the run), or this agent's connection was made again (a broker that restarted
+may have acknowledged them and died before passing them on), they are sent again first (the
+aggregator keeps the first copy of each). If it never comes
 (the coordinator is down or the agent fell behind) the agent names the coordinator as its
 straggler after three round timeouts: without its part of the global model a FedSPU-family
 agent skips the round's training, and without a broadcast any agent keeps the view it holds.
@@ -69,8 +71,12 @@ class CentralizedRounds:
         self.attacker = session.me in attackers(session.config, session.roster)
         """Research (`--attackers`): this agent uploads poisoned models."""
         self._uploads: list[tuple[str, bytes]] = []
+        self._uploads_round = 0
+        """The round `_uploads` belong to: kept into the next round until its first upload,
+        since a FedSPU-family agent goes on without a broadcast and an aggregator that
+        restarts then still lacks them."""
         """What this round sent the aggregator, to send again if it restarts."""
-        self._uploaded_to: float | None = None
+        self._uploaded_to: tuple[float | None, int] = (None, 0)
         """The birth of the aggregator that this round's uploads went to."""
 
     # ------------------------------------------------------------------ wiring
@@ -124,25 +130,30 @@ class CentralizedRounds:
         self.values_sent += values_sent(payload.weights, payload.masks)
         body = encode_state(payload.weights, payload.masks, fp16=s.cfg.fp16)
         update = messages.Update(**s.header(round_), tensors=body, num_samples=num_samples)
-        self._upload(s.topic(round_, "update", s.me), messages.encode(update, key=s.key))
+        self._upload(round_, s.topic(round_, "update", s.me), messages.encode(update, key=s.key))
 
-    def _upload(self, topic: str, data: bytes, throttled: bool = True) -> None:
-        """Send (at the emulated link's speed unless not `throttled`) and keep for a resend."""
+    def _upload(self, round_: int, topic: str, data: bytes, throttled: bool = True) -> None:
+        """Send (at the emulated link's speed unless not `throttled`) and keep for a resend,
+        noting to which aggregator and on which connection the round's first one went."""
+        if round_ != self._uploads_round:
+            s = self.session
+            self._uploads, self._uploads_round = [], round_
+            self._uploaded_to = (s.inbox.born(self.aggregator), s.transport.connects)
         self._uploads.append((topic, data))
         if throttled:
             self.session.send(topic, data)
         else:
             self.session.transport.publish(topic, data)
 
-    def _upload_again_if_reborn(self) -> bool:
-        """Send this round's uploads again if the aggregator was born again since they went
-        out; True if they were."""
-        born = self.session.inbox.born(self.aggregator)
-        if born is None or born == self._uploaded_to or not self._uploads:
-            self._uploaded_to = born
+    def _upload_again_if_lost(self) -> bool:
+        """Send this round's uploads again if the aggregator was born again, or this agent
+        connected again, since they went out; True if they were."""
+        now = (self.session.inbox.born(self.aggregator), self.session.transport.connects)
+        before, self._uploaded_to = self._uploaded_to, now
+        if now[0] is None or now == before or not self._uploads:
             return False
-        log.info("the aggregator %s restarted: sending this round's uploads again", self.aggregator)
-        self._uploaded_to = born
+        why = "restarted" if now[0] != before[0] else "may have missed them (reconnected)"
+        log.info("the aggregator %s %s: sending this round's uploads again", self.aggregator, why)
         for topic, data in self._uploads:
             self.session.send(topic, data)
         return True
@@ -177,7 +188,7 @@ class CentralizedRounds:
                     inbox.rejected += 1
                     log.warning("rejected the round %d global model: %s", round_, exc)
                     return None
-            if self._upload_again_if_reborn() and fit is not None:
+            if self._upload_again_if_lost() and fit is not None:
                 answered = False  # the new aggregator asks for the layers anew
             if answered or inbox.layer_request(round_, s.me) is None:
                 self._ask(round_, p_k if addressed else 0.0)
@@ -193,7 +204,6 @@ class CentralizedRounds:
         budget = s.budget()
         p_k = participant_p_k(budget.p_k if budget else None, s.roster, s.me)
         view = self.view
-        self._uploads, self._uploaded_to = [], s.inbox.born(self.aggregator)
         if self.strategy.downloads:
             self._ask(round_, p_k)
             part = self._receive(round_, True, p_k)
@@ -235,6 +245,7 @@ class CentralizedRounds:
             self._send(round_, fit.upload, fit.num_samples)
         if fit.divergence is not None:
             self._upload(
+                round_,
                 s.topic(round_, "divergence", s.me),
                 divergence_message(**s.header_fields(round_), divergence=fit.divergence, key=s.key),
                 throttled=False,

@@ -26,11 +26,11 @@ from typing_extensions import Required, TypedDict
 from agent.device import Budget, Throttle
 from agent.device.throttle import ENERGY_SOURCE
 from agent.experiment import ExperimentConfig, Workload, compute_slot
-from agent.learning import AgentState, EarlyStop, Learner, Masks, State, StopWatch
-from agent.report import AgentRound, early_stop_savings
-from agent.runtime import checkpoint
+from agent.learning import AgentState, EarlyStop, Learner, Masks, Published, State
+from agent.report import AgentRound
 from agent.runtime.codec import expected_shapes
 from agent.runtime.inbox import Expected, Inbox
+from agent.runtime.run_files import persist, recent_records, restore, savings
 from protocol import MqttTransport, messages, topics
 from protocol.limits import run_limits
 from protocol.signing import Signer
@@ -50,6 +50,8 @@ STATUS_FIGURES = (
 )
 """The round figures a status shows; it also carries the whole round record, from which
 `coordinator run` writes its report."""
+REPORT_ONLY = ("record", "records", "last_run")
+"""Status metrics for `coordinator run`'s report, left out of the telemetry mirror."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,7 @@ def finite_or_none(value: Any) -> Any:
 def telemetry_json(status: messages.Status, at: float) -> bytes:
     """`status` as the plain UTF-8 JSON of the telemetry mirror, stamped with Unix time `at`.
 
-    Its metrics leave out the round record: the status figures are already there, and the
+    Its metrics leave out the round records: the status figures are already there, and the
     record is for `coordinator run`'s report. JSON has no NaN, so non-finite numbers are null.
     """
     document = {
@@ -110,7 +112,7 @@ def telemetry_json(status: messages.Status, at: float) -> bytes:
         "state": status.state,
         "stopped": status.stopped,
         "time": at,
-        "metrics": {k: v for k, v in status.metrics.items() if k != "record"},
+        "metrics": {k: v for k, v in status.metrics.items() if k not in REPORT_ONLY},
     }
     return json.dumps(finite_or_none(document), allow_nan=False).encode()
 
@@ -297,13 +299,30 @@ class Session:
             weights, masks = start_from
             self.state = dataclasses.replace(self.state, weights=weights, masks=masks)
             self.state.init_weights = weights
+        self.warm_start: Published | None = (
+            None if start_from is None else self.learner.published(self.state, 0)
+        )
+        """This agent's own starting model, when it did not start from the seed."""
         self.early = EarlyStop.of(self.cfg)
         self.stopped_round: int | None = None
         self.meter = TrafficMeter(transport)
         self._trained_s = 0.0
         """Seconds the round's computation took on this host (a real board's energy)."""
+        self.over = False
+        """The rounds are over (set under `following`): nothing may subscribe for this run
+        any more, since its subscriptions are about to be dropped (`scoped_subscriptions`)."""
+        self.following = threading.Lock()
         self.checkpoint_path = state_dir / "checkpoint.pt"
         self.records_path = state_dir / "rounds.jsonl"
+
+    def round0_model(self, agent: str) -> Published:
+        """A peer's round-0 model, never sent: derived from the seed; or, when this agent
+        started from its own model (`init = "previous"`), that model, since a peer's own
+        starting point is unknown here and a seeded stand-in would average a random model
+        into the warm start (ALGORITHMS.md 1.3, decision of issue 31)."""
+        if self.warm_start is not None:
+            return self.warm_start
+        return self.learner.published(self.learner.init_agent(agent), 0)
 
     # ------------------------------------------------------------------ messages
 
@@ -385,12 +404,12 @@ class Session:
     def run(self, driver: RoundDriver) -> None:
         follow_fleet(self)
         driver.subscribe()
-        done = self.restore(driver)
+        done = restore(self, driver)
         self.inbox.at_round(done + 1)
         if done:
             driver.republish()
             if self.stopped_round is not None:  # the crash may have come before the status
-                self.status("stopped", done, self.savings(done), driver.votes)
+                self.status("stopped", done, savings(self, done), driver.votes)
             driver.resumed(done)
         else:
             self.start_together(driver)
@@ -409,6 +428,8 @@ class Session:
             if not self.stop.is_set():
                 self.linger()
         finally:
+            with self.following:
+                self.over = True
             driver.close()
 
     @property
@@ -430,31 +451,25 @@ class Session:
             record.energy_source = ENERGY_SOURCE
         self._trained_s = 0.0
         row = record.as_dict()
-        self.persist(driver, record.round, row)
+        persist(self, driver, record.round, row)
         saved: dict[str, Any] = {}
         if record.stopped:
             self.stopped_round = record.round
-            saved = self.savings(record.round)
+            saved = savings(self, record.round)
+        final = record.stopped or record.round >= self.cfg.rounds
         self.status(
-            "stopped"
-            if record.stopped
-            else "training"
-            if record.round < self.cfg.rounds
-            else "done",
+            "stopped" if record.stopped else "done" if final else "training",
             record.round,
-            {k: row[k] for k in STATUS_FIGURES} | saved | {"record": row},
+            {k: row[k] for k in STATUS_FIGURES}
+            | saved
+            | {"record": row}
+            | ({"records": recent_records(self)} if final else {}),
             driver.votes,
         )
         self.inbox.forget_before(record.round - 1)
         if self.on_round:
             self.on_round(row)
         return row
-
-    def savings(self, round_: int) -> dict[str, Any]:
-        """What stopping after `round_` saves, for the status (from the round log)."""
-        records = checkpoint.read_records(self.records_path)
-        ran: list[Mapping[str, Any]] = [records[r] for r in sorted(records) if r <= round_]
-        return {"saved": early_stop_savings(ran, round_, self.cfg.rounds)}
 
     def start_together(self, driver: RoundDriver) -> None:
         """Subscribe, say so in a status, and wait (at most a round timeout) for the others.
@@ -483,60 +498,6 @@ class Session:
             timeout += rounds_left * (self.timeouts.round_s + self.timeouts.vote_s)
         self.inbox.wait_finished(others, self.stop, timeout)
 
-    # ------------------------------------------------------------------ persistence
-
-    def persist(self, driver: RoundDriver, round_: int, record: dict[str, Any]) -> None:
-        """Checkpoint (with the round's record), then log the record.
-
-        A crash before the checkpoint redoes the round; a crash between the two is repaired
-        by `restore`, which logs the checkpoint's record if it is missing: no round is ever
-        lost or logged twice. A full disk raises `DiskFullError` and leaves the previous
-        checkpoint in place.
-        """
-        checkpoint.save(
-            self.checkpoint_path,
-            {
-                "run_id": self.run_info.run_id,
-                "agent": self.me,
-                "round": round_,
-                "weights": self.state.weights,
-                "masks": self.state.masks or {},
-                "distances": self.state.distances,
-                "stop_watch": dataclasses.asdict(self.early.watch),
-                "record": record,
-                **driver.checkpoint(round_),
-            },
-        )
-        checkpoint.append_record(self.records_path, record)
-
-    def restore(self, driver: RoundDriver) -> int:
-        """Resume from the checkpoint of this run, if any; returns the last completed round."""
-        saved = checkpoint.load(self.checkpoint_path)
-        if saved is None:
-            return 0
-        if saved["run_id"] != self.run_info.run_id or saved["agent"] != self.me:
-            log.warning("ignoring checkpoint of another run or agent in %s", self.checkpoint_path)
-            return 0
-        # The log may end torn (a crash or a full disk mid-line): repaired before appending.
-        if saved["round"] not in checkpoint.repair_records(self.records_path):
-            checkpoint.append_record(self.records_path, saved["record"])
-        self.state = dataclasses.replace(
-            self.state,
-            weights=saved["weights"],
-            masks=saved["masks"] or None,
-            distances=list(saved["distances"]),
-            round=saved["round"],
-        )
-        self.early.watch = StopWatch(**saved.get("stop_watch", {}))
-        if saved["record"].get("stopped"):
-            self.stopped_round = int(saved["round"])
-        driver.restore(saved)
-        self.say(
-            f"run {self.run_info.run_id}: resuming after round {saved['round']} of "
-            f"{self.cfg.rounds} from its checkpoint"
-        )
-        return int(saved["round"])
-
 
 def follow_fleet(session: Session) -> None:
     """Subscribe to who is ready, stopped or gone (the start barrier, the needs left out and
@@ -559,9 +520,14 @@ def follow_everyone(session: Session) -> None:
     vote history, every vote and every presence, so the run goes on without its tallies."""
     # A keeper leaves when its run is over for it, often while this agent lingers: only a
     # keeper lost before this agent's last round is worth a warning.
-    lost = log.info if session.finished else log.warning
-    lost("the tally keeper %s went offline: following every agent", session.run_info.keeper)
-    session.transport.subscribe(topics.status(session.fleet), session.inbox.on_status)
-    vote = topics.round_topic(session.fleet, "+", "vote")
-    session.transport.subscribe(vote, session.inbox.on_vote)
-    session.transport.subscribe(topics.presence(session.fleet), session.inbox.on_presence)
+    with session.following:
+        # The keeper's offline presence may be handled after the run ended here; then its
+        # subscriptions would outlive the run: every status of the fleet in every later run.
+        if session.over:
+            return
+        lost = log.info if session.finished else log.warning
+        lost("the tally keeper %s went offline: following every agent", session.run_info.keeper)
+        session.transport.subscribe(topics.status(session.fleet), session.inbox.on_status)
+        vote = topics.round_topic(session.fleet, "+", "vote")
+        session.transport.subscribe(vote, session.inbox.on_vote)
+        session.transport.subscribe(topics.presence(session.fleet), session.inbox.on_presence)

@@ -106,10 +106,10 @@ class WholeModels:
     def gather(self, round_: int, needs: set[Need], deadline: float, fetch: Fetcher) -> Gathered:
         """Wait for every need's model; a straggler's stands in by its newest one held (its
         initial model if none). A neighbour gone offline is a straggler at once."""
-        inbox, learner = self.session.inbox, self.session.learner
+        inbox = self.session.inbox
         for r, j in needs:
             if r == 0:
-                inbox.put_model(0, j, learner.published(learner.init_agent(j), 0))
+                inbox.put_model(0, j, self.session.round0_model(j))
         awaited = fetch.await_needs(round_, needs, deadline, inbox.model, inbox.wait_models)
         gone = inbox.gone()
         models: dict[str, Published] = {}
@@ -119,7 +119,7 @@ class WholeModels:
             if model is None:
                 stragglers.append(j)
                 fallback = inbox.latest(j, r)
-                model = fallback[1] if fallback else learner.published(learner.init_agent(j), 0)
+                model = fallback[1] if fallback else self.session.round0_model(j)
                 why = "is offline" if j in gone else "did not deliver in time"
                 log.warning("round %d: %s %s: no round %d model", round_, j, why, r)
             models[j] = model

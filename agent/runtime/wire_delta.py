@@ -26,10 +26,11 @@ class DeltaWire(WholeModels):
         super().__init__(session)
         self.recon = session.learner.published(session.state, 0)
         """This agent's model as its peers rebuild it from its deltas."""
-        self.whole_after_restart = 0
+        self.whole_after_restart = 0 if session.warm_start is None else 1
         """Models to send whole: after a restart the round redone may differ from what went
         out before the crash, and peers keep the first copy they got; the round after it,
-        sent whole too, puts sender and receivers back on one copy."""
+        sent whole too, puts sender and receivers back on one copy. Round 1 of an agent that
+        started from its own model goes whole: its peers cannot derive the first base."""
         self.seeded = False
 
     @staticmethod
@@ -45,8 +46,7 @@ class DeltaWire(WholeModels):
         if not self.seeded:
             self.seeded = True
             for j in session.roster:
-                initial = session.learner.init_agent(j)
-                session.inbox.put_model(0, j, session.learner.published(initial, 0))
+                session.inbox.put_model(0, j, session.round0_model(j))
         return {topics.round_topic(session.fleet, "+", "model")}
 
     def encode(self, round_: int, result: RoundResult) -> tuple[bytes, bytes, Published]:

@@ -20,7 +20,7 @@ from agent.runtime.codec import divergence_message, model_message, values_sent
 from agent.runtime.layer_server import LayerServer
 from agent.runtime.session import Session
 from agent.runtime.wire import Fetcher, Gathered, announced_topics
-from protocol import messages, topics
+from protocol import fits_one_frame, messages, topics
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class LayersWire:
                 weights=part.weights,
                 masks=part.masks,
             )
-            retain = session.transport.fits_one_frame(data)
+            retain = fits_one_frame(len(data), session.transport.options.chunk_size)
             session.send(self.topic((round_, session.me), layer), data, retain=retain)
             yield layer, values_sent(part.weights, part.masks), retain
 
@@ -121,8 +121,8 @@ class LayersWire:
         """Wait for the neighbours' divergence vectors, pick the layers, fetch them. Round-0
         models are derivable and taken whole; a neighbour counts for the layers that came
         (none if it sent nothing)."""
-        inbox, learner = self.session.inbox, self.session.learner
-        models = {j: learner.published(learner.init_agent(j), 0) for r, j in needs if r == 0}
+        inbox = self.session.inbox
+        models = {j: self.session.round0_model(j) for r, j in needs if r == 0}
         announced = {need for need in needs if need[0] >= 1}
         awaited = fetch.await_needs(
             round_, announced, deadline, inbox.divergence, inbox.wait_divergences

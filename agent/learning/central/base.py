@@ -97,6 +97,9 @@ class CentralStrategy(abc.ABC):
     name: ClassVar[str] = ""
     personal: ClassVar[bool] = False
     """Whether an agent's accuracy is its own model's (True) or the new global model's."""
+    trains_own: ClassVar[bool] = False
+    """Whether `fit` trains from the agent's own weights (in part) rather than wholly from
+    the server's: only then can a device start a run from its own model (`init`)."""
     downloads: ClassVar[bool] = False
     """Whether each participant fetches its own part of the global model every round."""
     asks_layers: ClassVar[bool] = False

@@ -127,6 +127,7 @@ class FedSPU(ActivePart):
     """Freeze a random 1 - p_k of the neurons; exchange and aggregate the active part only."""
 
     name = "fedspu"
+    trains_own = True
 
     def active(
         self, learner: Learner, server: ServerState, agent_id: str, round_: int, p_k: float
