@@ -32,6 +32,7 @@ from protocol import (
     PublishQueueFull,
     TlsOptions,
     TransportOptions,
+    fits_one_frame,
     messages,
     split,
     topics,
@@ -399,8 +400,8 @@ def test_a_cleared_retained_message_is_gone_and_its_clearing_is_not_a_malformed_
     kept, gone = f"{FLEET}/layer/0", f"{FLEET}/layer/1"
     received, handler = collector()
     with transport(broker.address, "server") as server:
-        assert server.fits_one_frame(b"x" * 1000)
-        assert not server.fits_one_frame(b"x" * (server.options.chunk_size + 1))
+        assert fits_one_frame(1000, server.options.chunk_size)
+        assert not fits_one_frame(server.options.chunk_size + 1, server.options.chunk_size)
         for topic in (kept, gone):
             assert server.publish(topic, topic.encode(), retain=True).wait_for_publish(WAIT_S)
         with transport(broker.address, "watcher", subscribe={f"{FLEET}/layer/#": handler}) as w:
