@@ -283,7 +283,7 @@ class AgentService:
         self.say = options.say
         self.runs_done = 0
         self.last_run: dict[str, Any] | None = None
-        """How this process's last run ended (`Session.ending`), carried by idle statuses."""
+        """How this process's last run ended (`run_files.ending`), carried by idle statuses."""
         self.models = ModelStore(options.state_dir)
         self.run_models = RunModels(self.models, self.me, options.keep_best, self.say)
 

@@ -71,13 +71,14 @@ class CentralizedRounds:
         self.attacker = session.me in attackers(session.config, session.roster)
         """Research (`--attackers`): this agent uploads poisoned models."""
         self._uploads: list[tuple[str, bytes]] = []
+        """What the latest uploading round sent the aggregator, to send again if lost."""
         self._uploads_round = 0
         """The round `_uploads` belong to: kept into the next round until its first upload,
         since a FedSPU-family agent goes on without a broadcast and an aggregator that
         restarts then still lacks them."""
-        """What this round sent the aggregator, to send again if it restarts."""
         self._uploaded_to: tuple[float | None, int] = (None, 0)
-        """The birth of the aggregator that this round's uploads went to."""
+        """The birth of the aggregator those uploads went to, and this transport's
+        connection count then (`transport.connects`)."""
 
     # ------------------------------------------------------------------ wiring
 
