@@ -17,10 +17,10 @@ import click
 from click.core import ParameterSource
 
 from agent.device import resolve_device
-from agent.experiment import ExperimentConfig, check_networked, data_misfit
+from agent.experiment import ExperimentConfig, check_networked, data_misfit, fingerprinted
 from agent.files import DiskFullError
 from agent.model_store import DEFAULT_KEEP_RUNS, MODEL_ONNX, ModelStore
-from agent.onnx_export import OnnxModel, load_inputs
+from agent.onnx_export import RECONSTRUCTION, OnnxModel, load_inputs
 from agent.options import experiment_options
 from agent.own_data import OwnData, load_own_data
 from agent.runfile import load_run_file, parse_run_table, run_timeouts
@@ -104,13 +104,17 @@ def wanted_run(
     if expect is not None and expect != runfile.wanted:
         raise ValueError(f"--expect {expect} but the run file wants {runfile.wanted} agents")
     expect = runfile.wanted
-    wanted = runfile.config(expect)
+
+    def own_config(roster_size: int) -> ExperimentConfig:
+        return fingerprinted(runfile.config(roster_size))
+
+    wanted = own_config(expect)
     check_networked(wanted, aggregator=False)
     if own is not None and wanted.on_devices and (problem := data_misfit(wanted, own)):
         raise ValueError(f"{own.path}: the data does not fit the run: {problem}")
     # A run file fixes the run's timeouts for every agent; flags leave each agent its own.
     timeouts = run_timeouts(runfile.timeouts) if run_file is not None else {}
-    return expect, runfile.config, timeouts
+    return expect, own_config, timeouts
 
 
 def find_broker(
@@ -172,9 +176,10 @@ class Hosted:
 @click.option(
     "--data",
     "data_path",
-    type=click.Path(exists=True),
-    help="This device's own data, used whole and never sent: an .npz (x, y), a .csv "
-    "(numeric features and a 'label' column) or a folder with a sub-folder of images per class.",
+    type=str,
+    help="This device's own data, used whole and never sent: an .npz (x, and y if any), a .csv "
+    "(numeric features and a 'label' or 'target' column), a folder with a sub-folder of images "
+    "per class, or python:MODULE:FUNCTION (called again for every run).",
 )
 @click.option("--profile", default=None, help="Device profile name or TOML file.")
 @click.option(
@@ -537,6 +542,14 @@ def use_model(ctx: click.Context, run_id: str) -> None:
     200,
     "Samples to time one at a time for the per-sample latency.",
 )
+@click.option(
+    "--threshold",
+    type=float,
+    default=None,
+    metavar="X",
+    help="Reconstruction models: flag the samples whose reconstruction_error exceeds X as "
+    "anomalies.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (predictions and latency).")
 @click.pass_context
 def predict(
@@ -545,24 +558,38 @@ def predict(
     model_path: str | None,
     threads: int,
     latency_samples: int,
+    threshold: float | None,
     as_json: bool,
 ) -> None:
-    """Classify INPUTS (.npy, or .npz with x) with an exported personalized model."""
+    """Run an exported personalized model on INPUTS (.npy, or .npz with x), by the task in
+    its metadata: each sample's class (classification, and models exported without a task),
+    its predicted values (regression), or its reconstruction_error, the mean squared
+    difference between the output and the input (reconstruction, an autoencoder)."""
+    if threshold is not None and not 0 <= threshold < float("inf"):
+        raise click.BadParameter("must be a finite number >= 0", param_hint="--threshold")
+    path = model_path or named_state_dir(ctx) / MODEL_ONNX
     try:
-        model = OnnxModel.load(model_path or named_state_dir(ctx) / MODEL_ONNX, threads=threads)
-        x = load_inputs(inputs, model.input_shape)
+        model = OnnxModel.load(path, threads=threads)
+        task = model.task
     except (ValueError, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from None
-    classes = model.predict(x).argmax(axis=1).tolist()
+    if threshold is not None and task != RECONSTRUCTION:
+        # Checked before the inputs are read: the flag is wrong whatever they hold.
+        raise ConfigError(
+            f"--threshold applies to reconstruction models only; {path} is a {task} model"
+        )
+    try:
+        x = load_inputs(inputs, model.input_shape)
+        answer = model.answer(x, threshold)
+    except (ValueError, FileNotFoundError) as exc:
+        raise click.ClickException(str(exc)) from None
     stats = model.benchmark(x[:latency_samples]) if latency_samples else None
     if as_json:
-        click.echo(
-            json.dumps(
-                {"predictions": classes, "latency": dataclasses.asdict(stats) if stats else None}
-            )
-        )
+        latency = dataclasses.asdict(stats) if stats else None
+        click.echo(json.dumps({**answer.fields(), "latency": latency}))
         return
-    click.echo(" ".join(map(str, classes)))
+    for line in answer.lines():
+        click.echo(line)
     if stats:
         say(
             f"per-sample latency over {stats.samples} samples: mean "

@@ -1,15 +1,18 @@
 """Datasets and their partition across a fleet: pure functions, deterministic for a seed.
 
-A `Dataset` is one pool of labelled samples. `partition` splits it into a train pool and a test
-pool, deals the train pool out to the agents (IID, Dirichlet label skew, pathological classes,
-or the dataset's natural groups), splits each agent's share into train and validation, and
-draws each agent a test set with its own label mix. Every agent process of a fleet can run the
-same call with the same seed and keep its own entry, so the data never has to travel.
+A `Dataset` is one pool of samples: labelled (classification), with float targets (regression)
+or with x alone (reconstruction; see `for_task`). `partition` splits it into a train pool and a
+test pool, deals the train pool out to the agents (IID, Dirichlet label skew, pathological
+classes, or the dataset's natural groups), splits each agent's share into train and validation,
+and draws each agent a test set with its own label mix. Every agent process of a fleet can run
+the same call with the same seed and keep its own entry, so the data never has to travel.
+Samples without labels count as one class throughout, so their splits are plain seeded shuffles.
 """
 
 from __future__ import annotations
 
 import codecs
+import inspect
 import logging
 import math
 import os
@@ -18,7 +21,7 @@ import random
 import threading
 import zipfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
 
@@ -50,7 +53,11 @@ CIFAR10_CLASSES = (
 
 @dataclass(frozen=True, eq=False)
 class Dataset:
-    """A pool of samples: x float32 of shape (n, *input_shape), y int64 in [0, num_classes).
+    """A pool of samples: x float32 of shape (n, *input_shape) and one of three kinds of y:
+
+    - int64 labels (n,) in [0, num_classes), num_classes >= 2 (classification);
+    - float32 targets (n,) or (n, d), all finite, num_classes 0 (regression);
+    - float32 of shape (n, 0), num_classes 0: no targets at all (reconstruction).
 
     `groups` (int64 per sample, or None) names the source each sample came from (the device
     that generated it in `synthetic`); the `natural` partition deals whole groups to agents.
@@ -67,10 +74,30 @@ class Dataset:
     groups: np.ndarray | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if self.x.dtype != np.float32 or self.y.dtype != np.int64:
+        if self.x.dtype != np.float32 or self.y.dtype not in (np.int64, np.float32):
             raise ValueError(
-                f"{self.name}: x must be float32 and y int64, got {self.x.dtype} and {self.y.dtype}"
+                f"{self.name}: x must be float32 and y int64 (labels) or float32 (targets), "
+                f"got {self.x.dtype} and {self.y.dtype}"
             )
+        if self.has_labels:
+            self._check_labels()
+        else:
+            self._check_targets()
+        if tuple(self.x.shape[1:]) != tuple(self.input_shape):
+            raise ValueError(
+                f"{self.name}: samples have shape {self.x.shape[1:]}, expected {self.input_shape}"
+            )
+        if self.groups is not None and self.groups.shape != (len(self.x),):
+            raise ValueError(f"{self.name}: groups must have one entry per sample")
+        if not np.isfinite(self.x).all():
+            raise ValueError(f"{self.name}: x holds NaN or infinite values")
+        if self.x.strides != _standard_strides(self.x):
+            # PyTorch picks kernels by strides, even those of size-1 dimensions: the same
+            # values laid out as (160, 0, 4) or (160, 160, 4) train to different last bits.
+            object.__setattr__(self, "x", np.array(self.x, order="C"))
+
+    def _check_labels(self) -> None:
+        """y int64: one label per sample, in [0, num_classes), with names to match."""
         if self.y.ndim != 1 or len(self.x) != len(self.y):
             raise ValueError(
                 f"{self.name}: x has {len(self.x)} samples but y has shape "
@@ -78,10 +105,6 @@ class Dataset:
             )
         if len(self.y) == 0:
             raise ValueError(f"{self.name}: no samples")
-        if tuple(self.x.shape[1:]) != tuple(self.input_shape):
-            raise ValueError(
-                f"{self.name}: samples have shape {self.x.shape[1:]}, expected {self.input_shape}"
-            )
         if self.num_classes < 2 or self.y.min() < 0 or self.y.max() >= self.num_classes:
             raise ValueError(
                 f"{self.name}: labels must lie in [0, {self.num_classes}) with at "
@@ -91,17 +114,34 @@ class Dataset:
             raise ValueError(
                 f"{self.name}: {len(self.class_names)} class names for {self.num_classes} classes"
             )
-        if self.groups is not None and self.groups.shape != self.y.shape:
-            raise ValueError(f"{self.name}: groups must have one entry per sample")
-        if not np.isfinite(self.x).all():
-            raise ValueError(f"{self.name}: x holds NaN or infinite values")
-        if self.x.strides != _standard_strides(self.x):
-            # PyTorch picks kernels by strides, even those of size-1 dimensions: the same
-            # values laid out as (160, 0, 4) or (160, 160, 4) train to different last bits.
-            object.__setattr__(self, "x", np.array(self.x, order="C"))
+
+    def _check_targets(self) -> None:
+        """y float32: one finite target (or row of targets, maybe empty) per sample, and no
+        classes. A target row is made C-ordered, as x is, so batches slice it alike."""
+        if self.y.ndim not in (1, 2) or len(self.x) != len(self.y):
+            raise ValueError(
+                f"{self.name}: x has {len(self.x)} samples but y has shape "
+                f"{self.y.shape}; need one target or row of targets per sample"
+            )
+        if len(self.y) == 0:
+            raise ValueError(f"{self.name}: no samples")
+        if self.num_classes or self.class_names:
+            raise ValueError(
+                f"{self.name}: float targets y come with num_classes 0 and no class names, "
+                f"got {self.num_classes} classes"
+            )
+        if not np.isfinite(self.y).all():
+            raise ValueError(f"{self.name}: y holds NaN or infinite targets")
+        if self.y.strides != _standard_strides(self.y):
+            object.__setattr__(self, "y", np.array(self.y, order="C"))
+
+    @property
+    def has_labels(self) -> bool:
+        """Whether y holds class labels (int64); else float targets, maybe none."""
+        return bool(self.y.dtype == np.int64)
 
     def __len__(self) -> int:
-        return len(self.y)
+        return len(self.x)
 
 
 def _standard_strides(a: np.ndarray) -> tuple[int, ...]:
@@ -115,19 +155,21 @@ def _standard_strides(a: np.ndarray) -> tuple[int, ...]:
 
 @dataclass(frozen=True, eq=False)
 class Split:
-    """Samples of one agent's split; `idx` are their positions in the source Dataset."""
+    """Samples of one agent's split; `idx` are their positions in the source Dataset, and y
+    has the source's dtype and row shape (labels, targets or (k, 0) for none)."""
 
     x: np.ndarray
     y: np.ndarray
     idx: np.ndarray
 
     def __len__(self) -> int:
-        return len(self.y)
+        return len(self.x)
 
 
 @dataclass(frozen=True, eq=False)
 class AgentData:
-    """One agent's data: train and val come from its share, test from the held-out pool."""
+    """One agent's data: train and val come from its share, test from the held-out pool.
+    `num_classes` is the dataset's (0 without labels)."""
 
     agent: int
     train: Split
@@ -138,8 +180,19 @@ class AgentData:
 
 
 def label_counts(y: np.ndarray, num_classes: int) -> np.ndarray:
-    """Number of samples per class, length num_classes."""
+    """Number of samples per class, length num_classes (labels only: for a dataset without
+    them, count `strata_of(dataset)` over 1 class)."""
     return np.bincount(y, minlength=num_classes)
+
+
+def strata_of(dataset: Dataset) -> tuple[np.ndarray, int]:
+    """What splits are stratified by, and how many values it takes: the labels and
+    num_classes of a labelled dataset; for one without labels, a single class 0 for every
+    sample, so that the stratified splits become plain seeded shuffles (and labelled
+    datasets split exactly as they always did)."""
+    if dataset.has_labels:
+        return dataset.y, dataset.num_classes
+    return np.zeros(len(dataset), np.int64), 1
 
 
 # ---------------------------------------------------------------- built-in datasets
@@ -236,31 +289,55 @@ def load_synthetic(
 
 
 def load_npz(path: str | Path) -> Dataset:
-    """An .npz with `x` (n, *input_shape), channels first, and integer labels `y` (n,).
+    """An .npz with `x` (n, *input_shape), channels first, and optionally `y`:
 
-    uint8 x is scaled to [0, 1]; other numeric types are used as they are. An optional scalar
-    `num_classes` overrides max(y) + 1. Loaded with allow_pickle=False: no code runs on load.
+    - integer y (n,): class labels, as ever; an optional scalar `num_classes` overrides
+      max(y) + 1;
+    - float y (n,) or (n, d): regression targets (cast to float32);
+    - no y: samples alone, for reconstruction (y becomes float32 of shape (n, 0)).
+
+    uint8 x is scaled to [0, 1]; other numeric types are used as they are. Loaded with
+    allow_pickle=False: no code runs on load. Every problem is one line naming the file.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"npz file not found: {path}")
     with np.load(path, allow_pickle=False) as npz:
-        missing = {"x", "y"} - set(npz.files)
-        if missing:
-            raise ValueError(f"{path}: missing array(s) {sorted(missing)}; found {npz.files}")
-        x, y = npz["x"], npz["y"]
+        if "x" not in npz.files:
+            raise ValueError(f"{path}: missing array(s) ['x']; found {npz.files}")
+        x = npz["x"]
+        y = npz["y"] if "y" in npz.files else None
         num_classes = int(npz["num_classes"]) if "num_classes" in npz.files else None
     if x.ndim < 2 or not np.issubdtype(x.dtype, np.number):
         raise ValueError(f"{path}: x must be numeric with shape (n, ...), got {x.dtype} {x.shape}")
+    if len(x) == 0:
+        raise ValueError(f"{path}: no samples")
+    with np.errstate(over="ignore"):  # too large for float32: inf, refused below
+        xf = x.astype(np.float32) / 255.0 if x.dtype == np.uint8 else x.astype(np.float32)
+    if not np.isfinite(xf).all():
+        raise ValueError(f"{path}: x holds NaN or infinite values")
+    shape = tuple(x.shape[1:])
+    if y is None:
+        return Dataset("npz", xf, np.zeros((len(x), 0), np.float32), 0, shape)
+    if y.dtype.kind == "f" and y.ndim in (1, 2):
+        with np.errstate(over="ignore"):  # too large for float32: inf, refused below
+            targets = y.astype(np.float32)
+        if len(x) != len(y):
+            raise ValueError(f"{path}: x has {len(x)} samples but y has {len(y)} targets")
+        if not np.isfinite(targets).all():
+            raise ValueError(f"{path}: y holds NaN or infinite targets (as float32)")
+        return Dataset("npz", xf, targets, 0, shape)
     if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
-        raise ValueError(f"{path}: y must be a 1-D integer array, got {y.dtype} {y.shape}")
+        raise ValueError(
+            f"{path}: y must be a 1-D integer array (labels) or a float array of shape (n,) "
+            f"or (n, d) (targets), got {y.dtype} {y.shape}"
+        )
     if len(x) != len(y):
         raise ValueError(f"{path}: x has {len(x)} samples but y has {len(y)} labels")
     if len(y) and y.min() < 0:
         raise ValueError(f"{path}: labels must be >= 0, got {y.min()}")
-    xf = x.astype(np.float32) / 255.0 if x.dtype == np.uint8 else x.astype(np.float32)
     classes = num_classes if num_classes is not None else int(y.max()) + 1 if len(y) else 0
-    return Dataset("npz", xf, y.astype(np.int64), classes, tuple(x.shape[1:]))
+    return Dataset("npz", xf, y.astype(np.int64), classes, shape)
 
 
 def load_imagefolder(
@@ -377,6 +454,211 @@ def load_cifar10(path: str | Path) -> Dataset:
     return Dataset("cifar10", x, np.concatenate(ys), 10, (3, 32, 32), CIFAR10_CLASSES)
 
 
+# ---------------------------------------------------------------- data from the user's code
+
+PYTHON_SOURCE = "python:"
+"""Prefix of a dataset spec naming a callable data source: python:MODULE:FUNCTION or
+python:./FILE.py:FUNCTION (`load_python`)."""
+_RETURNS = "x, (x, y) or a dict with 'x' and optional 'y' and 'groups'"
+
+
+def call_data_source(
+    spec: str, seed: int | None = None
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """x, y and groups from the callable `spec` names (MODULE:FUNCTION or ./FILE.py:FUNCTION,
+    without the python: prefix): x float32 C-ordered, y int64 (integer labels) or float32
+    (targets) or None, groups int64 or None.
+
+    The callable is called anew on every load, never cached: a device that collected more
+    data since the last run trains on it in the next. It gets `seed=seed` if it takes a
+    `seed` (and a seed is given), nothing otherwise, and returns x, (x, y), or a dict with
+    "x" and optional "y" and "groups": numpy arrays or torch tensors. x is converted, not
+    scaled (a source scales its own data). Whatever it raises or returns wrong becomes one
+    ValueError line naming the source, never a traceback.
+    """
+    from agent.learning.user_code import load_callable  # imports torch: only when used
+
+    name = PYTHON_SOURCE + spec
+    source = load_callable(spec, "data source")
+    try:
+        returned = source(**_seed_argument(source, seed))
+    except Exception as exc:
+        raise ValueError(
+            f"data source {name} failed: {type(exc).__name__}: {_first_line(exc)}"
+        ) from None
+    x, y, groups = _unpack(name, returned)
+    return _features(name, x), _targets(name, y), _groups(name, groups)
+
+
+def load_python(spec: str, seed: int) -> Dataset:
+    """The dataset a callable data source returns (see `call_data_source`), named
+    python:SPEC: integer y gives labels 0..max(y), float y targets, no y samples alone."""
+    x, y, groups = call_data_source(spec, seed)
+    name, shape = PYTHON_SOURCE + spec, tuple(x.shape[1:])
+    if y is None:
+        y = np.zeros((len(x), 0), np.float32)
+    classes = int(y.max()) + 1 if y.dtype == np.int64 and y.size else 0
+    return Dataset(name, x, y, classes, shape, (), groups)
+
+
+def _seed_argument(source: Callable[..., object], seed: int | None) -> dict[str, int]:
+    """{'seed': seed} if `source` takes a keyword `seed` (or any keyword), else {}."""
+    if seed is None:
+        return {}
+    try:
+        parameters = inspect.signature(source).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: call it bare
+        return {}
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    takes = any(
+        p.kind is inspect.Parameter.VAR_KEYWORD or (p.name == "seed" and p.kind in keyword)
+        for p in parameters
+    )
+    return {"seed": seed} if takes else {}
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else "(no message)"
+
+
+def _unpack(name: str, returned: object) -> tuple[object, object, object]:
+    """(x, y, groups) of what a data source returned; y and groups may be None."""
+    if isinstance(returned, dict):
+        keys = sorted(str(k) for k in returned)
+        if "x" not in returned or set(keys) - {"x", "y", "groups"}:
+            raise ValueError(
+                f"data source {name} returned a dict with keys {keys}; expected {_RETURNS}"
+            )
+        return returned["x"], returned.get("y"), returned.get("groups")
+    if isinstance(returned, tuple):
+        if len(returned) != 2:
+            raise ValueError(
+                f"data source {name} returned a tuple of {len(returned)} items; expected {_RETURNS}"
+            )
+        return returned[0], returned[1], None
+    if not _is_array(returned):
+        raise ValueError(
+            f"data source {name} returned {type(returned).__name__}; expected {_RETURNS}"
+        )
+    return returned, None, None
+
+
+def _is_array(value: object) -> bool:
+    if isinstance(value, np.ndarray):
+        return True
+    import torch  # the data source's module has imported it if it made a tensor
+
+    return isinstance(value, torch.Tensor)
+
+
+def _as_numpy(name: str, what: str, value: object) -> np.ndarray:
+    """A numpy array or a torch tensor as a numpy array (a tensor copied to the CPU)."""
+    if isinstance(value, np.ndarray):
+        return value
+    if not _is_array(value):
+        raise ValueError(
+            f"data source {name} returned {what} as {type(value).__name__}; "
+            "expected a numpy array or a torch tensor"
+        )
+    import torch
+
+    assert isinstance(value, torch.Tensor)
+    tensor = value.float() if value.dtype == torch.bfloat16 else value  # numpy has no bfloat16
+    return tensor.numpy(force=True)
+
+
+def _features(name: str, value: object) -> np.ndarray:
+    x = _as_numpy(name, "x", value)
+    if x.dtype.kind not in "iuf" or x.ndim < 2 or len(x) == 0:
+        raise ValueError(
+            f"data source {name} returned x of {x.dtype} {x.shape}; expected numbers of "
+            "shape (n, ...) with n >= 1"
+        )
+    with np.errstate(over="ignore"):  # too large for float32: inf, which Dataset refuses
+        return np.ascontiguousarray(x, dtype=np.float32)
+
+
+def _targets(name: str, value: object) -> np.ndarray | None:
+    """Integer y as int64 labels, floating y as float32 targets."""
+    if value is None:
+        return None
+    y = _as_numpy(name, "y", value)
+    if y.dtype.kind == "f":
+        with np.errstate(over="ignore"):  # too large for float32: inf, which Dataset refuses
+            return np.ascontiguousarray(y, dtype=np.float32)
+    if y.dtype.kind in "iu" and (y.size == 0 or y.max() <= np.iinfo(np.int64).max):
+        return y.astype(np.int64)
+    raise ValueError(
+        f"data source {name} returned y of {y.dtype}; expected integer class labels or "
+        "float targets"
+    )
+
+
+def _groups(name: str, value: object) -> np.ndarray | None:
+    if value is None:
+        return None
+    groups = _as_numpy(name, "groups", value)
+    if groups.dtype.kind not in "iu" or groups.ndim != 1:
+        raise ValueError(
+            f"data source {name} returned groups of {groups.dtype} {groups.shape}; expected "
+            "one integer per sample"
+        )
+    return groups.astype(np.int64)
+
+
+# ---------------------------------------------------------------- tasks
+
+TASKS = ("classification", "regression", "reconstruction")
+"""What a dataset may serve; agent.learning.tasks.TASKS names the same three."""
+
+
+def for_task(dataset: Dataset, task: str) -> Dataset:
+    """`dataset` as `task` uses it, or ValueError (one line) if it cannot serve it.
+
+    classification needs integer labels and takes the dataset as it is; regression takes
+    float targets as they are and labels as float32 targets (n,), but needs some y;
+    reconstruction needs no y, so it is replaced by float32 of shape (n, 0) (groups kept),
+    and every split then carries x alone.
+    """
+    _check_task(dataset, task)
+    if task == "regression" and dataset.has_labels:
+        return replace(dataset, y=dataset.y.astype(np.float32), num_classes=0, class_names=())
+    if task == "reconstruction" and dataset.y.shape != (len(dataset), 0):
+        empty = np.zeros((len(dataset), 0), np.float32)
+        return replace(dataset, y=empty, num_classes=0, class_names=())
+    return dataset
+
+
+def num_outputs(dataset: Dataset, task: str) -> int:
+    """How many values the model outputs per sample for `task` on `dataset`: its classes,
+    its targets per sample (1 for y of shape (n,)), or the size of one sample
+    (reconstruction); ValueError as `for_task` when the dataset cannot serve the task."""
+    _check_task(dataset, task)
+    if task == "classification":
+        return dataset.num_classes
+    if task == "reconstruction":
+        return math.prod(dataset.input_shape)
+    return 1 if dataset.y.ndim == 1 else int(dataset.y.shape[1])
+
+
+def _check_task(dataset: Dataset, task: str) -> None:
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+    has_none = dataset.y.ndim == 2 and dataset.y.shape[1] == 0
+    if task == "classification" and not dataset.has_labels:
+        what = "has no y" if has_none else f"has float targets of shape {dataset.y.shape}"
+        raise ValueError(
+            f"dataset {dataset.name!r} {what}, but classification needs y to be integer "
+            "class labels"
+        )
+    if task == "regression" and has_none:
+        raise ValueError(
+            f"dataset {dataset.name!r} has no y, but regression needs targets y (float, of "
+            "shape (n,) or (n, d))"
+        )
+
+
 def _numbers(spec: str, text: str) -> list[float]:
     try:
         return [float(v) for v in text.split(",")]
@@ -454,10 +736,14 @@ def _read_cached(path: Path) -> Dataset:
 
 def load_dataset(spec: str, *, seed: int) -> Dataset:
     """Load a dataset by spec: `digits`, `mnist1d`, `synthetic[:ALPHA,BETA[,GROUPS]]`,
-    `npz:PATH`, `imagefolder:PATH` (32x32 RGB; call load_imagefolder for other sizes) or
-    `cifar10:PATH`. `seed` drives the generated datasets; loaded data does not need it.
-    Built-in datasets come from the dataset cache (see `cached`) once made."""
+    `npz:PATH`, `imagefolder:PATH` (32x32 RGB; call load_imagefolder for other sizes),
+    `cifar10:PATH` or `python:MODULE:FUNCTION` / `python:./FILE.py:FUNCTION` (the user's
+    callable, see `call_data_source`). `seed` drives the generated datasets (and goes to a
+    callable that takes one); loaded data does not need it. Built-in datasets come from the
+    dataset cache (see `cached`) once made; a callable is called again on every load."""
     kind, _, arg = spec.partition(":")
+    if spec.startswith(PYTHON_SOURCE):
+        return load_python(arg, seed)
     if kind in USER_DATASETS:
         if not arg:
             raise ValueError(f"dataset spec {spec!r} needs a path: {kind}:PATH")
@@ -485,7 +771,13 @@ def load_dataset(spec: str, *, seed: int) -> Dataset:
         )
     if kind in ("digits", "mnist1d"):
         raise ValueError(f"dataset {kind!r} takes no argument, got {spec!r}")
-    known = ", ".join([*BUILTIN_DATASETS, *(f"{k}:PATH" for k in USER_DATASETS)])
+    known = ", ".join(
+        [
+            *BUILTIN_DATASETS,
+            *(f"{k}:PATH" for k in USER_DATASETS),
+            f"{PYTHON_SOURCE}MODULE:FUNCTION",
+        ]
+    )
     raise ValueError(f"unknown dataset {spec!r}; known: {known}")
 
 
@@ -517,6 +809,24 @@ def _parse_partition(spec: str, num_classes_present: int) -> tuple[str, float]:
         f"unknown partition {spec!r}; known: iid, dirichlet:ALPHA, "
         f"pathological:CLASSES_PER_AGENT, natural"
     )
+
+
+def _check_fits(dataset: Dataset, spec: str, num_agents: int) -> None:
+    """Whether `spec` can deal `dataset` at all: the label-skew partitions deal by class (a
+    dataset without labels cannot take them), `natural` by group, and every agent needs a
+    sample."""
+    kind = spec.partition(":")[0]
+    if not dataset.has_labels and kind in ("dirichlet", "pathological"):
+        raise ValueError(
+            f"partition {spec} needs class labels; a regression or reconstruction run uses "
+            "iid or natural"
+        )
+    if kind == "natural" and dataset.groups is None:
+        raise ValueError(
+            f"partition 'natural' needs a dataset with groups; {dataset.name!r} has none"
+        )
+    if num_agents > len(dataset):
+        raise ValueError(f"{num_agents} agents but only {len(dataset)} samples")
 
 
 def _train_test_pools(
@@ -671,16 +981,16 @@ def partition(
        groups under `natural`). Within a class, sampling is without replacement unless the
        pool holds fewer samples than needed, then with replacement. Agents draw independently,
        so two agents may share test samples; a test sample is never anyone's training sample.
+
+    A dataset without labels (regression targets, or none) counts as one class in steps 1,
+    3 and 4, so its splits are seeded random ones of the same sizes; it takes `iid` or
+    `natural` only (ValueError for the label-skew partitions). Splits carry its y as it is.
     """
     _check_partition(num_agents, val_fraction, test_fraction, test_size, min_samples)
-    y, c, groups = dataset.y, dataset.num_classes, dataset.groups
+    y, c = strata_of(dataset)  # labels; without them, one class: plain random splits
+    groups = dataset.groups
+    _check_fits(dataset, spec, num_agents)
     kind, value = _parse_partition(spec, len(np.unique(y)))
-    if kind == "natural" and groups is None:
-        raise ValueError(
-            f"partition 'natural' needs a dataset with groups; {dataset.name!r} has none"
-        )
-    if num_agents > len(y):
-        raise ValueError(f"{num_agents} agents but only {len(y)} samples")
     rng = np.random.default_rng(seed)
     strata = y if groups is None else groups * c + y
     pool, test_pool = _train_test_pools(strata, test_fraction, rng)
@@ -714,7 +1024,7 @@ def partition(
                 _split(dataset, train_idx),
                 _split(dataset, val_idx),
                 _split(dataset, test_idx),
-                c,
+                dataset.num_classes,
                 dataset.input_shape,
             )
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -33,6 +34,9 @@ from agent.learning import (
     pruning,
     robust,
 )
+from agent.learning.config import BATCHNORM_MODES
+from agent.learning.tasks import TASKS, Task
+from agent.learning.user_code import fingerprint, is_import_path
 
 if TYPE_CHECKING:
     from agent.own_data import OwnData
@@ -65,7 +69,28 @@ class ExperimentConfig:
         "data (edge-agent --data).",
     )
     model: str | None = param(
-        None, f"Model: {', '.join(models.MODEL_NAMES)} [default: per dataset]."
+        None,
+        f"Model: {', '.join(models.MODEL_NAMES)}, or your own as MODULE:FUNCTION or "
+        "./FILE.py:FUNCTION, a function (input_shape, num_outputs) -> torch.nn.Module "
+        "[default: per dataset].",
+    )
+    task: str = param(
+        "classification",
+        f"What the model learns: {', '.join(TASKS)} (losses: cross-entropy; MSE or L1; MSE of "
+        "the reconstruction).",
+    )
+    loss: str = param(
+        "",
+        "Loss: mse or l1 for regression, or MODULE:FUNCTION taking (output, target) and "
+        "returning the batch's mean loss [default: the task's].",
+    )
+    metric: str = param(
+        "",
+        "Metric reports give: MODULE:FUNCTION taking (output, target) and returning per-sample "
+        "values [default: accuracy, mae or reconstruction_error, by task].",
+    )
+    metric_goal: str = param(
+        "", "max or min: whether a higher --metric is better [default: max for accuracy only]."
     )
     agents: int = param(20, "Number of agents K.")
     partition: str = param(
@@ -82,7 +107,12 @@ class ExperimentConfig:
     input_shape: tuple[int, ...] | None = run_param(
         None, "Input shape of one sample (channels first) under dataset 'device'."
     )
-    classes: int | None = run_param(None, "Number of classes under dataset 'device'.")
+    classes: int | None = run_param(
+        None, "Number of classes under dataset 'device' (task classification)."
+    )
+    targets: int = run_param(
+        1, "Target values per sample under dataset 'device' with task regression."
+    )
     min_samples: int = run_param(
         DEFAULT_MIN_SAMPLES, "Fewest samples an agent's own data may hold to join a run."
     )
@@ -110,7 +140,19 @@ class ExperimentConfig:
         "Under keep = 'latest': how much lower (absolute accuracy) a new run's model may be "
         "and still become current.",
     )
+    model_fingerprint: str = field(
+        default="",
+        metadata={"flag": False, "internal": True, "help": "Set by the coordinator."},
+    )
+    """A digest of the user model's parameter names and shapes (`user_code.fingerprint`),
+    set by the coordinator of a run on devices' own data: a device whose copy of the model
+    builds something else is rejected with its reason."""
     learning: StrategyConfig = field(default_factory=StrategyConfig)
+
+    @property
+    def the_task(self) -> Task:
+        """The run's `Task` (its loss and metric), checked: ValueError with one line."""
+        return Task(self.task, self.loss, self.metric, self.metric_goal)
 
     @property
     def on_devices(self) -> bool:
@@ -123,6 +165,7 @@ class ExperimentConfig:
         cfg = self.learning
         if self.agents < 1:
             raise ValueError(f"need at least 1 agent, got {self.agents}")
+        self.the_task  # noqa: B018 (builds and checks the task)
         if self.on_devices:
             check_device_data(self)
         if cfg.rounds < 1 or cfg.epochs < 1 or cfg.batch_size < 1:
@@ -151,6 +194,8 @@ class ExperimentConfig:
         StopRule.of(cfg)
         if cfg.ldf_n < 1:
             raise ValueError(f"--ldf-n must be >= 1, got {cfg.ldf_n}")
+        if cfg.batchnorm not in BATCHNORM_MODES:
+            raise ValueError(f"--batchnorm must be local or shared, got {cfg.batchnorm!r}")
         if cfg.wire not in WIRE_FORMATS:
             raise ValueError(f"--wire must be one of {', '.join(WIRE_FORMATS)}, got {cfg.wire}")
         if not 0 < cfg.delta_fraction <= 1:
@@ -203,8 +248,10 @@ def check_device_data(config: ExperimentConfig) -> None:
     shape = config.input_shape
     if not shape or any(not isinstance(d, int) or d < 1 for d in shape):
         raise ValueError(f"dataset 'device' needs an input_shape of positive sizes, got {shape}")
-    if config.classes is None or config.classes < 2:
+    if config.task == "classification" and (config.classes is None or config.classes < 2):
         raise ValueError(f"dataset 'device' needs classes >= 2, got {config.classes}")
+    if config.targets < 1:
+        raise ValueError(f"targets must be at least 1, got {config.targets}")
     if config.min_samples < 3:
         raise ValueError(f"min_samples must be at least 3, got {config.min_samples}")
 
@@ -226,7 +273,7 @@ class _SharedPartitions:
     """The process's shared dataset and partition (`share_partitions`), if sharing is on."""
 
     enabled: bool = False
-    last: dict[tuple[str, int, int, str], Partitioned] = field(default_factory=dict)
+    last: dict[tuple[str, int, int, str, str], Partitioned] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -266,14 +313,17 @@ def compute_slot() -> Iterator[None]:
 def partitioned(config: ExperimentConfig) -> Partitioned:
     """The run's dataset and its partition over the agents: made here, or the process's
     shared copy (`share_partitions`; the data is only read, never changed in place)."""
-    key = (config.dataset, config.seed, config.agents, config.partition)
+    key = (config.dataset, config.seed, config.agents, config.partition, config.task)
 
     def make() -> Partitioned:
-        dataset = datasets.load_dataset(config.dataset, seed=config.seed)
+        dataset = datasets.for_task(
+            datasets.load_dataset(config.dataset, seed=config.seed), config.task
+        )
         parts = datasets.partition(dataset, config.agents, config.partition, seed=config.seed)
         return dataset, parts
 
-    if not _SHARED.enabled:
+    # A python: source is the user's function, called for every run (it may have more data).
+    if not _SHARED.enabled or config.dataset.startswith(datasets.PYTHON_SOURCE):
         return make()
     with _SHARED.lock:
         if key not in _SHARED.last:
@@ -296,11 +346,12 @@ def build_workload(
         raise ValueError(f"the roster has {len(roster)} agents but the run expects {config.agents}")
     torch.set_num_threads(config.threads)
     if config.on_devices:
-        assert config.input_shape is not None and config.classes is not None  # validated
-        model_name, learner = build_learner(config, config.input_shape, config.classes)
+        assert config.input_shape is not None  # validated
+        model_name, learner = build_learner(config, config.input_shape, device_outputs(config))
         return Workload(model_name, learner, {})
     dataset, parts = partitioned(config)
-    model_name, learner = build_learner(config, dataset.input_shape, dataset.num_classes)
+    outputs = datasets.num_outputs(dataset, config.task)
+    model_name, learner = build_learner(config, dataset.input_shape, outputs)
     wanted = set(roster if agents is None else agents)
     data = {
         agent_id: LocalData(
@@ -317,26 +368,46 @@ def build_workload(
     return Workload(model_name, learner, data)
 
 
+def device_outputs(config: ExperimentConfig) -> int:
+    """The model's outputs in a run on devices' own data: a logit per class, the regression
+    targets, or a reconstruction of the input."""
+    assert config.input_shape is not None  # validated
+    if config.task == "regression":
+        return config.targets
+    if config.task == "reconstruction":
+        return math.prod(config.input_shape)
+    return config.classes or 0
+
+
 def data_misfit(config: ExperimentConfig, own: OwnData) -> str | None:
     """Why this device's data does not fit the run `config` (its model's input shape and
-    classes, its minimum sample count); None when it fits."""
+    classes or targets, its minimum sample count); None when it fits."""
     from agent.own_data import misfit  # it reads DEFAULT_MIN_SAMPLES here
 
-    return misfit(own.describe(), config.input_shape or (), config.classes or 0, config.min_samples)
+    return misfit(
+        own.describe(),
+        config.input_shape or (),
+        config.classes or 0,
+        config.min_samples,
+        task=config.task,
+        targets=config.targets if config.task == "regression" else None,
+    )
 
 
 def own_workload(
     config: ExperimentConfig, roster: list[str], agent_id: str, own: OwnData
 ) -> Workload:
     """One device's workload in a run on its own data: the run's model, and the device's data
-    split locally (seeded, stratified) into train, validation and test."""
-    from agent.own_data import split_own_data  # it reads DEFAULT_MIN_SAMPLES here
+    as it is now (a python: source is called again, so data collected since the last run is
+    in) split locally (seeded, stratified) into train, validation and test."""
+    from agent.own_data import own_for_task, reloaded, split_own_data
 
+    own = reloaded(own, config.input_shape)
     problem = data_misfit(config, own)
     if problem is not None:
         raise ValueError(problem)
     workload = build_workload(config, roster, agents=[])
-    workload.data[agent_id] = split_own_data(own, config.seed, agent_id)
+    workload.data[agent_id] = split_own_data(own_for_task(own, config.task), config.seed, agent_id)
     return workload
 
 
@@ -347,23 +418,82 @@ of another's draws would change that agent's initial weights)."""
 
 
 def build_learner(
-    config: ExperimentConfig, input_shape: tuple[int, ...], classes: int
+    config: ExperimentConfig, input_shape: tuple[int, ...], outputs: int
 ) -> tuple[str, Learner]:
     """The run's model (the same initial weights on every agent: drawn from the seed) and the
-    learner of its strategy."""
+    learner of its strategy; ValueError with one line for a model this device cannot build,
+    one that builds differently from the run's, or one the task or the rules cannot use."""
     model_name = config.model or default_model(config.dataset, input_shape)
     with _MODEL_INIT:
-        model = models.build_model(model_name, input_shape, classes, seed=config.seed)
+        model = models.build_model(model_name, input_shape, outputs, seed=config.seed)
+    task = config.the_task
+    if is_import_path(model_name):
+        check_user_model(config, model, model_name, input_shape, outputs)
     learner = Learner(
-        model, input_shape, models.prunable_names(model), config.learning, config.seed
+        model, input_shape, models.prunable_names(model), config.learning, config.seed, task
     )
     return model_name, learner
 
 
+def check_user_model(
+    config: ExperimentConfig,
+    model: torch.nn.Module,
+    name: str,
+    input_shape: tuple[int, ...],
+    outputs: int,
+) -> None:
+    """A user's model, before any round: the run's architecture (its fingerprint), supported
+    by the learning rules, and taking the run's input to an output its task can score."""
+    if config.model_fingerprint and fingerprint(model) != config.model_fingerprint:
+        raise ValueError(
+            f"model {name!r} builds a different architecture here (fingerprint "
+            f"{fingerprint(model)}) than the run's ({config.model_fingerprint}): every device "
+            "needs the same version of the model code"
+        )
+    try:
+        models.check_supported(model)
+    except ValueError as exc:
+        raise ValueError(f"model {name!r}: {exc}") from None
+    x = torch.zeros((2, *input_shape))
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            output = model(x)
+    except Exception as exc:
+        raise ValueError(
+            f"model {name!r} cannot take a batch of input shape {input_shape}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
+    finally:
+        model.train(was_training)
+    if not isinstance(output, torch.Tensor):
+        raise ValueError(f"model {name!r} must return one tensor, got {type(output).__name__}")
+    task = config.the_task
+    targets = {
+        "classification": torch.zeros(2, dtype=torch.int64),
+        "regression": torch.zeros((2,) if outputs == 1 else (2, outputs)),
+        "reconstruction": torch.zeros((2, 0)),
+    }
+    task.check(output, x, targets[task.kind])
+
+
+def fingerprinted(config: ExperimentConfig) -> ExperimentConfig:
+    """A run on devices' own data with a user model, carrying the model's fingerprint (built
+    here once from the run's input shape and outputs), so each device checks its copy."""
+    if not (config.on_devices and config.model and is_import_path(config.model)):
+        return config
+    assert config.input_shape is not None  # validated
+    with _MODEL_INIT:
+        model = models.build_model(config.model, config.input_shape, device_outputs(config), seed=0)
+    return dataclasses.replace(config, model_fingerprint=fingerprint(model))
+
+
 def default_model(dataset: str, input_shape: tuple[int, ...]) -> str:
-    """The bundled model of a dataset; on the devices' own data, by the shape of a sample:
-    features (an MLP), a signal with channels (1-D CNN) or an image (2-D CNN)."""
-    if dataset == DEVICE_DATA:
+    """The bundled model of a dataset; on the devices' own data or a python: source's, by the
+    shape of a sample: features (an MLP), a signal with channels (1-D CNN) or an image
+    (2-D CNN)."""
+    if dataset == DEVICE_DATA or dataset.startswith(datasets.PYTHON_SOURCE):
         return {1: "mlp", 2: "cnn1d", 3: "cnn2d"}.get(len(input_shape), "mlp")
     return models.default_model(dataset.split(":")[0])
 

@@ -60,7 +60,11 @@ class KeptModel:
     rounds: int
     """Rounds the run did (fewer than planned when it stopped early)."""
     accuracy: float | None
-    """Accuracy of the final round on this device's own test data; None if unknown."""
+    """The final round's metric on this device's own test data (accuracy for a
+    classification run, else `metric`); None if unknown."""
+    metric: str = "accuracy"
+    """The name of that figure (`tasks.Task.metric_name`)."""
+    higher_is_better: bool = True
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> KeptModel:
@@ -74,6 +78,8 @@ class KeptModel:
                 model=str(data["model"]),
                 rounds=int(data["rounds"]),
                 accuracy=None if accuracy is None else float(accuracy),
+                metric=str(data.get("metric", "accuracy")),
+                higher_is_better=bool(data.get("higher_is_better", True)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a kept model's metrics: {exc}") from None
@@ -88,38 +94,45 @@ class Choice:
     reason: str
 
 
-def _shown(accuracy: float | None) -> str:
-    return "unknown" if accuracy is None else f"{accuracy:.4f}"
+def _shown(figure: float | None) -> str:
+    return "unknown" if figure is None else f"{figure:.4f}"
 
 
 def choose(candidate: KeptModel, current: KeptModel | None, policy: str, margin: float) -> Choice:
     """Which of a newly finished run's model (`candidate`) and the current one is current
-    from now on, under `policy` ('latest' or 'best', see the module's text)."""
+    from now on, under `policy` ('latest' or 'best', see the module's text). Models are
+    compared by their task's metric, in its direction; models of different metrics cannot be
+    compared, and the newer one is taken."""
     now = f"run {candidate.run_id} is now the current model"
+    metric = candidate.metric
     if current is None or current.run_id == candidate.run_id:
-        return Choice(candidate, True, f"{now}: accuracy {_shown(candidate.accuracy)}")
+        return Choice(candidate, True, f"{now}: {metric} {_shown(candidate.accuracy)}")
     new, old = candidate.accuracy, current.accuracy
     kept = f"run {current.run_id} kept as current model"
+    if current.metric != metric:
+        return Choice(candidate, True, f"{now}: run {current.run_id} measured {current.metric}")
     if new is None or old is None:
         if policy == "best" and new is None and old is not None:
-            return Choice(current, False, f"{kept}: the new run {candidate.run_id} has no accuracy")
-        return Choice(candidate, True, f"{now}: no accuracy to compare with run {current.run_id}")
-    versus = f"accuracy {_shown(new)} vs {_shown(old)} of run {current.run_id}"
+            return Choice(current, False, f"{kept}: the new run {candidate.run_id} has no {metric}")
+        return Choice(candidate, True, f"{now}: no {metric} to compare with run {current.run_id}")
+    versus = f"{metric} {_shown(new)} vs {_shown(old)} of run {current.run_id}"
+    worse_by = old - new if candidate.higher_is_better else new - old
+    side = "below" if candidate.higher_is_better else "above"
     if policy == "best":
-        if new >= old:
+        if worse_by <= 0:
             return Choice(candidate, True, f"{now} (keep best): {versus}")
         return Choice(
             current,
             False,
-            f"{kept} (keep best): the new run {candidate.run_id} reaches accuracy "
-            f"{_shown(new)}, below its {_shown(old)}",
+            f"{kept} (keep best): the new run {candidate.run_id} reaches {metric} "
+            f"{_shown(new)}, {side} its {_shown(old)}",
         )
-    if old - new > margin:
+    if worse_by > margin:
         return Choice(
             current,
             False,
-            f"{kept}: the new run {candidate.run_id} reaches accuracy {_shown(new)}, more than "
-            f"{margin:g} below its {_shown(old)}",
+            f"{kept}: the new run {candidate.run_id} reaches {metric} {_shown(new)}, more than "
+            f"{margin:g} {side} its {_shown(old)}",
         )
     return Choice(candidate, True, f"{now}: {versus}")
 

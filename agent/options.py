@@ -28,6 +28,8 @@ from agent.learning import (
     preset,
     robust,
 )
+from agent.learning.config import BATCHNORM_MODES
+from agent.learning.tasks import METRIC_GOALS, TASKS
 
 _TYPES = {int: int, float: float, str: str}
 _CHOICES: dict[str, tuple[str, ...]] = {
@@ -38,6 +40,9 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "detection_distance": DISTANCES,
     "stop_rule": tuple(STOP_RULES),
     "attack": robust.ATTACKS,
+    "batchnorm": BATCHNORM_MODES,
+    "task": TASKS,
+    "metric_goal": METRIC_GOALS,
 }
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from agent.device.throttle import ENERGY_SOURCE
 from agent.learning import Masks, Reduction, RoundResult, sparse
+from agent.learning.tasks import Task
 
 COORDINATOR = "coordinator"
 """The coordinator's name in the traffic figures of centralized runs."""
@@ -258,3 +259,30 @@ def honest_summary(rounds: list[dict[str, Any]], attackers: Iterable[str]) -> di
         "attackers": bad,
         "honest_mean_accuracy": sum(honest) / len(honest) if honest else None,
     }
+
+
+def named_for_task(report: dict[str, Any], task: Task) -> dict[str, Any]:
+    """The report with its metric named for the run's task: a run whose metric is not
+    accuracy (regression's mae, reconstruction_error, a custom metric) reports each agent's
+    figure under that name, the summary's means as mean_NAME, and says which name and
+    direction in summary.metric. A classification run's report is left as it was."""
+    name = task.metric_name
+    if name == "accuracy" and task.higher_is_better:
+        return report
+    for record in report["rounds"]:
+        record["agents"] = {
+            agent: {(name if key == "accuracy" else key): value for key, value in entry.items()}
+            for agent, entry in record["agents"].items()
+        }
+    summary = report["summary"]
+    renamed = {"mean_accuracy": f"mean_{name}", "honest_mean_accuracy": f"honest_mean_{name}"}
+    report["summary"] = {renamed.get(key, key): value for key, value in summary.items()}
+    report["summary"]["metric"] = {"name": name, "higher_is_better": task.higher_is_better}
+    return report
+
+
+def metric_of(report: Mapping[str, Any]) -> tuple[str, bool]:
+    """(name, higher is better) of a report's metric: accuracy unless `named_for_task` said
+    otherwise."""
+    metric = report.get("summary", {}).get("metric") or {}
+    return str(metric.get("name", "accuracy")), bool(metric.get("higher_is_better", True))

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.data import BUILTIN_DATASETS, USER_DATASETS
+from agent.data import BUILTIN_DATASETS, PYTHON_SOURCE, USER_DATASETS
 from agent.experiment import (
     DEVICE_DATA,
     INIT_CHOICES,
@@ -45,6 +45,7 @@ from agent.experiment import (
     default_model,
 )
 from agent.learning import StrategyConfig, models
+from agent.learning.user_code import is_import_path, resolved
 from agent.options import _CHOICES, experiment_config
 from protocol.errors import ProtocolError
 from protocol.topics import check_name
@@ -75,14 +76,19 @@ _TIMEOUT_KEYS = {
     "linger": "linger_s",
     "join_timeout": "join_s",
 }
-_DEVICE_ONLY = ("input_shape", "classes", "min_samples")
+_DEVICE_ONLY = ("input_shape", "classes", "targets", "min_samples")
 _VALUE_CHOICES: dict[str, tuple[str, ...]] = {
     **_CHOICES,
     "model": models.MODEL_NAMES,
     "init": INIT_CHOICES,
     "keep": KEEP_POLICIES,
 }
-_DATASETS = (DEVICE_DATA, *BUILTIN_DATASETS, *(f"{kind}:PATH" for kind in USER_DATASETS))
+_DATASETS = (
+    DEVICE_DATA,
+    *BUILTIN_DATASETS,
+    *(f"{kind}:PATH" for kind in USER_DATASETS),
+    "python:MODULE:FUNCTION",
+)
 
 
 def _config_kinds() -> dict[str, Any]:
@@ -92,7 +98,7 @@ def _config_kinds() -> dict[str, Any]:
     for cls in (ExperimentConfig, StrategyConfig):
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            if f.name != "learning":
+            if f.name != "learning" and not f.metadata.get("internal"):
                 hint = hints[f.name]
                 kinds[f.name] = next(
                     t for t in typing.get_args(hint) or (hint,) if t is not type(None)
@@ -151,7 +157,10 @@ class RunFile:
         if self.dataset == DEVICE_DATA:
             values.setdefault("input_shape", None if input_shape is None else tuple(input_shape))
             values.setdefault("classes", classes)
-            for key in ("input_shape", "classes"):
+            needed: tuple[str, ...] = ("input_shape", "classes")
+            if values.get("task", "classification") != "classification":
+                needed = ("input_shape",)
+            for key in needed:
                 if values[key] is None:
                     raise ValueError(f"{key} is not in [run] and the agents reported none")
             # Named, the model of the devices' data goes into the run message and the report
@@ -184,6 +193,7 @@ def parse_run_table(table: Mapping[str, Any], source: str) -> RunFile:
             if key not in KNOWN_KEYS:
                 raise ValueError(f"unknown key {key!r} in [run]{_did_you_mean(key, KNOWN_KEYS)}")
         values = {k: _value(k, v) for k, v in table.items() if k in _KINDS and k != "agents"}
+        values.update(_user_code_beside(values, Path(source).parent))
         agents, agent_ids = _roster(table)
         run = RunFile(Path(source), values, agents, agent_ids, _timeouts(table))
         _check_dataset(values)
@@ -251,12 +261,32 @@ def _value(key: str, value: Any) -> Any:
     if not ok:
         raise ValueError(f"{key} must be {what}, got {_shown(value)}")
     choices = _VALUE_CHOICES.get(key)
+    if key == "model" and is_import_path(value):
+        choices = None  # the user's own model, imported when the run starts
     if choices is not None and value not in choices:
         raise ValueError(
             f"{key} must be one of {', '.join(choices)}; got {_shown(value)}"
             f"{_did_you_mean(value, choices)}"
         )
     return float(value) if kind is float else tuple(value) if key == "input_shape" else value
+
+
+USER_CODE_KEYS = ("model", "loss", "metric")
+"""Keys that may name the user's code: MODULE:FUNCTION or ./FILE.py:FUNCTION."""
+
+
+def _user_code_beside(values: Mapping[str, Any], folder: Path) -> dict[str, str]:
+    """User code named by a file path, resolved beside the run file (``./nets.py:build`` is
+    the nets.py next to it, wherever the command runs); a python: dataset likewise."""
+    found = {
+        key: resolved(values[key], folder)
+        for key in USER_CODE_KEYS
+        if isinstance(values.get(key), str) and is_import_path(values[key])
+    }
+    dataset = values.get("dataset")
+    if isinstance(dataset, str) and dataset.startswith(PYTHON_SOURCE):
+        found["dataset"] = PYTHON_SOURCE + resolved(dataset[len(PYTHON_SOURCE) :], folder)
+    return found
 
 
 def _is_number(value: Any) -> bool:
@@ -326,7 +356,9 @@ def _check_dataset(values: Mapping[str, Any]) -> None:
             )
         return
     kind, _, arg = dataset.partition(":")
-    if kind not in (*BUILTIN_DATASETS, *USER_DATASETS) or (kind in USER_DATASETS and not arg):
+    user_function = kind == PYTHON_SOURCE[:-1] and is_import_path(arg)
+    known = kind in BUILTIN_DATASETS or (kind in USER_DATASETS and arg)
+    if not (user_function or known):
         raise ValueError(f"unknown dataset {dataset!r}; known: {', '.join(_DATASETS)}")
     for key in _DEVICE_ONLY:
         if key in values:
@@ -339,3 +371,20 @@ def run_timeouts(timeouts: RunTimeouts) -> dict[str, float]:
     """The timeouts a run message carries to the agents (`messages.RunConfig.timeouts`); the
     join timeout is the coordinator's own."""
     return {"round_s": timeouts.round_s, "vote_s": timeouts.vote_s, "linger_s": timeouts.linger_s}
+
+
+def lab_config(path: str | Path, flags: Mapping[str, Any]) -> ExperimentConfig:
+    """`coordinator simulate --run FILE` (and emulate, and the Python API): the run file's
+    values, with the command's flags over them. The file must name a dataset: a simulated
+    fleet has no devices with data of their own. ValueError with one line naming the file."""
+    runfile = load_run_file(path)
+    if runfile.dataset == DEVICE_DATA:
+        raise ValueError(
+            f'{path}: a simulated fleet needs a dataset in [run] (e.g. dataset = "digits" '
+            "or \"python:./data.py:load\"); 'device' means each device's own data"
+        )
+    given = {k: v for k, v in flags.items() if v is not None}
+    try:
+        return experiment_config({**runfile.values, "agents": runfile.wanted, **given})
+    except ValueError as exc:
+        raise _located(str(path), exc) from None

@@ -16,6 +16,7 @@ run's model is kept in its folder, and a policy picks the current one (`agent.mo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import threading
@@ -479,7 +480,7 @@ class AgentService:
             state_dir=folder,
             timeouts=timeouts,
             key=key,
-            on_round=self.report_round,
+            on_round=functools.partial(self.report_round, workload.learner.task.metric_name),
             on_finish=lambda state: self.run_models.keep(run, workload, state),
             stop=self.stop,
             budget=budget,
@@ -517,9 +518,9 @@ class AgentService:
             return own_workload(run.config, roster, self.me, self.options.own)
         return build_workload(run.config, roster, agents=[self.me])
 
-    def report_round(self, record: dict[str, Any]) -> None:
+    def report_round(self, metric: str, record: dict[str, Any]) -> None:
         self.say(
-            f"round {record['round']}: accuracy {record['accuracy']:.4f}, "
+            f"round {record['round']}: {metric} {record['accuracy']:.4f}, "
             f"p_k {record['p_k']:.3f}, sparsity {record['sparsity']:.3f}, "
             f"waited {record['wait_s']:.2f}s"
             + (f", stragglers {record['stragglers']}" if record["stragglers"] else "")
@@ -582,8 +583,8 @@ class RunModels:
         if problem is not None:
             self.say(f"{start} the seed: the current model (run {kept.run_id}) {problem}")
             return None
-        accuracy = "unknown" if kept.accuracy is None else f"{kept.accuracy:.4f}"
-        self.say(f"{start} the current model (run {kept.run_id}, accuracy {accuracy})")
+        figure = "unknown" if kept.accuracy is None else f"{kept.accuracy:.4f}"
+        self.say(f"{start} the current model (run {kept.run_id}, {kept.metric} {figure})")
         return weights, masks if learner.sparse else None
 
     def keep(self, run: Run, workload: Workload, state: AgentState) -> None:
@@ -600,6 +601,8 @@ class RunModels:
             model=workload.model_name,
             rounds=state.round,
             accuracy=None if accuracy is None else float(accuracy),
+            metric=workload.learner.task.metric_name,
+            higher_is_better=workload.learner.task.higher_is_better,
         )
         with ONNX_EXPORT:
             path = self.store.keep(
@@ -622,6 +625,7 @@ class RunModels:
                 "round": str(state.round),
                 "model": workload.model_name,
                 "strategy": run.config.learning.strategy,
+                "task": run.config.task,
             },
         )
 

@@ -29,6 +29,8 @@ from rich.table import Table
 
 from agent.files import atomic_write
 from agent.options import experiment_config, experiment_options
+from agent.report import metric_of
+from agent.runfile import lab_config
 from coordinator.bridges import bridge_config
 from coordinator.broker_config import (
     COORDINATOR,
@@ -666,7 +668,14 @@ def forget(
 
 
 def report_options(command: Callable) -> Callable:
-    """--report and --plot, shared by simulate and emulate (they write one schema)."""
+    """--run, --report and --plot, shared by simulate and emulate (they write one schema)."""
+    command = click.option(
+        "--run",
+        "run_file",
+        type=click.Path(dir_okay=False),
+        help="Take the run's settings from this run file's [run] table (as coordinator run "
+        "does); flags given as well override it.",
+    )(command)
     command = click.option(
         "--plot",
         "plot_dir",
@@ -695,13 +704,15 @@ def report_options(command: Callable) -> Callable:
     "identical). Each takes about a second to start: worth it for runs longer than a few "
     "seconds.",
 )
-def simulate(report_path: str, plot_dir: str | None, workers: int, **values: object) -> None:
+def simulate(
+    report_path: str, plot_dir: str | None, run_file: str | None, workers: int, **values: object
+) -> None:
     """Run a whole fleet in one process (no network) and write the JSON report."""
     require_extra(LAB_EXTRA, "coordinator simulate", plot_dir=plot_dir)
     from coordinator.simulate import Simulation
 
     try:
-        config = experiment_config(values)
+        config = lab_config(run_file, values) if run_file else experiment_config(values)
         simulation = Simulation(config, workers)
     except (ValueError, OSError) as exc:
         raise ConfigError(str(exc)) from None
@@ -752,8 +763,11 @@ def summary_table(report: dict) -> Table:
     summary, config = report["summary"], report["config"]
     table = Table("figure", "value", title=f"{config['learning']['strategy']} summary")
     final = f"round {summary['rounds']}, {summary['agents_reported']} of {config['agents']} agents"
+    metric, higher_is_better = metric_of(report)
+    better = "higher" if higher_is_better else "lower"
+    shown = metric if metric == "accuracy" else f"{metric}, {better} is better"
     rows = [
-        (f"mean accuracy ({final})", f"{summary['mean_accuracy']:.4f}"),
+        (f"mean {shown} ({final})", f"{summary[f'mean_{metric}']:.4f}"),
         (f"mean sparsity ({final})", f"{summary['mean_sparsity']:.3f}"),
         ("busiest agent bytes", f"{summary['busiest_agent_bytes']:,} ({summary['busiest_agent']})"),
         ("total bytes", f"{summary['total_bytes']:,}"),
@@ -841,6 +855,7 @@ def emulate(
     http_token: str | None,
     report_path: str,
     plot_dir: str | None,
+    run_file: str | None,
     **values: object,
 ) -> None:
     """Run a fleet of real edge-agent processes over MQTT and write the same report as simulate."""
@@ -860,7 +875,7 @@ def emulate(
         broker = embedded.address
     folder = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="emulate-"))
     try:
-        config = experiment_config(values)
+        config = lab_config(run_file, values) if run_file else experiment_config(values)
         per_process = agents_per_process or auto_agents_per_process(config.agents)
         options = EmulationOptions(
             workdir=folder,

@@ -22,7 +22,13 @@ from typing import Any
 
 from agent.experiment import ExperimentConfig, attackers, config_to_dict
 from agent.learning import CENTRALIZED, running, topology
-from agent.report import AgentRound, honest_summary, stopped_summary, summarize
+from agent.report import (
+    AgentRound,
+    honest_summary,
+    named_for_task,
+    stopped_summary,
+    summarize,
+)
 from agent.runtime import new_run_id
 from coordinator.aggregator import Aggregator, AggregatorRecord
 from coordinator.tallies import DEFAULT_VOTE_WAIT_S, TallyKeeper
@@ -381,7 +387,7 @@ def assemble_report(
                 record["coordinator"] = dataclasses.asdict(aggregated[t - 1].traffic)
                 record["participants"] = aggregated[t - 1].participants
         rounds.append(record)
-    return {
+    report = {
         "rounds": rounds,
         "summary": {
             **(
@@ -398,6 +404,7 @@ def assemble_report(
             ),
         },
     }
+    return named_for_task(report, config.the_task)
 
 
 def failures(

@@ -24,6 +24,7 @@ from agent.experiment import (
     ExperimentConfig,
     config_from_dict,
     config_to_dict,
+    fingerprinted,
 )
 from agent.own_data import misfit
 from agent.runfile import RunFile, run_timeouts
@@ -106,6 +107,7 @@ def fitting(
             shape or (),
             classes or 0,
             int(runfile.values.get("min_samples", DEFAULT_MIN_SAMPLES)),
+            task=str(runfile.values.get("task", "classification")),
         )
         if problem is None:
             fit.append(entry.agent)
@@ -230,7 +232,7 @@ def begin(
     except RunFailed as exc:
         end(registry, entry, "failed", str(exc))
         raise
-    config = runfile.config(len(roster.agents), roster.input_shape, roster.classes)
+    config = fingerprinted(runfile.config(len(roster.agents), roster.input_shape, roster.classes))
     entry.agents, entry.config = roster.agents, config_to_dict(config)
     return entry, config
 

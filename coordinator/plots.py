@@ -10,6 +10,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 
+from agent.report import metric_of  # noqa: E402
+
 
 def _mean(record: dict[str, Any], key: str) -> float:
     agents = record["agents"].values()
@@ -23,7 +25,8 @@ def write_plots(report: dict[str, Any], folder: str | Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     rounds = report["rounds"]
     t = [r["round"] for r in rounds]
-    accuracy = [_mean(r, "accuracy") for r in rounds]
+    metric, _ = metric_of(report)
+    accuracy = [_mean(r, metric) for r in rounds]
     sparsity = [_mean(r, "sparsity") for r in rounds]
     cumulative, total = [], 0
     for r in rounds:
@@ -33,9 +36,9 @@ def write_plots(report: dict[str, Any], folder: str | Path) -> list[Path]:
     name = report["config"]["learning"]["strategy"]
     written = []
     for filename, x, y, xlabel, ylabel in (
-        ("accuracy.png", t, accuracy, "round", "mean personalized test accuracy"),
+        (f"{metric}.png", t, accuracy, "round", f"mean personalized test {metric}"),
         ("sparsity.png", t, sparsity, "round", "mean sparsity"),
-        ("accuracy_vs_bytes.png", cumulative, accuracy, "cumulative traffic (MB)", "accuracy"),
+        (f"{metric}_vs_bytes.png", cumulative, accuracy, "cumulative traffic (MB)", metric),
     ):
         figure, axes = plt.subplots(figsize=(6, 4))
         axes.plot(x, y, marker="." if len(x) < 60 else None, label=name)

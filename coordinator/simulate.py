@@ -58,6 +58,7 @@ from agent.report import (
     AgentRound,
     Traffic,
     honest_summary,
+    named_for_task,
     reported_sparsity,
     stopped_summary,
     summarize,
@@ -126,7 +127,7 @@ class Simulation:
         run_rounds = self._centralized if self.centralized else self._decentralized
         with training_on(self.workers, self.training, self.config, self.roster) as self.training:
             rounds = run_rounds(progress)
-        return {
+        report = {
             "config": {
                 **dataclasses.asdict(self.config),
                 "model": self.model_name,
@@ -139,6 +140,7 @@ class Simulation:
                 **honest_summary(rounds, self.attackers),
             },
         }
+        return named_for_task(report, self.learner.task)
 
     # ------------------------------------------------------------------ decentralized rounds
 
@@ -283,7 +285,7 @@ class Simulation:
         self, strategy: CentralStrategy, server: ServerState, job: FitJob, t: int, fit: Fit
     ) -> AgentRound:
         """A participant's figures after round t, on its own model or the global one."""
-        evaluated = evaluated_weights(strategy, fit.state.weights, server)
+        evaluated = evaluated_weights(self.learner, strategy, fit.state.weights, server)
         loss, accuracy = self.learner.evaluate_on(evaluated, self.data[job.agent])
         return AgentRound(
             round=t,

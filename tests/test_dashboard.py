@@ -132,6 +132,7 @@ def test_the_snapshot_holds_the_table_and_each_agents_rounds() -> None:
             "stopped": 1,
             "round": 2,
             "mean_accuracy": pytest.approx(0.3),
+            "metric": "accuracy",
         }
     ]
 
@@ -246,6 +247,7 @@ def test_metrics_in_the_prometheus_format(dashboard: Dashboard) -> None:
     }
     assert samples[("edgefl_agent_round", "a")] == 2
     assert samples[("edgefl_agent_accuracy", "b")] == 0.5
+    assert samples[("edgefl_agent_metric", "b")] == 0.5, "the task's metric, named accuracy"
     assert samples[("edgefl_agent_bytes_sent_total", "a")] == 3000
     assert samples[("edgefl_agent_bytes_received_total", "a")] == 700
     assert samples[("edgefl_agent_p_k", "a")] == 0.5
@@ -518,3 +520,20 @@ def watch_run(
         if row["agent"] in stopped:
             assert row["state"] == f"stopped after round {stopped[row['agent']]['round']}"
     return reports[0]
+
+
+def test_a_regression_agents_metric_is_named_and_not_called_accuracy() -> None:
+    from coordinator.dashboard.metrics import FleetCollector
+
+    state = FleetState()
+    row = {"fleet": FLEET, "agent": "r", "accuracy": 0.12, "metric": "mae"}
+    empty = ("round", "loss", "sparsity", "p_k", "stopped", "online", "saved")
+    counters = ("bytes_sent", "bytes_received", "train_flops", "energy_total_j")
+    rows = [{**row, **dict.fromkeys(empty + counters)}]
+    snapshot = {"agents": rows, "fleets": []}
+    state.snapshot = lambda series=False: snapshot  # type: ignore[method-assign]
+    families = {f.name: f for f in FleetCollector(state).collect()}
+    assert families["edgefl_agent_accuracy"].samples == []
+    (sample,) = families["edgefl_agent_metric"].samples
+    assert sample.labels == {"fleet": FLEET, "agent": "r", "metric": "mae"}
+    assert sample.value == 0.12

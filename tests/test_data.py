@@ -125,11 +125,12 @@ def test_npz_loader(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("arrays", "match"),
     [
-        ({"x": np.zeros((3, 2))}, "missing"),
+        ({"y": np.zeros(3, np.int64)}, r"missing array\(s\) \['x'\]"),
         ({"x": np.zeros((3, 2)), "y": np.zeros(4, np.int64)}, "3 samples but y has 4"),
         ({"x": np.zeros(3), "y": np.zeros(3, np.int64)}, "shape"),
         ({"x": np.zeros((3, 2)), "y": np.zeros((3, 1), np.int64)}, "1-D integer"),
-        ({"x": np.zeros((3, 2)), "y": np.zeros(3)}, "1-D integer"),
+        ({"x": np.zeros((3, 2)), "y": np.zeros(3, bool)}, "1-D integer"),
+        ({"x": np.zeros((3, 2)), "y": np.zeros((3, 1, 1))}, "float array of shape"),
         ({"x": np.full((3, 2), np.inf), "y": np.array([0, 1, 1])}, "infinite"),
         ({"x": np.zeros((3, 2)), "y": np.array([0, -1, 1])}, ">= 0"),
     ],

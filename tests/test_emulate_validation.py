@@ -50,7 +50,7 @@ RULES = [
     pytest.param(
         ["--dataset", "no-such-set"],
         "unknown dataset 'no-such-set'; known: digits, mnist1d, synthetic, npz:PATH, "
-        "imagefolder:PATH, cifar10:PATH",
+        "imagefolder:PATH, cifar10:PATH, python:MODULE:FUNCTION",
         id="dataset-unknown",
     ),
     pytest.param(
@@ -58,7 +58,8 @@ RULES = [
     ),
     pytest.param(
         ["--dataset", "digits", "--model", "no-such-model"],
-        "unknown model 'no-such-model'; known: mlp, cnn1d, cnn2d, resnet18, vgg11, alexnet",
+        "unknown model 'no-such-model'; known: mlp, cnn1d, cnn2d, resnet18, vgg11, alexnet, or "
+        "your own as MODULE:FUNCTION or ./FILE.py:FUNCTION",
         id="model-unknown",
     ),
     pytest.param(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import pytest
@@ -14,6 +15,7 @@ from agent.learning.freezing import (
     active_masks,
     active_unit_count,
     aggregate_active,
+    freezing_plan,
     neuron_groups,
     overwrite_active,
     submodel,
@@ -119,11 +121,319 @@ def test_groups_fit_every_bundled_model(name: str, shape: tuple[int, ...]) -> No
     )
 
 
+# The groups of the bundled models as the registration-order walk inferred them before
+# torch.fx did, (name, size, unit_params, consumer, expansion) in forward order, and a digest
+# of active_masks(model, state, 0.3, seed 5) then: the fx inference must change neither (the
+# identity benchmark draws these masks).
+OLD_GROUPS = {
+    ("mlp", (1, 40)): (
+        "d34084eba9d11521",
+        [
+            ("net.1", 128, ("net.1.weight", "net.1.bias"), "net.3.weight", 1),
+            ("net.3", 64, ("net.3.weight", "net.3.bias"), "net.5.weight", 1),
+        ],
+    ),
+    ("mlp", (64,)): (
+        "ee1af0964fe53a87",
+        [
+            ("net.1", 128, ("net.1.weight", "net.1.bias"), "net.3.weight", 1),
+            ("net.3", 64, ("net.3.weight", "net.3.bias"), "net.5.weight", 1),
+        ],
+    ),
+    ("mlp", (1, 8, 8)): (
+        "ee1af0964fe53a87",
+        [
+            ("net.1", 128, ("net.1.weight", "net.1.bias"), "net.3.weight", 1),
+            ("net.3", 64, ("net.3.weight", "net.3.bias"), "net.5.weight", 1),
+        ],
+    ),
+    ("cnn1d", (1, 40)): (
+        "f93578d808eaa3d6",
+        [
+            (
+                "features.0",
+                32,
+                ("features.0.weight", "features.1.weight", "features.1.bias"),
+                "features.3.weight",
+                1,
+            ),
+            (
+                "features.3",
+                32,
+                ("features.3.weight", "features.4.weight", "features.4.bias"),
+                "features.6.weight",
+                1,
+            ),
+            (
+                "features.6",
+                32,
+                ("features.6.weight", "features.7.weight", "features.7.bias"),
+                "classifier.weight",
+                5,
+            ),
+        ],
+    ),
+    ("cnn2d", (1, 8, 8)): (
+        "7cbd94b07e013382",
+        [
+            (
+                "features.0",
+                16,
+                ("features.0.weight", "features.1.weight", "features.1.bias"),
+                "features.4.weight",
+                1,
+            ),
+            (
+                "features.4",
+                32,
+                ("features.4.weight", "features.5.weight", "features.5.bias"),
+                "classifier.weight",
+                4,
+            ),
+        ],
+    ),
+    ("cnn2d", (3, 32, 32)): (
+        "53d059ec3fd9bb1f",
+        [
+            (
+                "features.0",
+                16,
+                ("features.0.weight", "features.1.weight", "features.1.bias"),
+                "features.4.weight",
+                1,
+            ),
+            (
+                "features.4",
+                32,
+                ("features.4.weight", "features.5.weight", "features.5.bias"),
+                "classifier.weight",
+                64,
+            ),
+        ],
+    ),
+    ("resnet18", (3, 32, 32)): (
+        "e8cf1aa840f42a02",
+        [
+            (
+                "layers.0.conv1",
+                64,
+                ("layers.0.conv1.weight", "layers.0.norm1.weight", "layers.0.norm1.bias"),
+                "layers.0.conv2.weight",
+                1,
+            ),
+            (
+                "layers.1.conv1",
+                64,
+                ("layers.1.conv1.weight", "layers.1.norm1.weight", "layers.1.norm1.bias"),
+                "layers.1.conv2.weight",
+                1,
+            ),
+            (
+                "layers.2.conv1",
+                128,
+                ("layers.2.conv1.weight", "layers.2.norm1.weight", "layers.2.norm1.bias"),
+                "layers.2.conv2.weight",
+                1,
+            ),
+            (
+                "layers.3.conv1",
+                128,
+                ("layers.3.conv1.weight", "layers.3.norm1.weight", "layers.3.norm1.bias"),
+                "layers.3.conv2.weight",
+                1,
+            ),
+            (
+                "layers.4.conv1",
+                256,
+                ("layers.4.conv1.weight", "layers.4.norm1.weight", "layers.4.norm1.bias"),
+                "layers.4.conv2.weight",
+                1,
+            ),
+            (
+                "layers.5.conv1",
+                256,
+                ("layers.5.conv1.weight", "layers.5.norm1.weight", "layers.5.norm1.bias"),
+                "layers.5.conv2.weight",
+                1,
+            ),
+            (
+                "layers.6.conv1",
+                512,
+                ("layers.6.conv1.weight", "layers.6.norm1.weight", "layers.6.norm1.bias"),
+                "layers.6.conv2.weight",
+                1,
+            ),
+            (
+                "layers.7.conv1",
+                512,
+                ("layers.7.conv1.weight", "layers.7.norm1.weight", "layers.7.norm1.bias"),
+                "layers.7.conv2.weight",
+                1,
+            ),
+        ],
+    ),
+    ("vgg11", (3, 32, 32)): (
+        "1d04619bfb5d8657",
+        [
+            (
+                "features.0",
+                64,
+                ("features.0.weight", "features.1.weight", "features.1.bias"),
+                "features.4.weight",
+                1,
+            ),
+            (
+                "features.4",
+                128,
+                ("features.4.weight", "features.5.weight", "features.5.bias"),
+                "features.8.weight",
+                1,
+            ),
+            (
+                "features.8",
+                256,
+                ("features.8.weight", "features.9.weight", "features.9.bias"),
+                "features.11.weight",
+                1,
+            ),
+            (
+                "features.11",
+                256,
+                ("features.11.weight", "features.12.weight", "features.12.bias"),
+                "features.15.weight",
+                1,
+            ),
+            (
+                "features.15",
+                512,
+                ("features.15.weight", "features.16.weight", "features.16.bias"),
+                "features.18.weight",
+                1,
+            ),
+            (
+                "features.18",
+                512,
+                ("features.18.weight", "features.19.weight", "features.19.bias"),
+                "features.22.weight",
+                1,
+            ),
+            (
+                "features.22",
+                512,
+                ("features.22.weight", "features.23.weight", "features.23.bias"),
+                "features.25.weight",
+                1,
+            ),
+            (
+                "features.25",
+                512,
+                ("features.25.weight", "features.26.weight", "features.26.bias"),
+                "classifier.weight",
+                1,
+            ),
+        ],
+    ),
+    ("alexnet", (3, 32, 32)): (
+        "9c686abd3313ec19",
+        [
+            (
+                "features.0",
+                64,
+                ("features.0.weight", "features.1.weight", "features.1.bias"),
+                "features.4.weight",
+                1,
+            ),
+            (
+                "features.4",
+                192,
+                ("features.4.weight", "features.5.weight", "features.5.bias"),
+                "features.8.weight",
+                1,
+            ),
+            (
+                "features.8",
+                384,
+                ("features.8.weight", "features.9.weight", "features.9.bias"),
+                "features.11.weight",
+                1,
+            ),
+            (
+                "features.11",
+                256,
+                ("features.11.weight", "features.12.weight", "features.12.bias"),
+                "features.14.weight",
+                1,
+            ),
+            (
+                "features.14",
+                256,
+                ("features.14.weight", "features.15.weight", "features.15.bias"),
+                "classifier.1.weight",
+                4,
+            ),
+            (
+                "classifier.1",
+                4096,
+                ("classifier.1.weight", "classifier.1.bias"),
+                "classifier.4.weight",
+                1,
+            ),
+            (
+                "classifier.4",
+                4096,
+                ("classifier.4.weight", "classifier.4.bias"),
+                "classifier.6.weight",
+                1,
+            ),
+        ],
+    ),
+}
+
+
+def _digest(masks: sparse.Masks) -> str:
+    h = hashlib.sha256()
+    for name in sorted(masks):
+        h.update(name.encode())
+        h.update(masks[name].numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+@pytest.mark.parametrize("name, shape", list(OLD_GROUPS))
+@pytest.mark.parametrize("with_shape", [False, True])
+def test_bundled_groups_and_masks_are_those_of_the_registration_order_walk(
+    name: str, shape: tuple[int, ...], with_shape: bool
+) -> None:
+    model = build_model(name, shape, 10, seed=0)
+    digest, expected = OLD_GROUPS[(name, shape)]
+    groups = neuron_groups(model, shape if with_shape else None)
+    assert [(g.name, g.size, g.unit_params, g.consumer, g.expansion) for g in groups] == expected
+    plan = freezing_plan(model, shape if with_shape else None)
+    assert plan.groups == tuple(groups) and plan.layers == () and plan.note is None
+    for given in (plan, model, groups):
+        masks = active_masks(given, _state(model), 0.3, torch.Generator().manual_seed(5))
+        assert _digest(masks) == digest
+
+
 def test_a_chain_whose_shapes_do_not_connect_is_rejected() -> None:
     with pytest.raises(ValueError, match="reads 6 inputs"):
         neuron_groups(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(6, 2)))
-    with pytest.raises(ValueError, match="BatchNorm1d"):
-        neuron_groups(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)))
+    with pytest.raises(ValueError, match="does not run on a batch of input shape"):
+        neuron_groups(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(6, 2)), (3,))
+
+
+def test_batchnorm_after_a_linear_layer_needs_the_input_shape() -> None:
+    # Without shapes the rank of a linear layer's output is unknown, so BatchNorm1d might
+    # normalize another dim than its features: no group rather than a guess.
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    assert neuron_groups(model) == []
+    assert neuron_groups(model, (3,)) == [
+        NeuronGroup(
+            "0",
+            4,
+            ("0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean", "1.running_var"),
+            "2.weight",
+        )
+    ]
 
 
 @pytest.mark.parametrize(

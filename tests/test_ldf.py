@@ -81,9 +81,28 @@ def test_every_parameter_in_exactly_one_layer(name: str) -> None:
     assert len(groups) == sum(isinstance(m, ldf.WEIGHTED_TYPES) for m in model.modules())
 
 
-def test_norm_without_a_preceding_layer_is_rejected() -> None:
-    with pytest.raises(ValueError, match="no conv/linear"):
-        ldf.layer_groups(torch.nn.Sequential(torch.nn.GroupNorm(1, 4), torch.nn.Linear(4, 2)))
+def test_a_norm_joins_only_the_layer_directly_before_it() -> None:
+    nn = torch.nn
+    # No weighted layer before it: a layer of its own (it used to be an error).
+    groups = ldf.layer_groups(nn.Sequential(nn.GroupNorm(1, 4), nn.Linear(4, 2)))
+    assert groups == {"0": ["0.weight", "0.bias"], "1": ["1.weight", "1.bias"]}
+    # Activations and containers in between are skipped; a second norm, or a norm after a
+    # module of another kind, is a layer of its own. BatchNorm's buffers travel with it.
+    model = nn.Sequential(
+        nn.Conv1d(1, 2, 3, bias=False),
+        nn.ReLU(),
+        nn.Sequential(nn.BatchNorm1d(2)),
+        nn.LayerNorm(2),
+        nn.Embedding(3, 2),
+        nn.LayerNorm(2),
+    )
+    bn = [f"2.0.{t}" for t in ("weight", "bias", "running_mean", "running_var")]
+    assert ldf.layer_groups(model) == {
+        "0": ["0.weight", *bn, "2.0.num_batches_tracked"],
+        "3": ["3.weight", "3.bias"],
+        "4": ["4.weight"],
+        "5": ["5.weight", "5.bias"],
+    }
 
 
 def test_divergence_by_hand_in_float64() -> None:

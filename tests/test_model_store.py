@@ -186,4 +186,6 @@ def test_kept_metrics_are_plain_json(tmp_path: Path) -> None:
         "model": "mlp",
         "rounds": 10,
         "accuracy": 0.875,
+        "metric": "accuracy",
+        "higher_is_better": True,
     }

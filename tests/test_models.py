@@ -12,6 +12,7 @@ from agent.learning.models import (
     count_params,
     default_model,
     forward_flops,
+    output_positions,
     prunable_names,
 )
 
@@ -161,3 +162,27 @@ def test_build_model_errors() -> None:
         build_model("resnet50", (3, 32, 32), 10, seed=0)
     with pytest.raises(ValueError, match="3-D"):
         build_model("cnn2d", (64,), 10, seed=0)
+
+
+def test_output_positions_of_unused_layers_and_float64_models() -> None:
+    class Unused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used = nn.Linear(3, 2)
+            self.spare = nn.Linear(3, 2)  # never called: applied at no position
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.used(x)  # type: ignore[no-any-return]
+
+    assert output_positions(Unused(), (3,)) == {"used.weight": 1, "spare.weight": 0}
+    assert forward_flops(Unused(), (3,), {"spare.weight": torch.zeros(2, 3)}) == 2 * 6
+    # The probe sample takes the parameters' dtype.
+    assert forward_flops(tiny_model().double(), (1, 5, 5)) == forward_flops(tiny_model(), (1, 5, 5))
+
+
+def test_grouped_conv_macs_are_weight_count_times_output_positions() -> None:
+    # groups=2: each of the 4 output channels reads 6 / 2 = 3 input channels, k = 3, over
+    # 8 output positions: 4 x 3 x 3 x 8 MACs, the weight's numel times the positions.
+    conv = nn.Conv1d(6, 4, 3, groups=2)
+    assert conv.weight.shape == (4, 3, 3)
+    assert forward_flops(conv, (6, 10)) == 2 * 4 * 3 * 3 * 8

@@ -230,8 +230,8 @@ def test_aggregate_mean_and_weighted_hand_worked():
         sp.aggregate_weighted(states, {"a": 0, "b": 0})
     with pytest.raises(ValueError):
         sp.aggregate_mean({})
-    with pytest.raises(ValueError):
-        sp.aggregate_mean({"a": {"n": T([1])}})  # integer buffers are not exchanged
+    # integer buffers are copied from the first agent by id, never averaged
+    assert torch.equal(sp.aggregate_mean({"b": {"n": T([7])}, "a": {"n": T([1])}})["n"], T([1]))
 
 
 # -------------------------------------------------------------------------------- RigL (1.6)

@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from agent.learning.sparse import Masks, State, aggregate_weighted, apply_masks
-from agent.learning.training import load_weights, minibatch_epochs
+from agent.learning.tasks import Task
+from agent.learning.training import CLASSIFICATION, load_weights, minibatch_epochs
 
 MODE_SSM = "ssm"  # FedAdam-SSM: one top-k mask of |dW| sparsifies dW, dM and dV
 MODE_TOP = "top"  # FedAdam-Top: each delta sparsified by its own top-k mask
@@ -92,6 +93,7 @@ def train_adam(
     y: torch.Tensor,
     config: AdamConfig,
     generator: torch.Generator,
+    task: Task = CLASSIFICATION,
 ) -> AdamResult:
     """E epochs of local Adam from the global (W, M, V); returns the new (w, m, v).
 
@@ -115,6 +117,7 @@ def train_adam(
         config.batch_size,
         generator,
         lambda: _adam_step_(params, new_m, new_v, config),
+        task,
     )
     new_weights = {k: t.detach().clone() for k, t in model.state_dict().items()}
     return AdamResult(new_weights, new_m, new_v, mean_loss, samples)

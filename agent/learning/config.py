@@ -43,6 +43,10 @@ def param(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
 
+BATCHNORM_MODES = ("local", "shared")
+"""Where BatchNorm running statistics live: on each device (FedBN) or in the aggregate."""
+
+
 @dataclass(frozen=True)
 class StrategyConfig:
     """Every hyper-parameter of a run; defaults are ALGORITHMS.md's decisions."""
@@ -77,6 +81,11 @@ class StrategyConfig:
     pqi_beta: float = param(0.9, "PQI cap beta on the fraction pruned per layer and event.")
     target_sparsity: float = param(0.8, "Target sparsity s* that further pruning stops at.")
     fp16: bool = param(False, "Send model values as fp16.")
+    batchnorm: str = param(
+        "local",
+        "BatchNorm running statistics: local (each device keeps its own, FedBN) or shared "
+        "(aggregated like the weights).",
+    )
     reduce: str = param(
         "prune",
         "How a sparse agent cuts compute to its budget p_k: prune (cap its density), freeze "

@@ -16,50 +16,93 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from agent.learning.sparse import State
+from agent.learning.models import RECURRENT_TYPES
+from agent.learning.sparse import State, averaged
 
 Groups = Mapping[str, list[str]]
 
-WEIGHTED_TYPES = (nn.Conv1d, nn.Conv2d, nn.Linear)
-NORM_TYPES = (nn.GroupNorm, nn.LayerNorm)
+# Layers a directly following norm joins: it rescales exactly their output.
+WEIGHTED_TYPES = (
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+    nn.Linear,
+    *RECURRENT_TYPES,
+)
+NORM_TYPES = (
+    nn.GroupNorm,
+    nn.LayerNorm,
+    nn.RMSNorm,
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.SyncBatchNorm,
+    nn.InstanceNorm1d,
+    nn.InstanceNorm2d,
+    nn.InstanceNorm3d,
+)
+# The layer name of the root module's own tensors (a module name is never empty otherwise,
+# and never contains parentheses when it comes from attributes or Sequential indices).
+ROOT_LAYER = "(root)"
 
 
 def layer_groups(model: nn.Module) -> dict[str, list[str]]:
-    """Layer name (the conv/linear module's name) -> state-dict names of its tensors.
+    """Layer name -> state-dict names of its tensors, layers in module order, each layer's
+    tensors in state-dict order.
 
-    A layer is a conv/linear weight with its bias and the norm that follows it: a norm's
-    parameters join the most recent conv/linear in module order, which is forward order for
-    the bundled models (ResNet's conv1/norm1, conv2/norm2 and shortcut conv/norm included).
-    A layer travels whole because a norm rescales exactly its conv's output; mixing one
-    agent's conv with another's norm would pair statistics that were never trained together.
-    Raises ValueError when a state-dict entry would belong to no layer (a norm before any
-    conv/linear, another module type with parameters, or buffers such as BatchNorm's).
+    Every module with tensors of its own in the state dict (parameters and persistent buffers,
+    such as BatchNorm's running statistics and ``num_batches_tracked``) is a layer, named by
+    its module name (``ROOT_LAYER`` for the root's own), except that a norm directly following
+    a conv, linear or recurrent layer (the next module with tensors of its own, in module
+    order, skipping activations and containers) joins that layer: a norm rescales exactly its
+    conv's output, and mixing one agent's conv with another's norm would pair statistics that
+    were never trained together. This is forward order for the bundled models (ResNet's
+    conv1/norm1, conv2/norm2 and shortcut conv/norm included). A recurrent layer's tensors
+    (every layer and direction) form one layer, an embedding is a layer, and a norm with no
+    such layer before it is a layer of its own.
+
+    Raises ValueError when the layers would not cover every state-dict entry exactly once (a
+    module registered under two names, which ``models.check_supported`` rejects first).
     """
+    keys = list(model.state_dict())
+    own: dict[str, list[str]] = {}
+    for key in keys:
+        own.setdefault(key.rpartition(".")[0], []).append(key)
     groups: dict[str, list[str]] = {}
-    current: str | None = None
+    joinable: str | None = None  # the weighted layer a norm visited next would join
     for name, module in model.named_modules():
-        own = [f"{name}.{p}" if name else p for p, _ in module.named_parameters(recurse=False)]
-        if isinstance(module, WEIGHTED_TYPES):
-            current = name
-            groups[current] = own
-        elif own:
-            if current is None or not isinstance(module, NORM_TYPES):
-                raise ValueError(f"parameters of {name!r} belong to no conv/linear layer")
-            groups[current] += own
+        tensors = own.get(name, [])
+        if not tensors:
+            continue
+        if joinable is not None and isinstance(module, NORM_TYPES):
+            groups[joinable] += tensors
+            joinable = None
+            continue
+        layer = name or ROOT_LAYER
+        if layer in groups:
+            raise ValueError(f"module name {layer!r} is taken by the root module's tensors")
+        groups[layer] = list(tensors)
+        joinable = layer if isinstance(module, WEIGHTED_TYPES) else None
     covered = [t for names in groups.values() for t in names]
-    if sorted(covered) != sorted(model.state_dict()):
+    if sorted(covered) != sorted(keys):
         raise ValueError("layer groups must cover every state-dict entry exactly once")
     return groups
 
 
 def divergences(after: State, received: State, groups: Groups) -> dict[str, float]:
-    """Per layer ||w_l(after) - w_l(received)||_2 over all its tensors together, in float64
-    (float32 squares of large differences overflow, and agents must rank identically)."""
+    """Per layer ||w_l(after) - w_l(received)||_2 over all its floating tensors together, in
+    float64 (float32 squares of large differences overflow, and agents must rank identically).
+    Integer buffers are left out: BatchNorm's ``num_batches_tracked`` counts steps taken, not
+    how far the model moved, and would outweigh every weight."""
     out: dict[str, float] = {}
     for layer, names in groups.items():
         total = sum(
             float((after[n].to(torch.float64) - received[n].to(torch.float64)).square().sum())
             for n in names
+            if averaged(received[n])
         )
         out[layer] = math.sqrt(total)
     return out
@@ -114,8 +157,9 @@ def aggregate_layers(
     of `previous`.
 
     Arithmetic is exactly ``sparse.aggregate_weighted``'s (float64 sums from zero in sorted-id
-    order, one division by the fsum of weights, cast to the first uploader's dtype), so when
-    every agent uploads every layer the result equals FedAvg bit for bit.
+    order, one division by the fsum of weights, cast to the first uploader's dtype; integer
+    entries copied from the first uploader by id, not averaged), so when every agent uploads
+    every layer the result equals FedAvg bit for bit.
     """
     ids = sorted(uploads)
     if any(weights[i] < 0 for i in ids):
@@ -125,7 +169,13 @@ def aggregate_layers(
         for name, tensor in uploads[i].items():
             if name not in owner:
                 raise ValueError(f"agent {i!r} uploaded {name!r}, which is in no layer")
-            if not torch.is_floating_point(tensor) or tensor.shape != previous[name].shape:
+            ref = previous[name]
+            if (
+                tensor.shape != ref.shape
+                or tensor.is_complex()
+                or averaged(tensor) != averaged(ref)
+                or (not averaged(ref) and tensor.dtype != ref.dtype)
+            ):
                 raise ValueError(f"agent {i!r} uploaded {name!r} with a bad dtype or shape")
         for layer in {owner[name] for name in uploads[i]}:
             if any(name not in uploads[i] for name in groups[layer]):
@@ -139,6 +189,9 @@ def aggregate_layers(
         if total <= 0:
             raise ValueError(f"layer {layer!r}: uploaders' weights must have a positive total")
         for name in names:
+            if not averaged(previous[name]):
+                out[name] = uploads[senders[0]][name].clone()
+                continue
             acc = torch.zeros_like(uploads[senders[0]][name], dtype=torch.float64)
             for i in senders:
                 acc += uploads[i][name].to(torch.float64) * weights[i]

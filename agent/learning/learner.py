@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from torch import nn
@@ -37,13 +38,20 @@ from agent.learning import pqi, pruning, rigl, robust, sparse
 from agent.learning.config import ADAM_FAMILY, DECENTRALIZED, STOP_LAMBDA, StrategyConfig
 from agent.learning.models import flops_from_positions, output_positions
 from agent.learning.sparse import Masks, State
+from agent.learning.tasks import Task
 from agent.learning.training import (
+    CLASSIFICATION,
     dense_gradients,
     derive_seed,
     evaluate,
     model_device,
     train_local,
 )
+
+if TYPE_CHECKING:
+    from agent.learning.freezing import FreezingPlan
+
+log = logging.getLogger(__name__)
 
 
 def frozen_training_flops(learner: Learner, masks: Masks | None, active: Masks) -> int:
@@ -84,6 +92,8 @@ class RoundResult:
     published: Published
     loss: float
     accuracy: float
+    """The task's metric on the agent's test split (`tasks.Task.metric_name`): accuracy for
+    classification, named so in every record of a classification run."""
     train_loss: float
     train_flops: int
     vote: bool | None
@@ -111,6 +121,33 @@ class LocalData:
 _Model = TypeVar("_Model", AgentState, Published)
 
 
+def detect(
+    cfg: StrategyConfig, prunable: list[str], agent: AgentState, weights: State
+) -> tuple[list[float], float, bool]:
+    """Pruning-time detection (1.7): the distances so far, this round's score and vote."""
+    distance = pruning.distance_from_init(
+        weights, agent.init_weights, prunable, cfg.detection_distance
+    )
+    distances = [*agent.distances, distance]
+    previous = distances[-2] if len(distances) > 1 else 0.0
+    score = pruning.detection_score(distance, previous, distances[0])
+    return distances, score, pruning.vote(score, cfg.delta_pr)
+
+
+def prune_further(cfg: StrategyConfig, weights: State, masks: Masks) -> Masks:
+    """PQI further pruning (1.9) toward the target sparsity s*."""
+    return pqi.pqi_prune(
+        weights,
+        masks,
+        p=cfg.pqi_p,
+        q=cfg.pqi_q,
+        eta_c=cfg.pqi_eta_c,
+        gamma=cfg.pqi_gamma,
+        beta=cfg.pqi_beta,
+        target_sparsity=cfg.target_sparsity,
+    )
+
+
 class Learner:
     """The pieces every round needs: a model to compute with, its shapes and the config.
 
@@ -125,8 +162,10 @@ class Learner:
         prunable: list[str],
         config: StrategyConfig,
         seed: int,
+        task: Task = CLASSIFICATION,
     ) -> None:
         self.model = model
+        self.task = task
         self.input_shape = input_shape
         self.prunable = prunable
         self.config = config
@@ -143,6 +182,8 @@ class Learner:
         self._densities = (
             sparse.erk_densities(self._shapes, config.density) if self.sparse else None
         )
+        self.local_keys = local_statistics(model) if config.batchnorm == "local" else ()
+        """State entries that never take another device's values (`own_statistics`)."""
 
     @property
     def device(self) -> torch.device:
@@ -204,6 +245,29 @@ class Learner:
         dense."""
         return (2 * self.forward_flops(masks) + self.dense_flops) * samples
 
+    def own_statistics(self, state: State, own: State) -> State:
+        """`state` with the agent's `own` BatchNorm running statistics (FedBN): a device's
+        statistics describe its own data's features, which differ from device to device in
+        the non-IID fleets this is for; averaged ones normalize every device with a mix
+        that fits none of them (Li et al. 2021, FedBN). The learned scale and shift are
+        averaged as usual. `state` itself when the model has none (or with --batchnorm
+        shared)."""
+        if not self.local_keys:
+            return state
+        return {name: own[name] if name in self.local_keys else t for name, t in state.items()}
+
+    @functools.cached_property
+    def freezing_plan(self) -> FreezingPlan:
+        """What FedSPU and `--reduce freeze` freeze in this model (`freezing.freezing_plan`),
+        inferred once: it traces the model and runs a forward pass, too much for every draw.
+        A model without neuron groups freezes whole layers, and says so here, once."""
+        from agent.learning.freezing import freezing_plan
+
+        plan = freezing_plan(self.model, self.input_shape)
+        if plan.note is not None:
+            log.warning("%s", plan.note)
+        return plan
+
     @functools.cached_property
     def layer_groups(self) -> dict[str, list[str]]:
         """FedLDF's layers: each weight with its bias and norm parameters."""
@@ -223,6 +287,9 @@ class Learner:
         `--clip` bound around the agent's own (`robust.clip`)."""
         if not inbox:
             return agent.weights
+        return self.own_statistics(self._combined(agent, inbox), agent.weights)
+
+    def _combined(self, agent: AgentState, inbox: dict[str, Published]) -> State:
         if self.config.clip != robust.CLIP_OFF:
             clipped = robust.clip(
                 agent.weights,
@@ -255,33 +322,8 @@ class Learner:
             from agent.learning.freezing import active_masks
 
             generator = self.generator("active", agent.agent_id, round_)
-            active = active_masks(self.model, start, active_fraction, generator)
+            active = active_masks(self.freezing_plan, start, active_fraction, generator)
         return start, agent, active
-
-    def _detect(self, agent: AgentState, weights: State) -> tuple[list[float], float, bool]:
-        """Pruning-time detection (1.7): the distances so far, this round's score and vote."""
-        cfg = self.config
-        distance = pruning.distance_from_init(
-            weights, agent.init_weights, self.prunable, cfg.detection_distance
-        )
-        distances = [*agent.distances, distance]
-        previous = distances[-2] if len(distances) > 1 else 0.0
-        score = pruning.detection_score(distance, previous, distances[0])
-        return distances, score, pruning.vote(score, cfg.delta_pr)
-
-    def _prune_further(self, weights: State, masks: Masks) -> Masks:
-        """PQI further pruning (1.9) toward the target sparsity s*."""
-        cfg = self.config
-        return pqi.pqi_prune(
-            weights,
-            masks,
-            p=cfg.pqi_p,
-            q=cfg.pqi_q,
-            eta_c=cfg.pqi_eta_c,
-            gamma=cfg.pqi_gamma,
-            beta=cfg.pqi_beta,
-            target_sparsity=cfg.target_sparsity,
-        )
 
     def _rigl(
         self, weights: State, masks: Masks, data: LocalData, agent_id: str, round_: int
@@ -298,6 +340,7 @@ class Learner:
             cfg.batch_size,
             cfg.rigl_batches,
             self.generator("rigl", agent_id, round_),
+            self.task,
         )
         flops = self.dense_gradient_flops(masks, grad_samples)
         masks = rigl.rigl_update(
@@ -339,6 +382,7 @@ class Learner:
             round_,
             self.generator("train", agent.agent_id, round_),
             frozen=active,
+            task=self.task,
         )
         if active is None:
             flops = self.train_flops(agent.masks, trained.samples)
@@ -350,16 +394,16 @@ class Learner:
         distances = agent.distances
         pruned = False
         if self.sparse and masks is not None:
-            distances, score, vote = self._detect(agent, weights)
+            distances, score, vote = detect(cfg, self.prunable, agent, weights)
             if self.prunes_further and prune_now and sparse.sparsity(masks) < cfg.target_sparsity:
-                masks = self._prune_further(weights, masks)
+                masks = prune_further(cfg, weights, masks)
                 weights = sparse.apply_masks(weights, masks)
                 pruned = True
             weights, masks, rigl_flops = self._rigl(weights, masks, data, agent.agent_id, round_)
             flops += rigl_flops
         if not robust.finite(weights):
             return _recovered(self, before, data, round_, flops, trained.mean_loss)
-        loss, accuracy = evaluate(self.model, weights, data.x_test, data.y_test)
+        loss, accuracy = self.evaluate_on(weights, data)
         divergence = None
         if cfg.wire == "layers" and self.decentralized:
             from agent.learning.ldf import divergences
@@ -392,11 +436,13 @@ class Learner:
         """L_t = 0.7 L_train + 0.3 L_val (ALGORITHMS.md 2): L_train this round's mean training
         loss, L_val the trained model's loss on the validation split, in eval mode. An agent
         stops once L_t exceeds its previous L (NaN, e.g. without a validation split, never)."""
-        val_loss, _ = evaluate(self.model, weights, data.x_val, data.y_val)
+        val_loss, _ = evaluate(self.model, weights, data.x_val, data.y_val, task=self.task)
         return STOP_LAMBDA * train_loss + (1.0 - STOP_LAMBDA) * val_loss
 
     def evaluate_on(self, weights: State, data: LocalData) -> tuple[float, float]:
-        return evaluate(self.model, weights, data.x_test, data.y_test)
+        """(mean loss, metric) of `weights` on the agent's test split: the task's metric,
+        accuracy for classification."""
+        return evaluate(self.model, weights, data.x_test, data.y_test, task=self.task)
 
 
 def _recovered(
@@ -410,7 +456,7 @@ def _recovered(
     """A round whose model turned non-finite (a poisoned aggregate, a diverged step): the
     agent goes back to its model before the round, keeps it and publishes it again,
     rather than dropping out with a model nobody can use."""
-    loss, accuracy = evaluate(learner.model, before.weights, data.x_test, data.y_test)
+    loss, accuracy = learner.evaluate_on(before.weights, data)
     layers = learner.config.wire == "layers" and learner.decentralized
     return RoundResult(
         state=dataclasses.replace(before, round=round_),
@@ -424,6 +470,18 @@ def _recovered(
         pruned=False,
         divergence=dict.fromkeys(learner.layer_groups, 0.0) if layers else None,
         recovered=True,
+    )
+
+
+def local_statistics(model: nn.Module) -> tuple[str, ...]:
+    """The state-dict names of the model's BatchNorm running statistics (running mean,
+    variance and batch count): what FedBN keeps on each device."""
+    return tuple(
+        f"{name}.{buffer}" if name else buffer
+        for name, module in model.named_modules()
+        if isinstance(module, nn.modules.batchnorm._BatchNorm)
+        for buffer, value in module.named_buffers(recurse=False)
+        if value is not None
     )
 
 

@@ -3,19 +3,38 @@
 Every conv model uses GroupNorm, never BatchNorm, so a model is fully described by its
 parameters: there are no running statistics to average, send or keep personal. Models are
 written here (no torchvision) and take any input shape and class count.
+
+The rules below also serve a user's own ``nn.Module`` (``check_supported`` says up front when
+one breaks them): the prunable tensors are the weights of Conv1d, Conv2d (depthwise and
+grouped included) and Linear layers and the weight matrices of RNN, GRU and LSTM layers (and
+their cells); everything else (biases, norms, embeddings, other modules) stays dense. FLOPs
+are read from one forward pass with hooks, so no architecture needs a table of its own.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Sequence
 from typing import cast
 
 import torch
 from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
+from torch.nn.utils.rnn import PackedSequence
+
+from agent.learning.user_code import build_user_model, is_import_path
 
 MODEL_NAMES = ("mlp", "cnn1d", "cnn2d", "resnet18", "vgg11", "alexnet")
+# Layers whose `weight` is prunable: one weight applied at every output position. Other
+# modules (agent/learning/freezing.py) rely on exactly these types, which have that layout.
 PRUNABLE_TYPES = (nn.Conv1d, nn.Conv2d, nn.Linear)
+# Recurrent layers: every weight matrix (`_RECURRENT_MATRIX`) is prunable and applied once per
+# time step and sample. Cells are one step per call.
+RECURRENT_TYPES = (nn.RNN, nn.GRU, nn.LSTM, nn.RNNCell, nn.GRUCell, nn.LSTMCell)
+# weight_ih_l{k}, weight_hh_l{k}, LSTM's projection weight_hr_l{k}, each with `_reverse` for
+# the second direction; weight_ih and weight_hh of the cells. Biases are never matched.
+_RECURRENT_MATRIX = re.compile(r"weight_(ih|hh|hr)(_l\d+(_reverse)?)?")
 
 _DEFAULT_MODELS = {
     "digits": "cnn2d",
@@ -244,10 +263,18 @@ _INPUT_DIMS = {"cnn1d": 2, "cnn2d": 3, "resnet18": 3, "vgg11": 3, "alexnet": 3}
 def build_model(
     name: str, input_shape: tuple[int, ...], num_classes: int, *, seed: int
 ) -> nn.Module:
-    """Build model `name` with weights drawn from `seed` alone, so every agent of a fleet
-    starts from the same weights. The global torch RNG is forked, not reseeded."""
+    """Build model `name` (a bundled one, or a user's builder as MODULE:FUNCTION or
+    ./FILE.py:FUNCTION, `user_code`) with weights drawn from `seed` alone, so every agent of a
+    fleet starts from the same weights. The global torch RNG is forked, not reseeded."""
+    if is_import_path(name):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return build_user_model(name, tuple(input_shape), num_classes)
     if name not in _BUILDERS:
-        raise ValueError(f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)}")
+        raise ValueError(
+            f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)}, or your own as "
+            "MODULE:FUNCTION or ./FILE.py:FUNCTION"
+        )
     dims = _INPUT_DIMS.get(name)
     if dims is not None and len(input_shape) != dims:
         raise ValueError(
@@ -275,14 +302,29 @@ def default_model(dataset_name: str) -> str:
         ) from None
 
 
+def _key(module_name: str, tensor_name: str) -> str:
+    """The state-dict key of a module's own tensor (the root module's have no prefix)."""
+    return f"{module_name}.{tensor_name}" if module_name else tensor_name
+
+
+def _prunable_of(module: nn.Module) -> list[str]:
+    """The module's own prunable tensor names: `weight` of a conv/linear layer, the weight
+    matrices of a recurrent layer, nothing for any other module."""
+    if isinstance(module, PRUNABLE_TYPES):
+        return ["weight"]
+    if isinstance(module, RECURRENT_TYPES):
+        return [
+            n for n, _ in module.named_parameters(recurse=False) if _RECURRENT_MATRIX.fullmatch(n)
+        ]
+    return []
+
+
 def prunable_names(model: nn.Module) -> list[str]:
-    """State-dict keys of the weight tensors of Conv1d, Conv2d and Linear layers (never
-    biases or norm parameters), in state-dict order."""
-    names = {
-        f"{n}.weight" if n else "weight"
-        for n, m in model.named_modules()
-        if isinstance(m, PRUNABLE_TYPES)
-    }
+    """State-dict keys of the prunable tensors, in state-dict order: the weights of Conv1d,
+    Conv2d (depthwise and grouped too) and Linear layers and the weight matrices of RNN, GRU
+    and LSTM layers and cells. Biases, norms, embeddings and any other module's tensors stay
+    dense: they are small, or (embeddings) a pruned row would silently drop a token."""
+    names = {_key(n, t) for n, m in model.named_modules() for t in _prunable_of(m)}
     return [k for k in model.state_dict() if k in names]
 
 
@@ -295,36 +337,108 @@ def count_params(model: nn.Module, masks: dict[str, Tensor] | None = None) -> in
     )
 
 
-def output_positions(model: nn.Module, input_shape: tuple[int, ...]) -> dict[str, int]:
-    """For each Conv1d, Conv2d and Linear weight (by state-dict name), the number of output
-    positions it is applied at in one forward pass of one sample, read with forward hooks.
+def check_supported(model: nn.Module) -> None:
+    """Raise ValueError, in one sentence, when `model` breaks the rules every strategy relies
+    on; call it before a run starts, so a user's module fails there and not in round 3.
 
-    A layer's MACs are its kept weight count times this number, so FLOPs under any mask follow
-    from it without running the model again (`flops_from_positions`).
+    The rules: the model has parameters, all of them real floating point (they are averaged,
+    pruned and sent as floats), no tensor is reachable under two names (tied weights, or one
+    module registered twice: the state dict would carry it twice, agents would average and
+    send both copies and loading would untie them), no lazy parameter is left uninitialized
+    (its shape is unknown), and every state-dict entry is a tensor. Integer buffers (such as
+    BatchNorm's `num_batches_tracked`) are allowed: aggregation copies them instead of
+    averaging (agent/learning/sparse.py).
     """
-    positions: dict[str, int] = {}
-
-    def hook(name: str) -> Callable[[nn.Module, tuple[Tensor, ...], Tensor], None]:
-        def record(module: nn.Module, _inputs: tuple[Tensor, ...], output: Tensor) -> None:
-            channels = (
-                output.shape[1] if isinstance(module, nn.Conv1d | nn.Conv2d) else output.shape[-1]
+    kind = type(model).__name__
+    params = list(model.named_parameters(remove_duplicate=False))
+    if not params:
+        raise ValueError(f"the model ({kind}) has no parameters, so there is nothing to train")
+    seen: dict[int, str] = {}
+    for name, tensor in [*params, *model.named_buffers(remove_duplicate=False)]:
+        if id(tensor) in seen:
+            raise ValueError(
+                f"{name!r} is the same tensor as {seen[id(tensor)]!r} (tied or shared weights), "
+                "which the state dict would carry twice; give each module its own tensor"
             )
-            positions[name] = positions.get(name, 0) + output.numel() // channels
+        seen[id(tensor)] = name
+        if is_lazy(tensor):
+            raise ValueError(f"{name!r} is uninitialized (lazy); run one forward pass first")
+        if tensor.is_complex():
+            raise ValueError(
+                f"{name!r} is complex ({tensor.dtype}); only real tensors are supported"
+            )
+    for name, param in params:
+        if not param.is_floating_point():
+            raise ValueError(f"parameter {name!r} is {param.dtype}, not floating point")
+    for key, value in model.state_dict().items():
+        if not isinstance(value, Tensor):
+            raise ValueError(f"state-dict entry {key!r} is a {type(value).__name__}, not a tensor")
+
+
+def _steps(module: nn.Module, inputs: tuple[object, ...], output: object) -> int:
+    """How many times one forward call applies each prunable tensor of `module`.
+
+    Conv: the output positions (all channels of one position share the weight count, grouped
+    and depthwise convs included, since each output channel reads in_channels / groups of the
+    input). Linear: the output rows. Recurrent: the (time step, sample) pairs of its input,
+    since every layer's matrices, both directions', run once per step: T x N for (T, N, I),
+    N x T for batch_first (N, T, I) (the product is layout-free), T for unbatched (T, I), the
+    packed row count for a PackedSequence, N for a cell.
+    """
+    if isinstance(module, nn.Conv1d | nn.Conv2d):
+        return cast(Tensor, output).numel() // module.out_channels
+    if isinstance(module, nn.Linear):
+        return cast(Tensor, output).numel() // module.out_features
+    x = inputs[0]
+    if isinstance(x, PackedSequence):
+        return int(x.data.shape[0])
+    x = cast(Tensor, x)
+    return x.numel() // x.shape[-1]
+
+
+def _probe(model: nn.Module, input_shape: tuple[int, ...]) -> Tensor:
+    """One all-zero sample for counting: token ids (int64 zeros) when the model has an
+    Embedding (it takes ids, not values), else zeros in the first parameter's float dtype."""
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else None
+    if any(isinstance(m, nn.Embedding | nn.EmbeddingBag) for m in model.modules()):
+        return torch.zeros((1, *input_shape), dtype=torch.long, device=device)
+    floating = param is not None and param.is_floating_point()
+    dtype = param.dtype if param is not None and floating else None
+    return torch.zeros((1, *input_shape), dtype=dtype, device=device)
+
+
+def output_positions(model: nn.Module, input_shape: tuple[int, ...]) -> dict[str, int]:
+    """For each prunable tensor (by state-dict name), the number of positions it is applied
+    at in one forward pass of one sample, read with forward hooks (`_steps`): output
+    positions for Conv1d, Conv2d and Linear, time steps for recurrent matrices. A module
+    called several times sums its calls.
+
+    A tensor's MACs are its kept weight count times this number (a conv's output position
+    costs one MAC per weight, a recurrent step one per matrix entry), so FLOPs under any mask
+    follow from it without running the model again (`flops_from_positions`). A prunable
+    tensor the forward pass never reaches gets 0.
+    """
+    positions = dict.fromkeys(prunable_names(model), 0)
+
+    def hook(keys: list[str]) -> Callable[[nn.Module, tuple[object, ...], object], None]:
+        def record(module: nn.Module, inputs: tuple[object, ...], output: object) -> None:
+            steps = _steps(module, inputs, output)
+            for key in keys:
+                positions[key] += steps
 
         return record
 
-    handles = [
-        m.register_forward_hook(hook(f"{n}.weight" if n else "weight"))
-        for n, m in model.named_modules()
-        if isinstance(m, PRUNABLE_TYPES)
-    ]
+    handles = []
+    for name, module in model.named_modules():
+        keys = [_key(name, t) for t in _prunable_of(module)]
+        if keys:
+            handles.append(module.register_forward_hook(hook(keys)))
     was_training = model.training
     try:
         model.eval()
-        param = next(model.parameters(), None)
-        x = torch.zeros((1, *input_shape), device=param.device if param is not None else None)
         with torch.no_grad():
-            model(x)
+            model(_probe(model, input_shape))
     finally:
         for h in handles:
             h.remove()
@@ -337,8 +451,8 @@ def flops_from_positions(
     shapes: dict[str, tuple[int, ...]],
     masks: dict[str, Tensor] | None = None,
 ) -> int:
-    """`forward_flops` from `output_positions` and the weights' shapes: 2 x sum over layers of
-    kept weights x output positions (all weights of an unmasked layer are kept)."""
+    """`forward_flops` from `output_positions` and the weights' shapes: 2 x sum over prunable
+    tensors of kept weights x positions (all weights of an unmasked tensor are kept)."""
     masks = masks or {}
     unknown = set(masks) - set(positions)
     if unknown:
@@ -360,10 +474,12 @@ def forward_flops(
 ) -> int:
     """FLOPs of one forward pass of one sample, counting a multiply-accumulate as 2 FLOPs.
 
-    Only Conv1d, Conv2d and Linear layers are counted (norms, activations, pooling, residual
-    additions and bias additions are a small fraction and are ignored). A layer's MACs are
-    its weight count times the number of output positions it is applied at (read with forward
-    hooks); under a mask only kept weights count (dense MACs x layer density).
+    Only the prunable tensors are counted (Conv1d, Conv2d and Linear weights, recurrent
+    weight matrices); norms, activations, pooling, embeddings lookups, recurrent gate
+    arithmetic, residual additions and bias additions are a small fraction and are ignored. A
+    tensor's MACs are its weight count times the number of positions it is applied at (read
+    with forward hooks, `output_positions`); under a mask only kept weights count (dense MACs
+    x layer density).
     """
     masks = masks or {}
     unknown = set(masks) - set(prunable_names(model))

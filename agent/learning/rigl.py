@@ -1,5 +1,10 @@
-"""RigL (ALGORITHMS.md 1.5): drop the smallest active weights, regrow where the dense
-gradient is largest."""
+"""RigL (ALGORITHMS.md 1.6): drop the smallest active weights, regrow where the dense
+gradient is largest.
+
+Masks are same-shape bool tensors of any layout: conv kernels (depthwise (C, 1, k, k)
+included), linear and recurrent matrices (gates x hidden, input) are all ranked over their
+flattened entries, layer by layer, so nothing here depends on what a dimension means.
+"""
 
 from __future__ import annotations
 

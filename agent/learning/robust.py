@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
+from agent.learning import sparse
 from agent.learning.sparse import Masks, State
 
 ATTACKS = ("scale", "noise", "signflip")
@@ -159,6 +160,10 @@ def aggregate(
     for name in names:
         senders = [i for i in ids if name in states[i]]
         ref = states[senders[0]][name]
+        if not sparse.averaged(ref):  # a counter: copied from the first sender, as the mean does
+            out[name] = ref.clone()
+            counts[name] = torch.ones(ref.shape, dtype=torch.int64)
+            continue
         values = torch.stack([states[i][name].reshape(-1).to(torch.float64) for i in senders])
         holds = torch.stack(
             [
@@ -200,6 +205,8 @@ def distance(
     masks `held` where given), in float64."""
     total = 0.0
     for name, tensor in model.items():
+        if not sparse.averaged(tensor):
+            continue  # counters are copied, never averaged: no distance
         diff = tensor.to(torch.float64) - reference[name].to(torch.float64)
         if held is not None and name in held:
             diff = torch.where(held[name], diff, 0.0)
@@ -260,6 +267,9 @@ def _stand_in(
     alone as the stand-in would hold every aggregate back by the screened share."""
     out: State = {}
     for name, tensor in model.items():
+        if not sparse.averaged(tensor):
+            out[name] = tensor
+            continue
         total = torch.zeros(tensor.shape, dtype=torch.float64)
         count = torch.zeros(tensor.shape, dtype=torch.float64)
         for state, masks in kept:
@@ -284,6 +294,9 @@ def _pulled(
     """reference + scale (model - reference), in float64, on the entries `model` holds."""
     out: State = {}
     for name, tensor in model.items():
+        if not sparse.averaged(tensor):
+            out[name] = tensor
+            continue
         ref = reference[name].to(torch.float64)
         value = tensor.to(torch.float64)
         pulled = ref + (value - ref) * scale

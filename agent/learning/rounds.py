@@ -164,10 +164,12 @@ def advance_server(
     return strategy.receive(previous, as_sent(aggregate.broadcast, fp16))
 
 
-def evaluated_weights(strategy: CentralStrategy, own: State, view: ServerState) -> State:
+def evaluated_weights(
+    learner: Learner, strategy: CentralStrategy, own: State, view: ServerState
+) -> State:
     """The model a participant's accuracy is measured on: its own for a personalized
-    strategy, else the global model it holds."""
-    return own if strategy.personal else view.weights
+    strategy, else the global model it holds (with its own BatchNorm statistics)."""
+    return own if strategy.personal else learner.own_statistics(view.weights, own)
 
 
 def attacked(learner: Learner, result: RoundResult, attack: str, round_: int) -> RoundResult:

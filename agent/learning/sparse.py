@@ -14,6 +14,11 @@ Conventions shared by every function:
   ``28.999999999999996``) is treated as that integer.
 * Aggregations visit agents in sorted-id order and accumulate in float64, so a networked run and
   the in-process simulator produce bit-identical models whatever order models arrived in.
+* Only floating tensors are averaged. A state may also hold integer or bool buffers (a user
+  model's BatchNorm ``num_batches_tracked``, int64 0-d): those are copied, never averaged, from
+  the first agent in sorted-id order that has them (``copied``), so the result stays an exact
+  value some agent had, and aggregating one state returns it unchanged. Complex tensors are
+  rejected (``models.check_supported`` refuses them before a run).
 """
 
 from __future__ import annotations
@@ -48,6 +53,11 @@ def erk_densities(shapes: Mapping[str, Sequence[int]], density: float) -> dict[s
     dense and eps is re-solved over the others. Raising eps only ever makes more layers
     saturate (re-solving after removing a saturated layer cannot lower eps), so saturating every
     offender at once per iteration gives the same fixed point as one at a time.
+
+    Shapes are taken as stored. A recurrent matrix is one (gates x H, I) matrix, as the RigL
+    reference treats an LSTM kernel, so it is pruned like a Linear of that size. A depthwise
+    kernel (C, 1, k, k) has a large sum/product ratio and usually comes out dense, which is
+    ERK's intent for small layers (it holds C k^2 weights, a full conv C^2 k^2).
     """
     if not 0.0 < density <= 1.0:
         raise ValueError(f"density must be in (0, 1], got {density}")
@@ -122,21 +132,44 @@ def sparsity(masks: Mapping[str, torch.Tensor]) -> float:
 # ------------------------------------------------------------------------- aggregation (1.4)
 
 
-def _check_floating(states: Sequence[Mapping[str, torch.Tensor]]) -> list[str]:
+def averaged(tensor: torch.Tensor) -> bool:
+    """Whether aggregation averages `tensor` (floating) or copies it (integer, bool): a mean of
+    counters such as BatchNorm's ``num_batches_tracked`` is no count any model ever had, and
+    rounding it back to an integer would be a silent guess."""
+    return torch.is_floating_point(tensor)
+
+
+def _check_states(states: Sequence[Mapping[str, torch.Tensor]]) -> list[str]:
+    """The common tensor names; raises ValueError unless every state has the same names in the
+    same order, no tensor is complex, and each copied (non-floating) entry has one dtype and
+    shape across the states (a copy from one agent must fit every agent's model)."""
     names = list(states[0])
     for state in states:
         if list(state) != names:
             raise ValueError("all states must have the same tensor names in the same order")
-        bad = [n for n, t in state.items() if not torch.is_floating_point(t)]
+        bad = [n for n, t in state.items() if t.is_complex()]
         if bad:
-            raise ValueError(f"only floating tensors are exchanged; got non-floating {bad}")
+            raise ValueError(f"complex tensors are not exchanged; got {bad}")
+        for name, tensor in state.items():
+            first = states[0][name]
+            if averaged(tensor) != averaged(first) or (
+                not averaged(tensor) and (tensor.dtype, tensor.shape) != (first.dtype, first.shape)
+            ):
+                raise ValueError(f"{name!r} has a different dtype or shape across the states")
     return names
+
+
+def copied(states: Sequence[Mapping[str, torch.Tensor]], name: str) -> torch.Tensor:
+    """A non-averaged entry of the aggregate: a copy of the first state's (callers pass the
+    states in sorted-id order)."""
+    return states[0][name].clone()
 
 
 def aggregate_weighted(
     states: Mapping[str, Mapping[str, torch.Tensor]], weights: Mapping[str, float]
 ) -> State:
-    """Weighted mean sum_j a_j w_j / sum_j a_j of every tensor (FedAvg: a_j = sample count).
+    """Weighted mean sum_j a_j w_j / sum_j a_j of every floating tensor (FedAvg: a_j = sample
+    count); integer and bool entries are copied from the first agent by id (``copied``).
 
     Agents are summed in sorted-id order in float64; the result has each tensor's dtype.
     """
@@ -145,10 +178,14 @@ def aggregate_weighted(
     ids = sorted(states)
     if any(weights[i] < 0 for i in ids) or sum(weights[i] for i in ids) <= 0:
         raise ValueError("weights must be non-negative with a positive total")
-    names = _check_floating([states[i] for i in ids])
+    ordered = [states[i] for i in ids]
+    names = _check_states(ordered)
     total = math.fsum(weights[i] for i in ids)
     out: State = {}
     for name in names:
+        if not averaged(ordered[0][name]):
+            out[name] = copied(ordered, name)
+            continue
         acc = torch.zeros_like(states[ids[0]][name], dtype=torch.float64)
         for i in ids:
             acc += states[i][name].to(torch.float64) * weights[i]
@@ -157,7 +194,8 @@ def aggregate_weighted(
 
 
 def aggregate_mean(states: Mapping[str, Mapping[str, torch.Tensor]]) -> State:
-    """Plain mean of every tensor over the agents (DFedAvgM, unweighted FedAvg; 1.4 dense part)."""
+    """Plain mean of every floating tensor over the agents (DFedAvgM, unweighted FedAvg; 1.4
+    dense part); integer and bool entries as in ``aggregate_weighted``."""
     return aggregate_weighted(states, dict.fromkeys(states, 1.0))
 
 
@@ -171,14 +209,16 @@ def aggregate_masked(
     Prunable tensors (the keys of ``own_mask``): agg[e] = sum_j w_j[e] / sum_j m_j[e] where the
     count is positive, else 0, then multiplied by k's own mask. Each sender's weights are
     multiplied by its own mask first, so a stray nonzero outside a sender's mask can never leak
-    into the average while not being counted. Every other tensor (biases, norms): plain mean
-    over S. Agents are visited in sorted-id order and sums are taken in float64, so the result
-    does not depend on arrival order.
+    into the average while not being counted. Every other floating tensor (biases, norms):
+    plain mean over S. Integer and bool entries are copied from the first agent of S by id
+    (``copied``), whether or not that is k. Agents are visited in sorted-id order and sums are
+    taken in float64, so the result does not depend on arrival order.
     """
     if not models:
         raise ValueError("nothing to aggregate")
     ids = sorted(models)
-    names = _check_floating([models[i][0] for i in ids])
+    ordered = [models[i][0] for i in ids]
+    names = _check_states(ordered)
     prunable = set(own_mask)
     for i in ids:
         if set(models[i][1]) != prunable:
@@ -189,7 +229,7 @@ def aggregate_masked(
     # instead of a few small ones per tensor and agent.
     ref = models[ids[0]][0]
     masked_names = [n for n in names if n in prunable]
-    dense_names = [n for n in names if n not in prunable]
+    dense_names = [n for n in names if n not in prunable and averaged(ref[n])]
 
     def flat(tensors: Mapping[str, torch.Tensor], which: list[str]) -> torch.Tensor:
         return torch.cat([tensors[n].reshape(-1) for n in which])
@@ -211,7 +251,7 @@ def aggregate_masked(
         for i in ids:
             acc += flat(models[i][0], dense_names).to(torch.float64)
         out |= _split(acc / math.fsum(1.0 for _ in ids), ref, dense_names)
-    return {name: out[name] for name in names}
+    return {name: out[name] if name in out else copied(ordered, name) for name in names}
 
 
 def _split(flat: torch.Tensor, like: Mapping[str, torch.Tensor], names: list[str]) -> State:

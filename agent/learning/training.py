@@ -18,9 +18,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from agent.learning.sparse import Masks, State, apply_masks_
+from agent.learning.tasks import Task
+
+CLASSIFICATION = Task()
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,7 @@ def train_local(
     generator: torch.Generator,
     *,
     frozen: Masks | None = None,
+    task: Task = CLASSIFICATION,
 ) -> TrainResult:
     """E epochs of (masked) SGD from `state`; weights outside the mask stay exactly 0.
 
@@ -131,7 +134,8 @@ def train_local(
     pruned weight at zero even with weight decay or momentum. `frozen` holds FedSPU's active
     masks (True = trainable, ALGORITHMS.md 2): entries where it is False are put back to
     their starting values after every step, so they come out bit-identical whatever the
-    gradient, weight decay or momentum did, while still taking part in the forward pass.
+    gradient, weight decay or momentum did, while still taking part in the forward pass
+    (frozen buffers, such as BatchNorm's running statistics, are put back likewise).
     """
     load_weights(model, state)
     model.train()
@@ -139,8 +143,11 @@ def train_local(
     params = dict(model.named_parameters())
     momentum_buffers: dict[str, torch.Tensor] = {}
     masked = {name: (params[name], mask.to(device)) for name, mask in (masks or {}).items()}
+    # Frozen buffers too: every forward pass in train mode updates BatchNorm's running
+    # statistics, frozen channels' included.
+    tensors = {**dict(model.named_buffers()), **params}
     kept = {
-        name: (params[name], trainable.to(device), params[name].detach().clone())
+        name: (tensors[name], trainable.to(device), tensors[name].detach().clone())
         for name, trainable in (frozen or {}).items()
         if not bool(trainable.all())
     }
@@ -153,7 +160,7 @@ def train_local(
             param.mul_(mask)
 
     mean_loss, samples = minibatch_epochs(
-        model, x, y, config.epochs, config.batch_size, generator, step
+        model, x, y, config.epochs, config.batch_size, generator, step, task
     )
     new_state = cpu_state(model)
     if masks:
@@ -169,8 +176,9 @@ def minibatch_epochs(
     batch_size: int,
     generator: torch.Generator,
     step: Callable[[], None],
+    task: Task = CLASSIFICATION,
 ) -> tuple[float, int]:
-    """`epochs` passes of cross-entropy minibatches in `_batches` order, calling `step` (in
+    """`epochs` passes of minibatches of the task's loss in `_batches` order, calling `step` (in
     no_grad) after each backward; returns (mean batch loss, samples seen). The loop every
     local optimizer shares, so SGD and Adam see the same batches for the same generator."""
     total_loss, steps, samples = 0.0, 0, 0
@@ -178,7 +186,8 @@ def minibatch_epochs(
     for _ in range(epochs):
         for batch in _batches(len(y), batch_size, generator):
             model.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(x[batch].to(device)), y[batch].to(device))
+            inputs = x[batch].to(device)
+            loss = task.loss(model(inputs), task.target(inputs, y[batch].to(device)))
             loss.backward()  # type: ignore[no-untyped-call]
             with torch.no_grad():
                 step()
@@ -190,21 +199,28 @@ def minibatch_epochs(
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, state: State, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024
+    model: nn.Module,
+    state: State,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    batch_size: int = 1024,
+    task: Task = CLASSIFICATION,
 ) -> tuple[float, float]:
-    """(mean cross-entropy loss, accuracy) of `state` on (x, y), model in eval mode."""
+    """(mean loss, mean metric) of `state` on (x, y), model in eval mode: for
+    classification the mean cross-entropy and the accuracy."""
     if len(y) == 0:
         return float("nan"), float("nan")
     load_weights(model, state)
     model.eval()
     device = model_device(model)
-    loss, correct = 0.0, 0
+    loss, metric = 0.0, 0.0
     for start in range(0, len(y), batch_size):
-        logits = model(x[start : start + batch_size].to(device))
-        target = y[start : start + batch_size].to(device)
-        loss += F.cross_entropy(logits, target, reduction="sum").item()
-        correct += int((logits.argmax(1) == target).sum())
-    return loss / len(y), correct / len(y)
+        inputs = x[start : start + batch_size].to(device)
+        target = task.target(inputs, y[start : start + batch_size].to(device))
+        batch_loss, batch_metric = task.sums(model(inputs), target)
+        loss += batch_loss
+        metric += batch_metric
+    return loss / len(y), metric / len(y)
 
 
 def dense_gradients(
@@ -216,8 +232,9 @@ def dense_gradients(
     batch_size: int,
     num_batches: int,
     generator: torch.Generator,
+    task: Task = CLASSIFICATION,
 ) -> tuple[dict[str, torch.Tensor], int]:
-    """Cross-entropy gradient of the named (masked) weights as if they were dense, for RigL.
+    """The task loss's gradient of the named (masked) weights as if they were dense, for RigL.
 
     Model in eval mode, mean over `num_batches` local batches (ALGORITHMS.md 1.6). Returns the
     gradients (on the CPU) and the number of samples used, for FLOP accounting.
@@ -230,7 +247,9 @@ def dense_gradients(
     batches = _batches(len(y), batch_size, generator)[:num_batches]
     total: list[torch.Tensor] = []
     for batch in batches:
-        loss = F.cross_entropy(model(x[batch].to(device)), y[batch].to(device)) / len(batches)
+        inputs = x[batch].to(device)
+        target = task.target(inputs, y[batch].to(device))
+        loss = task.loss(model(inputs), target) / len(batches)
         # Only the named weights' gradients: none for norms and biases, nothing left in .grad.
         # Summed over batches in order, as backward() accumulates them.
         grads = torch.autograd.grad(loss, wanted)

@@ -222,7 +222,7 @@ class CentralizedRounds:
         throttled = s.after_compute(compute_started, fit.train_flops)
         s.state = fit.state
         stragglers = self._exchange(round_, p_k, fit)
-        evaluated = evaluated_weights(self.strategy, fit.state.weights, self.view)
+        evaluated = evaluated_weights(s.learner, self.strategy, fit.state.weights, self.view)
         return self._record(
             round_,
             p_k,

@@ -66,9 +66,12 @@ class FleetCollector(Collector):
         for field, name, doc in AGENT_GAUGES:
             gauge = GaugeMetricFamily(f"edgefl_agent_{name}", doc, labels=labels)
             for row in agents:
+                if field == "accuracy" and row["metric"] != "accuracy":
+                    continue  # another task's metric: edgefl_agent_metric has it, named
                 if (value := row[field]) is not None:
                     gauge.add_metric([row["fleet"], row["agent"]], float(value))
             yield gauge
+        yield task_metric(agents)
         for field, name, doc in AGENT_COUNTERS:
             counter = CounterMetricFamily(f"edgefl_agent_{name}", doc, labels=labels)
             for row in agents:
@@ -87,6 +90,21 @@ class FleetCollector(Collector):
         )
         rejected.add_metric([], self.state.rejected)
         yield rejected
+
+
+def task_metric(agents: list[dict[str, Any]]) -> Metric:
+    """Each agent's task metric labelled by its name: accuracy for classification, mae for
+    regression, reconstruction_error for an autoencoder, or a run's own metric (the
+    accuracy gauge carries classification runs only)."""
+    gauge = GaugeMetricFamily(
+        "edgefl_agent_metric",
+        "The run task's metric after the agent's latest round (label metric names it).",
+        labels=["fleet", "agent", "metric"],
+    )
+    for row in agents:
+        if row["accuracy"] is not None:
+            gauge.add_metric([row["fleet"], row["agent"], row["metric"]], float(row["accuracy"]))
+    return gauge
 
 
 def fleet_metrics(fleets: list[dict[str, Any]]) -> Iterator[Metric]:

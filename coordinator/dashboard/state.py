@@ -15,6 +15,7 @@ import logging
 import math
 import threading
 import time
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
@@ -239,6 +240,8 @@ def agent_row(entry: AgentEntry, series: AgentSeries | None, with_series: bool) 
         "round": entry.round or series.last_round,
         "run_id": series.run_id,
         **{name: number(figure(name)) for name in ("accuracy", "loss", "sparsity", "p_k")},
+        # What "accuracy" holds: the run task's metric (mae, reconstruction_error, ...).
+        "metric": text(figure("metric"), 64) or "accuracy",
         "limited_by": text(figure("limited_by"), 64),
         "bytes_sent": series.totals["bytes_sent"],
         "bytes_received": series.totals["bytes_received"],
@@ -263,6 +266,7 @@ def fleet_summaries(agents: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for fleet in sorted({row["fleet"] for row in agents}):
         rows = [row for row in agents if row["fleet"] == fleet]
         accuracies = [row["accuracy"] for row in rows if row["accuracy"] is not None]
+        metrics = Counter(row["metric"] for row in rows if row["accuracy"] is not None)
         summaries.append(
             {
                 "fleet": fleet,
@@ -271,6 +275,7 @@ def fleet_summaries(agents: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "stopped": sum(row["stopped"] for row in rows),
                 "round": max(row["round"] for row in rows),
                 "mean_accuracy": sum(accuracies) / len(accuracies) if accuracies else None,
+                "metric": metrics.most_common(1)[0][0] if metrics else "accuracy",
             }
         )
     return summaries

@@ -211,10 +211,11 @@ def train_sgd(
     masks: Masks | None = None,
     frozen: Masks | None = None,
 ) -> TrainResult:
-    """The participant's local SGD from `start` (the same call for every SGD strategy)."""
+    """The participant's local SGD from `start` (the same call for every SGD strategy), with
+    its own BatchNorm statistics (`Learner.own_statistics`)."""
     return train_local(
         learner.model,
-        start,
+        learner.own_statistics(start, agent.weights),
         masks,
         data.x_train,
         data.y_train,
@@ -222,6 +223,7 @@ def train_sgd(
         round_,
         learner.generator("train", agent.agent_id, round_),
         frozen=frozen,
+        task=learner.task,
     )
 
 

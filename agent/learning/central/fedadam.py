@@ -62,13 +62,14 @@ class FedAdam(CentralStrategy):
         assert server.m is not None and server.v is not None
         result = adam.train_adam(
             learner.model,
-            server.weights,
+            learner.own_statistics(server.weights, agent.weights),
             server.m,
             server.v,
             data.x_train,
             data.y_train,
             adam.AdamConfig(lr=cfg.lr, epochs=cfg.epochs, batch_size=cfg.batch_size),
             learner.generator("train", agent.agent_id, round_),
+            learner.task,
         )
         (dw, w_mask), (dm, m_mask), (dv, v_mask) = adam.compress(
             adam.deltas(result.weights, server.weights),

@@ -111,7 +111,7 @@ def _draw_active(
 ) -> Masks:
     """The active neurons of a participant, drawn from its seed."""
     generator = learner.generator("active", agent_id, round_)
-    return freezing.active_masks(learner.model, server.weights, fraction, generator)
+    return freezing.active_masks(learner.freezing_plan, server.weights, fraction, generator)
 
 
 def _all_masks(payload: Payload) -> Masks:

@@ -16,6 +16,12 @@ let received = { at: Date.now(), now: Date.now() / 1000 };
 
 function pct(v) { return v == null ? "–" : (100 * v).toFixed(1) + " %"; }
 
+// The task's metric: accuracy as a percentage, any other (mae, reconstruction_error) named.
+function figure(v, metric) {
+  if (metric === "accuracy" || metric == null) return pct(v);
+  return v == null ? "–" : v.toPrecision(4) + " " + metric;
+}
+
 function si(v, unit) {
   if (v == null) return "–";
   const steps = [[1e12, "T"], [1e9, "G"], [1e6, "M"], [1e3, "k"]];
@@ -73,7 +79,7 @@ function renderSummary(snapshot) {
     box.append(
       card(fleet.online + " / " + fleet.agents, "agents online" + suffix),
       card(String(fleet.round), "round" + suffix),
-      card(pct(fleet.mean_accuracy), "mean accuracy" + suffix),
+      card(figure(fleet.mean_accuracy, fleet.metric), "mean " + fleet.metric + suffix),
       card(String(fleet.stopped), "stopped early" + suffix));
   }
   const names = snapshot.fleets.map((f) => f.fleet);
@@ -125,7 +131,7 @@ function row(agent, index, multi) {
   const limited = agent.limited_by && agent.limited_by !== "none" ? " (" + agent.limited_by + ")" : "";
   tr.append(name, presence, stateCell(agent),
     cell("round", String(agent.round), "num"),
-    cell("accuracy", pct(agent.accuracy), "num"),
+    cell("accuracy", figure(agent.accuracy, agent.metric), "num"),
     cell("sparsity", pct(agent.sparsity), "num"),
     cell("p_k", agent.p_k == null ? "–" : agent.p_k.toFixed(2) + limited, "num"),
     cell("bytes_sent", bytes(agent.bytes_sent), "num"),

@@ -1,0 +1,197 @@
+"""edgefl's Python API: configure a run, simulate or emulate a fleet, read the report.
+
+    import edgefl
+
+    config = edgefl.config(
+        strategy="dadpfl",
+        dataset="python:./sensors.py:load",   # or digits, mnist1d, npz:PATH, ...
+        model="./nets.py:build",              # or a function: model=build
+        task="regression",
+        agents=8,
+        rounds=20,
+    )
+    report = edgefl.simulate(config)
+    print(report.metric, report.mean_metric)
+
+`config` takes the long options of ``coordinator simulate`` as keywords (dashes as
+underscores) and validates them as the command line does: one `ConfigError` sentence for a
+bad value. A model, loss, metric or data source may be given as a function: it is named by
+its import path (a function of a script run as ``python script.py`` by the script's file), so
+agent processes can import it too. The commands ``coordinator simulate`` and ``coordinator
+emulate`` run the same code as `simulate` and `emulate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agent.experiment import ExperimentConfig as Config
+from agent.learning import StrategyConfig
+from agent.learning.tasks import TASKS, Task
+from agent.options import experiment_config
+from agent.report import metric_of
+from agent.runfile import lab_config
+
+__all__ = [
+    "TASKS",
+    "Config",
+    "ConfigError",
+    "Report",
+    "Task",
+    "config",
+    "emulate",
+    "simulate",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run, in one sentence (what and why)."""
+
+
+USER_CODE = ("model", "loss", "metric")
+"""Options that name the user's code; `config` also takes functions for them."""
+
+
+def _import_path(function: Callable[..., Any], what: str) -> str:
+    """MODULE:NAME for a module-level function; FILE.py:NAME for one of the script that
+    runs as __main__, which another process can only import by its file."""
+    name = getattr(function, "__qualname__", "")
+    module = getattr(function, "__module__", None)
+    if not name.isidentifier() or module is None:
+        raise ConfigError(
+            f"{what} must be a function defined at the top level of a module or script "
+            f"(agents import it by name), got {function!r}"
+        )
+    if module == "__main__":
+        script = getattr(sys.modules["__main__"], "__file__", None)
+        if script is None:
+            raise ConfigError(
+                f"{what} {name} is defined interactively: put it in a .py file so agents can "
+                "import it"
+            )
+        return f"{Path(script).resolve()}:{name}"
+    return f"{module}:{name}"
+
+
+def config(run_file: str | Path | None = None, **options: Any) -> Config:
+    """A validated run configuration from ``coordinator simulate``'s long options as keywords
+    (``agents=8, rounds=20, strategy="fedavg"``), over a `run_file`'s [run] table if given;
+    anything not given keeps its default. `model`, `loss`, `metric` may be functions,
+    `dataset` a function returning the data (``x``, ``(x, y)`` or a dict with x, y and
+    groups); ConfigError for a bad value."""
+    values = dict(options)
+    for key in USER_CODE:
+        if callable(values.get(key)):
+            values[key] = _import_path(values[key], key)
+    if callable(values.get("dataset")):
+        values["dataset"] = "python:" + _import_path(values["dataset"], "dataset")
+    known = {f.name for f in dataclasses.fields(Config)} - {"learning", "model_fingerprint"}
+    known |= {f.name for f in dataclasses.fields(StrategyConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown option {unknown[0]!r}; see coordinator simulate --help")
+    try:
+        return lab_config(run_file, values) if run_file else experiment_config(values)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(str(exc)) from None
+
+
+@dataclass(frozen=True)
+class Report:
+    """A run's report, as ``coordinator simulate --report`` writes it: the configuration,
+    one record per round (each agent's figures), and the run's summary."""
+
+    config: dict[str, Any]
+    rounds: list[dict[str, Any]]
+    summary: dict[str, Any]
+
+    @classmethod
+    def of(cls, data: Mapping[str, Any]) -> Report:
+        return cls(dict(data.get("config", {})), list(data["rounds"]), dict(data["summary"]))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Report:
+        """A report file written by the commands or by `save`."""
+        return cls.of(json.loads(Path(path).read_text()))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"config": self.config, "rounds": self.rounds, "summary": self.summary}
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps(self.as_dict(), indent=1))
+        return path
+
+    @property
+    def metric(self) -> str:
+        """The task's metric: accuracy, mae, reconstruction_error or a custom one."""
+        return metric_of(self.as_dict())[0]
+
+    @property
+    def higher_is_better(self) -> bool:
+        return metric_of(self.as_dict())[1]
+
+    @property
+    def mean_metric(self) -> float:
+        """The metric averaged over the agents of the last round."""
+        return float(self.summary[f"mean_{self.metric}"])
+
+    def final(self) -> dict[str, float]:
+        """Each agent's metric in the last round."""
+        if not self.rounds:
+            return {}
+        return {k: a[self.metric] for k, a in self.rounds[-1]["agents"].items()}
+
+
+def simulate(
+    config: Config, *, workers: int = 1, progress: Callable[[int, str], None] | None = None
+) -> Report:
+    """Run the whole fleet in this process (no network); `progress(round, agent)` after each
+    agent's round. The agents train in `workers` processes (the same report)."""
+    from coordinator.simulate import Simulation
+
+    try:
+        simulation = Simulation(config, workers)
+    except (ValueError, OSError) as exc:
+        raise ConfigError(str(exc)) from None
+    return Report.of(simulation.run(progress))
+
+
+def emulate(
+    config: Config,
+    *,
+    agents_per_process: int | None = None,
+    workdir: str | Path | None = None,
+    round_timeout_s: float = 120.0,
+) -> Report:
+    """Run the fleet as real agent processes over an embedded MQTT broker on loopback, with
+    a coordinator in this process, and return the same report as `simulate` (plus what only
+    a network has: waiting and stragglers). Logs and state go to `workdir` (a temporary
+    folder by default)."""
+    from coordinator.broker import EmbeddedBroker
+    from coordinator.cli import free_port
+    from coordinator.emulate import Emulation, EmulationOptions, auto_agents_per_process
+
+    folder = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="emulate-"))
+    options = EmulationOptions(
+        workdir=folder,
+        round_timeout_s=round_timeout_s,
+        agents_per_process=agents_per_process or auto_agents_per_process(config.agents),
+    )
+    broker = EmbeddedBroker(host="127.0.0.1", port=free_port())
+    try:
+        emulation = Emulation(config, broker.address, options)
+    except (ValueError, OSError) as exc:
+        raise ConfigError(str(exc)) from None
+    broker.start()
+    try:
+        return Report.of(emulation.run())
+    finally:
+        broker.stop()
