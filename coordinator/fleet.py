@@ -18,6 +18,7 @@ from typing import Any
 from rich import box
 from rich.console import Console
 from rich.filesize import decimal
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -281,6 +282,15 @@ def describe_number(entry: AgentEntry, name: str, form: str) -> str:
     return "" if value is None else form.format(value)
 
 
+def describe_metric(entry: AgentEntry) -> str:
+    """The task's metric: accuracy as it was, another (mae, reconstruction_error) named."""
+    metric = entry.metrics.get("metric")
+    shown = describe_number(entry, "accuracy", "{:.3f}")
+    if not shown or not isinstance(metric, str) or metric == "accuracy":
+        return shown
+    return f"{shown} {escape(metric[:32])}"
+
+
 Cell = Callable[[AgentEntry], str]
 
 COLUMNS: dict[str, Cell] = {
@@ -289,7 +299,7 @@ COLUMNS: dict[str, Cell] = {
     "presence": lambda e: f"[{'green' if e.online else 'red'}]{describe_presence(e)}[/]",
     "state": lambda e: describe_state(e) if error_of(e) is None else state_word(e),
     "round": lambda e: str(e.round) if e.state and e.round else "",
-    "accuracy": lambda e: describe_number(e, "accuracy", "{:.3f}"),
+    "accuracy": lambda e: describe_metric(e),
     "sparsity": lambda e: describe_number(e, "sparsity", "{:.1%}"),
     "p_k": describe_budget,
     "sent": lambda e: describe_bytes(e, "bytes_sent"),

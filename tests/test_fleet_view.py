@@ -77,3 +77,14 @@ def test_an_agent_stopped_early_says_when_and_what_it_saved() -> None:
     training = m.Status(fleet="lab", sender="b", round=3, state="training")
     other = view.feed(topics.status("lab", "b"), m.encode(training))
     assert other is not None and describe_state(other) == "training"
+
+
+def test_the_status_table_names_a_metric_that_is_not_accuracy() -> None:
+    from coordinator.fleet import COLUMNS, AgentEntry
+
+    accuracy = AgentEntry("lab", "a", metrics={"accuracy": 0.5, "metric": "accuracy"})
+    mae = AgentEntry("lab", "b", metrics={"accuracy": 0.125, "metric": "mae"})
+    forged = AgentEntry("lab", "c", metrics={"accuracy": 0.1, "metric": "[red]x" * 20})
+    assert COLUMNS["accuracy"](accuracy) == "0.500"
+    assert COLUMNS["accuracy"](mae) == "0.125 mae"
+    assert COLUMNS["accuracy"](forged).startswith("0.100 \\[red]x")

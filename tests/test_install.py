@@ -145,3 +145,31 @@ def test_each_profile_installs_from_the_wheel_and_runs_its_commands(tmp_path: Pa
     run([*simulate, "--report", work / "simulate.json"], cwd=work, timeout=300)
     run([venv.bin("coordinator"), *readme_main_job()], cwd=work, timeout=300)
     assert (work / "report.json").is_file() and (work / "plots" / "accuracy.png").is_file()
+    # A user's own model and data (an example's files) from the installed package, and the
+    # Python API.
+    example = ROOT / "examples" / "anomaly_autoencoder" / "run.toml"
+    run(
+        [
+            venv.bin("coordinator"),
+            "simulate",
+            "--run",
+            example,
+            "--agents",
+            "2",
+            "--rounds",
+            "1",
+            "--report",
+            work / "example.json",
+        ],
+        cwd=work,
+        timeout=300,
+    )
+    metric = run(
+        [
+            venv.bin("python"),
+            "-c",
+            "import edgefl; print(edgefl.Report.load('example.json').metric)",
+        ],
+        cwd=work,
+    ).stdout.strip()
+    assert metric == "reconstruction_error"

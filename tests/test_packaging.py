@@ -17,7 +17,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
-TOP_LEVEL = ("agent", "coordinator", "protocol", "firmware_profiles")
+TOP_LEVEL = ("agent", "coordinator", "protocol", "firmware_profiles", "edgefl")
 
 
 def test_the_distribution_ships_every_package_of_the_tree() -> None:

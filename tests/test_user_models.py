@@ -718,3 +718,37 @@ def test_a_function_agents_cannot_import_is_refused(function: Callable[..., Any]
     with pytest.raises(edgefl.ConfigError, match="top level of a module") as info:
         edgefl.config(**DIGITS, model=function)
     assert "\n" not in str(info.value)
+
+
+def test_a_device_python_source_is_read_again_at_the_start_of_every_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A device whose data comes from a sensor pipeline trains on what it collected since."""
+    from agent.experiment import own_workload
+    from agent.options import experiment_config
+    from agent.own_data import load_own_data
+
+    (tmp_path / "sensor.py").write_text(
+        "import numpy as np\n"
+        "CALLS = [0]\n"
+        "def read():\n"
+        "    CALLS[0] += 1\n"
+        "    n = 20 * (CALLS[0] + 1)\n"
+        "    rng = np.random.default_rng(CALLS[0])\n"
+        "    return rng.normal(size=(n, 4)).astype('float32'), np.arange(n) % 2\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("sensor", None)
+    own = load_own_data("python:sensor:read")
+    assert own.describe()["samples"] == 40
+    config = experiment_config(
+        {"dataset": "device", "input_shape": (4,), "classes": 2, "agents": 2, "strategy": "local"}
+    )
+
+    def samples_in_run() -> int:
+        data = own_workload(config, ["a", "b"], "a", own).data["a"]
+        return len(data.y_train) + len(data.y_val) + len(data.y_test)
+
+    assert samples_in_run() == 60
+    assert samples_in_run() == 80
+    sys.modules.pop("sensor", None)
