@@ -476,7 +476,7 @@ def call_data_source(
     scaled (a source scales its own data). Whatever it raises or returns wrong becomes one
     ValueError line naming the source, never a traceback.
     """
-    from agent.learning.user_code import load_callable  # imports torch: only when used
+    from agent.user_code import load_callable  # imports torch: only when used
 
     name = PYTHON_SOURCE + spec
     source = load_callable(spec, "data source")

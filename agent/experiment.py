@@ -36,7 +36,7 @@ from agent.learning import (
 )
 from agent.learning.config import BATCHNORM_MODES
 from agent.learning.tasks import TASKS, Task
-from agent.learning.user_code import fingerprint, is_import_path
+from agent.user_code import fingerprint, is_import_path
 
 if TYPE_CHECKING:
     from agent.own_data import OwnData
@@ -149,8 +149,7 @@ class ExperimentConfig:
     builds something else is rejected with its reason."""
     learning: StrategyConfig = field(default_factory=StrategyConfig)
 
-    @property
-    def the_task(self) -> Task:
+    def learning_task(self) -> Task:
         """The run's `Task` (its loss and metric), checked: ValueError with one line."""
         return Task(self.task, self.loss, self.metric, self.metric_goal)
 
@@ -165,7 +164,7 @@ class ExperimentConfig:
         cfg = self.learning
         if self.agents < 1:
             raise ValueError(f"need at least 1 agent, got {self.agents}")
-        self.the_task  # noqa: B018 (builds and checks the task)
+        self.learning_task()  # imports and checks a custom loss or metric
         if self.on_devices:
             check_device_data(self)
         if cfg.rounds < 1 or cfg.epochs < 1 or cfg.batch_size < 1:
@@ -426,7 +425,7 @@ def build_learner(
     model_name = config.model or default_model(config.dataset, input_shape)
     with _MODEL_INIT:
         model = models.build_model(model_name, input_shape, outputs, seed=config.seed)
-    task = config.the_task
+    task = config.learning_task()
     if is_import_path(model_name):
         check_user_model(config, model, model_name, input_shape, outputs)
     learner = Learner(
@@ -469,7 +468,7 @@ def check_user_model(
         model.train(was_training)
     if not isinstance(output, torch.Tensor):
         raise ValueError(f"model {name!r} must return one tensor, got {type(output).__name__}")
-    task = config.the_task
+    task = config.learning_task()
     targets = {
         "classification": torch.zeros(2, dtype=torch.int64),
         "regression": torch.zeros((2,) if outputs == 1 else (2, outputs)),

@@ -45,8 +45,8 @@ from agent.experiment import (
     default_model,
 )
 from agent.learning import StrategyConfig, models
-from agent.learning.user_code import is_import_path, resolved
 from agent.options import _CHOICES, experiment_config
+from agent.user_code import is_import_path, resolved
 from protocol.errors import ProtocolError
 from protocol.topics import check_name
 

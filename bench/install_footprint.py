@@ -50,7 +50,15 @@ DEVICE_TARGET_MB = 250.0
 IDLE_TARGET_MB = 60.0
 MB = 2**20
 """MiB, as every benchmark here counts memory."""
-SOURCES = ("pyproject.toml", "README.md", "protocol", "agent", "coordinator", "firmware_profiles")
+SOURCES = (
+    "pyproject.toml",
+    "README.md",
+    "protocol",
+    "agent",
+    "coordinator",
+    "firmware_profiles",
+    "edgefl",
+)
 """What the wheel is built from: the packages and the files their metadata names."""
 
 SPLIT = """

@@ -404,7 +404,7 @@ def assemble_report(
             ),
         },
     }
-    return named_for_task(report, config.the_task)
+    return named_for_task(report, config.learning_task())
 
 
 def failures(

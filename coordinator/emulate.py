@@ -251,7 +251,10 @@ class Emulation:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
             process = subprocess.Popen(
-                self.agent_command(index), stdout=log, stderr=subprocess.STDOUT, env=agent_env()
+                self.agent_command(index),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=agent_env(self.options.workdir),
             )
         self.processes[agent_id] = process
         return process
@@ -272,7 +275,10 @@ class Emulation:
         with open(workdir / f"{name}.log", "ab") as log:
             # Many agent threads: glibc's per-thread malloc arenas would each keep what
             # their thread freed; two arenas hold the process to what it uses.
-            env = {**agent_env(), "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", "2")}
+            env = {
+                **agent_env(workdir),
+                "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", "2"),
+            }
             host = SharedProcess(command, log, env)
         for agent_id in agents:
             self.processes[agent_id] = HostedProcess(host, agent_id)
@@ -371,10 +377,17 @@ class Emulation:
         }
 
 
-def agent_env() -> dict[str, str]:
-    """The agents' environment: unbuffered output (their logs are read while they run), and
-    PYTHONSAFEPATH: `-m agent` must not pick up an `agent` folder in the cwd."""
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONSAFEPATH": "1"}
+def agent_env(workdir: Path) -> dict[str, str]:
+    """The agents' environment: unbuffered output (their logs are read while they run),
+    PYTHONSAFEPATH (`-m agent` must not pick up an `agent` folder in the cwd), and the
+    emulation's folder as their temporary folder, so what libraries leave there (onnxruntime's
+    session file `.ses`, written when an agent checks its exported model) goes with it."""
+    return {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONSAFEPATH": "1",
+        "TMPDIR": str(workdir),
+    }
 
 
 def exit_reason(code: int, log_path: Path) -> str:

@@ -1,5 +1,5 @@
 """A user's own model, loss, metric and data, end to end: named by an import path or a file
-(`agent.learning.user_code`), trained by every kind of strategy, refused with one line for
+(`agent.user_code`), trained by every kind of strategy, refused with one line for
 each rule it breaks, fingerprinted for devices, scored by its task's metric (reports, early
 stopping, model keeping), with BatchNorm statistics kept on each device (FedBN), from a run
 file and from the Python API."""
@@ -24,9 +24,9 @@ from agent.learning import Learner, preset
 from agent.learning.learner import Published
 from agent.learning.models import build_model, prunable_names
 from agent.learning.tasks import Task
-from agent.learning.user_code import build_user_model, fingerprint
 from agent.model_store import KeptModel, choose
 from agent.runfile import lab_config, load_run_file
+from agent.user_code import build_user_model, fingerprint
 from coordinator.cli import main
 
 NETS = """
@@ -752,3 +752,30 @@ def test_a_device_python_source_is_read_again_at_the_start_of_every_run(
     assert samples_in_run() == 60
     assert samples_in_run() == 80
     sys.modules.pop("sensor", None)
+
+
+def test_agents_sharing_a_process_import_one_file_at_once(tmp_path: Path) -> None:
+    """Agent threads of one host process load the run's model file together: none may take
+    the module before its code ran (seen as "data.py has no load" under load)."""
+    import threading
+
+    from agent.user_code import load_callable
+
+    slow = tmp_path / "slow_data.py"
+    slow.write_text("import time\ntime.sleep(0.3)\n\ndef load():\n    return 1\n")
+    spec = f"{slow}:load"
+    found: list[object] = []
+    errors: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            found.append(load_callable(spec, "data source")())
+        except BaseException as exc:  # noqa: BLE001 (the assertion below names it)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == [] and found == [1, 1, 1, 1]

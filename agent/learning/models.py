@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 from torch.nn.utils.rnn import PackedSequence
 
-from agent.learning.user_code import build_user_model, is_import_path
+from agent.user_code import build_user_model, is_import_path
 
 MODEL_NAMES = ("mlp", "cnn1d", "cnn2d", "resnet18", "vgg11", "alexnet")
 # Layers whose `weight` is prunable: one weight applied at every output position. Other

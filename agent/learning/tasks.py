@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from agent.learning.user_code import is_import_path, load_callable
+from agent.user_code import is_import_path, load_callable
 
 TASKS = ("classification", "regression", "reconstruction")
 BUILTIN_LOSSES = ("mse", "l1")
@@ -67,7 +67,8 @@ def _per_sample(values: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class Task:
-    """A run's task: how a batch's loss and metric are computed (`loss`, `metric_sum`)."""
+    """A run's task: how a batch's loss and metric are computed (`loss`, `sums`). The
+    loss and metric functions are made (user code imported) once, when the task is."""
 
     kind: str = "classification"
     loss_name: str = ""
@@ -104,13 +105,10 @@ class Task:
 
     @property
     def higher_is_better(self) -> bool:
+        """Accuracy and a custom metric with goal max are better higher; errors lower."""
         if self.goal:
             return self.goal == "max"
         return self.kind == "classification" and not self.metric_spec
-
-    def better(self, new: float, old: float, margin: float = 0.0) -> bool:
-        """Whether `new` beats `old` by more than `margin` in the metric's direction."""
-        return new - old > margin if self.higher_is_better else old - new > margin
 
     def target(self, x: Tensor, y: Tensor) -> Tensor:
         """What the output is compared with: the input itself for reconstruction."""

@@ -13,6 +13,7 @@ import hashlib
 import importlib
 import importlib.util
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,8 @@ from typing import Any
 from torch import nn
 
 FILE_SUFFIX = ".py"
+_FILE_IMPORTS = threading.RLock()
+"""Held while a user's file is imported (re-entrant: the file may load another one)."""
 
 
 def is_import_path(spec: str) -> bool:
@@ -60,21 +63,24 @@ def resolved(spec: str, base: Path | None = None) -> str:
 def _module_from_file(path: Path, what: str, spec: str) -> Any:
     if not path.is_file():
         raise ValueError(f"{what} {spec!r}: no such file {path}")
-    # One module per file path: the same file imported twice is the same module.
+    # One module per file path: the same file imported twice is the same module. Agents
+    # sharing a process (agent/host.py) import at once: one runs the file while the others
+    # wait, rather than taking a module whose code has not run yet.
     name = "edgefl_user_" + hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
-    if name in sys.modules:
-        return sys.modules[name]
-    loader_spec = importlib.util.spec_from_file_location(name, path)
-    if loader_spec is None or loader_spec.loader is None:
-        raise ValueError(f"{what} {spec!r}: {path} is not a Python file")
-    module = importlib.util.module_from_spec(loader_spec)
-    sys.modules[name] = module
-    try:
-        loader_spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
+    with _FILE_IMPORTS:
+        if name in sys.modules:
+            return sys.modules[name]
+        loader_spec = importlib.util.spec_from_file_location(name, path)
+        if loader_spec is None or loader_spec.loader is None:
+            raise ValueError(f"{what} {spec!r}: {path} is not a Python file")
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[name] = module
+        try:
+            loader_spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+        return module
 
 
 def load_callable(spec: str, what: str) -> Callable[..., Any]:
@@ -99,7 +105,7 @@ def load_callable(spec: str, what: str) -> Callable[..., Any]:
         raise ValueError(f"{what} {spec!r}: {source} has no {attribute}")
     if not callable(found):
         raise ValueError(f"{what} {spec!r}: {attribute} is not callable")
-    return found  # type: ignore[no-any-return]
+    return found
 
 
 def build_user_model(spec: str, input_shape: tuple[int, ...], num_outputs: int) -> nn.Module:
