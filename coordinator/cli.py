@@ -667,15 +667,19 @@ def forget(
         console.print(forgotten.describe())
 
 
-def report_options(command: Callable) -> Callable:
-    """--run, --report and --plot, shared by simulate and emulate (they write one schema)."""
-    command = click.option(
+def lab_run_option(command: Callable) -> Callable:
+    """--run FILE of simulate and emulate: a run file's settings, under the flags given."""
+    return click.option(
         "--run",
         "run_file",
         type=click.Path(dir_okay=False),
         help="Take the run's settings from this run file's [run] table (as coordinator run "
         "does); flags given as well override it.",
     )(command)
+
+
+def report_options(command: Callable) -> Callable:
+    """--report and --plot, shared by simulate, emulate and run (they write one schema)."""
     command = click.option(
         "--plot",
         "plot_dir",
@@ -695,6 +699,7 @@ def report_options(command: Callable) -> Callable:
 @main.command()
 @experiment_options
 @report_options
+@lab_run_option
 @click.option(
     "--workers",
     type=click.IntRange(min=1),
@@ -843,6 +848,7 @@ def summary_table(report: dict) -> Table:
 )
 @http_options
 @report_options
+@lab_run_option
 def emulate(
     brokers: tuple[BrokerAddress, ...],
     workdir: str | None,

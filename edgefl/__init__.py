@@ -18,15 +18,18 @@ underscores) and validates them as the command line does: one `ConfigError` sent
 bad value. A model, loss, metric or data source may be given as a function: it is named by
 its import path (a function of a script run as ``python script.py`` by the script's file), so
 agent processes can import it too. The commands ``coordinator simulate`` and ``coordinator
-emulate`` run the same code as `simulate` and `emulate`.
+emulate`` run the same code as `simulate` and `emulate`; `run_agent` and `run` are
+``edge-agent`` and ``coordinator run`` on a real fleet, taking the same options.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +50,8 @@ __all__ = [
     "Task",
     "config",
     "emulate",
+    "run",
+    "run_agent",
     "simulate",
 ]
 
@@ -195,3 +200,57 @@ def emulate(
         return Report.of(emulation.run())
     finally:
         broker.stop()
+
+
+def _arguments(options: Mapping[str, Any]) -> list[str]:
+    """Command-line arguments from keyword options: ``round_timeout=30`` is
+    ``--round-timeout 30``, ``once=True`` is ``--once``; None and False are left out."""
+    args: list[str] = []
+    for name, value in options.items():
+        flag = "--" + name.replace("_", "-")
+        if value is None or value is False:
+            continue
+        args += [flag] if value is True else [flag, str(value)]
+    return args
+
+
+def _invoke(command: Any, args: list[str], prog: str, obj: Any = None) -> None:
+    """Run a click command in this thread; its one-line errors become `ConfigError`."""
+    import click
+
+    try:
+        command.main(args, prog_name=prog, obj=obj, standalone_mode=False)
+    except click.ClickException as exc:
+        raise ConfigError(exc.format_message()) from None
+
+
+def run_agent(*, broker: str, stop: threading.Event | None = None, **options: Any) -> None:
+    """Run an edge agent in this thread, as ``edge-agent --broker BROKER`` with `options`
+    (its long options as keywords: ``data="python:sensors:read"``, ``agent_id`` for --id,
+    ``state_dir``, ``once=True``, ``expect=3, run="run.toml"``...). It takes part in every
+    run that names it until `stop` is set (or, with ``once``, after one run). Several agents
+    may run in threads of one process: signals are left to the caller."""
+    from agent.cli import Hosted
+    from agent.cli import main as edge_agent
+
+    stop = stop or threading.Event()
+    renamed = {"id" if k == "agent_id" else k: v for k, v in options.items()}
+    hosted = Hosted(started=lambda: stop, joined=lambda _transport: None)
+    _invoke(edge_agent, ["--broker", broker, *_arguments(renamed)], "edge-agent", hosted)
+
+
+def run(run_file: str | Path, *, report: str | Path = "report.json", **options: Any) -> Report:
+    """Run RUN_FILE on the fleet's devices, as ``coordinator run`` with `options` (its long
+    options as keywords: ``broker="gateway:1883"``, ``fleet``, ``runs_dir``...), and return
+    its report (also written to `report`). Call it from the main thread: like the command,
+    it stops cleanly on SIGINT or SIGTERM, and puts the previous handlers back after."""
+    from coordinator.cli import main as coordinator
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    args = ["run", str(run_file), "--report", str(report), *_arguments(options)]
+    try:
+        _invoke(coordinator, args, "coordinator")
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    return Report.load(report)

@@ -334,3 +334,20 @@ def test_options_reach_a_tls_broker_with_a_password(
         assert not refused.wait_connected(2.0)
     finally:
         refused.stop()
+
+
+def test_no_command_has_two_parameters_of_one_name() -> None:
+    """Two parameters of one name overwrite each other's value (click only warns): `coordinator
+    run RUN_FILE` once also took simulate's --run."""
+    import click
+
+    from agent.cli import main as edge_agent
+    from coordinator.cli import main as coordinator
+
+    for group in (coordinator, edge_agent):
+        commands = [group, *group.commands.values()]  # type: ignore[attr-defined]
+        for command in commands:
+            names = [p.name for p in command.params]
+            duplicated = {n for n in names if names.count(n) > 1}
+            assert not duplicated, f"{command.name}: {sorted(duplicated)}"
+            assert isinstance(command, click.Command)
