@@ -47,6 +47,42 @@ def test_each_example_trains_under_every_strategy(example: str, strategy: str) -
     assert math.isfinite(report.mean_metric)
 
 
+TASKS = {
+    "keyword_spotting": "classification",
+    "sensor_regression": "regression",
+    "anomaly_autoencoder": "reconstruction",
+}
+
+
+@pytest.mark.parametrize("example", sorted(METRICS))
+def test_each_example_model_exports_to_onnx_as_torch_computes_it(
+    example: str, tmp_path: Path
+) -> None:
+    import torch
+
+    from agent.onnx_export import OnnxModel, export_onnx, max_abs_diff
+    from agent.user_code import load_callable
+
+    folder = EXAMPLES / example
+    x = load_callable(f"{folder / 'data.py'}:load", "data source")(seed=1)["x"][:64]
+    torch.manual_seed(0)
+    model = load_callable(f"{folder / 'nets.py'}:build", "model")(
+        tuple(x.shape[1:]),
+        {"keyword_spotting": 6, "sensor_regression": 1}.get(example, int(np.prod(x.shape[1:]))),
+    )
+    model.train()
+    with torch.no_grad():  # BatchNorm statistics that are not the defaults
+        model(torch.from_numpy(x))
+    path = export_onnx(
+        model,
+        model.state_dict(),
+        x.shape[1:],
+        tmp_path / "m.onnx",
+        metadata={"task": TASKS[example]},
+    )
+    assert max_abs_diff(model, OnnxModel.load(path), x) < 1e-4
+
+
 def test_the_autoencoder_emulated_equals_simulated_and_its_model_flags_anomalies(
     tmp_path: Path,
 ) -> None:
