@@ -70,7 +70,7 @@ def _option(field: dataclasses.Field, hint: Any) -> Callable[[Callable], Callabl
     if field.name in _CHOICES:
         kind = click.Choice(_CHOICES[field.name])
     default = field.default if field.default is not dataclasses.MISSING else None
-    shown = f" [default: {default}]" if default is not None else ""
+    shown = f" [default: {default}]" if default not in (None, "") else ""
     return click.option(flag, type=kind, default=None, help=help_text + shown)
 
 
