@@ -427,7 +427,7 @@ def build_learner(
         model = models.build_model(model_name, input_shape, outputs, seed=config.seed)
     task = config.learning_task()
     if is_import_path(model_name):
-        check_user_model(config, model, model_name, input_shape, outputs)
+        check_user_model(config, task, model, model_name, input_shape, outputs)
     learner = Learner(
         model, input_shape, models.prunable_names(model), config.learning, config.seed, task
     )
@@ -436,6 +436,7 @@ def build_learner(
 
 def check_user_model(
     config: ExperimentConfig,
+    task: Task,
     model: torch.nn.Module,
     name: str,
     input_shape: tuple[int, ...],
@@ -468,7 +469,6 @@ def check_user_model(
         model.train(was_training)
     if not isinstance(output, torch.Tensor):
         raise ValueError(f"model {name!r} must return one tensor, got {type(output).__name__}")
-    task = config.learning_task()
     targets = {
         "classification": torch.zeros(2, dtype=torch.int64),
         "regression": torch.zeros((2,) if outputs == 1 else (2, outputs)),

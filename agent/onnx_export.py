@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from agent.files import atomic_write
+from agent.learning.tasks import TASKS
 
 if TYPE_CHECKING:
     import onnxruntime as ort
@@ -50,12 +51,11 @@ INPUT_NAME = "input"
 # `edge-agent predict` asks for "logits" still serves a regression model exported now.
 OUTPUT_NAME = "logits"
 
-# What a model's output means; an exported file names it in its `task` metadata, and a file
-# without one (exported before there were tasks) is a classifier.
-CLASSIFICATION = "classification"  # class logits, (N, classes)
-REGRESSION = "regression"  # predicted values, (N,) or (N, d)
-RECONSTRUCTION = "reconstruction"  # an autoencoder: (N, *input_shape), or as many values
-TASKS = (CLASSIFICATION, REGRESSION, RECONSTRUCTION)
+# What a model's output means (the run's task): class logits (N, classes); predicted values
+# (N,) or (N, d); an autoencoder's reconstruction, (N, *input_shape) or as many values. An
+# exported file names it in its `task` metadata; one without (exported before there were
+# tasks) is a classifier.
+CLASSIFICATION, REGRESSION, RECONSTRUCTION = TASKS
 TASK_KEY = "task"
 
 # The batch sizes an export is run at in onnxruntime before it is written (the trace uses 2):

@@ -23,6 +23,7 @@ from agent.learning.models import (
 )
 from agent.learning.rigl import rigl_update
 from agent.learning.training import SGDConfig, dense_gradients, train_local
+from tests.test_models import DEFAULT_INPUTS
 
 # Computed with the code before user modules were supported; the bundled models must
 # keep exactly these prunable names (in order), output positions, FLOPs, ERK densities
@@ -297,27 +298,17 @@ BUNDLED: dict[str, dict[str, Any]] = {
 }
 
 
-BUNDLED_INPUTS = {
-    "mlp": (60,),
-    "cnn1d": (1, 40),
-    "cnn2d": (1, 8, 8),
-    "resnet18": (3, 32, 32),
-    "vgg11": (3, 32, 32),
-    "alexnet": (3, 32, 32),
-}
-
-
 @pytest.mark.parametrize("name", MODEL_NAMES)
 def test_bundled_models_are_unchanged(name: str) -> None:
-    model = build_model(name, BUNDLED_INPUTS[name], 10, seed=0)
+    model = build_model(name, DEFAULT_INPUTS[name], 10, seed=0)
     want = BUNDLED[name]
     state = model.state_dict()
     shapes = {n: tuple(state[n].shape) for n in prunable_names(model)}
     assert prunable_names(model) == list(want["positions"])
-    assert list(output_positions(model, BUNDLED_INPUTS[name]).items()) == list(
+    assert list(output_positions(model, DEFAULT_INPUTS[name]).items()) == list(
         want["positions"].items()
     )
-    assert forward_flops(model, BUNDLED_INPUTS[name]) == want["flops"]
+    assert forward_flops(model, DEFAULT_INPUTS[name]) == want["flops"]
     assert list(sparse.erk_densities(shapes, 0.5).items()) == list(want["erk"].items())
     assert list(ldf.layer_groups(model).items()) == list(want["groups"].items())
     check_supported(model)

@@ -56,8 +56,9 @@ def erk_densities(shapes: Mapping[str, Sequence[int]], density: float) -> dict[s
 
     Shapes are taken as stored. A recurrent matrix is one (gates x H, I) matrix, as the RigL
     reference treats an LSTM kernel, so it is pruned like a Linear of that size. A depthwise
-    kernel (C, 1, k, k) has a large sum/product ratio and usually comes out dense, which is
-    ERK's intent for small layers (it holds C k^2 weights, a full conv C^2 k^2).
+    kernel (C, 1, k, k) has a large sum/product ratio and so a high density, which is ERK's
+    intent for small layers (it holds C k^2 weights, a full conv C^2 k^2): 0.71 at density
+    0.5 in examples/keyword_spotting, beside 0.32-0.43 for its pointwise convolutions.
     """
     if not 0.0 < density <= 1.0:
         raise ValueError(f"density must be in (0, 1], got {density}")
