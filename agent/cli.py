@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import logging
 import re
@@ -41,13 +42,22 @@ from protocol import (
     stop_on_signal,
     topics,
 )
-from protocol.cli import BrokerSettings, broker_options, logging_options, say, version_option
-from protocol.limits import PRE_RUN_LIMITS
+from protocol.cli import (
+    BrokerSettings,
+    broker_options,
+    logging_options,
+    say,
+    seconds,
+    version_option,
+)
+from protocol.limits import MAX_MEMBERS, PRE_RUN_LIMITS
 from protocol.membership import BROKER_WAIT_S
 from protocol.mqtt import unreachable
 from protocol.signing import (
     IDENTITY_FILE,
+    MemberKeys,
     Signer,
+    connect_proof,
     member_keys,
     public_line,
 )
@@ -205,7 +215,7 @@ class Hosted:
 )
 @shown(
     "--expect",
-    click.IntRange(1),
+    click.IntRange(1, MAX_MEMBERS),
     None,
     "Without a coordinator: start once this many agents (self included) are online, with "
     "--run FILE or the experiment flags below.",
@@ -233,20 +243,20 @@ class Hosted:
 )
 @shown(
     "--round-timeout",
-    click.FloatRange(0.1),
+    seconds(0.1),
     120.0,
     "Seconds to wait for a neighbour's model before going on without it (a run's own "
     "timeouts win).",
 )
 @shown(
     "--vote-timeout",
-    click.FloatRange(0.1),
+    seconds(0.1),
     60.0,
     "Seconds to wait for a round's votes before counting missing ones as 0.",
 )
 @shown(
     "--linger",
-    click.FloatRange(0),
+    seconds(0),
     60.0,
     "After the last round, keep serving neighbours this long at most.",
 )
@@ -270,7 +280,16 @@ class Hosted:
     type=click.Path(exists=True, dir_okay=False),
     help="Sign with this agent's own key (STATE_DIR/identity.pem, made on first start; "
     "`edge-agent key` prints it) and accept runs only from the members this file lists "
-    "(lines 'ID ed25519:KEY': the coordinator's, or, with --expect, the peers').",
+    "(lines 'ID ed25519:KEY': the coordinator's, or, with --expect, the peers') [default: "
+    "trust.keys beside the --config file, as `coordinator admit` writes it].",
+)
+@click.option(
+    "--open",
+    "open_fleet",
+    is_flag=True,
+    help="With a broker beyond loopback, run without a key and a broker login: anyone on "
+    "the network may give this agent runs and send it models (said at the start). Without "
+    "it, such an agent needs the bundle `coordinator admit` writes (--config).",
 )
 @logging_options
 @experiment_options
@@ -296,6 +315,7 @@ def main(
     mdns_interfaces: tuple[str, ...],
     key_file: str | None,
     trust_file: str | None,
+    open_fleet: bool,
     **experiment: Any,
 ) -> None:
     """Run an edge agent: join the fleet, take part in every run that names this agent,
@@ -320,8 +340,11 @@ def main(
     except (ProfileError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
     folder = agent_state_dir(state_dir, fleet, agent_id)
-    key = agent_signer(key_file, trust_file, agent_id, folder)
     broker_settings = find_broker(broker_settings, fleet, mdns_interfaces)
+    trust_file = trust_file or bundle_trust(ctx.params.get("config_file"), key_file)
+    key = agent_signer(key_file, trust_file, agent_id, folder)
+    if key is None and broker_settings.username is None:
+        check_open(broker_settings, open_fleet, agent_id, fleet, folder)
     identity = Identity(fleet, agent_id, profile=device.name if device else "", key=key)
     options = ServiceOptions(
         state_dir=folder,
@@ -380,6 +403,9 @@ def join(settings: BrokerSettings, identity: Identity) -> MqttTransport:
     assert broker is not None
     # Until a run names its model, nothing larger than a run message is expected.
     wire = dataclasses.replace(settings.transport_options(None), limits=PRE_RUN_LIMITS)
+    if settings.username is None and isinstance(identity.key, MemberKeys):
+        # No login: it proves its key to a broker that checks keys (`--admitted`).
+        wire = dataclasses.replace(wire, credentials=connect_proof(identity.key))
     problem = unreachable(broker)
     if problem is not None:
         say(f"{problem}; retrying until it does")
@@ -444,6 +470,59 @@ def agent_signer(
         )
     say(f"agent {agent_id} signs with its own key {signer.public}")
     return signer
+
+
+BUNDLE_TRUST = "trust.keys"
+"""The coordinator keys a device trusts, beside the agent.toml of its bundle (`coordinator
+admit` writes both)."""
+
+
+def bundle_trust(config_file: str | None, key_file: str | None) -> str | None:
+    """The trust file of the bundle whose agent.toml is --config, if it has one (and no
+    fleet key is given instead)."""
+    if config_file is None or key_file is not None:
+        return None
+    trust = Path(config_file).parent / BUNDLE_TRUST
+    return str(trust) if trust.is_file() else None
+
+
+def check_open(
+    settings: BrokerSettings, open_fleet: bool, agent_id: str, fleet: str, state_dir: Path
+) -> None:
+    """An agent with neither a key nor a broker login runs only on loopback, or with --open
+    (said, with what it allows); elsewhere it is a one-line error that says how to admit
+    it: its key (made now), the command for the gateway and where the bundle goes."""
+    broker = settings.address
+    assert broker is not None
+    if open_fleet:
+        if not loopback(broker.host):
+            say(
+                f"[bold]--open[/]: agent {agent_id} signs nothing and has no login on {broker}: "
+                "any machine that reaches the broker can give it runs, send it forged models "
+                "and read what it publishes. Use it only on a network you trust."
+            )
+        return
+    if loopback(broker.host):
+        return
+    try:
+        line = public_line(agent_id, state_dir / IDENTITY_FILE)
+    except ProtocolError as exc:
+        raise click.ClickException(str(exc)) from None
+    fleet_flag = "" if fleet == "default" else f" --fleet {fleet}"
+    raise ConfigError(
+        f"agent {agent_id} is not admitted to the fleet on {broker}: on the gateway run "
+        f"`coordinator admit {line}{fleet_flag}`, copy the bundle folder it names to this "
+        "device and start with --config BUNDLE/agent.toml (or give --open to run unsigned "
+        "with no login, which anyone on the network can abuse)"
+    )
+
+
+def loopback(host: str) -> bool:
+    """Whether `host` (an address or a name, resolved) is this machine's loopback."""
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
 
 
 @main.command()

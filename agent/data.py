@@ -20,6 +20,7 @@ import pickle
 import random
 import threading
 import zipfile
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from importlib import metadata
@@ -285,6 +286,107 @@ def load_synthetic(
     )
 
 
+# ---------------------------------------------------------------- size limits
+
+MAX_DATA_ENV = "EDGEFL_MAX_DATA_MB"
+DEFAULT_MAX_DATA_MB = 1024
+"""How much of the user's data a process takes by default: a data file of at most this many
+MB (1 MB = 2^20 bytes), whose samples as float32 take at most as much. A loader checks it
+before it reads or decompresses anything, so a 2 GB csv or a small npz that expands to
+gigabytes costs nothing but its error. Ten times CIFAR-10's train set, and more than a 4 GB
+device can train on: a larger data set needs `EDGEFL_MAX_DATA_MB` (every program honours it)."""
+MAX_IMAGE_PIXELS = 64 * 2**20
+"""An image's width x height at most (a 64 MP photo decodes to 192 MB before its resize)."""
+_MB = 2**20
+_FLOAT32 = 4
+
+
+class BadDataFile(ValueError):
+    """A data file refused before it was read, by a message that names it already."""
+
+
+def max_data_bytes() -> int:
+    """The data size limit in bytes: `EDGEFL_MAX_DATA_MB` if set, else the default."""
+    text = os.environ.get(MAX_DATA_ENV, "").strip()
+    if not text:
+        return DEFAULT_MAX_DATA_MB * _MB
+    try:
+        megabytes = float(text)
+    except ValueError:
+        megabytes = math.nan
+    if not math.isfinite(megabytes) or megabytes <= 0:
+        raise ValueError(f"{MAX_DATA_ENV}={text!r}: expected a positive number of MB")
+    return int(megabytes * _MB)
+
+
+def too_large(where: object, what: str, size: float | None, limit: int) -> BadDataFile:
+    """The one-line error of data beyond the limit (`size` bytes, None: not known yet),
+    saying how to raise it."""
+    took = f"take {_megabytes(size)} MB, more" if size is not None else "take more"
+    return BadDataFile(
+        f"{where}: {what} {took} than the {_megabytes(limit)} MB allowed; "
+        f"set {MAX_DATA_ENV} (MB) to allow more"
+    )
+
+
+def _megabytes(size: float) -> str:
+    """`size` bytes in MB as a person reads them: 1,907; 0.86."""
+    megabytes = size / _MB
+    return f"{megabytes:,.0f}" if megabytes >= 10 else f"{megabytes:.2g}"
+
+
+def check_file_size(path: Path, limit: int | None = None) -> None:
+    """Refuse a data file larger than the limit before anything reads it."""
+    limit = max_data_bytes() if limit is None else limit
+    size = path.stat().st_size
+    if size > limit:
+        raise too_large(path, "the file's contents", size, limit)
+
+
+def check_npz_members(path: Path, names: tuple[str, ...], limit: int | None = None) -> None:
+    """Refuse an .npz whose arrays `names` would take more than the limit, as float32 or as
+    they are, from each member's .npy header and the zip's own record of its size, before
+    anything is decompressed (a zip of zeros expands a thousandfold). A header that declares
+    more than its member holds is refused too: reading it would fail only at the end."""
+    limit = max_data_bytes() if limit is None else limit
+    total = 0
+    with zipfile.ZipFile(path) as archive:
+        members = {info.filename: info for info in archive.infolist()}
+        for name in names:
+            info = members.get(f"{name}.npy")
+            if info is None:
+                continue
+            shape, dtype = _npy_header(path, name, archive, info)
+            count = math.prod(shape)
+            declared = count * dtype.itemsize
+            if declared > info.file_size:
+                raise BadDataFile(
+                    f"{path}: {name} declares {declared:,} bytes but holds {info.file_size:,}"
+                )
+            total += max(declared, count * _FLOAT32)
+    if total > limit:
+        raise too_large(path, "its arrays", total, limit)
+
+
+def _npy_header(
+    path: Path, name: str, archive: zipfile.ZipFile, info: zipfile.ZipInfo
+) -> tuple[tuple[int, ...], np.dtype]:
+    """The shape and dtype an .npz member's .npy header declares (its first bytes alone are
+    decompressed)."""
+    try:
+        with archive.open(info) as member:
+            version = np.lib.format.read_magic(member)
+            read_header = (
+                np.lib.format.read_array_header_1_0
+                if version == (1, 0)
+                else np.lib.format.read_array_header_2_0
+            )
+            shape, _, dtype = read_header(member)
+    except ValueError as exc:
+        raise BadDataFile(f"{path}: {name} is not a readable .npy array ({exc})") from None
+    return tuple(shape), dtype
+
+
 # ---------------------------------------------------------------- the user's own data
 
 
@@ -302,6 +404,10 @@ def load_npz(path: str | Path) -> Dataset:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"npz file not found: {path}")
+    try:
+        check_npz_members(path, ("x", "y", "num_classes"))
+    except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+        raise ValueError(f"{path}: not a readable .npz archive ({exc})") from None
     with np.load(path, allow_pickle=False) as npz:
         if "x" not in npz.files:
             raise ValueError(f"{path}: missing array(s) ['x']; found {npz.files}")
@@ -362,21 +468,20 @@ def load_imagefolder(
             f"{root}: need one sub-folder per class and at least 2 classes, found {classes}"
         )
     mode = "L" if grayscale else "RGB"
+    listed = _image_files(root, classes, (1 if grayscale else 3) * size[0] * size[1])
     xs, ys = [], []
-    for label, name in enumerate(classes):
-        files = sorted(
-            f
-            for f in (root / name).iterdir()
-            if f.suffix.lower() in IMAGE_SUFFIXES and not f.name.startswith(".")
-        )
-        if not files:
-            raise ValueError(f"{root / name}: no {'/'.join(IMAGE_SUFFIXES)} images")
+    for label, files in enumerate(listed):
         for file in files:
             try:
                 with Image.open(file) as img:
+                    if img.width * img.height > MAX_IMAGE_PIXELS:
+                        raise ValueError(
+                            f"{file}: {img.width}x{img.height} pixels, more than the "
+                            f"{MAX_IMAGE_PIXELS:,} an image may have"
+                        )
                     image = img.convert(mode).resize((size[1], size[0]), Image.Resampling.BILINEAR)
                     arr = np.asarray(image, dtype=np.float32) / 255.0
-            except (OSError, UnidentifiedImageError) as exc:
+            except (OSError, UnidentifiedImageError, Image.DecompressionBombError) as exc:
                 raise ValueError(f"{file}: not a readable image ({exc})") from exc
             xs.append(arr[None] if grayscale else arr.transpose(2, 0, 1))
             ys.append(label)
@@ -388,6 +493,26 @@ def load_imagefolder(
         tuple(xs[0].shape),
         tuple(classes),
     )
+
+
+def _image_files(root: Path, classes: list[str], values: int) -> list[list[Path]]:
+    """Each class folder's image files, sorted; refused before any is decoded when their
+    samples (`values` float32 each) would take more than the data size limit."""
+    listed = []
+    for name in classes:
+        files = sorted(
+            f
+            for f in (root / name).iterdir()
+            if f.suffix.lower() in IMAGE_SUFFIXES and not f.name.startswith(".")
+        )
+        if not files:
+            raise ValueError(f"{root / name}: no {'/'.join(IMAGE_SUFFIXES)} images")
+        listed.append(files)
+    limit = max_data_bytes()
+    size = sum(map(len, listed)) * values * _FLOAT32
+    if size > limit:
+        raise too_large(root, f"{sum(map(len, listed)):,} images as float32", size, limit)
+    return listed
 
 
 _RECONSTRUCT = np.empty(0).__reduce__()[0]  # numpy's array rebuilder, whatever its module
@@ -432,6 +557,7 @@ def load_cifar10(path: str | Path) -> Dataset:
         raise FileNotFoundError(f"{root}: none of the CIFAR-10 batches {CIFAR10_FILES}")
     xs, ys = [], []
     for file in files:
+        check_file_size(file)
         try:
             with file.open("rb") as fh:
                 batch = _CifarUnpickler(fh, encoding="bytes").load()

@@ -37,6 +37,7 @@ from agent.learning import (
 from agent.learning.config import BATCHNORM_MODES
 from agent.learning.tasks import TASKS, Task
 from agent.user_code import fingerprint, is_import_path
+from protocol.limits import MAX_MEMBERS, WEEK_S
 
 if TYPE_CHECKING:
     from agent.own_data import OwnData
@@ -51,6 +52,114 @@ INIT_CHOICES = ("seed", "previous")
 KEEP_POLICIES = ("latest", "best")
 """Which finished run's model a device makes current (`agent.model_store.choose`)."""
 DEFAULT_KEEP_MARGIN = 0.02
+
+
+MAX_AGENTS = MAX_MEMBERS
+"""The largest fleet a run may name (a roster message lists every member)."""
+MAX_ROUNDS = 100_000
+MAX_EPOCHS = 10_000
+MAX_BATCH = 1_000_000
+MAX_SECONDS = WEEK_S
+"""The longest timeout or per-round time: a week."""
+MAX_SEED = 2**32 - 1
+"""numpy's legacy generator (MNIST-1D) takes seeds up to 2^32 - 1."""
+MAX_SAMPLE_VALUES = 1 << 24
+"""The most values one sample may hold (input_shape's product): a 3x2048x2048 image fits."""
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric option may take: finite, within [low, high], an end left out
+    where `open_low` / `open_high` say so; a `whole` number for a count."""
+
+    low: float
+    high: float
+    open_low: bool = False
+    open_high: bool = False
+    whole: bool = False
+
+    def problem(self, name: str, value: object) -> str | None:
+        """Why `value` is refused for option `name` (its flag or run-file key), or None."""
+        number = int if self.whole else int | float
+        if not isinstance(value, number) or isinstance(value, bool):
+            return f"{name} must be {'an integer' if self.whole else 'a number'}, got {value!r}"
+        if not math.isfinite(value):
+            return f"{name} must be a finite number, got {value}"
+        low_ok = value > self.low if self.open_low else value >= self.low
+        high_ok = value < self.high if self.open_high else value <= self.high
+        if low_ok and high_ok:
+            return None
+        if self.whole:
+            bound = f">= {self.low:,.0f}" if not low_ok else f"<= {self.high:,.0f}"
+            return f"{name} must be {bound}, got {value:,}"
+        left, right = "(" if self.open_low else "[", ")" if self.open_high else "]"
+        return f"{name} must be in {left}{self.low:g}, {self.high:g}{right}, got {value}"
+
+
+def count(low: int, high: int) -> Range:
+    """The range of a count option: a whole number in [low, high]."""
+    return Range(low, high, whole=True)
+
+
+UNIT = Range(0, 1)
+FRACTION = Range(0, 1, open_low=True)
+RANGES: dict[str, Range] = {
+    # ExperimentConfig
+    "agents": count(1, MAX_AGENTS),
+    "seed": count(0, MAX_SEED),
+    "threads": count(1, 1024),
+    "round_time_s": Range(0, MAX_SECONDS, open_low=True),
+    "classes": count(1, 100_000),
+    "targets": count(1, 100_000),
+    "min_samples": count(3, 10**9),
+    "keep_margin": UNIT,
+    # StrategyConfig
+    "rounds": count(1, MAX_ROUNDS),
+    "neighbours": count(0, MAX_AGENTS),
+    "max_wait": count(0, MAX_AGENTS),
+    "epochs": count(1, MAX_EPOCHS),
+    "batch_size": count(1, MAX_BATCH),
+    "lr": Range(0, 10),
+    "lr_decay": FRACTION,
+    "weight_decay": UNIT,
+    "momentum": Range(0, 1, open_high=True),
+    "density": FRACTION,
+    "rigl_a": UNIT,
+    "rigl_batches": count(1, 10_000),
+    "delta_pr": Range(0, 1e6),
+    "delta_v": UNIT,
+    "schedule_b": Range(0, MAX_ROUNDS),
+    "schedule_c": Range(0, 100, open_low=True),
+    "pqi_p": Range(0, 100, open_low=True),
+    "pqi_q": Range(0, 100, open_low=True),
+    "pqi_eta_c": Range(0, 1e6),
+    "pqi_gamma": Range(0, 1e6),
+    "pqi_beta": UNIT,
+    "target_sparsity": Range(0, 1, open_high=True),
+    "stop_patience": count(0, MAX_ROUNDS),
+    "stop_delta": Range(0, 1, open_high=True),
+    "ssm_fraction": FRACTION,
+    "ldf_n": count(1, MAX_AGENTS),
+    "delta_fraction": FRACTION,
+}
+"""The range of every numeric option of ExperimentConfig and StrategyConfig (a test checks
+that none is left out): a typo (epochs = 1e9, lr = -1e300, nan) is refused before a run
+starts, while lr 0 (a frozen model) and lr 10 with weight decay 1 (a model driven to NaN on
+purpose, as tests do) are taken."""
+
+
+def check_ranges(config: ExperimentConfig) -> None:
+    """Every numeric option within its `RANGES`: one line naming the option otherwise."""
+    flagged = {f.name: f.metadata.get("flag", True) for f in dataclasses.fields(config)}
+    values = {**vars(config.learning), **vars(config)}
+    for name, allowed in RANGES.items():
+        value = values[name]
+        if value is None:
+            continue
+        shown = name if not flagged.get(name, True) else "--" + name.replace("_", "-")
+        problem = allowed.problem(shown, value)
+        if problem is not None:
+            raise ValueError(problem)
 
 
 def run_param(default: Any, help: str) -> Any:
@@ -123,7 +232,7 @@ class ExperimentConfig:
     attack: str = param(
         "scale",
         f"What attackers send: scale (x {robust.SCALE_FACTOR:g}), noise (+ N(0, "
-        f"{robust.NOISE_STD:g}^2)) or signflip (negated).",
+        f"{robust.NOISE_STD:g}^2)), signflip (negated), huge (3e37 in every entry) or nan.",
     )
     init: str = run_param(
         "seed",
@@ -162,27 +271,16 @@ class ExperimentConfig:
     def validate(self) -> None:
         """Reject impossible configurations with one clear sentence each."""
         cfg = self.learning
-        if self.agents < 1:
-            raise ValueError(f"need at least 1 agent, got {self.agents}")
+        check_ranges(self)
         self.learning_task()  # imports and checks a custom loss or metric
         if self.on_devices:
             check_device_data(self)
-        if cfg.rounds < 1 or cfg.epochs < 1 or cfg.batch_size < 1:
-            raise ValueError("rounds, epochs and batch size must be at least 1")
         decentralized = cfg.strategy in DECENTRALIZED
         if decentralized and cfg.topology == "random" and not 1 <= cfg.neighbours < self.agents:
             raise ValueError(
                 f"--neighbours must be between 1 and agents - 1 = {self.agents - 1} "
                 f"for {cfg.strategy}, got {cfg.neighbours}"
             )
-        if cfg.max_wait < 0:
-            raise ValueError(f"--max-wait must be >= 0, got {cfg.max_wait}")
-        if not 0 < cfg.density <= 1:
-            raise ValueError(f"--density must be in (0, 1], got {cfg.density}")
-        if not 0 <= cfg.target_sparsity < 1:
-            raise ValueError(f"--target-sparsity must be in [0, 1), got {cfg.target_sparsity}")
-        if not 0 < cfg.ssm_fraction <= 1:
-            raise ValueError(f"--ssm-fraction must be in (0, 1], got {cfg.ssm_fraction}")
         if cfg.reduce not in REDUCE_MODES:
             raise ValueError(f"--reduce must be one of {', '.join(REDUCE_MODES)}, got {cfg.reduce}")
         if cfg.detection_distance not in pruning.DISTANCES:
@@ -191,25 +289,14 @@ class ExperimentConfig:
                 f"got {cfg.detection_distance}"
             )
         StopRule.of(cfg)
-        if cfg.ldf_n < 1:
-            raise ValueError(f"--ldf-n must be >= 1, got {cfg.ldf_n}")
         if cfg.batchnorm not in BATCHNORM_MODES:
             raise ValueError(f"--batchnorm must be local or shared, got {cfg.batchnorm!r}")
         if cfg.wire not in WIRE_FORMATS:
             raise ValueError(f"--wire must be one of {', '.join(WIRE_FORMATS)}, got {cfg.wire}")
-        if not 0 < cfg.delta_fraction <= 1:
-            raise ValueError(f"--delta-fraction must be in (0, 1], got {cfg.delta_fraction}")
-        if self.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {self.threads}")
-        if self.round_time_s <= 0:
-            raise ValueError(f"--round-time-s must be > 0, got {self.round_time_s}")
         if self.profiles:
             profile_names(self.profiles)
         check_robustness(self)
         check_model_keeping(self)
-        if cfg.schedule_b < 0:
-            # t_1 = 2 t* + b >= 2 t* lets networked agents decide with old votes only.
-            raise ValueError(f"--schedule-b must be >= 0, got {cfg.schedule_b}")
 
 
 def check_robustness(config: ExperimentConfig) -> None:
@@ -233,8 +320,6 @@ def check_model_keeping(config: ExperimentConfig) -> None:
         raise ValueError(f"init must be one of {', '.join(INIT_CHOICES)}, got {config.init!r}")
     if config.keep not in KEEP_POLICIES:
         raise ValueError(f"keep must be one of {', '.join(KEEP_POLICIES)}, got {config.keep!r}")
-    if not 0 <= config.keep_margin <= 1:
-        raise ValueError(f"keep_margin must be in [0, 1], got {config.keep_margin}")
 
 
 def attackers(config: ExperimentConfig, roster: list[str]) -> list[str]:
@@ -247,12 +332,13 @@ def check_device_data(config: ExperimentConfig) -> None:
     shape = config.input_shape
     if not shape or any(not isinstance(d, int) or d < 1 for d in shape):
         raise ValueError(f"dataset 'device' needs an input_shape of positive sizes, got {shape}")
+    if math.prod(shape) > MAX_SAMPLE_VALUES:
+        raise ValueError(
+            f"input_shape {list(shape)} holds {math.prod(shape):,} values a sample, more than "
+            f"the {MAX_SAMPLE_VALUES:,} allowed"
+        )
     if config.task == "classification" and (config.classes is None or config.classes < 2):
         raise ValueError(f"dataset 'device' needs classes >= 2, got {config.classes}")
-    if config.targets < 1:
-        raise ValueError(f"targets must be at least 1, got {config.targets}")
-    if config.min_samples < 3:
-        raise ValueError(f"min_samples must be at least 3, got {config.min_samples}")
 
 
 @dataclass

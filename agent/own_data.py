@@ -11,6 +11,7 @@ tests on exactly what it did before.
 
 from __future__ import annotations
 
+import array
 import csv
 import hashlib
 import math
@@ -25,7 +26,17 @@ from typing import Any, TypeGuard
 import numpy as np
 import torch
 
-from agent.data import PYTHON_SOURCE, TASKS, call_data_source, load_imagefolder
+from agent.data import (
+    PYTHON_SOURCE,
+    TASKS,
+    BadDataFile,
+    call_data_source,
+    check_file_size,
+    check_npz_members,
+    load_imagefolder,
+    max_data_bytes,
+    too_large,
+)
 from agent.learning import LocalData
 
 LABEL_COLUMN = "label"
@@ -140,7 +151,8 @@ def load_own_data(path: str | Path, input_shape: tuple[int, ...] | None = None) 
       so that a device that collected more data trains on it next time.
 
     `input_shape` shapes only images: other samples keep their shape, which `misfit`
-    compares with the run's.
+    compares with the run's. Data beyond the size limit (`agent.data.max_data_bytes`: 1 GiB
+    unless EDGEFL_MAX_DATA_MB says otherwise) is refused before it is read or decompressed.
     """
     if str(path).startswith(PYTHON_SOURCE):
         x, y, _ = call_data_source(str(path)[len(PYTHON_SOURCE) :])
@@ -175,9 +187,12 @@ def _read_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
     try:
         if not zipfile.is_zipfile(path):  # np.load would also take .npy and pickles
             raise ValueError("not a zip archive of named arrays")
+        check_npz_members(path, ("x", "y"))
         with np.load(path, allow_pickle=False) as npz:
             x = npz["x"] if "x" in npz.files else None
             y = npz["y"] if "y" in npz.files else None
+    except BadDataFile:
+        raise
     except (OSError, EOFError, ValueError, zipfile.BadZipFile, zlib.error) as exc:
         raise ValueError(f"{path}: not a readable .npz archive ({exc})") from None
     if x is None:
@@ -204,37 +219,43 @@ def _read_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
 def _read_csv(path: Path) -> tuple[np.ndarray, np.ndarray]:
     """x (n, features) float32 and y from a .csv with a header row: int64 labels from a
     `label` column, or float32 targets (n,) from a `target` column. Blank lines are skipped,
-    and a bad cell is named by its line and column."""
-    xs: list[list[float]] = []
-    ys: list[float] = []
+    and a bad cell is named by its line and column. The file is refused before it is read
+    when it exceeds the data size limit (`agent.data.max_data_bytes`), and read row by row
+    into float32 (4 bytes a cell, where a list of floats takes 32)."""
+    check_file_size(path)
+    cells = array.array("f")
+    labels: array.array[Any]
+    limit = max_data_bytes()
     try:
         with path.open(newline="", encoding="utf-8-sig") as f:
             rows = csv.reader(f)
             header = [name.strip() for name in next(rows, [])]
             at, column = _label_index(path, header)
             parse = _parse_label if column == LABEL_COLUMN else _parse_target
+            labels = array.array("q" if column == LABEL_COLUMN else "f")
             for row in rows:
                 if not any(cell.strip() for cell in row):
                     continue
                 where = f"{path}: line {rows.line_num}"
                 if len(row) != len(header):
                     raise ValueError(f"{where} has {len(row)} cells, the header has {len(header)}")
-                ys.append(parse(where, row[at]))
-                xs.append(
-                    [
-                        _parse_feature(where, name, cell)
-                        for i, (name, cell) in enumerate(zip(header, row, strict=True))
-                        if i != at
-                    ]
+                labels.append(parse(where, row[at]))
+                cells.extend(
+                    _parse_feature(where, name, cell)
+                    for i, (name, cell) in enumerate(zip(header, row, strict=True))
+                    if i != at
                 )
+                if len(cells) * cells.itemsize > limit:
+                    raise too_large(path, "its features as float32", None, limit)
     except UnicodeDecodeError:
         raise ValueError(f"{path}: not a UTF-8 text file") from None
     except csv.Error as exc:
         raise ValueError(f"{path}: not a readable .csv file ({exc})") from None
-    if not ys:
+    if not labels:
         raise ValueError(f"{path}: no samples below the header row")
+    x = np.frombuffer(cells, dtype=np.float32).reshape(len(labels), len(header) - 1)
     dtype = np.int64 if column == LABEL_COLUMN else np.float32
-    return np.asarray(xs, dtype=np.float32), np.asarray(ys, dtype=dtype)
+    return x, np.frombuffer(labels, dtype=dtype)
 
 
 def _label_index(path: Path, header: list[str]) -> tuple[int, str]:

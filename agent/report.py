@@ -39,7 +39,7 @@ REPORTED = (
     "radio_energy_j",
 )
 """The per-agent figures of a report's round, simulate's and emulate's alike."""
-NETWORKED = ("stragglers", "wait_s")
+NETWORKED = ("stragglers", "quarantined", "wait_s")
 """The figures only a networked run has, added to emulate's report."""
 
 
@@ -79,6 +79,9 @@ class AgentRound:
     throttled_s: float = 0.0
     """Seconds an emulated device slept to run at its profile's speed."""
     stragglers: list[str] = field(default_factory=list)
+    quarantined: list[str] = field(default_factory=list)
+    """Senders this agent stopped listening to for the run after their invalid models
+    (agent/runtime/quarantine.py)."""
     wait_s: float = 0.0
     t_star: int | None = None
     finished_at: float | None = None
@@ -138,6 +141,7 @@ class AgentRound:
             score=None,
             pruned=False,
             stragglers=[],
+            quarantined=[],
             wait_s=0.0,
             throttled_s=0.0,
             stopped=True,

@@ -41,6 +41,7 @@ from agent.experiment import (
     DEVICE_DATA,
     INIT_CHOICES,
     KEEP_POLICIES,
+    MAX_SECONDS,
     ExperimentConfig,
     default_model,
 )
@@ -340,6 +341,10 @@ def _timeouts(table: Mapping[str, Any]) -> RunTimeouts:
         if seconds < 0 or (seconds == 0 and key != "linger"):
             bound = ">= 0" if key == "linger" else "> 0"
             raise ValueError(f"{key} must be {bound} seconds, got {_shown(seconds)}")
+        if seconds > MAX_SECONDS:
+            raise ValueError(
+                f"{key} must be at most {MAX_SECONDS:,.0f} seconds (a week), got {_shown(seconds)}"
+            )
         given[attr] = float(seconds)
     return RunTimeouts(**given)
 

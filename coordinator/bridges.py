@@ -57,6 +57,9 @@ carries a whole site's traffic: a round of a 1,000-agent fleet is a few thousand
 (a model, a vote, a status per agent, and more while deliveries reach every agent), which
 the default would silently drop while the link catches up."""
 
+MAX_QUEUED = 1_000_000
+"""The largest --max-queued: that many 256 KiB chunk frames are 256 GB already."""
+
 KEEPALIVE_S = 30
 """The bridge's ping interval: a dead link is noticed within about 1.5x this, below the
 default 60 s and well inside a round's timeout."""
@@ -293,14 +296,14 @@ def _grants(
     "--keepalive",
     default=KEEPALIVE_S,
     show_default=True,
-    type=click.IntRange(5),
-    help="Seconds between the bridge's pings.",
+    type=click.IntRange(5, 65535),
+    help="Seconds between the bridge's pings (MQTT allows 65535 at most).",
 )
 @click.option(
     "--max-queued",
     default=QUEUED_MESSAGES,
     show_default=True,
-    type=click.IntRange(1),
+    type=click.IntRange(1, MAX_QUEUED),
     help="mosquitto's per-client queue: above a round's messages of the fleet.",
 )
 @click.option("--force", is_flag=True, help="Rewrite existing configurations.")

@@ -4,21 +4,27 @@ amqtt is asyncio-based; the broker runs on its own event loop in its own thread 
 coordinator's code stays synchronous. It keeps retained messages and wills in memory only:
 after a restart, every agent republishes its retained presence when it reconnects. It binds
 loopback unless told otherwise. Given a folder written by `coordinator broker-config`, it
-admits only the members listed there, each with its password, and enforces the fleet's ACL
-(`protocol.acl`) on every publish, subscription and last will, through amqtt's plugin API.
+admits only the members listed there, each with its password and its own client ids, and
+enforces the fleet's ACL (`protocol.acl`) on every publish, subscription and last will,
+through amqtt's plugin API; given an admission list of per-device keys instead, it takes a
+member's connect proof for its client id and its topics (`broker_config.Admission`).
 
-amqtt's broker is subclassed at five private points (session start: keepalive and closing a
-refused connection; subscription table; retained messages on connect; QoS of deliveries; the
-fan-out of a message; see `_FleetBroker`), so pyproject.toml pins amqtt to the versions tested.
+amqtt's broker is subclassed at six private points (session start: authentication before
+the session table, keepalive and closing a refused connection; authentication; subscription
+table; retained messages on connect; QoS of deliveries; the fan-out of a message; see
+`_FleetBroker`) and its reader loop's fixed header is replaced (a packet over
+`MAX_PACKET_BYTES` closes its connection unread), so pyproject.toml pins amqtt to the
+versions tested.
 
-Run `python -m coordinator.broker --port N [--auth DIR]` for a standalone broker process
-(tests use it to kill and restart a broker on the same port).
+Run `python -m coordinator.broker --port N [--auth DIR | --admitted FILE --fleet F]` for a
+standalone broker process (tests use it to kill and restart a broker on the same port).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import errno
 import logging
 import math
@@ -38,11 +44,12 @@ from amqtt.codecs_amqtt import read_or_raise
 from amqtt.contexts import Action
 from amqtt.errors import AMQTTError, MQTTError, NoDataError
 from amqtt.mqtt.constants import QOS_0, QOS_1, QOS_2
-from amqtt.mqtt.packet import CONNECT
+from amqtt.mqtt.packet import CONNECT, MQTTFixedHeader
+from amqtt.mqtt.protocol import handler as amqtt_handler
 from amqtt.plugins.base import BaseAuthPlugin, BaseTopicPlugin
 from amqtt.session import Session
 
-from coordinator.broker_config import BrokerAuth, BrokerAuthError
+from coordinator.broker_config import MAX_PACKET_BYTES, Admission, BrokerAuthError
 from protocol import BrokerAddress
 from protocol.logs import RejectionLog
 
@@ -106,18 +113,51 @@ def _deliver_at_qos0(handler: BrokerProtocolHandler) -> None:
     handler.mqtt_publish = publish_at_qos0
 
 
+class PacketTooLarge(Exception):
+    """A packet longer than the broker takes: its connection is closed before its body is
+    read (amqtt read any packet whole, up to MQTT's 256 MiB, into memory)."""
+
+
+class _BoundedFixedHeader(MQTTFixedHeader):
+    """The fixed header as amqtt's reader loop decodes it (every packet after a CONNECT),
+    refusing a packet longer than `MAX_PACKET_BYTES`, mosquitto's `max_packet_size` in
+    broker-config (a fleet's messages travel in chunks far below it), before a byte of its
+    body is read. A CONNECT is bounded by its fields' own 16-bit lengths."""
+
+    @classmethod
+    async def from_stream(cls, reader: ReaderAdapter) -> Any:
+        header = await super().from_stream(reader)
+        if header is not None and header.remaining_length > MAX_PACKET_BYTES:
+            raise PacketTooLarge(
+                f"a packet of {header.remaining_length} bytes (over {MAX_PACKET_BYTES})"
+            )
+        return header
+
+
+amqtt_handler.MQTTFixedHeader = _BoundedFixedHeader
+
+
 class _ByteBack(ReaderAdapter):
-    """`reader`, with the byte already read from it given back first (the broker reads a
-    connection's first byte itself, to refuse at once one that is not a CONNECT)."""
+    """`reader`, with the bytes already read from it given back first (the broker reads a
+    connection's first byte itself, to refuse at once one that is not a CONNECT, and its
+    CONNECT, to refuse it before amqtt touches the session it names), and a record of what
+    is read through it (`read_so_far`: only the CONNECT is read through it)."""
 
     def __init__(self, first: bytes, reader: ReaderAdapter) -> None:
         self._first, self._reader = first, reader
+        self.read_so_far = bytearray()
 
     async def read(self, n: int = -1) -> bytes:
         if not self._first or n == 0:
-            return await self._reader.read(n)
-        first, self._first = self._first, b""
-        return first if n == 1 else first + await self._reader.read(n - 1 if n > 1 else n)
+            data = await self._reader.read(n)
+        elif n < 0:
+            data, self._first = self._first + await self._reader.read(n), b""
+        else:
+            data, self._first = self._first[:n], self._first[n:]
+            if len(data) < n:
+                data += await self._reader.read(n - len(data))
+        self.read_so_far += data
+        return data
 
     def feed_eof(self) -> None:
         self._reader.feed_eof()
@@ -144,23 +184,29 @@ class _FleetBroker(Broker):
     async def _initialize_client_session(
         self, reader: ReaderAdapter, writer: WriterAdapter, *args: Any
     ) -> Any:
-        """amqtt's session start, and two rules of MQTT 3.1.1 it leaves out. A connection
+        """amqtt's session start, and three rules of MQTT 3.1.1 it leaves out. A connection
         whose first packet is not a CONNECT is closed at once (3.1.0-1), and so is one whose
         CONNECT is refused: amqtt (0.12.1) read on, as a CONNECT, whatever came (a PUBLISH
         that paho's reconnect had let out ahead of its CONNECT), waited for bytes that never
         came and left the connection open, and the client waited out its keep-alive (30 s
-        for edgefl's) for a CONNACK. And a silent client is dropped (below)."""
+        for edgefl's) for a CONNACK. A CONNECT is authenticated before its client id's
+        session is touched (3.2.2.4: a refused CONNECT changes nothing): amqtt dropped the
+        session of the client id first and refused after, so a refused client with another
+        member's client id still took that member's session (it stayed connected and
+        received nothing). And a silent client is dropped (below)."""
         first = await read_or_raise(reader, 1)
         if first[0] >> 4 != CONNECT:
             await writer.close()
             raise AMQTTError(f"[MQTT-3.1.0-1] first packet of type {first[0] >> 4}, not CONNECT")
         try:
+            await self._admit(_ByteBack(first, reader), writer)
             handler, session = await super()._initialize_client_session(
-                _ByteBack(first, reader), writer, *args
+                _ByteBack(bytes(self._connect.get()), reader), writer, *args
             )
         except (AMQTTError, MQTTError, NoDataError):
             await writer.close()
             raise
+        session.fleet_admitted = True  # see `_authenticate`
         if session.keep_alive > 0:
             session.keep_alive = math.ceil(session.keep_alive * 1.5)
 
@@ -171,6 +217,29 @@ class _FleetBroker(Broker):
             handler.handle_read_timeout = close_silent_client
         _deliver_at_qos0(handler)
         return handler, session
+
+    _connect: contextvars.ContextVar[bytes] = contextvars.ContextVar("connect")
+    """The CONNECT packet being admitted, per connection (each runs in its own task)."""
+
+    async def _admit(self, reader: _ByteBack, writer: WriterAdapter) -> None:
+        """Read the CONNECT and authenticate it; a refused one gets its CONNACK (not
+        authorized) and AMQTTError, before amqtt looks its client id up."""
+        handler, session = await BrokerProtocolHandler.init_from_connect(
+            reader, writer, self.plugins_manager
+        )
+        self._connect.set(bytes(reader.read_so_far))
+        if not await super()._authenticate(session, None):
+            handler.attach(session, reader, writer)
+            await handler.mqtt_connack_authorize(False)
+            raise AMQTTError(_REFUSED)
+
+    async def _authenticate(self, session: Session, listener: Any) -> bool:
+        """The verdict of `_admit` (a connect proof is good once: asked again, it would
+        read as a replay)."""
+        if getattr(session, "fleet_admitted", False):
+            session.fleet_admitted = False
+            return True
+        return await super()._authenticate(session, listener)
 
     async def _stop_handler(self, handler: BrokerProtocolHandler) -> None:
         """amqtt's, with the client's input ended first. amqtt stops a handler by
@@ -241,62 +310,64 @@ class _FleetBroker(Broker):
             await super()._publish_retained_messages_for_subscription(subscription, session)
 
 
-class FleetAuthPlugin(BaseAuthPlugin):
-    """Admits only the members of a `coordinator broker-config` folder, each with its own
-    password (never an anonymous client), and a last will only on a topic its member may
-    publish (as mosquitto does): a will is a publish made later on the member's behalf."""
+class FleetGuardPlugin(BaseAuthPlugin, BaseTopicPlugin):
+    """Who may connect and as whom, and where each may publish and subscribe: the rules of
+    `coordinator.broker_config.Admission` (logins of a `coordinator broker-config` folder,
+    or the connect proofs of per-device keys), enforced on every CONNECT, last will,
+    publish and subscription. One plugin for both checks, so that they read one Admission
+    (reloaded when its files change). A publish outside its grant is dropped, undelivered;
+    a retained publish or a clear is a publish, so a retained status or run is overwritten
+    only by its owner."""
 
     @dataclass
     class Config:
         folder: str = ""
+        admitted: str = ""
+        fleet: str = "default"
+        coordinator_key: str = ""
 
     def __init__(self, context: Any) -> None:
         super().__init__(context)
-        self.auth = BrokerAuth.load(self.config.folder)
+        config = self.config
+        self.admission = Admission(
+            Path(config.folder) if config.folder else None,
+            Path(config.admitted) if config.admitted else None,
+            config.fleet,
+            config.coordinator_key or None,
+        )
         self.refusals = RejectionLog(log)
+        """A client refused in a loop (or publishing outside its grant) must not fill the
+        gateway's log."""
 
     async def authenticate(self, *, session: Session) -> bool:
-        user = session.username
-        if not self.auth.login(user, session.password):
-            why = f"wrong password or unknown user {user!r}" if user else "no user name"
-            self.refusals.reject("login", user or "(anonymous)", f"client {session.client_id}", why)
+        admission, user = self.admission, session.username
+        admission.refresh()
+        why = admission.refusal(session.client_id, user, session.password)
+        if why is not None:
+            self.refusals.reject(
+                "connect", user or "(anonymous)", f"client {session.client_id}", why
+            )
             return False
         will = session.will_topic or ""
-        if session.will_flag and not self.auth.may_publish(user, will):
-            self.refusals.reject("login", str(user), will, "last will on another's topic")
+        if session.will_flag and not admission.may_publish(user, will):
+            self.refusals.reject("connect", str(user), will, "last will on another's topic")
             return False
         return True
-
-
-class FleetAclPlugin(BaseTopicPlugin):
-    """The fleet's ACL (`protocol.acl`, read from the folder's `acl` file): a member
-    publishes only where its grant allows; a publish elsewhere is dropped, undelivered."""
-
-    @dataclass
-    class Config:
-        folder: str = ""
-
-    def __init__(self, context: Any) -> None:
-        super().__init__(context)
-        self.auth = BrokerAuth.load(self.config.folder)
-        self.denials = RejectionLog(log)
-        """A member publishing outside its grant in a loop must not fill the gateway's log."""
 
     async def topic_filtering(
         self, *, session: Session | None = None, topic: str | None = None, action: Any = None
     ) -> bool:
         user = session.username if session is not None else None
         if action == Action.RECEIVE:
-            return True  # checked when it was published
+            return True  # checked when it was published, and when subscribed
         allowed = (
-            self.auth.may_publish(user, topic or "")
+            self.admission.may_publish(user, topic or "")
             if action == Action.PUBLISH
-            else self.auth.may_subscribe(user, topic or "")
+            else self.admission.may_subscribe(user, topic or "")
         )
         if not allowed:
-            self.denials.reject(
-                f"{getattr(action, 'value', action)} (denied)", str(user), topic or "", "no grant"
-            )
+            what = f"{getattr(action, 'value', action)} (denied)"
+            self.refusals.reject(what, str(user), topic or "", "no grant")
         return allowed
 
 
@@ -315,14 +386,21 @@ class _NoOneLeftToTell(logging.Filter):
         return True
 
 
+_REFUSED = "refused at CONNECT"
+
+
 class _ProbesAreNotClients(logging.Filter):
     """Drops amqtt's warning of a connection closed before it sent a byte: a TCP probe (a
     health check, or `protocol.mqtt.unreachable`, which every `coordinator` command that
-    is given a broker runs first), not a client that failed. A client that sent anything
-    and failed is still warned of."""
+    is given a broker runs first), not a client that failed; and of a connection refused at
+    its CONNECT, which `FleetGuardPlugin` has told already (rate-limited). A client that
+    sent anything and failed otherwise is still warned of."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.getMessage() != "Failed to initialize client session: No more data"
+        return record.getMessage() not in (
+            "Failed to initialize client session: No more data",
+            f"Failed to initialize client session: {_REFUSED}",
+        )
 
 
 _PROBES = _ProbesAreNotClients()
@@ -331,23 +409,43 @@ _PROBES = _ProbesAreNotClients()
 class EmbeddedBroker:
     """amqtt broker on (host, port) in a background thread; usable as a context manager.
 
-    Without `auth`, anonymous clients are allowed and there is no topic ACL. With `auth`, a
-    folder written by `coordinator broker-config`, only its members log in, each with its
-    password, and each publishes only on its own topics. Retained messages and last wills
-    work; there is no message size limit beyond MQTT's own.
+    Without `auth` or `admitted`, anonymous clients are allowed and there is no topic ACL
+    (a loopback broker for `emulate`). With `auth`, a folder written by `coordinator
+    broker-config`, only its members log in, each with its password and its own client ids,
+    and each publishes only on its own topics and reads only its fleet's. With `admitted`
+    (per-device keys of `fleet`) and no `auth`, a member's client id and topics take its
+    connect proof; see `coordinator.broker_config.Admission`. Retained messages and last
+    wills work; there is no message size limit beyond MQTT's own.
     """
 
     def __init__(
-        self, host: str = "127.0.0.1", port: int = 1883, auth: str | Path | None = None
+        self,
+        host: str = "127.0.0.1",
+        port: int = 1883,
+        auth: str | Path | None = None,
+        *,
+        admitted: str | Path | None = None,
+        fleet: str = "default",
+        coordinator_key: str | None = None,
     ) -> None:
-        """Raises BrokerAuthError (a ValueError, one line) for an unusable `auth` folder."""
+        """Raises BrokerAuthError (a ValueError, one line) for an unusable `auth` folder or
+        `admitted` list."""
         if not 0 < port < 65536:
             raise ValueError(f"port must be in 1..65535, got {port}")
         self.host = host
         self.port = port
         self.auth = None if auth is None else Path(auth)
-        if self.auth is not None:
-            BrokerAuth.load(self.auth)  # fail here, in one line, not inside amqtt's startup
+        self.admitted = None if admitted is None or self.auth is not None else Path(admitted)
+        self._guard: dict[str, str] | None = None
+        if self.auth is not None or self.admitted is not None:
+            # Fail here, in one line, not inside amqtt's startup.
+            Admission(self.auth, self.admitted, fleet, coordinator_key)
+            self._guard = {
+                "folder": str(self.auth or ""),
+                "admitted": str(self.admitted or ""),
+                "fleet": fleet,
+                "coordinator_key": coordinator_key or "",
+            }
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._broker: Broker | None = None
@@ -413,9 +511,8 @@ class EmbeddedBroker:
         plugins: dict[str, dict[str, Any]] = {
             "amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}
         }
-        if self.auth is not None:
-            folder = {"folder": str(self.auth)}
-            plugins = {f"{_MODULE}.FleetAuthPlugin": folder, f"{_MODULE}.FleetAclPlugin": folder}
+        if self._guard is not None:
+            plugins = {f"{_MODULE}.FleetGuardPlugin": self._guard}
         broker = _FleetBroker(
             {"listeners": {"default": {"type": "tcp", "bind": bind}}, "plugins": plugins}
         )
@@ -466,13 +563,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=1883)
     parser.add_argument("--auth", metavar="DIR", help="folder of `coordinator broker-config`")
+    parser.add_argument("--admitted", metavar="FILE", help="admitted keys (no --auth)")
+    parser.add_argument("--fleet", default="default", help="the fleet of --admitted")
+    parser.add_argument("--coordinator-key", help="the coordinator's public key (ed25519:...)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
     try:
-        broker = EmbeddedBroker(args.host, args.port, args.auth)
+        broker = EmbeddedBroker(
+            args.host,
+            args.port,
+            args.auth,
+            admitted=args.admitted,
+            fleet=args.fleet,
+            coordinator_key=args.coordinator_key,
+        )
         broker.start()
     except (BrokerStartError, BrokerAuthError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import ipaddress
 import json
+import logging
+import os
 import shutil
 import socket
 import tempfile
@@ -16,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+from click.core import ParameterSource
 from rich.markup import escape
 from rich.progress import (
     BarColumn,
@@ -27,6 +31,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from agent.cli import loopback
 from agent.files import atomic_write
 from agent.options import experiment_config, experiment_options
 from agent.report import metric_of
@@ -34,10 +39,16 @@ from agent.runfile import lab_config
 from coordinator.bridges import bridge_config
 from coordinator.broker_config import (
     COORDINATOR,
+    COORDINATOR_IDS,
     GATEWAY,
+    MEMBERS,
+    BrokerAuth,
     BrokerAuthError,
+    Listener,
     broker_config,
     member_password,
+    write_broker_config,
+    write_file,
 )
 from coordinator.conductor import describe_failures
 from coordinator.fleet import FleetLog
@@ -68,7 +79,16 @@ from protocol import (
     topics,
     wait_for,
 )
-from protocol.cli import BrokerSettings, broker_options, logging_options, say, version_option
+from protocol.acl import fleet_grants
+from protocol.cli import (
+    BrokerSettings,
+    FiniteRange,
+    broker_options,
+    logging_options,
+    say,
+    seconds,
+    version_option,
+)
 from protocol.cli import console as output_console
 from protocol.extras import (
     DASHBOARD,
@@ -79,9 +99,19 @@ from protocol.extras import (
     MissingExtra,
     require,
 )
+from protocol.limits import MAX_MEMBERS
 from protocol.mqtt import unreachable
-from protocol.signing import Signer, add_key, member_keys, public_line
+from protocol.signing import (
+    MemberKeys,
+    Signer,
+    add_key,
+    connect_proof,
+    member_keys,
+    public_line,
+    read_keys,
+)
 
+log = logging.getLogger(__name__)
 console = output_console(stderr=False)
 """Reports and tables: on stdout, unwrapped when not on a terminal."""
 
@@ -136,19 +166,48 @@ def signing_options(command: Callable) -> Callable:
         help="Per-member keys: accept only the agents this admission list names (lines "
         "'ID ed25519:KEY'; `coordinator admit` adds one) and sign with --identity.",
     )(command)
+    command = state_dir_option(command)
     return click.option(
         "--identity",
         "identity_file",
         type=click.Path(dir_okay=False),
-        default=str(DEFAULT_IDENTITY),
-        show_default=True,
+        default=None,
         help="With --admitted: the coordinator's private key (made on first use by serve and "
         "run; status checks the coordinator's own messages with it); `coordinator key` prints "
-        "the lines of the agents' --trust files.",
+        "the lines of the agents' --trust files. [default: STATE_DIR/coordinator.pem]",
     )(command)
 
 
-DEFAULT_IDENTITY = Path.home() / ".edgefl" / "coordinator.pem"
+def state_dir_option(command: Callable) -> Callable:
+    """--state-dir: the gateway's keys, admission list and broker logins."""
+    return click.option(
+        "--state-dir",
+        type=click.Path(file_okay=False),
+        default=None,
+        help="Where the gateway keeps its key, its admission list and the broker logins "
+        "(made by serve and run beyond loopback, and by admit) [default: /var/lib/edgefl as "
+        "root or where writable, else ~/.local/state/edgefl].",
+    )(command)
+
+
+SYSTEM_STATE = Path("/var/lib/edgefl")
+IDENTITY, ADMITTED, BROKER_AUTH, FLEET_FILE = "coordinator.pem", "admitted.keys", "broker", "fleet"
+"""The gateway's state folder: its key, admission list, broker logins (and in the broker
+folder, the fleet its ACL is for)."""
+
+
+def gateway_folder(state_dir: str | None) -> Path:
+    """--state-dir, else /var/lib/edgefl for root or the service user (whose StateDirectory
+    it is), else the user's own state folder."""
+    if state_dir is not None:
+        return Path(state_dir)
+    if os.geteuid() == 0 or os.access(SYSTEM_STATE, os.W_OK):
+        return SYSTEM_STATE
+    return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "edgefl"
+
+
+def identity_path(identity_file: str | None, state_dir: str | None) -> str:
+    return identity_file or str(gateway_folder(state_dir) / IDENTITY)
 
 
 def coordinator_signer(
@@ -172,7 +231,7 @@ def coordinator_signer(
             f"they trust: `coordinator key --identity {identity_file}` prints their trust lines"
         )
     try:
-        return member_keys(
+        keys = member_keys(
             COORDINATOR,
             Path(identity_file),
             Path(admitted_file),
@@ -180,13 +239,43 @@ def coordinator_signer(
         )
     except ProtocolError as exc:
         raise click.ClickException(str(exc)) from None
+    return FollowedKeys(
+        keys.me, keys.private, keys.known, aliases=keys.aliases, admitted=admitted_file
+    )
 
 
-def _loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
+@dataclasses.dataclass(frozen=True)
+class FollowedKeys(MemberKeys):
+    """The coordinator's keys, its admission list followed: a sender it does not know is
+    looked up again when the list changed since it was read, so a device that `coordinator
+    admit` adds while serve runs is seen (its log, its dashboard) without a restart."""
+
+    admitted: str = ""
+    _read: list[int] = dataclasses.field(default_factory=lambda: [0])
+    """When the list was last read (its mtime in ns), in a list: the dataclass is frozen."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._read[0] = self._changed()
+
+    def _changed(self) -> int:
+        try:
+            return os.stat(self.admitted).st_mtime_ns
+        except OSError:
+            return self._read[0]
+
+    def verify(self, sender: str, data: bytes | memoryview, signature: bytes) -> None:
+        if sender not in self.known and self._changed() != self._read[0]:
+            self._read[0] = self._changed()
+            try:
+                listed = read_keys(Path(self.admitted))
+            except ProtocolError as exc:
+                log.warning("%s", exc)
+            else:
+                mine = {self.me, *self.aliases}
+                added = {m: k for m, k in listed.items() if m not in mine}
+                object.__setattr__(self, "known", {**self.known, **added})
+        super().verify(sender, data, signature)
 
 
 def embedded_login(settings: BrokerSettings, auth: str | None) -> BrokerSettings:
@@ -201,8 +290,165 @@ def embedded_login(settings: BrokerSettings, auth: str | None) -> BrokerSettings
     return dataclasses.replace(settings, username=GATEWAY, password=password)
 
 
+@dataclasses.dataclass(frozen=True)
+class Guard:
+    """How a gateway command signs, checks and logs in: the flags given, or what the
+    gateway's state folder holds when it secures itself by default (`secure_by_default`)."""
+
+    key_file: str | None
+    admitted_file: str | None
+    identity_file: str
+    broker_auth: str | None = None
+
+    def chosen(self, settings: BrokerSettings) -> bool:
+        """Whether the user said how (a key, an admission list, logins or a user name)."""
+        given = (self.key_file, self.admitted_file, self.broker_auth, settings.username)
+        return any(value is not None for value in given)
+
+
+def secure_by_default(
+    guard: Guard,
+    settings: BrokerSettings,
+    where: str,
+    fleet: str,
+    state_dir: str | None,
+    *,
+    prepare: bool,
+) -> tuple[Guard, BrokerSettings]:
+    """Beyond loopback (`where`, the broker's host), a gateway command that was told
+    nothing of keys or logins uses the gateway's own: its key pair, admission list and
+    broker logins in the state folder, made there first when it `prepare`s (serve, run);
+    the settings then log in as the coordinator. On loopback, or told how, it is as given."""
+    if guard.chosen(settings) or loopback(where):
+        return guard, settings
+    folder = gateway_folder(state_dir)
+    if prepare:
+        if prepare_gateway(folder, fleet):
+            say(f"made the gateway's key, admission list and broker logins in [bold]{folder}[/]")
+        say(
+            f"fleet {fleet} is signed, with a broker login per member ({folder}); admit a "
+            f"device with `coordinator admit ID KEY{state_flag(folder)}` (`edge-agent key` "
+            "prints its ID and KEY)"
+        )
+    elif not (folder / BROKER_AUTH / FLEET_FILE).is_file():
+        return guard, settings
+    auth = folder / BROKER_AUTH
+    secured = Guard(None, str(folder / ADMITTED), str(folder / IDENTITY), str(auth))
+    try:
+        login = dataclasses.replace(
+            settings, username=GATEWAY, password=member_password(auth, GATEWAY)
+        )
+    except BrokerAuthError as exc:
+        raise ConfigError(str(exc)) from None
+    return secured, login
+
+
+def prepare_gateway(folder: Path, fleet: str) -> bool:
+    """The gateway's key pair, admission list and broker logins for `fleet` in `folder`,
+    each made the first time (a later start reuses them; another fleet rewrites the ACL
+    for it, the members keeping their passwords); whether they were made now."""
+    made = not (folder / BROKER_AUTH / FLEET_FILE).is_file()
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        (folder / ADMITTED).touch(mode=0o600, exist_ok=True)
+        public_line(GATEWAY, folder / IDENTITY)  # makes the key pair
+        if made or read_fleet(folder) != fleet:
+            write_logins(folder, fleet, broker_agents(folder))
+    except (OSError, ProtocolError, BrokerAuthError) as exc:
+        raise ConfigError(f"cannot prepare the gateway's state in {folder}: {exc}") from None
+    return made
+
+
+def read_fleet(folder: Path) -> str:
+    return (folder / BROKER_AUTH / FLEET_FILE).read_text(encoding="utf-8").strip()
+
+
+def broker_agents(folder: Path) -> list[str]:
+    """The agents the gateway's broker logins admit (none before the first admit)."""
+    if not (folder / BROKER_AUTH / FLEET_FILE).is_file():
+        return []
+    users = BrokerAuth.load(folder / BROKER_AUTH).passwords
+    return [user for user in users if user not in COORDINATOR_IDS]
+
+
+def write_logins(folder: Path, fleet: str, agents: list[str]) -> None:
+    """The broker folder (`coordinator broker-config`'s) with a login for the coordinator
+    and each agent; members keep their passwords. The embedded broker reads it anew."""
+    auth = folder / BROKER_AUTH
+    grants = fleet_grants(fleet, agents, GATEWAY, COORDINATOR_IDS)
+    write_broker_config(auth, fleet, grants, Listener(1883), force=True)
+    write_file(auth / FLEET_FILE, fleet + "\n", 0o600)
+
+
+def state_flag(folder: Path) -> str:
+    """` --state-dir FOLDER` where the default would not find `folder`."""
+    return "" if gateway_folder(None) == folder else f" --state-dir {folder}"
+
+
+def warn_open(where: str) -> None:
+    """What --open allows, said once at the start when the fleet is reachable beyond
+    loopback."""
+    if loopback(where):
+        return
+    say(
+        f"[bold]--open[/]: the fleet on {where} is open: any machine that reaches the broker "
+        "can connect without a login, read every model and status, start and cancel runs, "
+        "send forged models and statuses in any agent's name, and take or block any agent "
+        "id; nothing is signed. Use it only on a network you trust (without --open, a "
+        "gateway beyond loopback signs with per-device keys and gives each device its own "
+        "broker login: docs/deploy.md)."
+    )
+
+
+def gateway_guard(
+    settings: BrokerSettings,
+    host: str,
+    fleet: str,
+    guard: Guard,
+    state_dir: str | None,
+    open_fleet: bool,
+) -> tuple[Guard, BrokerSettings]:
+    """serve's and run's keys and login: as given, open with --open (said), else secure by
+    default beyond loopback (the broker given, or the embedded one's --host); logged in to
+    their own embedded broker under --broker-auth."""
+    where = settings.address.host if settings.address is not None else host
+    if open_fleet:
+        if not guard.chosen(settings):
+            warn_open(where)
+    else:
+        guard, settings = secure_by_default(guard, settings, where, fleet, state_dir, prepare=True)
+    return guard, embedded_login(settings, guard.broker_auth)
+
+
+def reader_guard(
+    settings: BrokerSettings,
+    key_file: str | None,
+    admitted_file: str | None,
+    identity_file: str | None,
+    state_dir: str | None,
+) -> tuple[Signer | None, BrokerSettings]:
+    """status's, cancel's and forget's key and login: as given, else beyond loopback the
+    gateway's own when its state folder has them (these commands never make them)."""
+    where = settings.address.host if settings.address is not None else "127.0.0.1"
+    given = Guard(key_file, admitted_file, identity_path(identity_file, state_dir))
+    guard, settings = secure_by_default(given, settings, where, "", state_dir, prepare=False)
+    key = coordinator_signer(guard.key_file, guard.admitted_file, guard.identity_file, signs=False)
+    return key, settings
+
+
+def open_option(command: Callable) -> Callable:
+    return click.option(
+        "--open",
+        "open_fleet",
+        is_flag=True,
+        help="Beyond loopback, run without keys and logins: anyone on the network may join, "
+        "start runs and send models in any agent's name (said at the start).",
+    )(command)
+
+
 def fleet_options(command: Callable) -> Callable:
-    """--fleet, --mdns and the signing options (serve, run)."""
+    """--fleet, --mdns, --open and the signing options (serve, run)."""
+    command = open_option(command)
     command = signing_options(command)
     command = click.option(
         "--mdns",
@@ -224,23 +470,32 @@ def gateway_broker(
     port: int,
     fleet: str,
     mdns_interfaces: tuple[str, ...],
-    auth: str | None = None,
+    guard: Guard | None = None,
+    key: Signer | None = None,
 ) -> Iterator[BrokerAddress]:
     """The fleet's broker: the one the settings name, else an embedded amqtt broker started
-    here (with `auth`'s logins and ACL); announced over mDNS on the given interfaces while
-    in use."""
+    here (with the guard's logins and ACL, or its admission list: a member's client id then
+    takes that member's key, `key`'s for the coordinator's own); announced over mDNS on the
+    given interfaces while in use."""
     from coordinator.broker import EmbeddedBroker
 
     embedded = None
     broker = settings.address
     if broker is None:
-        if mdns_interfaces and _loopback(host):
+        if mdns_interfaces and loopback(host):
             raise ConfigError(
                 "--mdns announces the broker to the LAN, but it listens on loopback: give "
                 "--host (the LAN address or 0.0.0.0)"
             )
         try:
-            embedded = EmbeddedBroker(host=host, port=port, auth=auth)
+            embedded = EmbeddedBroker(
+                host=host,
+                port=port,
+                auth=guard.broker_auth if guard else None,
+                admitted=guard.admitted_file if guard else None,
+                fleet=fleet,
+                coordinator_key=key.public if isinstance(key, MemberKeys) else None,
+            )
         except BrokerAuthError as exc:
             raise ConfigError(str(exc)) from None
         try:
@@ -280,13 +535,29 @@ def gateway_broker(
 
 
 def http_options(command: Callable) -> Callable:
-    """--http and --http-token: the live dashboard and /metrics (serve, run, emulate)."""
-    command = click.option(
+    """--http and --http-token-file (or EDGEFL_HTTP_TOKEN): the live dashboard and /metrics
+    (serve, run, emulate); the command gets the token as `http_token`."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        kwargs["http_token"] = dashboard_token(kwargs.pop("http_token_file"), kwargs["http_token"])
+        return command(*args, **kwargs)
+
+    wrapper = click.option(
         "--http-token",
-        envvar="EDGEFL_HTTP_TOKEN",
+        envvar=HTTP_TOKEN_ENV,
+        hidden=True,
+        callback=refuse_token_on_command_line,
+    )(wrapper)
+    wrapper = click.option(
+        "--http-token-file",
+        type=click.Path(dir_okay=False),
+        envvar="EDGEFL_HTTP_TOKEN_FILE",
         show_envvar=True,
-        help="Access token the dashboard requires (needed when --http binds beyond loopback).",
-    )(command)
+        help=f"File holding the access token the dashboard requires (needed when --http binds "
+        f"beyond loopback), or set {HTTP_TOKEN_ENV}. There is no --http-token: a command line "
+        "is visible to every user in `ps`.",
+    )(wrapper)
     return click.option(
         "--http",
         "http",
@@ -294,7 +565,42 @@ def http_options(command: Callable) -> Callable:
         metavar="[HOST:]PORT",
         help="Serve the live dashboard and Prometheus /metrics here (host 127.0.0.1 unless "
         "given). Off unless given.",
-    )(command)
+    )(wrapper)
+
+
+HTTP_TOKEN_ENV = "EDGEFL_HTTP_TOKEN"
+
+
+def refuse_token_on_command_line(
+    ctx: click.Context, param: click.Parameter, value: str | None
+) -> str | None:
+    """The token may come from EDGEFL_HTTP_TOKEN, never from the command line."""
+    if (
+        value is not None
+        and ctx.get_parameter_source(param.name or "") is ParameterSource.COMMANDLINE
+    ):
+        raise ConfigError(
+            "--http-token would show the token to every user of this machine (`ps`): put it "
+            f"in a file given by --http-token-file FILE, or in {HTTP_TOKEN_ENV}"
+        )
+    return value
+
+
+def dashboard_token(path: str | None, from_environment: str | None) -> str | None:
+    """The dashboard's token: the file's content (its first line), else the variable's."""
+    if path is None:
+        return from_environment
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise click.BadParameter(
+            f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}",
+            param_hint="--http-token-file",
+        ) from None
+    token = lines[0].strip() if lines else ""
+    if not token:
+        raise click.BadParameter(f"{path} is empty", param_hint="--http-token-file")
+    return token
 
 
 @contextlib.contextmanager
@@ -338,9 +644,13 @@ def dashboard(
 def join_fleet(
     broker: BrokerAddress, settings: BrokerSettings, identity: Identity
 ) -> MqttTransport:
-    """Connect as `identity`; a second process under the same name is a one-line error."""
+    """Connect as `identity` (proving its key to a broker that checks keys, when it has no
+    login); a second process under the same name is a one-line error."""
+    options = settings.transport_options(None)
+    if settings.username is None and isinstance(identity.key, MemberKeys):
+        options = dataclasses.replace(options, credentials=connect_proof(identity.key))
     try:
-        return connect(broker, identity, settings.transport_options(None))
+        return connect(broker, identity, options)
     except ProtocolError as exc:  # a duplicate id, or refused credentials
         raise click.ClickException(str(exc)) from None
 
@@ -372,21 +682,82 @@ def require_extra(
     "--admitted",
     "admitted_file",
     type=click.Path(dir_okay=False),
-    required=True,
-    help="The admission list to add the agent to (made if missing).",
+    default=None,
+    help="Only add the key to this admission list (made if missing), for serve and run "
+    "--admitted [default: the gateway's own, with a broker login and a bundle for the device].",
 )
-def admit(agent_id: str, public_key: str, admitted_file: str) -> None:
+@click.option(
+    "--fleet",
+    default=None,
+    type=NAME,
+    help="The fleet [default: the one the gateway's logins are for, else default].",
+)
+@state_dir_option
+def admit(
+    agent_id: str,
+    public_key: str,
+    admitted_file: str | None,
+    fleet: str | None,
+    state_dir: str | None,
+) -> None:
     """Admit the agent AGENT_ID with its PUBLIC_KEY (`ed25519:...`, as `edge-agent key`
-    prints it) to the fleet: serve, run and status --admitted FILE accept its messages."""
+    prints it) to the fleet: the gateway accepts its messages and its broker login, at once
+    (a running serve included), and the device's bundle (its login and the coordinator's
+    keys it trusts) is written for you to copy to it."""
+    if admitted_file is not None:
+        added = admit_key(Path(admitted_file), agent_id, public_key)
+        say(
+            f"admitted {agent_id} in {admitted_file}"
+            if added
+            else f"{agent_id} was already admitted with this key in {admitted_file}"
+        )
+        return
+    if agent_id in COORDINATOR_IDS:
+        raise ConfigError(f"{agent_id!r} is the coordinator's own id: give the device another")
+    folder = gateway_folder(state_dir)
+    known = (folder / BROKER_AUTH / FLEET_FILE).is_file()
+    fleet = fleet or (read_fleet(folder) if known else "default")
+    prepare_gateway(folder, fleet)
+    admit_key(folder / ADMITTED, agent_id, public_key)
+    agents = broker_agents(folder)
+    if agent_id not in agents:
+        write_logins(folder, fleet, [*agents, agent_id])
+    bundle = write_bundle(folder, agent_id)
+    fleet_flag = "" if fleet == "default" else f" --fleet {fleet}"
+    say(
+        f"admitted {agent_id} to fleet {fleet}: its key is in {folder / ADMITTED}, its broker "
+        f"login in {folder / BROKER_AUTH}. Copy its bundle to the device: `scp -r {bundle} "
+        f"{agent_id}:edgefl`, and start it there with `edge-agent{fleet_flag} --config "
+        "edgefl/agent.toml` (docs/deploy.md: as a service, in /etc/edgefl)"
+    )
+
+
+def admit_key(path: Path, agent_id: str, public_key: str) -> bool:
     try:
-        added = add_key(Path(admitted_file), agent_id, public_key)
+        return add_key(path, agent_id, public_key)
     except ProtocolError as exc:
         raise click.ClickException(str(exc)) from None
-    say(
-        f"admitted {agent_id} in {admitted_file}"
-        if added
-        else f"{agent_id} was already admitted with this key in {admitted_file}"
+
+
+BUNDLE_CONFIG, BUNDLE_TRUST = "agent.toml", "trust.keys"
+"""A device's bundle, in its member folder: its broker login (`[broker]`, the password in
+the file `password` beside it) and the coordinator keys it takes runs from; `edge-agent
+--config FOLDER/agent.toml` reads both."""
+
+
+def write_bundle(folder: Path, agent_id: str) -> Path:
+    """The bundle of `agent_id` (see BUNDLE_CONFIG) in its member folder, which
+    `write_logins` made; returns the folder."""
+    home = folder / BROKER_AUTH / MEMBERS / agent_id
+    trust = [public_line(member, folder / IDENTITY) for member in (COORDINATOR, GATEWAY)]
+    config = (
+        f"# edgefl: the broker login of {agent_id}, written by `coordinator admit`; the\n"
+        f"# coordinator keys it trusts are in {BUNDLE_TRUST}, its password in password.\n"
+        f'[broker]\nusername = "{agent_id}"\npassword_file = "password"\n'
     )
+    write_file(home / BUNDLE_CONFIG, config, 0o600)
+    write_file(home / BUNDLE_TRUST, "\n".join(trust) + "\n", 0o600)
+    return home
 
 
 @main.command()
@@ -394,16 +765,17 @@ def admit(agent_id: str, public_key: str, admitted_file: str) -> None:
     "--identity",
     "identity_file",
     type=click.Path(dir_okay=False),
-    default=str(DEFAULT_IDENTITY),
-    show_default=True,
-    help="The coordinator's private key (made on first use).",
+    default=None,
+    help="The coordinator's private key (made on first use) [default: STATE_DIR/coordinator.pem].",
 )
-def key(identity_file: str) -> None:
+@state_dir_option
+def key(identity_file: str | None, state_dir: str | None) -> None:
     """Print the coordinator's public key as the lines of the agents' --trust files (one
     for `coordinator run`'s id, one for `coordinator serve`'s): agents accept runs signed
     by it."""
+    path = Path(identity_path(identity_file, state_dir))
     try:
-        lines = [public_line(member, Path(identity_file)) for member in (COORDINATOR, GATEWAY)]
+        lines = [public_line(member, path) for member in (COORDINATOR, GATEWAY)]
     except ProtocolError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo("\n".join(lines))
@@ -423,12 +795,18 @@ def serve(
     mdns_interfaces: tuple[str, ...],
     key_file: str | None,
     admitted_file: str | None,
-    identity_file: str,
+    identity_file: str | None,
+    state_dir: str | None,
+    open_fleet: bool,
     http: str | None,
     http_token: str | None,
 ) -> None:
     """Host the fleet's broker (unless --broker is given) and follow the fleet until Ctrl-C;
-    `coordinator run` starts runs on it."""
+    `coordinator run` starts runs on it.
+
+    Beyond loopback it signs with the gateway's own key, admits only the devices that
+    `coordinator admit` adds, and gives each a broker login (all made in --state-dir on
+    first start), unless --open or keys and logins of your own are given."""
     require_extra(
         GATEWAY_EXTRA,
         "coordinator serve",
@@ -438,8 +816,11 @@ def serve(
     stop = stop_on_signal()
     if broker_settings.address is not None:
         require_broker(broker_settings.address, given=True)
-    broker_settings = embedded_login(broker_settings, broker_auth)
-    key = coordinator_signer(key_file, admitted_file, identity_file)
+    given = Guard(key_file, admitted_file, identity_path(identity_file, state_dir), broker_auth)
+    guard, broker_settings = gateway_guard(
+        broker_settings, host, fleet, given, state_dir, open_fleet
+    )
+    key = coordinator_signer(guard.key_file, guard.admitted_file, guard.identity_file)
     identity = Identity(fleet, GATEWAY, role="coordinator", key=key)
     fleet_log = FleetLog(key=key)
 
@@ -448,7 +829,7 @@ def serve(
             say(escape(line))
 
     with (
-        gateway_broker(broker_settings, host, port, fleet, mdns_interfaces, broker_auth) as broker,
+        gateway_broker(broker_settings, host, port, fleet, mdns_interfaces, guard, key) as broker,
         dashboard(http, http_token, broker, broker_settings, fleet, key),
     ):
         transport = join_fleet(broker, broker_settings, identity)
@@ -472,7 +853,7 @@ def serve(
     "wait_s",
     default=1.0,
     show_default=True,
-    type=click.FloatRange(0, 60),
+    type=FiniteRange(0, 60),
     help="Seconds to collect retained messages after subscribing (not with --watch).",
 )
 @click.option(
@@ -480,7 +861,7 @@ def serve(
     "timeout_s",
     default=5.0,
     show_default=True,
-    type=click.FloatRange(0.1, 600),
+    type=FiniteRange(0.1, 600),
     help="Give up if the broker is unreachable this long.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
@@ -495,7 +876,7 @@ def serve(
     "interval_s",
     default=2.0,
     show_default=True,
-    type=click.FloatRange(0.1, 3600),
+    type=FiniteRange(0.1, 3600),
     help="With --watch: seconds between redraws at most (new messages redraw sooner).",
 )
 @signing_options
@@ -516,7 +897,8 @@ def status(
     interval_s: float,
     key_file: str | None,
     admitted_file: str | None,
-    identity_file: str,
+    identity_file: str | None,
+    state_dir: str | None,
     mdns_interfaces: tuple[str, ...],
 ) -> None:
     """Print who is in the fleet (online or offline and since when, state, and the latest
@@ -526,7 +908,9 @@ def status(
     if watch and as_json:
         raise click.UsageError("--watch shows a live table; leave out --json")
     stop = stop_on_signal() if watch else None
-    key = coordinator_signer(key_file, admitted_file, identity_file, signs=False)
+    key, broker_settings = reader_guard(
+        broker_settings, key_file, admitted_file, identity_file, state_dir
+    )
     with (
         mdns_sightings(mdns_interfaces) as sightings,
         follow(broker_settings, fleet, key, timeout_s) as feed,
@@ -595,7 +979,7 @@ def runs(runs_dir: str | None, as_json: bool) -> None:
     "wait_s",
     default=30.0,
     show_default=True,
-    type=click.FloatRange(0, 3600),
+    type=FiniteRange(0, 3600),
     help="Seconds to wait for the run's agents to end their round.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
@@ -605,7 +989,8 @@ def cancel(
     fleet: str | None,
     key_file: str | None,
     admitted_file: str | None,
-    identity_file: str,
+    identity_file: str | None,
+    state_dir: str | None,
     runs_dir: str | None,
     wait_s: float,
     as_json: bool,
@@ -618,7 +1003,9 @@ def cancel(
     base = runs_dir_of(runs_dir)
     entry = find_entry(base, run_id)
     fleet = fleet or (entry.fleet if entry is not None else "default")
-    key = coordinator_signer(key_file, admitted_file, identity_file, signs=False)
+    key, broker_settings = reader_guard(
+        broker_settings, key_file, admitted_file, identity_file, state_dir
+    )
     done = cancel_run(broker_settings, fleet, run_id, key, wait_s, say)
     recorded = mark_cancelled(base, run_id)
     if as_json:
@@ -640,7 +1027,7 @@ def cancel(
     "wait_s",
     default=3.0,
     show_default=True,
-    type=click.FloatRange(0, 60),
+    type=FiniteRange(0, 60),
     help="Seconds to wait for a live agent to announce itself again.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
@@ -650,7 +1037,8 @@ def forget(
     fleet: str,
     key_file: str | None,
     admitted_file: str | None,
-    identity_file: str,
+    identity_file: str | None,
+    state_dir: str | None,
     wait_s: float,
     as_json: bool,
 ) -> None:
@@ -659,7 +1047,9 @@ def forget(
     that is in fact alive is asked to announce itself, and comes back."""
     from coordinator.manage import forget_agent
 
-    key = coordinator_signer(key_file, admitted_file, identity_file, signs=False)
+    key, broker_settings = reader_guard(
+        broker_settings, key_file, admitted_file, identity_file, state_dir
+    )
     forgotten = forget_agent(broker_settings, fleet, agent, key, wait_s)
     if as_json:
         click.echo(json.dumps(forgotten.as_json(), indent=2))
@@ -702,7 +1092,7 @@ def report_options(command: Callable) -> Callable:
 @lab_run_option
 @click.option(
     "--workers",
-    type=click.IntRange(min=1),
+    type=click.IntRange(1, 1024),
     default=1,
     show_default=True,
     help="Train agents in this many processes at once (one a core; the report is "
@@ -815,7 +1205,7 @@ def summary_table(report: dict) -> Table:
 )
 @click.option(
     "--round-timeout",
-    type=click.FloatRange(0.1),
+    type=seconds(0.1),
     default=120.0,
     show_default=True,
     help="Seconds an agent waits for a neighbour's model before going on without it.",
@@ -838,7 +1228,7 @@ def summary_table(report: dict) -> Table:
 )
 @click.option(
     "--agents-per-process",
-    type=click.IntRange(1),
+    type=click.IntRange(1, MAX_MEMBERS),
     default=None,
     help="Run this many agents as threads of one process (each still with its own "
     "connection, state and log); 1: a process per agent. [default: the agents spread over "
@@ -1010,7 +1400,9 @@ def run_command(
     mdns_interfaces: tuple[str, ...],
     key_file: str | None,
     admitted_file: str | None,
-    identity_file: str,
+    identity_file: str | None,
+    state_dir: str | None,
+    open_fleet: bool,
     http: str | None,
     http_token: str | None,
     report_path: str,
@@ -1042,17 +1434,20 @@ def run_command(
         runfile = load_run_file(run_file)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    given = Guard(key_file, admitted_file, identity_path(identity_file, state_dir), broker_auth)
+    guard, broker_settings = gateway_guard(
+        broker_settings, host, fleet, given, state_dir, open_fleet
+    )
     broker_settings = run_broker(broker_settings, host, port, broker_auth)
     stop = stop_on_signal()
-    key = coordinator_signer(key_file, admitted_file, identity_file)
+    key = coordinator_signer(guard.key_file, guard.admitted_file, guard.identity_file)
     identity = Identity(fleet, COORDINATOR, role="coordinator", key=key)
     registry = Registry(runs_dir_of(runs_dir), str(Path(report_path).resolve()))
     interrupted = resumable(registry.base, run_file, fleet)
     drop_interrupted(registry.base, interrupted, fresh, resume)
     own_broker = broker_settings.address is None
-    broker_settings = embedded_login(broker_settings, broker_auth)
     with (
-        gateway_broker(broker_settings, host, port, fleet, mdns_interfaces, broker_auth) as broker,
+        gateway_broker(broker_settings, host, port, fleet, mdns_interfaces, guard, key) as broker,
         dashboard(http, http_token, broker, broker_settings, fleet, key),
     ):
         transport = join_fleet(broker, broker_settings, identity)

@@ -33,6 +33,7 @@ from agent.runtime import new_run_id
 from coordinator.aggregator import Aggregator, AggregatorRecord
 from coordinator.tallies import DEFAULT_VOTE_WAIT_S, TallyKeeper
 from protocol import MqttTransport, ProtocolError, messages, topics
+from protocol.limits import Limits
 from protocol.membership import PresenceClock
 from protocol.signing import Signer, keys_to_list
 
@@ -108,6 +109,8 @@ class Conductor:
         self._changed = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._limits: Limits | None = None
+        """The transport's limits before the aggregator raised them for the run."""
         self.keeper = TallyKeeper(
             fleet=fleet,
             run_id=self.run_id,
@@ -147,6 +150,7 @@ class Conductor:
         if self.resumed is None:
             self.keeper.start()
         if self.aggregator is not None:
+            self._limits = self.transport.limits  # the aggregator raises them to the run's
             self.aggregator.start()
             self._thread = threading.Thread(
                 target=self.aggregator.run, name="aggregator", daemon=True
@@ -204,6 +208,8 @@ class Conductor:
         self.keeper.close()
         if self._thread is not None:
             self._thread.join(10)
+        if self._limits is not None:  # no more models: a follower's limits again
+            self.transport.set_limits(self._limits)
         if clear and self.transport.connected:
             self.keeper.clear()
             self.transport.clear_retained(topics.run(self.fleet)).wait_for_publish(5)
@@ -232,6 +238,9 @@ class Conductor:
             message = ended_earlier(message, self.run_id)
         if not isinstance(message, messages.Status):
             return
+        rounds = self.config.learning.rounds
+        if not 0 <= message.round <= rounds:
+            return  # a round the run does not have: nothing to keep of it
         progress = self.agents[message.sender]
         self.keeper.on_status(message)
         with self._changed:
@@ -240,7 +249,7 @@ class Conductor:
             record = message.metrics.get("record")
             if isinstance(record, dict) and message.round >= 1:
                 progress.records.setdefault(message.round, record)
-            for row in earlier_records(message.metrics.get("records")):
+            for row in earlier_records(message.metrics.get("records"), rounds):
                 progress.records.setdefault(row["round"], row)
             error = message.metrics.get("error")
             if isinstance(error, str):
@@ -261,7 +270,7 @@ class Conductor:
 
     def _on_vote(self, topic: str, payload: bytes) -> None:
         message = self._ours(topic, payload, "vote")
-        if isinstance(message, messages.Vote):
+        if isinstance(message, messages.Vote) and 1 <= message.round <= self.config.learning.rounds:
             self.keeper.on_vote(message)
 
     def gone(self, after_s: float) -> bool:
@@ -327,15 +336,18 @@ def ended_earlier(idle: messages.Status, run_id: str) -> messages.Status | None:
     )
 
 
-def earlier_records(rows: object) -> list[dict[str, Any]]:
-    """The round records an agent's final status repeats (`records`), those well formed: the
-    rounds whose statuses went by while no coordinator followed the run."""
+def earlier_records(rows: object, rounds: int) -> list[dict[str, Any]]:
+    """The round records an agent's final status repeats (`records`), those well formed and
+    of the run's `rounds`: the rounds whose statuses went by while no coordinator followed
+    the run."""
     if not isinstance(rows, list):
         return []
     return [
         row
         for row in rows
-        if isinstance(row, dict) and isinstance(row.get("round"), int) and row["round"] >= 1
+        if isinstance(row, dict)
+        and isinstance(row.get("round"), int)
+        and 1 <= row["round"] <= rounds
     ]
 
 
@@ -401,6 +413,9 @@ def assemble_report(
             "stragglers": sorted(
                 {s for r in rounds for a in r["agents"].values() for s in a["stragglers"]}
                 | {s for r in aggregated for s in r.stragglers}
+            ),
+            "quarantined": sorted(
+                {s for r in rounds for a in r["agents"].values() for s in a.get("quarantined", [])}
             ),
         },
     }

@@ -32,6 +32,8 @@ from coordinator.broker_config import COORDINATOR
 from coordinator.conductor import Conductor, assemble_report
 from protocol import BrokerAddress, Identity, connect, leave
 from protocol.cli import log_flags, read_key
+from protocol.limits import FOLLOWER_LIMITS
+from protocol.mqtt import TransportOptions
 from protocol.signing import (
     IDENTITY_FILE,
     Signer,
@@ -306,7 +308,9 @@ class Emulation:
     def run(self, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
         started = time.perf_counter()
         identity = Identity(self.fleet, COORDINATOR, role="coordinator", key=self.key)
-        transport = connect(self.broker, identity, probe_s=0)
+        transport = connect(
+            self.broker, identity, TransportOptions(limits=FOLLOWER_LIMITS), probe_s=0
+        )
         self.conductor = Conductor(
             fleet=self.fleet,
             roster=self.roster,

@@ -23,7 +23,9 @@ from rich.table import Table
 from rich.text import Text
 
 from protocol import ProtocolError, messages, topics
+from protocol.limits import MAX_MEMBERS
 from protocol.logs import RejectionLog, claimed_sender
+from protocol.membership import PresenceClock
 from protocol.signing import Signer
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,9 @@ class FleetView:
     def __init__(self, key: Signer | None = None) -> None:
         self._key = key
         self._entries: dict[tuple[str, str], AgentEntry] = {}
+        self._clocks: dict[str, PresenceClock] = {}
+        """fleet -> its members' presence clocks, kept when a member is forgotten, so that
+        a presence recorded before a forget and replayed after it is still stale."""
         self.rejected = 0
         self._rejections = RejectionLog(log)
 
@@ -77,7 +82,16 @@ class FleetView:
             where = f"{message.fleet}/{message.sender}"
             self._rejections.reject(kind, fields["agent"], topic, f"signed as {where}")
             return None
-        entry = self._entries.setdefault((fleet, message.sender), AgentEntry(fleet, message.sender))
+        if isinstance(message, messages.Presence) and not self._clock(fleet).fresh(message):
+            self.rejected += 1
+            self._rejections.reject(kind, message.sender, topic, "older than its latest presence")
+            return None
+        key = (fleet, message.sender)
+        if key not in self._entries and len(self._entries) >= MAX_MEMBERS:
+            self.rejected += 1
+            self._rejections.reject(kind, message.sender, topic, f"over {MAX_MEMBERS} members")
+            return None
+        entry = self._entries.setdefault(key, AgentEntry(fleet, message.sender))
         if isinstance(message, messages.Presence):
             entry.online, entry.since = message.online, message.since
             entry.role, entry.profile = message.role, message.profile or entry.profile
@@ -87,8 +101,25 @@ class FleetView:
             entry.metrics, entry.run_id = message.metrics, message.run_id
         return entry
 
+    def _clock(self, fleet: str) -> PresenceClock:
+        if fleet not in self._clocks and len(self._clocks) >= MAX_MEMBERS:
+            self._clocks.pop(next(iter(self._clocks)))  # the longest-followed fleet's
+        return self._clocks.setdefault(fleet, PresenceClock())
+
     def entries(self) -> list[AgentEntry]:
         return [self._entries[k] for k in sorted(self._entries)]
+
+
+RUNS_FOLLOWED = 1000
+"""Runs whose progress `FleetLog` keeps: anyone may name new runs in statuses, so it
+forgets the oldest rather than grow."""
+
+
+def remember(figures: dict[Any, Any], key: Any, value: Any) -> None:
+    """Set `figures[key]`, dropping the oldest entry beyond `RUNS_FOLLOWED`."""
+    figures[key] = value
+    if len(figures) > RUNS_FOLLOWED:
+        figures.pop(next(iter(figures)))
 
 
 class FleetLog:
@@ -130,10 +161,10 @@ class FleetLog:
             lines.append(self.describe(entry))
         run = (entry.fleet, entry.run_id)
         if entry.run_id and entry.state == "training" and entry.round > self._furthest.get(run, 0):
-            self._furthest[run] = entry.round
+            remember(self._furthest, run, entry.round)
             now = time.monotonic()
             if now - self._said.get(run, -self._every_s) >= self._every_s:
-                self._said[run] = now
+                remember(self._said, run, now)
                 lines.append(
                     f"{entry.fleet}: run {entry.run_id} at round {self._of(run, entry.round)}"
                 )
@@ -169,7 +200,7 @@ class FleetLog:
         learning = run.config.get("learning", {})
         rounds = learning.get("rounds") if isinstance(learning, dict) else None
         if isinstance(rounds, int):
-            self._rounds[fleet, run.run_id] = rounds
+            remember(self._rounds, (fleet, run.run_id), rounds)
         if run.cancelled:
             return [f"{fleet}: run {run.run_id} cancelled"]
         strategy = learning.get("strategy", "?") if isinstance(learning, dict) else "?"
@@ -268,9 +299,10 @@ def describe_bytes(entry: AgentEntry, name: str) -> str:
     return "" if value is None else decimal(int(value))
 
 
-def describe_stragglers(entry: AgentEntry, shown: int = 2) -> str:
-    """Who this agent went on without in its latest round; a long list ends in '+N'."""
-    names = entry.metrics.get("stragglers")
+def describe_stragglers(entry: AgentEntry, shown: int = 2, name: str = "stragglers") -> str:
+    """Who this agent went on without in its latest round (or, `name` "quarantined", whom it
+    stopped listening to for the run); a long list ends in '+N'."""
+    names = entry.metrics.get(name)
     if not isinstance(names, list) or not names:
         return ""
     text = ", ".join(str(name) for name in names[:shown])
@@ -306,17 +338,26 @@ COLUMNS: dict[str, Cell] = {
     "received": lambda e: describe_bytes(e, "bytes_received"),
     "energy": lambda e: describe_number(e, "energy_j", "{:.1f} J"),
     "stragglers": describe_stragglers,
+    "quarantined": lambda e: describe_stragglers(e, name="quarantined"),
     "profile": lambda e: e.profile,
 }
 """The table's columns and how each shows an agent; the figures are of its latest round."""
 
-TEXT_COLUMNS = frozenset({"fleet", "agent", "state", "stragglers", "profile"})
+TEXT_COLUMNS = frozenset({"fleet", "agent", "state", "stragglers", "quarantined", "profile"})
 """Columns that wrap; presence and the figures never do."""
 
 WRAP_FLOOR = 13
 """A wrapping column narrower than this reads badly: a word or two a line."""
 
-LEFT_OUT_FIRST = ("profile", "energy", "stragglers", "received", "sent", "sparsity")
+LEFT_OUT_FIRST = (
+    "profile",
+    "energy",
+    "stragglers",
+    "quarantined",
+    "received",
+    "sent",
+    "sparsity",
+)
 """The columns a table too wide for its width drops, in this order."""
 
 

@@ -1,11 +1,14 @@
 """Who may publish where: the fleet's broker ACL, written once for every broker.
 
-Every member logs in to the broker under its own id. It may read every fleet topic (whoever
-can log in may follow the fleet: confidentiality comes from TLS, authenticity from the
-signatures), but publish only the topics that carry its own id: its presence, status,
-telemetry and id probe, its round messages, the requests and re-sends it sends and the
-layers of its own model. The coordinator also publishes the run, the centralized
-rounds' global models, requests to announce again and who of a run is offline.
+Every member logs in to the broker under its own id. An agent may read its own fleet's
+topics, not another fleet's (fleets sharing a broker do not see each other's models); the
+coordinator's login, which runs the broker, reads every fleet (`coordinator status` and
+`watch` follow every fleet at once). Within a fleet, confidentiality comes from TLS,
+authenticity from the signatures. A member publishes only the topics that carry its own
+id: its presence, status, telemetry and id probe, its round messages, the requests and
+re-sends it sends and the layers of its own model. The coordinator also publishes the run,
+the centralized rounds' global models, requests to announce again and who of a run is
+offline.
 A member that could publish on another's topics could impersonate it (a retained presence,
 a forged model): the broker refuses it before any receiver has to.
 
@@ -22,8 +25,13 @@ from protocol import topics
 from protocol.errors import ProtocolError
 
 READ_ALL = f"{topics.PREFIX}/#"
-"""What every member may subscribe to: every fleet's topics (tools such as `coordinator watch`
-follow every fleet at once)."""
+"""What the coordinator's login may subscribe to: every fleet's topics (tools such as
+`coordinator watch` follow every fleet at once)."""
+
+
+def fleet_reads(fleet: str) -> str:
+    """What an agent may subscribe to: its own fleet's topics."""
+    return f"{topics.fleet_root(fleet)}/#"
 
 
 def member_topics(fleet: str, member: str) -> list[str]:
@@ -92,6 +100,19 @@ class Grant:
     def may_subscribe(self, topic_filter: str) -> bool:
         return any(covers(pattern, topic_filter) for pattern in self.read)
 
+    def member_ids(self) -> list[tuple[str, str]]:
+        """The (fleet, member id) pairs this user publishes the presence of: the member
+        ids it speaks as, whose client ids (`<fleet>-<id>`) are its alone."""
+        ids = []
+        for pattern in self.write:
+            try:
+                fleet, kind, fields = topics.parse(pattern)
+            except ProtocolError:
+                continue
+            if kind == "presence" and fields["agent"] != "+" and fleet != "+":
+                ids.append((fleet, fields["agent"]))
+        return ids
+
 
 def fleet_grants(
     fleet: str,
@@ -107,7 +128,8 @@ def fleet_grants(
     run_topics = [] if coordinator else [topics.run(fleet)]
     grants = []
     for agent in dict.fromkeys(agents):
-        grants.append(Grant(agent, (READ_ALL,), tuple(member_topics(fleet, agent) + run_topics)))
+        writes = tuple(member_topics(fleet, agent) + run_topics)
+        grants.append(Grant(agent, (fleet_reads(fleet),), writes))
     if coordinator is not None:
         ids = dict.fromkeys([coordinator, *coordinator_ids])
         own = [pattern for member in ids for pattern in member_topics(fleet, member)]

@@ -13,6 +13,7 @@ import difflib
 import functools
 import json
 import logging
+import math
 import os
 import signal
 import ssl
@@ -31,6 +32,7 @@ from rich.text import Text
 
 from protocol import topics
 from protocol.errors import ProtocolError
+from protocol.limits import FOLLOWER_LIMITS, WEEK_S, Limits
 from protocol.mqtt import BrokerAddress, TlsOptions, TransportOptions
 from protocol.signing import MIN_FLEET_KEY_BYTES, FleetKey
 from protocol.version import DISTRIBUTION, PROTOCOL_VERSION
@@ -67,6 +69,22 @@ class NameType(click.ParamType):
             return topics.check_name(value, param.opts[0].lstrip("-") if param else "name")
         except ProtocolError as exc:
             self.fail(str(exc), param, ctx)
+
+
+class FiniteRange(click.FloatRange):
+    """click's FloatRange, which lets `nan` through (every comparison with it is false),
+    refusing every non-finite number with click's one-line error."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{number} is not a finite number", param, ctx)
+        return number
+
+
+def seconds(low: float) -> FiniteRange:
+    """A number of seconds from `low` to a week, finite: the type of timeout options."""
+    return FiniteRange(low, WEEK_S)
 
 
 BROKER = BrokerType()
@@ -127,10 +145,19 @@ class BrokerSettings:
     password: str | None = field(default=None, repr=False)
     tls: TlsOptions | None = None
 
-    def transport_options(self, client_id: str | None) -> TransportOptions:
-        """Options for MqttTransport; replace() the result to tune timings."""
+    def transport_options(
+        self, client_id: str | None, limits: Limits = FOLLOWER_LIMITS
+    ) -> TransportOptions:
+        """Options for MqttTransport; replace() the result to tune timings. The `limits`
+        default to a follower's (`protocol.limits.FOLLOWER_LIMITS`: small single frames),
+        so no connection a command opens accepts more than it reads; a connection that
+        receives models raises them to the run's (`MqttTransport.set_limits`)."""
         return TransportOptions(
-            client_id=client_id, username=self.username, password=self.password, tls=self.tls
+            client_id=client_id,
+            username=self.username,
+            password=self.password,
+            tls=self.tls,
+            limits=limits,
         )
 
     def describe(self) -> str:

@@ -5,7 +5,9 @@ The defaults fit models up to a few hundred million parameters, so they bound li
 receiver that knows the run's model knows that no legitimate message exceeds the model's dense
 encoding (a delta or a layer is smaller), and `limits_for_shapes` turns that into limits a
 transport applies once the run is known (`MqttTransport.set_limits`). Until then an agent
-needs no more than `PRE_RUN_LIMITS`: nothing it receives before its run is chunked.
+needs no more than `PRE_RUN_LIMITS`: nothing it receives before its run is chunked, and a
+connection that only follows the fleet never needs more (`FOLLOWER_LIMITS`). The bounds on a
+fleet's size and on waits, which options and followers share, are here too.
 """
 
 from __future__ import annotations
@@ -17,6 +19,12 @@ from dataclasses import dataclass
 
 KIB = 1 << 10
 MIB = 1 << 20
+WEEK_S = 7 * 86_400.0
+"""The longest wait or timeout an option takes: longer ones are typos, not plans."""
+MAX_MEMBERS = 10_000
+"""The most members a fleet has: the largest roster a run may name, and how many members a
+follower (`coordinator status`, `run` while it gathers its roster) keeps track of, so that
+statuses under ever new names cannot grow it without end."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +75,31 @@ PRE_RUN_LIMITS = Limits(
     max_queued_bytes=16 * MIB,
 )
 """An agent's limits before its run is known (presence, statuses, the run: single frames)."""
+
+FOLLOWER_LIMITS = PRE_RUN_LIMITS
+"""The limits of a connection that only follows the fleet: `coordinator serve`, `status`,
+`cancel`, `forget`, the dashboard's feed, and `coordinator run` until its run needs models
+(the aggregator of a centralized run raises them to `run_limits` for the run's duration).
+What it reads (presence, statuses, runs, votes, telemetry) is one frame each: a retained
+message must be, and the others are small. So a first chunk declaring more than 1 MiB is
+refused on its header, and no sender can make one such connection hold more than
+`held_bytes(FOLLOWER_LIMITS)` (21 MiB) of what it sent, however long it floods.
+
+So no sender can make `coordinator serve --http` (two such connections: its own and the
+dashboard's) grow by more than 2 x 21 MiB through its connections, plus the allocator's
+slack: 66 MiB in all (tests/test_bounded_memory.py floods it). Two things come on top: a
+packet is read whole before its frame is checked, so the broker's packet limit bounds what
+one packet costs (mosquitto as `broker-config` writes it: 1 MiB; MQTT itself: 256 MB); and
+what the gateway keeps per member (its latest presence and status) for every name statuses
+arrive under, which signing or a cap on members bounds."""
+
+
+def held_bytes(limits: Limits) -> int:
+    """The most a transport under `limits` holds of what others sent, in payload bytes:
+    partial reassembly, the delivery queue, and the one whole message being joined from its
+    chunks. What decoding a message costs, and what a handler keeps of it, comes on top."""
+    return limits.max_partial_bytes + limits.max_queued_bytes + limits.max_message_bytes
+
 
 MODEL_MARGIN = 1.5
 """A model message may exceed the model's dense encoding by this factor (envelope, masks in

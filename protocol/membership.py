@@ -11,9 +11,16 @@ from each other in turn, forever (two devices left at the default id `raspberryp
 `topics.probe` whether a live process holds it, and the holder answers at once. Silence for
 `probe_s` means the id is free; a crashed holder cannot answer, so a restart after a crash
 is never blocked. Probes and answers are Presence messages: `online` tells a holder from a
-rival claiming the id at this very moment, `reason` carries a per-process nonce, and both
-are signed with the fleet key, so a process without it can neither block nor fake an id.
-Two rivals starting together settle it: the one with the earlier (since, nonce) wins.
+rival claiming the id at this very moment, `reason` carries a per-claim nonce, an answer
+names the nonce of the probe it answers (`answers`), and all are signed with the fleet's
+key, so a process without it can neither block nor fake an id, and only an answer naming
+this claim's nonce counts: a replayed birth or an old answer cannot block a restart. Two
+rivals starting together settle it: each answers the other's claim once, and the one with
+the earlier (since, nonce) wins.
+
+With a broker login (or a connect proof) the login is the id: a broker that ties client
+ids to logins (`coordinator broker-config`'s mosquitto, `use_username_as_clientid`) gives
+the prober the member's client id too, so the prober leaves before the member connects.
 """
 
 from __future__ import annotations
@@ -67,7 +74,10 @@ class Identity:
     def topic(self) -> str:
         return topics.presence(self.fleet, self.sender)
 
-    def presence(self, online: bool, reason: str = "", since: float | None = None) -> bytes:
+    def presence(
+        self, online: bool, reason: str = "", since: float | None = None, *, at: float
+    ) -> bytes:
+        """A presence made at `at` (see `messages.Presence.at`)."""
         message = messages.Presence(
             fleet=self.fleet,
             sender=self.sender,
@@ -76,28 +86,49 @@ class Identity:
             role=self.role,
             profile=self.profile,
             reason=reason,
+            at=at,
         )
         return messages.encode(message, key=self.key)
+
+    def birth(self, at: float) -> bytes:
+        """The birth of the connection that began at `at`."""
+        return self.presence(True, at=at)
+
+    def will(self, at: float) -> bytes:
+        """The will of the connection that began at `at`: ordered after its birth."""
+        return self.presence(False, LOST, at=at)
 
 
 class PresenceClock:
     """Tells a member's current presence from a replay of an older one.
 
-    A member's birth and will carry the time it came online, its goodbye the time it
-    stopped, so within one member's messages `since` never goes back: a presence older than
-    the latest birth seen belongs to an earlier session (an old will or goodbye replayed to
-    make the fleet think the member left) and is stale. Each member's own clock is compared
-    only with itself, so clocks that disagree across devices do no harm.
+    Every presence carries `at` (`messages.Presence`): a birth and the will of one
+    connection the start of that connection, a goodbye its stop. Ordered by (at, offline
+    after online), one member's presences only move forward: a will follows its birth, the
+    next connection's birth follows both, a goodbye follows everything. A presence that
+    sorts before the latest accepted one is a replay (an old birth making a member that left
+    look online, an old will making a live one look lost) and is stale; the latest itself,
+    delivered again (a retained message to a new subscription), changes nothing and passes.
+    Each member's own clock is compared only with itself, so clocks that disagree across
+    devices do no harm.
     """
 
     def __init__(self) -> None:
+        self._latest: dict[str, tuple[float, bool]] = {}
         self._born: dict[str, float] = {}
 
     def fresh(self, message: messages.Presence) -> bool:
-        """Whether `message` is current; a birth also moves the member's clock on."""
-        born = self._born.get(message.sender)
-        if born is not None and message.since < born:
-            return False
+        """Whether `message` is current; it also moves the member's clock on."""
+        if message.at == 0:  # made without a stamp (by hand, not by `connect`): `since` only
+            born = self._born.get(message.sender)
+            if born is not None and message.since < born:
+                return False
+        else:
+            order = (message.at, not message.online)
+            latest = self._latest.get(message.sender)
+            if latest is not None and order < latest:
+                return False
+            self._latest[message.sender] = order
         if message.online:
             self._born[message.sender] = message.since
         return True
@@ -143,11 +174,14 @@ class _Claim:
         self._lock = threading.Lock()
         self._holding = False
         self._rival: messages.Presence | None = None
+        self._answered: set[str] = set()
+        """Rival claims answered while claiming: each once, so two claims cannot echo."""
         self._defeated = threading.Event()
         self._rejections = RejectionLog(log)
 
-    def message(self) -> bytes:
-        """A probe or an answer: `online` once this process holds the id."""
+    def message(self, answers: str = "") -> bytes:
+        """A probe, or an answer to the probe whose nonce is `answers`: `online` once this
+        process holds the id."""
         with self._lock:
             online = self._holding
         who = self.identity
@@ -159,32 +193,38 @@ class _Claim:
             role=who.role,
             profile=who.profile,
             reason=self.nonce,
+            at=time.time(),
+            answers=answers,
         )
         return messages.encode(claim, key=who.key)
 
-    def answerer(self, transport: MqttTransport) -> Handler:
-        """The handler of probes arriving on `transport`: answer them unless defeated."""
+    def handler(self, transport: MqttTransport) -> Handler:
+        """The handler of the probes and answers arriving on `transport`: a probe is
+        answered unless this claim is defeated; an answer counts only if it names this
+        claim's nonce, and a rival's claim among them is answered once (so that it learns
+        of this one too)."""
         answers = topics.probe_answer(self.identity.fleet, self.identity.sender)
 
-        def answer(_topic: str, payload: bytes) -> None:
+        def on_message(_topic: str, payload: bytes) -> None:
             rival = self._read(payload)
-            if rival is not None and self._consider(rival):
+            if rival is None:
+                return
+            if rival.answers and (
+                rival.answers != self.nonce or not self._consider(rival) or rival.online
+            ):
+                return
+            if self._answers(rival.reason):
                 # QoS 0: never waits on an outgoing queue full of model frames.
-                transport.publish(answers, self.message(), qos=0)
+                transport.publish(answers, self.message(answers=rival.reason), qos=0)
 
-        return answer
-
-    def on_answer(self, _topic: str, payload: bytes) -> None:
-        rival = self._read(payload)
-        if rival is not None:
-            self._consider(rival)
+        return on_message
 
     def probe(self, prober: MqttTransport, probe_s: float, broker_wait_s: float) -> bool:
         """Claim the id through `prober`: True once held, False when the broker could not be
         reached to ask (the id is then taken unchecked); DuplicateMember if a rival wins."""
         fleet, agent = self.identity.fleet, self.identity.sender
-        prober.subscribe(topics.probe_answer(fleet, agent), self.on_answer)
-        prober.subscribe(topics.probe(fleet, agent), self.answerer(prober))
+        prober.subscribe(topics.probe_answer(fleet, agent), self.handler(prober))
+        prober.subscribe(topics.probe(fleet, agent), self.handler(prober))
         asked = prober.wait_subscribed(broker_wait_s)
         if asked:
             prober.publish(topics.probe(fleet, agent), self.message())
@@ -216,9 +256,22 @@ class _Claim:
             return None
         return message
 
+    def _answers(self, nonce: str) -> bool:
+        """Whether to answer the probe or claim `nonce`: always while holding the id, once
+        each while claiming it, never once defeated."""
+        with self._lock:
+            if self._rival is not None:
+                return False
+            if self._holding:
+                return True
+            fresh = nonce not in self._answered
+            self._answered.add(nonce)
+            return fresh
+
     def _consider(self, rival: messages.Presence) -> bool:
-        """Note a rival; False once this claim is lost. While claiming, a holder's answer or
-        an earlier claim defeats this one; once held, the id is defended, never given up."""
+        """Note a rival that answered this claim; False once this claim is lost. While
+        claiming, a holder's answer or an earlier claim defeats this one; once held, the
+        id is defended, never given up."""
         with self._lock:
             if not self._holding and self._rival is None:
                 mine = (self.identity.since, self.nonce)
@@ -266,10 +319,12 @@ def connect(
             raise ProtocolError(f"{problem}: check --tls-ca and the broker's address")
         if not asked:  # the caller says why no broker answers (`protocol.mqtt.unreachable`)
             log.info("broker %s unreachable: id %r taken unchecked", broker, identity.sender)
+        if _logged_in(options):
+            prober.stop()  # its client id may be the member's (see the module docstring)
         transport = _join(broker, identity, options, claim)
-        # The prober answers for the id until the member does: no gap between. A broker
-        # that let the prober in but refuses the member refuses its id (a per-member login
-        # may publish only as itself, its will included).
+        # The prober answers for the id until the member does (without a login: no gap
+        # between). A broker that let the prober in but refuses the member refuses its id
+        # (a per-member login may connect and publish only as itself, its will included).
         subscribed = not asked or transport.wait_subscribed(broker_wait_s)
         if not subscribed and transport.refused is not None:
             transport.stop()
@@ -290,17 +345,24 @@ def _join(
     transport = MqttTransport(
         broker,
         options,
-        will=(identity.topic, identity.presence(False, LOST)),
-        birth=(identity.topic, identity.presence(True)),
+        will=(identity.topic, identity.will),
+        birth=(identity.topic, identity.birth),
     )
-    transport.subscribe(topics.probe(identity.fleet, identity.sender), claim.answerer(transport))
+    transport.subscribe(topics.probe(identity.fleet, identity.sender), claim.handler(transport))
     transport.start()
     return transport
+
+
+def _logged_in(options: TransportOptions) -> bool:
+    return options.username is not None or options.credentials is not None
 
 
 def leave(transport: MqttTransport, identity: Identity, timeout_s: float = 5.0) -> None:
     """Publish the goodbye (when connected), wait for the broker to take it, disconnect."""
     if transport.connected:
-        goodbye = identity.presence(False, SHUTDOWN, since=time.time())
+        now = time.time()
+        goodbye = identity.presence(
+            False, SHUTDOWN, since=now, at=max(now, transport.announced.stamp)
+        )
         transport.publish(identity.topic, goodbye, retain=True).wait_for_publish(timeout_s)
     transport.stop()

@@ -80,6 +80,14 @@ class Presence(Message):
 
     `reason` tells an offline message's cause: "lost" (the will, sent by the broker; `since`
     is then when the member came online) or "shutdown" (`since` is when it stopped).
+
+    `at` orders one member's presences against replays (`protocol.membership.PresenceClock`):
+    the start of the connection a birth and its will belong to (both carry the same), the
+    stop for a goodbye. `since` cannot: a member's birth and will repeat it on every
+    reconnect, so a captured will replayed later would read as current. `answers`, in an
+    answer to an id probe, is the probe's nonce: a prober accepts only answers naming its
+    own, so a replayed birth or an old answer cannot block a restart. Both came with
+    protocol version 2.
     """
 
     TYPE = MessageType.PRESENCE
@@ -88,6 +96,8 @@ class Presence(Message):
     role: str = "agent"
     profile: str = ""
     reason: str = ""
+    at: float = 0.0
+    answers: str = ""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -58,6 +58,13 @@ _DROPS = RejectionLog(log)
 
 Handler = Callable[[str, bytes], None]
 """Called with (topic, whole payload) once per message."""
+Stamped = bytes | Callable[[float], bytes]
+"""A birth's or a will's payload, or what makes it from the connection's start (wall clock,
+seconds), made anew for every connection so that receivers can order them (a birth and
+the will of one connection get the same start)."""
+Credentials = Callable[[str], tuple[str, str]]
+"""(user name, password) for a connection of this client id, asked before every connect:
+a per-device key's connect proof is fresh each time (`protocol.signing.connect_proof`)."""
 
 
 class PublishQueueFull(RuntimeError):
@@ -118,6 +125,8 @@ class TransportOptions:
     """None: a random id. Two live clients with one id keep kicking each other off."""
     username: str | None = None
     password: str | None = None
+    credentials: Credentials | None = None
+    """Made before every (re)connect; replaces username and password when given."""
     tls: TlsOptions | None = None
     keepalive_s: int = 30
     """The broker declares the client dead (and publishes its will) after 1.5 x this."""
@@ -432,21 +441,52 @@ class _KeptRetained:
             count("published_bytes", len(frame))
 
 
-def _one_frame(
-    name: str, message: tuple[str, bytes] | None, options: TransportOptions
-) -> tuple[str, bytes] | None:
-    """`message` (a will or birth: retained, so one frame), or ValueError."""
-    if message is not None and len(message[1]) > options.chunk_size:
-        raise ValueError(f"{name} payload must fit in one frame ({options.chunk_size} B)")
-    return message
+class Announcements:
+    """A client's birth and will (each one retained frame, see `Stamped`), made for each
+    connection, and the credentials it connects with."""
+
+    def __init__(
+        self,
+        will: tuple[str, Stamped] | None,
+        birth: tuple[str, Stamped] | None,
+        options: TransportOptions,
+    ) -> None:
+        self._will, self._birth, self._options = will, birth, options
+        self.stamp = time.time()
+        """When the current (or last) connection began; never goes back."""
+        for name, message in (("will", will), ("birth", birth)):
+            made = self._made(message)
+            if made is not None and len(made[1]) > options.chunk_size:
+                raise ValueError(f"{name} payload must fit in one frame ({options.chunk_size} B)")
+
+    def _made(self, message: tuple[str, Stamped] | None) -> tuple[str, bytes] | None:
+        if message is None:
+            return None
+        topic, payload = message
+        return topic, payload(self.stamp) if callable(payload) else payload
+
+    def birth(self) -> tuple[str, bytes] | None:
+        """The birth of the current connection."""
+        return self._made(self._birth)
+
+    def prepare(self, client: paho.Client, client_id: str) -> None:
+        """Before a (re)connect: a new stamp, the will and credentials made for it."""
+        self.stamp = max(time.time(), self.stamp + 1e-3)
+        will = self._made(self._will)
+        if will is not None:
+            frame = split(will[1], self._options.chunk_size)[0]
+            client.will_set(will[0], frame, qos=1, retain=True)
+        if self._options.credentials is not None:
+            client.username_pw_set(*self._options.credentials(client_id))
 
 
 class MqttTransport:
     """One connection to one broker; see the module docstring for what it guarantees.
 
     `will` and `birth` are (topic, payload) pairs, both retained with QoS 1 and small (one
-    frame). A clean `stop()` does not fire the will (MQTT semantics): publish the offline
-    presence yourself first and wait for it: `transport.publish(...).wait_for_publish(5)`.
+    frame); a payload may be made per connection (`Stamped`). A clean `stop()` does not
+    fire the will (MQTT semantics): publish the offline presence yourself first and wait
+    for it: `transport.publish(...).wait_for_publish(5)`.
     """
 
     def __init__(
@@ -454,13 +494,12 @@ class MqttTransport:
         broker: BrokerAddress,
         options: TransportOptions | None = None,
         *,
-        will: tuple[str, bytes] | None = None,
-        birth: tuple[str, bytes] | None = None,
+        will: tuple[str, Stamped] | None = None,
+        birth: tuple[str, Stamped] | None = None,
     ) -> None:
         self.broker = broker
         self.options = options = options or TransportOptions()
-        self._will = _one_frame("will", will, options)
-        self._birth = _one_frame("birth", birth, options)
+        self.announced = Announcements(will, birth, options)
         self._kept = _KeptRetained()
         self.client_id = options.client_id or f"edgefl-{secrets.token_hex(6)}"
         self._reassembler = Reassembler(options.limits, options.reassembly_timeout_s)
@@ -599,7 +638,8 @@ class MqttTransport:
     def reassert(self) -> None:
         """Publish the birth and every kept retained message again (done on every connect):
         after a broker restart, or after someone cleared them (`coordinator forget`)."""
-        self._kept.publish(self._client, self._birth, self.options.chunk_size, self._count)
+        birth = self.announced.birth()
+        self._kept.publish(self._client, birth, self.options.chunk_size, self._count)
 
     def clear_retained(self, topic: str) -> Publication:
         """Delete the broker's retained message on `topic`: a retained publish with an empty
@@ -659,9 +699,7 @@ class MqttTransport:
     # -- paho callbacks (network thread: quick, never raise) ---------------------------------
 
     def _on_pre_connect(self, client: paho.Client, userdata: Any) -> None:
-        if self._will is not None:
-            topic, payload = self._will
-            client.will_set(topic, split(payload, self.options.chunk_size)[0], qos=1, retain=True)
+        self.announced.prepare(client, self.client_id)
 
     def _on_connect(
         self, client: paho.Client, userdata: Any, flags: Any, reason: Any, properties: Any

@@ -18,6 +18,13 @@ anything (`protocol.messages.decode`). The topic a message travels on is a funct
 signed fields and is checked against them, so a message replayed on another topic, run or
 round is rejected.
 
+With per-member keys and no broker logins, a member proves its key to the embedded broker
+when it connects (`connect_proof`): user name = its id, password =
+`ed25519:<unix ms>:<base64 signature over b"edgefl-connect|<client id>|<unix ms>">`. The
+signature binds the proof to the client id, the time to one moment: the broker accepts a
+proof only if it is recent and newer than the last it accepted for that client, so a
+captured CONNECT cannot be replayed (`check_connect_proof`).
+
 A keys file (an admission list or a trust file) holds one member per line,
 `ID ed25519:BASE64`, as `edge-agent key` and `coordinator key` print it; `#` starts a comment.
 """
@@ -29,7 +36,9 @@ import binascii
 import hashlib
 import hmac
 import os
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -292,3 +301,40 @@ def public_line(member: str, private_path: Path) -> str:
     """The keys-file line of `member` whose private key is at `private_path` (made there on
     first use): what `edge-agent key` and `coordinator key` print for others to add."""
     return key_line(member, public_text(load_or_create_private(private_path).public_key()))
+
+
+_PROOF_CONTEXT = b"edgefl-connect|"
+
+
+def _proof_bytes(client_id: str, when_ms: int) -> bytes:
+    return _PROOF_CONTEXT + client_id.encode() + b"|" + str(when_ms).encode()
+
+
+def connect_proof(keys: MemberKeys) -> Callable[[str], tuple[str, str]]:
+    """The credentials (user name, password) with which `keys`' member proves its key to
+    the embedded broker, made anew for every connect (`TransportOptions.credentials`): the
+    time in them never repeats within this process, so none is refused as a replay."""
+    lock, last = threading.Lock(), [0]
+
+    def credentials(client_id: str) -> tuple[str, str]:
+        with lock:
+            last[0] = when = max(time.time_ns() // 1_000_000, last[0] + 1)
+        signature = base64.b64encode(keys.sign(_proof_bytes(client_id, when))).decode("ascii")
+        return keys.me, f"{PUBLIC_PREFIX}{when}:{signature}"
+
+    return credentials
+
+
+def check_connect_proof(public: Ed25519PublicKey, client_id: str, password: str) -> int:
+    """The time (unix ms) of a connect proof by the holder of `public` for `client_id`;
+    ProtocolError if `password` is not one. Its freshness is the caller's to judge."""
+    head, _, signature = password.removeprefix(PUBLIC_PREFIX).partition(":")
+    if not password.startswith(PUBLIC_PREFIX) or not head.isdigit() or len(head) > 15:
+        raise ProtocolError(f"not a connect proof ({PUBLIC_PREFIX}<unix ms>:<signature>)")
+    try:
+        public.verify(
+            base64.b64decode(signature, validate=True), _proof_bytes(client_id, int(head))
+        )
+    except (binascii.Error, InvalidSignature):
+        raise ProtocolError("the connect proof is not signed by this member's key") from None
+    return int(head)

@@ -214,7 +214,10 @@ def test_acl_rule_and_its_file_round_trip() -> None:
     assert not agent.may_publish("fl/v1/f1/round/3/model/a1/x/y")
     assert coordinator.may_publish("fl/v1/f1/presence/coordinator")
     assert coordinator.may_publish("fl/v1/f1/round/3/request/coordinator/a1")
-    assert agent.may_subscribe("fl/v1/+/presence/+") and not agent.may_subscribe("#")
+    # An agent reads its own fleet only; the coordinator's login (status, watch) every fleet.
+    assert agent.may_subscribe("fl/v1/f1/presence/+") and not agent.may_subscribe("#")
+    assert not agent.may_subscribe("fl/v1/+/presence/+") and not agent.may_subscribe("fl/v1/f2/#")
+    assert coordinator.may_subscribe("fl/v1/+/presence/+")
     # Without a coordinator, agents publish the run (`edge-agent --expect`).
     assert fleet_grants(FLEET, ["a1"], None)[0].may_publish("fl/v1/f1/run")
     assert covers("a/#", "a") and covers("a/+", "a/b") and not covers("a/b", "a/+")

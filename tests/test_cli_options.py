@@ -33,6 +33,7 @@ from protocol.cli import (
     version_option,
 )
 from protocol.mqtt import BrokerAddress, MqttTransport, TlsOptions
+from protocol.version import PROTOCOL_VERSION
 
 if TYPE_CHECKING:
     from conftest import BrokerProcess
@@ -297,7 +298,7 @@ def test_version_names_the_package_and_protocol_versions() -> None:
     result = CliRunner().invoke(probe([]), ["--version"], prog_name="edge-agent")
     assert result.exit_code == 0
     version = importlib.metadata.version("edgefl-fleet")
-    assert result.stdout == f"edge-agent {version} (edgefl protocol 1)\n"
+    assert result.stdout == f"edge-agent {version} (edgefl protocol {PROTOCOL_VERSION})\n"
 
 
 # -- a real TLS broker ----------------------------------------------------------------------

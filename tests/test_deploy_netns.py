@@ -39,7 +39,8 @@ CLI = {
 
 
 def readme_commands() -> dict[str, list[str]]:
-    """The deploy section's commands by what they do: serve, agent, run, status."""
+    """The deploy section's commands by what they do: serve, first (a device's first start,
+    which prints the command that admits it), admit, agent (with its bundle), run, status."""
     text = (REPO / "README.md").read_text()
     section = text.split("## Deploy on a gateway and devices", 1)[1].split("\n## ", 1)[0]
     block = re.search(r"```bash\n(.*?)```", section, re.S)
@@ -47,11 +48,13 @@ def readme_commands() -> dict[str, list[str]]:
     commands = {}
     for line in block.group(1).splitlines():
         words = line.split()
-        if not words or words[0].startswith("#"):
+        if not words or words[0].startswith("#") or words[0] == "scp":
             continue
-        kind = {"serve": "serve", "run": "run", "status": "status"}.get(words[1], "agent")
+        kind = {"serve": "serve", "run": "run", "status": "status", "admit": "admit"}.get(
+            words[1], "agent" if "--config" in words else "first"
+        )
         commands[kind] = words
-    assert set(commands) == {"serve", "agent", "run", "status"}, commands
+    assert set(commands) == {"serve", "first", "admit", "agent", "run", "status"}, commands
     return commands
 
 
@@ -85,20 +88,41 @@ class Site:
         self.broker_flags = broker_flags or []
         self.readme = readme_commands()
         self.devices: dict[str, subprocess.Popen[bytes]] = {}
+        self.state = ("--state-dir", str(tmp / "gw-state"))
+        """The gateway's keys and logins: never the machine's own /var/lib/edgefl."""
 
     def swaps(self, host: str) -> dict[str, str]:
         return {
             README_GATEWAY: self.lan.address("gw"),
             README_DEVICE: self.lan.address(host),
             "data.npz": str(self.tmp / f"{host}.npz"),
+            "edgefl/agent.toml": str(self.tmp / "gw-state" / "broker" / "members" / host)
+            + "/agent.toml",
         }
 
+    def admit(self, hosts: tuple[str, ...]) -> None:
+        """As the README says: each device's first start stops with the command that
+        admits it, run on the gateway (all devices at once)."""
+        logs = {host: self.tmp / f"{host}-first.log" for host in hosts}
+        first = {
+            host: self.lan.popen(host, self.device_argv("first", host), log=logs[host])
+            for host in hosts
+        }
+        for host, process in first.items():
+            assert process.wait(90) == 2, log_text(logs[host])
+            printed = re.search(r"`(coordinator admit [^`]+)`", log_text(logs[host]))
+            assert printed, log_text(logs[host])
+            admit = command(printed.group(1).split(), {}, *self.state)
+            assert self.lan.run("gw", admit, timeout=60).returncode == 0
+
+    def device_argv(self, kind: str, host: str, *extra: str) -> list[str]:
+        own = ("--id", host, "--state-dir", str(self.tmp / host))
+        return command(self.readme[kind], self.swaps(host), *own, *extra)
+
     def start_device(self, host: str, *extra: str) -> subprocess.Popen[bytes]:
-        argv = command(
-            self.readme["agent"],
-            self.swaps(host),
-            *("--id", host, "--state-dir", str(self.tmp / host), *extra),
-        )
+        """The device's agent: with its bundle, or, given broker credentials of its own,
+        the README's first command with them."""
+        argv = self.device_argv("first" if extra else "agent", host, *extra)
         process = self.lan.popen(host, argv, log=self.tmp / f"{host}.log")
         self.devices[host] = process
         return process
@@ -115,7 +139,7 @@ class Site:
             "report.json": str(report),
             "plots": str(self.tmp / "plots"),
         }
-        argv = command(self.readme["run"], swaps, *self.broker_flags)
+        argv = command(self.readme["run"], swaps, *self.broker_flags, *self.state)
         return self.lan.popen("gw", argv, log=self.tmp / f"{report.stem}.log")
 
     def joined(self, hosts: tuple[str, ...]) -> bool:
@@ -132,15 +156,16 @@ def lan() -> Iterator[Lan]:
 def test_gateway_runs_a_fleet_of_devices_that_find_it_over_mdns(lan: Lan, tmp_path: Path) -> None:
     site = Site(lan, tmp_path)
     serve = lan.popen(
-        "gw", command(site.readme["serve"], site.swaps("gw")), log=tmp_path / "gw.log"
+        "gw", command(site.readme["serve"], site.swaps("gw"), *site.state), log=tmp_path / "gw.log"
     )
     assert lan.reachable("d1", lan.address("gw"), 1883, timeout_s=30), log_text(tmp_path / "gw.log")
     mixes = ([0, 1, 2, 3, 4, 5], [3, 4, 5, 6, 7, 8], [6, 7, 8, 9, 0, 1], [1, 3, 5, 7, 9, 2])
     for k, host in enumerate(DEVICES):
         write_data(tmp_path / f"{host}.npz", mixes[k], seed=k)
-        site.start_device(host)
     np.savez(tmp_path / "d5.npz", x=np.zeros((60, 3, 8, 8), np.float32), y=np.zeros(60, np.int64))
-    site.start_device("d5")
+    site.admit((*DEVICES, "d5"))
+    for host in (*DEVICES, "d5"):
+        site.start_device(host)
     wait_for(lambda: site.joined((*DEVICES, "d5")), 90, "the agents to find the broker")
 
     decentralized = write_run(
@@ -195,7 +220,7 @@ def test_gateway_runs_a_fleet_of_devices_that_find_it_over_mdns(lan: Lan, tmp_pa
     assert all(len(r["participants"]) == 4 for r in report["rounds"])
     assert all(r["coordinator"]["sent"] > 0 for r in report["rounds"])
 
-    mdns = ("--mdns", lan.address("gw"), "--json")
+    mdns = ("--mdns", lan.address("gw"), "--json", *site.state)
     status = lan.run("gw", command(site.readme["status"], site.swaps("gw"), *mdns), 60)
     fleet = {entry["agent"]: entry for entry in json.loads(status.stdout)}
     assert all(fleet[h]["online"] and fleet[h]["state"] == "idle" for h in DEVICES), fleet

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 from zeroconf import ServiceInfo, Zeroconf
 
-from protocol import AGENT_SERVICE, AgentAdvert, Discovery, ProtocolError
+from protocol import AGENT_SERVICE, PROTOCOL_VERSION, AgentAdvert, Discovery, ProtocolError
 from protocol.discovery import BrokerAdvert, choose_broker, discover_broker
 
 pytestmark = pytest.mark.timeout(60)
@@ -36,6 +36,9 @@ LOOPBACK = ["127.0.0.1"]
 MDNS_GROUP = "224.0.0.251"
 N_AGENTS = 5
 BROKER = "127.0.0.1:1883"
+
+PROTO = str(PROTOCOL_VERSION).encode()
+"""The protocol version as a TXT record carries it."""
 
 
 def _loopback_multicast_works() -> bool:
@@ -122,7 +125,7 @@ def test_five_agents_find_each_other_within_5s(
     for i, stack in enumerate(stacks):
         view = stack.peers(fleet)
         assert set(view) == everyone - {f"a{i}"}
-        assert all(a.broker == BROKER and a.proto == 1 for a in view.values())
+        assert all(a.broker == BROKER and a.proto == PROTOCOL_VERSION for a in view.values())
 
 
 def test_closed_agent_disappears(agents: tuple[list[Discovery], float], fleet: str) -> None:
@@ -173,7 +176,14 @@ def test_peer_of_another_fleet_is_filtered_out(
 
 def _txt(fleet: str, **changes: str | bytes | None) -> dict[str, str | bytes]:
     """A valid agent TXT record with some properties replaced (or removed, with None)."""
-    txt = {"id": "b", "fleet": fleet, "broker": BROKER, "profile": "x", "proto": "1", **changes}
+    txt = {
+        "id": "b",
+        "fleet": fleet,
+        "broker": BROKER,
+        "profile": "x",
+        "proto": PROTO.decode(),
+        **changes,
+    }
     return {key: value for key, value in txt.items() if value is not None}
 
 
@@ -240,11 +250,11 @@ def test_interfaces_must_be_explicit_addresses(interfaces: list[str]) -> None:
     [
         {},
         {b"id": b"a", b"fleet": b"f", b"broker": b"h:1", b"profile": b"p"},
-        {b"id": b"a", b"fleet": b"f", b"broker": b"h:0", b"profile": b"p", b"proto": b"1"},
-        {b"id": b"a", b"fleet": b"f", b"broker": b"[zz]:1", b"profile": b"p", b"proto": b"1"},
+        {b"id": b"a", b"fleet": b"f", b"broker": b"h:0", b"profile": b"p", b"proto": PROTO},
+        {b"id": b"a", b"fleet": b"f", b"broker": b"[zz]:1", b"profile": b"p", b"proto": PROTO},
         {b"id": b"a", b"fleet": b"f", b"broker": b"h:1", b"profile": b"p", b"proto": b"-1"},
         {b"id": b"a", b"fleet": b"f", b"broker": b"h:1", b"profile": b"p", b"proto": None},
-        {b"id": b"a", b"fleet": b"F", b"broker": b"h:1", b"profile": b"p", b"proto": b"1"},
+        {b"id": b"a", b"fleet": b"F", b"broker": b"h:1", b"profile": b"p", b"proto": PROTO},
     ],
 )
 def test_bad_txt_is_a_protocol_error(txt: dict[bytes, bytes | None]) -> None:
@@ -455,7 +465,7 @@ def test_broker_txt_round_trip() -> None:
 _EDGEFL_TXT = {
     b"txtvers": b"1",
     b"product": b"edgefl",
-    b"proto": b"1",
+    b"proto": PROTO,
     b"fleets": b"",
     b"tls": b"0",
 }

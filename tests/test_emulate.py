@@ -214,10 +214,12 @@ def test_the_coordinator_aggregates_centralized_strategies_as_simulate_does(
 def test_agents_whose_training_diverges_finish_the_run_and_say_why(
     amqtt_broker, tmp_path: Path, wire: str
 ) -> None:
-    """A learning rate that sends every model to NaN: the protocol carries finite numbers only
-    (a NaN vote score or status loss used to crash every agent), so each agent keeps its
-    model from before the round, sends that, finishes the run and logs why."""
-    cfg = config(rounds=2, lr=1e12, wire=wire)
+    """Training that sends every model to NaN (the largest learning rate and weight decay a
+    run takes: each step multiplies the weights by 1 - 10 x 1 = -9, so they overflow float32
+    within about 40 steps, fewer than a round at batch size 8 takes): the protocol carries
+    finite numbers only (a NaN vote score or status loss used to crash every agent), so each
+    agent keeps its model from before the round, sends that, finishes the run and logs why."""
+    cfg = config(rounds=2, lr=10.0, weight_decay=1.0, batch_size=8, wire=wire)
     shared = SHARED if wire == "layers" else 1  # the second case shares processes
     emulation = Emulation(
         cfg, amqtt_broker.address, options(tmp_path, round_timeout_s=3.0, agents_per_process=shared)

@@ -88,3 +88,35 @@ def test_the_status_table_names_a_metric_that_is_not_accuracy() -> None:
     assert COLUMNS["accuracy"](accuracy) == "0.500"
     assert COLUMNS["accuracy"](mae) == "0.125 mae"
     assert COLUMNS["accuracy"](forged).startswith("0.100 \\[red]x")
+
+
+def test_a_replayed_older_presence_does_not_change_what_the_fleet_view_shows() -> None:
+    """A recorded birth replayed after a goodbye, even after a forget, leaves the agent off."""
+    key = FleetKey(b"k" * 32)
+    view = FleetView(key=key)
+
+    def presence(online: bool, at: float) -> bytes:
+        message = m.Presence(fleet="lab", sender="a", online=online, since=at, at=at)
+        return m.encode(message, key=key)
+
+    birth = presence(True, at=100.0)
+    view.feed(topics.presence("lab", "a"), birth)
+    view.feed(topics.presence("lab", "a"), presence(False, at=200.0))
+    assert view.feed(topics.presence("lab", "a"), birth) is None
+    assert [e.online for e in view.entries()] == [False]
+    view.feed(topics.presence("lab", "a"), b"")  # forgotten: the entry goes, the clock stays
+    assert view.feed(topics.presence("lab", "a"), birth) is None
+    assert view.entries() == [] and view.rejected == 2
+    view.feed(topics.presence("lab", "a"), presence(True, at=300.0))
+    assert [e.online for e in view.entries()] == [True]
+
+
+def test_the_fleet_view_follows_a_bounded_number_of_members(monkeypatch) -> None:
+    """Anyone may send under new names: past the bound they are counted, not kept."""
+    monkeypatch.setattr("coordinator.fleet.MAX_MEMBERS", 3)
+    view = FleetView()
+    for name in ["a", "b", "c", "d", "e"]:
+        view.feed(topics.presence("lab", name), _presence(name, True))
+    view.feed(topics.presence("lab", "a"), _presence("a", False, since=300.0))
+    assert [(e.agent, e.online) for e in view.entries()] == [("a", False), ("b", True), ("c", True)]
+    assert view.rejected == 2

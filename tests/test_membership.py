@@ -102,11 +102,16 @@ def test_a_crashed_holder_does_not_block_its_restart(broker: BrokerProcess) -> N
 
 @contextmanager
 def forger(address: BrokerAddress, agent: str, key: FleetKey | None) -> Iterator[None]:
-    """Answers every probe for `agent` as its holder, signing with `key`."""
-    answer = messages.Presence(fleet=FLEET, sender=agent, online=True, since=1.0, reason="x")
+    """Answers every probe for `agent` as its holder (naming the probe's nonce), signing
+    with `key`."""
     with MqttTransport(address) as transport:
 
-        def answer_probe(_topic: str, _payload: bytes) -> None:
+        def answer_probe(_topic: str, payload: bytes) -> None:
+            probe = messages.decode(payload)
+            assert isinstance(probe, messages.Presence)
+            answer = messages.Presence(
+                fleet=FLEET, sender=agent, online=True, since=1.0, reason="x", answers=probe.reason
+            )
             transport.publish(topics.probe_answer(FLEET, agent), messages.encode(answer, key=key))
 
         transport.subscribe(topics.probe(FLEET, agent), answer_probe)

@@ -67,7 +67,9 @@ def test_emulated_agents_whose_models_turn_non_finite_keep_their_models_and_go_o
         dataset="mnist1d",
         agents=4,
         seed=7,
-        learning=preset("dadpfl", rounds=2, epochs=1, neighbours=2, lr=1e12),
+        learning=preset(
+            "dadpfl", rounds=2, epochs=1, neighbours=2, lr=10.0, weight_decay=1.0, batch_size=8
+        ),
     )
     options = EmulationOptions(
         workdir=tmp_path / "fleet", linger_s=20.0, round_timeout_s=30.0, agents_per_process=SHARED

@@ -112,7 +112,7 @@ def test_agent_ids_fix_how_many_the_run_waits_for(tmp_path: Path) -> None:
         ("[run]\nagents = 3\ninput_shape = [3, 0]\n", "input_shape must be a list of positive"),
         ("[run]\nagents = 3\ninput_shape = 40\n", "input_shape must be a list of positive"),
         ("[run]\nagents = 3\nclasses = 1\n", "dataset 'device' needs classes >= 2, got 1"),
-        ("[run]\nagents = 3\nmin_samples = 1\n", "min_samples must be at least 3"),
+        ("[run]\nagents = 3\nmin_samples = 1\n", "min_samples must be >= 3, got 1"),
         ("[run]\nagents = 0\n", "agents must be at least 1, got 0"),
         ("[run]\nrounds = 3\n", "give agents = N or agent_ids = [...]"),
         ('[run]\nagent_ids = ["pi/1"]\n', "agent_ids: invalid agent 'pi/1'"),

@@ -11,8 +11,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent.cli import main as edge_agent
 from coordinator.cli import main as coordinator
+from protocol import PROTOCOL_VERSION, topics
 from protocol import messages as m
-from protocol import topics
 from protocol.errors import ProtocolError
 from protocol.membership import PresenceClock
 from protocol.signing import (
@@ -74,7 +74,8 @@ def test_a_bad_signature_is_rejected_before_anything_is_unpacked(monkeypatch) ->
     with pytest.raises(ProtocolError, match="bad signature for sender 'b'"):
         m.decode(data, key=signer("b", private))
     with pytest.raises(ProtocolError, match="malformed message header"):
-        m.decode(b"\x98\x01" + b"\xc4\x40" + b"\0" * 64, key=signer("b", private))
+        header = bytes([0x98, PROTOCOL_VERSION])  # an envelope of 8 items, this version
+        m.decode(header + b"\xc4\x40" + b"\0" * 64, key=signer("b", private))
 
 
 def test_a_message_replayed_on_another_topic_or_run_does_not_pass() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from agent.learning import robust
 from agent.learning.early_stop import DEFAULT_STOP_RULE
 from agent.learning.training import SGDConfig
 
@@ -126,18 +127,24 @@ class StrategyConfig:
     )
     delta_fraction: float = param(0.1, "--wire delta: fraction of the kept entries sent (top-k).")
     aggregation: str = param(
-        "mean",
-        "How received models combine, element-wise over the senders that hold each element: "
-        "mean (sample-weighted where the strategy weights), median or trimmed:F (the mean "
-        "without the largest and smallest fraction F, 0 <= F < 0.5); median and trimmed are "
-        "unweighted.",
+        robust.SCREENED,
+        "How received models combine: screened (the strategy's mean, sample-weighted where it "
+        "weights, with --clip auto in front: the default defence), mean (the same without a "
+        "defence unless --clip asks for one), or element-wise over the senders that hold each "
+        "element, unweighted: median or trimmed:F (the mean without the largest and smallest "
+        "fraction F, 0 <= F < 0.5), each after dropping non-finite and absurdly large models.",
     )
     clip: str = param(
-        "off",
-        "Norm clipping of each received model's difference to the receiver's own model: off, "
-        "auto (models beyond 3x the median distance of the received models are screened out, "
-        "the rest clipped to 2x it) or a norm bound.",
+        robust.CLIP_DEFAULT,
+        "Screening and norm clipping of each received model's difference to the receiver's "
+        "own model: off, auto (non-finite models and those beyond 3x the median distance of "
+        "the received models, or beyond the own model's norm, are screened out, the rest "
+        "clipped to 2x it), a norm bound, or default (auto, but off with --aggregation mean).",
     )
+
+    def __post_init__(self) -> None:
+        # `--clip default` is resolved here, once, so that every reader sees off or auto
+        object.__setattr__(self, "clip", robust.default_clip(self.aggregation, self.clip))
 
     @property
     def sgd(self) -> SGDConfig:

@@ -81,8 +81,11 @@ class DecentralizedRounds:
 
     def live(self, needs: set[Need]) -> set[Need]:
         """The needs that count (`live`: a neighbour that stopped early is left out of the
-        rounds after its stop), as far as this agent knows of stops yet."""
-        return live(needs, self.session.inbox.stopped_agents())
+        rounds after its stop; a quarantined one of every round, as it is known to be), as
+        far as this agent knows of stops yet."""
+        inbox = self.session.inbox
+        quarantined = inbox.quarantine.members()
+        return {n for n in live(needs, inbox.stopped_agents()) if n[1] not in quarantined}
 
     def ahead(self, round_: int) -> set[Need]:
         """The announced needs of round `round_` and the few after it."""
@@ -230,7 +233,7 @@ class DecentralizedRounds:
         sent = result
         if s.me in attackers(s.config, s.roster):  # research: it sends a poisoned model
             sent = attacked(s.learner, result, s.config.attack, round_)
-        nonzeros = self.publish(round_, sent)
+        nonzeros = self.publish(round_, sent, poisoned=sent is not result)
         return AgentRound.of_result(
             round_,
             s.me,
@@ -246,11 +249,13 @@ class DecentralizedRounds:
             stopped=stops,
         )
 
-    def publish(self, round_: int, result: RoundResult) -> int:
+    def publish(self, round_: int, result: RoundResult, poisoned: bool = False) -> int:
         """Publish the round's announcement (once for all receivers) and the vote; returns
-        the values sent: the model's, or the layers' published since the last round."""
+        the values sent: the model's, or the layers' published since the last round. A
+        `poisoned` model goes out even when not finite (`--attack nan`: what its receivers
+        do with it is the point)."""
         s = self.session
-        if not all_finite(result.published.weights):
+        if not poisoned and not all_finite(result.published.weights):
             # Receivers would reject it (and a divergence vector of it cannot be encoded).
             log.error("round %d: training diverged (weights not finite); model not sent", round_)
             data = resend = b""

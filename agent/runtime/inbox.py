@@ -12,6 +12,9 @@ round more than `rounds_ahead` past it is dropped and counted (`dropped`), so at
 a model or layer whose `num_samples` is outside 1..`limits.max_num_samples` is rejected (it
 would dominate FedAvg); a peer asking again for what we published is answered once per
 (asker, round, layers) and asker's session, for a few sessions (`may_answer`).
+
+A member that keeps sending invalid models is quarantined for the run (`FleetMail`'s
+`quarantine`, agent/runtime/quarantine.py): its models are ignored and never waited for.
 """
 
 from __future__ import annotations
@@ -89,7 +92,7 @@ class Inbox(FleetMail):
                 raise ProtocolError(f"delta of round {message.round} on a later base")
             weights, masks = decode_state(message.tensors, shapes)
         except ProtocolError as exc:
-            self.reject("model", message.sender, topic, exc)
+            self.reject_model("model", message, topic, exc)
             return
         published = Published(weights, masks or None, message.num_samples)
         with self._changed:
@@ -113,9 +116,9 @@ class Inbox(FleetMail):
         self.guard.reached(round_)
 
     def _admit(self, message: messages.Model, topic: str, kind: str = "model") -> bool:
-        """A model (or layer) within the window of rounds whose `num_samples` the run allows
-        (rejected and logged otherwise)."""
-        if not self.guard.ahead_ok(message.round):
+        """A model (or layer) of a sender not quarantined, within the window of rounds, whose
+        `num_samples` the run allows (rejected and logged otherwise)."""
+        if self.quarantine.holds(message.sender) or not self.guard.ahead_ok(message.round):
             return False
         problem = self.limits.samples_problem(message.num_samples)
         if problem is not None:
@@ -185,7 +188,7 @@ class Inbox(FleetMail):
             shapes = {name: self.expected.shapes[name] for name in groups[layer]}
             weights, masks = decode_state(message.tensors, shapes)
         except ProtocolError as exc:
-            self.reject("layer", message.sender, topic, exc)
+            self.reject_model("layer", message, topic, exc)
             return
         with self._changed:
             key = (message.round, message.sender, layer)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.learning import running
+from agent.runtime.quarantine import Quarantine
 from protocol import ProtocolError, messages
 from protocol.logs import RejectionLog, claimed_sender
 from protocol.membership import CRASH_GRACE_S, LOST, PresenceClock
@@ -71,6 +72,9 @@ class FleetMail:
         self._crashed_at: dict[str, float] = {}
         """Offline agents whose will said "lost" (a crash), and when (monotonic)."""
         self._rejections = RejectionLog(log)
+        self.quarantine = Quarantine()
+        """Senders of invalid models (`reject_model`): not waited for, and after a few
+        rounds of them quarantined for the run."""
         self._presences = PresenceClock()
         self._rounds_done: dict[str, int] = {}
         """The last round each agent's status (or a tally) says it finished."""
@@ -81,6 +85,14 @@ class FleetMail:
         self.on_keeper_lost: Callable[[], None] | None = None
         """Called once when the keeper's presence says it went offline: the agent then
         follows every status and vote itself, as in a fleet without a keeper."""
+
+    def reject_model(self, kind: str, message: messages.Model, topic: str, problem: object) -> None:
+        """Reject a model (or layer) whose tensors failed their checks: its waiters go on
+        without it, and its sender may be quarantined (`Quarantine.invalid`)."""
+        self.reject(kind, message.sender, topic, problem)
+        self.quarantine.invalid(message.sender, message.round, problem)
+        with self._changed:
+            self._changed.notify_all()
 
     def reject(self, kind: str, sender: str, topic: str, reason: object) -> None:
         """Count a message that failed its checks and warn of it (rate-limited)."""
@@ -269,9 +281,9 @@ class FleetMail:
         until: Callable[[], bool] | None = None,
     ) -> Any:
         """Wait until every key (round, sender, ...) is in `store` or will not come (its
-        sender stopped early before that round, or is gone), the timeout passes, or
-        `until()` holds; returns the missing still worth waiting for (a gone sender's are
-        left out)."""
+        sender stopped early before that round, or is gone, or it came invalid or its sender
+        is quarantined: `Quarantine.skips`), the timeout passes, or `until()` holds; returns
+        the missing still worth waiting for (a gone sender's are left out)."""
         needed = set(needed)
         deadline = time.monotonic() + timeout_s
         with self._changed:
@@ -283,6 +295,7 @@ class FleetMail:
                     if key not in store
                     and running(key[1], key[0], self.stopped)
                     and key[1] not in gone
+                    and not self.quarantine.skips(key[0], key[1])
                 }
                 remaining = deadline - time.monotonic()
                 if not missing or remaining <= 0 or (until is not None and until()):

@@ -45,6 +45,7 @@ STATUS_FIGURES = (
     "bytes_sent",
     "bytes_received",
     "stragglers",
+    "quarantined",
     "t_star",
     "energy_j",
 )
@@ -451,6 +452,7 @@ class Session:
             )
             record.energy_source = ENERGY_SOURCE
         self._trained_s = 0.0
+        record.quarantined = sorted(self.inbox.quarantine.members())
         row = record.as_dict()
         persist(self, driver, record.round, row)
         saved: dict[str, Any] = {}

@@ -8,6 +8,10 @@ With an access token every route needs it, as `Authorization: Bearer TOKEN` (wha
 Prometheus scrape config sends), `?token=TOKEN`, or the cookie that opening the page with
 `?token=` sets (it then redirects to the page without the token in its address, and the
 page's own requests, the event stream included, carry the cookie).
+
+Every request must name the dashboard's own address in its Host header (`HostCheck`): a
+web page a browser loaded from elsewhere cannot read the dashboard by pointing a name it
+controls at 127.0.0.1 (DNS rebinding).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from starlette.authentication import (
     AuthenticationError,
     SimpleUser,
 )
+from starlette.datastructures import Headers
 from starlette.middleware import Middleware
 from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.requests import HTTPConnection, Request
@@ -46,6 +51,7 @@ from starlette.responses import (
 )
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from coordinator.dashboard.metrics import registry_for
 from coordinator.dashboard.state import FleetState
@@ -85,8 +91,72 @@ def refuse(conn: HTTPConnection, exc: Exception) -> Response:
     )
 
 
-def create_app(state: FleetState, token: str | None = None) -> Starlette:
-    """The dashboard app over `state`; with `token`, every route needs it."""
+class HostCheck:
+    """ASGI middleware that answers 400 to a request whose Host header names no address of
+    the dashboard's. DNS rebinding needs a host name the attacker controls (an address
+    cannot be rebound), so names are checked against the ones the dashboard answers to and
+    an address is taken when it is the bound one, or any address when bound to all of them.
+    """
+
+    def __init__(self, app: ASGIApp, host: str) -> None:
+        self.app = app
+        self.names = allowed_names(host)
+        self.any_address = host in WILDCARD_HOSTS
+
+    def allows(self, header: str) -> bool:
+        name = host_name(header)
+        if name in self.names:
+            return True
+        return self.any_address and is_address(name)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            header = Headers(scope=scope).get("host", "")
+            if not self.allows(header):
+                refused = PlainTextResponse(
+                    f"400: this dashboard does not serve host {header[:100]!r}\n",
+                    status_code=400,
+                )
+                await refused(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+
+
+def host_name(header: str) -> str:
+    """The host of a Host header, without its port or an IPv6 address's brackets, lowercase."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1 : header.find("]")] if "]" in header else header
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+def is_address(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def allowed_names(host: str) -> frozenset[str]:
+    """The host names and addresses the dashboard answers to when bound to `host`: that
+    host; localhost and the loopback addresses when it is loopback; the machine's own names
+    when it is every address."""
+    names = {host.strip("[]").lower()}
+    if is_loopback(host) or host in WILDCARD_HOSTS:
+        names |= {"localhost", "127.0.0.1", "::1"}
+    if host in WILDCARD_HOSTS:
+        machine = socket.gethostname().lower()
+        names |= {machine, f"{machine}.local", socket.getfqdn().lower()}
+    return frozenset(names - {""})
+
+
+def create_app(state: FleetState, token: str | None = None, host: str = "127.0.0.1") -> Starlette:
+    """The dashboard app over `state` bound to `host` (the Host header every request must
+    name, see `HostCheck`); with `token`, every route needs it."""
     registry = registry_for(state)
     closing = threading.Event()
 
@@ -110,7 +180,7 @@ def create_app(state: FleetState, token: str | None = None) -> Starlette:
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    middleware = []
+    middleware = [Middleware(HostCheck, host=host)]
     if token is not None:
         backend = TokenBackend(check_token(token))
         middleware.append(Middleware(AuthenticationMiddleware, backend=backend, on_error=refuse))
@@ -184,12 +254,12 @@ class Dashboard:
         if token is None and not is_loopback(host):
             raise ValueError(
                 f"the dashboard on {host} would be reachable from other machines: give it an "
-                "access token (--http-token) or bind it to 127.0.0.1"
+                "access token (--http-token-file or EDGEFL_HTTP_TOKEN) or bind it to 127.0.0.1"
             )
         self.state = state
         self.host = host.strip("[]")
         self.port = port
-        self.app = create_app(state, token)
+        self.app = create_app(state, token, self.host)
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
 

@@ -226,7 +226,10 @@ def agent_row(entry: AgentEntry, series: AgentSeries | None, with_series: bool) 
     def figure(name: str) -> Any:
         return next((source[name] for source in sources if name in source), None)
 
-    stragglers = figure("stragglers")
+    def names(name: str) -> list[str]:
+        listed = figure(name)
+        return [s for s in listed if isinstance(s, str)][:64] if isinstance(listed, list) else []
+
     row: dict[str, Any] = {
         "fleet": entry.fleet,
         "agent": entry.agent,
@@ -248,9 +251,8 @@ def agent_row(entry: AgentEntry, series: AgentSeries | None, with_series: bool) 
         "train_flops": series.totals["train_flops"],
         "energy_j": number(figure("energy_j")),
         "energy_total_j": series.totals["energy_j"] if figure("energy_j") is not None else None,
-        "stragglers": [s for s in stragglers if isinstance(s, str)][:64]
-        if isinstance(stragglers, list)
-        else [],
+        "stragglers": names("stragglers"),
+        "quarantined": names("quarantined"),
         "stopped": entry.stopped,
         "saved": savings(entry),
         "error": text(entry.metrics.get("error"), 500),

@@ -137,7 +137,8 @@ function row(agent, index, multi) {
     cell("bytes_sent", bytes(agent.bytes_sent), "num"),
     cell("bytes_received", bytes(agent.bytes_received), "num"),
     cell("energy", si(agent.energy_total_j, "J"), "num"),
-    cell("stragglers", agent.stragglers.length ? agent.stragglers.join(", ") : "–"));
+    cell("stragglers", agent.stragglers.length ? agent.stragglers.join(", ") : "–"),
+    cell("quarantined", agent.quarantined.length ? agent.quarantined.join(", ") : "–"));
   return tr;
 }
 
