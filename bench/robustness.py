@@ -70,7 +70,8 @@ within the acceptance's 2 points.
 Every run is `coordinator simulate` (the strategy's defaults otherwise). The
 attackers are the first N agents of the sorted roster; each round they send, instead of
 their model, the model x -100 (scale), + N(0, 10^2) noise (noise) or negated (signflip).
-Defences: `--aggregation mean` (the default: sample-weighted for FedAvg), `median`,
+Defences: `--aggregation mean` (the plain mean, sample-weighted for FedAvg; the default before
+`screened`), `median`,
 `trimmed:0.2`, and `mean` and `median` with `--clip auto`: a received model farther from
 the receiver's own model (the coordinator's for FedAvg) than 3 x the lower median of the
 received distances is screened out (the mean of the receiver's own and the kept models

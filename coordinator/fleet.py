@@ -370,10 +370,15 @@ def fleet_table(
     """The fleet as a table, one row per agent with its latest round's figures; `seen`:
     the (fleet, agent) pairs mDNS sees, which adds that column.
 
-    A single fleet goes in the title rather than a column. To fit `width`, columns are left
-    out (`LEFT_OUT_FIRST`; the caption says which) rather than folded letter by letter.
+    A single fleet goes in the title rather than a column, and the quarantined column shows
+    only when some agent quarantined someone. To fit `width`, columns are left out
+    (`LEFT_OUT_FIRST`; the caption says which) rather than folded letter by letter.
     """
-    names = [name for name in COLUMNS if name != "fleet" or len({e.fleet for e in entries}) > 1]
+    hidden = {
+        "fleet": len({e.fleet for e in entries}) < 2,
+        "quarantined": not any(e.metrics.get("quarantined") for e in entries),
+    }
+    names = [name for name in COLUMNS if not hidden.get(name, False)]
     left_out: list[str] = []
     while width is not None and needed_width(entries, names, seen) > width:
         drop = next((name for name in LEFT_OUT_FIRST if name in names), None)

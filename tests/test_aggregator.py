@@ -61,7 +61,7 @@ def update(sender: str, weights: dict[str, torch.Tensor], num_samples: int = 10)
 
 
 def test_bad_uploads_are_left_out_and_the_round_goes_on() -> None:
-    agg, transport = aggregator("fedavg")
+    agg, transport = aggregator("fedavg", aggregation="mean")  # the lone upload, unclipped
     initial = agg.learner.initial
     good = {n: t + 1.0 for n, t in reversed(list(initial.items()))}  # the sender's own order
     wrong_shape = {**initial, next(iter(initial)): torch.zeros(3)}

@@ -18,6 +18,7 @@ import click
 import pytest
 
 from agent.cli import main as agent_main
+from agent.data import MAX_DATA_ENV
 from agent.runfile import load_run_file
 from coordinator.cli import main as coordinator_main
 from firmware_profiles.loader import PROFILE_PATH_ENV
@@ -63,7 +64,7 @@ def commands() -> Iterator[click.Command]:
 
 def known_variables() -> set[str]:
     """The environment variables edge-agent and coordinator read."""
-    names = {PASSWORD_ENV, PROFILE_PATH_ENV}
+    names = {PASSWORD_ENV, PROFILE_PATH_ENV, MAX_DATA_ENV}
     for command in commands():
         for param in command.params:
             if isinstance(param.envvar, str):

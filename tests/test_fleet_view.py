@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 from coordinator.fleet import FleetView, describe_since, describe_state
 from protocol import messages as m
 from protocol import topics
@@ -120,3 +122,25 @@ def test_the_fleet_view_follows_a_bounded_number_of_members(monkeypatch) -> None
     view.feed(topics.presence("lab", "a"), _presence("a", False, since=300.0))
     assert [(e.agent, e.online) for e in view.entries()] == [("a", False), ("b", True), ("c", True)]
     assert view.rejected == 2
+
+
+def test_the_table_names_whom_an_agent_quarantined_only_when_someone_did() -> None:
+    from rich.console import Console
+
+    from coordinator.fleet import fleet_table
+
+    def shown(quarantined: list[str]) -> str:
+        view = FleetView()
+        view.feed(topics.presence("lab", "a"), _presence("a", True))
+        status = m.Status(
+            fleet="lab", sender="a", round=3, state="training",
+            metrics={"quarantined": quarantined, "accuracy": 0.5},
+        )  # fmt: skip
+        view.feed(topics.status("lab", "a"), m.encode(status))
+        console = Console(width=200, record=True, file=io.StringIO())
+        console.print(fleet_table(view.entries()))
+        return console.export_text()
+
+    assert "quarantined" not in shown([])
+    table = shown(["mallory"])
+    assert "quarantined" in table and "mallory" in table
