@@ -212,7 +212,7 @@ def test_cancel_calls_the_run_off_and_says_who_stopped(
         recorded = find_entry(runs, RUN.run_id)
         assert recorded is not None and recorded.state == "cancelled", "its process was gone"
 
-        code, output = invoke(broker, "cancel", RUN.run_id, "--key-file", str(key), "--wait", "1")
+        code, output = invoke(broker, "cancel", RUN.run_id, "--key-file", str(key), "--wait", "5")
         assert code == 0
         assert f"run {RUN.run_id} in fleet {FLEET} is cancelled (it already was)" in output
         assert "stopped: a1 (idle), a2 (idle)" in output, "back to idle: out of the run"

@@ -344,6 +344,7 @@ def test_a_coordinated_run_works_through_mosquitto_with_client_ids_tied(
         conductor = [
             *COORDINATOR, "run", str(run), "--fleet", ACL_FLEET,
             "--config", str(folder / "members" / "gateway" / "local.toml"),
+            "--report", str(tmp_path / "report.json"),
         ]  # fmt: skip
         result = subprocess.run(conductor, cwd=REPO, capture_output=True, text=True, timeout=100)
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
