@@ -41,12 +41,22 @@ class Client:
     """A plain paho client (MQTT 3.1.1) that records what it receives."""
 
     def __init__(
-        self, address: BrokerAddress, user: str | None, password: str | None, will: str = ""
+        self,
+        address: BrokerAddress,
+        user: str | None,
+        password: str | None,
+        will: str = "",
+        *,
+        client_id: str | None = None,
+        retry: bool = True,
     ) -> None:
         self.received: queue.Queue[tuple[str, bytes]] = queue.Queue()
         self.reason: mqtt.ReasonCode | None = None
         self._answered, self._subscribed = threading.Event(), threading.Event()
-        client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"acl-test-{next(_ids)}")
+        client_id = client_id or f"acl-test-{next(_ids)}"
+        client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id)
+        if not retry:
+            client.reconnect_delay_set(60, 60)  # one attempt within a test
         if user is not None:
             client.username_pw_set(user, password)
         if will:
@@ -72,8 +82,8 @@ class Client:
         self.client.subscribe(topic_filter, qos=1)
         assert self._subscribed.wait(5), "no SUBACK"
 
-    def publish(self, topic: str, payload: bytes = b"x") -> None:
-        self.client.publish(topic, payload, qos=1).wait_for_publish(5)
+    def publish(self, topic: str, payload: bytes = b"x", retain: bool = False) -> None:
+        self.client.publish(topic, payload, qos=1, retain=retain).wait_for_publish(5)
 
     def close(self) -> None:
         self.client.disconnect()

@@ -12,18 +12,14 @@ the broker runs connect without a restart.
 
 from __future__ import annotations
 
-import itertools
 import queue
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import paho.mqtt.client as mqtt
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from paho.mqtt.enums import CallbackAPIVersion
 
 from coordinator.broker import EmbeddedBroker
 from coordinator.broker_config import (
@@ -37,51 +33,19 @@ from protocol.acl import fleet_grants
 from protocol.mqtt import MqttTransport, TransportOptions
 from protocol.signing import MemberKeys, add_key, connect_proof
 from tests.conftest import BrokerProcess, _require, _unused_port
+from tests.test_broker_acl import Client
 
 FLEET = "f1"
-_ids = itertools.count()
 
 
-class Raw:
-    """A plain paho client (MQTT 3.1.1): what an attacker controls byte for byte."""
+class Raw(Client):
+    """A plain paho client (MQTT 3.1.1) with the client id it is given: what an attacker
+    controls byte for byte. One connection attempt within a test."""
 
     def __init__(
         self, address: BrokerAddress, client_id: str, user: str | None, password: str | None
     ) -> None:
-        self.received: queue.Queue[tuple[str, bytes]] = queue.Queue()
-        self.reason: mqtt.ReasonCode | None = None
-        self._answered, self._done = threading.Event(), threading.Event()
-        client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id)
-        client.reconnect_delay_set(60, 60)  # one attempt within a test
-        if user is not None:
-            client.username_pw_set(user, password)
-        client.on_connect = self._on_connect
-        client.on_subscribe = lambda *_: self._done.set()
-        client.on_message = lambda _c, _u, m: self.received.put((m.topic, bytes(m.payload)))
-        client.connect(address.host, address.port, keepalive=10)
-        client.loop_start()
-        self.client = client
-        self._answered.wait(5)
-
-    def _on_connect(self, _c: object, _u: object, _f: object, reason: mqtt.ReasonCode, _p: object):
-        self.reason = reason
-        self._answered.set()
-
-    @property
-    def accepted(self) -> bool:
-        return self.reason is not None and not self.reason.is_failure
-
-    def subscribe(self, topic_filter: str) -> None:
-        self._done.clear()
-        self.client.subscribe(topic_filter, qos=1)
-        assert self._done.wait(5), "no SUBACK"
-
-    def publish(self, topic: str, payload: bytes = b"x", retain: bool = False) -> None:
-        self.client.publish(topic, payload, qos=1, retain=retain).wait_for_publish(5)
-
-    def close(self) -> None:
-        self.client.disconnect()
-        self.client.loop_stop()
+        super().__init__(address, user, password, client_id=client_id, retry=False)
 
 
 class Victim:
