@@ -57,6 +57,9 @@ class FleetView:
         """fleet -> its members' presence clocks, kept when a member is forgotten, so that
         a presence recorded before a forget and replayed after it is still stale."""
         self.rejected = 0
+        self.dropped = 0
+        """Messages of members beyond MAX_MEMBERS, left out: anyone on an open broker can
+        publish statuses under new names, and each would be kept."""
         self._rejections = RejectionLog(log)
 
     def feed(self, topic: str, payload: bytes) -> AgentEntry | None:
@@ -88,8 +91,9 @@ class FleetView:
             return None
         key = (fleet, message.sender)
         if key not in self._entries and len(self._entries) >= MAX_MEMBERS:
-            self.rejected += 1
-            self._rejections.reject(kind, message.sender, topic, f"over {MAX_MEMBERS} members")
+            self.dropped += 1
+            if self.dropped == 1:
+                log.warning("following %d members at most: leaving out the rest", MAX_MEMBERS)
             return None
         entry = self._entries.setdefault(key, AgentEntry(fleet, message.sender))
         if isinstance(message, messages.Presence):

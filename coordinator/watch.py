@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
-import logging
 import os
 import threading
 import time
@@ -24,13 +23,10 @@ from rich.live import Live
 from rich.table import Table
 
 from coordinator.fleet import AgentEntry, FleetView, fleet_table
-from protocol import BrokerAddress, MqttTransport, ProtocolError, topics
+from protocol import BrokerAddress, MqttTransport, topics
 from protocol.cli import BrokerSettings
-from protocol.limits import MAX_MEMBERS
 from protocol.mqtt import unreachable
 from protocol.signing import Signer
-
-log = logging.getLogger(__name__)
 
 Sightings = Callable[[], set[tuple[str, str]]]
 """The (fleet, agent) pairs mDNS sees right now."""
@@ -44,30 +40,26 @@ MIN_REDRAW_S = 0.1
 
 class FleetFeed:
     """A fleet view fed by a transport's presence and status subscriptions; `changed` is set
-    by every message, for a watcher to wait on. It follows `MAX_MEMBERS` members at most:
-    anyone on an open broker can publish statuses under new names, and each would be kept."""
+    by every message, for a watcher to wait on. Its view follows `MAX_MEMBERS` members at
+    most (`FleetView.dropped`)."""
 
     def __init__(self, transport: MqttTransport, fleet: str | None, key: Signer | None) -> None:
         self.transport = transport
         self.fleet = fleet
         self.changed = threading.Event()
-        self.dropped = 0
-        """Messages of members beyond MAX_MEMBERS, left out."""
         self._view = FleetView(key=key)
-        self._members: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
         transport.subscribe(topics.presence(fleet or "+"), self._on_message)
         transport.subscribe(topics.status(fleet or "+"), self._on_message)
 
-    def _on_message(self, topic: str, payload: bytes) -> None:
-        member = claimed_member(topic)
+    @property
+    def dropped(self) -> int:
+        """Messages of members beyond MAX_MEMBERS, left out."""
         with self._lock:
-            if member not in self._members and len(self._members) >= MAX_MEMBERS:
-                self.dropped += 1
-                if self.dropped == 1:
-                    log.warning("following %d members at most: leaving out the rest", MAX_MEMBERS)
-                return
-            self._members.add(member)
+            return self._view.dropped
+
+    def _on_message(self, topic: str, payload: bytes) -> None:
+        with self._lock:
             self._view.feed(topic, payload)
         self.changed.set()
 
@@ -81,15 +73,6 @@ class FleetFeed:
             for f, a in sorted(seen or ())
             if (f, a) not in known and self.fleet in (None, f)
         ]
-
-
-def claimed_member(topic: str) -> tuple[str, str]:
-    """The (fleet, agent) a presence or status topic names ("" where it names none)."""
-    try:
-        fleet, _, fields = topics.parse(topic)
-    except ProtocolError:
-        return "", ""
-    return fleet, fields.get("agent", "")
 
 
 LOCAL_BROKER = BrokerAddress("127.0.0.1", 1883)

@@ -23,7 +23,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -45,13 +44,8 @@ from protocol import BrokerAddress, messages, topics
 from protocol.chunking import MAGIC
 from protocol.limits import FOLLOWER_LIMITS, MAX_MEMBERS, MIB, Limits, held_bytes
 from protocol.membership import Identity, connect, leave
+from tests.test_cli import COORDINATOR, REPO
 
-REPO = Path(__file__).resolve().parent.parent
-COORDINATOR = [
-    sys.executable,
-    "-c",
-    "from coordinator.cli import main; main(prog_name='coordinator')",
-]
 FLEET = "default"
 CONNECTIONS = 2
 """serve's connections that read the fleet: its own and the dashboard's feed."""

@@ -121,7 +121,7 @@ def test_the_fleet_view_follows_a_bounded_number_of_members(monkeypatch) -> None
         view.feed(topics.presence("lab", name), _presence(name, True))
     view.feed(topics.presence("lab", "a"), _presence("a", False, since=300.0))
     assert [(e.agent, e.online) for e in view.entries()] == [("a", False), ("b", True), ("c", True)]
-    assert view.rejected == 2
+    assert view.dropped == 2
 
 
 def test_the_table_names_whom_an_agent_quarantined_only_when_someone_did() -> None:
