@@ -55,9 +55,7 @@ from protocol.membership import BROKER_WAIT_S
 from protocol.mqtt import unreachable
 from protocol.signing import (
     IDENTITY_FILE,
-    MemberKeys,
     Signer,
-    connect_proof,
     member_keys,
     public_line,
 )
@@ -403,9 +401,6 @@ def join(settings: BrokerSettings, identity: Identity) -> MqttTransport:
     assert broker is not None
     # Until a run names its model, nothing larger than a run message is expected.
     wire = dataclasses.replace(settings.transport_options(None), limits=PRE_RUN_LIMITS)
-    if settings.username is None and isinstance(identity.key, MemberKeys):
-        # No login: it proves its key to a broker that checks keys (`--admitted`).
-        wire = dataclasses.replace(wire, credentials=connect_proof(identity.key))
     problem = unreachable(broker)
     if problem is not None:
         say(f"{problem}; retrying until it does")

@@ -113,7 +113,6 @@ from protocol.signing import (
     MemberKeys,
     Signer,
     add_key,
-    connect_proof,
     member_keys,
     public_line,
 )
@@ -488,11 +487,8 @@ def join_fleet(
 ) -> MqttTransport:
     """Connect as `identity` (proving its key to a broker that checks keys, when it has no
     login); a second process under the same name is a one-line error."""
-    options = settings.transport_options(None)
-    if settings.username is None and isinstance(identity.key, MemberKeys):
-        options = dataclasses.replace(options, credentials=connect_proof(identity.key))
     try:
-        return connect(broker, identity, options)
+        return connect(broker, identity, settings.transport_options(None))
     except ProtocolError as exc:  # a duplicate id, or refused credentials
         raise click.ClickException(str(exc)) from None
 

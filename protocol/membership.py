@@ -42,7 +42,7 @@ from protocol.mqtt import (
     TransportOptions,
     tls_problem,
 )
-from protocol.signing import Signer
+from protocol.signing import MemberKeys, Signer, connect_proof
 
 log = logging.getLogger(__name__)
 
@@ -297,8 +297,13 @@ def connect(
     the transport keeps connecting in the background, as it always does.
     The will's `since` is the time the member came online: the broker sends it later, at a
     moment the member cannot know, so readers show it as "lost after coming online then".
+    A member with its own key pair and no login proves its key on every connect
+    (`signing.connect_proof`), as a broker that checks keys (`--admitted`) requires.
     """
     options = options or TransportOptions()
+    proves = options.username is None and options.credentials is None
+    if proves and isinstance(identity.key, MemberKeys):
+        options = dataclasses.replace(options, credentials=connect_proof(identity.key))
     if options.client_id is None:
         options = dataclasses.replace(options, client_id=f"{identity.fleet}-{identity.sender}")
     claim = _Claim(identity)

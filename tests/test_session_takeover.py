@@ -28,7 +28,7 @@ from coordinator.broker_config import (
     Listener,
     write_broker_config,
 )
-from protocol import BrokerAddress, topics
+from protocol import BrokerAddress, Identity, connect, leave, topics
 from protocol.acl import fleet_grants
 from protocol.mqtt import MqttTransport, TransportOptions
 from protocol.signing import MemberKeys, add_key, connect_proof
@@ -318,3 +318,26 @@ def test_a_coordinated_run_works_through_mosquitto_with_client_ids_tied(
     text = log.read_text()
     assert "already connected, closing old connection" not in text, text[-3000:]
     assert "denied" not in text.lower(), text[-3000:]
+
+
+def test_keys_a_member_that_joins_with_its_key_pair_proves_it_by_itself(
+    keyed_broker: tuple,
+) -> None:
+    """`connect` with a member's own key pair and no login (edge-agent's and the
+    coordinator's way) sends the proof itself: the broker lets it join and publish its
+    presence, where the same member without a proof is refused."""
+    address, keys = keyed_broker
+    identity = Identity(FLEET, "d0", key=keys["d0"])
+    member = connect(address, identity, probe_s=0.5, broker_wait_s=5)
+    try:
+        assert member.wait_subscribed(5), member.refused
+        reader = Raw(address, "reader", None, None)
+        reader.subscribe(topics.presence(FLEET, "d0"))
+        topic, _payload = reader.received.get(timeout=5)
+        assert topic == topics.presence(FLEET, "d0")
+        reader.close()
+    finally:
+        leave(member, identity)
+    unproven = Raw(address, f"{FLEET}-d0", None, None)
+    assert not unproven.accepted
+    unproven.close()
