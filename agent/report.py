@@ -39,7 +39,16 @@ REPORTED = (
     "radio_energy_j",
 )
 """The per-agent figures of a report's round, simulate's and emulate's alike."""
-NETWORKED = ("stragglers", "quarantined", "wait_s")
+NETWORKED = (
+    "stragglers",
+    "quarantined",
+    "wait_s",
+    "reduction",
+    "reduction_why",
+    "train_s",
+    "predicted_s",
+    "peak_memory_mb",
+)
 """The figures only a networked run has, added to emulate's report."""
 
 
@@ -92,6 +101,18 @@ class AgentRound:
     """Energy [J] of the round's bytes on the profile's radio; None without a profile."""
     energy_source: str | None = None
     """How the energy figures were obtained ("modelled" from the profile), None without."""
+    reduction: str = "none"
+    """What the budget made the round do (`agent.learning.reduction.Reduction.kind`)."""
+    reduction_why: str = ""
+    """The choice of a measured reduction and why (empty under the FLOP rules)."""
+    train_s: float | None = None
+    """Seconds the round's computation took by the device's clock (an emulated board's:
+    the host's time and the throttle's sleep); None in the simulator."""
+    predicted_s: float | None = None
+    """What the measured cost table predicted for it; None without a table."""
+    peak_memory_mb: float | None = None
+    """The round's peak training memory [MiB]: the first step's saved activations and the
+    trained model's weights, gradients and momentum (`agent.device.calibration`)."""
 
     @classmethod
     def of_result(
@@ -119,6 +140,8 @@ class AgentRound:
             pruned=result.pruned,
             density_cap=reduction.density_cap,
             active_fraction=reduction.active_fraction,
+            reduction=reduction.kind,
+            reduction_why=reduction.why,
             **figures,
         )
 

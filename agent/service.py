@@ -29,11 +29,13 @@ from typing import Any
 import torch
 
 from agent.device import Budget, BudgetLimits, Throttle, compute_budget, read_device
+from agent.device.calibration import RoundCosts, cached_costs
 from agent.experiment import (
     ExperimentConfig,
     Workload,
     build_workload,
     check_networked,
+    compute_slot,
     config_from_dict,
     config_to_dict,
     data_misfit,
@@ -45,6 +47,7 @@ from agent.experiment import (
 from agent.files import DiskFullError, disk_full_as_error
 from agent.learning import CENTRALIZED, AgentState, Masks, State
 from agent.learning.central import central_strategy
+from agent.learning.reduction import MEASURED_MODES, measured_kinds
 from agent.model_store import (
     CANCELLED_MARK,
     DEFAULT_KEEP_RUNS,
@@ -463,10 +466,13 @@ class AgentService:
         )
         try:
             workload = self.workload(run)
-            budget, throttle = budget_source(run, self.me, workload, self.options.device)
+            emulated = self.me in nominal_budgets(run.config, workload, list(run.roster))
             # A real device trains where --device says; an emulated one where simulate does.
-            if throttle is None or not throttle.enabled:
+            if not emulated:
                 self.place(workload)
+            with compute_slot():  # tracing the model must not meet another agent's round
+                costs = round_costs(run, self.me, workload, self.options, emulated, self.say)
+            budget, throttle = budget_source(run, self.me, workload, self.options.device, costs)
         except ValueError as exc:
             self.reject(run.run_id, str(exc))
             return
@@ -485,6 +491,7 @@ class AgentService:
             stop=self.stop,
             budget=budget,
             throttle=throttle,
+            costs=costs,
             telemetry=self.options.telemetry,
             cancelled=cancelled,
             start_from=start_from,
@@ -659,15 +666,49 @@ def wait_for_roster(
         transport.unsubscribe(topics.presence(identity.fleet))
 
 
+def round_costs(
+    run: Run,
+    agent_id: str,
+    workload: Workload,
+    options: ServiceOptions,
+    emulated: bool,
+    say: Callable[[str], None],
+) -> RoundCosts | None:
+    """This agent's measured costs (`agent.device.calibration`, kept in its state folder),
+    when something needs them: an emulated board's throttle, a real board's budget, or a
+    `--reduce` that chooses by measurement. None otherwise, and for the centralized
+    strategies, whose participants cut their rounds by the FLOP rules."""
+    cfg = run.config.learning
+    learner = workload.learner
+    measured_mode = cfg.reduce in MEASURED_MODES
+    if cfg.strategy in CENTRALIZED or not (emulated or options.device or measured_mode):
+        return None
+    data = workload.data[agent_id]
+    table = cached_costs(options.state_dir, learner, data, measured_kinds(cfg.reduce), say)
+    return RoundCosts(
+        table,
+        samples=len(data.y_train),
+        epochs=cfg.epochs,
+        batch_size=cfg.batch_size,
+        extra_steps=cfg.rigl_batches if learner.sparse else 0,
+        eval_samples=len(data.y_test),
+    )
+
+
 def budget_source(
-    run: Run, agent_id: str, workload: Workload, device: DeviceProfile | None
+    run: Run,
+    agent_id: str,
+    workload: Workload,
+    device: DeviceProfile | None,
+    costs: RoundCosts | None = None,
 ) -> tuple[Callable[[], Budget | None] | None, Throttle | None]:
     """Where p_k comes from, and whether this agent's speed and link are emulated.
 
     A run with `profiles` is an emulated fleet: each agent budgets as an idle board of its
     profile (the simulator computes the same) and is throttled to its speed and link.
     Otherwise an agent with a --profile is a real board and measures itself each round (its
-    throttle is disabled: it only prices the round's energy).
+    throttle is disabled: it only prices the round's energy), its time factor from its
+    measured `costs` where it has them.
     """
     budgets = nominal_budgets(run.config, workload, list(run.roster))
     if agent_id in budgets:
@@ -683,7 +724,13 @@ def budget_source(
     def measure() -> Budget:
         readings[0] = read_device(readings[0])
         return compute_budget(
-            device, readings[0], work, limits, compute=workload.learner.device.type
+            device,
+            readings[0],
+            work,
+            limits,
+            compute=workload.learner.device.type,
+            measured_dense_s=costs.dense_s if costs else None,
+            measured_fixed_s=costs.fixed_s if costs else 0.0,
         )
 
     # A real board runs at its own speed (a disabled throttle) but has a profile: its rounds'

@@ -297,6 +297,27 @@ def describe_budget(entry: AgentEntry) -> str:
     return f"{p_k:.2f}{reason}"
 
 
+def seconds(value: float) -> str:
+    """Seconds as '12.3', or to two significant digits below one ('0.041')."""
+    return f"{value:.1f}" if value >= 1 else f"{value:.2g}"
+
+
+def describe_train_s(entry: AgentEntry) -> str:
+    """The round's measured training seconds over what its cost table predicted, as
+    '12.3/11.0' (the measured figure alone when there was no prediction)."""
+    measured = figure(entry, "train_s")
+    if measured is None:
+        return ""
+    predicted = figure(entry, "predicted_s")
+    return seconds(measured) + ("" if predicted is None else f"/{seconds(predicted)}")
+
+
+def reduction_of(entry: AgentEntry) -> str:
+    """What the budget made the round do ('prefix', 'width+steps', ...), '' if not said."""
+    reduction = entry.metrics.get("reduction")
+    return escape(reduction[:32]) if isinstance(reduction, str) else ""
+
+
 def describe_bytes(entry: AgentEntry, name: str) -> str:
     """A round's traffic in decimal units (kB, MB), as link speeds are quoted."""
     value = figure(entry, name)
@@ -338,6 +359,8 @@ COLUMNS: dict[str, Cell] = {
     "accuracy": lambda e: describe_metric(e),
     "sparsity": lambda e: describe_number(e, "sparsity", "{:.1%}"),
     "p_k": describe_budget,
+    "train s": describe_train_s,
+    "reduction": reduction_of,
     "sent": lambda e: describe_bytes(e, "bytes_sent"),
     "received": lambda e: describe_bytes(e, "bytes_received"),
     "energy": lambda e: describe_number(e, "energy_j", "{:.1f} J"),
@@ -347,7 +370,9 @@ COLUMNS: dict[str, Cell] = {
 }
 """The table's columns and how each shows an agent; the figures are of its latest round."""
 
-TEXT_COLUMNS = frozenset({"fleet", "agent", "state", "stragglers", "quarantined", "profile"})
+TEXT_COLUMNS = frozenset(
+    {"fleet", "agent", "state", "stragglers", "quarantined", "reduction", "profile"}
+)
 """Columns that wrap; presence and the figures never do."""
 
 WRAP_FLOOR = 13
@@ -358,8 +383,10 @@ LEFT_OUT_FIRST = (
     "energy",
     "stragglers",
     "quarantined",
+    "reduction",
     "received",
     "sent",
+    "train s",
     "sparsity",
 )
 """The columns a table too wide for its width drops, in this order."""
@@ -374,13 +401,17 @@ def fleet_table(
     """The fleet as a table, one row per agent with its latest round's figures; `seen`:
     the (fleet, agent) pairs mDNS sees, which adds that column.
 
-    A single fleet goes in the title rather than a column, and the quarantined column shows
-    only when some agent quarantined someone. To fit `width`, columns are left out
+    A single fleet goes in the title rather than a column, the quarantined column shows
+    only when some agent quarantined someone, "train s" (measured/predicted) only when some
+    agent measures its training and "reduction" only when some agent's budget reduced its
+    round (not all "none"). To fit `width`, columns are left out
     (`LEFT_OUT_FIRST`; the caption says which) rather than folded letter by letter.
     """
     hidden = {
         "fleet": len({e.fleet for e in entries}) < 2,
         "quarantined": not any(e.metrics.get("quarantined") for e in entries),
+        "train s": not any(figure(e, "train_s") is not None for e in entries),
+        "reduction": all(reduction_of(e) in ("", "none") for e in entries),
     }
     names = [name for name in COLUMNS if not hidden.get(name, False)]
     left_out: list[str] = []

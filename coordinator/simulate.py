@@ -18,9 +18,12 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+from agent.device import Budget
+from agent.device.calibration import measure_costs
 from agent.device.throttle import ENERGY_SOURCE, round_energy
 from agent.experiment import (
     ExperimentConfig,
+    Workload,
     agent_profiles,
     attackers,
     build_workload,
@@ -53,6 +56,9 @@ from agent.learning import (
     settle_votes,
     sparse,
 )
+from agent.learning.config import CENTRALIZED
+from agent.learning.costs import CostTable
+from agent.learning.reduction import MEASURED_MODES, measured_kinds
 from agent.report import (
     COORDINATOR,
     AgentRound,
@@ -99,6 +105,7 @@ class Simulation:
         self.learner = workload.learner
         self.data = workload.data
         self.budgets = nominal_budgets(config, workload, self.roster)
+        self.costs = measured_costs(config, workload) if self.budgets else None
         self.profiles = agent_profiles(config, self.roster)
         """Each agent's board, whose model gives its energy (none without --profiles)."""
         self.states = {agent_id: self.learner.init_agent(agent_id) for agent_id in self.roster}
@@ -152,16 +159,12 @@ class Simulation:
         if self.early_stops[k].after(self.learner, weights, train_loss, self.data[k], pruned):
             self.stopped[k] = t
 
-    def _budget(self, k: str) -> float | None:
-        """Agent k's nominal budget p_k (none: it trains whole)."""
-        return self.budgets[k].p_k if k in self.budgets else None
-
     def _start_round(
         self, k: str, topology: RoundTopology, inbox: dict[str, Published]
     ) -> Future[tuple[RoundResult, Reduction]]:
         """Agent k's local round on `inbox`, cut to its budget, started."""
         t, prune_now = topology.round, self.plan.is_pruning_round(topology.round)
-        job = RoundJob(k, self.states[k], inbox, t, prune_now, self._budget(k))
+        job = RoundJob(k, self.states[k], inbox, t, prune_now, self.budgets.get(k), self.costs)
         return self.training.local_round(job)
 
     def _finish_round(
@@ -173,7 +176,7 @@ class Simulation:
         if result.recovered:
             log.warning("%s round %d: model not finite; kept its model from before", k, t)
         self._early_stop(k, t, result.state.weights, result.train_loss, result.pruned)
-        record = AgentRound.of_result(t, k, result, reduction, self._budget(k))
+        record = AgentRound.of_result(t, k, result, reduction, p_k_of(self.budgets, k))
         if k in self.attackers:
             result = attacked(self.learner, result, self.config.attack, t)
         return result, record
@@ -244,7 +247,7 @@ class Simulation:
         self, strategy: CentralStrategy, server: ServerState, k: str, t: int
     ) -> tuple[FitJob, Payload | None]:
         """Participant k's fit to run, after its download (if the strategy has one)."""
-        p_k = participant_p_k(self._budget(k), self.roster, k)
+        p_k = participant_p_k(p_k_of(self.budgets, k), self.roster, k)
         view, download = server, None
         if strategy.downloads:
             download = strategy.download(self.learner, server, k, t, p_k)
@@ -384,6 +387,22 @@ class Simulation:
             record["coordinator"] = dataclasses.asdict(traffic[COORDINATOR])
         record["t_star"] = self.plan.t_star
         return record
+
+
+def p_k_of(budgets: dict[str, Budget], k: str) -> float | None:
+    """Agent k's nominal budget p_k (none: it trains whole)."""
+    return budgets[k].p_k if k in budgets else None
+
+
+def measured_costs(config: ExperimentConfig, workload: Workload) -> CostTable | None:
+    """The host's cost table when `--reduce` chooses by measured costs (prefix, width,
+    auto) in a decentralized run, measured here on the first agent's data (one table for
+    every simulated agent: they share the host); else None."""
+    cfg = config.learning
+    if cfg.reduce not in MEASURED_MODES or cfg.strategy in CENTRALIZED:
+        return None
+    data = workload.data[min(workload.data)]
+    return measure_costs(workload.learner, data, kinds=measured_kinds(cfg.reduce))
 
 
 def with_energy(profiles: dict[str, DeviceProfile], spent: AgentRound) -> AgentRound:

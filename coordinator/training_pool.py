@@ -35,6 +35,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from agent.device import Budget
 from agent.experiment import ExperimentConfig, build_workload
 from agent.learning import (
     AgentState,
@@ -50,6 +51,7 @@ from agent.learning import (
     train_round,
 )
 from agent.learning.central import CENTRAL_STRATEGIES
+from agent.learning.costs import CostTable
 
 __all__ = [
     "FitJob",
@@ -85,7 +87,10 @@ class RoundJob:
     inbox: dict[str, Published]
     round: int
     prune_now: bool
-    p_k: float | None
+    budget: Budget | None
+    """The agent's nominal budget (None: it trains whole)."""
+    costs: CostTable | None = None
+    """The measured costs `--reduce prefix|width|auto` chooses by (None: the FLOP rules)."""
 
 
 class Training(Protocol):
@@ -132,7 +137,17 @@ class InProcess:
         done: Future[tuple[RoundResult, Reduction]] = Future()
         data = self.data[job.agent]
         done.set_result(
-            train_round(self.learner, job.state, data, job.inbox, job.round, job.prune_now, job.p_k)
+            train_round(
+                self.learner,
+                job.state,
+                data,
+                job.inbox,
+                job.round,
+                job.prune_now,
+                job.budget.p_k if job.budget else None,
+                job.costs,
+                job.budget.allowed_mb if job.budget else None,
+            )
         )
         return done
 

@@ -21,6 +21,7 @@ from agent.device import (
 from agent.learning import Learner, LocalData, preset
 from agent.learning.learner import RoundResult
 from agent.learning.models import build_model, prunable_names
+from agent.learning.reduction import Reduction
 from firmware_profiles import ProfileError, list_profiles, load_profile
 
 CUDA = torch.cuda.is_available()
@@ -179,9 +180,10 @@ def _rounds(learner: Learner, data: LocalData) -> list[RoundResult]:
     """Three rounds that take every training path: a neighbour's model and a density cap,
     further pruning and RigL, then frozen neurons (sparse strategies)."""
     a, b = learner.init_agent("a"), learner.init_agent("b")
-    first = learner.local_round(a, data, {"b": learner.published(b, 12)}, 1, True, 0.3)
+    inbox = {"b": learner.published(b, 12)}
+    first = learner.local_round(a, data, inbox, 1, True, Reduction(density_cap=0.3))
     second = learner.local_round(first.state, data, {"b": first.published}, 2, True)
-    third = learner.local_round(second.state, data, {}, 3, False, active_fraction=0.5)
+    third = learner.local_round(second.state, data, {}, 3, False, Reduction(active_fraction=0.5))
     return [first, second, third]
 
 

@@ -157,8 +157,7 @@ def reduction_at(p_k: float, mode: str):
 def test_reduce_prunes_or_freezes_to_the_budget() -> None:
     (_, cost) = reduction_at(1.0, "prune")
     affordable, short, shorter = cost * 1.01, cost * 0.9, cost * 0.75
-    for mode in ("freeze", "auto"):
-        assert reduction_at(affordable, mode)[0] == Reduction()
+    assert reduction_at(affordable, "freeze")[0] == Reduction()
     assert reduction_at(affordable, "prune")[0].density_cap >= 0.5  # a cap that prunes nothing
     pruned, _ = reduction_at(short, "prune")
     assert pruned.density_cap is not None and pruned.density_cap < 0.5
@@ -166,9 +165,7 @@ def test_reduce_prunes_or_freezes_to_the_budget() -> None:
     # Freezing a fraction a costs c (2 + a) / 3: a = 3 x 0.9 - 2 = 0.7 here.
     frozen, _ = reduction_at(short, "freeze")
     assert frozen.density_cap is None and frozen.active_fraction == pytest.approx(0.7)
-    assert reduction_at(short, "auto")[0] == frozen
-    # At 0.75 c only a = 0.25 could train: auto prunes instead; freeze trains that quarter.
-    assert reduction_at(shorter, "auto")[0].density_cap is not None
+    # At 0.75 c only a = 0.25 can train.
     assert reduction_at(shorter, "freeze")[0].active_fraction == pytest.approx(0.25)
     # Below 2/3 c freezing cannot meet the budget at all: it trains the minimum.
     assert reduction_at(cost * 0.5, "freeze")[0].active_fraction == MIN_ACTIVE

@@ -40,17 +40,21 @@ worse. 0.1 errs low on purpose: overestimating a device makes it overrun the rou
 the straggler its neighbours wait for, underestimating it only trains it a little sparser. On
 a real device, replace it with `calibrated_efficiency` of the previous rounds.
 
-Memory does not enter p_k: this implementation keeps masks and frozen entries in dense
-tensors, so a sparser or more frozen model takes the same memory. What memory does limit is
-the batch: `Budget.batch_size` is the largest batch (at most the configured one) whose
-activations fit, and `Budget.memory_factor` tells how far the configured batch is from
+Memory does not enter p_k: a pruned or frozen model keeps its masks and frozen entries in
+dense tensors and takes the same memory; `allowed_mb` is what the measured reductions fit
+(with a smaller batch when needed). The FLOP model of memory here limits the batch:
+`Budget.batch_size` is the largest batch (at most the configured one) whose activations fit,
+and `Budget.memory_factor` tells how far the configured batch is from
 fitting. Allowed memory is memory_fraction x min(available, the profile's memory); when the
 device does not report what is available, the profile's nominal share stands in for it.
 
-What p_k controls (ALGORITHMS.md sections 1, 2 and 5): `density_cap` for a pruned model,
-`active_fraction` for a frozen one. Both count FLOPs the way the project does (the papers'
-convention): a masked-dense PyTorch kernel does the same work at any density, so on a real
-board a lower density cuts counted FLOPs and bytes on the wire, not wall time.
+What p_k controls (ALGORITHMS.md sections 1, 2 and 5; `agent.learning.reduction`):
+`density_cap` for a pruned model, `active_fraction` for a frozen one; both count FLOPs the way
+the papers do, and a masked-dense PyTorch kernel does the same work at any density, so for
+them p_k cuts counted FLOPs and bytes on the wire, not wall time. A layer window or a
+narrower sub-model (`--reduce prefix|width|auto`) is chosen by the device's measured costs
+instead, so that p_k's share of a dense round is a share of real seconds; with a measured
+table (`measured_dense_s`) a real board's time factor is measured too.
 
 CPU frequency is read and reported but not used: between rounds the governor clocks an idle
 CPU down, so current/max would shrink p_k exactly when nothing is wrong; thermal throttling
@@ -380,6 +384,8 @@ class Budget:
     expected_train_s: float
     limited_by: str
     reason: str
+    allowed_mb: float | None = None
+    """Memory the round's training may take [MiB] (what picks a reduction's batch)."""
 
 
 def _clip(x: float, low: float = 0.0, high: float = 1.0) -> float:
@@ -488,11 +494,18 @@ def compute_budget(
     limits: BudgetLimits | None = None,
     efficiency: float = DEFAULT_EFFICIENCY,
     compute: str | None = None,
+    measured_dense_s: float | None = None,
+    measured_fixed_s: float = 0.0,
 ) -> Budget:
     """The budget of one round by the rule in the module docstring (a pure function).
 
     `compute`: the device type the agent trains on ("cpu" or "cuda", `torch.device.type`);
     None budgets the profile's main compute (`peak_fp32_gflops`), as simulate and emulate do.
+    `measured_dense_s`: a dense round's seconds on this device by its measured cost table
+    (`agent.device.calibration`), of which `measured_fixed_s` no reduction cuts (RigL's
+    dense steps, the evaluation); given, the time factor is the share of the rest that fits
+    what round_time_s leaves after the fixed part (both stretched by the load share), as
+    the FLOP rule's `afford` does with counted FLOPs.
     """
     limits = limits or BudgetLimits()
     if not 0 < efficiency <= 1:
@@ -505,6 +518,10 @@ def compute_budget(
     flops_per_s = gflops * 1e9
 
     factors = _factors(profile, reading, work, limits, flops_per_s)
+    if measured_dense_s is not None and measured_dense_s > measured_fixed_s:
+        stretch = 1 + load_share
+        reducible = (measured_dense_s - measured_fixed_s) * stretch
+        factors["time"] = _clip((limits.round_time_s - measured_fixed_s * stretch) / reducible)
     smallest = min(factors, key=lambda name: factors[name])
     p_k = _clip(factors[smallest], limits.min_budget)
     floored = factors[smallest] < limits.min_budget
@@ -514,6 +531,11 @@ def compute_budget(
     memory = _fit_memory(profile, reading, work, limits)
 
     dense_s = (work.fixed_flops + work.train_flops) / flops_per_s
+    expected_s = (work.fixed_flops + p_k * work.train_flops) / flops_per_s
+    if measured_dense_s is not None and measured_dense_s > measured_fixed_s:
+        dense_s = measured_dense_s * (1 + load_share)
+        fixed_s = measured_fixed_s * (1 + load_share)
+        expected_s = fixed_s + p_k * (dense_s - fixed_s)
     marginal_w = profile.max_power_w - profile.idle_power_w
     reason = (
         f"p_k={p_k:.3g}: {_limit_reason(limited_by, dense_s, marginal_w, reading, limits)} "
@@ -539,9 +561,10 @@ def compute_budget(
         memory_factor=memory.factor,
         batch_size=memory.batch_size,
         fits_memory=memory.fits,
-        expected_train_s=(work.fixed_flops + p_k * work.train_flops) / flops_per_s,
+        expected_train_s=expected_s,
         limited_by=limited_by,
         reason=reason,
+        allowed_mb=memory.allowed_mb,
     )
 
 

@@ -1,15 +1,18 @@
 """Emulation throttle: an agent on a laptop takes the time its profile's board would take.
 
 Compute. The emulated board trains at the budget's effective rate, peak_fp32_gflops x
-efficiency (`agent.device.budget`), so a round of F counted training FLOPs takes F / rate seconds
-there; the agent sleeps for whatever its real computation left of that. The target comes from
+efficiency (`agent.device.budget`), so a dense round of F counted training FLOPs takes F / rate
+seconds there. A round the budget cut takes the share of that the host measured for its
+reduction (`board_seconds`, from the cost table of `agent.device.calibration`): a pruned
+masked-dense model takes as long as the dense one, as it would on the board. Without a cost
+table (the centralized strategies) the round's counted FLOPs stand in. The agent sleeps for
+whatever its real computation left of that. The target comes from
 FLOPs, not from scaling the host's measured time by a host/board speed ratio, because:
 several emulated agents share the host's cores, and contention would stretch a ratio-scaled
 time but not this one; a host matmul benchmark against a board's datasheet peak compares an
 achieved rate with a peak one; and the budget predicted its p_k with this same model, so an
-emulated board meets exactly the round time its budget planned for. Counted FLOPs shrink with
-density (the papers' convention), so the emulated board runs sparse kernels as fast as dense
-ones. When the host is slower than the board the delay is 0 and the round is simply late.
+emulated board meets the round time its budget planned for when its reduction really saves
+that time. When the host is slower than the board the delay is 0 and the round is simply late.
 
 Link. A transfer of B bytes takes latency + 8 B / (link_bandwidth_mbps x 1e6) seconds on the
 board's link; the agent sleeps that long before it sends and after it receives, since the
@@ -139,6 +142,17 @@ class Throttle:
     def after_compute(self, measured_s: float, flops: float) -> float:
         """Sleep out the rest of the board's time for `flops` counted training FLOPs."""
         return self._wait(compute_delay_s(measured_s, flops, self.device_gflops))
+
+    def board_seconds(self, fixed_flops: float, train_flops: float, share: float) -> float:
+        """The board's time for a round whose training takes `share` of a dense round by
+        this host's measured costs (`agent.device.calibration`): the dense round's time on
+        the board (its counted FLOPs at the effective rate, as its budget plans) scaled by
+        the measured share; the fixed part (RigL's dense gradient) is not reduced."""
+        return (fixed_flops + share * train_flops) / (self.device_gflops * 1e9)
+
+    def until(self, measured_s: float, board_s: float) -> float:
+        """Sleep out the rest of `board_s` after `measured_s` of real compute."""
+        return self._wait(max(0.0, board_s - measured_s))
 
     def before_send(self, num_bytes: int) -> float:
         """Sleep for the time `num_bytes` take on the board's uplink."""

@@ -33,7 +33,7 @@ ADAM_FAMILY = ("fedadam", "fedadam-top", "fedadam-ssm")
 STOP_LAMBDA = 0.7
 
 
-REDUCE_MODES = ("prune", "freeze", "auto")
+REDUCE_MODES = ("prune", "freeze", "prefix", "width", "auto")
 
 
 WIRE_FORMATS = ("full", "delta", "layers")
@@ -89,8 +89,10 @@ class StrategyConfig:
     )
     reduce: str = param(
         "prune",
-        "How a sparse agent cuts compute to its budget p_k: prune (cap its density), freeze "
-        "(train a p_k fraction of its neurons, FedSPU-style) or auto (freeze at p_k >= 0.5).",
+        "How an agent cuts its round to its budget p_k: prune (cap a sparse model's density: "
+        "a FLOP and byte budget, the paper's), freeze (train a fraction of the neurons, "
+        "FedSPU-style), prefix (train a window of layers), width (train a narrower sub-model) "
+        "or auto (of freeze, prefix and width, what fits by measured cost).",
     )
     early_stop: bool = param(
         False,

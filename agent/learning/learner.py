@@ -34,9 +34,12 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 from torch import nn
 
-from agent.learning import pqi, pruning, rigl, robust, sparse
+from agent.learning import pqi, prefix, pruning, rigl, robust, sparse
 from agent.learning.config import ADAM_FAMILY, DECENTRALIZED, STOP_LAMBDA, StrategyConfig
 from agent.learning.models import flops_from_positions, output_positions
+from agent.learning.prefix import Layer
+from agent.learning.reduced import reduced_training
+from agent.learning.reduction import NO_REDUCTION, Reduction
 from agent.learning.sparse import Masks, State
 from agent.learning.tasks import Task
 from agent.learning.training import (
@@ -45,22 +48,13 @@ from agent.learning.training import (
     derive_seed,
     evaluate,
     model_device,
-    train_local,
 )
 
 if TYPE_CHECKING:
     from agent.learning.freezing import FreezingPlan
+    from agent.learning.width import WidthPlan
 
 log = logging.getLogger(__name__)
-
-
-def frozen_training_flops(learner: Learner, masks: Masks | None, active: Masks) -> int:
-    """Training FLOPs per sample with frozen weights: the forward pass and the input-gradient
-    pass run through every kept weight (frozen neurons still pass gradients back to active
-    ones), the weight-gradient pass only through the active ones: 2 F + F_active."""
-    masks = masks or {}
-    trainable = {n: a & masks[n] if n in masks else a for n, a in active.items()}
-    return 2 * learner.forward_flops(masks or None) + learner.forward_flops(trainable)
 
 
 @dataclass(frozen=True)
@@ -300,29 +294,40 @@ class Learner:
             inbox = {j: dataclasses.replace(p, weights=clipped[j]) for j, p in inbox.items()}
         return combine(agent, inbox, robust.parse_rule(self.config.aggregation))
 
+    @functools.cached_property
+    def forward_layers(self) -> tuple[Layer, ...]:
+        """The layers a window trains (`agent.learning.prefix`), in forward order: read once
+        with a probe pass."""
+        return prefix.forward_layers(self.model, self.input_shape)
+
+    @functools.cached_property
+    def width_plan(self) -> WidthPlan:
+        """The channels a narrower sub-model keeps (`agent.learning.width`), traced once."""
+        from agent.learning.width import width_plan
+
+        plan = width_plan(self.model, self.input_shape)
+        if plan.note is not None:
+            log.warning("%s", plan.note)
+        return plan
+
     def _starting_point(
-        self,
-        agent: AgentState,
-        inbox: dict[str, Published],
-        round_: int,
-        density_cap: float | None,
-        active_fraction: float | None,
+        self, agent: AgentState, inbox: dict[str, Published], round_: int, reduction: Reduction
     ) -> tuple[State, AgentState, Masks | None]:
-        """The round's start: the aggregate (eq. 7), pruned to `density_cap` by magnitude if
-        the budget caps the density, and with `active_fraction` the neurons that train (the
-        rest frozen). Returns the start, the agent (with its capped masks) and the active
-        masks (None: everything trains)."""
+        """The round's start: the aggregate (eq. 7), pruned to the reduction's density cap by
+        magnitude if the budget caps the density, and with an active fraction the neurons
+        that train (the rest frozen). Returns the start, the agent (with its capped masks)
+        and the active masks (None: everything trains)."""
         start = self.aggregate(agent, inbox)
-        if agent.masks is not None and density_cap is not None:
-            capped = rigl.prune_to_density(start, agent.masks, density_cap)
+        if agent.masks is not None and reduction.density_cap is not None:
+            capped = rigl.prune_to_density(start, agent.masks, reduction.density_cap)
             agent = dataclasses.replace(agent, masks=capped)
             start = sparse.apply_masks(start, capped)
         active = None
-        if active_fraction is not None:
+        if reduction.active_fraction is not None:
             from agent.learning.freezing import active_masks
 
             generator = self.generator("active", agent.agent_id, round_)
-            active = active_masks(self.freezing_plan, start, active_fraction, generator)
+            active = active_masks(self.freezing_plan, start, reduction.active_fraction, generator)
         return start, agent, active
 
     def _rigl(
@@ -355,39 +360,31 @@ class Learner:
         inbox: dict[str, Published],
         round_: int,
         prune_now: bool,
-        density_cap: float | None = None,
-        active_fraction: float | None = None,
+        reduction: Reduction = NO_REDUCTION,
     ) -> RoundResult:
         """One decentralized round of agent k: aggregate, train, vote, prune, RigL, evaluate.
 
         The order follows the paper's Algorithm 1: the vote scores the freshly trained model,
         further pruning (when `prune_now` and sparsity < s*) precedes the RigL update, and the
-        reported accuracy is that of the model the agent keeps and publishes. A `density_cap`
-        below the current density (the device's budget, `reduction.density_cap`) prunes the
-        aggregated model to the cap by magnitude before training; an `active_fraction`
-        instead trains that fraction of the neurons and freezes the rest (`--reduce`).
+        reported accuracy is that of the model the agent keeps and publishes. The device's
+        budget cuts the training as `reduction` says (`agent.learning.reduction`): a density
+        cap below the current density prunes the aggregated model to the cap by magnitude
+        before training; an active fraction trains that fraction of the neurons and freezes
+        the rest; a window or a width trains part of the layers or a narrower sub-model.
         """
         cfg = self.config
         before = agent
-        start, agent, active = self._starting_point(
-            agent, inbox, round_, density_cap, active_fraction
-        )
-        trained = train_local(
-            self.model,
+        start, agent, active = self._starting_point(agent, inbox, round_, reduction)
+        trained, flops = reduced_training(
+            self,
             start,
             agent.masks,
-            data.x_train,
-            data.y_train,
-            cfg.sgd,
+            active,
+            reduction,
+            data,
             round_,
             self.generator("train", agent.agent_id, round_),
-            frozen=active,
-            task=self.task,
         )
-        if active is None:
-            flops = self.train_flops(agent.masks, trained.samples)
-        else:
-            flops = frozen_training_flops(self, agent.masks, active) * trained.samples
         weights, masks = trained.state, agent.masks
         vote: bool | None = None
         score: float | None = None

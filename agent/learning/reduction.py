@@ -1,12 +1,49 @@
-"""How a budgeted agent cuts a round to p_k: prune to a density cap, freeze neurons, or the
-rule that picks between them (ALGORITHMS.md 5)."""
+"""How a budgeted agent cuts a round to p_k (ALGORITHMS.md 5).
+
+Two kinds of budget. The paper's reductions count FLOPs: `prune` caps a sparse model's
+density (DA-DPFL's way) and `freeze` trains a p_k fraction of the neurons (FedSPU's way).
+With masked-dense kernels a lower density saves counted FLOPs and bytes on the wire, not
+seconds or memory, so for `prune` p_k is a FLOP and byte budget, and it stays the default
+because it is the paper's algorithm. The physical reductions are chosen by the device's
+measured costs (`agent.learning.costs`): `prefix` trains a window of layers (the rest frozen,
+the layers before it without a backward pass), `width` trains a narrower sub-model, and
+`auto` takes, of those that fit the time and memory budget, the one of least expected
+accuracy cost. Below every measured floor a round trains fewer minibatches; when the
+configured batch does not fit the memory, a smaller one.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-from agent.learning.learner import Learner
+from agent.learning.costs import CostTable, Row
+from agent.learning.prefix import Window, round_window
 from agent.learning.sparse import Masks
+
+if TYPE_CHECKING:
+    from agent.learning.learner import Learner
+
+MEASURED_KINDS = ("freeze", "width", "prefix")
+"""The reductions `auto` chooses among, least expected accuracy cost first: freezing trains
+every layer a little (it fits only mild budgets: its weight gradients are a third of a
+step); a narrower model trains every layer's rolling share of channels; a layer window
+trains only the windows that fit, which at a low budget leaves the layers near the input
+untrained on that device (bench/reduction_accuracy.py: at equal p_k width cost least on
+digits, prefix on mnist1d; the order is a decision, easy to change)."""
+
+MEASURED_MODES = ("prefix", "width", "auto")
+"""The `--reduce` modes that choose by measured costs (the others by counted FLOPs)."""
+
+MIN_ACTIVE = 0.05
+
+
+def measured_kinds(mode: str) -> tuple[str, ...]:
+    """The reductions whose costs an agent measures under `--reduce mode`: auto's choices,
+    or the mode's own kind (prune and freeze for their prediction)."""
+    return MEASURED_KINDS if mode == "auto" else (mode,)
 
 
 def capped_density(learner: Learner, p_k: float | None, masks: Masks | None) -> float | None:
@@ -16,47 +53,208 @@ def capped_density(learner: Learner, p_k: float | None, masks: Masks | None) -> 
     return density_cap(p_k, learner.config.density, learner.flops_per_density(masks))
 
 
-FREEZE_MIN_ACTIVE = 0.5
-"""`--reduce auto` freezes when that leaves at least this fraction of neurons training."""
-
-
-MIN_ACTIVE = 0.05
-
-
 @dataclass(frozen=True)
 class Reduction:
-    """How an agent cuts this round's compute to its budget (ALGORITHMS.md 5)."""
+    """How an agent cuts this round to its budget, and why (ALGORITHMS.md 5)."""
 
     density_cap: float | None = None
     """Prune the aggregated model to this density first (DA-DPFL's way)."""
     active_fraction: float | None = None
     """Train only this fraction of the neurons, freezing the rest (FedSPU's way)."""
+    window: Window | None = None
+    """Train only these layers (`agent.learning.prefix`), the others frozen."""
+    width: float | None = None
+    """Train a sub-model of this fraction of every hidden channel (`agent.learning.width`)."""
+    step_fraction: float | None = None
+    """Train only this fraction of the round's minibatches: the last resort."""
+    batch_size: int | None = None
+    """A smaller batch than configured, so that the round fits the memory."""
+    kind: str = "none"
+    """What the round does: none, prune, freeze, prefix, width (with steps: + fewer steps)."""
+    predicted: float | None = None
+    """The measured share of a dense round's time this reduction takes (None unmeasured)."""
+    why: str = ""
+    """One line for the status: what was chosen and what it was chosen over."""
 
 
-def local_reduction(learner: Learner, p_k: float | None, masks: Masks | None) -> Reduction:
-    """`--reduce`: prune (cap the density), freeze (train a fraction of the neurons, the rest
-    frozen and kept), or auto (freeze if at least half the neurons can still train, else prune).
+NO_REDUCTION = Reduction()
+"""A round trained whole."""
+
+
+def local_reduction(
+    learner: Learner,
+    p_k: float | None,
+    masks: Masks | None,
+    *,
+    costs: CostTable | None = None,
+    round_: int = 0,
+    memory_mb: float | None = None,
+) -> Reduction:
+    """The round's reduction under `--reduce`.
+
+    prune and freeze follow the FLOP rule (`flop_reduction`); with a cost table they carry
+    its prediction too. prefix, width and auto choose by the measured `costs`, which they
+    need (ValueError without); `memory_mb` is what training may take, `round_` turns the
+    prefix windows.
+    """
+    mode = learner.config.reduce
+    if mode in ("prune", "freeze"):
+        chosen = flop_reduction(learner, p_k, masks)
+        return _predicted(chosen, costs, learner.config.density if masks is not None else 1.0)
+    if p_k is None or p_k >= 1.0 and memory_mb is None:
+        return Reduction()
+    if costs is None:
+        raise ValueError(f"--reduce {mode} chooses by measured costs, and none were measured")
+    return measured_reduction(
+        costs, measured_kinds(mode), p_k, round_, memory_mb, learner.config.batch_size
+    )
+
+
+def flop_reduction(learner: Learner, p_k: float | None, masks: Masks | None) -> Reduction:
+    """`--reduce prune` (cap the density) or `freeze` (train a fraction of the neurons, the
+    rest frozen and kept), by counted FLOPs: the papers' budgets.
 
     p_k is the fraction of a dense round's FLOPs the agent can afford; a full round of the
     sparse model costs c, its FLOP fraction. A frozen weight skips only its weight-gradient
     pass, a third of its cost (`frozen_training_flops`), so training a fraction a of the
     weights costs c (2 + a) / 3 and a = 3 p_k / c - 2 meets the budget; taking a as the
     neuron fraction errs on the cheap side (a weight trains only when both its neurons do).
-    Freezing cannot go below 2/3 of a round: an agent further short needs pruning, which
-    auto picks.
+    Freezing cannot go below 2/3 of a round by this count, so it trains at least MIN_ACTIVE.
     """
     if p_k is None or masks is None:
         return Reduction()
     cost = learner.forward_flops(masks) / learner.dense_flops
-    mode = learner.config.reduce
-    active = 3.0 * p_k / cost - 2.0
-    if mode == "auto":
-        mode = "freeze" if active >= FREEZE_MIN_ACTIVE else "prune"
-    if mode == "freeze":
+    if learner.config.reduce == "freeze":
+        active = 3.0 * p_k / cost - 2.0
         if active >= 1.0:
             return Reduction()
-        return Reduction(active_fraction=max(active, MIN_ACTIVE))
-    return Reduction(density_cap=capped_density(learner, p_k, masks))
+        fraction = max(active, MIN_ACTIVE)
+        return Reduction(active_fraction=fraction, kind="freeze")
+    return Reduction(density_cap=capped_density(learner, p_k, masks), kind="prune")
+
+
+def _predicted(reduction: Reduction, costs: CostTable | None, density: float) -> Reduction:
+    """A FLOP rule's reduction with the table's measured share of a dense round."""
+    if costs is None:
+        return reduction
+    if reduction.kind == "freeze" and reduction.active_fraction is not None:
+        share = costs.interpolated("freeze", reduction.active_fraction)
+    elif reduction.kind == "prune":
+        share = costs.interpolated("prune", reduction.density_cap or density)
+    else:
+        share = 1.0
+    return replace(reduction, predicted=share)
+
+
+@dataclass(frozen=True)
+class _Option:
+    kind: str
+    row: Row
+    share: float
+    batch_size: int | None
+
+
+def _fitting_batch(row: Row, costs: CostTable, batch: int, memory_mb: float | None) -> int | None:
+    """The batch this row trains at within `memory_mb`: the configured one if it fits, else
+    the largest smaller one; 0 when not even one sample fits."""
+    if memory_mb is None or row.cost.peak_at(batch, costs.batch_size) <= memory_mb:
+        return batch
+    per_sample = row.cost.activation_mb / costs.batch_size
+    room = (memory_mb - row.cost.fixed_mb) / per_sample if per_sample > 0 else 0.0
+    return min(batch, math.floor(room)) if room >= 1 else 0
+
+
+def _covered(costs: CostTable, level: float, p_k: float) -> int:
+    """How many layers the prefix windows of `level` that fit p_k train between them."""
+    rows = [row for row in costs.of_kind("prefix") if row.level == level and row.window]
+    return sum(r.window[1] - r.window[0] for r in rows if r.window and costs.fraction(r) <= p_k)
+
+
+def _options(
+    costs: CostTable, kind: str, p_k: float, round_: int, memory_mb: float | None, batch: int
+) -> list[_Option]:
+    """Every level of `kind` that fits the memory (at some batch), best level first; for
+    prefix, each level's window of this round among those of that level that fit p_k, the
+    level whose fitting windows train the most layers first (a window that alone fits
+    would train the same layers every round and leave the others as they were)."""
+    options = []
+    levels = sorted({row.level for row in costs.of_kind(kind)}, reverse=True)
+    if kind == "prefix":
+        levels.sort(key=lambda level: _covered(costs, level, p_k), reverse=True)
+    for level in levels:
+        rows = [row for row in costs.of_kind(kind) if row.level == level]
+        sized = [(row, _fitting_batch(row, costs, batch, memory_mb)) for row in rows]
+        sized = [(row, size) for row, size in sized if size]
+        if kind == "prefix":
+            fitting = [row for row, _ in sized if costs.fraction(row) <= p_k]
+            if fitting:
+                window = round_window([row.window for row in fitting if row.window], round_)
+                sized = [(row, size) for row, size in sized if row.window == window]
+        for row, size in sized:
+            share = costs.fraction(row)
+            options.append(_Option(kind, row, share, None if size == batch else size))
+    return options
+
+
+def measured_reduction(
+    costs: CostTable,
+    kinds: Sequence[str],
+    p_k: float,
+    round_: int,
+    memory_mb: float | None,
+    batch: int,
+) -> Reduction:
+    """The first of `kinds` (least expected accuracy cost first) with a level whose measured
+    cost fits p_k and whose memory fits `memory_mb`, at its highest such level. When none
+    fits, the cheapest measured option, training only p_k / its cost of the minibatches."""
+    dense_fits = _fitting_batch(_dense_row(costs), costs, batch, memory_mb)
+    if p_k >= 1.0 and dense_fits == batch:
+        return Reduction(why="a dense round fits the budget")
+    passed: list[str] = []
+    for kind in kinds:
+        options = _options(costs, kind, p_k, round_, memory_mb, batch)
+        fitting = [option for option in options if option.share <= p_k]
+        if fitting:
+            return _as_reduction(fitting[0], p_k, passed, step_fraction=None)
+        passed.append(f"{kind} (cheapest {min((o.share for o in options), default=1.0):.2f})")
+    every = [o for kind in kinds for o in _options(costs, kind, 1.0, round_, memory_mb, batch)]
+    if not every:
+        raise ValueError(f"no measured reduction of {', '.join(kinds)} fits {memory_mb} MiB")
+    cheapest = min(every, key=lambda option: option.share)
+    return _as_reduction(cheapest, p_k, passed, step_fraction=p_k / cheapest.share)
+
+
+def _dense_row(costs: CostTable) -> Row:
+    return Row("none", 1.0, costs.dense)
+
+
+def _as_reduction(
+    option: _Option, p_k: float, passed: list[str], step_fraction: float | None
+) -> Reduction:
+    row = option.row
+    level = Reduction(
+        active_fraction=row.level if option.kind == "freeze" else None,
+        window=row.window if option.kind == "prefix" else None,
+        width=row.level if option.kind == "width" else None,
+        density_cap=row.level if option.kind == "prune" else None,
+    )
+    share = option.share if step_fraction is None else option.share * step_fraction
+    why = f"{option.kind} {row.level:.2f} takes {option.share:.2f} of a dense round"
+    why += f" (p_k {p_k:.2f})"
+    if passed:
+        why += "; " + ", ".join(passed) + " do not fit"
+    if step_fraction is not None:
+        why += f"; below every floor: {step_fraction:.2f} of the minibatches"
+    if option.batch_size is not None:
+        why += f"; batch {option.batch_size} to fit the memory"
+    return replace(
+        level,
+        step_fraction=step_fraction,
+        batch_size=option.batch_size,
+        kind=option.kind + ("+steps" if step_fraction is not None else ""),
+        predicted=share,
+        why=why,
+    )
 
 
 def density_cap(p_k: float, initial_density: float, flops_per_density: float = 1.0) -> float:

@@ -33,6 +33,7 @@ from agent.learning.central import (
     static_tier,
 )
 from agent.learning.config import StrategyConfig
+from agent.learning.costs import CostTable
 from agent.learning.learner import AgentState, Learner, LocalData, Published, RoundResult
 from agent.learning.reduction import Reduction, local_reduction
 from agent.learning.sparse import State
@@ -115,19 +116,16 @@ def train_round(
     round_: int,
     prune_now: bool,
     p_k: float | None,
+    costs: CostTable | None = None,
+    memory_mb: float | None = None,
 ) -> tuple[RoundResult, Reduction]:
     """A decentralized agent's local round, cut to its budget p_k first (`--reduce`): the
-    reduction (prune to a density cap, or freeze neurons) and then `Learner.local_round`."""
-    reduction = local_reduction(learner, p_k, state.masks)
-    result = learner.local_round(
-        state,
-        data,
-        inbox,
-        round_,
-        prune_now,
-        density_cap=reduction.density_cap,
-        active_fraction=reduction.active_fraction,
+    reduction (`local_reduction`, by counted FLOPs or by the measured `costs`, within
+    `memory_mb`) and then `Learner.local_round`."""
+    reduction = local_reduction(
+        learner, p_k, state.masks, costs=costs, round_=round_, memory_mb=memory_mb
     )
+    result = learner.local_round(state, data, inbox, round_, prune_now, reduction=reduction)
     return result, reduction
 
 

@@ -12,13 +12,15 @@ where messages, checkpoints and reports read it. On the CPU every copy is a no-o
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from agent.learning.exact_freezing import active_block_gradients
 from agent.learning.sparse import Masks, State, apply_masks_
 from agent.learning.tasks import Task
 
@@ -115,6 +117,32 @@ def sgd_step_(
         param.add_(grad, alpha=-lr)
 
 
+@contextlib.contextmanager
+def _only_trainable(model: nn.Module, trainable: set[str] | None) -> Iterator[None]:
+    """Within: only the `trainable` parameters require gradients, and the buffers outside it
+    (BatchNorm's running statistics, which a train-mode forward updates) are put back on
+    exit. Everything requires gradients again afterwards, as before."""
+    if trainable is None:
+        yield
+        return
+    frozen = [p for name, p in model.named_parameters() if name not in trainable]
+    buffers = [
+        (buffer, buffer.detach().clone())
+        for name, buffer in model.named_buffers()
+        if name not in trainable
+    ]
+    for param in frozen:
+        param.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for param in frozen:
+            param.requires_grad_(True)
+        with torch.no_grad():
+            for buffer, start in buffers:
+                buffer.copy_(start)
+
+
 def train_local(
     model: nn.Module,
     state: State,
@@ -126,6 +154,8 @@ def train_local(
     generator: torch.Generator,
     *,
     frozen: Masks | None = None,
+    trainable: set[str] | None = None,
+    step_fraction: float | None = None,
     task: Task = CLASSIFICATION,
 ) -> TrainResult:
     """E epochs of (masked) SGD from `state`; weights outside the mask stay exactly 0.
@@ -135,7 +165,14 @@ def train_local(
     masks (True = trainable, ALGORITHMS.md 2): entries where it is False are put back to
     their starting values after every step, so they come out bit-identical whatever the
     gradient, weight decay or momentum did, while still taking part in the forward pass
-    (frozen buffers, such as BatchNorm's running statistics, are put back likewise).
+    (frozen buffers, such as BatchNorm's running statistics, are put back likewise). The
+    backward pass computes conv and linear weight gradients for the active block only
+    (`exact_freezing`), which gives the same values bit for bit in less time.
+    `trainable` names the only tensors that train (a layer window, `agent.learning.prefix`):
+    the other parameters do not require gradients for the round, so no backward pass runs
+    before the first trainable layer and none of its activations are kept; their values and
+    buffers come out unchanged. `step_fraction` trains only that fraction of the round's
+    minibatches (at least one), the budget's last resort.
     """
     load_weights(model, state)
     model.train()
@@ -159,9 +196,15 @@ def train_local(
         for param, mask in masked.values():
             param.mul_(mask)
 
-    mean_loss, samples = minibatch_epochs(
-        model, x, y, config.epochs, config.batch_size, generator, step, task
-    )
+    steps = None
+    if step_fraction is not None:
+        per_epoch = -(-len(y) // min(config.batch_size, max(len(y), 1)))
+        steps = max(1, int(step_fraction * config.epochs * per_epoch))
+    active = {name: mask for name, (_, mask, _) in kept.items()}
+    with _only_trainable(model, trainable), active_block_gradients(model, active):
+        mean_loss, samples = minibatch_epochs(
+            model, x, y, config.epochs, config.batch_size, generator, step, task, steps
+        )
     new_state = cpu_state(model)
     if masks:
         apply_masks_(new_state, masks)
@@ -177,14 +220,18 @@ def minibatch_epochs(
     generator: torch.Generator,
     step: Callable[[], None],
     task: Task = CLASSIFICATION,
+    max_steps: int | None = None,
 ) -> tuple[float, int]:
     """`epochs` passes of minibatches of the task's loss in `_batches` order, calling `step` (in
     no_grad) after each backward; returns (mean batch loss, samples seen). The loop every
-    local optimizer shares, so SGD and Adam see the same batches for the same generator."""
+    local optimizer shares, so SGD and Adam see the same batches for the same generator.
+    `max_steps` ends the loop early (the batch order stays that of the full round)."""
     total_loss, steps, samples = 0.0, 0, 0
     device = model_device(model)
     for _ in range(epochs):
         for batch in _batches(len(y), batch_size, generator):
+            if max_steps is not None and steps >= max_steps:
+                break
             model.zero_grad(set_to_none=True)
             inputs = x[batch].to(device)
             loss = task.loss(model(inputs), task.target(inputs, y[batch].to(device)))

@@ -22,6 +22,7 @@ import logging
 import time
 from typing import Any
 
+from agent.device.calibration import ActivationMeter, working_set_mb
 from agent.experiment import attackers, compute_slot
 from agent.learning import (
     Need,
@@ -38,7 +39,7 @@ from agent.report import AgentRound
 from agent.runtime import checkpoint
 from agent.runtime.asking import Asking
 from agent.runtime.codec import all_finite, values_sent
-from agent.runtime.session import Session
+from agent.runtime.session import RoundClock, Session
 from agent.runtime.wire import Have, Wait, Wire
 from protocol import ProtocolError, messages, topics
 
@@ -214,18 +215,28 @@ class DecentralizedRounds:
         waited = time.monotonic() - started
         prune_now = self.prune_now(round_)
         budget = s.budget()
+        meter = ActivationMeter()
         with compute_slot():
             compute_started = time.monotonic()
-            result, reduction = train_round(
-                s.learner,
-                s.state,
-                s.data,
-                inbox,
-                round_,
-                prune_now,
-                budget.p_k if budget else None,
-            )
-        throttled = s.after_compute(compute_started, result.train_flops)
+            with meter.measuring():
+                result, reduction = train_round(
+                    s.learner,
+                    s.state,
+                    s.data,
+                    inbox,
+                    round_,
+                    prune_now,
+                    budget.p_k if budget else None,
+                    s.costs.table if s.costs else None,
+                    budget.allowed_mb if budget else None,
+                )
+        if s.costs is not None:
+            clock = s.after_reduced_compute(compute_started, reduction)
+        else:
+            slept = s.after_compute(compute_started, result.train_flops)
+            clock = RoundClock(slept, time.monotonic() - compute_started, None)
+        throttled = clock.throttled_s
+        peak_mb = meter.megabytes + working_set_mb(s.learner, reduction)
         s.state = result.state
         if result.recovered:
             log.warning("round %d: model not finite; kept the model from before it", round_)
@@ -243,6 +254,9 @@ class DecentralizedRounds:
             nonzeros_sent=nonzeros,
             limited_by=budget.limited_by if budget else "none",
             throttled_s=round(throttled, 3),
+            train_s=round(clock.train_s, 4),
+            predicted_s=None if clock.predicted_s is None else round(clock.predicted_s, 4),
+            peak_memory_mb=round(peak_mb, 2),
             stragglers=stragglers,
             wait_s=round(waited, 3),
             t_star=self.plan.t_star,

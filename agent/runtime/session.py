@@ -24,9 +24,12 @@ from typing import Any, Protocol
 from typing_extensions import Required, TypedDict
 
 from agent.device import Budget, Throttle
+from agent.device.budget import RoundWork
+from agent.device.calibration import RoundCosts
 from agent.device.throttle import ENERGY_SOURCE
-from agent.experiment import ExperimentConfig, Workload, compute_slot
+from agent.experiment import ExperimentConfig, Workload, compute_slot, round_work
 from agent.learning import AgentState, EarlyStop, Learner, Masks, Published, State
+from agent.learning.reduction import Reduction
 from agent.report import AgentRound
 from agent.runtime.codec import expected_shapes
 from agent.runtime.inbox import Expected, Inbox
@@ -48,6 +51,11 @@ STATUS_FIGURES = (
     "quarantined",
     "t_star",
     "energy_j",
+    "reduction",
+    "reduction_why",
+    "train_s",
+    "predicted_s",
+    "peak_memory_mb",
 )
 """The round figures a status shows (with `metric`, the name of the figure under
 "accuracy": the task's metric); it also carries the whole round record, from which
@@ -193,6 +201,16 @@ class RoundDriver(Protocol):
         """The run is over: stop serving and clean up what the broker holds for us."""
 
 
+@dataclass(frozen=True)
+class RoundClock:
+    """A round's computation by the device's clock: what an emulated board slept, the
+    round's seconds (host and sleep) and what the measured costs predicted (None without)."""
+
+    throttled_s: float
+    train_s: float
+    predicted_s: float | None
+
+
 class SessionOptions(TypedDict, total=False):
     """`Session`'s arguments other than `expects`, as `AgentRuntime` takes and passes them."""
 
@@ -209,6 +227,7 @@ class SessionOptions(TypedDict, total=False):
     stop: threading.Event | None
     budget: Callable[[], Budget | None] | None
     throttle: Throttle | None
+    costs: RoundCosts | None
     telemetry: bool
     cancelled: threading.Event | None
     start_from: tuple[State, Masks | None] | None
@@ -262,6 +281,7 @@ class Session:
         stop: threading.Event | None = None,
         budget: Callable[[], Budget | None] | None = None,
         throttle: Throttle | None = None,
+        costs: RoundCosts | None = None,
         telemetry: bool = False,
         cancelled: threading.Event | None = None,
         start_from: tuple[State, Masks | None] | None = None,
@@ -294,6 +314,12 @@ class Session:
         self.say = say or log.info
         self.budget = budget or (lambda: None)
         self.throttle = throttle
+        self.costs = costs
+        """This device's measured costs, when a budget or `--reduce` needs them."""
+        self.board_work: RoundWork | None = None
+        """An emulated board's dense round, which its throttle scales by measured cost."""
+        if costs is not None and throttle is not None and throttle.enabled:
+            self.board_work = round_work(self.config, self.learner, len(self.data.y_train))
         self.telemetry = telemetry
         self.inbox = run_inbox(fleet, run, self.learner, transport, key, expects or {})
         self.state: AgentState = self.learner.init_agent(agent_id)
@@ -368,6 +394,23 @@ class Session:
         if self.throttle is None:
             return 0.0
         return self.throttle.after_compute(self._trained_s, train_flops)
+
+    def after_reduced_compute(self, started: float, reduction: Reduction) -> RoundClock:
+        """`after_compute` for a round cut by `reduction` with measured costs: an emulated
+        board sleeps out its time for the reduction's measured share of a dense round
+        (`Throttle.board_seconds`), not its counted FLOPs; the round's clock and prediction
+        come back with what was slept."""
+        host_s = self._trained_s = time.monotonic() - started
+        if self.costs is None:
+            return RoundClock(0.0, host_s, None)
+        predicted = self.costs.predicted_s(reduction)
+        if self.throttle is None or not self.throttle.enabled or self.board_work is None:
+            return RoundClock(0.0, host_s, predicted)
+        share = 1.0 if reduction.predicted is None else reduction.predicted
+        work = self.board_work
+        board_s = self.throttle.board_seconds(work.fixed_flops, work.train_flops, share)
+        slept = self.throttle.until(host_s, board_s)
+        return RoundClock(slept, host_s + slept, board_s)
 
     def status(
         self, state: str, round_: int, metrics: dict[str, Any], votes: Mapping[int, bool]

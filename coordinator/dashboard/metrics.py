@@ -8,7 +8,7 @@ or one per fleet) do not share series.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -43,6 +43,48 @@ SAVED = (
     ("bytes", "saved_bytes", "Bytes early stopping saved the agent."),
     ("energy_j", "saved_energy_joules", "Training energy [J] early stopping saved the agent."),
 )
+
+
+def peak_memory_bytes(row: Mapping[str, Any]) -> float | None:
+    """The round's peak training memory in bytes (agents report MiB)."""
+    mib = row.get("peak_memory_mb")
+    return None if mib is None else mib * 2**20
+
+
+def prediction_error(row: Mapping[str, Any]) -> float | None:
+    """(measured - predicted) / predicted training seconds: how far the agent's cost table
+    was off, positive when the round took longer than predicted."""
+    measured, predicted = row.get("train_s"), row.get("predicted_s")
+    if measured is None or predicted is None or predicted <= 0:
+        return None
+    return float((measured - predicted) / predicted)
+
+
+ROUND_COST_GAUGES: tuple[tuple[str, str, Callable[[Mapping[str, Any]], float | None]], ...] = (
+    (
+        "train_seconds",
+        "Seconds the agent's latest local training took by its device's clock.",
+        lambda row: row.get("train_s"),
+    ),
+    (
+        "predicted_train_seconds",
+        "Seconds the agent's measured cost table predicted for its latest local training.",
+        lambda row: row.get("predicted_s"),
+    ),
+    (
+        "peak_training_memory_bytes",
+        "Peak training memory of the agent's latest round [bytes].",
+        peak_memory_bytes,
+    ),
+    (
+        "prediction_error_ratio",
+        "(measured - predicted) / predicted seconds of the agent's latest local training.",
+        prediction_error,
+    ),
+)
+"""(metric name after edgefl_agent_, help, value of a row or None) of the round-cost gauges,
+each given only for agents whose latest status has its figures (`.get`: a row of an older
+dashboard state may lack them)."""
 FLEET_GAUGES = (
     ("agents", "agents", "Agents the dashboard knows in the fleet."),
     ("online", "agents_online", "Agents online."),
@@ -84,6 +126,7 @@ class FleetCollector(Collector):
                 if row["saved"] is not None and (value := row["saved"][field]) is not None:
                     gauge.add_metric([row["fleet"], row["agent"]], value)
             yield gauge
+        yield from round_cost_metrics(agents)
         yield from fleet_metrics(snapshot["fleets"])
         rejected = CounterMetricFamily(
             "edgefl_dashboard_rejected_messages", "Messages that failed to decode or verify."
@@ -105,6 +148,28 @@ def task_metric(agents: list[dict[str, Any]]) -> Metric:
         if row["accuracy"] is not None:
             gauge.add_metric([row["fleet"], row["agent"], row["metric"]], float(row["accuracy"]))
     return gauge
+
+
+def round_cost_metrics(agents: list[dict[str, Any]]) -> Iterator[Metric]:
+    """The latest round's measured and predicted cost per agent, and what its budget made
+    it do as an info-style gauge (value 1, the reduction in a label; the one-line reason
+    stays out of the labels, which would make a series per wording)."""
+    for name, doc, value_of in ROUND_COST_GAUGES:
+        gauge = GaugeMetricFamily(f"edgefl_agent_{name}", doc, labels=["fleet", "agent"])
+        for row in agents:
+            if (value := value_of(row)) is not None:
+                gauge.add_metric([row["fleet"], row["agent"]], value)
+        yield gauge
+    info = GaugeMetricFamily(
+        "edgefl_agent_reduction_info",
+        "What the budget made the agent's latest round do (label reduction: none, prune, "
+        "freeze, prefix, width, possibly with +steps).",
+        labels=["fleet", "agent", "reduction"],
+    )
+    for row in agents:
+        if row.get("reduction"):
+            info.add_metric([row["fleet"], row["agent"], row["reduction"]], 1.0)
+    yield info
 
 
 def fleet_metrics(fleets: list[dict[str, Any]]) -> Iterator[Metric]:

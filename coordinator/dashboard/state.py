@@ -38,6 +38,9 @@ TOTALS = ("bytes_sent", "bytes_received", "train_flops", "energy_j")
 """Figures summed over every round received of the agent's latest run: the run's totals
 (Prometheus counters, which start again at zero with each run, as a restarted process's
 do)."""
+ROUND_COST = ("train_s", "predicted_s", "peak_memory_mb")
+"""The latest round's measured training seconds (by the device's clock), the seconds its
+cost table predicted and its peak training memory [MiB]."""
 _KINDS = ("presence", "status")
 
 
@@ -243,6 +246,11 @@ def agent_row(entry: AgentEntry, series: AgentSeries | None, with_series: bool) 
         "round": entry.round or series.last_round,
         "run_id": series.run_id,
         **{name: number(figure(name)) for name in ("accuracy", "loss", "sparsity", "p_k")},
+        # The round's measured cost against the cost table's prediction (None from an
+        # agent that does not measure it) and what its budget made it do.
+        **{name: number(figure(name)) for name in ROUND_COST},
+        "reduction": text(figure("reduction"), 64),
+        "reduction_why": text(figure("reduction_why")),
         # What "accuracy" holds: the run task's metric (mae, reconstruction_error, ...).
         "metric": text(figure("metric"), 64) or "accuracy",
         "limited_by": text(figure("limited_by"), 64),

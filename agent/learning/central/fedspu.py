@@ -25,7 +25,8 @@ from agent.learning.central.base import (
     sample_weights,
     train_sgd,
 )
-from agent.learning.learner import AgentState, Learner, LocalData, frozen_training_flops
+from agent.learning.learner import AgentState, Learner, LocalData
+from agent.learning.reduced import frozen_training_flops
 from agent.learning.reduction import active_fraction
 from agent.learning.sparse import Masks
 from agent.learning.training import TrainResult

@@ -44,6 +44,24 @@ function age(since) {
   return Math.floor(s / 86400) + "d";
 }
 
+// Seconds as 12.3, or to two significant digits below one (0.041).
+function secs(v) { return v >= 1 ? v.toFixed(1) : String(Number(v.toPrecision(2))); }
+
+// The round's measured training seconds over its cost table's prediction: "12.3 / 11.0".
+function trainText(agent) {
+  if (agent.train_s == null) return "–";
+  return secs(agent.train_s) + (agent.predicted_s == null ? "" : " / " + secs(agent.predicted_s));
+}
+
+// Memory in MiB, as the agents report it; a small model's 0.4 MiB is not "0 MiB".
+function mib(v) { return v == null ? "–" : (v >= 10 ? v.toFixed(0) : secs(v)) + " MiB"; }
+
+function trainTitle(agent) {
+  if (agent.train_s == null || agent.predicted_s == null || agent.predicted_s <= 0) return "";
+  const error = (agent.train_s - agent.predicted_s) / agent.predicted_s;
+  return (error >= 0 ? "+" : "") + (100 * error).toFixed(0) + " % against the prediction";
+}
+
 function el(tag, text, className) {
   const node = document.createElement(tag);
   if (text != null) node.textContent = text;
@@ -129,11 +147,18 @@ function row(agent, index, multi) {
   const since = age(agent.since);
   presence.append(el("span", agent.presence + (since ? " · " + since : ""), "badge " + agent.presence));
   const limited = agent.limited_by && agent.limited_by !== "none" ? " (" + agent.limited_by + ")" : "";
+  const train = cell("train_s", trainText(agent), "num");
+  train.title = trainTitle(agent);
+  const reduction = cell("reduction", agent.reduction || "–");
+  reduction.title = agent.reduction_why;
   tr.append(name, presence, stateCell(agent),
     cell("round", String(agent.round), "num"),
     cell("accuracy", figure(agent.accuracy, agent.metric), "num"),
     cell("sparsity", pct(agent.sparsity), "num"),
     cell("p_k", agent.p_k == null ? "–" : agent.p_k.toFixed(2) + limited, "num"),
+    train,
+    cell("peak_memory", mib(agent.peak_memory_mb), "num"),
+    reduction,
     cell("bytes_sent", bytes(agent.bytes_sent), "num"),
     cell("bytes_received", bytes(agent.bytes_received), "num"),
     cell("energy", si(agent.energy_total_j, "J"), "num"),

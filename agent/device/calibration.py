@@ -1,0 +1,362 @@
+"""Measuring what a round costs on this device: the cost table of `agent.learning.costs`.
+
+On its first run, and whenever the model, batch size, thread count, compute device, torch
+or processor changes (the table's `key`), an agent times a few minibatches of its own model
+at every reduction level it can use, through the same `reduced_training` its rounds train
+with, and keeps the table in its state folder (`costs.json`). Each row is timed right after
+a dense call, `REPEATS` times, and kept as its share of the dense time (the fastest of
+each): a load that rises while a table is measured (other processes, a thermal throttle)
+then shifts both sides of a share alike, where timing every row against one dense figure
+taken first read some rows as dearer than dense. A call trains enough steps for
+`MIN_TIMED_S` of dense work, so a small model's per-round work (loading weights, copying
+the state out) weighs little.
+
+Memory is measured too: what autograd keeps for the backward pass (`ActivationMeter`, the
+storages of the saved tensors of one step, parameters aside; on CUDA the allocator's peak)
+plus the weights, gradients and optimizer state of the model that trains
+(`working_set_mb`). The agent's other copies of the model (its state, its neighbours'
+models) are the same whatever the reduction and are not in this figure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from agent.learning import prefix
+from agent.learning.costs import Cost, CostTable, Row
+from agent.learning.learner import Learner, LocalData
+from agent.learning.reduced import reduced_training
+from agent.learning.reduction import NO_REDUCTION, Reduction
+
+log = logging.getLogger(__name__)
+
+MIB = 2**20
+MAX_STEPS = 100
+MIN_TIMED_S = 0.1
+REPEATS = 2
+FREEZE_LEVELS = (0.8, 0.5, 0.35, 0.2, 0.05)
+WIDTH_LEVELS = (0.75, 0.5, 0.35, 0.25)
+PREFIX_LEVELS = (0.5, 0.3, 0.15)
+COSTS_FILE = "costs.json"
+KINDS = ("prune", "freeze", "prefix", "width")
+
+
+class ActivationMeter:
+    """Bytes autograd keeps for the backward pass of the first step run inside it.
+
+    A saved-tensors hook adds up the distinct storages saved during the forward pass,
+    parameters aside (they are counted with the weights); the first unpack means the
+    backward pass has begun, the point of peak activation memory, and the count stops.
+    """
+
+    def __init__(self) -> None:
+        self._storages: dict[int, int] = {}
+        self._backward = False
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not self._backward and not isinstance(tensor, nn.Parameter):
+            storage = tensor.untyped_storage()
+            self._storages.setdefault(storage.data_ptr(), storage.nbytes())
+        return tensor
+
+    def _unpack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._backward = True
+        return tensor
+
+    @contextlib.contextmanager
+    def measuring(self) -> Iterator[ActivationMeter]:
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield self
+
+    @property
+    def megabytes(self) -> float:
+        return sum(self._storages.values()) / MIB
+
+
+def _bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def working_set_mb(learner: Learner, reduction: Reduction) -> float:
+    """Weights, gradients and momentum of the model a round with `reduction` trains: the
+    whole model's weights, and gradients for what trains (a window's layers, the narrow
+    model's entries; freezing's gradients are dense-shaped)."""
+    params = dict(learner.model.named_parameters())
+    weights = _bytes(params.values())
+    grads = weights
+    if reduction.window is not None:
+        names = prefix.trained_names(learner.forward_layers, reduction.window)
+        grads = _bytes(p for name, p in params.items() if name in names)
+    elif reduction.width is not None:
+        from agent.learning import width
+
+        plan = learner.width_plan
+        selection = width.rolling_selection(plan, reduction.width, 0)
+        held = width.held_masks({n: p.detach() for n, p in params.items()}, plan, selection)
+        weights = grads = sum(int(held[n].sum()) * p.element_size() for n, p in params.items())
+    copies = 2 if learner.config.momentum != 0 else 1
+    return (weights + copies * grads) / MIB
+
+
+def table_key(learner: Learner, batch_size: int, kinds: Sequence[str] = ()) -> str:
+    """What a cost table holds for: the model's layout, the batch, threads, device, torch and
+    processor. Another key measures again."""
+    layout = [(name, tuple(t.shape)) for name, t in learner.initial.items()]
+    model = hashlib.sha256(repr((type(learner.model).__name__, layout)).encode()).hexdigest()
+    processor = platform.processor() or platform.machine()
+    return (
+        f"model {model[:16]} input {learner.input_shape} batch {batch_size} "
+        f"threads {torch.get_num_threads()} device {learner.device} torch {torch.__version__} "
+        f"cpu {processor} x{os.cpu_count()} kinds {','.join(sorted(kinds))}"
+    )
+
+
+def _sample(data: LocalData, count: int) -> LocalData:
+    """`count` training samples (repeated if there are fewer): what the timed steps train on."""
+    index = torch.arange(count) % len(data.y_train)
+    x, y = data.x_train[index], data.y_train[index]
+    return LocalData(x, y, x[:1], y[:1], x[:1], y[:1])
+
+
+@dataclass
+class _Calibration:
+    """Timed calls of `steps` minibatch steps on one sample, for every row of a table."""
+
+    learner: Learner
+    data: LocalData
+    batch: int
+    steps: int
+
+    def call_s(self, reduction: Reduction, masks: Any) -> float:
+        """Seconds of one call of `steps` steps of `reduction` (per-round work included,
+        spread over enough steps to weigh little)."""
+        learner = self.learner
+        sgd = replace(learner.config.sgd, epochs=1, batch_size=self.batch)
+        start = learner.init_agent("calibration").weights
+        active = None
+        if reduction.active_fraction is not None:
+            from agent.learning.freezing import active_masks
+
+            draw = torch.Generator().manual_seed(0)
+            active = active_masks(learner.freezing_plan, start, reduction.active_fraction, draw)
+        generator = torch.Generator().manual_seed(0)
+        began = time.perf_counter()
+        reduced_training(learner, start, masks, active, reduction, self.data, 0, generator, sgd=sgd)
+        return time.perf_counter() - began
+
+    def memory(self, reduction: Reduction, masks: Any) -> tuple[float, float]:
+        """(fixed, activation) MiB of `reduction` (module docstring)."""
+        learner = self.learner
+        cuda = learner.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(learner.device)
+        meter = ActivationMeter()
+        with meter.measuring():
+            self.call_s(reduction, masks)
+        fixed = working_set_mb(learner, reduction)
+        activations = meter.megabytes
+        if cuda:
+            activations = max(torch.cuda.max_memory_allocated(learner.device) / MIB - fixed, 0.0)
+        return fixed, activations
+
+    def share(self, reduction: Reduction, masks: Any) -> tuple[float, float]:
+        """`reduction`'s time over the dense time, each timed right after the other
+        `REPEATS` times (the fastest of each kept), so that a load that comes and goes
+        while a table is measured shifts both alike; and the dense call's seconds."""
+        dense, reduced = [], []
+        for _ in range(REPEATS):
+            dense.append(self.call_s(NO_REDUCTION, None))
+            reduced.append(self.call_s(reduction, masks))
+        return min(reduced) / min(dense), min(dense)
+
+
+def _candidates(learner: Learner, kinds: Sequence[str]) -> list[tuple[str, float, Reduction]]:
+    """Every level of `kinds` this learner can train with: (kind, level, reduction)."""
+    rows: list[tuple[str, float, Reduction]] = []
+    plan = learner.freezing_plan
+    if "freeze" in kinds and (plan.groups or plan.layers):
+        rows += [("freeze", a, Reduction(active_fraction=a)) for a in FREEZE_LEVELS]
+    if "prefix" in kinds:
+        for level in PREFIX_LEVELS:
+            for window in prefix.windows(learner.forward_layers, level):
+                rows.append(("prefix", level, Reduction(window=window)))
+    if "width" in kinds:
+        try:
+            if learner.width_plan.classes:
+                rows += [("width", w, Reduction(width=w)) for w in WIDTH_LEVELS]
+        except ValueError as exc:
+            log.info("width reduction unavailable for this model: %s", exc)
+    if "prune" in kinds and learner.sparse:
+        rows.append(("prune", learner.config.density, NO_REDUCTION))
+    return rows
+
+
+def _steps(learner: Learner, data: LocalData, batch: int) -> int:
+    """How many steps a timed call takes: enough for MIN_TIMED_S of dense training, since a
+    shorter call of a small model measures the clock's jitter and the per-round work."""
+    probe = _Calibration(learner, _sample(data, 2 * batch), batch, 2)
+    probe.call_s(NO_REDUCTION, None)
+    step_s = probe.call_s(NO_REDUCTION, None) / 2
+    return int(min(MAX_STEPS, max(1, MIN_TIMED_S / max(step_s, 1e-6))))
+
+
+def measure_costs(
+    learner: Learner,
+    data: LocalData,
+    batch_size: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    kinds: Sequence[str] = KINDS,
+) -> CostTable:
+    """Time every level of the reduction `kinds` of `learner` on a few of `data`'s samples
+    (module docstring); `progress(done, total)` after each row."""
+    batch = batch_size or learner.config.batch_size
+    steps = _steps(learner, data, batch)
+    timing = _Calibration(learner, _sample(data, steps * batch), batch, steps)
+    masks = learner.init_agent("calibration").masks
+    candidates = _candidates(learner, kinds)
+    dense_s: list[float] = []
+    measured: dict[tuple[Reduction, bool], tuple[float, float, float]] = {}
+    for done, (kind, _, reduction) in enumerate(candidates, start=1):
+        if progress is not None:
+            progress(done, len(candidates))
+        row_masks = masks if kind == "prune" else None
+        pair = (reduction, row_masks is not None)  # a window may recur at several levels
+        if pair not in measured:
+            share, dense_call_s = timing.share(reduction, row_masks)
+            dense_s.append(dense_call_s)
+            measured[pair] = (share, *timing.memory(reduction, row_masks))
+    if not dense_s:
+        dense_s.append(timing.call_s(NO_REDUCTION, None))
+    step_s = statistics.median(dense_s) / steps
+    dense_cost = Cost(step_s, *timing.memory(NO_REDUCTION, None))
+    rows = []
+    for kind, level, reduction in candidates:
+        share, fixed, activations = measured[(reduction, kind == "prune")]
+        rows.append(Row(kind, level, Cost(share * step_s, fixed, activations), reduction.window))
+    forward_s = _forward_s(learner, timing.data)
+    key = table_key(learner, batch, kinds)
+    return CostTable(key, batch, dense_cost, forward_s, tuple(rows))
+
+
+@torch.no_grad()
+def _forward_s(learner: Learner, data: LocalData) -> float:
+    """Seconds per sample of an evaluation pass (the round's evaluation)."""
+    x = data.x_train.to(learner.device)
+    learner.model.eval()
+    learner.model(x[:8])
+    began = time.perf_counter()
+    learner.model(x)
+    return (time.perf_counter() - began) / len(x)
+
+
+_MEASURED: dict[str, CostTable] = {}
+"""Tables measured by this process: agents sharing a process (emulate) measure once."""
+
+
+def cached_costs(
+    folder: Path,
+    learner: Learner,
+    data: LocalData,
+    kinds: Sequence[str] = KINDS,
+    say: Callable[[str], None] = log.info,
+) -> CostTable:
+    """The cost table for this learner from `folder`'s `costs.json`, measured and kept there
+    when missing, unreadable or measured for something else (another key)."""
+    path = folder / COSTS_FILE
+    key = table_key(learner, learner.config.batch_size, kinds)
+    tables: dict[str, Any] = {}
+    with contextlib.suppress(OSError, ValueError):
+        tables = dict(json.loads(path.read_text()))
+    if key in tables:
+        with contextlib.suppress(ValueError):
+            return CostTable.from_dict(tables[key])
+    table = _MEASURED.get(key)
+    if table is None:
+        say("measuring this device's training costs (once per model and batch size)")
+        began = time.perf_counter()
+        table = _MEASURED[key] = measure_costs(learner, data, kinds=kinds)
+        say(f"costs measured in {time.perf_counter() - began:.1f} s: {len(table.rows)} levels")
+    tables[key] = table.to_dict()
+    with contextlib.suppress(OSError):  # a full disk costs a measurement next time, no more
+        folder.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".tmp")
+        partial.write_text(json.dumps(tables, indent=1))
+        partial.replace(path)
+    return table
+
+
+def predicted_s(
+    table: CostTable,
+    reduction: Reduction,
+    samples: int,
+    epochs: int,
+    batch_size: int,
+    extra_steps: int = 0,
+    eval_samples: int = 0,
+) -> float:
+    """Seconds a round with `reduction` takes on this device by the table: its steps at the
+    reduction's measured step time (per sample, so a smaller batch costs the same per
+    sample), `extra_steps` dense steps (RigL's dense gradient) and the evaluation."""
+    batch = reduction.batch_size or batch_size
+    per_epoch = -(-samples // max(min(batch, samples), 1))
+    steps = epochs * per_epoch
+    if reduction.step_fraction is not None:
+        steps = max(1, int(reduction.step_fraction * steps))
+    share = 1.0 if reduction.predicted is None else reduction.predicted
+    if reduction.step_fraction is not None and reduction.predicted is not None:
+        share = reduction.predicted / reduction.step_fraction
+    per_step = share * table.dense.step_s * batch / table.batch_size
+    dense_step = table.dense.step_s * batch_size / table.batch_size
+    return steps * per_step + extra_steps * dense_step + eval_samples * table.forward_s
+
+
+@dataclass(frozen=True)
+class RoundCosts:
+    """An agent's measured cost table with the shape of its rounds: what a round with a
+    given reduction is predicted to take on this device."""
+
+    table: CostTable
+    samples: int
+    epochs: int
+    batch_size: int
+    extra_steps: int = 0
+    """Dense steps beside training (RigL's dense-gradient batches)."""
+    eval_samples: int = 0
+
+    def predicted_s(self, reduction: Reduction) -> float:
+        return predicted_s(
+            self.table,
+            reduction,
+            self.samples,
+            self.epochs,
+            self.batch_size,
+            self.extra_steps,
+            self.eval_samples,
+        )
+
+    @property
+    def dense_s(self) -> float:
+        """A whole round's predicted seconds, unreduced."""
+        return self.predicted_s(NO_REDUCTION)
+
+    @property
+    def fixed_s(self) -> float:
+        """The part of a round no reduction cuts: RigL's dense steps and the evaluation. p_k
+        is a share of the rest, as the budget's FLOP rule leaves the fixed FLOPs out."""
+        batch = self.batch_size / self.table.batch_size
+        dense_steps = self.extra_steps * self.table.dense.step_s * batch
+        return dense_steps + self.eval_samples * self.table.forward_s

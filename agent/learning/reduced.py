@@ -1,0 +1,115 @@
+"""A round's local training cut to its budget: every reduction's rule, written once.
+
+The simulator, the agents (`Learner.local_round`) and the calibration that measures what each
+reduction costs (`agent.device.calibration`) all train through `reduced_training`, so the
+cost a device measured is the cost of the round it runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+
+from agent.learning import prefix
+from agent.learning.reduction import Reduction
+from agent.learning.sparse import Masks, State
+from agent.learning.training import SGDConfig, TrainResult, train_local
+
+if TYPE_CHECKING:
+    from agent.learning.learner import Learner, LocalData
+
+
+def frozen_training_flops(learner: Learner, masks: Masks | None, active: Masks) -> int:
+    """Training FLOPs per sample with frozen weights: the forward pass and the input-gradient
+    pass run through every kept weight (frozen neurons still pass gradients back to active
+    ones), the weight-gradient pass only through the active ones: 2 F + F_active."""
+    masks = masks or {}
+    trainable = {n: a & masks[n] if n in masks else a for n, a in active.items()}
+    return 2 * learner.forward_flops(masks or None) + learner.forward_flops(trainable)
+
+
+def reduced_training(
+    learner: Learner,
+    start: State,
+    masks: Masks | None,
+    active: Masks | None,
+    reduction: Reduction,
+    data: LocalData,
+    round_: int,
+    generator: torch.Generator,
+    sgd: SGDConfig | None = None,
+) -> tuple[TrainResult, int]:
+    """The round's local training cut as `reduction` says, and its counted FLOPs: all of
+    the model (the active neurons with `active`), a window of layers, or a narrower
+    sub-model; with a smaller batch or fewer minibatches when it says so. The rule of
+    every reduction, written once: the simulator, the agents and the calibration
+    (`agent.device.calibration`, with its own `sgd` settings) all train through here."""
+    sgd = sgd or learner.config.sgd
+    if reduction.batch_size is not None:
+        sgd = dataclasses.replace(sgd, batch_size=reduction.batch_size)
+    if reduction.width is not None:
+        return _narrow_training(learner, start, masks, reduction, data, round_, sgd, generator)
+    window = reduction.window
+    trained = train_local(
+        learner.model,
+        start,
+        masks,
+        data.x_train,
+        data.y_train,
+        sgd,
+        round_,
+        generator,
+        frozen=active,
+        trainable=None if window is None else prefix.trained_names(learner.forward_layers, window),
+        step_fraction=reduction.step_fraction,
+        task=learner.task,
+    )
+    if active is not None:
+        per_sample = frozen_training_flops(learner, masks, active)
+    elif window is not None:
+        per_sample = prefix.window_flops(learner.forward_layers, window)
+    else:
+        per_sample = 3 * learner.forward_flops(masks)
+    return trained, per_sample * trained.samples
+
+
+def _narrow_training(
+    learner: Learner,
+    start: State,
+    masks: Masks | None,
+    reduction: Reduction,
+    data: LocalData,
+    round_: int,
+    sgd: SGDConfig,
+    generator: torch.Generator,
+) -> tuple[TrainResult, int]:
+    """Width reduction: this round's channels (FedRolex's rolling window) as a narrower
+    model, trained, and written back into the full model; the other entries keep the
+    start's values."""
+    from agent.learning import width
+
+    plan = learner.width_plan
+    fraction = reduction.width or 1.0
+    selection = width.rolling_selection(plan, fraction, round_)
+    narrow = width.narrow_model(learner.model, plan, selection)
+    narrow_masks = None if masks is None else width.narrow_state(masks, plan, selection)
+    trained = train_local(
+        narrow,
+        width.narrow_state(start, plan, selection),
+        narrow_masks,
+        data.x_train,
+        data.y_train,
+        sgd,
+        round_,
+        generator,
+        step_fraction=reduction.step_fraction,
+        task=learner.task,
+    )
+    held = width.held_masks(start, plan, selection)
+    if masks is not None:
+        held = {n: h & masks[n] if n in masks else h for n, h in held.items()}
+    state = width.widen_state(start, trained.state, plan, selection)
+    flops = 3 * learner.forward_flops(held) * trained.samples
+    return dataclasses.replace(trained, state=state), flops
