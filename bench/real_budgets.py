@@ -76,13 +76,13 @@ MODELS: dict[str, tuple[int, ...]] = {"mlp": (64,), "cnn2d": (1, 28, 28), "resne
 QUICK_MODELS = ("mlp", "cnn2d")
 CLASSES = 10
 BATCH = 64
-KINDS = ("prune", "freeze", "prefix", "width")
+KINDS = ("prune", "freeze", "prefix", "suffix", "width")
 BUDGETS = (0.5, 0.2)
 MAX_CALL_STEPS = 200
 PREDICTION_TOLERANCE = 0.2
 TARGETS: dict[tuple[str, str, float], tuple[float | None, float | None]] = {
-    ("resnet18", "prefix", 0.5): (0.6, 0.35),
-    ("resnet18", "prefix", 0.2): (0.45, 0.25),
+    ("resnet18", "suffix", 0.5): (0.6, 0.35),
+    ("resnet18", "suffix", 0.2): (0.45, 0.25),
     ("resnet18", "width", 0.5): (0.35, 0.5),
     ("resnet18", "freeze", 0.5): (0.92, None),
     ("resnet18", "freeze", 0.2): (0.85, None),
@@ -153,8 +153,8 @@ def rotation(table: CostTable, p_k: float) -> list[dict[str, Any]]:
 def _table_row(table: CostTable, kind: str, reduction: Reduction, level: float) -> Row | None:
     """The table's row for this reduction: a prefix row by its window, others by level (prune
     has one, at the initial density: the agent's only figure for any cap)."""
-    rows = table.of_kind(kind)
-    if kind == "prefix":
+    rows = table.of_kind("prefix" if kind == "suffix" else kind)
+    if kind in ("prefix", "suffix"):
         return next((row for row in rows if row.window == reduction.window), None)
     if kind == "prune":
         return rows[0] if rows else None
@@ -177,7 +177,25 @@ def rule_reduction(
         active = active_masks(learner.freezing_plan, start.weights, a, generator)
         return Reduction(active_fraction=a, kind="freeze"), None, active
     assert table is not None
+    if kind == "suffix":
+        return suffix_reduction(learner, table, p_k), None, None
     return measured_reduction(table, (kind,), p_k, 0, None, BATCH), None, None
+
+
+def suffix_reduction(learner: Learner, table: CostTable, p_k: float) -> Reduction:
+    """Plain layer-prefix freezing (TinyTL-style, what the issue's targets are for): the
+    longest measured window that ends at the output and fits p_k, every round; the rule's
+    rotating windows (`prefix`) also train layers near the input, at a higher cost in
+    memory. Below every suffix's cost, the cheapest with fewer minibatches."""
+    layers = len(learner.forward_layers)
+    suffixes = [r for r in table.of_kind("prefix") if r.window and r.window[1] == layers]
+    fitting = [r for r in suffixes if table.fraction(r) <= p_k]
+    if fitting:
+        row = min(fitting, key=lambda r: (r.window or (0, 0))[0])
+        return Reduction(window=row.window, kind="prefix", predicted=table.fraction(row))
+    row = min(suffixes, key=table.fraction)
+    steps = p_k / table.fraction(row)
+    return Reduction(window=row.window, step_fraction=steps, kind="prefix+steps", predicted=p_k)
 
 
 def plan(learner: Learner, table: CostTable, kind: str, p_k: float) -> Plan:
@@ -194,7 +212,7 @@ def plan(learner: Learner, table: CostTable, kind: str, p_k: float) -> Plan:
         level = reduction.width if kind == "width" and reduction.width else 0.0
         label = f"width {level:.2f}" if kind == "width" else f"layers {reduction.window}"
     row = _table_row(table, kind, reduction, level)
-    if row is not None and kind == "prefix":
+    if row is not None and kind in ("prefix", "suffix"):
         label = f"{row.level:.2f} of flops, " + label
     if reduction.step_fraction is not None:
         label += f" x{reduction.step_fraction:.2f} steps"

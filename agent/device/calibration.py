@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 MIB = 2**20
 MAX_STEPS = 100
 MIN_TIMED_S = 0.1
-REPEATS = 2
+REPEATS = 3
 FREEZE_LEVELS = (0.8, 0.5, 0.35, 0.2, 0.05)
 WIDTH_LEVELS = (0.75, 0.5, 0.35, 0.25)
 PREFIX_LEVELS = (0.5, 0.3, 0.15)
@@ -158,30 +158,34 @@ class _Calibration:
         reduced_training(learner, start, masks, active, reduction, self.data, 0, generator, sgd=sgd)
         return time.perf_counter() - began
 
-    def memory(self, reduction: Reduction, masks: Any) -> tuple[float, float]:
-        """(fixed, activation) MiB of `reduction` (module docstring)."""
+    def memory(self, reduction: Reduction, masks: Any) -> tuple[float, float, float]:
+        """(seconds, fixed MiB, activation MiB) of one call of `reduction` (module
+        docstring); the seconds include the meter's bookkeeping."""
         learner = self.learner
         cuda = learner.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(learner.device)
         meter = ActivationMeter()
         with meter.measuring():
-            self.call_s(reduction, masks)
+            seconds = self.call_s(reduction, masks)
         fixed = working_set_mb(learner, reduction)
         activations = meter.megabytes
         if cuda:
             activations = max(torch.cuda.max_memory_allocated(learner.device) / MIB - fixed, 0.0)
-        return fixed, activations
+        return seconds, fixed, activations
 
-    def share(self, reduction: Reduction, masks: Any) -> tuple[float, float]:
+    def share(self, reduction: Reduction, masks: Any) -> tuple[float, float, float, float]:
         """`reduction`'s time over the dense time, each timed right after the other
         `REPEATS` times (the fastest of each kept), so that a load that comes and goes
-        while a table is measured shifts both alike; and the dense call's seconds."""
-        dense, reduced = [], []
-        for _ in range(REPEATS):
+        while a table is measured shifts both alike; the dense call's seconds; and the
+        memory of `memory`, read on the first of the reduction's calls."""
+        dense, reduced = [self.call_s(NO_REDUCTION, None)], []
+        seconds, fixed, activations = self.memory(reduction, masks)
+        reduced.append(seconds)
+        for _ in range(REPEATS - 1):
             dense.append(self.call_s(NO_REDUCTION, None))
             reduced.append(self.call_s(reduction, masks))
-        return min(reduced) / min(dense), min(dense)
+        return min(reduced) / min(dense), min(dense), fixed, activations
 
 
 def _candidates(learner: Learner, kinds: Sequence[str]) -> list[tuple[str, float, Reduction]]:
@@ -236,13 +240,13 @@ def measure_costs(
         row_masks = masks if kind == "prune" else None
         pair = (reduction, row_masks is not None)  # a window may recur at several levels
         if pair not in measured:
-            share, dense_call_s = timing.share(reduction, row_masks)
+            share, dense_call_s, fixed, activations = timing.share(reduction, row_masks)
             dense_s.append(dense_call_s)
-            measured[pair] = (share, *timing.memory(reduction, row_masks))
+            measured[pair] = (share, fixed, activations)
     if not dense_s:
         dense_s.append(timing.call_s(NO_REDUCTION, None))
     step_s = statistics.median(dense_s) / steps
-    dense_cost = Cost(step_s, *timing.memory(NO_REDUCTION, None))
+    dense_cost = Cost(step_s, *timing.memory(NO_REDUCTION, None)[1:])
     rows = []
     for kind, level, reduction in candidates:
         share, fixed, activations = measured[(reduction, kind == "prune")]
