@@ -40,6 +40,7 @@ VOLATILE = (
     "started_at",
     "wait_s",
     "throttled_s",
+    "train_s",
 )
 """Report fields that differ between two runs of one run file: ids and clock readings."""
 TRAFFIC = ("bytes_sent", "bytes_received", "total_bytes", "busiest_agent_bytes", "busiest_agent")
