@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -197,3 +198,19 @@ def mosquitto_tls_broker(tmp_path: Path) -> Iterator[tuple[BrokerProcess, Path]]
     )
     for broker in _running(_mosquitto(tmp_path, access)):
         yield broker, cert
+
+
+@pytest.fixture
+def chromium(tmp_path: Path) -> Iterator[Any]:
+    """A headless Chromium for the dashboard's page tests (`tests.test_dashboard.Chromium`)."""
+    from tests.test_dashboard import Chromium
+
+    binary = shutil.which("chromium")
+    if binary is None:
+        reason = "chromium is not installed (Debian: apt-get install chromium)"
+        if os.environ.get("CI"):
+            pytest.fail(f"{reason}; CI must run the dashboard's browser test")
+        pytest.skip(reason)
+    browser = Chromium(binary, tmp_path / "chromium-profile")
+    yield browser
+    browser.close()

@@ -10,7 +10,6 @@ import http.client
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import threading
@@ -392,19 +391,6 @@ class Chromium:
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGTERM)
             self.process.wait(10)
-
-
-@pytest.fixture
-def chromium(tmp_path: Path) -> Iterator[Chromium]:
-    binary = shutil.which("chromium")
-    if binary is None:
-        reason = "chromium is not installed (Debian: apt-get install chromium)"
-        if os.environ.get("CI"):
-            pytest.fail(f"{reason}; CI must run the dashboard's browser test")
-        pytest.skip(reason)
-    browser = Chromium(binary, tmp_path / "chromium-profile")
-    yield browser
-    browser.close()
 
 
 PAGE = """JSON.stringify({

@@ -7,11 +7,7 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import shutil
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -149,19 +145,6 @@ def test_seconds_without_a_prediction_or_reduction_show_alone() -> None:
     assert "reduction" not in header, "no agent's budget reduced its round"
 
 
-@pytest.fixture
-def browser(tmp_path: Path) -> Iterator[Chromium]:
-    binary = shutil.which("chromium")
-    if binary is None:
-        reason = "chromium is not installed (Debian: apt-get install chromium)"
-        if os.environ.get("CI"):
-            pytest.fail(f"{reason}; CI must run the dashboard's browser test")
-        pytest.skip(reason)
-    chromium = Chromium(binary, tmp_path / "chromium-profile")
-    yield chromium
-    chromium.close()
-
-
 CELLS = """JSON.stringify(Object.fromEntries([...document.querySelectorAll('#fleet tbody tr')]
   .map(tr => [tr.dataset.agent, Object.fromEntries(['train_s', 'peak_memory', 'reduction']
     .map(f => [f, [tr.querySelector(`[data-field=${f}]`).textContent,
@@ -169,14 +152,14 @@ CELLS = """JSON.stringify(Object.fromEntries([...document.querySelectorAll('#fle
 
 
 def test_the_page_shows_seconds_against_the_prediction_memory_and_the_reduction(
-    browser: Chromium,
+    chromium: Chromium,
 ) -> None:
     dashboard = Dashboard(fleet(a=MEASURED, old={}), port=0)
     dashboard.start()
     try:
-        browser.call("Page.navigate", url=dashboard.url)
+        chromium.call("Page.navigate", url=dashboard.url)
         deadline = time.monotonic() + 10
-        while len(rows := json.loads(browser.evaluate(CELLS) or "{}")) < 2:
+        while len(rows := json.loads(chromium.evaluate(CELLS) or "{}")) < 2:
             assert time.monotonic() < deadline, "the page never showed both agents"
             time.sleep(0.1)
     finally:
