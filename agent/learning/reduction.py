@@ -101,7 +101,7 @@ def local_reduction(
     if mode in ("prune", "freeze"):
         chosen = flop_reduction(learner, p_k, masks)
         return _predicted(chosen, costs, learner.config.density if masks is not None else 1.0)
-    if p_k is None or p_k >= 1.0 and memory_mb is None:
+    if p_k is None or (p_k >= 1.0 and memory_mb is None):
         return Reduction()
     if costs is None:
         raise ValueError(f"--reduce {mode} chooses by measured costs, and none were measured")
