@@ -36,11 +36,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from agent.files import DiskFullError, atomic_write
 from agent.learning import prefix
 from agent.learning.costs import Cost, CostTable, Row
 from agent.learning.learner import Learner, LocalData
 from agent.learning.reduced import reduced_training
 from agent.learning.reduction import NO_REDUCTION, Reduction
+from agent.learning.training import round_steps
 
 log = logging.getLogger(__name__)
 
@@ -295,11 +297,9 @@ def cached_costs(
         table = _MEASURED[key] = measure_costs(learner, data, kinds=kinds)
         say(f"costs measured in {time.perf_counter() - began:.1f} s: {len(table.rows)} levels")
     tables[key] = table.to_dict()
-    with contextlib.suppress(OSError):  # a full disk costs a measurement next time, no more
-        folder.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(".tmp")
-        partial.write_text(json.dumps(tables, indent=1))
-        partial.replace(path)
+    text = json.dumps(tables, indent=1).encode()
+    with contextlib.suppress(OSError, DiskFullError):  # a full disk costs a measurement next time
+        atomic_write(path, lambda handle: handle.write(text))
     return table
 
 
@@ -316,10 +316,7 @@ def predicted_s(
     reduction's measured step time (per sample, so a smaller batch costs the same per
     sample), `extra_steps` dense steps (RigL's dense gradient) and the evaluation."""
     batch = reduction.batch_size or batch_size
-    per_epoch = -(-samples // max(min(batch, samples), 1))
-    steps = epochs * per_epoch
-    if reduction.step_fraction is not None:
-        steps = max(1, int(reduction.step_fraction * steps))
+    steps = round_steps(samples, batch, epochs, reduction.step_fraction)
     share = 1.0 if reduction.predicted is None else reduction.predicted
     if reduction.step_fraction is not None and reduction.predicted is not None:
         share = reduction.predicted / reduction.step_fraction

@@ -331,20 +331,28 @@ def _reshaped(flow: _Flow, value: fx.Node, user: fx.Node) -> _Flow | None:
     return None
 
 
-def _reduced(flow: _Flow, user: fx.Node) -> _Flow | None:
-    """A mean, sum, max or min over positions only (global pooling) keeps each channel."""
+def _pooled_rank(spatial: bool, rank: int, user: fx.Node) -> int | None:
+    """The rank after `user`, a mean, sum, max or min, when it reduces over positions only
+    (global pooling, which keeps each channel) of channels along dim 1 with positions
+    after them (`spatial`); None for any other reduction. FedSPU's groups and the width
+    reduction's channel classes follow channels through pooling by this one rule."""
     dims, keepdim = _arg(user, 1, "dim", None), _arg(user, 2, "keepdim", False)
     if isinstance(dims, int):
         dims = (dims,)
-    if not flow.spatial or not isinstance(dims, tuple | list) or not isinstance(keepdim, bool):
+    if not spatial or not isinstance(dims, tuple | list) or not isinstance(keepdim, bool):
         return None
-    rank = cast(int, flow.rank)
     if not dims or not all(isinstance(d, int) and -rank <= d < rank for d in dims):
         return None
     axes = {cast(int, d) % rank for d in dims}
     if min(axes) < 2:
         return None
-    return replace(flow, rank=rank if keepdim else rank - len(axes))
+    return rank if keepdim else rank - len(axes)
+
+
+def _reduced(flow: _Flow, user: fx.Node) -> _Flow | None:
+    """A mean, sum, max or min over positions only (global pooling) keeps each channel."""
+    rank = _pooled_rank(flow.spatial, cast(int, flow.rank), user)
+    return None if rank is None else replace(flow, rank=rank)
 
 
 def _function_step(flow: _Flow, value: fx.Node, user: fx.Node) -> _Flow | None:

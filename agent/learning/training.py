@@ -143,6 +143,15 @@ def _only_trainable(model: nn.Module, trainable: set[str] | None) -> Iterator[No
                 buffer.copy_(start)
 
 
+def round_steps(
+    samples: int, batch_size: int, epochs: int, step_fraction: float | None = None
+) -> int:
+    """The minibatch steps of a round of `epochs` over `samples` in batches of `batch_size`
+    (the last one short, as `_batches` splits), or `step_fraction` of them (at least one)."""
+    steps = epochs * -(-samples // max(min(batch_size, samples), 1))
+    return steps if step_fraction is None else max(1, int(step_fraction * steps))
+
+
 def train_local(
     model: nn.Module,
     state: State,
@@ -198,8 +207,7 @@ def train_local(
 
     steps = None
     if step_fraction is not None:
-        per_epoch = -(-len(y) // min(config.batch_size, max(len(y), 1)))
-        steps = max(1, int(step_fraction * config.epochs * per_epoch))
+        steps = round_steps(len(y), config.batch_size, config.epochs, step_fraction)
     active = {name: mask for name, (_, mask, _) in kept.items()}
     with _only_trainable(model, trainable), active_block_gradients(model, active):
         mean_loss, samples = minibatch_epochs(

@@ -39,6 +39,7 @@ from agent.learning.neuron_groups import (
     _SPATIAL_MODULES,
     _arg,
     _is_metadata,
+    _pooled_rank,
     _reads_only,
     _shape,
     _traced,
@@ -595,18 +596,10 @@ def _reshaped(layout: _Layout, source: fx.Node, node: fx.Node) -> _Layout | None
 
 
 def _reduced(layout: _Layout, node: fx.Node) -> _Layout | None:
-    """A mean, sum, max or min over positions only (global pooling) keeps each channel."""
-    dims, keepdim = _arg(node, 1, "dim", None), _arg(node, 2, "keepdim", False)
-    if isinstance(dims, int):
-        dims = (dims,)
-    if not layout.spatial or not isinstance(dims, tuple | list) or not isinstance(keepdim, bool):
-        return None
-    rank = layout.rank
-    if not dims or not all(isinstance(d, int) and -rank <= d < rank for d in dims):
-        return None
-    if min(cast(int, d) % rank for d in dims) < 2:
-        return None
-    return _Layout(layout.cls, 1, rank if keepdim else rank - len(set(dims)))
+    """A mean, sum, max or min over positions only (global pooling) keeps each channel
+    (`neuron_groups._pooled_rank`, the rule FedSPU's groups follow too)."""
+    rank = _pooled_rank(layout.spatial, layout.rank, node)
+    return None if rank is None else _Layout(layout.cls, 1, rank)
 
 
 def _function_step(layout: _Layout, source: fx.Node, node: fx.Node) -> _Layout | None:
