@@ -34,7 +34,7 @@ from agent.learning import (
     pruning,
     robust,
 )
-from agent.learning.config import BATCHNORM_MODES
+from agent.learning.config import BATCHNORM_MODES, MASK_UNITS
 from agent.learning.tasks import TASKS, Task
 from agent.user_code import fingerprint, is_import_path
 from protocol.limits import MAX_MEMBERS, WEEK_S
@@ -283,6 +283,7 @@ class ExperimentConfig:
             )
         if cfg.reduce not in REDUCE_MODES:
             raise ValueError(f"--reduce must be one of {', '.join(REDUCE_MODES)}, got {cfg.reduce}")
+        check_mask_unit(cfg)
         if cfg.detection_distance not in pruning.DISTANCES:
             raise ValueError(
                 f"--detection-distance must be one of {', '.join(pruning.DISTANCES)}, "
@@ -297,6 +298,25 @@ class ExperimentConfig:
             profile_names(self.profiles)
         check_robustness(self)
         check_model_keeping(self)
+
+
+def check_mask_unit(cfg: StrategyConfig) -> None:
+    """`--mask-unit`: channel masks are a form of the sparse strategies' masks, and their
+    budget is their own density cap (one clear sentence otherwise)."""
+    if cfg.mask_unit not in MASK_UNITS:
+        raise ValueError(
+            f"--mask-unit must be one of {', '.join(MASK_UNITS)}, got {cfg.mask_unit!r}"
+        )
+    if cfg.mask_unit == "channel" and cfg.strategy not in ("dadpfl", "dispfl"):
+        raise ValueError(
+            f"--mask-unit channel is for the sparse strategies dadpfl and dispfl, not "
+            f"{cfg.strategy}"
+        )
+    if cfg.mask_unit == "channel" and cfg.reduce != "prune":
+        raise ValueError(
+            f"--mask-unit channel cuts a budgeted round by its density cap (--reduce prune), "
+            f"which saves real time with channel masks; got --reduce {cfg.reduce}"
+        )
 
 
 def check_robustness(config: ExperimentConfig) -> None:

@@ -28,7 +28,7 @@ from agent.learning import (
     preset,
     robust,
 )
-from agent.learning.config import BATCHNORM_MODES
+from agent.learning.config import BATCHNORM_MODES, MASK_UNITS
 from agent.learning.tasks import METRIC_GOALS, TASKS
 
 _TYPES = {int: int, float: float, str: str}
@@ -36,6 +36,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "strategy": PRESETS,
     "topology": TOPOLOGIES,
     "reduce": REDUCE_MODES,
+    "mask_unit": MASK_UNITS,
     "wire": WIRE_FORMATS,
     "detection_distance": DISTANCES,
     "stop_rule": tuple(STOP_RULES),

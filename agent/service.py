@@ -47,6 +47,7 @@ from agent.experiment import (
 from agent.files import DiskFullError, disk_full_as_error
 from agent.learning import CENTRALIZED, AgentState, Masks, State
 from agent.learning.central import central_strategy
+from agent.learning.learner import served_model
 from agent.learning.reduction import MEASURED_MODES, measured_kinds
 from agent.model_store import (
     CANCELLED_MARK,
@@ -621,9 +622,10 @@ class RunModels:
         self.say(choice.reason)
 
     def _export(self, run: Run, workload: Workload, state: AgentState, path: Path) -> Path:
+        model, weights = served_model(workload.learner, state.weights, state.masks)
         return export_onnx(
-            workload.learner.model,
-            state.weights,
+            model,
+            weights,
             workload.learner.input_shape,
             path,
             metadata={

@@ -64,7 +64,10 @@ from bench.support import broker, environment, write_json  # noqa: E402
 from coordinator.emulate import Emulation, EmulationOptions  # noqa: E402
 
 TARGET = 0.95
-MODES = ("prune", "auto")
+MODES = ("prune", "channels", "auto")
+CHANNELS = "channels"
+"""`--reduce prune` on channel masks (`--mask-unit channel`): the same FLOP rule's density
+cap, whose narrower model saves the seconds it counts."""
 MODEL_SOURCE = '''"""A wider CNN for 8x8 digits: seconds a round on a Pi 4 (bench/deadlines.py)."""
 from torch import nn
 
@@ -84,13 +87,15 @@ CALIBRATION = re.compile(r"costs measured in ([0-9.]+) s")
 def fleet_config(
     args: argparse.Namespace, reduce: str, model: str, limit_s: float
 ) -> ExperimentConfig:
-    """The fleet both runs share; only `--reduce` differs."""
+    """The fleet every run shares; only `--reduce` (and for channels the mask unit)
+    differs."""
     learning = preset(
         "dadpfl",
         rounds=args.rounds,
         epochs=args.epochs,
         neighbours=min(5, args.agents - 1),
-        reduce=reduce,
+        reduce="prune" if reduce == CHANNELS else reduce,
+        mask_unit="channel" if reduce == CHANNELS else "weight",
     )
     return ExperimentConfig(
         dataset="digits",

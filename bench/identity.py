@@ -4,7 +4,8 @@ change that must not alter behaviour (a refactoring).
 `record DIR` runs every configuration below through `coordinator simulate` and writes one JSON
 report per configuration into DIR; `compare DIR` runs them again and compares each report with
 the recorded one, wall times aside. The configurations cover every preset, every `--wire`,
-every `--reduce`, early stopping, device profiles, fp16 and both detection distances.
+every `--reduce`, channel masks, early stopping, device profiles, fp16 and both detection
+distances; a configuration the recording lacks (added since) is listed as new.
 `emulate` runs a few configurations as real agent processes on the embedded broker and checks
 that every agent's accuracy and sparsity in every round equal simulate's.
 
@@ -81,6 +82,10 @@ CONFIGS: dict[str, str] = {
         "--strategy dadpfl --detection-distance norm --profiles mixed --round-time-s 0.01 "
         "--reduce auto --wire layers --ldf-n 1 --fp16 --neighbours 3"
     ),
+    "dadpfl-channels": (
+        "--strategy dadpfl --mask-unit channel --detection-distance norm --rounds 10 "
+        "--delta-pr 100 --profiles mixed --round-time-s 0.01 --neighbours 3"
+    ),
     "dispfl": "--strategy dispfl --neighbours 3",
     "dispfl-freeze": (
         "--strategy dispfl --profiles mixed --round-time-s 0.01 --reduce freeze --neighbours 3"
@@ -109,7 +114,14 @@ CONFIGS: dict[str, str] = {
     "digits-fedavg": "--strategy fedavg --dataset digits",
 }
 """Each configuration's flags for `coordinator simulate`, on top of `SMALL`."""
-EMULATED = ("dadpfl-squared", "dadpfl-delta", "dadpfl-layers", "fedavg", "fedspu-mixed-fp16")
+EMULATED = (
+    "dadpfl-squared",
+    "dadpfl-delta",
+    "dadpfl-layers",
+    "dadpfl-channels",
+    "fedavg",
+    "fedspu-mixed-fp16",
+)
 WALL_KEYS = {"wall_seconds"}
 
 
@@ -195,6 +207,10 @@ def compare(folder: Path, extra: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for name in CONFIGS:
+            if not (folder / f"{name}.json").is_file():  # a configuration added since
+                rows.append({"config": name, "rounds": 0, "seconds": 0, "result": "new"})
+                print(f"{name}: new, not recorded", flush=True)
+                continue
             want = without_wall(json.loads((folder / f"{name}.json").read_text()))
             started = time.perf_counter()
             got = without_wall(simulate(name, Path(scratch), extra))

@@ -12,8 +12,12 @@ one thread, random data drawn here), on a dadpfl learner (ERK masks at its initi
 2. For each reduction at p_k 0.5 and 0.2, the reduction the rule picks: prune caps the masked
    model's density at p_k (masked dense, the paper's DA-DPFL); freeze trains an active
    fraction a = p_k of the neurons (FedSPU's rule); prefix and width are what
-   `measured_reduction` picks from the table (round 0, no memory limit). Freeze, prefix and
-   width train the dense model, as the calibration does.
+   `measured_reduction` picks from the table (round 0, no memory limit); channels is prune
+   with `--mask-unit channel` (whole channels dropped, the narrower model trained), its
+   density capped by the agent's rule (`capped_density`) and predicted from its own table
+   (prune measured at several densities); checkpoint is the dense model with its blocks
+   checkpointed (the memory option, at p_k 1 only: it cuts memory, not time). Freeze,
+   prefix and width train the dense model, as the calibration does.
 3. Measure it again, independently of the calibration: a timed unit is one call of
    `reduced_training` over enough minibatches for `--min-call` seconds of dense work
    (per-round work included, as in a round; a "+steps" row is timed at full steps and scaled
@@ -58,7 +62,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from agent.device.calibration import ActivationMeter, measure_costs, working_set_mb  # noqa: E402
-from agent.learning import Learner, LocalData, preset, rigl  # noqa: E402
+from agent.learning import Learner, LocalData, channels, preset, rigl  # noqa: E402
 from agent.learning.costs import CostTable, Row  # noqa: E402
 from agent.learning.freezing import active_masks  # noqa: E402
 from agent.learning.models import build_model, prunable_names  # noqa: E402
@@ -67,6 +71,7 @@ from agent.learning.reduction import (  # noqa: E402
     NO_REDUCTION,
     Reduction,
     active_fraction,
+    capped_density,
     measured_reduction,
 )
 from agent.learning.sparse import Masks  # noqa: E402
@@ -76,7 +81,7 @@ MODELS: dict[str, tuple[int, ...]] = {"mlp": (64,), "cnn2d": (1, 28, 28), "resne
 QUICK_MODELS = ("mlp", "cnn2d")
 CLASSES = 10
 BATCH = 64
-KINDS = ("prune", "freeze", "prefix", "suffix", "width")
+KINDS = ("prune", "channels", "freeze", "prefix", "suffix", "width", "checkpoint")
 BUDGETS = (0.5, 0.2)
 MAX_CALL_STEPS = 200
 PREDICTION_TOLERANCE = 0.2
@@ -117,11 +122,11 @@ class Plan:
     predicted_memory: float | None
 
 
-def build(name: str) -> tuple[Learner, LocalData]:
+def build(name: str, mask_unit: str = "weight") -> tuple[Learner, LocalData]:
     """The model's dadpfl learner (batch 64) and random data: enough for the longest call."""
     shape = MODELS[name]
     model = build_model(name, shape, CLASSES, seed=0)
-    config = preset("dadpfl", batch_size=BATCH, epochs=1, rounds=10)
+    config = preset("dadpfl", batch_size=BATCH, epochs=1, rounds=10, mask_unit=mask_unit)
     learner = Learner(model, shape, prunable_names(model), config, seed=0)
     generator = torch.Generator().manual_seed(0)
     count = BATCH * MAX_CALL_STEPS
@@ -156,7 +161,7 @@ def _table_row(table: CostTable, kind: str, reduction: Reduction, level: float) 
     rows = table.of_kind("prefix" if kind == "suffix" else kind)
     if kind in ("prefix", "suffix"):
         return next((row for row in rows if row.window == reduction.window), None)
-    if kind == "prune":
+    if kind in ("prune", "checkpoint"):
         return rows[0] if rows else None
     return next((row for row in rows if math.isclose(row.level, level)), None)
 
@@ -171,11 +176,18 @@ def rule_reduction(
         assert start.masks is not None
         masks = rigl.prune_to_density(start.weights, start.masks, p_k)
         return Reduction(density_cap=p_k, kind="prune"), masks, None
+    if kind == "channels":
+        assert start.masks is not None
+        cap = capped_density(learner, p_k, start.masks) or 1.0
+        masks = channels.prune_to_density(learner.channel_plan, start.weights, start.masks, cap)
+        return Reduction(density_cap=cap, kind="prune"), masks, None
     if kind == "freeze":
         a = active_fraction(p_k)
         generator = torch.Generator().manual_seed(0)
         active = active_masks(learner.freezing_plan, start.weights, a, generator)
         return Reduction(active_fraction=a, kind="freeze"), None, active
+    if kind == "checkpoint":
+        return Reduction(checkpoint=True, kind="checkpoint"), None, None
     assert table is not None
     if kind == "suffix":
         return suffix_reduction(learner, table, p_k), None, None
@@ -204,6 +216,16 @@ def plan(learner: Learner, table: CostTable, kind: str, p_k: float) -> Plan:
     reduction, masks, active = rule_reduction(learner, table, kind, p_k)
     if kind == "prune":
         level, label, time_share = p_k, f"density {p_k:.2f}", table.interpolated("prune", p_k)
+    elif kind == "channels":
+        level = reduction.density_cap or 1.0
+        label = f"channel density {level:.2f}"
+        time_share = table.interpolated("prune", level)
+        memory = table.interpolated("prune", level, table.memory_fraction)
+        return Plan(kind, p_k, reduction, masks, active, label, time_share, memory)
+    elif kind == "checkpoint":
+        level, label = 1.0, "blocks checkpointed"
+        row = _table_row(table, kind, reduction, level)
+        time_share = None if row is None else table.fraction(row)
     elif kind == "freeze":
         level = reduction.active_fraction or 1.0
         label, time_share = f"active {level:.2f}", table.interpolated("freeze", level)
@@ -273,7 +295,7 @@ def counted_mb(learner: Learner, round_plan: Plan, data: LocalData) -> float:
     meter = ActivationMeter()
     with meter.measuring():
         _call_s(learner, round_plan, data, 1)
-    return meter.megabytes + working_set_mb(learner, round_plan.reduction)
+    return meter.megabytes + working_set_mb(learner, round_plan.reduction, round_plan.masks)
 
 
 def _spec(model: str, round_plan: Plan) -> dict[str, Any]:
@@ -284,6 +306,7 @@ def _spec(model: str, round_plan: Plan) -> dict[str, Any]:
         "p_k": round_plan.p_k,
         "window": reduction.window,
         "width": reduction.width,
+        "checkpoint": reduction.checkpoint,
     }
 
 
@@ -315,16 +338,18 @@ def probe_rss(spec: dict[str, Any]) -> float:
     """In a fresh process: the row's learner and round, one warm-up step, the high-water mark
     reset, then MiB the peak RSS rises above the RSS before a second step."""
     torch.set_num_threads(1)
-    learner, data = build(spec["model"])
     kind, p_k = spec["kind"], spec["p_k"]
+    learner, data = build(spec["model"], "channel" if kind == "channels" else "weight")
     if kind == "dense":
         round_plan = DENSE
-    elif kind in ("prune", "freeze"):
+    elif kind in ("prune", "channels", "freeze"):
         reduction, masks, active = rule_reduction(learner, None, kind, p_k)
         round_plan = Plan(kind, p_k, reduction, masks, active, "", None, None)
     else:
         window = None if spec["window"] is None else (spec["window"][0], spec["window"][1])
-        reduction = Reduction(window=window, width=spec["width"], kind=kind)
+        reduction = Reduction(
+            window=window, width=spec["width"], checkpoint=spec["checkpoint"], kind=kind
+        )
         round_plan = Plan(kind, p_k, reduction, None, None, "", None, None)
     _ = learner.forward_layers, learner.freezing_plan
     _call_s(learner, round_plan, data, 1)
@@ -352,21 +377,27 @@ def verdict(model: str, row: dict[str, Any]) -> tuple[str, bool]:
 
 
 def measure_model(name: str, settings: Settings, console: Console) -> dict[str, Any]:
-    """Calibrate `name`, then measure every (kind, p_k) row against dense."""
+    """Calibrate `name`, then measure every (kind, p_k) row against dense (channels with
+    its own learner and table: channel masks, prune measured at several densities)."""
     learner, data = build(name)
     began = time.perf_counter()
     table = measure_costs(learner, data)
     calibration_s = time.perf_counter() - began
     console.print(f"{name}: calibrated in {calibration_s:.1f} s ({len(table.rows)} rows)")
+    narrow, _ = build(name, "channel")
+    narrow_table = measure_costs(narrow, data, kinds=("prune",))
     steps = max(1, min(MAX_CALL_STEPS, math.ceil(settings.min_call_s / table.dense.step_s)))
     dense_mb = counted_mb(learner, DENSE, data)
     dense_rss = rss_growth_mb(name, DENSE) if settings.rss else None
     rows = []
     for kind in KINDS:
-        for p_k in BUDGETS:
-            round_plan = plan(learner, table, kind, p_k)
+        kind_learner, kind_table = (
+            (narrow, narrow_table) if kind == "channels" else (learner, table)
+        )
+        for p_k in (1.0,) if kind == "checkpoint" else BUDGETS:
+            round_plan = plan(kind_learner, kind_table, kind, p_k)
             reduced_s, dense_s = interleaved_s(
-                learner, whole_steps(round_plan), data, steps, settings
+                kind_learner, whole_steps(round_plan), data, steps, settings
             )
             time_x = reduced_s / dense_s * (round_plan.reduction.step_fraction or 1.0)
             rss = rss_growth_mb(name, round_plan) if settings.rss else None
@@ -380,7 +411,7 @@ def measure_model(name: str, settings: Settings, console: Console) -> dict[str, 
                 "reduced_call_s": reduced_s,
                 "dense_call_s": dense_s,
                 "time_x": time_x,
-                "memory_mb": counted_mb(learner, round_plan, data),
+                "memory_mb": counted_mb(kind_learner, round_plan, data),
                 "predicted_time_x": predicted,
                 "predicted_memory_x": round_plan.predicted_memory,
                 "prediction_error": None if predicted is None else abs(predicted - time_x) / time_x,
@@ -397,6 +428,7 @@ def measure_model(name: str, settings: Settings, console: Console) -> dict[str, 
         "input_shape": MODELS[name],
         "calibration_s": calibration_s,
         "table": table.to_dict(),
+        "channel_table": narrow_table.to_dict(),
         "dense_memory_mb": dense_mb,
         "dense_rss_growth_mb": dense_rss,
         "rows": rows,

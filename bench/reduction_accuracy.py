@@ -51,6 +51,17 @@ Points of mean accuracy against prune at the same p_k, mean over seeds (per seed
 * prefix at 0.5 trains the same single window every round (only the last layer's window fits
   the measured 0.5), and on digits does worse than prefix at 0.2 (0.586 vs 0.654), whose
   fallback rotates two windows with fewer minibatches.
+* `channels` (prune on `--mask-unit channel` masks, the same FLOP rule; its own run,
+  bench/results/reduction_accuracy_channels.json, `--reductions prune,channels`), points
+  against prune at the same p_k, mean over seeds (per seed):
+
+      p_k  digits                 mnist1d
+      0.5  -3.8 (-3.5,-6.1,-2.0)  +2.4 (+4.1,+0.8,+2.4)   (the cap binds neither)
+      0.2  +5.3 (+2.5,+2.1,+11.3) +0.2 (-3.6,+2.6,+1.7)   (channel density 0.23 / 0.22)
+
+  Where the budget binds, whole channels cost nothing against single weights here, and
+  they train the narrower model (bench/real_budgets.py: resnet18 0.52x / 0.33x a dense
+  round's time); unbudgeted on digits, channel masks trail weight masks by 3.8 points.
 * The cost tables were measured under load and are not monotone (digits: width 0.5 at 0.14
   of a dense step, width 0.35 at 0.34; freeze 0.35 at 1.96), so a quieter machine may choose
   other levels; the choices made are in the JSON.
@@ -82,7 +93,10 @@ if TYPE_CHECKING:
     from agent.learning.costs import CostTable
     from agent.report import AgentRound
 
-REDUCTIONS = ("prune", "freeze", "prefix", "width", "auto")
+REDUCTIONS = ("prune", "channels", "freeze", "prefix", "width", "auto")
+CHANNELS = "channels"
+"""`--reduce prune` with `--mask-unit channel`: the cap by the same FLOP rule, on masks of
+whole channels, so that it saves real seconds (agent/learning/channels.py)."""
 BASELINE = "prune"
 """The masked-dense equivalent every other reduction is compared with (DA-DPFL's own)."""
 REFERENCE = "none"
@@ -92,6 +106,7 @@ OUT = REPO / "bench" / "results" / "reduction_accuracy.json"
 
 def config_of(args: argparse.Namespace, dataset: str, seed: int, reduce: str) -> ExperimentConfig:
     """The run's configuration: no profiles (the bench sets p_k itself, `equal_budgets`)."""
+    unit = "channel" if reduce == CHANNELS else "weight"
     return ExperimentConfig(
         dataset=dataset,
         agents=args.agents,
@@ -102,7 +117,8 @@ def config_of(args: argparse.Namespace, dataset: str, seed: int, reduce: str) ->
             rounds=args.rounds,
             epochs=args.epochs,
             neighbours=min(5, args.agents - 1),
-            reduce=reduce,
+            reduce=BASELINE if reduce == CHANNELS else reduce,
+            mask_unit=unit,
         ),
     )
 

@@ -158,13 +158,14 @@ def decode_tensors(
     limits: Limits = DEFAULT_LIMITS,
     expected: Mapping[str, tuple[tuple[int, ...], str]] | None = None,
     require_finite: bool = False,
+    partial: bool = False,
 ) -> dict[str, DecodedTensor]:
     """Decode a message from :func:`encode_tensors`, in the order it was encoded.
 
-    ``expected`` maps every name the message must hold (no more, no fewer, any order) to its
-    ``(shape, dtype)``. ``require_finite`` rejects NaN and infinite values. Any malformed,
-    oversized or unexpected input raises :class:`ProtocolError`; all records are validated
-    before any dense output is allocated.
+    ``expected`` maps every name the message must hold (no more, no fewer, any order; with
+    ``partial``, any of them but at least one) to its ``(shape, dtype)``. ``require_finite``
+    rejects NaN and infinite values. Any malformed, oversized or unexpected input raises
+    :class:`ProtocolError`; all records are validated before any dense output is allocated.
     """
     records = _unpack(data, limits)
     plans: list[_Plan] = []
@@ -183,7 +184,9 @@ def decode_tensors(
         if total > limits.max_total_elements:
             raise ProtocolError(f"more than {limits.max_total_elements} elements in total")
         plans.append(plan)
-    if expected is not None and names != set(expected):
+    if expected is not None and partial and not names:
+        raise ProtocolError("no tensors: a partial message holds at least one expected tensor")
+    if expected is not None and not partial and names != set(expected):
         missing = sorted(set(expected) - names)[:8]
         raise ProtocolError(f"missing expected tensors {missing}")
     try:

@@ -30,6 +30,14 @@ torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parent.parent
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests marked slow (a wheel install, a fleet in network namespaces, a soak) first,
+    the rest in their order: pytest-xdist hands tests out in this order, so the longest
+    start while the other worker takes the short ones, instead of one of them starting
+    last and running alone at the end of the suite."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def dataset_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """One dataset cache for the session (agent processes inherit it), not the user's."""

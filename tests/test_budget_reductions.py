@@ -308,7 +308,7 @@ def test_an_emulated_fleet_chooses_by_measured_cost_and_reports_its_clock(
     # Each agent kept its measured table in its state folder.
     for agent in ("agent-000", "agent-003"):
         kept = json.loads((tmp_path / "fleet" / agent / calibration.COSTS_FILE).read_text())
-        assert "kinds freeze,prefix,width" in next(iter(kept))
+        assert "kinds checkpoint,freeze,prefix,width" in next(iter(kept))
 
 
 def test_a_measured_budget_leaves_the_uncut_part_of_the_round_out() -> None:

@@ -44,6 +44,9 @@ def _fleet(strategy: str, attackers: int, **learning: object) -> ExperimentConfi
 
 # What the code before the default defence computed with its defaults (mean, clip off) for
 # `_fleet`: round 3's (accuracy, loss) of agents 002 and 005, taken from that commit's tree.
+# Bit for bit on the processor they were recorded on; another one's kernels sum in another
+# order (the losses differ by 2e-7 of themselves on a Xeon with AVX-512 bf16/fp16), so they are
+# compared to 1e-6 of themselves: the defence moves them by whole percents.
 BEFORE = {
     ("dadpfl", 1): [(0.2571428571428571, 121.73371930803572), (0.21875, 7481.35400390625)],
     ("fedavg", 0): [(0.3142857142857143, 1.8926888602120535), (0.328125, 1.9166126251220703)],
@@ -51,12 +54,10 @@ BEFORE = {
 
 
 @pytest.mark.parametrize(("strategy", "attackers"), list(BEFORE))
-def test_aggregation_mean_computes_what_the_mean_did_bit_for_bit(
-    strategy: str, attackers: int
-) -> None:
+def test_aggregation_mean_computes_what_the_mean_did(strategy: str, attackers: int) -> None:
     final = simulate(_fleet(strategy, attackers, aggregation="mean"))["rounds"][-1]["agents"]
     got = [(final[a]["accuracy"], final[a]["loss"]) for a in ("agent-002", "agent-005")]
-    assert got == BEFORE[(strategy, attackers)]
+    assert got == [pytest.approx(pair, rel=1e-6) for pair in BEFORE[(strategy, attackers)]]
 
 
 def test_the_default_holds_where_the_mean_is_poisoned() -> None:

@@ -24,6 +24,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import statistics
@@ -37,11 +38,13 @@ import torch
 from torch import nn
 
 from agent.files import DiskFullError, atomic_write
-from agent.learning import prefix
+from agent.learning import channels, checkpointing, prefix
 from agent.learning.costs import Cost, CostTable, Row
 from agent.learning.learner import Learner, LocalData
+from agent.learning.precision import CHANNELS_LAST, ComputeFormat
 from agent.learning.reduced import reduced_training
 from agent.learning.reduction import NO_REDUCTION, Reduction
+from agent.learning.sparse import Masks
 from agent.learning.training import round_steps
 
 log = logging.getLogger(__name__)
@@ -52,9 +55,12 @@ MIN_TIMED_S = 0.1
 REPEATS = 3
 FREEZE_LEVELS = (0.8, 0.5, 0.35, 0.2, 0.05)
 WIDTH_LEVELS = (0.75, 0.5, 0.35, 0.25)
+PRUNE_LEVELS = (0.35, 0.2, 0.1)
+FORMAT_GAIN = 0.95
+"""A format other than fp32 is taken when its dense step is at least 5% faster."""
 PREFIX_LEVELS = (0.5, 0.3, 0.15)
 COSTS_FILE = "costs.json"
-KINDS = ("prune", "freeze", "prefix", "width")
+KINDS = ("prune", "freeze", "prefix", "width", "checkpoint")
 
 
 class ActivationMeter:
@@ -93,22 +99,33 @@ def _bytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def working_set_mb(learner: Learner, reduction: Reduction) -> float:
-    """Weights, gradients and momentum of the model a round with `reduction` trains: the
-    whole model's weights, and gradients for what trains (a window's layers, the narrow
-    model's entries; freezing's gradients are dense-shaped)."""
+def working_set_mb(learner: Learner, reduction: Reduction, masks: Masks | None = None) -> float:
+    """Weights, gradients and momentum of the model a round with `reduction` (and `masks`)
+    trains: the whole model's weights, and gradients for what trains (a window's layers, the
+    narrow model's entries: a width's or channel masks'; freezing's gradients are
+    dense-shaped)."""
+    from agent.learning import width
+
     params = dict(learner.model.named_parameters())
     weights = _bytes(params.values())
     grads = weights
+    narrow: tuple[width.WidthPlan, width.Selection] | None = None
     if reduction.window is not None:
         names = prefix.trained_names(learner.forward_layers, reduction.window)
         grads = _bytes(p for name, p in params.items() if name in names)
     elif reduction.width is not None:
-        from agent.learning import width
-
         plan = learner.width_plan
-        selection = width.rolling_selection(plan, reduction.width, 0)
-        held = width.held_masks({n: p.detach() for n, p in params.items()}, plan, selection)
+        narrow = plan, width.rolling_selection(plan, reduction.width, 0)
+    elif learner.channel_masks and masks is not None:
+        plan = learner.channel_plan.width
+        narrow = (
+            plan,
+            channels.selection(
+                learner.channel_plan, channels.kept_blocks(learner.channel_plan, masks)
+            ),
+        )
+    if narrow is not None:
+        held = width.held_masks({n: p.detach() for n, p in params.items()}, *narrow)
         weights = grads = sum(int(held[n].sum()) * p.element_size() for n, p in params.items())
     copies = 2 if learner.config.momentum != 0 else 1
     return (weights + copies * grads) / MIB
@@ -170,7 +187,7 @@ class _Calibration:
         meter = ActivationMeter()
         with meter.measuring():
             seconds = self.call_s(reduction, masks)
-        fixed = working_set_mb(learner, reduction)
+        fixed = working_set_mb(learner, reduction, masks)
         activations = meter.megabytes
         if cuda:
             activations = max(torch.cuda.max_memory_allocated(learner.device) / MIB - fixed, 0.0)
@@ -190,25 +207,45 @@ class _Calibration:
         return min(reduced) / min(dense), min(dense), fixed, activations
 
 
-def _candidates(learner: Learner, kinds: Sequence[str]) -> list[tuple[str, float, Reduction]]:
-    """Every level of `kinds` this learner can train with: (kind, level, reduction)."""
-    rows: list[tuple[str, float, Reduction]] = []
+def _candidates(
+    learner: Learner, kinds: Sequence[str]
+) -> list[tuple[str, float, Reduction, Masks | None]]:
+    """Every level of `kinds` this learner can train with: (kind, level, reduction, the
+    masks a prune row trains with)."""
+    rows: list[tuple[str, float, Reduction, Masks | None]] = []
     plan = learner.freezing_plan
     if "freeze" in kinds and (plan.groups or plan.layers):
-        rows += [("freeze", a, Reduction(active_fraction=a)) for a in FREEZE_LEVELS]
+        rows += [("freeze", a, Reduction(active_fraction=a), None) for a in FREEZE_LEVELS]
     if "prefix" in kinds:
         for level in PREFIX_LEVELS:
             for window in prefix.windows(learner.forward_layers, level):
-                rows.append(("prefix", level, Reduction(window=window)))
+                rows.append(("prefix", level, Reduction(window=window), None))
     if "width" in kinds:
         try:
             if learner.width_plan.classes:
-                rows += [("width", w, Reduction(width=w)) for w in WIDTH_LEVELS]
+                rows += [("width", w, Reduction(width=w), None) for w in WIDTH_LEVELS]
         except ValueError as exc:
             log.info("width reduction unavailable for this model: %s", exc)
     if "prune" in kinds and learner.sparse:
-        rows.append(("prune", learner.config.density, NO_REDUCTION))
+        rows += [("prune", level, NO_REDUCTION, masks) for level, masks in _pruned(learner)]
+    if "checkpoint" in kinds and checkpointing.blocks(learner.model):
+        rows.append(("checkpoint", 1.0, Reduction(checkpoint=True), None))
     return rows
+
+
+def _pruned(learner: Learner) -> list[tuple[float, Masks]]:
+    """The densities a prune row is measured at, with masks of each: the initial density
+    alone for weight masks (masked-dense kernels take as long at any density), and below it
+    the `PRUNE_LEVELS` for channel masks, whose narrower models do not."""
+    agent = learner.init_agent("calibration")
+    masks = agent.masks
+    assert masks is not None
+    if not learner.channel_masks:
+        return [(learner.config.density, masks)]
+    levels = [learner.config.density]
+    levels += [d for d in PRUNE_LEVELS if d < learner.config.density]
+    plan = learner.channel_plan
+    return [(d, channels.prune_to_density(plan, agent.weights, masks, d)) for d in levels]
 
 
 def _steps(learner: Learner, data: LocalData, batch: int) -> int:
@@ -220,27 +257,71 @@ def _steps(learner: Learner, data: LocalData, batch: int) -> int:
     return int(min(MAX_STEPS, max(1, MIN_TIMED_S / max(step_s, 1e-6))))
 
 
+def candidate_formats(learner: Learner) -> tuple[str, ...]:
+    """The step formats worth timing (`agent.learning.precision`): on a GPU fp32, fp16, bf16
+    where the GPU has it, and each channels-last for a model with 4-D weights; elsewhere fp32
+    alone (a CPU's autocast and channels-last rarely pay, and change the numbers)."""
+    if learner.device.type != "cuda":
+        return ("fp32",)
+    precisions = ["fp32", "fp16"]
+    if torch.cuda.is_bf16_supported():
+        precisions.append("bf16")
+    formats = list(precisions)
+    if any(p.dim() == 4 for p in learner.model.parameters()):
+        formats += [f"{CHANNELS_LAST}+{p}" if p != "fp32" else CHANNELS_LAST for p in precisions]
+    return tuple(formats)
+
+
+def fastest_format(learner: Learner, timing: _Calibration, formats: Sequence[str]) -> str:
+    """Of `formats`, the one whose dense step is fastest, when it beats fp32 by FORMAT_GAIN;
+    each timed after a warm-up call (cuDNN picks its kernels there), the fastest of REPEATS.
+    Leaves `learner` training in it."""
+    times: dict[str, float] = {}
+    for name in formats:
+        learner.compute_format = ComputeFormat.parse(name)
+        timing.call_s(NO_REDUCTION, None)
+        times[name] = min(timing.call_s(NO_REDUCTION, None) for _ in range(REPEATS))
+    best = min(times, key=lambda name: times[name])
+    plain = times.get("fp32", math.inf)
+    chosen = best if times[best] < FORMAT_GAIN * plain or "fp32" not in times else "fp32"
+    learner.compute_format = ComputeFormat.parse(chosen)
+    if len(formats) > 1:
+        log.info(
+            "step formats (s a call): %s; training in %s",
+            ", ".join(f"{n} {t:.3f}" for n, t in times.items()),
+            chosen,
+        )
+    return chosen
+
+
 def measure_costs(
     learner: Learner,
     data: LocalData,
     batch_size: int | None = None,
     progress: Callable[[int, int], None] | None = None,
     kinds: Sequence[str] = KINDS,
+    formats: Sequence[str] | None = None,
 ) -> CostTable:
     """Time every level of the reduction `kinds` of `learner` on a few of `data`'s samples
-    (module docstring); `progress(done, total)` after each row."""
+    (module docstring), in the step format measured fastest of `formats` (by default
+    `candidate_formats`), which `learner` then trains in; `progress(done, total)` after
+    each row."""
     batch = batch_size or learner.config.batch_size
     steps = _steps(learner, data, batch)
     timing = _Calibration(learner, _sample(data, steps * batch), batch, steps)
-    masks = learner.init_agent("calibration").masks
+    step_format = "fp32"
+    if formats is None:
+        formats = candidate_formats(learner)
+    if list(formats) != ["fp32"]:
+        step_format = fastest_format(learner, timing, formats)
     candidates = _candidates(learner, kinds)
     dense_s: list[float] = []
-    measured: dict[tuple[Reduction, bool], tuple[float, float, float]] = {}
-    for done, (kind, _, reduction) in enumerate(candidates, start=1):
+    measured: dict[tuple[Reduction, float | None], tuple[float, float, float]] = {}
+    for done, (_, level, reduction, row_masks) in enumerate(candidates, start=1):
         if progress is not None:
             progress(done, len(candidates))
-        row_masks = masks if kind == "prune" else None
-        pair = (reduction, row_masks is not None)  # a window may recur at several levels
+        # a window may recur at several levels; prune rows differ by their masks' level
+        pair = (reduction, level if row_masks is not None else None)
         if pair not in measured:
             share, dense_call_s, fixed, activations = timing.share(reduction, row_masks)
             dense_s.append(dense_call_s)
@@ -250,12 +331,12 @@ def measure_costs(
     step_s = statistics.median(dense_s) / steps
     dense_cost = Cost(step_s, *timing.memory(NO_REDUCTION, None)[1:])
     rows = []
-    for kind, level, reduction in candidates:
-        share, fixed, activations = measured[(reduction, kind == "prune")]
+    for kind, level, reduction, row_masks in candidates:
+        share, fixed, activations = measured[(reduction, level if row_masks is not None else None)]
         rows.append(Row(kind, level, Cost(share * step_s, fixed, activations), reduction.window))
     forward_s = _forward_s(learner, timing.data)
     key = table_key(learner, batch, kinds)
-    return CostTable(key, batch, dense_cost, forward_s, tuple(rows))
+    return CostTable(key, batch, dense_cost, forward_s, tuple(rows), step_format)
 
 
 @torch.no_grad()
@@ -281,7 +362,8 @@ def cached_costs(
     say: Callable[[str], None] = log.info,
 ) -> CostTable:
     """The cost table for this learner from `folder`'s `costs.json`, measured and kept there
-    when missing, unreadable or measured for something else (another key)."""
+    when missing, unreadable or measured for something else (another key). The learner
+    trains in the step format the table was measured fastest in."""
     path = folder / COSTS_FILE
     key = table_key(learner, learner.config.batch_size, kinds)
     tables: dict[str, Any] = {}
@@ -289,13 +371,16 @@ def cached_costs(
         tables = dict(json.loads(path.read_text()))
     if key in tables:
         with contextlib.suppress(ValueError):
-            return CostTable.from_dict(tables[key])
+            kept = CostTable.from_dict(tables[key])
+            learner.compute_format = ComputeFormat.parse(kept.format)
+            return kept
     table = _MEASURED.get(key)
     if table is None:
         say("measuring this device's training costs (once per model and batch size)")
         began = time.perf_counter()
         table = _MEASURED[key] = measure_costs(learner, data, kinds=kinds)
         say(f"costs measured in {time.perf_counter() - began:.1f} s: {len(table.rows)} levels")
+    learner.compute_format = ComputeFormat.parse(table.format)
     tables[key] = table.to_dict()
     text = json.dumps(tables, indent=1).encode()
     with contextlib.suppress(OSError, DiskFullError):  # a full disk costs a measurement next time

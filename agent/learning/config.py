@@ -36,6 +36,11 @@ STOP_LAMBDA = 0.7
 REDUCE_MODES = ("prune", "freeze", "prefix", "width", "auto")
 
 
+MASK_UNITS = ("weight", "channel")
+"""What a sparse model's mask keeps or drops: single weights (DA-DPFL's) or whole channels
+(`agent.learning.channels`: a lower density is a smaller model to train)."""
+
+
 WIRE_FORMATS = ("full", "delta", "layers")
 
 
@@ -64,6 +69,13 @@ class StrategyConfig:
     weight_decay: float = param(5e-4, "SGD weight decay.")
     momentum: float = param(0.0, "SGD momentum (dfedavgm uses 0.9).")
     density: float = param(0.5, "Initial ERK density of the sparse models (1 - sparsity).")
+    mask_unit: str = param(
+        "weight",
+        "What the sparse strategies' masks keep or drop: weight (single weights, the paper's: "
+        "a lower density saves counted FLOPs and bytes, not seconds on dense kernels) or "
+        "channel (whole neurons and channels: the model trains narrower, so its density and "
+        "a budget's density cap save real time and memory).",
+    )
     rigl_a: float = param(0.3, "RigL drop fraction a: alpha_t = a/2 (1 + cos(pi t / T)).")
     rigl_batches: int = param(1, "Local batches for RigL's dense gradient.")
     delta_pr: float = param(0.02, "Pruning-time detection threshold delta_pr.")

@@ -11,6 +11,7 @@ Pure data: the table, its file form and its lookups; measuring lives with the de
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -65,6 +66,9 @@ class CostTable:
     forward_s: float
     """Seconds per sample of an evaluation pass (no gradients), for the round's evaluation."""
     rows: tuple[Row, ...]
+    format: str = "fp32"
+    """The training step's format (`agent.learning.precision`) measured fastest, in which
+    the rows were measured and the agent trains."""
 
     def fraction(self, row: Row) -> float:
         """The row's step time over the dense step's: the share of a dense round it takes."""
@@ -76,13 +80,15 @@ class CostTable:
     def of_kind(self, kind: str) -> list[Row]:
         return [row for row in self.rows if row.kind == kind]
 
-    def interpolated(self, kind: str, level: float) -> float | None:
-        """The cost fraction of `kind` at `level`, linear between the measured levels (the
-        nearest one outside them); None when the kind was not measured."""
+    def interpolated(
+        self, kind: str, level: float, measure: Callable[[Row], float] | None = None
+    ) -> float | None:
+        """The cost fraction of `kind` at `level` (its time, or `measure` of its rows, such
+        as `memory_fraction`), linear between the measured levels (the nearest one outside
+        them); None when the kind was not measured."""
+        measure = measure or self.fraction
         points = sorted(
-            {
-                row.level: self.fraction(row) for row in self.of_kind(kind) if row.window is None
-            }.items()
+            {row.level: measure(row) for row in self.of_kind(kind) if row.window is None}.items()
         )
         if not points:
             return None
@@ -119,6 +125,7 @@ class CostTable:
                 dense=Cost(**data["dense"]),
                 forward_s=float(data["forward_s"]),
                 rows=rows,
+                format=str(data.get("format", "fp32")),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed cost table: {exc}") from None

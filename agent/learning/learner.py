@@ -34,9 +34,10 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 from torch import nn
 
-from agent.learning import pqi, prefix, pruning, rigl, robust, sparse
+from agent.learning import channels, pqi, prefix, pruning, rigl, robust, sparse
 from agent.learning.config import ADAM_FAMILY, DECENTRALIZED, STOP_LAMBDA, StrategyConfig
 from agent.learning.models import flops_from_positions, output_positions
+from agent.learning.precision import FP32
 from agent.learning.prefix import Layer
 from agent.learning.reduced import reduced_training
 from agent.learning.reduction import NO_REDUCTION, Reduction
@@ -128,8 +129,16 @@ def detect(
     return distances, score, pruning.vote(score, cfg.delta_pr)
 
 
-def prune_further(cfg: StrategyConfig, weights: State, masks: Masks) -> Masks:
-    """PQI further pruning (1.9) toward the target sparsity s*."""
+def prune_further(
+    cfg: StrategyConfig, weights: State, masks: Masks, plan: channels.ChannelPlan | None = None
+) -> Masks:
+    """PQI further pruning (1.9) toward the target sparsity s*: of weights, or with a
+    `plan` of whole channels (`agent.learning.channels`)."""
+    if plan is not None:
+        count = channels.pqi_counter(
+            cfg.pqi_p, cfg.pqi_q, cfg.pqi_eta_c, cfg.pqi_gamma, cfg.pqi_beta
+        )
+        return channels.pqi_prune(plan, weights, masks, count, cfg.target_sparsity)
     return pqi.pqi_prune(
         weights,
         masks,
@@ -140,6 +149,63 @@ def prune_further(cfg: StrategyConfig, weights: State, masks: Masks) -> Masks:
         beta=cfg.pqi_beta,
         target_sparsity=cfg.target_sparsity,
     )
+
+
+def starting_point(
+    learner: Learner,
+    agent: AgentState,
+    inbox: dict[str, Published],
+    round_: int,
+    reduction: Reduction,
+) -> tuple[State, AgentState, Masks | None]:
+    """The round's start: the aggregate (eq. 7), pruned to the reduction's density cap by
+    magnitude if the budget caps the density, and with an active fraction the neurons
+    that train (the rest frozen). Returns the start, the agent (with its capped masks)
+    and the active masks (None: everything trains)."""
+    start = learner.aggregate(agent, inbox)
+    if agent.masks is not None and reduction.density_cap is not None:
+        cap = reduction.density_cap
+        if learner.channel_masks:
+            capped = channels.prune_to_density(learner.channel_plan, start, agent.masks, cap)
+        else:
+            capped = rigl.prune_to_density(start, agent.masks, cap)
+        agent = dataclasses.replace(agent, masks=capped)
+        start = sparse.apply_masks(start, capped)
+    active = None
+    if reduction.active_fraction is not None:
+        from agent.learning.freezing import active_masks
+
+        generator = learner.generator("active", agent.agent_id, round_)
+        active = active_masks(learner.freezing_plan, start, reduction.active_fraction, generator)
+    return start, agent, active
+
+
+def rigl_step(
+    learner: Learner, weights: State, masks: Masks, data: LocalData, agent_id: str, round_: int
+) -> tuple[State, Masks, int]:
+    """RigL's mask update (1.6) from dense gradients on local batches; returns the new
+    weights and masks and the FLOPs the dense gradients cost. With channel masks, over
+    whole channels (`channels.rigl_update`), the gradients taken at `channels.revived`."""
+    cfg = learner.config
+    plan = learner.channel_plan if learner.channel_masks else None
+    grads, grad_samples = dense_gradients(
+        learner.model,
+        weights if plan is None else channels.revived(plan, weights, learner.initial, masks),
+        learner.prunable,
+        data.x_train,
+        data.y_train,
+        cfg.batch_size,
+        cfg.rigl_batches,
+        learner.generator("rigl", agent_id, round_),
+        learner.task,
+    )
+    flops = learner.dense_gradient_flops(masks, grad_samples)
+    alpha = rigl.rigl_alpha(round_, cfg.rounds, cfg.rigl_a)
+    if plan is not None:
+        weights, masks = channels.rigl_update(plan, weights, masks, grads, learner.initial, alpha)
+        return weights, masks, flops
+    masks = rigl.rigl_update(weights, masks, grads, alpha)
+    return sparse.apply_masks(weights, masks), masks, flops
 
 
 class Learner:
@@ -173,9 +239,23 @@ class Learner:
         self.prunes_further = config.strategy == "dadpfl"
         self.decentralized = config.strategy in DECENTRALIZED
         self._shapes = {name: tuple(self.initial[name].shape) for name in prunable}
+        self.channel_masks = self.sparse and config.mask_unit == "channel"
+        """Masks keep whole channels (`agent.learning.channels`), the model trains narrow."""
         self._densities = (
-            sparse.erk_densities(self._shapes, config.density) if self.sparse else None
+            sparse.erk_densities(self._shapes, config.density)
+            if self.sparse and not self.channel_masks
+            else None
         )
+        if self.channel_masks:
+            self.channel_plan  # noqa: B018 - a model it cannot cut is refused here, in one line
+        self.sends_windows = (
+            self.decentralized and config.wire == "full" and config.reduce in ("prefix", "auto")
+        )
+        """A round that trained a window of layers publishes those layers alone
+        (`published_part`), the others being what the agent already had from its aggregate."""
+        self.compute_format = FP32
+        """The training step's memory format and precision, as the device measured it
+        fastest (`agent.device.calibration`); plain fp32 unless a measurement says so."""
         self.local_keys = local_statistics(model) if config.batchnorm == "local" else ()
         """State entries that never take another device's values (`own_statistics`)."""
 
@@ -207,9 +287,12 @@ class Learner:
         Any agent can therefore recompute any other agent's starting model w0 (.) m_j, so
         round 1 needs no initial exchange of models.
         """
-        if self._densities is None:
+        if not self.sparse:
             return None
         generator = self.generator("mask", agent_id, 0)
+        if self.channel_masks:
+            return channels.random_masks(self.channel_plan, self.config.density, generator)
+        assert self._densities is not None
         return sparse.random_masks(self._shapes, self._densities, generator)
 
     def init_agent(self, agent_id: str) -> AgentState:
@@ -219,6 +302,16 @@ class Learner:
 
     def published(self, state: AgentState, num_samples: int) -> Published:
         return Published(state.weights, state.masks, num_samples)
+
+    def published_part(self, model: Published, reduction: Reduction) -> Published:
+        """What a round publishes: with a window of layers trained (and `sends_windows`),
+        those layers alone: the rest is the aggregate of what the agent received, which its
+        neighbours need not receive back (TinyTL's trained suffix, on the wire too). A
+        receiver aggregates each layer over those who sent it (`combine`)."""
+        if reduction.window is None or not self.sends_windows:
+            return model
+        trained = prefix.trained_names(self.forward_layers, reduction.window)
+        return _restricted(model, [name for name in model.weights if name in trained])
 
     def forward_flops(self, masks: Masks | None) -> int:
         """Forward FLOPs per sample with the conv/linear weights of `masks` (other entries of
@@ -284,21 +377,27 @@ class Learner:
         return self.own_statistics(self._combined(agent, inbox), agent.weights)
 
     def _combined(self, agent: AgentState, inbox: dict[str, Published]) -> State:
-        if self.config.clip != robust.CLIP_OFF:
-            clipped = robust.clip(
-                agent.weights,
-                {j: p.weights for j, p in inbox.items()},
-                self.config.clip,
-                {j: p.masks for j, p in inbox.items()},
-            )
-            inbox = {j: dataclasses.replace(p, weights=clipped[j]) for j, p in inbox.items()}
-        return combine(agent, inbox, robust.parse_rule(self.config.aggregation))
+        rule = robust.parse_rule(self.config.aggregation)
+        return combine(agent, inbox, rule, self.config.clip)
 
     @functools.cached_property
     def forward_layers(self) -> tuple[Layer, ...]:
         """The layers a window trains (`agent.learning.prefix`), in forward order: read once
         with a probe pass."""
         return prefix.forward_layers(self.model, self.input_shape)
+
+    @functools.cached_property
+    def channel_plan(self) -> channels.ChannelPlan:
+        """The channels `--mask-unit channel` keeps or drops (`agent.learning.channels`),
+        traced once; ValueError in one line for a model with none to drop."""
+        from agent.learning.width import channel_classes
+
+        try:
+            classes = channel_classes(self.model, self.input_shape)
+            plan = channels.channel_plan(classes, self._shapes)
+        except ValueError as exc:
+            raise ValueError(f"--mask-unit channel: {exc}") from None
+        return plan
 
     @functools.cached_property
     def width_plan(self) -> WidthPlan:
@@ -309,49 +408,6 @@ class Learner:
         if plan.note is not None:
             log.warning("%s", plan.note)
         return plan
-
-    def _starting_point(
-        self, agent: AgentState, inbox: dict[str, Published], round_: int, reduction: Reduction
-    ) -> tuple[State, AgentState, Masks | None]:
-        """The round's start: the aggregate (eq. 7), pruned to the reduction's density cap by
-        magnitude if the budget caps the density, and with an active fraction the neurons
-        that train (the rest frozen). Returns the start, the agent (with its capped masks)
-        and the active masks (None: everything trains)."""
-        start = self.aggregate(agent, inbox)
-        if agent.masks is not None and reduction.density_cap is not None:
-            capped = rigl.prune_to_density(start, agent.masks, reduction.density_cap)
-            agent = dataclasses.replace(agent, masks=capped)
-            start = sparse.apply_masks(start, capped)
-        active = None
-        if reduction.active_fraction is not None:
-            from agent.learning.freezing import active_masks
-
-            generator = self.generator("active", agent.agent_id, round_)
-            active = active_masks(self.freezing_plan, start, reduction.active_fraction, generator)
-        return start, agent, active
-
-    def _rigl(
-        self, weights: State, masks: Masks, data: LocalData, agent_id: str, round_: int
-    ) -> tuple[State, Masks, int]:
-        """RigL's mask update (1.6) from dense gradients on local batches; returns the new
-        weights and masks and the FLOPs the dense gradients cost."""
-        cfg = self.config
-        grads, grad_samples = dense_gradients(
-            self.model,
-            weights,
-            self.prunable,
-            data.x_train,
-            data.y_train,
-            cfg.batch_size,
-            cfg.rigl_batches,
-            self.generator("rigl", agent_id, round_),
-            self.task,
-        )
-        flops = self.dense_gradient_flops(masks, grad_samples)
-        masks = rigl.rigl_update(
-            weights, masks, grads, rigl.rigl_alpha(round_, cfg.rounds, cfg.rigl_a)
-        )
-        return sparse.apply_masks(weights, masks), masks, flops
 
     def local_round(
         self,
@@ -374,7 +430,7 @@ class Learner:
         """
         cfg = self.config
         before = agent
-        start, agent, active = self._starting_point(agent, inbox, round_, reduction)
+        start, agent, active = starting_point(self, agent, inbox, round_, reduction)
         trained, flops = reduced_training(
             self,
             start,
@@ -393,10 +449,13 @@ class Learner:
         if self.sparse and masks is not None:
             distances, score, vote = detect(cfg, self.prunable, agent, weights)
             if self.prunes_further and prune_now and sparse.sparsity(masks) < cfg.target_sparsity:
-                masks = prune_further(cfg, weights, masks)
+                plan = self.channel_plan if self.channel_masks else None
+                masks = prune_further(cfg, weights, masks, plan)
                 weights = sparse.apply_masks(weights, masks)
                 pruned = True
-            weights, masks, rigl_flops = self._rigl(weights, masks, data, agent.agent_id, round_)
+            weights, masks, rigl_flops = rigl_step(
+                self, weights, masks, data, agent.agent_id, round_
+            )
             flops += rigl_flops
         if not robust.finite(weights):
             return _recovered(self, before, data, round_, flops, trained.mean_loss)
@@ -411,7 +470,7 @@ class Learner:
         )
         return RoundResult(
             state=new_state,
-            published=Published(weights, masks, len(data.y_train)),
+            published=self.published_part(Published(weights, masks, len(data.y_train)), reduction),
             loss=loss,
             accuracy=accuracy,
             train_loss=trained.mean_loss,
@@ -482,13 +541,20 @@ def local_statistics(model: nn.Module) -> tuple[str, ...]:
     )
 
 
-def combine(agent: AgentState, inbox: dict[str, Published], rule: robust.Rule) -> State:
-    """`Learner.aggregate` once clipped: eq. 7 for sparse agents, the plain mean for dense
+def combine(
+    agent: AgentState,
+    inbox: dict[str, Published],
+    rule: robust.Rule,
+    clip: str = robust.CLIP_OFF,
+) -> State:
+    """`Learner.aggregate`: each received model clipped to the `clip` bound around the
+    agent's own (`robust.clip`), then eq. 7 for sparse agents, the plain mean for dense
     ones, or the robust `rule`.
 
-    A neighbour that sent only some layers (`--wire layers`) counts for those alone: each
-    set of tensors with the same senders is aggregated over them and the agent itself,
-    which per element is exactly the aggregation of whole models."""
+    A neighbour that sent only some layers (`--wire layers`, a trained window) counts for
+    those alone: each set of tensors with the same senders is clipped and aggregated over
+    them and the agent itself, which per element is exactly the aggregation of whole
+    models, and compares distances over the same tensors only."""
     by_senders: dict[frozenset[str], list[str]] = {}
     for name in agent.weights:
         senders = frozenset(j for j, p in inbox.items() if name in p.weights)
@@ -500,8 +566,16 @@ def combine(agent: AgentState, inbox: dict[str, Published], rule: robust.Rule) -
             if not senders:
                 out |= part.weights
                 continue
-            out |= combine(part, {j: _restricted(inbox[j], names) for j in senders}, rule)
+            out |= combine(part, {j: _restricted(inbox[j], names) for j in senders}, rule, clip)
         return {name: out[name] for name in agent.weights}
+    if clip != robust.CLIP_OFF:
+        clipped = robust.clip(
+            agent.weights,
+            {j: p.weights for j, p in inbox.items()},
+            clip,
+            {j: p.masks for j, p in inbox.items()},
+        )
+        inbox = {j: dataclasses.replace(p, weights=clipped[j]) for j, p in inbox.items()}
     if rule.robust:
         return _robust_combine(agent, inbox, rule)
     if agent.masks is not None:
@@ -527,3 +601,17 @@ def _restricted(model: _Model, names: list[str]) -> _Model:
     weights = {n: model.weights[n] for n in names}
     masks = None if model.masks is None else {n: model.masks[n] for n in names if n in model.masks}
     return dataclasses.replace(model, weights=weights, masks=masks)
+
+
+def served_model(learner: Learner, weights: State, masks: Masks | None) -> tuple[nn.Module, State]:
+    """The model a device serves (exports to ONNX) and its weights: with channel masks the
+    narrower model they leave, which computes the same outputs with fewer weights and FLOPs
+    (`agent.learning.channels`); else the learner's model itself."""
+    if not learner.channel_masks or masks is None:
+        return learner.model, weights
+    from agent.learning import width
+
+    plan = learner.channel_plan
+    chosen = channels.selection(plan, channels.kept_blocks(plan, masks))
+    narrow = width.narrow_model(learner.model, plan.width, chosen)
+    return narrow, width.narrow_state(weights, plan.width, chosen)

@@ -12,13 +12,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from agent.learning import prefix
+from agent.learning import channels, prefix
 from agent.learning.reduction import Reduction
 from agent.learning.sparse import Masks, State
 from agent.learning.training import SGDConfig, TrainResult, train_local
 
 if TYPE_CHECKING:
     from agent.learning.learner import Learner, LocalData
+    from agent.learning.width import Selection, WidthPlan
 
 
 def frozen_training_flops(learner: Learner, masks: Masks | None, active: Masks) -> int:
@@ -50,7 +51,27 @@ def reduced_training(
     if reduction.batch_size is not None:
         sgd = dataclasses.replace(sgd, batch_size=reduction.batch_size)
     if reduction.width is not None:
-        return _narrow_training(learner, start, masks, reduction, data, round_, sgd, generator)
+        from agent.learning.width import rolling_selection
+
+        chosen = rolling_selection(learner.width_plan, reduction.width, round_)
+        return _narrow_training(
+            learner,
+            learner.width_plan,
+            chosen,
+            start,
+            masks,
+            reduction,
+            data,
+            round_,
+            sgd,
+            generator,
+        )
+    if learner.channel_masks and masks is not None:
+        plan = learner.channel_plan
+        chosen = channels.selection(plan, channels.kept_blocks(plan, masks))
+        return _narrow_training(
+            learner, plan.width, chosen, start, masks, reduction, data, round_, sgd, generator
+        )
     window = reduction.window
     trained = train_local(
         learner.model,
@@ -65,6 +86,8 @@ def reduced_training(
         trainable=None if window is None else prefix.trained_names(learner.forward_layers, window),
         step_fraction=reduction.step_fraction,
         task=learner.task,
+        compute=learner.compute_format,
+        checkpoint=reduction.checkpoint,
     )
     if active is not None:
         per_sample = frozen_training_flops(learner, masks, active)
@@ -77,6 +100,8 @@ def reduced_training(
 
 def _narrow_training(
     learner: Learner,
+    plan: WidthPlan,
+    selection: Selection,
     start: State,
     masks: Masks | None,
     reduction: Reduction,
@@ -85,16 +110,16 @@ def _narrow_training(
     sgd: SGDConfig,
     generator: torch.Generator,
 ) -> tuple[TrainResult, int]:
-    """Width reduction: this round's channels (FedRolex's rolling window) as a narrower
-    model, trained, and written back into the full model; the other entries keep the
-    start's values."""
+    """The `selection` of channels as a narrower model, trained, and written back into the
+    full model; the other entries keep the start's values. Width reduction's rolling
+    window (FedRolex), or the channels a structured mask keeps (`agent.learning.channels`),
+    whose narrowed masks are all kept and so not applied."""
     from agent.learning import width
 
-    plan = learner.width_plan
-    fraction = reduction.width or 1.0
-    selection = width.rolling_selection(plan, fraction, round_)
     narrow = width.narrow_model(learner.model, plan, selection)
     narrow_masks = None if masks is None else width.narrow_state(masks, plan, selection)
+    if narrow_masks is not None and all(bool(m.all()) for m in narrow_masks.values()):
+        narrow_masks = None
     trained = train_local(
         narrow,
         width.narrow_state(start, plan, selection),
@@ -106,6 +131,8 @@ def _narrow_training(
         generator,
         step_fraction=reduction.step_fraction,
         task=learner.task,
+        compute=learner.compute_format,
+        checkpoint=reduction.checkpoint,
     )
     held = width.held_masks(start, plan, selection)
     if masks is not None:

@@ -9,7 +9,9 @@ measured costs (`agent.learning.costs`): `prefix` trains a window of layers (the
 the layers before it without a backward pass), `width` trains a narrower sub-model, and
 `auto` takes, of those that fit the time and memory budget, the one of least expected
 accuracy cost. Below every measured floor a round trains fewer minibatches; when the
-configured batch does not fit the memory, a smaller one.
+configured batch does not fit the memory, the model's blocks are checkpointed
+(`agent.learning.checkpointing`: the same numbers in less memory, for more time) where the
+time still fits, else a smaller batch trains.
 """
 
 from __future__ import annotations
@@ -42,8 +44,10 @@ MIN_ACTIVE = 0.05
 
 def measured_kinds(mode: str) -> tuple[str, ...]:
     """The reductions whose costs an agent measures under `--reduce mode`: auto's choices,
-    or the mode's own kind (prune and freeze for their prediction)."""
-    return MEASURED_KINDS if mode == "auto" else (mode,)
+    or the mode's own kind (prune and freeze for their prediction); with checkpointing for
+    the modes that choose by measurement (what fits the memory at the configured batch)."""
+    kinds = MEASURED_KINDS if mode == "auto" else (mode,)
+    return (*kinds, "checkpoint") if mode in MEASURED_MODES else kinds
 
 
 def capped_density(learner: Learner, p_k: float | None, masks: Masks | None) -> float | None:
@@ -69,6 +73,9 @@ class Reduction:
     """Train only this fraction of the round's minibatches: the last resort."""
     batch_size: int | None = None
     """A smaller batch than configured, so that the round fits the memory."""
+    checkpoint: bool = False
+    """Checkpoint the model's blocks (`agent.learning.checkpointing`): the configured batch
+    in less memory, for more time."""
     kind: str = "none"
     """What the round does: none, prune, freeze, prefix, width (with steps: + fewer steps)."""
     predicted: float | None = None
@@ -152,6 +159,43 @@ class _Option:
     row: Row
     share: float
     batch_size: int | None
+    checkpoint: bool = False
+
+
+def _checkpointed(row: Row, costs: CostTable) -> Row | None:
+    """`row` with its blocks checkpointed, by the factors the table measured on the dense
+    model (time up, activations down); None when it measured none."""
+    measured = costs.of_kind("checkpoint")
+    if not measured:
+        return None
+    cost = measured[0].cost
+    activations = cost.activation_mb / max(costs.dense.activation_mb, 1e-9)
+    return replace(
+        row,
+        cost=replace(
+            row.cost,
+            step_s=row.cost.step_s * cost.step_s / costs.dense.step_s,
+            activation_mb=row.cost.activation_mb * activations,
+        ),
+    )
+
+
+def _sized(
+    row: Row, costs: CostTable, batch: int, memory_mb: float | None
+) -> list[tuple[Row, int, bool]]:
+    """The ways `row` fits the memory: (row as trained, batch, checkpointed). At the
+    configured batch if it fits; else checkpointed at that batch where that fits (the same
+    numbers, more time), then at the largest smaller batch that fits."""
+    size = _fitting_batch(row, costs, batch, memory_mb)
+    if size == batch:
+        return [(row, batch, False)]
+    ways = []
+    checkpointed = _checkpointed(row, costs)
+    if checkpointed is not None and _fitting_batch(checkpointed, costs, batch, memory_mb) == batch:
+        ways.append((checkpointed, batch, True))
+    if size:
+        ways.append((row, size, False))
+    return ways
 
 
 def _fitting_batch(row: Row, costs: CostTable, batch: int, memory_mb: float | None) -> int | None:
@@ -178,21 +222,20 @@ def _options(
     level whose fitting windows train the most layers first (a window that alone fits
     would train the same layers every round and leave the others as they were)."""
     options = []
-    levels = sorted({row.level for row in costs.of_kind(kind)}, reverse=True)
+    levels = sorted({row.level for row in _rows(costs, kind)}, reverse=True)
     if kind == "prefix":
         levels.sort(key=lambda level: _covered(costs, level, p_k), reverse=True)
     for level in levels:
-        rows = [row for row in costs.of_kind(kind) if row.level == level]
-        sized = [(row, _fitting_batch(row, costs, batch, memory_mb)) for row in rows]
-        sized = [(row, size) for row, size in sized if size]
+        rows = [row for row in _rows(costs, kind) if row.level == level]
+        sized = [way for row in rows for way in _sized(row, costs, batch, memory_mb)]
         if kind == "prefix":
-            fitting = [row for row, _ in sized if costs.fraction(row) <= p_k]
+            fitting = [row for row, _, _ in sized if costs.fraction(row) <= p_k]
             if fitting:
                 window = round_window([row.window for row in fitting if row.window], round_)
-                sized = [(row, size) for row, size in sized if row.window == window]
-        for row, size in sized:
+                sized = [way for way in sized if way[0].window == window]
+        for row, size, checkpoint in sized:
             share = costs.fraction(row)
-            options.append(_Option(kind, row, share, None if size == batch else size))
+            options.append(_Option(kind, row, share, None if size == batch else size, checkpoint))
     return options
 
 
@@ -211,6 +254,9 @@ def measured_reduction(
     if p_k >= 1.0 and dense_fits == batch:
         return Reduction(why="a dense round fits the budget")
     passed: list[str] = []
+    whole = [o for o in _options(costs, "none", p_k, round_, memory_mb, batch) if o.checkpoint]
+    if whole and whole[0].share <= p_k:
+        return _as_reduction(whole[0], p_k, passed, step_fraction=None)
     for kind in kinds:
         options = _options(costs, kind, p_k, round_, memory_mb, batch)
         fitting = [option for option in options if option.share <= p_k]
@@ -228,6 +274,11 @@ def _dense_row(costs: CostTable) -> Row:
     return Row("none", 1.0, costs.dense)
 
 
+def _rows(costs: CostTable, kind: str) -> list[Row]:
+    """The table's rows of `kind`; "none" is the dense model's."""
+    return [_dense_row(costs)] if kind == "none" else costs.of_kind(kind)
+
+
 def _as_reduction(
     option: _Option, p_k: float, passed: list[str], step_fraction: float | None
 ) -> Reduction:
@@ -239,19 +290,23 @@ def _as_reduction(
         density_cap=row.level if option.kind == "prune" else None,
     )
     share = option.share if step_fraction is None else option.share * step_fraction
-    why = f"{option.kind} {row.level:.2f} takes {option.share:.2f} of a dense round"
-    why += f" (p_k {p_k:.2f})"
+    kind = "checkpoint" if option.kind == "none" else option.kind
+    named = "dense, checkpointed," if option.kind == "none" else f"{kind} {row.level:.2f}"
+    why = f"{named} takes {option.share:.2f} of a dense round (p_k {p_k:.2f})"
     if passed:
         why += "; " + ", ".join(passed) + " do not fit"
     if step_fraction is not None:
         why += f"; below every floor: {step_fraction:.2f} of the minibatches"
     if option.batch_size is not None:
         why += f"; batch {option.batch_size} to fit the memory"
+    if option.checkpoint and option.kind != "none":
+        why += "; blocks checkpointed to fit the memory"
     return replace(
         level,
         step_fraction=step_fraction,
         batch_size=option.batch_size,
-        kind=option.kind + ("+steps" if step_fraction is not None else ""),
+        checkpoint=option.checkpoint,
+        kind=kind + ("+steps" if step_fraction is not None else ""),
         predicted=share,
         why=why,
     )

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from agent.learning.checkpointing import checkpointed
 from agent.learning.exact_freezing import active_block_gradients
+from agent.learning.precision import FP32, ComputeFormat, LossScale
 from agent.learning.sparse import Masks, State, apply_masks_
 from agent.learning.tasks import Task
 
@@ -166,6 +168,8 @@ def train_local(
     trainable: set[str] | None = None,
     step_fraction: float | None = None,
     task: Task = CLASSIFICATION,
+    compute: ComputeFormat = FP32,
+    checkpoint: bool = False,
 ) -> TrainResult:
     """E epochs of (masked) SGD from `state`; weights outside the mask stay exactly 0.
 
@@ -181,7 +185,10 @@ def train_local(
     the other parameters do not require gradients for the round, so no backward pass runs
     before the first trainable layer and none of its activations are kept; their values and
     buffers come out unchanged. `step_fraction` trains only that fraction of the round's
-    minibatches (at least one), the budget's last resort.
+    minibatches (at least one), the budget's last resort. `compute` is the step's memory
+    format and precision (`agent.learning.precision`; plain fp32 by default). `checkpoint`
+    checkpoints the model's blocks (`agent.learning.checkpointing`): the same numbers in
+    less memory, for the time of a second forward pass through them.
     """
     load_weights(model, state)
     model.train()
@@ -209,9 +216,14 @@ def train_local(
     if step_fraction is not None:
         steps = round_steps(len(y), config.batch_size, config.epochs, step_fraction)
     active = {name: mask for name, (_, mask, _) in kept.items()}
-    with _only_trainable(model, trainable), active_block_gradients(model, active):
+    with (
+        _only_trainable(model, trainable),
+        active_block_gradients(model, active),
+        compute.laid_out(model),
+        checkpointed(model) if checkpoint else contextlib.nullcontext(),
+    ):
         mean_loss, samples = minibatch_epochs(
-            model, x, y, config.epochs, config.batch_size, generator, step, task, steps
+            model, x, y, config.epochs, config.batch_size, generator, step, task, steps, compute
         )
     new_state = cpu_state(model)
     if masks:
@@ -229,23 +241,28 @@ def minibatch_epochs(
     step: Callable[[], None],
     task: Task = CLASSIFICATION,
     max_steps: int | None = None,
+    compute: ComputeFormat = FP32,
 ) -> tuple[float, int]:
     """`epochs` passes of minibatches of the task's loss in `_batches` order, calling `step` (in
     no_grad) after each backward; returns (mean batch loss, samples seen). The loop every
     local optimizer shares, so SGD and Adam see the same batches for the same generator.
-    `max_steps` ends the loop early (the batch order stays that of the full round)."""
+    `max_steps` ends the loop early (the batch order stays that of the full round); `compute`
+    lays out and autocasts each step (a step whose fp16 gradients overflowed is skipped)."""
     total_loss, steps, samples = 0.0, 0, 0
     device = model_device(model)
+    scale = LossScale(compute)
     for _ in range(epochs):
         for batch in _batches(len(y), batch_size, generator):
             if max_steps is not None and steps >= max_steps:
                 break
             model.zero_grad(set_to_none=True)
-            inputs = x[batch].to(device)
-            loss = task.loss(model(inputs), task.target(inputs, y[batch].to(device)))
-            loss.backward()  # type: ignore[no-untyped-call]
-            with torch.no_grad():
-                step()
+            inputs = compute.inputs(x[batch].to(device))
+            with compute.autocast(device):
+                loss = task.loss(model(inputs), task.target(inputs, y[batch].to(device)))
+            scale.backward(loss)
+            if scale.unscaled(model):
+                with torch.no_grad():
+                    step()
             total_loss += loss.item()
             steps += 1
             samples += len(batch)

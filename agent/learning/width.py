@@ -112,14 +112,19 @@ def width_plan(model: nn.Module, input_shape: Sequence[int]) -> WidthPlan:
     Raises ValueError, in one line, when ``torch.fx`` cannot trace the model, when it does not
     run on that shape, or when no class can be narrowed (the note says why).
     """
-    graph = _traced(model, input_shape)
-    plan = _Dataflow(model).run(graph)
+    plan = channel_classes(model, input_shape)
     if not plan.classes:
         raise ValueError(
             "width reduction has nothing to narrow: "
             + (plan.note or "every channel is the model's input or output")
         )
     return plan
+
+
+def channel_classes(model: nn.Module, input_shape: Sequence[int]) -> WidthPlan:
+    """`width_plan`'s classes, none at all included (ValueError only when the model cannot be
+    traced or run on `input_shape`)."""
+    return _Dataflow(model).run(_traced(model, input_shape))
 
 
 def rolling_selection(plan: WidthPlan, fraction: float, round_: int) -> Selection:

@@ -37,10 +37,14 @@ def decode_state(
     expected: Mapping[str, tuple[tuple[int, ...], str]] | None,
     *,
     limits: Limits = DEFAULT_LIMITS,
+    partial: bool = False,
 ) -> tuple[State, Masks]:
     """Decode weights and the sender's masks, checked against the agreed model's shapes
-    (None: a layout whose sizes the caller checks after decoding, within `limits`)."""
-    decoded = decode_tensors(data, limits=limits, expected=expected, require_finite=True)
+    (None: a layout whose sizes the caller checks after decoding, within `limits`); with
+    `partial`, a message may hold only some of them."""
+    decoded = decode_tensors(
+        data, limits=limits, expected=expected, require_finite=True, partial=partial
+    )
     weights = {name: torch.from_numpy(t.values) for name, t in decoded.items()}
     masks = {name: torch.from_numpy(t.mask) for name, t in decoded.items() if t.mask is not None}
     return weights, masks

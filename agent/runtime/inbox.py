@@ -22,11 +22,12 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from agent.learning import Published, apply_delta
 from agent.learning.ldf import checked_divergences
+from agent.learning.sparse import State
 from agent.runtime.codec import decode_state
 from agent.runtime.mail import Expected, FleetMail
 from protocol import ProtocolError, messages, topics
@@ -90,7 +91,10 @@ class Inbox(FleetMail):
                 raise ProtocolError("this run sends whole models, not deltas")
             if is_delta and message.base_round >= message.round:
                 raise ProtocolError(f"delta of round {message.round} on a later base")
-            weights, masks = decode_state(message.tensors, shapes)
+            windows = None if is_delta else self.expected.window_layers
+            weights, masks = decode_state(message.tensors, shapes, partial=windows is not None)
+            if windows is not None:
+                check_whole_layers(weights, windows)
         except ProtocolError as exc:
             self.reject_model("model", message, topic, exc)
             return
@@ -399,3 +403,12 @@ def _drop_before(store: dict[Any, Any], round_: int, *, keep_newest: bool) -> No
     for key in [k for k in store if k[0] < round_]:
         if not keep_newest or newest[key[1]] != key[0]:
             del store[key]
+
+
+def check_whole_layers(weights: State, layers: Mapping[str, list[str]]) -> None:
+    """A model that came as a window of layers holds each layer whole or not at all
+    (ProtocolError otherwise): what a receiver aggregates per layer."""
+    for layer, tensors in layers.items():
+        held = [name in weights for name in tensors]
+        if any(held) and not all(held):
+            raise ProtocolError(f"layer {layer!r} only in part")

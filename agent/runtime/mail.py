@@ -45,6 +45,10 @@ class Expected:
     """The tensors of a delta message (`--wire delta`); None: models come whole."""
     layer_groups: dict[str, list[str]] | None = None
     """`--wire layers`: the model's layers in order, each with its tensors."""
+    window_layers: dict[str, list[str]] | None = None
+    """A run whose budgeted rounds may train a window of layers (`--reduce prefix`, `auto`):
+    the layers, each with its tensors; a model may come as some of them, each whole (the
+    window its sender trained, `Learner.published`). None: models come whole."""
     keeper: str = ""
     """Who publishes the round tallies (the coordinator); empty: no tallies, every status
     and vote is followed instead."""

@@ -14,8 +14,12 @@ class FullWire(WholeModels):
 
     @staticmethod
     def expects(learner: Learner, agent_id: str) -> dict[str, Any]:
-        """Nothing beyond whole models for the inbox to check."""
-        return {}
+        """The layers a model may come as a window of, when rounds may train windows."""
+        if not learner.sends_windows:
+            return {}
+        return {
+            "window_layers": {layer.name: list(layer.tensors) for layer in learner.forward_layers}
+        }
 
     def wanted(self, round_: int, ahead: Callable[[int], set[Need]]) -> set[str]:
         return announced_topics(self.session, self.announcement, ahead(round_))
