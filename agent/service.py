@@ -466,12 +466,15 @@ class AgentService:
             f"state in {folder}"
         )
         try:
-            workload = self.workload(run)
-            emulated = self.me in nominal_budgets(run.config, workload, list(run.roster))
-            # A real device trains where --device says; an emulated one where simulate does.
-            if not emulated:
-                self.place(workload)
-            with compute_slot():  # tracing the model must not meet another agent's round
+            # Building the model runs it, and tracing it (torch.fx patches every module's
+            # call while it traces) must not meet another agent's round or build in this
+            # process: agents sharing a process build, trace and measure in turn.
+            with compute_slot():
+                workload = self.workload(run)
+                emulated = self.me in nominal_budgets(run.config, workload, list(run.roster))
+                # A real device trains where --device says; an emulated one where simulate does.
+                if not emulated:
+                    self.place(workload)
                 costs = round_costs(run, self.me, workload, self.options, emulated, self.say)
             budget, throttle = budget_source(run, self.me, workload, self.options.device, costs)
         except ValueError as exc:

@@ -28,16 +28,21 @@ clocks, are then noisier than on an idle machine. A throttled board's `train_s` 
 modelled time (the throttle sleeps to it), so this measures whether the reduction chosen
 and the board's clock agree with p_k; prediction error shows only on host-bound rounds.
 
-Measured here (2 cores shared with other work, load average 4-8; 6 agents in one process,
-5 rounds, width 64, 2 epochs; a dense round: Pi 4 2.77 s by its FLOPs, this host ~0.6-1 s):
-today (prune) 83% of agent-rounds in time at both limits, the Pi 4 over in every round
-(1.40x and 2.24x the limit: masked pruning measures at or above a dense round's time);
-auto 100% at 2 s (Pi 4 p_k 0.62, prefix window, 0.89x) but 83% at 1.5 s (Pi 4 p_k 0.37,
-width, 1.13x in every round). The miss is the throttle's share: auto picks a level whose
-per-step share fits p_k (p_k is the share of the training steps, RigL's dense batch
-aside), but `after_reduced_compute` scales the board's training FLOPs by the whole round's
-predicted share (RigL's dense step and the evaluation included, ~0.51 for a 0.36 step
-share) and adds the dense step again: 1.78 s where the step share gives 1.48 s.
+Measured here (2 cores, nothing else running; 12 agents, two to a board, 6 agents a process,
+5 rounds, width 64, 2 epochs; bench/results/deadlines.json), agent-rounds in time:
+
+    limit   prune (today)          channels               auto
+    1.0 s   83%, Pi 4 1.84x        83%, Pi 4 1.20x        100%, worst 1.00x (width+steps)
+    1.5 s   83%, Pi 4 1.32x        100%, worst 0.94x      100%, worst 0.98x (width)
+
+Only the Pi 4 is budget-limited (p_k 0.24 and 0.73); the other boards are faster than this
+host. Masked pruning takes a dense round's time whatever its density; channel masks cut the
+time by the FLOP rule's cap, which at p_k 0.24 leaves the overheads no FLOP count sees
+(GroupNorm, pooling, blocks of 8 channels) 1.2x over; auto measures them. Before this
+stop the channels run lost two agents of a shared process silently: tracing a model with
+torch.fx while another agent built its own broke the other's forward pass; agents sharing
+a process now build, trace and measure in turn, and emulate names an agent that refused a
+run.
 """
 
 from __future__ import annotations

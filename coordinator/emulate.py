@@ -363,6 +363,12 @@ class Emulation:
         }
         codes = {a: c for a, p in self.processes.items() if (c := p.returncode) not in (0, None)}
         reasons = {a: exit_reason(code, self.log_path(a)) for a, code in codes.items()}
+        # An agent that refused the run (a model it cannot build, data that does not fit)
+        # exits cleanly after saying why in its status: it failed the run all the same.
+        for agent, progress in self.conductor.agents.items():
+            if agent not in codes and progress.state in ("rejected", "failed"):
+                codes[agent] = self.processes[agent].returncode or 0
+                reasons[agent] = f"{progress.state}: {progress.error or 'no reason given'}"
         report = assemble_report(
             self.config, self.roster, logs, self.conductor.aggregated(), wall, reasons
         )

@@ -163,3 +163,34 @@ def test_coordinator_run_says_why_each_agent_did_not_finish() -> None:
         "pi-c": "still training when the run ended",
         "pi-d": "never reported",
     }
+
+
+REFUSING_MODEL = '''"""A model agent-001's device cannot build (as a missing driver would fail it)."""
+import sys
+
+from torch import nn
+
+
+def build(input_shape, num_outputs):
+    if "agent-001" in sys.argv:
+        raise ValueError("no accelerator for this layer on this device")
+    return nn.Sequential(nn.Flatten(), nn.Linear(input_shape[-1], num_outputs))
+'''
+
+
+def test_an_agent_that_refuses_the_run_is_named_with_its_reason(
+    amqtt_broker, tmp_path: Path
+) -> None:
+    """It says why in its status and exits cleanly; the report names it all the same (it
+    once left the rounds without a word in the summary)."""
+    model = tmp_path / "refusing.py"
+    model.write_text(REFUSING_MODEL)
+    cfg = dataclasses.replace(config(agents=3, rounds=2), model=f"{model}:build")
+    options = EmulationOptions(workdir=tmp_path / "fleet", round_timeout_s=2.0, linger_s=2.0)
+    report = Emulation(cfg, amqtt_broker.address, options).run()
+    summary = report["summary"]
+    assert summary["failed_agents"].keys() == {"agent-001"}
+    (failure,) = summary["failures"].values()
+    assert failure["reason"].startswith("rejected: ")
+    assert "no accelerator for this layer on this device" in failure["reason"]
+    assert summary["agents_reported"] == 2
