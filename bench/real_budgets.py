@@ -19,7 +19,10 @@ one thread, random data drawn here), on a dadpfl learner (ERK masks at its initi
    checkpointed (the memory option, at p_k 1 only: it cuts memory, not time). Freeze,
    prefix and width train the dense model, as the calibration does.
 3. Measure it again, independently of the calibration: a timed unit is one call of
-   `reduced_training` over enough minibatches for `--min-call` seconds of dense work
+   `reduced_training` over enough minibatches for `--min-call` seconds of dense work (and
+   at least `--min-steps`: resnet18's 2.4 s step makes one minibatch a call, whose per-round
+   setup a round of many steps spreads thin: exact freezing measured 0.92-0.95x at active
+   0.5 in one-step calls, 0.79x in four-step ones)
    (per-round work included, as in a round; a "+steps" row is timed at full steps and scaled
    by its step fraction); dense and reduced calls alternate (2 warm-ups,
    then at least 5 timed each) so drift and neighbours hit both alike, and the minimum of
@@ -101,6 +104,7 @@ class Settings:
     warmups: int = 2
     repeats: int = 5
     min_call_s: float = 0.3
+    min_steps: int = 1
     rss: bool = True
 
 
@@ -386,7 +390,8 @@ def measure_model(name: str, settings: Settings, console: Console) -> dict[str, 
     console.print(f"{name}: calibrated in {calibration_s:.1f} s ({len(table.rows)} rows)")
     narrow, _ = build(name, "channel")
     narrow_table = measure_costs(narrow, data, kinds=("prune",))
-    steps = max(1, min(MAX_CALL_STEPS, math.ceil(settings.min_call_s / table.dense.step_s)))
+    steps = math.ceil(settings.min_call_s / table.dense.step_s)
+    steps = max(settings.min_steps, min(MAX_CALL_STEPS, steps))
     dense_mb = counted_mb(learner, DENSE, data)
     dense_rss = rss_growth_mb(name, DENSE) if settings.rss else None
     rows = []
@@ -484,6 +489,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smoke run: mlp and cnn2d, few steps")
     parser.add_argument("--no-rss", action="store_true", help="skip the RSS cross-check")
     parser.add_argument("--min-call", type=float, default=Settings.min_call_s, help="seconds")
+    parser.add_argument(
+        "--min-steps", type=int, default=Settings.min_steps, help="minibatches a call, >= 1"
+    )
     parser.add_argument("--repeats", type=int, default=Settings.repeats, help="timed calls, >= 5")
     parser.add_argument(
         "--out", type=pathlib.Path, default=ROOT / "bench/results/real_budgets.json"
@@ -502,7 +510,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--repeats must be at least {Settings.repeats}")
     settings = QUICK
     if not args.quick:
-        settings = Settings(repeats=args.repeats, min_call_s=args.min_call, rss=not args.no_rss)
+        settings = Settings(
+            repeats=args.repeats,
+            min_call_s=args.min_call,
+            min_steps=max(1, args.min_steps),
+            rss=not args.no_rss,
+        )
     console = Console(width=200)
     results = [measure_model(name, settings, console) for name in names]
     print_table(console, results)
