@@ -77,7 +77,8 @@ class Reduction:
     """Checkpoint the model's blocks (`agent.learning.checkpointing`): the configured batch
     in less memory, for more time."""
     kind: str = "none"
-    """What the round does: none, prune, freeze, prefix, width (with steps: + fewer steps)."""
+    """What the round does: none, prune, freeze, prefix, width, checkpoint (the dense model
+    checkpointed; with steps: + fewer steps)."""
     predicted: float | None = None
     """The measured share of a dense round's time this reduction takes (None unmeasured)."""
     why: str = ""
