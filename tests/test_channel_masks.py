@@ -57,7 +57,7 @@ def test_the_masked_model_computes_what_the_narrow_model_does(name: str) -> None
     assert masks is not None and is_structured(learner, masks)
     assert 0.3 < 1 - sparse.sparsity(masks) <= 0.5
     weights = sparse.apply_masks(learner.initial, masks)
-    chosen = channels.selection(plan, channels.kept_blocks(plan, masks))
+    chosen = channels.selection(plan, masks)
     narrow = width.narrow_model(learner.model, plan.width, chosen)
     narrow.load_state_dict(width.narrow_state(weights, plan.width, chosen))
     small = sum(p.numel() for p in narrow.parameters())
@@ -154,7 +154,7 @@ def test_the_budgets_cap_keeps_the_strongest_channels() -> None:
     capped = channels.prune_to_density(plan, weights, masks, 0.2)
     assert is_structured(learner, capped)
     assert 0.1 < 1 - sparse.sparsity(capped) <= 0.2
-    norms = channels.weight_norms(plan, weights, channels.kept_blocks(plan, masks))
+    norms = channels.weight_norms(plan, weights)
     for norm, before, after in zip(
         norms,
         channels.kept_blocks(plan, masks),

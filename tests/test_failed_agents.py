@@ -165,7 +165,7 @@ def test_coordinator_run_says_why_each_agent_did_not_finish() -> None:
     }
 
 
-REFUSING_MODEL = '''"""A model agent-001's device cannot build (as a missing driver would fail it)."""
+REFUSING_MODEL = '''"""A model agent-001's device cannot build (a missing driver, say)."""
 import sys
 
 from torch import nn

@@ -118,12 +118,7 @@ def working_set_mb(learner: Learner, reduction: Reduction, masks: Masks | None =
         narrow = plan, width.rolling_selection(plan, reduction.width, 0)
     elif learner.channel_masks and masks is not None:
         plan = learner.channel_plan.width
-        narrow = (
-            plan,
-            channels.selection(
-                learner.channel_plan, channels.kept_blocks(learner.channel_plan, masks)
-            ),
-        )
+        narrow = plan, channels.selection(learner.channel_plan, masks)
     if narrow is not None:
         held = width.held_masks({n: p.detach() for n, p in params.items()}, *narrow)
         weights = grads = sum(int(held[n].sum()) * p.element_size() for n, p in params.items())

@@ -164,8 +164,10 @@ def kept_blocks(plan: ChannelPlan, masks: Mapping[str, Tensor]) -> Kept:
     return tuple(out)
 
 
-def selection(plan: ChannelPlan, kept: Kept) -> Selection:
-    """The channels of every class the sub-model keeps, for `agent.learning.width`."""
+def selection(plan: ChannelPlan, masks: Mapping[str, Tensor]) -> Selection:
+    """The channels of every class the sub-model of structured `masks` keeps, for
+    `agent.learning.width` to cut it out."""
+    kept = kept_blocks(plan, masks)
     return tuple(torch.nonzero(_channels(plan, i, k)).flatten() for i, k in enumerate(kept))
 
 
@@ -220,7 +222,7 @@ def _per_block(plan: ChannelPlan, cls: int, squares: Tensor, dim: int) -> Tensor
     return squares.movedim(dim, 0).reshape(c.size, -1).sum(dim=1).view(-1, c.step).sum(dim=1)
 
 
-def weight_norms(plan: ChannelPlan, weights: Mapping[str, Tensor], kept: Kept) -> list[Tensor]:
+def weight_norms(plan: ChannelPlan, weights: Mapping[str, Tensor]) -> list[Tensor]:
     """Per class, each block's squared norm over every kept weight that writes or reads it
     (the weights are masked, so only kept ones count)."""
     out = [torch.zeros(plan.blocks(i), dtype=torch.float64) for i in range(len(plan.classes))]
@@ -321,7 +323,7 @@ def rigl_update(
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
     old = kept_blocks(plan, masks)
-    norms = weight_norms(plan, weights, old)
+    norms = weight_norms(plan, weights)
     growth = growth_norms(plan, grads, old)
     new = []
     for index, kept in enumerate(old):
@@ -368,7 +370,7 @@ def pqi_prune(
     many of a class's kept blocks to drop (at least one stays), trimmed so the sparsity
     stays at most `target_sparsity`."""
     kept = kept_blocks(plan, masks)
-    norms = weight_norms(plan, weights, kept)
+    norms = weight_norms(plan, weights)
     drops = []
     for blocks, norm in zip(kept, norms, strict=True):
         active = norm[blocks].sqrt()
@@ -395,7 +397,7 @@ def prune_to_density(
     if density(plan, left) <= cap:
         return {name: mask.clone() for name, mask in masks.items()}
     counts = _largest_fraction(plan, left, cap)
-    norms = weight_norms(plan, weights, kept)
+    norms = weight_norms(plan, weights)
     return masks_of(
         plan, _drop_smallest(kept, norms, [n - c for n, c in zip(left, counts, strict=True)])
     )

@@ -612,6 +612,6 @@ def served_model(learner: Learner, weights: State, masks: Masks | None) -> tuple
     from agent.learning import width
 
     plan = learner.channel_plan
-    chosen = channels.selection(plan, channels.kept_blocks(plan, masks))
+    chosen = channels.selection(plan, masks)
     narrow = width.narrow_model(learner.model, plan.width, chosen)
     return narrow, width.narrow_state(weights, plan.width, chosen)

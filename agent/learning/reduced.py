@@ -68,7 +68,7 @@ def reduced_training(
         )
     if learner.channel_masks and masks is not None:
         plan = learner.channel_plan
-        chosen = channels.selection(plan, channels.kept_blocks(plan, masks))
+        chosen = channels.selection(plan, masks)
         return _narrow_training(
             learner, plan.width, chosen, start, masks, reduction, data, round_, sgd, generator
         )
