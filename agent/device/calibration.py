@@ -277,8 +277,7 @@ def fastest_format(learner: Learner, timing: _Calibration, formats: Sequence[str
         timing.call_s(NO_REDUCTION, None)
         times[name] = min(timing.call_s(NO_REDUCTION, None) for _ in range(REPEATS))
     best = min(times, key=lambda name: times[name])
-    plain = times.get("fp32", math.inf)
-    chosen = best if times[best] < FORMAT_GAIN * plain or "fp32" not in times else "fp32"
+    chosen = best if times[best] < FORMAT_GAIN * times.get("fp32", math.inf) else "fp32"
     learner.compute_format = ComputeFormat.parse(chosen)
     if len(formats) > 1:
         log.info(
