@@ -21,8 +21,9 @@ one thread, random data drawn here), on a dadpfl learner (ERK masks at its initi
 3. Measure it again, independently of the calibration: a timed unit is one call of
    `reduced_training` over enough minibatches for `--min-call` seconds of dense work (and
    at least `--min-steps`: resnet18's 2.4 s step makes one minibatch a call, whose per-round
-   setup a round of many steps spreads thin: exact freezing measured 0.92-0.95x at active
-   0.5 in one-step calls, 0.79x in four-step ones)
+   setup a round of many steps spreads thin: before that setup was cut from 122 to 48 ms,
+   exact freezing measured 0.90-0.95x at active 0.5 in one-step calls, 0.79x in four-step
+   ones; after it, 0.81-0.86x and 0.85x)
    (per-round work included, as in a round; a "+steps" row is timed at full steps and scaled
    by its step fraction); dense and reduced calls alternate (2 warm-ups,
    then at least 5 timed each) so drift and neighbours hit both alike, and the minimum of

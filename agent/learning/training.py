@@ -208,7 +208,7 @@ def train_local(
     def step() -> None:
         sgd_step_(params, momentum_buffers, config, round_)
         for param, trainable, start in kept.values():
-            param.copy_(torch.where(trainable, param, start))
+            torch.where(trainable, param, start, out=param)
         for param, mask in masked.values():
             param.mul_(mask)
 
