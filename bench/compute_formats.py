@@ -55,11 +55,9 @@ from agent.learning.models import build_model, prunable_names  # noqa: E402
 from agent.learning.precision import CHANNELS_LAST, ComputeFormat  # noqa: E402
 from agent.learning.reduced import reduced_training  # noqa: E402
 from agent.learning.reduction import NO_REDUCTION  # noqa: E402
+from bench.real_budgets import BATCH, CLASSES, MODELS  # noqa: E402
 from bench.support import environment, write_json  # noqa: E402
 
-MODELS: dict[str, tuple[int, ...]] = {"mlp": (64,), "cnn2d": (1, 28, 28), "resnet18": (3, 32, 32)}
-CLASSES = 10
-BATCH = 64
 # Samples drawn: enough for the calibration's longest call (`_steps`: 0.1 s of dense work).
 SAMPLES = BATCH * 100
 SLOW = 5.0
