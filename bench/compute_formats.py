@@ -30,7 +30,6 @@ CPU runs use one thread, as bench/real_budgets.py does.
 from __future__ import annotations
 
 import argparse
-import math
 import pathlib
 import sys
 from dataclasses import replace
@@ -49,6 +48,7 @@ from agent.device.calibration import (  # noqa: E402
     _sample,
     _steps,
     candidate_formats,
+    chosen_format,
 )
 from agent.learning import Learner, LocalData, preset  # noqa: E402
 from agent.learning.models import build_model, prunable_names  # noqa: E402
@@ -85,23 +85,26 @@ def build(name: str, device: torch.device) -> tuple[Learner, LocalData]:
     return learner, LocalData(x, y, x[:8], y[:8], x[:8], y[:8])
 
 
+def _call_in(timing: _Calibration, name: str) -> float:
+    """Seconds of one timed call in format `name` (the learner is left in fp32)."""
+    timing.learner.compute_format = ComputeFormat.parse(name)
+    try:
+        return timing.call_s(NO_REDUCTION, None)
+    finally:
+        timing.learner.compute_format = ComputeFormat.parse("fp32")
+
+
 def interleaved(timing: _Calibration, name: str, repeats: int) -> tuple[float, float]:
-    """(format, fp32) seconds of a call: the fastest of `repeats`, the two alternating. A
-    format over SLOW times fp32 on its warm-up pair is timed no further (fp16 on a CPU runs
-    at 3-40x): the warm-up pair is its figure."""
-    learner = timing.learner
+    """(format, fp32) seconds of a call: the fastest of `repeats`, the two alternating after
+    a warm-up pair. A format over SLOW times fp32 on the warm-up pair is timed no further
+    (fp16 on a CPU runs at 3-40x): that pair is its figure."""
+    warm_fp32, warm = _call_in(timing, "fp32"), _call_in(timing, name)
+    if warm > SLOW * warm_fp32:
+        return warm, warm_fp32
     fp32, other = [], []
-    for repeat in range(repeats + 1):
-        learner.compute_format = ComputeFormat.parse("fp32")
-        fp32.append(timing.call_s(NO_REDUCTION, None))
-        learner.compute_format = ComputeFormat.parse(name)
-        other.append(timing.call_s(NO_REDUCTION, None))
-        if not repeat and other[0] > SLOW * fp32[0]:
-            break
-        if not repeat:
-            fp32.clear()
-            other.clear()
-    learner.compute_format = ComputeFormat.parse("fp32")
+    for _ in range(repeats):
+        fp32.append(_call_in(timing, "fp32"))
+        other.append(_call_in(timing, name))
     return min(other), min(fp32)
 
 
@@ -153,8 +156,7 @@ def measure_model(
         console.print(f"{name} {fmt}: {seconds / fp32_s:.2f}x fp32")
     candidates = candidate_formats(learner)
     times = {f: rows[f]["time_x"] for f in candidates if "time_x" in rows.get(f, {})}
-    best = min(times, key=lambda f: times[f]) if times else "fp32"
-    chosen = best if times.get(best, math.inf) < FORMAT_GAIN * times.get("fp32", 1.0) else "fp32"
+    chosen = chosen_format(times) if times else "fp32"
     fastest = min((r for r in rows.values() if "time_x" in r), key=lambda r: r["time_x"])
     return {
         "model": name,

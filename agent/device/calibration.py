@@ -29,7 +29,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -267,6 +267,13 @@ def candidate_formats(learner: Learner) -> tuple[str, ...]:
     return tuple(formats)
 
 
+def chosen_format(times: Mapping[str, float]) -> str:
+    """The format of `times` (seconds, or any measure of them) an agent trains in: the
+    fastest, when it beats fp32 by FORMAT_GAIN; else fp32."""
+    best = min(times, key=lambda name: times[name])
+    return best if times[best] < FORMAT_GAIN * times.get("fp32", math.inf) else "fp32"
+
+
 def fastest_format(learner: Learner, timing: _Calibration, formats: Sequence[str]) -> str:
     """Of `formats`, the one whose dense step is fastest, when it beats fp32 by FORMAT_GAIN;
     each timed after a warm-up call (cuDNN picks its kernels there), the fastest of REPEATS.
@@ -276,8 +283,7 @@ def fastest_format(learner: Learner, timing: _Calibration, formats: Sequence[str
         learner.compute_format = ComputeFormat.parse(name)
         timing.call_s(NO_REDUCTION, None)
         times[name] = min(timing.call_s(NO_REDUCTION, None) for _ in range(REPEATS))
-    best = min(times, key=lambda name: times[name])
-    chosen = best if times[best] < FORMAT_GAIN * times.get("fp32", math.inf) else "fp32"
+    chosen = chosen_format(times)
     learner.compute_format = ComputeFormat.parse(chosen)
     if len(formats) > 1:
         log.info(
