@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import json
 import logging
 import re
@@ -46,6 +45,7 @@ from protocol.cli import (
     BrokerSettings,
     broker_options,
     logging_options,
+    loopback,
     say,
     seconds,
     version_option,
@@ -510,14 +510,6 @@ def check_open(
         "device and start with --config BUNDLE/agent.toml (or give --open to run unsigned "
         "with no login, which anyone on the network can abuse)"
     )
-
-
-def loopback(host: str) -> bool:
-    """Whether `host` (an address or a name, resolved) is this machine's loopback."""
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False
 
 
 @main.command()

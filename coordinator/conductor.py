@@ -35,11 +35,11 @@ from coordinator.tallies import DEFAULT_VOTE_WAIT_S, TallyKeeper
 from protocol import MqttTransport, ProtocolError, messages, topics
 from protocol.limits import Limits
 from protocol.membership import PresenceClock
+from protocol.messages import FINAL_STATES
 from protocol.signing import Signer, keys_to_list
 
 log = logging.getLogger(__name__)
 
-FINAL_STATES = ("done", "stopped", "rejected", "failed", "cancelled")
 """States after which an agent does nothing more for the run."""
 
 Records = dict[str, dict[int, dict[str, Any]]]

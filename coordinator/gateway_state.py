@@ -15,7 +15,6 @@ import logging
 import os
 from pathlib import Path
 
-from agent.cli import loopback
 from coordinator.broker_config import (
     COORDINATOR,
     COORDINATOR_IDS,
@@ -30,7 +29,7 @@ from coordinator.broker_config import (
 )
 from protocol import ConfigError, ProtocolError
 from protocol.acl import fleet_grants
-from protocol.cli import BrokerSettings, say
+from protocol.cli import BrokerSettings, loopback, say
 from protocol.signing import MemberKeys, public_line, read_keys
 
 log = logging.getLogger(__name__)

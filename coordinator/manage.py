@@ -29,11 +29,11 @@ from rich import box
 from rich.table import Table
 
 from coordinator.broker_config import COORDINATOR
-from coordinator.conductor import FINAL_STATES
 from coordinator.runs import INTERRUPTED, RunEntry, end_entry, find_entry
 from coordinator.watch import LOCAL_BROKER, connected, require_broker
 from protocol import MqttTransport, ProtocolError, messages, topics
 from protocol.cli import BrokerSettings
+from protocol.messages import FINAL_STATES
 from protocol.signing import MemberKeys, Signer
 
 CONNECT_TIMEOUT_S = 5.0

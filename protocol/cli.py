@@ -11,11 +11,13 @@ from __future__ import annotations
 import contextlib
 import difflib
 import functools
+import ipaddress
 import json
 import logging
 import math
 import os
 import signal
+import socket
 import ssl
 import sys
 import threading
@@ -565,3 +567,11 @@ version_option = click.version_option(
     message=f"%(prog)s %(version)s (edgefl protocol {PROTOCOL_VERSION})",
 )
 """`--version`: the installed edgefl's version and the wire protocol version it speaks."""
+
+
+def loopback(host: str) -> bool:
+    """Whether `host` (an address or a name, resolved) is this machine's loopback."""
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False

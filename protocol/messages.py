@@ -110,6 +110,10 @@ class Status(Message):
     stopped: bool = False
 
 
+FINAL_STATES = ("done", "stopped", "rejected", "failed", "cancelled")
+"""The `Status.state`s in which an agent's part in its run is over."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig(Message):
     """Retained run configuration and roster published by a coordinator."""

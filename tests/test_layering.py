@@ -5,6 +5,8 @@ clock, threads or the runtime; `protocol` knows nothing of training or of the pr
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -68,3 +70,29 @@ def test_the_rule_catches_an_import_at_any_depth(tmp_path: Path) -> None:
     ]
     module.write_text("import timeit\nfrom agent.learning import sparse\n")
     assert violations(module, LEARNING_FORBIDDEN) == []
+
+
+GATEWAY_COMMANDS = ("serve", "status", "admit", "key", "runs", "cancel", "forget", "run")
+
+
+def test_the_gateway_commands_start_without_torch() -> None:
+    """A gateway's `coordinator status` or `serve` starts in a fraction of a second: they load
+    neither torch nor the learning core (seconds to import on a Raspberry Pi); only the lab's
+    commands and a run that aggregates do."""
+    probe = (
+        "import sys\n"
+        "from coordinator.cli import main\n"
+        f"for name in {GATEWAY_COMMANDS!r}:\n"
+        "    try:\n"
+        "        main([name, '--help'], prog_name='coordinator')\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "    assert 'torch' not in sys.modules, name\n"
+        "main(['simulate', '--help'], standalone_mode=False)\n"
+        "print('torch' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "True", "the probe sees simulate load torch"

@@ -85,6 +85,8 @@ def test_serve_logs_changes_not_rounds_and_stops_quietly(serve, unused_port: int
     )  # fmt: skip
     try:
         agents["a1"].publish(topics.run(FLEET), messages.encode(run), retain=True)
+        # Agents train only once the run reached them: statuses of its rounds follow it.
+        _wait_for_text(log, "lab: run r1: fedavg")
         for round_ in range(6):
             for name, transport in agents.items():
                 state = "idle" if round_ == 0 else "training" if round_ < 5 else "done"

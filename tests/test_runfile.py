@@ -163,7 +163,7 @@ def test_a_roster_smaller_than_explicit_neighbours_is_an_error(tmp_path: Path) -
 
 
 def test_known_keys_cover_every_simulate_flag_and_the_run_keys() -> None:
-    from coordinator.cli import simulate
+    from coordinator.lab_cli import simulate
 
     # where the report goes, how many processes train and the run file itself (simulate's own)
     flags = {p.name for p in simulate.params} - {"report_path", "plot_dir", "workers", "run_file"}
