@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import click
 import pytest
 from click.testing import CliRunner, Result
+from test_docs_deploy import subcommands
 
 from protocol.cli import (
     BrokerSettings,
@@ -346,7 +347,7 @@ def test_no_command_has_two_parameters_of_one_name() -> None:
     from coordinator.cli import main as coordinator
 
     for group in (coordinator, edge_agent):
-        commands = [group, *group.commands.values()]  # type: ignore[attr-defined]
+        commands = [group, *subcommands(group).values()]
         for command in commands:
             names = [p.name for p in command.params]
             duplicated = {n for n in names if names.count(n) > 1}

@@ -52,14 +52,23 @@ def options(command: click.Command) -> set[str]:
     return names
 
 
+def subcommands(command: click.Command) -> dict[str, click.Command]:
+    """A group's subcommands by name, those it loads only when asked for too (`coordinator
+    simulate`); none for a command."""
+    if not isinstance(command, click.Group):
+        return {}
+    context = click.Context(command)
+    found = {name: command.get_command(context, name) for name in command.list_commands(context)}
+    return {name: sub for name, sub in found.items() if sub is not None}
+
+
 def commands() -> Iterator[click.Command]:
     """Both programs and all their subcommands."""
     stack = list(PROGRAMS.values())
     while stack:
         command = stack.pop()
         yield command
-        if isinstance(command, click.Group):
-            stack.extend(command.commands.values())
+        stack.extend(subcommands(command).values())
 
 
 def known_variables() -> set[str]:
@@ -83,8 +92,8 @@ def unknown_flags(words: list[str]) -> list[str]:
         if word.startswith("-") and word != "-":
             if word.split("=", 1)[0] not in options(command):
                 unknown.append(f"{name} {word}")
-        elif isinstance(command, click.Group) and word in command.commands:
-            command = command.commands[word]
+        elif word in subcommands(command):
+            command = subcommands(command)[word]
             name += f" {word}"
     return unknown
 
@@ -94,8 +103,8 @@ def invoked(words: list[str]) -> str:
     command = PROGRAMS[Path(words[0]).name]
     name = Path(words[0]).name
     for word in words[1:]:
-        if isinstance(command, click.Group) and word in command.commands:
-            command = command.commands[word]
+        if word in subcommands(command):
+            command = subcommands(command)[word]
             name += f" {word}"
     return name
 
