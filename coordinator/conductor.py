@@ -40,8 +40,6 @@ from protocol.signing import Signer, keys_to_list
 
 log = logging.getLogger(__name__)
 
-"""States after which an agent does nothing more for the run."""
-
 Records = dict[str, dict[int, dict[str, Any]]]
 """Per agent, per round, the agent's round record (`AgentRound.as_dict`)."""
 

@@ -72,9 +72,6 @@ def test_the_rule_catches_an_import_at_any_depth(tmp_path: Path) -> None:
     assert violations(module, LEARNING_FORBIDDEN) == []
 
 
-GATEWAY_COMMANDS = ("serve", "status", "admit", "key", "runs", "cancel", "forget", "run")
-
-
 def test_the_gateway_commands_start_without_torch() -> None:
     """A gateway's `coordinator status` or `serve` starts in a fraction of a second: they load
     neither torch nor the learning core (seconds to import on a Raspberry Pi); only the lab's
@@ -82,7 +79,9 @@ def test_the_gateway_commands_start_without_torch() -> None:
     probe = (
         "import sys\n"
         "from coordinator.cli import main\n"
-        f"for name in {GATEWAY_COMMANDS!r}:\n"
+        "gateway = sorted(main.commands)  # all but the lab's, which load when asked for\n"
+        "assert {'serve', 'status', 'admit', 'run'} <= set(gateway), gateway\n"
+        "for name in gateway:\n"
         "    try:\n"
         "        main([name, '--help'], prog_name='coordinator')\n"
         "    except SystemExit:\n"
