@@ -1,4 +1,9 @@
-"""The `edge-agent` command: join a fleet over MQTT, learn with it, stay reachable."""
+"""The `edge-agent` command: join a fleet over MQTT, learn with it, stay reachable.
+
+What trains (torch) is imported inside the functions that start an agent, so `--help`,
+`--version`, `key`, `models` and `predict` start in a fraction of a second on a device, and
+`predict` serves its model without loading torch (tests/test_layering.py).
+"""
 
 from __future__ import annotations
 
@@ -11,21 +16,16 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from click.core import ParameterSource
 
-from agent.device import resolve_device
-from agent.experiment import ExperimentConfig, check_networked, data_misfit, fingerprinted
+from agent.experiment import ExperimentConfig, check_networked
 from agent.files import DiskFullError
 from agent.model_store import DEFAULT_KEEP_RUNS, MODEL_ONNX, ModelStore
-from agent.onnx_export import RECONSTRUCTION, OnnxModel, load_inputs
+from agent.onnx_model import RECONSTRUCTION, OnnxModel, load_inputs
 from agent.options import experiment_options
-from agent.own_data import OwnData, load_own_data
-from agent.runfile import load_run_file, parse_run_table, run_timeouts
-from agent.runtime import Timeouts
-from agent.service import AgentService, ServiceOptions
 from firmware_profiles import ProfileError, load_profile
 from protocol import (
     NAME,
@@ -52,13 +52,17 @@ from protocol.cli import (
 )
 from protocol.limits import MAX_MEMBERS, PRE_RUN_LIMITS
 from protocol.membership import BROKER_WAIT_S
-from protocol.mqtt import unreachable
+from protocol.mqtt import unreachable, unresolved
 from protocol.signing import (
     IDENTITY_FILE,
     Signer,
     member_keys,
     public_line,
 )
+
+if TYPE_CHECKING:
+    from agent.own_data import OwnData
+    from agent.service import ServiceOptions
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +99,9 @@ def wanted_run(
     """Without a coordinator (`--expect N`, `--run FILE`): how many agents the run waits for
     and the run this agent wants for n agents; checked now, with this device's data `own`,
     so a configuration that cannot work is a one-line error before anything starts."""
+    from agent.runfile import load_run_file, parse_run_table, run_timeouts
+    from agent.workload import data_misfit, fingerprinted
+
     given = {k: v for k, v in experiment.items() if v is not None}
     if run_file is None and expect is None:
         if given:
@@ -104,7 +111,7 @@ def wanted_run(
     if run_file is not None:
         if given:
             raise ValueError("give the run either as --run FILE or as experiment flags, not both")
-        runfile = load_run_file(run_file)
+        runfile = load_run_file(run_file, agents=expect)
     else:
         runfile = parse_run_table(
             {**given, "agents": expect, "dataset": given.get("dataset", "mnist1d")}, "flags"
@@ -326,6 +333,12 @@ def main(
     if ctx.invoked_subcommand is not None:
         ctx.meta["agent_id"] = agent_id  # `edge-agent key` prints this agent's key
         return
+
+    from agent.device import resolve_device
+    from agent.own_data import load_own_data
+    from agent.runtime import Timeouts
+    from agent.service import ServiceOptions
+
     hosted = ctx.find_object(Hosted)
     stop = stop_on_signal() if hosted is None else hosted.started()
     try:
@@ -374,6 +387,8 @@ def serve(
 ) -> None:
     """Join the fleet and serve it until `stop`, leaving it cleanly whatever happens (a
     full disk is a one-line error after the goodbye)."""
+    from agent.service import AgentService
+
     broker = settings.address
     assert broker is not None
     transport = join(settings, identity)
@@ -499,6 +514,8 @@ def check_open(
         return
     if loopback(broker.host):
         return
+    if problem := unresolved(broker):  # a mistyped --broker, not yet a fleet to be admitted to
+        raise ConfigError(f"{problem}: check --broker")
     try:
         line = public_line(agent_id, state_dir / IDENTITY_FILE)
     except ProtocolError as exc:

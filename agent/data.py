@@ -30,6 +30,7 @@ import numpy as np
 import platformdirs
 
 from agent.files import atomic_write
+from agent.learning.config import TASKS
 from protocol.extras import DATASETS, LAB_EXTRA, require
 
 log = logging.getLogger(__name__)
@@ -734,9 +735,6 @@ def _groups(name: str, value: object) -> np.ndarray | None:
 
 
 # ---------------------------------------------------------------- tasks
-
-TASKS = ("classification", "regression", "reconstruction")
-"""What a dataset may serve; agent.learning.tasks.TASKS names the same three."""
 
 
 def for_task(dataset: Dataset, task: str) -> Dataset:

@@ -240,7 +240,7 @@ def main(argv: list[str]) -> int:
     router = ThreadRoutedStream(sys.stderr)
     # Before edgefl is imported: rich's console (protocol.cli) looks at stderr when made.
     sys.stdout = sys.stderr = router
-    from agent.experiment import share_compute, share_partitions
+    from agent.workload import share_compute, share_partitions
 
     share_partitions()
     share_compute()

@@ -26,13 +26,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
-
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 from agent.files import atomic_write
-from agent.runtime import checkpoint
-from agent.runtime.checkpoint import CheckpointError, run_folder
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 MODEL_ONNX = "model.onnx"
 MODEL_WEIGHTS = "model.pt"
@@ -175,6 +174,12 @@ def _write_json(path: Path, data: Mapping[str, Any]) -> None:
     atomic_write(path, lambda handle: handle.write(text))
 
 
+def run_folder(state_dir: Path, run_id: str) -> Path:
+    """Where one run's checkpoint and round log live in an agent's state folder: a
+    long-lived agent takes part in many runs, and a restart resumes the run it was in."""
+    return state_dir / "runs" / run_id
+
+
 class ModelStore:
     """The kept models of one agent's state folder, and which is current."""
 
@@ -198,6 +203,8 @@ class ModelStore:
         folder = self.folder(kept.run_id)
         folder.mkdir(parents=True, exist_ok=True)
         export(folder / MODEL_ONNX)
+        from agent.runtime import checkpoint  # torch: only where weights are read or written
+
         checkpoint.save(
             folder / MODEL_WEIGHTS,
             {"run_id": kept.run_id, "weights": dict(weights), "masks": dict(masks or {})},
@@ -274,9 +281,11 @@ class ModelStore:
         kept = self.current()
         if kept is None:
             return None
+        from agent.runtime import checkpoint
+
         try:
             saved = checkpoint.load(self.folder(kept.run_id) / MODEL_WEIGHTS)
-        except CheckpointError:
+        except checkpoint.CheckpointError:
             return None
         if saved is None:
             return None

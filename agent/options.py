@@ -15,21 +15,22 @@ from typing import Any
 import click
 
 from agent.experiment import ExperimentConfig
-from agent.learning import (
+from agent.learning.config import (
+    BATCHNORM_MODES,
     DECENTRALIZED,
-    DEFAULT_STOP_RULE,
     DISTANCES,
+    MASK_UNITS,
+    METRIC_GOALS,
     PRESETS,
     REDUCE_MODES,
-    STOP_RULES,
-    TOPOLOGIES,
+    TASKS,
     WIRE_FORMATS,
     StrategyConfig,
     preset,
-    robust,
 )
-from agent.learning.config import BATCHNORM_MODES, MASK_UNITS
-from agent.learning.tasks import METRIC_GOALS, TASKS
+from agent.learning.early_stop import DEFAULT_STOP_RULE, STOP_RULES
+from agent.learning.robust_rules import ATTACKS
+from agent.learning.topology import TOPOLOGIES
 
 _TYPES = {int: int, float: float, str: str}
 _CHOICES: dict[str, tuple[str, ...]] = {
@@ -40,7 +41,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "wire": WIRE_FORMATS,
     "detection_distance": DISTANCES,
     "stop_rule": tuple(STOP_RULES),
-    "attack": robust.ATTACKS,
+    "attack": ATTACKS,
     "batchnorm": BATCHNORM_MODES,
     "task": TASKS,
     "metric_goal": METRIC_GOALS,

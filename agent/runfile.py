@@ -45,7 +45,7 @@ from agent.experiment import (
     ExperimentConfig,
     default_model,
 )
-from agent.learning import StrategyConfig, models
+from agent.learning.config import MODEL_NAMES, StrategyConfig
 from agent.options import _CHOICES, experiment_config
 from agent.user_code import is_import_path, resolved
 from protocol.errors import ProtocolError
@@ -80,7 +80,7 @@ _TIMEOUT_KEYS = {
 _DEVICE_ONLY = ("input_shape", "classes", "targets", "min_samples")
 _VALUE_CHOICES: dict[str, tuple[str, ...]] = {
     **_CHOICES,
-    "model": models.MODEL_NAMES,
+    "model": MODEL_NAMES,
     "init": INIT_CHOICES,
     "keep": KEEP_POLICIES,
 }
@@ -170,8 +170,10 @@ class RunFile:
         return experiment_config(values)
 
 
-def load_run_file(path: str | Path) -> RunFile:
-    """Read and check a run file; ValueError with one line that starts with the path."""
+def load_run_file(path: str | Path, agents: int | None = None) -> RunFile:
+    """Read and check a run file; ValueError with one line that starts with the path.
+    `agents` (`edge-agent --expect N`) serves where the file names neither agents nor
+    agent_ids."""
     path = Path(path)
     try:
         with path.open("rb") as stream:
@@ -184,6 +186,8 @@ def load_run_file(path: str | Path) -> RunFile:
         table = _run_table(data)
     except ValueError as exc:
         raise _located(str(path), exc) from None
+    if agents is not None and "agents" not in table and "agent_ids" not in table:
+        table = {**table, "agents": agents}
     return parse_run_table(table, str(path))
 
 

@@ -32,17 +32,10 @@ from agent.device import Budget, BudgetLimits, Throttle, compute_budget, read_de
 from agent.device.calibration import RoundCosts, cached_costs
 from agent.experiment import (
     ExperimentConfig,
-    Workload,
-    build_workload,
     check_networked,
-    compute_slot,
     config_from_dict,
     config_to_dict,
-    data_misfit,
-    nominal_budgets,
-    own_workload,
     profile_names,
-    round_work,
 )
 from agent.files import DiskFullError, disk_full_as_error
 from agent.learning import CENTRALIZED, AgentState, Masks, State
@@ -56,6 +49,7 @@ from agent.model_store import (
     KeptModel,
     ModelStore,
     ended,
+    run_folder,
     weights_misfit,
 )
 from agent.onnx_export import export_onnx
@@ -67,10 +61,18 @@ from agent.runtime import (
     checkpoint,
     new_run_id,
     publish_telemetry,
-    run_folder,
 )
 from agent.runtime.heap import settled_heap
 from agent.runtime.run_files import ending
+from agent.workload import (
+    Workload,
+    build_workload,
+    compute_slot,
+    data_misfit,
+    nominal_budgets,
+    own_workload,
+    round_work,
+)
 from firmware_profiles import DeviceProfile, load_profile
 from protocol import Identity, MqttTransport, ProtocolError, messages, topics
 from protocol.logs import RejectionLog, claimed_sender

@@ -16,9 +16,10 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+if TYPE_CHECKING:
+    from torch import nn
 
 FILE_SUFFIX = ".py"
 _FILE_IMPORTS = threading.RLock()
@@ -111,6 +112,8 @@ def load_callable(spec: str, what: str) -> Callable[..., Any]:
 def build_user_model(spec: str, input_shape: tuple[int, ...], num_outputs: int) -> nn.Module:
     """Call the builder `spec` names with ``(input_shape, num_outputs)`` and check it returned
     a module; ValueError with one line naming what went wrong."""
+    from torch import nn  # here: naming and resolving user code needs no torch
+
     builder = load_callable(spec, "model")
     try:
         model = builder(tuple(input_shape), num_outputs)

@@ -47,9 +47,10 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from agent.data import load_dataset  # noqa: E402
-from agent.experiment import ExperimentConfig, build_workload  # noqa: E402
+from agent.experiment import ExperimentConfig  # noqa: E402
 from agent.learning import default_model, preset  # noqa: E402
 from agent.runtime.decentralized import KEEP_OWN_ROUNDS  # noqa: E402
+from agent.workload import build_workload  # noqa: E402
 from bench.support import broker, environment, fleet_round_ends, write_json  # noqa: E402
 from coordinator.emulate import Emulation, EmulationOptions  # noqa: E402
 

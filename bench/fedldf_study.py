@@ -258,10 +258,11 @@ def _aggregate(
 def run(dataset: str, seed: int, variant: Variant, threads: int = 1) -> dict[str, Any]:
     """One federated run of `variant` through the learning core (FedLDF's fit, the study's
     selection and aggregation); accuracy is the global model on every agent's test set."""
-    from agent.experiment import ExperimentConfig, build_workload
+    from agent.experiment import ExperimentConfig
     from agent.learning import ldf, preset
     from agent.learning.central.base import ServerState
     from agent.learning.central.fedldf import FedLDF
+    from agent.workload import build_workload
 
     torch.set_num_threads(threads)
     started = time.perf_counter()

@@ -37,7 +37,7 @@ of the agent processes:
 * Memory: 3.4 MB (100 to 300 agents) and 3.6 MB (300 to 1,000) per added agent.
 * What it took for 1,000 agents on 2 cores, besides the absence notice (before it, the
   start barrier's tally had not come after 300 s: 10^6 retained presences to deliver and
-  check): agents in one process compute one at a time (`agent.experiment.share_compute`),
+  check): agents in one process compute one at a time (`agent.workload.share_compute`),
   the host processes run at niceness 10 below the broker and the coordinator, and with a
   thread switch interval of 50 ms instead of Python's 5 ms (agent/host.py). Without the
   last, 8 processes of 375 threads made about 190,000 context switches a second (70-80 %

@@ -56,9 +56,10 @@ import msgpack  # noqa: E402
 import paho.mqtt.client as paho  # noqa: E402
 from paho.mqtt.enums import CallbackAPIVersion  # noqa: E402
 
-from agent.experiment import ExperimentConfig, build_workload  # noqa: E402
+from agent.experiment import ExperimentConfig  # noqa: E402
 from agent.learning import preset  # noqa: E402
 from agent.runtime import expected_shapes, model_message  # noqa: E402
+from agent.workload import build_workload  # noqa: E402
 from bench.support import fleet_round_ends  # noqa: E402
 from coordinator.emulate import Emulation, EmulationOptions  # noqa: E402
 from protocol import BrokerAddress, messages, topics  # noqa: E402

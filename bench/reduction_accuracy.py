@@ -83,9 +83,10 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from agent.device.budget import Budget  # noqa: E402
-from agent.experiment import ExperimentConfig, build_workload  # noqa: E402
+from agent.experiment import ExperimentConfig  # noqa: E402
 from agent.learning import preset  # noqa: E402
 from agent.learning.reduction import MEASURED_MODES  # noqa: E402
+from agent.workload import build_workload  # noqa: E402
 from bench.support import environment, write_json  # noqa: E402
 from coordinator.simulate import Simulation, measured_costs  # noqa: E402
 

@@ -203,7 +203,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from agent.experiment import ExperimentConfig  # noqa: E402
-from agent.learning import preset, robust  # noqa: E402
+from agent.learning import preset, robust, robust_rules  # noqa: E402
 from bench.support import environment, write_json  # noqa: E402
 from coordinator.simulate import simulate  # noqa: E402
 
@@ -215,7 +215,7 @@ DEFENCES: dict[str, dict[str, str]] = {
     "median+clip": {"aggregation": "median", "clip": "auto"},
     "default": {},
 }
-ATTACKS = ("none", *robust.ATTACKS)
+ATTACKS = ("none", *robust_rules.ATTACKS)
 
 
 Job = tuple[str, str, str, str, int, argparse.Namespace]
@@ -242,7 +242,7 @@ def run(job: Job) -> dict[str, Any]:
     final = simulate(config)["rounds"][-1]["agents"]
     # the same agents with and without attackers: a clean run's would-be attackers are left
     # out too, so that the comparison is not of different fleets
-    left_out = robust.attackers(sorted(final), args.attackers)
+    left_out = robust_rules.attackers(sorted(final), args.attackers)
     honest = [a["accuracy"] for k, a in final.items() if k not in left_out]
     accuracy = sum(honest) / len(honest)
     return {
@@ -319,7 +319,7 @@ def worst_drops(results: list[dict[str, Any]]) -> dict[tuple[str, str, str], lis
         drops[(dataset, strategy, defence)] = [
             100
             * (
-                min(acc[(dataset, strategy, defence, a, seed)] for a in robust.ATTACKS)
+                min(acc[(dataset, strategy, defence, a, seed)] for a in robust_rules.ATTACKS)
                 - acc[(dataset, strategy, "mean", "none", seed)]
             )
             for seed in seeds
@@ -430,9 +430,9 @@ def grid_run(job: GridJob) -> dict[str, Any]:
     started = time.perf_counter()
     with _verdicts() as seen:
         final = simulate(config)["rounds"][-1]["agents"]
-    left_out = robust.attackers(sorted(final), GRID_LEFT_OUT)
+    left_out = robust_rules.attackers(sorted(final), GRID_LEFT_OUT)
     honest = [a["accuracy"] for k, a in final.items() if k not in left_out]
-    poisoners = set(robust.attackers(sorted(final), config.attackers))
+    poisoners = set(robust_rules.attackers(sorted(final), config.attackers))
     return {
         "dataset": dataset,
         "setting": index,

@@ -82,7 +82,8 @@ from rich.markup import escape  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from agent.data import load_dataset  # noqa: E402
-from agent.runtime import checkpoint, run_folder  # noqa: E402
+from agent.model_store import run_folder  # noqa: E402
+from agent.runtime import checkpoint  # noqa: E402
 from bench.support import environment, write_json  # noqa: E402
 from coordinator.cli import free_port  # noqa: E402
 

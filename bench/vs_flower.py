@@ -291,7 +291,7 @@ def run_emulate(config: ExperimentConfig) -> tuple[Ends, dict[str, Any]]:
 @functools.cache
 def _workload(config: ExperimentConfig) -> tuple[Any, dict[str, Any], list[str]]:
     """Our learner, every agent's data and the sorted roster, once per process (Ray actor)."""
-    from agent.experiment import build_workload
+    from agent.workload import build_workload
 
     roster = [f"agent-{k:03d}" for k in range(config.agents)]
     workload = build_workload(config, roster)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.experiment import ExperimentConfig, build_workload
+from agent.experiment import ExperimentConfig
 from agent.learning import (
     Payload,
     ServerState,
@@ -44,6 +44,7 @@ from agent.learning import (
 from agent.report import Traffic
 from agent.runtime import checkpoint, decode_upload, encode_state, expected_shapes, values_sent
 from agent.runtime.inbox import ROUNDS_AHEAD
+from agent.workload import build_workload
 from protocol import MqttTransport, ProtocolError, messages, topics
 from protocol.limits import DEFAULT_LIMITS, run_limits
 from protocol.logs import RejectionLog, claimed_sender

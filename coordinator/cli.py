@@ -109,9 +109,9 @@ console = output_console(stderr=False)
 
 
 class Commands(click.Group):
-    """The coordinator's commands, the lab's loaded only when asked for: their flags come
-    from the learning core, whose torch takes seconds to import, which the gateway's
-    commands (serve, status, admit, ...) do without."""
+    """The coordinator's commands, the lab's (`coordinator.lab_cli`, which builds on this
+    module's helpers) loaded only when one of them runs or is listed: a gateway's commands
+    (serve, status, admit, ...) need none of it."""
 
     LAB = ("emulate", "simulate")
 
@@ -1048,11 +1048,10 @@ def run_command(
         http=http,
         plot_dir=plot_dir,
     )
-    from agent.runfile import load_run_file
-    from coordinator.gateway import Registry, RunFailed, conduct
+    from coordinator.gateway import Registry, RunFailed, conduct, load_for_run
 
     try:
-        runfile = load_run_file(run_file)
+        runfile = load_for_run(run_file)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     given = Guard(key_file, admitted_file, identity_path(identity_file, state_dir), broker_auth)

@@ -25,9 +25,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from agent.experiment import ExperimentConfig, build_workload, check_networked, profile_names
-from agent.runtime import checkpoint, new_run_id, run_folder
+from agent.experiment import ExperimentConfig, check_networked, profile_names
+from agent.model_store import run_folder
+from agent.runtime import checkpoint, new_run_id
 from agent.runtime.heap import settled_heap
+from agent.workload import build_workload
 from coordinator.broker_config import COORDINATOR
 from coordinator.conductor import Conductor, assemble_report
 from protocol import BrokerAddress, Identity, connect, leave

@@ -19,17 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.experiment import (
-    DEFAULT_MIN_SAMPLES,
-    ExperimentConfig,
-    config_from_dict,
-    config_to_dict,
-    fingerprinted,
-)
+from agent.experiment import DEFAULT_MIN_SAMPLES, ExperimentConfig, config_from_dict, config_to_dict
 from agent.own_data import misfit
-from agent.runfile import RunFile, run_timeouts
+from agent.runfile import RunFile, load_run_file, run_timeouts
 from agent.runtime import new_run_id
 from agent.runtime.heap import settled_heap
+from agent.user_code import is_import_path, load_callable
+from agent.workload import fingerprinted
 from coordinator.conductor import Conductor, Resumed, assemble_report, wait_until_finished
 from coordinator.fleet import AgentEntry
 from coordinator.runs import (
@@ -54,6 +50,11 @@ AVAILABLE = ("idle", "rejected")
 
 class RunFailed(RuntimeError):
     """The run could not start or finish; the message says why in one line."""
+
+
+class RunStopped(RunFailed):
+    """`coordinator run` was stopped (Ctrl-C, SIGTERM) before its run started: it is
+    recorded as cancelled, as nothing of it ran."""
 
 
 @dataclass(frozen=True)
@@ -169,10 +170,15 @@ def gather_roster(
         transport.unsubscribe(topics.presence(fleet))
         transport.unsubscribe(topics.status(fleet))
     fit = fitting(available, runfile, set(), lambda _: None)[0]
+    which = f" ({', '.join(sorted(fit))})" if fit else ""
+    if stop.is_set():
+        raise RunStopped(
+            f"stopped while waiting for agents, before the run started: {len(fit)} of the "
+            f"{runfile.wanted} it wants were online, idle and fit{which}"
+        )
     raise RunFailed(
         f"only {len(fit)} of the {runfile.wanted} agents the run wants were online, idle and "
-        f"fit within {runfile.timeouts.join_s:g} s"
-        + (f" ({', '.join(sorted(fit))})" if fit else "")
+        f"fit within {runfile.timeouts.join_s:g} s{which}"
     )
 
 
@@ -206,6 +212,20 @@ class Registry:
     report_path: str = ""
 
 
+def load_for_run(path: str) -> RunFile:
+    """The run file, checked, its model's code loaded (its file and function exist): the
+    model itself is built once the agents said their data's shape, so a missing file would
+    be said only after every agent was waited for. ValueError with one line else."""
+    runfile = load_run_file(path)
+    model = runfile.config(runfile.wanted, (1,), 2).model
+    if model and is_import_path(model):
+        try:
+            load_callable(model, "model")
+        except ValueError as exc:
+            raise ValueError(f"{runfile.path}: {exc}") from None
+    return runfile
+
+
 def begin(
     runfile: RunFile,
     transport: MqttTransport,
@@ -230,7 +250,7 @@ def begin(
     try:
         roster = gather_roster(transport, fleet, key, runfile, stop, say)
     except RunFailed as exc:
-        end(registry, entry, "failed", str(exc))
+        end(registry, entry, "cancelled" if isinstance(exc, RunStopped) else "failed", str(exc))
         raise
     config = fingerprinted(runfile.config(len(roster.agents), roster.input_shape, roster.classes))
     entry.agents, entry.config = roster.agents, config_to_dict(config)

@@ -1,7 +1,6 @@
-"""`coordinator simulate` and `coordinator emulate`, the lab's commands. Their flags come
-from the experiment's config (`agent.options`), which imports the learning core and torch:
-`coordinator` loads this module only when one of them runs or is listed, so the gateway's
-commands (serve, status, admit, ...) start without torch."""
+"""`coordinator simulate` and `coordinator emulate`, the lab's commands, their flags made
+from the experiment's config (`agent.options`). `coordinator` loads this module only when
+one of them runs or is listed; what trains (torch) loads only when one of them runs."""
 
 from __future__ import annotations
 
@@ -10,6 +9,7 @@ import tempfile
 from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from rich.progress import (
@@ -33,11 +33,14 @@ from coordinator.cli import (
     report_options,
     require_extra,
 )
-from coordinator.conductor import describe_failures
+from coordinator.watch import require_broker
 from protocol import BROKER, BrokerAddress, ConfigError
 from protocol.cli import BrokerSettings, seconds
 from protocol.extras import LAB_EXTRA, MissingExtra
 from protocol.limits import MAX_MEMBERS
+
+if TYPE_CHECKING:
+    from coordinator.broker import EmbeddedBroker
 
 
 def lab_run_option(command: Callable) -> Callable:
@@ -102,6 +105,27 @@ def simulate(
                 "a worker process died (out of memory?): run with fewer --workers"
             ) from None
     publish_report(report, report_path, plot_dir)
+
+
+def emulation_broker(
+    brokers: tuple[BrokerAddress, ...],
+) -> tuple[BrokerAddress, EmbeddedBroker | None]:
+    """The broker the agents use: the first given, else an embedded one (to start and stop)."""
+    if brokers:
+        return brokers[0], None
+    from coordinator.broker import EmbeddedBroker
+
+    embedded = EmbeddedBroker(host="127.0.0.1", port=free_port())
+    return embedded.address, embedded
+
+
+def start_broker(brokers: tuple[BrokerAddress, ...], embedded: EmbeddedBroker | None) -> None:
+    """Start the embedded broker, or check that each given one answers (agents retry a dead
+    address in silence): after the run's own checks, which need no broker."""
+    for given in brokers:
+        require_broker(given, given=True)
+    if embedded is not None:
+        embedded.start()
 
 
 @click.command()
@@ -175,17 +199,11 @@ def emulate(
     require_extra(
         LAB_EXTRA, "coordinator emulate", embedded_broker=not brokers, http=http, plot_dir=plot_dir
     )
-    from coordinator.broker import EmbeddedBroker
     from coordinator.emulate import Emulation, EmulationOptions, auto_agents_per_process
 
     if key_file and agent_keys:
         raise click.UsageError("give --key-file (one fleet key) or --agent-keys, not both")
-    embedded = None
-    if brokers:
-        broker = brokers[0]
-    else:
-        embedded = EmbeddedBroker(host="127.0.0.1", port=free_port())
-        broker = embedded.address
+    broker, embedded = emulation_broker(brokers)
     folder = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="emulate-"))
     try:
         config = lab_config(run_file, values) if run_file else experiment_config(values)
@@ -204,8 +222,7 @@ def emulate(
         if not workdir:
             shutil.rmtree(folder, ignore_errors=True)
         raise ConfigError(str(exc)) from None
-    if embedded:
-        embedded.start()
+    start_broker(brokers, embedded)
     cfg = config.learning
     console.print(
         f"emulating [bold]{cfg.strategy}[/]: {config.agents} agents "
@@ -227,6 +244,8 @@ def emulate(
         if embedded is not None:
             embedded.stop()
     publish_report(report, report_path, plot_dir)
+    from coordinator.conductor import describe_failures  # the learning core: torch
+
     failed = describe_failures(report)
     if failed:
         raise click.ClickException(f"{failed}; see their logs in {folder}")

@@ -46,8 +46,13 @@ def runs_table(entries: list[RunEntry], base: Path) -> Table:
     """The recorded runs, oldest first: what each is, how far it got and when it began."""
     fleets = {entry.fleet for entry in entries}
     table = Table(title=f"runs in {base}", box=box.SIMPLE_HEAD, pad_edge=False)
-    for name in ("run", *(("fleet",) if len(fleets) > 1 else ()), "strategy", "state"):
-        table.add_column(name)
+    # The id and the state whole, however narrow the output: `cancel` and `forget` need the
+    # id, and a pipe or journald is 80 columns to rich.
+    table.add_column("run", no_wrap=True, min_width=max(len(e.run_id) for e in entries))
+    if len(fleets) > 1:
+        table.add_column("fleet")
+    table.add_column("strategy")
+    table.add_column("state", no_wrap=True, min_width=max(len(e.shown_state) for e in entries))
     for name in ("rounds", "agents", "started"):
         table.add_column(name, justify="right", no_wrap=True)
     for entry in entries:
@@ -214,6 +219,12 @@ class RunAgents:
             states[agent] = state
         return Cancellation(self.run.run_id, self.run.fleet, states, dict(self._rounds))
 
+    def heard_all(self, retained: Retained) -> bool:
+        """Whether every roster agent's presence has arrived: the broker sends the retained
+        presences after the run message, and an agent not heard of yet is not offline."""
+        self.update(retained)
+        return set(self.run.roster) <= set(self._online)
+
     def _fold(self, payload: bytes) -> None:
         try:
             message = messages.decode(payload, key=self._key)
@@ -256,6 +267,7 @@ def cancel_run(
             f"{len(run.roster)} agents to end their round"
         )
         agents = RunAgents(run, key)
+        retained.wait(lambda: agents.heard_all(retained), RETAINED_WAIT_S)
         retained.wait(lambda: not agents.update(retained).pending, wait_s)
         done = agents.update(retained)
         done.already = run.cancelled

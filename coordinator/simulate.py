@@ -21,14 +21,7 @@ from typing import TYPE_CHECKING, Any
 from agent.device import Budget
 from agent.device.calibration import measure_costs
 from agent.device.throttle import ENERGY_SOURCE, round_energy
-from agent.experiment import (
-    ExperimentConfig,
-    Workload,
-    agent_profiles,
-    attackers,
-    build_workload,
-    nominal_budgets,
-)
+from agent.experiment import ExperimentConfig, agent_profiles, attackers
 from agent.learning import (
     CentralStrategy,
     EarlyStop,
@@ -69,6 +62,7 @@ from agent.report import (
     stopped_summary,
     summarize,
 )
+from agent.workload import Workload, build_workload, nominal_budgets
 from coordinator.traffic import CentralTraffic, LocalWire, wire_traffic
 from coordinator.training_pool import (
     FitJob,

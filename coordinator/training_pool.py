@@ -36,7 +36,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from agent.device import Budget
-from agent.experiment import ExperimentConfig, build_workload
+from agent.experiment import ExperimentConfig
 from agent.learning import (
     AgentState,
     CentralStrategy,
@@ -52,6 +52,7 @@ from agent.learning import (
 )
 from agent.learning.central import CENTRAL_STRATEGIES
 from agent.learning.costs import CostTable
+from agent.workload import build_workload
 
 __all__ = [
     "FitJob",

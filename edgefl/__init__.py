@@ -37,7 +37,8 @@ from typing import Any
 
 from agent.experiment import ExperimentConfig as Config
 from agent.learning import StrategyConfig
-from agent.learning.tasks import TASKS, Task
+from agent.learning.config import TASKS
+from agent.learning.tasks import Task
 from agent.options import experiment_config
 from agent.report import metric_of
 from agent.runfile import lab_config

@@ -787,6 +787,17 @@ def scoped_subscriptions(transport: MqttTransport) -> contextlib.AbstractContext
     return transport._subscriptions.scoped()
 
 
+def unresolved(broker: BrokerAddress, exc: socket.gaierror | None = None) -> str | None:
+    """Why `broker`'s name does not resolve (a mistyped host), in words; None if it does."""
+    if exc is None:
+        try:
+            socket.getaddrinfo(broker.host, broker.port, type=socket.SOCK_STREAM)
+            return None
+        except socket.gaierror as error:
+            exc = error
+    return f"the broker's name {broker.host!r} does not resolve ({exc.strerror or exc})"
+
+
 def unreachable(broker: BrokerAddress, timeout_s: float = 3.0) -> str | None:
     """Why nothing answers at `broker` (a name that does not resolve, a refused or timed
     out connection), in words for the user; None when a TCP connection opens.
@@ -797,7 +808,7 @@ def unreachable(broker: BrokerAddress, timeout_s: float = 3.0) -> str | None:
     try:
         infos = socket.getaddrinfo(broker.host, broker.port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
-        return f"the broker's name {broker.host!r} does not resolve ({exc.strerror or exc})"
+        return unresolved(broker, exc)
     reasons = []
     for family, kind, proto, _name, address in infos:
         try:

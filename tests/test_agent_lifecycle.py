@@ -24,7 +24,7 @@ from test_agent_service import write_data
 from test_cli import EDGE_AGENT, REPO
 
 from agent.experiment import config_to_dict
-from agent.onnx_export import OnnxModel
+from agent.onnx_model import OnnxModel
 from agent.runfile import parse_run_table
 from protocol import MqttTransport, messages, topics
 

@@ -4,6 +4,7 @@ real `edge-agent` and `coordinator` processes on a real broker (loopback)."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -232,6 +233,11 @@ def test_a_device_that_does_not_trust_the_run_says_so_and_the_run_ends(
         ("[run]\nstrategy = 'dadpfl'\n", "give agents = N"),
         ("[run\n", "line 1"),
         ("[run]\nagents = 2\nwire = 'zip'\n", "wire"),
+        (
+            "[run]\nagents = 2\ndataset = 'device'\ninput_shape = [6]\nclasses = 3\n"
+            "model = './nonexist.py:build'\n",
+            "nonexist.py:build': no such file",
+        ),
     ],
 )
 def test_coordinator_run_rejects_a_bad_run_file_in_one_line(
@@ -249,6 +255,36 @@ def test_coordinator_run_rejects_a_bad_run_file_in_one_line(
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and str(run_file) in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_coordinator_run_stopped_while_it_waits_for_agents_says_so(
+    amqtt_broker, tmp_path: Path
+) -> None:
+    """Ctrl-C before the run started is no timeout and no failure: the run never ran."""
+    run_file = tmp_path / "run.toml"
+    run_file.write_text("[run]\nagents = 2\nrounds = 1\n")
+    runs = ["--runs-dir", str(tmp_path / "runs")]
+    log = tmp_path / "run.log"
+    with open(log, "wb") as out:
+        run = subprocess.Popen(
+            [*COORDINATOR, "run", str(run_file), "--broker", str(amqtt_broker.address), *runs],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    deadline = time.monotonic() + 30
+    while "waiting for 2 agents" not in log.read_text():
+        assert time.monotonic() < deadline and run.poll() is None, log.read_text()
+        time.sleep(0.1)
+    run.send_signal(signal.SIGINT)
+    assert run.wait(30) == 1
+    said = log.read_text()
+    assert "Error: stopped while waiting for agents, before the run started: 0 of the 2" in said
+    assert "within" not in said and "Traceback" not in said, said
+    listed = subprocess.run(
+        [*COORDINATOR, "runs", *runs, "--json"], cwd=REPO, capture_output=True, text=True
+    )
+    assert [r["state"] for r in json.loads(listed.stdout)] == ["cancelled"], listed.stdout
 
 
 def test_a_second_device_with_the_same_id_is_refused_in_one_line(

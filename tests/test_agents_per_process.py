@@ -131,14 +131,14 @@ def test_the_emulate_command_shares_processes_as_asked_and_by_default_for_large_
 def test_agents_sharing_a_process_compute_one_at_a_time(monkeypatch) -> None:
     """A hundred threads training at once starve the network threads of the interpreter;
     a host's agents take turns (`share_compute`), lone agents never wait."""
-    from agent import experiment
+    from agent import workload
 
     running, most = 0, 0
     lock = threading.Lock()
 
     def compute() -> None:
         nonlocal running, most
-        with experiment.compute_slot():
+        with workload.compute_slot():
             with lock:
                 running += 1
                 most = max(most, running)
@@ -154,10 +154,10 @@ def test_agents_sharing_a_process_compute_one_at_a_time(monkeypatch) -> None:
             thread.join()
         return most
 
-    monkeypatch.setattr(experiment, "_COMPUTE", [])
+    monkeypatch.setattr(workload, "_COMPUTE", [])
     assert most_at_once() > 1, "no slots: a lone agent's process"
     most = 0
-    experiment.share_compute(1)
+    workload.share_compute(1)
     assert most_at_once() == 1
 
 
@@ -166,16 +166,16 @@ def test_an_agent_without_early_stopping_records_its_round_while_others_compute(
 ) -> None:
     """Early stopping off: `stops_after` computes nothing, so it must not wait for the
     process's compute slot (held here by another agent's training until the test ends)."""
-    from agent import experiment
+    from agent import workload
     from agent.learning.early_stop import EarlyStop, StopRule
     from agent.runtime.session import Session
 
-    monkeypatch.setattr(experiment, "_COMPUTE", [])
-    experiment.share_compute(1)
+    monkeypatch.setattr(workload, "_COMPUTE", [])
+    workload.share_compute(1)
     training, done = threading.Event(), threading.Event()
 
     def other_agent_trains() -> None:
-        with experiment.compute_slot():
+        with workload.compute_slot():
             training.set()
             done.wait(30)
 

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from agent.learning import ldf, sparse
+from agent.learning.config import SGDConfig
 from agent.learning.models import (
     MODEL_NAMES,
     build_model,
@@ -22,7 +23,7 @@ from agent.learning.models import (
     prunable_names,
 )
 from agent.learning.rigl import rigl_update
-from agent.learning.training import SGDConfig, dense_gradients, train_local
+from agent.learning.training import dense_gradients, train_local
 from tests.test_models import DEFAULT_INPUTS
 
 # Computed with the code before user modules were supported; the bundled models must

@@ -12,14 +12,14 @@ import torch
 from agent.device import calibration
 from agent.device.calibration import ActivationMeter, RoundCosts, cached_costs, measure_costs
 from agent.learning import Learner
-from agent.learning.config import StrategyConfig
+from agent.learning.config import SGDConfig, StrategyConfig
 from agent.learning.costs import Cost, CostTable, Row
 from agent.learning.learner import LocalData
 from agent.learning.models import build_model, prunable_names
 from agent.learning.prefix import forward_layers, round_window, trained_names, windows
 from agent.learning.reduced import reduced_training
 from agent.learning.reduction import NO_REDUCTION, Reduction, local_reduction, measured_reduction
-from agent.learning.training import SGDConfig, train_local
+from agent.learning.training import train_local
 
 
 def learner_for(name: str, shape: tuple[int, ...], **config: object) -> Learner:

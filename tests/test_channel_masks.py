@@ -14,12 +14,12 @@ from torch import Tensor, nn
 from agent.device.calibration import measure_costs
 from agent.experiment import ExperimentConfig
 from agent.learning import channels, models, sparse, width
-from agent.learning.config import preset
+from agent.learning.config import SGDConfig, preset
 from agent.learning.learner import Learner, LocalData
 from agent.learning.reduced import reduced_training
 from agent.learning.reduction import NO_REDUCTION
 from agent.learning.sparse import State
-from agent.learning.training import SGDConfig, train_local
+from agent.learning.training import train_local
 
 SHAPES = {"mlp": (64,), "cnn1d": (1, 40), "cnn2d": (1, 8, 8), "resnet18": (3, 16, 16)}
 
@@ -260,7 +260,8 @@ def test_the_default_stays_the_papers_weight_masks() -> None:
 
 def test_a_device_serves_the_narrow_model_and_it_answers_as_the_masked_one(tmp_path) -> None:
     from agent.learning.learner import served_model
-    from agent.onnx_export import OnnxModel, export_onnx
+    from agent.onnx_export import export_onnx
+    from agent.onnx_model import OnnxModel
 
     learner = learner_for("cnn2d")
     masks = learner.initial_masks("agent-1")

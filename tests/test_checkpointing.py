@@ -9,12 +9,12 @@ from torch import nn
 
 from agent.device.calibration import ActivationMeter, measure_costs
 from agent.learning.checkpointing import blocks, checkpointed
-from agent.learning.config import StrategyConfig
+from agent.learning.config import SGDConfig, StrategyConfig
 from agent.learning.costs import Cost, CostTable, Row
 from agent.learning.learner import Learner, LocalData
 from agent.learning.models import build_model, prunable_names
 from agent.learning.reduction import measured_kinds, measured_reduction
-from agent.learning.training import SGDConfig, train_local
+from agent.learning.training import train_local
 
 
 @pytest.mark.parametrize(("name", "shape"), [("cnn2d", (1, 16, 16)), ("resnet18", (3, 16, 16))])

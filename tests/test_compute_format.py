@@ -14,11 +14,11 @@ from torch import nn
 from agent.device import calibration
 from agent.device.calibration import cached_costs, candidate_formats, measure_costs
 from agent.learning import Learner
-from agent.learning.config import StrategyConfig
+from agent.learning.config import SGDConfig, StrategyConfig
 from agent.learning.learner import LocalData
 from agent.learning.models import build_model, prunable_names
 from agent.learning.precision import FP32, ComputeFormat, LossScale
-from agent.learning.training import SGDConfig, train_local
+from agent.learning.training import train_local
 
 SHAPE = (1, 12, 12)
 

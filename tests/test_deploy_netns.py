@@ -25,7 +25,8 @@ import pytest
 from netns import Lan, skip_unless_netns
 from test_agent_service import write_data, write_run
 
-from agent.runtime import checkpoint, run_folder
+from agent.model_store import run_folder
+from agent.runtime import checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ import torch
 
 from agent.experiment import ExperimentConfig
 from agent.learning import preset
-from agent.onnx_export import OnnxModel
+from agent.onnx_model import OnnxModel
 from agent.runtime import checkpoint
 from coordinator.emulate import Emulation, EmulationOptions
 from coordinator.simulate import Simulation, simulate

@@ -12,10 +12,11 @@ import torch
 from torch import nn
 
 from agent.learning import sparse, training
+from agent.learning.config import SGDConfig
 from agent.learning.exact_freezing import active_block_gradients
 from agent.learning.freezing import active_masks, freezing_plan
 from agent.learning.models import build_model, prunable_names
-from agent.learning.training import SGDConfig, train_local
+from agent.learning.training import train_local
 
 BUNDLED = [("mlp", (1, 8, 8)), ("cnn1d", (1, 40)), ("cnn2d", (1, 8, 8)), ("resnet18", (3, 16, 16))]
 

@@ -60,7 +60,8 @@ def test_each_example_model_exports_to_onnx_as_torch_computes_it(
 ) -> None:
     import torch
 
-    from agent.onnx_export import OnnxModel, export_onnx, max_abs_diff
+    from agent.onnx_export import export_onnx, max_abs_diff
+    from agent.onnx_model import OnnxModel
     from agent.user_code import load_callable
 
     folder = EXAMPLES / example

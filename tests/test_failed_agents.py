@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import signal
+import socket
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -101,8 +102,10 @@ def test_emulate_exits_1_naming_the_dead_agent_after_writing_the_report(
     monkeypatch.setattr(FakeEmulation, "report", report)
     monkeypatch.setattr(coordinator.emulate, "Emulation", FakeEmulation)
     path = tmp_path / "report.json"
-    args = ["emulate", "--broker", "127.0.0.1:1", "--workdir", str(tmp_path / "w")]
-    result = CliRunner().invoke(cli.main, [*args, "--agents", "3", "--report", str(path)])
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # answers emulate's broker check
+        broker = f"127.0.0.1:{listener.getsockname()[1]}"
+        args = ["emulate", "--broker", broker, "--workdir", str(tmp_path / "w")]
+        result = CliRunner().invoke(cli.main, [*args, "--agents", "3", "--report", str(path)])
     assert json.loads(path.read_text())["summary"]["failures"] == report["summary"]["failures"]
     if dead:
         assert result.exit_code == 1, result.output

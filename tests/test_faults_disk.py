@@ -21,11 +21,12 @@ from rich.console import Console
 from test_agent_service import write_data, write_run
 from test_cli import EDGE_AGENT, REPO
 
-from agent.experiment import ExperimentConfig, build_workload
+from agent.experiment import ExperimentConfig
 from agent.files import DiskFullError
 from agent.learning import preset
 from agent.runtime import AgentRuntime, Run, checkpoint
 from agent.runtime.run_files import persist, restore
+from agent.workload import build_workload
 from protocol import BrokerAddress, MqttTransport, messages, topics
 from protocol.cli import say, setup_logging
 

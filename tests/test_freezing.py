@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from agent.learning import sparse
+from agent.learning.config import SGDConfig
 from agent.learning.freezing import (
     NeuronGroup,
     active_masks,
@@ -27,7 +28,7 @@ from agent.learning.models import (
     output_positions,
     prunable_names,
 )
-from agent.learning.training import SGDConfig, train_local
+from agent.learning.training import train_local
 
 BUNDLED = [
     ("mlp", (1, 40)),

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from agent.learning.config import SGDConfig
 from agent.learning.freezing import (
     FreezingPlan,
     NeuronGroup,
@@ -21,7 +22,7 @@ from agent.learning.freezing import (
 )
 from agent.learning.sparse import Masks, State
 from agent.learning.tasks import Task
-from agent.learning.training import SGDConfig, train_local
+from agent.learning.training import train_local
 
 CLASSIFICATION = Task()
 

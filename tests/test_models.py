@@ -6,11 +6,10 @@ import pytest
 import torch
 from torch import nn
 
+from agent.learning.config import MODEL_NAMES, default_model
 from agent.learning.models import (
-    MODEL_NAMES,
     build_model,
     count_params,
-    default_model,
     forward_flops,
     output_positions,
     prunable_names,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,15 +14,11 @@ import torch
 from onnx import numpy_helper
 from torch import Tensor, nn
 
-from agent.learning.models import MODEL_NAMES, build_model, prunable_names
+from agent.learning.config import MODEL_NAMES
+from agent.learning.models import build_model, prunable_names
 from agent.learning.sparse import apply_masks, erk_densities, random_masks
-from agent.onnx_export import (
-    OPSET,
-    OnnxModel,
-    export_onnx,
-    load_inputs,
-    max_abs_diff,
-)
+from agent.onnx_export import OPSET, export_onnx, max_abs_diff
+from agent.onnx_model import OnnxModel, load_inputs
 
 # Small inputs where a model allows; the deep models on CIFAR-sized images.
 SHAPES = {
@@ -260,9 +257,15 @@ def test_load_inputs_errors(tmp_path: Path) -> None:
     data = bytearray((tmp_path / "flipped.npz").read_bytes())
     data[100:110] = bytes(10)
     (tmp_path / "flipped.npz").write_bytes(bytes(data))
-    for name in ("pickled.npy", "text.npy", "cut.npz", "flipped.npz"):
+    for name in ("pickled.npy", "cut.npz", "flipped.npz"):
         with pytest.raises(ValueError, match="not a readable .npy or .npz file"):
             load_inputs(tmp_path / name, shape)
+    (tmp_path / "samples.csv").write_text("a,b\n1,2\n")
+    (tmp_path / "list.npz").write_bytes(pickle.dumps([1.0, 2.0]))
+    for name in ("text.npy", "samples.csv", "list.npz"):  # numpy would offer to unpickle
+        with pytest.raises(ValueError, match="is not a .npy or .npz file: predict reads") as e:
+            load_inputs(tmp_path / name, shape)
+        assert "pickle" not in str(e.value)
     np.save(tmp_path / "wrong.npy", np.zeros((2, 3, 8, 8), np.float32))
     with pytest.raises(ValueError, match=r"\(N, 1, 8, 8\)"):
         load_inputs(tmp_path / "wrong.npy", shape)

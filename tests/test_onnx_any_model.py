@@ -20,14 +20,8 @@ from click.testing import CliRunner, Result
 from torch import Tensor, nn
 
 from agent.cli import main
-from agent.onnx_export import (
-    Answer,
-    OnnxModel,
-    export_onnx,
-    float32_values,
-    max_abs_diff,
-    reconstruction_error,
-)
+from agent.onnx_export import export_onnx, max_abs_diff
+from agent.onnx_model import Answer, OnnxModel, float32_values, reconstruction_error
 
 ATOL = 1e-4
 BATCHES = (1, 3, 64)

@@ -19,11 +19,12 @@ from agent.learning import (
     checked_fit,
     preset,
     robust,
+    robust_rules,
 )
 from agent.options import experiment_config
 from coordinator.simulate import Simulation, simulate
 
-MEDIAN = robust.Rule("median")
+MEDIAN = robust_rules.Rule("median")
 
 
 def test_median_and_trimmed_mean_count_only_the_senders_that_hold_an_element() -> None:
@@ -32,9 +33,9 @@ def test_median_and_trimmed_mean_count_only_the_senders_that_hold_an_element() -
     values = values.to(torch.float64)
     # column 0: {1, 2, 9}; column 1: {5, 100, 6, 7}; column 2: {3}
     assert robust.combine(values, held, MEDIAN).tolist() == [2.0, 6.5, 3.0]
-    trimmed = robust.combine(values, held, robust.Rule("trimmed", 0.25))
+    trimmed = robust.combine(values, held, robust_rules.Rule("trimmed", 0.25))
     assert trimmed.tolist() == [2.0, 6.5, 3.0]  # one cut at each end of 3 and of 4
-    untrimmed = robust.combine(values, held, robust.Rule("trimmed", 0.0))
+    untrimmed = robust.combine(values, held, robust_rules.Rule("trimmed", 0.0))
     assert untrimmed.tolist() == pytest.approx([4.0, 29.5, 3.0])
     nobody = robust.combine(values, torch.zeros_like(held), MEDIAN)
     assert nobody.tolist() == [0.0, 0.0, 0.0]
@@ -90,7 +91,7 @@ def test_auto_screens_out_far_models_and_keeps_honest_ones() -> None:
         f"h{i}": {"w": torch.tensor([1.0 + d, 1.0]), "b": torch.tensor([0.5])}
         for i, d in enumerate([0.1, 0.2, 0.3, 0.4])
     }
-    poisoned = {n: t * robust.SCALE_FACTOR for n, t in honest["h3"].items()}
+    poisoned = {n: t * robust_rules.SCALE_FACTOR for n, t in honest["h3"].items()}
     flipped = {n: -t for n, t in honest["h2"].items()}
     out = robust.clip(own, {**honest, "p": poisoned, "q": flipped}, "auto")
     for j in honest:  # within 2 x the median (0.3): as sent
@@ -122,7 +123,7 @@ def test_auto_with_one_or_two_received_models() -> None:
     assert sparse["s"]["w"].tolist() == [1.25, 0.0, 0.0]
 
 
-@pytest.mark.parametrize("attack", robust.ATTACKS)
+@pytest.mark.parametrize("attack", robust_rules.ATTACKS)
 def test_a_poisoned_model_is_well_formed_and_bad(attack: str) -> None:
     weights = {"w": torch.tensor([[0.5, -0.25], [0.0, 1.0]]), "b": torch.tensor([0.1, 0.2])}
     masks = {"w": torch.tensor([[True, True], [False, True]])}
@@ -135,7 +136,7 @@ def test_a_poisoned_model_is_well_formed_and_bad(attack: str) -> None:
     assert first["w"][1, 0] == 0.0, "zero outside the mask, as the honest model"
     assert not float((first["b"] - weights["b"]).abs().max()) <= 0.1  # NaN: not close either
     if attack == "huge":
-        assert first["b"].tolist() == torch.full((2,), robust.HUGE_VALUE).tolist()
+        assert first["b"].tolist() == torch.full((2,), robust_rules.HUGE_VALUE).tolist()
     if attack == "signflip":
         assert torch.equal(first["b"], -weights["b"])
 
@@ -149,7 +150,7 @@ def test_bad_options_are_one_sentence_each() -> None:
             experiment_config({"clip": spec})
     with pytest.raises(ValueError, match="--attackers must be between 0 and agents - 1 = 3"):
         experiment_config({"agents": 4, "attackers": 4})
-    assert robust.parse_rule("trimmed:0.2") == robust.Rule("trimmed", 0.2)
+    assert robust_rules.parse_rule("trimmed:0.2") == robust_rules.Rule("trimmed", 0.2)
     assert experiment_config({"aggregation": "median", "clip": "auto"}).learning.clip == "auto"
 
 

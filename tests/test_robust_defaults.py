@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from agent.experiment import ExperimentConfig
-from agent.learning import Learner, Published, preset, robust
+from agent.learning import Learner, Published, preset, robust, robust_rules
 from agent.options import experiment_config
 from coordinator.simulate import Simulation, simulate
 
@@ -97,7 +97,7 @@ def test_huge_and_nan_models_never_reach_an_honest_model(
     honest = {j: sparse_fleet.learner.published(states[j], 10) for j in ("agent-002", "agent-003")}
     assert me.masks is not None
     full = {n: torch.ones_like(m) for n, m in me.masks.items()}  # it holds every element
-    value = robust.HUGE_VALUE if attack == "huge" else float("nan")
+    value = robust_rules.HUGE_VALUE if attack == "huge" else float("nan")
     bad = Published({n: torch.full_like(t, value) for n, t in me.weights.items()}, full, 10)
     inbox = {**honest, "agent-000": bad}
     learner = _with(sparse_fleet, aggregation=aggregation, clip=clip)
@@ -134,7 +134,7 @@ def test_median_drops_non_finite_and_absurd_senders_without_a_reference() -> Non
     }
     held = {"b": {"w": torch.tensor([True, False])}}
     assert robust.sane(states, held) == ["a", "b"]
-    out, counts = robust.aggregate(states, robust.Rule("median"), held)
+    out, counts = robust.aggregate(states, robust_rules.Rule("median"), held)
     assert out["w"].tolist() == pytest.approx([1.1, 2.0])
     assert counts["w"].tolist() == [2, 1]
 
@@ -146,7 +146,7 @@ def test_auto_screens_what_no_honest_majority_of_received_models_would() -> None
     own = {"w": torch.tensor([1.0, 1.0, 1.0, 1.0])}
     honest = {"w": torch.tensor([1.1, 0.9, 1.0, 1.0])}
     flipped = {"w": -own["w"]}
-    scaled = {"w": own["w"] * robust.SCALE_FACTOR}
+    scaled = {"w": own["w"] * robust_rules.SCALE_FACTOR}
     alone = robust.clip(own, {"p": flipped}, "auto")
     assert alone["p"]["w"].tolist() == own["w"].tolist(), "the own model stands in"
     most = robust.clip(own, {"h": honest, "p": flipped, "q": scaled}, "auto")

@@ -18,7 +18,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
-from test_cli import COORDINATOR, REPO, _spawn, _wait_for_text
+from test_cli import COORDINATOR, EDGE_AGENT, REPO, _spawn, _wait_for_text
 
 from agent.report import AgentRound
 from coordinator.broker import EmbeddedBroker
@@ -137,7 +137,7 @@ def test_the_embedded_broker_stops_at_once_while_agents_send(unused_port: int) -
             transport.stop()
 
 
-@pytest.mark.parametrize("command", [["status"], ["serve"]])
+@pytest.mark.parametrize("command", [["status"], ["serve"], ["emulate", "--agents", "2"]])
 @pytest.mark.parametrize("where", ["refused", "no-such-name"])
 def test_a_broker_address_where_nothing_answers_is_one_line(
     command: list[str], where: str, unused_port: int
@@ -161,6 +161,24 @@ def test_a_broker_address_where_nothing_answers_is_one_line(
     )
     assert result.stderr.startswith(expected), result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_a_mistyped_broker_name_is_said_before_any_admission(tmp_path: Path) -> None:
+    """An agent given a broker name that does not resolve hears that, not that it is not
+    admitted to a fleet it never reached (and no key is made for it)."""
+    state = tmp_path / "z1"
+    result = subprocess.run(
+        [*EDGE_AGENT, "--broker", "no-such-host.invalid", "--id", "z1", "--state-dir", str(state)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 2
+    assert result.stderr.startswith("Error: the broker's name 'no-such-host.invalid' does not")
+    assert result.stderr.strip().endswith(": check --broker"), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not state.exists()
 
 
 # ------------------------------------------------------------------ the status table

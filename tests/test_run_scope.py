@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from agent.experiment import ExperimentConfig, build_workload
+from agent.experiment import ExperimentConfig
 from agent.learning import preset
 from agent.runtime import AgentRuntime, Run, Timeouts, new_run_id
 from agent.runtime.session import follow_everyone
+from agent.workload import build_workload
 from protocol import BrokerAddress, MqttTransport, messages, topics
 
 FLEET = "scope"

@@ -94,6 +94,17 @@ def test_agent_ids_fix_how_many_the_run_waits_for(tmp_path: Path) -> None:
     assert load_run_file(write(tmp_path, same, "same.toml")).wanted == 2
 
 
+def test_expect_gives_the_agent_count_a_file_leaves_out(tmp_path: Path) -> None:
+    """`edge-agent --expect 3 --run FILE`: the file need not say agents = 3 again; where it
+    names its agents, the file's count stands (and edge-agent checks the two agree)."""
+    bare = write(tmp_path, "[run]\ninput_shape = [40]\nclasses = 10\n")
+    assert load_run_file(bare, agents=3).wanted == 3
+    assert "give agents = N" in run_error(tmp_path, "[run]\ninput_shape = [40]\n")
+    assert load_run_file(write(tmp_path, f"[run]\n{DEVICE}", "own.toml"), agents=5).wanted == 3
+    named = write(tmp_path, '[run]\nagent_ids = ["a", "b"]\n', "named.toml")
+    assert load_run_file(named, agents=5).wanted == 2
+
+
 @pytest.mark.parametrize(
     ("body", "expected"),
     [

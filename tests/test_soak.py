@@ -24,7 +24,8 @@ from typing import Any
 import pytest
 from test_agent_service import write_data, write_run
 
-from agent.runtime import checkpoint, run_folder
+from agent.model_store import run_folder
+from agent.runtime import checkpoint
 
 pytestmark = pytest.mark.slow
 

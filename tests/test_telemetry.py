@@ -16,10 +16,11 @@ import pytest
 from conftest import run_in_threads
 from paho.mqtt.enums import CallbackAPIVersion
 
-from agent.experiment import ExperimentConfig, build_workload
+from agent.experiment import ExperimentConfig
 from agent.learning import preset
 from agent.runtime import AgentRuntime, Run, Timeouts, new_run_id
 from agent.runtime.session import REPORT_ONLY, telemetry_json
+from agent.workload import build_workload
 from protocol import BrokerAddress, MqttTransport, TransportOptions, messages, topics
 
 FLEET = "telemetry"

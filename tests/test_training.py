@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from agent.learning import Learner, LocalData, Published, preset, sparse
+from agent.learning.config import SGDConfig
 from agent.learning.models import build_model, forward_flops, prunable_names
-from agent.learning.training import SGDConfig, derive_seed, evaluate, sgd_step_, train_local
+from agent.learning.training import derive_seed, evaluate, sgd_step_, train_local
 from agent.runtime import decode_state, encode_state, expected_shapes
 from protocol import ProtocolError
 

@@ -19,7 +19,7 @@ import torch
 from click.testing import CliRunner
 
 import edgefl
-from agent.experiment import ExperimentConfig, build_learner, fingerprinted
+from agent.experiment import ExperimentConfig
 from agent.learning import Learner, preset
 from agent.learning.learner import Published
 from agent.learning.models import build_model, prunable_names
@@ -27,6 +27,7 @@ from agent.learning.tasks import Task
 from agent.model_store import KeptModel, choose
 from agent.runfile import lab_config, load_run_file
 from agent.user_code import build_user_model, fingerprint
+from agent.workload import build_learner, fingerprinted
 from coordinator.cli import main
 
 NETS = """
@@ -726,9 +727,9 @@ def test_a_device_python_source_is_read_again_at_the_start_of_every_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A device whose data comes from a sensor pipeline trains on what it collected since."""
-    from agent.experiment import own_workload
     from agent.options import experiment_config
     from agent.own_data import load_own_data
+    from agent.workload import own_workload
 
     (tmp_path / "sensor.py").write_text(
         "import numpy as np\n"

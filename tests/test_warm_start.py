@@ -11,9 +11,10 @@ import pytest
 import torch
 from conftest import run_in_threads
 
-from agent.experiment import ExperimentConfig, build_workload
+from agent.experiment import ExperimentConfig
 from agent.learning import State, preset
 from agent.runtime import AgentRuntime, Run, Timeouts, new_run_id
+from agent.workload import build_workload
 from protocol import BrokerAddress, MqttTransport, TransportOptions
 
 FLEET = "warm"

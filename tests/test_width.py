@@ -11,8 +11,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from agent.learning.config import SGDConfig
 from agent.learning.models import build_model
-from agent.learning.training import SGDConfig, train_local
+from agent.learning.training import train_local
 from agent.learning.width import (
     held_masks,
     narrow_model,

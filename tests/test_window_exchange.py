@@ -9,7 +9,7 @@ import dataclasses
 
 import torch
 
-from agent.learning import robust
+from agent.learning import robust, robust_rules
 from agent.learning.config import preset
 from agent.learning.learner import AgentState, Learner, LocalData, Published, combine
 from agent.learning.models import build_model, prunable_names
@@ -64,12 +64,14 @@ def test_a_part_counts_for_its_layers_and_is_screened_among_its_peers() -> None:
     own = AgentState("me", {n: torch.zeros(4) for n in names}, None, {})
     inbox = {j: Published({n: torch.full((4,), 0.5) for n in names}, None, 1) for j in ("a", "b")}
     inbox |= {j: Published({names[-1]: torch.full((4,), 0.5)}, None, 1) for j in "cde"}
-    rule = robust.parse_rule(robust.SCREENED)
-    out = combine(own, inbox, rule, robust.CLIP_AUTO)
+    rule = robust_rules.parse_rule(robust_rules.SCREENED)
+    out = combine(own, inbox, rule, robust_rules.CLIP_AUTO)
     assert torch.allclose(out[names[0]], torch.full((4,), 1.0 / 3))  # a, b and me
     assert torch.allclose(out[names[-1]], torch.full((4,), 2.5 / 6))  # all five and me
     # the whole-model screen this replaces: the whole models lost
-    flat = robust.clip(own.weights, {j: p.weights for j, p in inbox.items()}, robust.CLIP_AUTO)
+    flat = robust.clip(
+        own.weights, {j: p.weights for j, p in inbox.items()}, robust_rules.CLIP_AUTO
+    )
     assert not torch.equal(flat["a"][names[0]], inbox["a"].weights[names[0]])
 
 

@@ -14,11 +14,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from agent.experiment import build_workload
 from agent.learning import Published, preset
 from agent.runtime import Expected, Inbox, expected_shapes, model_message
 from agent.runtime.layer_server import LayerServer, PublishLayers
 from agent.runtime.wire_layers import LayersWire
+from agent.workload import build_workload
 from coordinator.simulate import ExperimentConfig, simulate
 from protocol import messages, topics
 

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 from torch import nn
 
-from agent.learning import channels, pqi, prefix, pruning, rigl, robust, sparse
+from agent.learning import channels, pqi, prefix, pruning, rigl, robust, robust_rules, sparse
 from agent.learning.config import ADAM_FAMILY, DECENTRALIZED, STOP_LAMBDA, StrategyConfig
 from agent.learning.models import flops_from_positions, output_positions
 from agent.learning.precision import FP32
@@ -377,7 +377,7 @@ class Learner:
         return self.own_statistics(self._combined(agent, inbox), agent.weights)
 
     def _combined(self, agent: AgentState, inbox: dict[str, Published]) -> State:
-        rule = robust.parse_rule(self.config.aggregation)
+        rule = robust_rules.parse_rule(self.config.aggregation)
         return combine(agent, inbox, rule, self.config.clip)
 
     @functools.cached_property
@@ -544,8 +544,8 @@ def local_statistics(model: nn.Module) -> tuple[str, ...]:
 def combine(
     agent: AgentState,
     inbox: dict[str, Published],
-    rule: robust.Rule,
-    clip: str = robust.CLIP_OFF,
+    rule: robust_rules.Rule,
+    clip: str = robust_rules.CLIP_OFF,
 ) -> State:
     """`Learner.aggregate`: each received model clipped to the `clip` bound around the
     agent's own (`robust.clip`), then eq. 7 for sparse agents, the plain mean for dense
@@ -568,7 +568,7 @@ def combine(
                 continue
             out |= combine(part, {j: _restricted(inbox[j], names) for j in senders}, rule, clip)
         return {name: out[name] for name in agent.weights}
-    if clip != robust.CLIP_OFF:
+    if clip != robust_rules.CLIP_OFF:
         clipped = robust.clip(
             agent.weights,
             {j: p.weights for j, p in inbox.items()},
@@ -587,7 +587,9 @@ def combine(
     return sparse.aggregate_mean(states)
 
 
-def _robust_combine(agent: AgentState, inbox: dict[str, Published], rule: robust.Rule) -> State:
+def _robust_combine(
+    agent: AgentState, inbox: dict[str, Published], rule: robust_rules.Rule
+) -> State:
     """`rule` over the agent and its senders, per element over those that hold it (a sparse
     sender its mask's entries), cut to the agent's own mask (eq. 7's last step)."""
     states = {j: p.weights for j, p in inbox.items()} | {agent.agent_id: agent.weights}

@@ -23,9 +23,9 @@ from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 from torch.nn.utils.rnn import PackedSequence
 
+from agent.learning.config import MODEL_NAMES
 from agent.user_code import build_user_model, is_import_path
 
-MODEL_NAMES = ("mlp", "cnn1d", "cnn2d", "resnet18", "vgg11", "alexnet")
 # Layers whose `weight` is prunable: one weight applied at every output position. Other
 # modules (agent/learning/freezing.py) rely on exactly these types, which have that layout.
 PRUNABLE_TYPES = (nn.Conv1d, nn.Conv2d, nn.Linear)
@@ -35,15 +35,6 @@ RECURRENT_TYPES = (nn.RNN, nn.GRU, nn.LSTM, nn.RNNCell, nn.GRUCell, nn.LSTMCell)
 # weight_ih_l{k}, weight_hh_l{k}, LSTM's projection weight_hr_l{k}, each with `_reverse` for
 # the second direction; weight_ih and weight_hh of the cells. Biases are never matched.
 _RECURRENT_MATRIX = re.compile(r"weight_(ih|hh|hr)(_l\d+(_reverse)?)?")
-
-_DEFAULT_MODELS = {
-    "digits": "cnn2d",
-    "mnist1d": "cnn1d",
-    "synthetic": "mlp",
-    "npz": "mlp",
-    "imagefolder": "cnn2d",
-    "cifar10": "resnet18",
-}
 
 
 def group_norm(channels: int) -> nn.GroupNorm:
@@ -283,23 +274,6 @@ def build_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return _BUILDERS[name](tuple(input_shape), num_classes)
-
-
-def default_model(dataset_name: str) -> str:
-    """The bundled model for a dataset: the one that learns it fastest on a small CPU, and
-    the DA-DPFL paper's ResNet-18 for CIFAR-10.
-
-    Measured centrally (SGD lr 0.1, batch 128, 2 threads, 3 seeds): on digits cnn2d reaches
-    98% test accuracy in 13 epochs (~0.3 s) while mlp plateaus at 95% after 40; on MNIST-1D
-    cnn1d reaches 89% in 40 epochs, mlp 57%. Synthetic data is a per-group logistic model,
-    which an MLP fits (88%).
-    """
-    try:
-        return _DEFAULT_MODELS[dataset_name]
-    except KeyError:
-        raise ValueError(
-            f"no default model for dataset {dataset_name!r}; known: {', '.join(_DEFAULT_MODELS)}"
-        ) from None
 
 
 def _key(module_name: str, tensor_name: str) -> str:

@@ -14,15 +14,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from agent.learning.config import DISTANCES
+
 _EPS = 1e-9
 
 
 def _ceil(x: float) -> int:
     """ceil with relative slack, so 10.000000000000002 (float error) counts as 10."""
     return math.ceil(x - _EPS * max(1.0, abs(x)))
-
-
-DISTANCES = ("squared", "norm")
 
 
 def distance_from_init(

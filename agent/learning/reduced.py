@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from agent.learning import channels, prefix
+from agent.learning.config import SGDConfig
 from agent.learning.reduction import Reduction
 from agent.learning.sparse import Masks, State
-from agent.learning.training import SGDConfig, TrainResult, train_local
+from agent.learning.training import TrainResult, train_local
 
 if TYPE_CHECKING:
     from agent.learning.learner import Learner, LocalData

@@ -24,16 +24,15 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from agent.learning.config import METRIC_GOALS, TASKS
 from agent.user_code import is_import_path, load_callable
 
-TASKS = ("classification", "regression", "reconstruction")
 BUILTIN_LOSSES = ("mse", "l1")
 METRIC_NAMES = {
     "classification": "accuracy",
     "regression": "mae",
     "reconstruction": "reconstruction_error",
 }
-METRIC_GOALS = ("max", "min")
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 

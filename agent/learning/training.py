@@ -21,27 +21,13 @@ import torch
 from torch import nn
 
 from agent.learning.checkpointing import checkpointed
+from agent.learning.config import SGDConfig
 from agent.learning.exact_freezing import active_block_gradients
 from agent.learning.precision import FP32, ComputeFormat, LossScale
 from agent.learning.sparse import Masks, State, apply_masks_
 from agent.learning.tasks import Task
 
 CLASSIFICATION = Task()
-
-
-@dataclass(frozen=True)
-class SGDConfig:
-    """Local SGD of ALGORITHMS.md 1.5: lr 0.1 x 0.998^t, weight decay 5e-4, no momentum."""
-
-    lr: float = 0.1
-    lr_decay: float = 0.998
-    momentum: float = 0.0
-    weight_decay: float = 5e-4
-    batch_size: int = 128
-    epochs: int = 5
-
-    def lr_at(self, round_: int) -> float:
-        return self.lr * self.lr_decay**round_
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from agent.runtime import checkpoint, codec
 from agent.runtime.build import AgentRuntime
-from agent.runtime.checkpoint import run_folder
 from agent.runtime.codec import (
     all_finite,
     decode_broadcast,
@@ -59,6 +58,5 @@ __all__ = [
     "model_message",
     "new_run_id",
     "publish_telemetry",
-    "run_folder",
     "values_sent",
 ]

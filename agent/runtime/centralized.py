@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 from agent.device import Budget
-from agent.experiment import attackers, compute_slot
+from agent.experiment import attackers
 from agent.learning import (
     Fit,
     Payload,
@@ -42,6 +42,7 @@ from agent.report import AgentRound
 from agent.runtime import codec
 from agent.runtime.codec import divergence_message, encode_state, values_sent
 from agent.runtime.session import Session
+from agent.workload import compute_slot
 from protocol import ProtocolError, messages, topics
 
 log = logging.getLogger(__name__)

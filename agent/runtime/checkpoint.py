@@ -28,12 +28,6 @@ class CheckpointError(RuntimeError):
     """A checkpoint exists but cannot be used (corrupt, another format, another run)."""
 
 
-def run_folder(state_dir: Path, run_id: str) -> Path:
-    """Where one run's checkpoint and round log live in an agent's state folder: a
-    long-lived agent takes part in many runs, and a restart resumes the run it was in."""
-    return state_dir / "runs" / run_id
-
-
 def save(path: Path, payload: dict[str, Any]) -> None:
     """Serialize in memory first: torch's zip writer turns a failing file write into its own
     RuntimeError ("unexpected pos ..."), which would hide that the disk is full."""

@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from agent.device.calibration import ActivationMeter, working_set_mb
-from agent.experiment import attackers, compute_slot
+from agent.experiment import attackers
 from agent.learning import (
     Need,
     Published,
@@ -41,6 +41,7 @@ from agent.runtime.asking import Asking
 from agent.runtime.codec import all_finite, values_sent
 from agent.runtime.session import RoundClock, Session
 from agent.runtime.wire import Have, Wait, Wire
+from agent.workload import compute_slot
 from protocol import ProtocolError, messages, topics
 
 log = logging.getLogger(__name__)

@@ -27,13 +27,14 @@ from agent.device import Budget, Throttle
 from agent.device.budget import RoundWork
 from agent.device.calibration import RoundCosts
 from agent.device.throttle import ENERGY_SOURCE
-from agent.experiment import ExperimentConfig, Workload, compute_slot, round_work
+from agent.experiment import ExperimentConfig
 from agent.learning import AgentState, EarlyStop, Learner, Masks, Published, State
 from agent.learning.reduction import Reduction
 from agent.report import AgentRound
 from agent.runtime.codec import expected_shapes
 from agent.runtime.inbox import Expected, Inbox
 from agent.runtime.run_files import persist, recent_records, restore, savings
+from agent.workload import Workload, compute_slot, round_work
 from protocol import MqttTransport, messages, topics
 from protocol.limits import run_limits
 from protocol.signing import Signer
@@ -437,7 +438,7 @@ class Session:
 
     def stops_after(self, weights: State, train_loss: float, restart: bool = False) -> bool:
         """Whether early stopping stops the agent after a round that ended with `weights`
-        (`EarlyStop.after`): computation, so in a compute slot (`experiment.compute_slot`)
+        (`EarlyStop.after`): computation, so in a compute slot (`workload.compute_slot`)
         when it is on; off, no wait for a slot (it held the round's record and status back)."""
         if not self.early.enabled:
             return False

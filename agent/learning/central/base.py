@@ -27,7 +27,7 @@ from typing import ClassVar
 
 import torch
 
-from agent.learning import robust
+from agent.learning import robust, robust_rules
 from agent.learning.learner import AgentState, Learner, LocalData
 from agent.learning.sparse import Masks, State
 from agent.learning.training import TrainResult, train_local
@@ -189,11 +189,11 @@ def clipped_uploads(
     reference: State,
     states: Mapping[str, State],
     held: Mapping[str, Masks | None] | None = None,
-) -> tuple[dict[str, State], robust.Rule]:
+) -> tuple[dict[str, State], robust_rules.Rule]:
     """The uploads' tensors clipped (`--clip`) around the aggregator's `reference`, and the
     `--aggregation` rule to combine them with."""
     cfg = learner.config
-    return robust.clip(reference, states, cfg.clip, held), robust.parse_rule(cfg.aggregation)
+    return robust.clip(reference, states, cfg.clip, held), robust_rules.parse_rule(cfg.aggregation)
 
 
 def sample_weights(uploads: Mapping[str, Upload]) -> dict[str, float]:

@@ -1,0 +1,90 @@
+"""The settings of robust aggregation and of the research attacks, as a run's config names
+them (`--aggregation`, `--clip`, `--attack`): their values, parsing and defaults, without
+tensors, so a command can check them and list them without loading torch. The math they
+select is `agent.learning.robust`'s.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+ATTACKS = ("scale", "noise", "signflip", "huge", "nan")
+SCALE_FACTOR = -100.0
+"""The `scale` attack's factor: large, and negative so that it also points the wrong way."""
+NOISE_STD = 10.0
+"""The `noise` attack's standard deviation: two orders of magnitude above typical weights."""
+HUGE_VALUE = 3e37
+"""The `huge` attack's value: finite in float32, yet a sum of a dozen of them overflows."""
+CLIP_OFF = "off"
+CLIP_AUTO = "auto"
+
+
+SCREENED = "screened"
+"""The default `--aggregation`: the strategy's own mean over the received models once
+screened and clipped (`--clip auto`, which the default `--clip` then is)."""
+CLIP_DEFAULT = "default"
+"""`--clip`'s default: `auto` under every `--aggregation` but `mean`, `off` under `mean`
+(`default_clip`), so that `--aggregation mean` alone is the undefended mean."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """An aggregation rule: `screened` or `mean` (the strategy's own mean, after `clip`),
+    `median` or `trimmed` (cutting `trim` at each end)."""
+
+    kind: str
+    trim: float = 0.0
+
+    @property
+    def robust(self) -> bool:
+        """Whether this rule is computed here rather than by the strategy's own mean."""
+        return self.kind in ("median", "trimmed")
+
+
+def parse_rule(spec: str) -> Rule:
+    """`screened`, `mean`, `median` or `trimmed:F` with 0 <= F < 0.5; ValueError (one
+    sentence) else."""
+    if spec in (SCREENED, "mean", "median"):
+        return Rule(spec)
+    kind, _, fraction = spec.partition(":")
+    try:
+        trim = float(fraction)
+    except ValueError:
+        trim = math.nan
+    if kind != "trimmed" or not 0.0 <= trim < 0.5:
+        raise ValueError(
+            "--aggregation must be screened, mean, median or trimmed:F with 0 <= F < 0.5, "
+            f"got {spec!r}"
+        )
+    return Rule("trimmed", trim)
+
+
+def default_clip(aggregation: str, clip: str) -> str:
+    """`clip` with CLIP_DEFAULT resolved for the rule `aggregation`: `off` under `mean`,
+    `auto` under every other rule (the default defence, and the screen in front of median
+    and trimmed means, whose few holders of a sparse element a poisoned one can outvote)."""
+    if clip != CLIP_DEFAULT:
+        return clip
+    return CLIP_OFF if aggregation == "mean" else CLIP_AUTO
+
+
+def parse_clip(spec: str) -> float | None:
+    """The `--clip` bound: None (off), 0.0 for `auto` (from the received distances), or a
+    positive norm bound; ValueError (one sentence) else."""
+    if spec == CLIP_OFF:
+        return None
+    if spec == CLIP_AUTO:
+        return 0.0
+    try:
+        bound = float(spec)
+    except ValueError:
+        bound = math.nan
+    if not (math.isfinite(bound) and bound > 0):
+        raise ValueError(f"--clip must be off, auto or a positive norm bound, got {spec!r}")
+    return bound
+
+
+def attackers(roster: list[str], count: int) -> list[str]:
+    """The agents that poison what they send: the first `count` of the sorted roster."""
+    return sorted(roster)[:count]
