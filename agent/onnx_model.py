@@ -278,8 +278,8 @@ def as_batch(x: np.ndarray, input_shape: Sequence[int]) -> np.ndarray:
 
 
 NPY_MAGIC = b"\x93NUMPY"
-NPZ_MAGIC = b"PK\x03\x04"
-"""How a .npy file and a .npz file (a zip archive) begin."""
+NPZ_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
+"""How a .npy file and a .npz file (a zip archive; an empty one is its end record) begin."""
 
 
 def load_inputs(path: str | Path, input_shape: Sequence[int]) -> np.ndarray:
@@ -291,7 +291,7 @@ def load_inputs(path: str | Path, input_shape: Sequence[int]) -> np.ndarray:
         raise FileNotFoundError(f"no input file at {path}")
     with path.open("rb") as f:
         magic = f.read(len(NPY_MAGIC))
-    if not magic.startswith((NPY_MAGIC, NPZ_MAGIC)):  # else numpy reads it as a pickle
+    if not magic.startswith((NPY_MAGIC, *NPZ_MAGIC)):  # else numpy reads it as a pickle
         raise ValueError(
             f"{path} is not a .npy or .npz file: predict reads the samples from a .npy array "
             "or a .npz file's x array (numpy.save or numpy.savez of the feature columns)"

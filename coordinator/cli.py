@@ -52,6 +52,7 @@ from coordinator.gateway_state import (
     write_bundle,
     write_logins,
 )
+from coordinator.manage import RETAINED_WAIT_S
 from coordinator.runs import (
     DEFAULT_RUNS_DIR,
     RUNS_DIR_ENV,
@@ -803,7 +804,8 @@ def runs(runs_dir: str | None, as_json: bool) -> None:
     default=30.0,
     show_default=True,
     type=FiniteRange(0, 3600),
-    help="Seconds to wait for the run's agents to end their round.",
+    help="Seconds to wait for the run's agents to end their round (after up to "
+    f"{RETAINED_WAIT_S:g} s for their presences).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 def cancel(

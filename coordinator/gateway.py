@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.experiment import DEFAULT_MIN_SAMPLES, ExperimentConfig, config_from_dict, config_to_dict
+from agent.learning.config import CENTRALIZED
 from agent.own_data import misfit
 from agent.runfile import RunFile, load_run_file, run_timeouts
 from agent.runtime import new_run_id
@@ -213,12 +214,17 @@ class Registry:
 
 
 def load_for_run(path: str) -> RunFile:
-    """The run file, checked, its model's code loaded (its file and function exist): the
-    model itself is built once the agents said their data's shape, so a missing file would
-    be said only after every agent was waited for. ValueError with one line else."""
+    """The run file, checked, with its model's code loaded where the coordinator builds the
+    model (its file and function exist): the model itself is built once the agents said
+    their data's shape, so a missing file would be said only after every agent was waited
+    for. ValueError with one line else."""
     runfile = load_run_file(path)
-    model = runfile.config(runfile.wanted, (1,), 2).model
-    if model and is_import_path(model):
+    config = runfile.config(runfile.wanted, (1,), 2)
+    model = config.model
+    # Only where this process builds the model: its fingerprint (devices' own data) or the
+    # aggregate (centralized); otherwise only the devices import the code.
+    builds = config.on_devices or config.learning.strategy in CENTRALIZED
+    if model and is_import_path(model) and builds:
         try:
             load_callable(model, "model")
         except ValueError as exc:

@@ -119,15 +119,6 @@ def emulation_broker(
     return embedded.address, embedded
 
 
-def start_broker(brokers: tuple[BrokerAddress, ...], embedded: EmbeddedBroker | None) -> None:
-    """Start the embedded broker, or check that each given one answers (agents retry a dead
-    address in silence): after the run's own checks, which need no broker."""
-    for given in brokers:
-        require_broker(given, given=True)
-    if embedded is not None:
-        embedded.start()
-
-
 @click.command()
 @experiment_options
 @click.option(
@@ -218,11 +209,16 @@ def emulate(
             agents_per_process=per_process,
         )
         emulation = Emulation(config, broker, options)
-    except (ValueError, OSError, MissingExtra) as exc:
+        for given in brokers:  # after the run's own checks; agents retry a dead one in silence
+            require_broker(given, given=True)
+    except (ValueError, OSError, MissingExtra, click.ClickException) as exc:
         if not workdir:
-            shutil.rmtree(folder, ignore_errors=True)
+            shutil.rmtree(folder, ignore_errors=True)  # with any keys the emulation made
+        if isinstance(exc, click.ClickException):
+            raise
         raise ConfigError(str(exc)) from None
-    start_broker(brokers, embedded)
+    if embedded:
+        embedded.start()
     cfg = config.learning
     console.print(
         f"emulating [bold]{cfg.strategy}[/]: {config.agents} agents "

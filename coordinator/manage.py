@@ -48,11 +48,13 @@ def runs_table(entries: list[RunEntry], base: Path) -> Table:
     table = Table(title=f"runs in {base}", box=box.SIMPLE_HEAD, pad_edge=False)
     # The id and the state whole, however narrow the output: `cancel` and `forget` need the
     # id, and a pipe or journald is 80 columns to rich.
-    table.add_column("run", no_wrap=True, min_width=max(len(e.run_id) for e in entries))
+    ids = max((len(e.run_id) for e in entries), default=0)
+    states = max((len(e.shown_state) for e in entries), default=0)
+    table.add_column("run", no_wrap=True, min_width=ids)
     if len(fleets) > 1:
         table.add_column("fleet")
     table.add_column("strategy")
-    table.add_column("state", no_wrap=True, min_width=max(len(e.shown_state) for e in entries))
+    table.add_column("state", no_wrap=True, min_width=states)
     for name in ("rounds", "agents", "started"):
         table.add_column(name, justify="right", no_wrap=True)
     for entry in entries:
@@ -249,8 +251,9 @@ def cancel_run(
     wait_s: float,
     say: Callable[[str], None],
 ) -> Cancellation:
-    """Publish `run_id`'s run message again with `cancelled` set and wait (up to `wait_s`)
-    until every agent of it that is online has ended it."""
+    """Publish `run_id`'s run message again with `cancelled` set and wait (up to `wait_s`,
+    after up to RETAINED_WAIT_S for the agents' retained presences) until every agent of it
+    that is online has ended it."""
     with fleet_connection(settings) as transport:
         retained = Retained(transport)
         retained.follow(topics.run(fleet), topics.status(fleet), topics.presence(fleet))

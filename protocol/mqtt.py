@@ -787,15 +787,17 @@ def scoped_subscriptions(transport: MqttTransport) -> contextlib.AbstractContext
     return transport._subscriptions.scoped()
 
 
-def unresolved(broker: BrokerAddress, exc: socket.gaierror | None = None) -> str | None:
-    """Why `broker`'s name does not resolve (a mistyped host), in words; None if it does."""
-    if exc is None:
-        try:
-            socket.getaddrinfo(broker.host, broker.port, type=socket.SOCK_STREAM)
-            return None
-        except socket.gaierror as error:
-            exc = error
+def _not_resolving(broker: BrokerAddress, exc: socket.gaierror) -> str:
     return f"the broker's name {broker.host!r} does not resolve ({exc.strerror or exc})"
+
+
+def unresolved(broker: BrokerAddress) -> str | None:
+    """Why `broker`'s name does not resolve (a mistyped host), in words; None if it does."""
+    try:
+        socket.getaddrinfo(broker.host, broker.port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        return _not_resolving(broker, exc)
+    return None
 
 
 def unreachable(broker: BrokerAddress, timeout_s: float = 3.0) -> str | None:
@@ -808,7 +810,7 @@ def unreachable(broker: BrokerAddress, timeout_s: float = 3.0) -> str | None:
     try:
         infos = socket.getaddrinfo(broker.host, broker.port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
-        return unresolved(broker, exc)
+        return _not_resolving(broker, exc)
     reasons = []
     for family, kind, proto, _name, address in infos:
         try:

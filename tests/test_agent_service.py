@@ -257,10 +257,34 @@ def test_coordinator_run_rejects_a_bad_run_file_in_one_line(
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("run", "loaded"),
+    [
+        ("dataset = 'mnist1d'\nstrategy = 'dadpfl'", False),  # only the devices build it
+        ("dataset = 'mnist1d'\nstrategy = 'fedavg'", True),  # the aggregate is built here
+        ("dataset = 'device'\ninput_shape = [6]\nclasses = 3", True),  # its fingerprint
+    ],
+)
+def test_coordinator_run_loads_the_model_code_only_where_it_builds_the_model(
+    tmp_path: Path, run: str, loaded: bool
+) -> None:
+    from coordinator.gateway import load_for_run
+
+    path = tmp_path / "run.toml"
+    path.write_text(f"[run]\nagents = 2\n{run}\nmodel = 'devicepkg.nets:build'\n")
+    if not loaded:
+        assert load_for_run(str(path)).config(2).model == "devicepkg.nets:build"
+        return
+    with pytest.raises(ValueError, match="cannot import devicepkg.nets") as error:
+        load_for_run(str(path))
+    assert str(error.value).startswith(f"{path}: ")
+
+
 def test_coordinator_run_stopped_while_it_waits_for_agents_says_so(
     amqtt_broker, tmp_path: Path
 ) -> None:
-    """Ctrl-C before the run started is no timeout and no failure: the run never ran."""
+    """Ctrl-C before the run started is no timeout: the command says it stopped (exit 1, as
+    for a run it interrupts), and the run, which never ran, is recorded as cancelled."""
     run_file = tmp_path / "run.toml"
     run_file.write_text("[run]\nagents = 2\nrounds = 1\n")
     runs = ["--runs-dir", str(tmp_path / "runs")]

@@ -89,6 +89,13 @@ def paths(command, path=()):
             yield from paths(command.get_command(context, name), (*path, name))
 
 seen = []
+state = ["--state-dir", sys.argv[1]]
+for run in ([*state, "key"], [*state, "models"]):  # for real: a key made, no model kept
+    try:
+        edge_agent(run, prog_name="edge-agent")
+    except SystemExit as done:
+        assert not done.code, (run, done.code)
+    assert "torch" not in sys.modules, run
 for program, name in ((edge_agent, "edge-agent"), (coordinator, "coordinator")):
     for path in paths(program):
         for flag in (["--help"], ["--version"])[: 2 if not path else 1]:
@@ -104,12 +111,21 @@ print("torch" in sys.modules)
 """
 
 
-def test_every_command_starts_without_torch() -> None:
-    """Every `--help` and `--version`, and so `edge-agent key`, `models`, `coordinator serve`
-    and `status`, starts in a fraction of a second: torch (seconds to import on a Raspberry
-    Pi, 200 MB of memory) loads only where a command trains, exports or aggregates."""
+LAZY = {k: v for k, v in os.environ.items() if k != "EAGER_IMPORT"}
+"""The environment of the probes: lazy_loader loads every name at once under EAGER_IMPORT."""
+
+
+def test_every_command_starts_without_torch(tmp_path: Path) -> None:
+    """`edge-agent key` and `models`, and every `--help` and `--version`, start in a fraction
+    of a second: torch (seconds to import on a Raspberry Pi, 200 MB of memory) loads only
+    where a command trains, exports or aggregates."""
     done = subprocess.run(
-        [sys.executable, "-c", WALK_COMMANDS], cwd=ROOT, capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", WALK_COMMANDS, str(tmp_path / "state")],
+        cwd=ROOT,
+        env=LAZY,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 0, done.stderr
     walked, saw_torch = done.stdout.splitlines()[-2:]
@@ -135,7 +151,7 @@ def test_predict_serves_a_model_without_torch(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-c", probe],
         cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**LAZY, "PYTHONPATH": str(ROOT)},
         capture_output=True,
         text=True,
         timeout=60,
@@ -144,3 +160,22 @@ def test_predict_serves_a_model_without_torch(tmp_path: Path) -> None:
     answer, saw_torch = done.stdout.splitlines()[-2:]
     assert len(json.loads(answer)["predictions"]) == 4
     assert saw_torch == "False"
+
+
+def test_every_name_the_lazy_packages_list_exists() -> None:
+    """A name in an `__init__.pyi` that its module lacks fails on first use only; loading
+    them all at once (lazy_loader's EAGER_IMPORT) finds it now."""
+    probe = (
+        "import agent.device, agent.learning\n"
+        "print(len(agent.learning.__all__), len(agent.device.__all__))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=ROOT,
+        env={**os.environ, "EAGER_IMPORT": "1"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["73", "15"]

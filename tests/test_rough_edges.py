@@ -140,13 +140,14 @@ def test_the_embedded_broker_stops_at_once_while_agents_send(unused_port: int) -
 @pytest.mark.parametrize("command", [["status"], ["serve"], ["emulate", "--agents", "2"]])
 @pytest.mark.parametrize("where", ["refused", "no-such-name"])
 def test_a_broker_address_where_nothing_answers_is_one_line(
-    command: list[str], where: str, unused_port: int
+    command: list[str], where: str, unused_port: int, tmp_path: Path
 ) -> None:
     address = f"127.0.0.1:{unused_port}" if where == "refused" else "no-such-host.invalid"
     started = time.monotonic()
     result = subprocess.run(
         [*COORDINATOR, *command, "--broker", address],
         cwd=REPO,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
         capture_output=True,
         text=True,
         timeout=30,
@@ -161,6 +162,7 @@ def test_a_broker_address_where_nothing_answers_is_one_line(
     )
     assert result.stderr.startswith(expected), result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert list(tmp_path.iterdir()) == [], "nothing left behind (emulate's scratch folder)"
 
 
 def test_a_mistyped_broker_name_is_said_before_any_admission(tmp_path: Path) -> None:

@@ -7,8 +7,9 @@ and `aggregate` alike:
 
 * The default, `--aggregation screened`, is the strategy's own mean (sample-weighted for
   FedAvg, eq. 7 for sparse agents) behind `--clip auto`; the default `--clip` is `auto` under
-  every rule but `mean` (`default_clip`), so `--aggregation mean` alone is the undefended mean
-  and computes exactly what the mean did before any defence (tests/test_robust_defaults.py).
+  every rule but `mean` (`robust_rules.default_clip`), so `--aggregation mean` alone is the
+  undefended mean and computes exactly what the mean did before any defence
+  (tests/test_robust_defaults.py).
   The defence was fixed on bench/robustness.py's old setting and then measured once on a
   grid of settings it was not tuned on (`--grid`, the module's docstring).
 * `aggregate` combines models element-wise over the senders that hold each element (a sparse
@@ -46,10 +47,11 @@ and `aggregate` alike:
   model's norm of it (at most 0.28 on digits, 0.24 on mnist1d, over every round of the
   tuning setting), a negated one about 2 times, a scaled or noisy one 10^2 times and more.
   With one received model the cap is the only bound.
-* `poison` is what an attacker (`--attackers N`: the first N agents of the sorted roster)
-  sends instead of its model: in the same shapes and masks, but scaled by SCALE_FACTOR,
-  drowned in Gaussian noise of standard deviation NOISE_STD, negated, HUGE_VALUE (3e37:
-  finite, its sums overflow) or NaN everywhere.
+* `poison` is what an attacker (`--attackers N`: the first N agents of the sorted roster,
+  `robust_rules.attackers`) sends instead of its model: in the same shapes and masks, but
+  scaled by SCALE_FACTOR, drowned in Gaussian noise of standard deviation NOISE_STD,
+  negated, HUGE_VALUE (3e37: finite, its sums overflow) or NaN everywhere (those values,
+  like the rules' names and their parsing, are `robust_rules`', which needs no torch).
 * `finite` says whether a model can be kept: an agent whose model turns non-finite goes back
   to the model it had before the round instead of dropping out.
 
