@@ -151,6 +151,12 @@ class RunFile:
         except ValueError as exc:
             raise _located(str(self.path), exc) from None
 
+    def outline(self) -> ExperimentConfig:
+        """The config before any agent is heard: placeholders where the agents report their
+        data (input shape, classes), so only what the file fixes counts (strategy, rounds,
+        model)."""
+        return self.config(self.wanted, (1,), 2)
+
     def _build(
         self, roster_size: int, input_shape: Sequence[int] | None, classes: int | None
     ) -> ExperimentConfig:

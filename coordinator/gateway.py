@@ -219,7 +219,7 @@ def load_for_run(path: str) -> RunFile:
     their data's shape, so a missing file would be said only after every agent was waited
     for. ValueError with one line else."""
     runfile = load_run_file(path)
-    config = runfile.config(runfile.wanted, (1,), 2)
+    config = runfile.outline()
     model = config.model
     # Only where this process builds the model: its fingerprint (devices' own data) or the
     # aggregate (centralized); otherwise only the devices import the code.
@@ -242,8 +242,7 @@ def begin(
     registry: Registry | None,
 ) -> tuple[RunEntry, ExperimentConfig]:
     """A new run: its registry entry (waiting) while the roster forms, then its config."""
-    # Placeholders where the agents report their data: only the strategy and rounds count.
-    config = runfile.config(runfile.wanted, (1,), 2)
+    config = runfile.outline()  # only the strategy and rounds count here
     entry = RunEntry(
         run_id=new_run_id(),
         fleet=fleet,
