@@ -174,10 +174,14 @@ def _write_json(path: Path, data: Mapping[str, Any]) -> None:
     atomic_write(path, lambda handle: handle.write(text))
 
 
+RUNS = "runs"
+"""The folder of an agent's state folder that holds one folder per run (`run_folder`)."""
+
+
 def run_folder(state_dir: Path, run_id: str) -> Path:
     """Where one run's checkpoint and round log live in an agent's state folder: a
     long-lived agent takes part in many runs, and a restart resumes the run it was in."""
-    return state_dir / "runs" / run_id
+    return state_dir / RUNS / run_id
 
 
 class ModelStore:
@@ -225,7 +229,7 @@ class ModelStore:
 
     def models(self) -> list[KeptModel]:
         """Every kept model, the newest first."""
-        runs = self.state_dir / "runs"
+        runs = self.state_dir / RUNS
         found = [self.get(f.name) for f in runs.iterdir()] if runs.is_dir() else []
         return sorted((m for m in found if m is not None), key=lambda m: -m.finished)
 
@@ -294,7 +298,7 @@ class ModelStore:
     def prune(self, keep_runs: int) -> list[str]:
         """Delete the run folders beyond the newest `keep_runs` ended ones, except the
         current model's; unfinished runs' folders stay. Returns the run ids deleted."""
-        runs = self.state_dir / "runs"
+        runs = self.state_dir / RUNS
         if not runs.is_dir():
             return []
         for leftover in runs.glob(f"{_DELETING}*"):
