@@ -63,6 +63,8 @@ class Dataset:
 
     `groups` (int64 per sample, or None) names the source each sample came from (the device
     that generated it in `synthetic`); the `natural` partition deals whole groups to agents.
+    `test` (bool per sample, or None) marks the samples a source set aside for testing: they
+    are the held-out pool, never anyone's training data (`partition`).
     Construction validates everything, so no loader can hand out a malformed dataset.
     Datasets, splits and agent data compare by identity (arrays have no single truth value).
     """
@@ -74,6 +76,7 @@ class Dataset:
     input_shape: tuple[int, ...]
     class_names: tuple[str, ...] = ()
     groups: np.ndarray | None = field(default=None, repr=False)
+    test: np.ndarray | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.x.dtype != np.float32 or self.y.dtype not in (np.int64, np.float32):
@@ -91,6 +94,11 @@ class Dataset:
             )
         if self.groups is not None and self.groups.shape != (len(self.x),):
             raise ValueError(f"{self.name}: groups must have one entry per sample")
+        if self.test is not None and (self.test.shape != (len(self.x),) or self.test.all()):
+            raise ValueError(
+                f"{self.name}: test must mark each sample (True: held out for testing) and "
+                "leave some to train on"
+            )
         if not np.isfinite(self.x).all():
             raise ValueError(f"{self.name}: x holds NaN or infinite values")
         if self.x.strides != _standard_strides(self.x):
@@ -586,22 +594,23 @@ def load_cifar10(path: str | Path) -> Dataset:
 PYTHON_SOURCE = "python:"
 """Prefix of a dataset spec naming a callable data source: python:MODULE:FUNCTION or
 python:./FILE.py:FUNCTION (`load_python`)."""
-_RETURNS = "x, (x, y) or a dict with 'x' and optional 'y' and 'groups'"
+_RETURNS = "x, (x, y) or a dict with 'x' and optional 'y', 'groups' and 'test'"
 
 
 def call_data_source(
     spec: str, seed: int | None = None
-) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
-    """x, y and groups from the callable `spec` names (MODULE:FUNCTION or ./FILE.py:FUNCTION,
-    without the python: prefix): x float32 C-ordered, y int64 (integer labels) or float32
-    (targets) or None, groups int64 or None.
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+    """x, y, groups and test from the callable `spec` names (MODULE:FUNCTION or
+    ./FILE.py:FUNCTION, without the python: prefix): x float32 C-ordered, y int64 (integer
+    labels) or float32 (targets) or None, groups int64 or None, test bool or None.
 
     The callable is called anew on every load, never cached: a device that collected more
     data since the last run trains on it in the next. It gets `seed=seed` if it takes a
     `seed` (and a seed is given), nothing otherwise, and returns x, (x, y), or a dict with
-    "x" and optional "y" and "groups": numpy arrays or torch tensors. x is converted, not
-    scaled (a source scales its own data). Whatever it raises or returns wrong becomes one
-    ValueError line naming the source, never a traceback.
+    "x" and optional "y", "groups" and "test" (True for a sample set aside for testing):
+    numpy arrays or torch tensors. x is converted, not scaled (a source scales its own data).
+    Whatever it raises or returns wrong becomes one ValueError line naming the source, never
+    a traceback.
     """
     from agent.user_code import load_callable  # imports torch: only when used
 
@@ -613,19 +622,19 @@ def call_data_source(
         raise ValueError(
             f"data source {name} failed: {type(exc).__name__}: {_first_line(exc)}"
         ) from None
-    x, y, groups = _unpack(name, returned)
-    return _features(name, x), _targets(name, y), _groups(name, groups)
+    x, y, groups, test = _unpack(name, returned)
+    return _features(name, x), _targets(name, y), _groups(name, groups), _test(name, test)
 
 
 def load_python(spec: str, seed: int) -> Dataset:
     """The dataset a callable data source returns (see `call_data_source`), named
     python:SPEC: integer y gives labels 0..max(y), float y targets, no y samples alone."""
-    x, y, groups = call_data_source(spec, seed)
+    x, y, groups, test = call_data_source(spec, seed)
     name, shape = PYTHON_SOURCE + spec, tuple(x.shape[1:])
     if y is None:
         y = np.zeros((len(x), 0), np.float32)
     classes = int(y.max()) + 1 if y.dtype == np.int64 and y.size else 0
-    return Dataset(name, x, y, classes, shape, (), groups)
+    return Dataset(name, x, y, classes, shape, (), groups, test)
 
 
 def _seed_argument(source: Callable[..., object], seed: int | None) -> dict[str, int]:
@@ -649,26 +658,26 @@ def _first_line(exc: BaseException) -> str:
     return lines[0] if lines else "(no message)"
 
 
-def _unpack(name: str, returned: object) -> tuple[object, object, object]:
-    """(x, y, groups) of what a data source returned; y and groups may be None."""
+def _unpack(name: str, returned: object) -> tuple[object, object, object, object]:
+    """(x, y, groups, test) of what a data source returned; all but x may be None."""
     if isinstance(returned, dict):
         keys = sorted(str(k) for k in returned)
-        if "x" not in returned or set(keys) - {"x", "y", "groups"}:
+        if "x" not in returned or set(keys) - {"x", "y", "groups", "test"}:
             raise ValueError(
                 f"data source {name} returned a dict with keys {keys}; expected {_RETURNS}"
             )
-        return returned["x"], returned.get("y"), returned.get("groups")
+        return returned["x"], returned.get("y"), returned.get("groups"), returned.get("test")
     if isinstance(returned, tuple):
         if len(returned) != 2:
             raise ValueError(
                 f"data source {name} returned a tuple of {len(returned)} items; expected {_RETURNS}"
             )
-        return returned[0], returned[1], None
+        return returned[0], returned[1], None, None
     if not _is_array(returned):
         raise ValueError(
             f"data source {name} returned {type(returned).__name__}; expected {_RETURNS}"
         )
-    return returned, None, None
+    return returned, None, None, None
 
 
 def _is_array(value: object) -> bool:
@@ -732,6 +741,18 @@ def _groups(name: str, value: object) -> np.ndarray | None:
             "one integer per sample"
         )
     return groups.astype(np.int64)
+
+
+def _test(name: str, value: object) -> np.ndarray | None:
+    if value is None:
+        return None
+    test = _as_numpy(name, "test", value)
+    if test.dtype != np.bool_ or test.ndim != 1:
+        raise ValueError(
+            f"data source {name} returned test of {test.dtype} {test.shape}; expected one "
+            "boolean per sample (True: set aside for testing)"
+        )
+    return test
 
 
 # ---------------------------------------------------------------- tasks
@@ -1090,7 +1111,7 @@ def partition(
     """Deal `dataset` out to `num_agents` agents; deterministic for (dataset, arguments, seed).
 
     1. Test pool: test_fraction of every class (of every (group, class) when the dataset has
-       groups) is held out; the rest is the train pool.
+       groups), or the samples the dataset marks (`Dataset.test`); the rest: the train pool.
     2. The train pool is dealt by `spec`: `iid` (shuffled, even sizes), `dirichlet:ALPHA`
        (label skew, see `_dirichlet`), `pathological:N` (exactly N classes per agent) or
        `natural` (whole groups per agent, for datasets with groups such as `synthetic`).
@@ -1101,10 +1122,11 @@ def partition(
     4. Test set: by default round(n * test_fraction / (1 - test_fraction)) samples for an
        agent with n samples, so that its test-to-train ratio is the global one (or
        `test_size` each), allocated over classes in proportion to its train label counts
-       (largest remainder) and drawn from the test pool (restricted to the agent's own
-       groups under `natural`). Within a class, sampling is without replacement unless the
-       pool holds fewer samples than needed, then with replacement. Agents draw independently,
-       so two agents may share test samples; a test sample is never anyone's training sample.
+       (largest remainder) and drawn from the test pool (from the agent's own groups under
+       `natural`: all of them when the dataset marks its test samples). Within a class,
+       sampling is without replacement unless the pool holds fewer samples than needed, then
+       with replacement. Agents draw independently, so two agents may share test samples; a
+       test sample is never anyone's training sample.
 
     A dataset without labels (regression targets, or none) counts as one class in steps 1,
     3 and 4, so its splits are seeded random ones of the same sizes; it takes `iid` or
@@ -1117,7 +1139,7 @@ def partition(
     kind, value = _parse_partition(spec, len(np.unique(y)))
     rng = np.random.default_rng(seed)
     strata = y if groups is None else groups * c + y
-    pool, test_pool = _train_test_pools(strata, test_fraction, rng)
+    pool, test_pool, ratio = _pools(dataset, strata, test_fraction, rng)
     if num_agents * min_samples > len(pool):
         raise ValueError(
             f"{num_agents} agents x {min_samples} samples need more than the "
@@ -1132,7 +1154,6 @@ def partition(
             f"use fewer agents"
         )
 
-    ratio = test_fraction / (1 - test_fraction)
     agents = []
     for k, share in enumerate(shares):
         is_val = _val_mask(y[share], val_fraction, rng)
@@ -1140,8 +1161,11 @@ def partition(
         candidates = test_pool
         if kind == "natural" and groups is not None:
             candidates = test_pool[np.isin(groups[test_pool], groups[share])]
-        n_test = round(len(share) * ratio) if test_size is None else test_size
-        test_idx = _draw_test(y, c, train_idx, candidates, n_test, rng)
+        if test_size is None and dataset.test is not None and kind == "natural":
+            test_idx = candidates  # the source's own test samples of the agent's groups
+        else:
+            n_test = round(len(share) * ratio) if test_size is None else test_size
+            test_idx = _draw_test(y, c, train_idx, candidates, n_test, rng)
         agents.append(
             AgentData(
                 k,
@@ -1153,6 +1177,18 @@ def partition(
             )
         )
     return agents
+
+
+def _pools(
+    dataset: Dataset, strata: np.ndarray, test_fraction: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray, float]:
+    """The train and test pools (`partition`, step 1) and an agent's test-to-train ratio
+    (step 4): the dataset's own test samples when it marks them."""
+    if dataset.test is None:
+        pool, test_pool = _train_test_pools(strata, test_fraction, rng)
+        return pool, test_pool, test_fraction / (1 - test_fraction)
+    pool, test_pool = np.flatnonzero(~dataset.test), np.flatnonzero(dataset.test)
+    return pool, test_pool, len(test_pool) / max(len(pool), 1)
 
 
 def _deal(

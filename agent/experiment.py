@@ -17,9 +17,12 @@ from agent.learning.config import (
     BATCHNORM_MODES,
     CENTRALIZED,
     DECENTRALIZED,
+    DETECTION_SCALES,
     DISTANCES,
+    FALLBACKS,
     MASK_UNITS,
     MODEL_NAMES,
+    OPTIMIZERS,
     REDUCE_MODES,
     TASKS,
     WIRE_FORMATS,
@@ -98,6 +101,7 @@ RANGES: dict[str, Range] = {
     # ExperimentConfig
     "agents": count(1, MAX_AGENTS),
     "seed": count(0, MAX_SEED),
+    "test_size": count(1, 10**7),
     "threads": count(1, 1024),
     "round_time_s": Range(0, MAX_SECONDS, open_low=True),
     "classes": count(1, 100_000),
@@ -114,6 +118,7 @@ RANGES: dict[str, Range] = {
     "lr_decay": FRACTION,
     "weight_decay": UNIT,
     "momentum": Range(0, 1, open_high=True),
+    "clip_norm": Range(0, 1e9),
     "density": FRACTION,
     "rigl_a": UNIT,
     "rigl_batches": count(1, 10_000),
@@ -196,6 +201,13 @@ class ExperimentConfig:
     partition: str = param(
         "dirichlet:0.3", "Data partition: iid, dirichlet:ALPHA, pathological:CLASSES or natural."
     )
+    test_size: int | None = param(
+        None,
+        "Test samples per agent, drawn from the held-out pool with the agent's own label mix "
+        "(larger sets make per-device figures steadier) [default: in proportion to the "
+        "agent's data; all of its groups' under partition natural with a source's own test "
+        "samples].",
+    )
     seed: int = param(1, "Fleet seed: data split, initial weights, masks, neighbours, order.")
     threads: int = param(1, "Torch threads (results are reproducible for a given count).")
     profiles: str = param(
@@ -277,6 +289,11 @@ class ExperimentConfig:
         if cfg.reduce not in REDUCE_MODES:
             raise ValueError(f"--reduce must be one of {', '.join(REDUCE_MODES)}, got {cfg.reduce}")
         check_mask_unit(cfg)
+        if cfg.detection_scale not in DETECTION_SCALES:
+            raise ValueError(
+                f"--detection-scale must be one of {', '.join(DETECTION_SCALES)}, "
+                f"got {cfg.detection_scale}"
+            )
         if cfg.detection_distance not in DISTANCES:
             raise ValueError(
                 f"--detection-distance must be one of {', '.join(DISTANCES)}, "
@@ -285,6 +302,14 @@ class ExperimentConfig:
         StopRule.of(cfg)
         if cfg.batchnorm not in BATCHNORM_MODES:
             raise ValueError(f"--batchnorm must be local or shared, got {cfg.batchnorm!r}")
+        if cfg.fallback not in FALLBACKS:
+            raise ValueError(
+                f"--fallback must be one of {', '.join(FALLBACKS)}, got {cfg.fallback!r}"
+            )
+        if cfg.optimizer not in OPTIMIZERS:
+            raise ValueError(
+                f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {cfg.optimizer!r}"
+            )
         if cfg.wire not in WIRE_FORMATS:
             raise ValueError(f"--wire must be one of {', '.join(WIRE_FORMATS)}, got {cfg.wire}")
         if self.profiles:

@@ -16,11 +16,15 @@ import click
 
 from agent.experiment import ExperimentConfig
 from agent.learning.config import (
+    ADAM_FAMILY,
     BATCHNORM_MODES,
     DECENTRALIZED,
+    DETECTION_SCALES,
     DISTANCES,
+    FALLBACKS,
     MASK_UNITS,
     METRIC_GOALS,
+    OPTIMIZERS,
     PRESETS,
     REDUCE_MODES,
     TASKS,
@@ -40,6 +44,9 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "mask_unit": MASK_UNITS,
     "wire": WIRE_FORMATS,
     "detection_distance": DISTANCES,
+    "detection_scale": DETECTION_SCALES,
+    "optimizer": OPTIMIZERS,
+    "fallback": FALLBACKS,
     "stop_rule": tuple(STOP_RULES),
     "attack": ATTACKS,
     "batchnorm": BATCHNORM_MODES,
@@ -130,6 +137,12 @@ FLAG_SCOPES: tuple[tuple[str, Callable[[str, dict[str, Any]], bool], str], ...] 
         "fedldf and runs with --wire layers",
     ),
     ("wire", lambda s, _: s in DECENTRALIZED, "the decentralized strategies"),
+    (
+        "optimizer",
+        lambda s, _: s not in ADAM_FAMILY,
+        "the SGD strategies (the FedAdam presets keep their own Adam)",
+    ),
+    ("detection_scale", lambda s, _: s == "dadpfl", "dadpfl, the strategy that prunes further"),
     ("detection_distance", lambda s, _: s == "dadpfl", "dadpfl, the strategy that prunes further"),
     ("delta_fraction", lambda _, given: given.get("wire") == "delta", "runs with --wire delta"),
     ("stop_rule", lambda _, given: bool(given.get("early_stop")), "runs with --early-stop"),

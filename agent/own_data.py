@@ -155,7 +155,7 @@ def load_own_data(path: str | Path, input_shape: tuple[int, ...] | None = None) 
     unless EDGEFL_MAX_DATA_MB says otherwise) is refused before it is read or decompressed.
     """
     if str(path).startswith(PYTHON_SOURCE):
-        x, y, _ = call_data_source(str(path)[len(PYTHON_SOURCE) :])
+        x, y, _, _ = call_data_source(str(path)[len(PYTHON_SOURCE) :])
         if y is None:
             y = np.zeros((len(x), 0), np.float32)
         return OwnData(str(path), x, y)

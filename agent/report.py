@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.device.throttle import ENERGY_SOURCE
-from agent.learning import Masks, Reduction, RoundResult, sparse
+from agent.learning import Judged, Masks, Reduction, RoundResult, sparse
 from agent.learning.tasks import Task
 
 COORDINATOR = "coordinator"
@@ -37,6 +37,9 @@ REPORTED = (
     "stopped",
     "energy_j",
     "radio_energy_j",
+    "kept",
+    "strategy_accuracy",
+    "fallback_flops",
 )
 """The per-agent figures of a report's round, simulate's and emulate's alike."""
 NETWORKED = (
@@ -113,6 +116,31 @@ class AgentRound:
     peak_memory_mb: float | None = None
     """The round's peak training memory [MiB]: the first step's saved activations and the
     trained model's weights, gradients and momentum (`agent.device.calibration`)."""
+    kept: str = ""
+    """The model the agent keeps and serves after the round (`agent.learning.fallback`):
+    personal, fleet or local; `accuracy` and `loss` are its figures."""
+    kept_why: str = ""
+    """Why: each candidate's validation metric."""
+    strategy_accuracy: float | None = None
+    """The metric of the strategy's own model (before the agent's choice)."""
+    fallback_flops: int = 0
+    """Training FLOPs of the agent's local-only model this round (`--fallback local`),
+    apart from `train_flops`, the strategy's."""
+
+    def judged_as(self, judged: Judged | None) -> AgentRound:
+        """This record with what the agent kept (`fallback.judge`): the kept model's figures
+        and the strategy's model's metric beside them; unchanged without a judgement."""
+        if judged is None:
+            return self
+        return dataclasses.replace(
+            self,
+            accuracy=judged.metric,
+            loss=judged.loss,
+            kept=judged.kept.name,
+            kept_why=judged.kept.reason,
+            strategy_accuracy=judged.strategy_metric,
+            fallback_flops=judged.fallback_flops,
+        )
 
     @classmethod
     def of_result(
@@ -143,7 +171,7 @@ class AgentRound:
             reduction=reduction.kind,
             reduction_why=reduction.why,
             **figures,
-        )
+        ).judged_as(result.judged)
 
     def report_entry(self, networked: bool = False) -> dict[str, Any]:
         """The agent's entry in a report's round (with `networked`, stragglers and wait)."""
@@ -160,6 +188,7 @@ class AgentRound:
             bytes_received=0,
             nonzeros_sent=0,
             train_flops=0,
+            fallback_flops=0,
             vote=None,
             score=None,
             pruned=False,
@@ -208,6 +237,12 @@ def early_stop_savings(
     }
 
 
+def _mean(figures: Iterable[float | None]) -> float | None:
+    """The mean of the figures that exist; None when none does."""
+    known = [f for f in figures if f is not None]
+    return sum(known) / len(known) if known else None
+
+
 def _total(figures: Iterable[float | None]) -> float | None:
     """The sum of the figures that exist; None when none does (no profile, no energy)."""
     known = [f for f in figures if f is not None]
@@ -241,13 +276,22 @@ def summarize(rounds: list[dict[str, Any]], t_star: int | None, wall: float) -> 
             c = record["coordinator"]
             per_node[COORDINATOR] = per_node.get(COORDINATOR, 0) + c["sent"] + c["received"]
     busiest = max(per_node, key=per_node.__getitem__)
+    kept: dict[str, int] = {}
+    for entry in final.values():
+        if entry.get("kept"):
+            kept[entry["kept"]] = kept.get(entry["kept"], 0) + 1
     return {
         "mean_accuracy": sum(a["accuracy"] for a in final.values()) / len(final),
+        "mean_strategy_accuracy": _mean(a.get("strategy_accuracy") for a in final.values()),
         "mean_sparsity": sum(a["sparsity"] for a in final.values()) / len(final),
         "busiest_agent_bytes": per_node[busiest],
         "busiest_agent": busiest,
         "total_bytes": sum(per_node.values()),
         "total_train_flops": flops,
+        "total_fallback_flops": sum(
+            a.get("fallback_flops", 0) for r in rounds for a in r["agents"].values()
+        ),
+        "kept": kept,
         "wall_seconds": wall,
         "rounds": len(rounds),
         "agents_reported": len(final),
@@ -296,13 +340,18 @@ def named_for_task(report: dict[str, Any], task: Task) -> dict[str, Any]:
     name = task.metric_name
     if name == "accuracy" and task.higher_is_better:
         return report
+    keys = {"accuracy": name, "strategy_accuracy": f"strategy_{name}"}
     for record in report["rounds"]:
         record["agents"] = {
-            agent: {(name if key == "accuracy" else key): value for key, value in entry.items()}
+            agent: {keys.get(key, key): value for key, value in entry.items()}
             for agent, entry in record["agents"].items()
         }
     summary = report["summary"]
-    renamed = {"mean_accuracy": f"mean_{name}", "honest_mean_accuracy": f"honest_mean_{name}"}
+    renamed = {
+        "mean_accuracy": f"mean_{name}",
+        "mean_strategy_accuracy": f"mean_strategy_{name}",
+        "honest_mean_accuracy": f"honest_mean_{name}",
+    }
     report["summary"] = {renamed.get(key, key): value for key, value in summary.items()}
     report["summary"]["metric"] = {"name": name, "higher_is_better": task.higher_is_better}
     return report

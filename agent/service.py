@@ -40,6 +40,7 @@ from agent.experiment import (
 from agent.files import DiskFullError, disk_full_as_error
 from agent.learning import CENTRALIZED, AgentState, Masks, State
 from agent.learning.central import central_strategy
+from agent.learning.kept import Kept
 from agent.learning.learner import served_model
 from agent.learning.reduction import MEASURED_MODES, measured_kinds
 from agent.model_store import (
@@ -617,17 +618,24 @@ class RunModels:
             metric=workload.learner.task.metric_name,
             higher_is_better=workload.learner.task.higher_is_better,
         )
+        served = state.kept or Kept("", state.weights, state.masks, {}, "")
         with ONNX_EXPORT:
             path = self.store.keep(
-                kept, state.weights, state.masks, lambda to: self._export(run, workload, state, to)
+                kept,
+                served.weights,
+                served.masks,
+                lambda to: self._export(run, workload, served, state.round, to),
             )
         policy = "best" if self.keep_best else run.config.keep
         choice = self.store.settle(kept, policy, run.config.keep_margin)
-        self.say(f"run {run.run_id}: personalized model final, kept as {path}")
+        which = f" ({state.kept.name}: {state.kept.reason})" if state.kept else ""
+        self.say(f"run {run.run_id}: model final{which}, kept as {path}")
         self.say(choice.reason)
 
-    def _export(self, run: Run, workload: Workload, state: AgentState, path: Path) -> Path:
-        model, weights = served_model(workload.learner, state.weights, state.masks)
+    def _export(self, run: Run, workload: Workload, served: Kept, round_: int, path: Path) -> Path:
+        """The kept model as ONNX, with what it is in its metadata (`kept`: which of the
+        device's models it is)."""
+        model, weights = served_model(workload.learner, served.weights, served.masks)
         return export_onnx(
             model,
             weights,
@@ -636,7 +644,8 @@ class RunModels:
             metadata={
                 "agent": self.me,
                 "run_id": run.run_id,
-                "round": str(state.round),
+                "round": str(round_),
+                "kept": served.name,
                 "model": workload.model_name,
                 "strategy": run.config.learning.strategy,
                 "task": run.config.task,

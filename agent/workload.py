@@ -45,7 +45,7 @@ class _SharedPartitions:
     """The process's shared dataset and partition (`share_partitions`), if sharing is on."""
 
     enabled: bool = False
-    last: dict[tuple[str, int, int, str, str], Partitioned] = field(default_factory=dict)
+    last: dict[tuple[object, ...], Partitioned] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -85,13 +85,22 @@ def compute_slot() -> Iterator[None]:
 def partitioned(config: ExperimentConfig) -> Partitioned:
     """The run's dataset and its partition over the agents: made here, or the process's
     shared copy (`share_partitions`; the data is only read, never changed in place)."""
-    key = (config.dataset, config.seed, config.agents, config.partition, config.task)
+    key = (
+        config.dataset,
+        config.seed,
+        config.agents,
+        config.partition,
+        config.task,
+        config.test_size,
+    )
 
     def make() -> Partitioned:
         dataset = datasets.for_task(
             datasets.load_dataset(config.dataset, seed=config.seed), config.task
         )
-        parts = datasets.partition(dataset, config.agents, config.partition, seed=config.seed)
+        parts = datasets.partition(
+            dataset, config.agents, config.partition, seed=config.seed, test_size=config.test_size
+        )
         return dataset, parts
 
     # A python: source is the user's function, called for every run (it may have more data).

@@ -12,7 +12,14 @@ that every agent's accuracy and sparsity in every round equal simulate's.
     python3 bench/identity.py record /tmp/before      # on the old code
     python3 bench/identity.py compare /tmp/before     # on the new code
     python3 bench/identity.py compare /tmp/before --workers 2   # trained in 2 processes
+    python3 bench/identity.py compare /tmp/before --old-training
     python3 bench/identity.py emulate
+
+`--old-training` runs every configuration with the local training and model keeping of
+before issue 45 (plain SGD at lr 0.1, no momentum, no clipping, the strategy's own model
+kept, the paper's detection score): what a change of those defaults alone leaves as it was.
+Figures a report gained since the recording (the model a device kept, say) are left out of
+the comparison, as configuration fields added since are.
 
 Prints a table and writes bench/results/identity.json.
 """
@@ -28,6 +35,7 @@ from typing import Any
 
 from click.testing import CliRunner
 
+from agent.learning.config import ADAM_FAMILY
 from agent.learning.early_stop import STOP_RULES
 from coordinator.cli import main as coordinator
 
@@ -143,14 +151,31 @@ def without_wall(value: Any) -> Any:
     return value
 
 
-def recorded_fields(got: dict[str, Any], want: dict[str, Any]) -> dict[str, Any]:
-    """`got`'s configuration with only the fields the recording has, at every level (a
-    strategy option added since is in `config.learning`)."""
-    return {
-        k: recorded_fields(v, want[k]) if isinstance(v, dict) and isinstance(want[k], dict) else v
-        for k, v in got.items()
-        if k in want
-    }
+def recorded_fields(got: Any, want: Any) -> Any:
+    """`got` with only the fields the recording has, at every level of its dicts and lists
+    (a strategy option added since is in `config.learning`, a figure in each agent's)."""
+    if isinstance(got, dict) and isinstance(want, dict):
+        return {k: recorded_fields(v, want[k]) for k, v in got.items() if k in want}
+    if isinstance(got, list) and isinstance(want, list) and len(got) == len(want):
+        return [recorded_fields(g, w) for g, w in zip(got, want, strict=True)]
+    return got
+
+
+def old_training(name: str) -> tuple[str, ...]:
+    """The flags that give configuration `name` the defaults of before issue 45: plain SGD
+    (a preset's own fixed values aside), the strategy's model kept, the paper's score."""
+    given = CONFIGS[name].split()
+    strategy = given[given.index("--strategy") + 1]
+    flags: tuple[str, ...] = ("--fallback", "off")
+    if strategy not in ADAM_FAMILY:
+        flags += ("--optimizer", "sgd", "--lr", "0.1", "--clip-norm", "0")
+    if strategy != "dfedavgm":  # its preset fixes momentum 0.9
+        flags += ("--momentum", "0")
+    if strategy == "dadpfl":
+        flags += ("--detection-scale", "first")
+    if "--delta-pr" not in given:
+        flags += ("--delta-pr", "0.02")
+    return flags
 
 
 def same_patience(got: dict[str, Any], want: dict[str, Any]) -> None:
@@ -203,7 +228,7 @@ def record(folder: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def compare(folder: Path, extra: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+def compare(folder: Path, extra: tuple[str, ...] = (), old: bool = False) -> list[dict[str, Any]]:
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for name in CONFIGS:
@@ -213,9 +238,10 @@ def compare(folder: Path, extra: tuple[str, ...] = ()) -> list[dict[str, Any]]:
                 continue
             want = without_wall(json.loads((folder / f"{name}.json").read_text()))
             started = time.perf_counter()
-            got = without_wall(simulate(name, Path(scratch), extra))
-            # A configuration field added since the recording (with its default) is no change.
-            got["config"] = recorded_fields(got["config"], want["config"])
+            flags = extra + (old_training(name) if old else ())
+            got = without_wall(simulate(name, Path(scratch), flags))
+            # A field added since the recording (with its default) is no change.
+            got = recorded_fields(got, want)
             same_patience(got["config"], want["config"])
             difference = first_difference(want, got)
             rows.append(
@@ -277,6 +303,8 @@ def emulate() -> list[dict[str, Any]]:
 
 def main(argv: list[str]) -> int:
     mode, args = (argv[0], argv[1:]) if argv else ("", [])
+    old = "--old-training" in args
+    args = [a for a in args if a != "--old-training"]
     valid = {
         "record": len(args) == 1,
         "compare": len(args) == 1 or (len(args) == 3 and args[1] == "--workers"),
@@ -290,7 +318,7 @@ def main(argv: list[str]) -> int:
     elif mode == "record":
         rows = record(Path(args[0]))
     else:
-        rows = compare(Path(args[0]), tuple(args[1:]))
+        rows = compare(Path(args[0]), tuple(args[1:]), old)
     print(f"\n{'config':<26} {'rounds':>6} {'seconds':>8}  result")
     for row in rows:
         print(f"{row['config']:<26} {row['rounds']:>6} {row['seconds']:>8}  {row['result']}")

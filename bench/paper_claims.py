@@ -273,11 +273,17 @@ def learning_overrides(args: argparse.Namespace, strategy: str) -> dict[str, Any
         shared[name] = _field_value(name, text)
     if strategy == "dadpfl":
         shared["max_wait"] = args.max_wait
+        shared.setdefault("detection_scale", "first")  # the paper's score, with its delta_pr
     else:
         shared.pop("max_wait", None)  # dispfl and dfedavgm fix N = 0
+        shared.pop("detection_scale", None)
+    # The papers' local training (plain SGD, lr 0.1) and evaluation (each agent's own model),
+    # not the product's defaults (momentum, clipping, the model a device chooses to keep).
+    paper = {"optimizer": "sgd", "lr": 0.1, "momentum": 0.0, "clip_norm": 0.0, "fallback": "off"}
     if strategy == "dfedavgm":
-        shared.pop("momentum", None)  # fixed at 0.9 by the preset
-    return shared | ablation
+        paper.pop("momentum")  # fixed at 0.9 by the preset
+        shared.pop("momentum", None)
+    return paper | shared | ablation
 
 
 # ------------------------------------------------------------------------------------ workers

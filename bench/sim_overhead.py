@@ -173,7 +173,7 @@ class BareFleet:
         self.learner = simulation.learner
         self.data = simulation.data
         self.roster = simulation.roster
-        sgd = config.learning.sgd
+        sgd = config.learning.local_training()
         self.sgd = sgd
         self.models: dict[str, torch.nn.Module] = {}
         self.params: dict[str, dict[str, torch.nn.Parameter]] = {}

@@ -924,8 +924,9 @@ def summary_table(report: dict) -> Table:
     metric, higher_is_better = metric_of(report)
     better = "higher" if higher_is_better else "lower"
     shown = metric if metric == "accuracy" else f"{metric}, {better} is better"
-    rows = [
-        (f"mean {shown} ({final})", f"{summary[f'mean_{metric}']:.4f}"),
+    rows = [(f"mean {shown} ({final})", f"{summary[f'mean_{metric}']:.4f}")]
+    rows += kept_rows(summary, metric)
+    rows += [
         (f"mean sparsity ({final})", f"{summary['mean_sparsity']:.3f}"),
         ("busiest agent bytes", f"{summary['busiest_agent_bytes']:,} ({summary['busiest_agent']})"),
         ("total bytes", f"{summary['total_bytes']:,}"),
@@ -948,6 +949,22 @@ def summary_table(report: dict) -> Table:
     for name, value in rows:
         table.add_row(name, value)
     return table
+
+
+def kept_rows(summary: dict, metric: str) -> list[tuple[str, str]]:
+    """What the devices kept (`agent.learning.fallback`): how many kept each model, the
+    strategy's own models' mean beside the kept ones', and what the local-only models cost
+    (none in a report from before devices chose)."""
+    kept = summary.get("kept") or {}
+    if not kept:
+        return []
+    strategy = summary.get(f"mean_strategy_{metric}")
+    rows = [("models kept", ", ".join(f"{name} {count}" for name, count in sorted(kept.items())))]
+    if strategy is not None:
+        rows.append((f"mean {metric} of the strategy's own models", f"{strategy:.4f}"))
+    if summary.get("total_fallback_flops"):
+        rows.append(("local-only models' training FLOPs", f"{summary['total_fallback_flops']:.3e}"))
+    return rows
 
 
 def resume_options(command: Callable) -> Callable:

@@ -318,6 +318,13 @@ def reduction_of(entry: AgentEntry) -> str:
     return escape(reduction[:32]) if isinstance(reduction, str) else ""
 
 
+def kept_of(entry: AgentEntry) -> str:
+    """Which of its models the agent keeps and serves (personal, fleet, local), '' if not
+    said (`agent.learning.fallback`)."""
+    kept = entry.metrics.get("kept")
+    return escape(kept[:16]) if isinstance(kept, str) else ""
+
+
 def describe_bytes(entry: AgentEntry, name: str) -> str:
     """A round's traffic in decimal units (kB, MB), as link speeds are quoted."""
     value = figure(entry, name)
@@ -357,6 +364,7 @@ COLUMNS: dict[str, Cell] = {
     "state": lambda e: describe_state(e) if error_of(e) is None else state_word(e),
     "round": lambda e: str(e.round) if e.state and e.round else "",
     "accuracy": lambda e: describe_metric(e),
+    "kept": kept_of,
     "sparsity": lambda e: describe_number(e, "sparsity", "{:.1%}"),
     "p_k": describe_budget,
     "train s": describe_train_s,
@@ -380,6 +388,7 @@ WRAP_FLOOR = 13
 
 LEFT_OUT_FIRST = (
     "profile",
+    "kept",
     "energy",
     "stragglers",
     "quarantined",
@@ -412,6 +421,7 @@ def fleet_table(
         "quarantined": not any(e.metrics.get("quarantined") for e in entries),
         "train s": not any(figure(e, "train_s") is not None for e in entries),
         "reduction": all(reduction_of(e) in ("", "none") for e in entries),
+        "kept": not any(kept_of(e) for e in entries),
     }
     names = [name for name in COLUMNS if not hidden.get(name, False)]
     left_out: list[str] = []

@@ -40,7 +40,7 @@ from agent.learning import (
     central_strategy,
     checked_aggregate,
     checked_fit,
-    evaluated_weights,
+    judge_central,
     layer_requests,
     live,
     participant_p_k,
@@ -241,13 +241,14 @@ class Simulation:
         self, strategy: CentralStrategy, server: ServerState, k: str, t: int
     ) -> tuple[FitJob, Payload | None]:
         """Participant k's fit to run, after its download (if the strategy has one)."""
-        p_k = participant_p_k(p_k_of(self.budgets, k), self.roster, k)
+        budget_p_k = p_k_of(self.budgets, k)
+        p_k = participant_p_k(budget_p_k, self.roster, k)
         view, download = server, None
         if strategy.downloads:
             download = strategy.download(self.learner, server, k, t, p_k)
             view = ServerState(as_sent(download, self.config.learning.fp16).weights)
         samples = len(self.data[k].y_train)
-        return FitJob(k, self.states[k], view, p_k, samples), download
+        return FitJob(k, self.states[k], view, p_k, samples, budget_p_k), download
 
     def _checked(self, job: FitJob, fit: Fit, t: int) -> Fit:
         """The fit kept (undone if not finite), and the participant's state after it."""
@@ -281,19 +282,19 @@ class Simulation:
     def _evaluate(
         self, strategy: CentralStrategy, server: ServerState, job: FitJob, t: int, fit: Fit
     ) -> AgentRound:
-        """A participant's figures after round t, on its own model or the global one."""
-        evaluated = evaluated_weights(self.learner, strategy, fit.state.weights, server)
-        loss, accuracy = self.learner.evaluate_on(evaluated, self.data[job.agent])
+        """A participant's figures after round t: those of the model it keeps (its own, the
+        global one or its local-only one: `judge_central`)."""
+        _, judged = judge_central(self.learner, strategy, fit.state, server, self.data[job.agent])
         return AgentRound(
             round=t,
             agent=job.agent,
-            accuracy=accuracy,
-            loss=loss,
+            accuracy=judged.metric,
+            loss=judged.loss,
             train_loss=fit.train_loss,
             sparsity=reported_sparsity(fit.state.masks),
             train_flops=fit.train_flops,
             p_k=job.p_k,
-        )
+        ).judged_as(dataclasses.replace(judged, fallback_flops=fit.fallback_flops))
 
     def _centralized(self, progress: ProgressCallback | None) -> list[dict[str, Any]]:
         """The rounds of `agent.learning.central`'s contract in one process: downloads, fits,

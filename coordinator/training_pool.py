@@ -48,6 +48,9 @@ from agent.learning import (
     RoundResult,
     ServerState,
     central_strategy,
+    fit_round,
+    settle_fit,
+    settle_round,
     train_round,
 )
 from agent.learning.central import CENTRAL_STRATEGIES
@@ -77,6 +80,8 @@ class FitJob:
     p_k: float
     samples: int
     """Its training samples: what its fit costs, to hand out the longest first."""
+    budget_p_k: float | None = None
+    """Its measured budget (None: it trains whole), which decides its local-only model."""
 
 
 @dataclass(frozen=True)
@@ -129,27 +134,25 @@ class InProcess:
         assert self.strategy is not None  # a centralized run has one
         for job in jobs:
             data = self.data[job.agent]
-            yield (
-                job.agent,
-                self.strategy.fit(self.learner, job.state, data, job.view, round_, job.p_k),
-            )
+            fit = fit_round(self.strategy, self.learner, job.state, data, job.view, round_, job.p_k)
+            yield job.agent, settle_fit(self.learner, fit, data, round_, job.budget_p_k)
 
     def local_round(self, job: RoundJob) -> Future[tuple[RoundResult, Reduction]]:
         done: Future[tuple[RoundResult, Reduction]] = Future()
         data = self.data[job.agent]
-        done.set_result(
-            train_round(
-                self.learner,
-                job.state,
-                data,
-                job.inbox,
-                job.round,
-                job.prune_now,
-                job.budget.p_k if job.budget else None,
-                job.costs,
-                job.budget.allowed_mb if job.budget else None,
-            )
+        p_k = job.budget.p_k if job.budget else None
+        result, reduction = train_round(
+            self.learner,
+            job.state,
+            data,
+            job.inbox,
+            job.round,
+            job.prune_now,
+            p_k,
+            job.costs,
+            job.budget.allowed_mb if job.budget else None,
         )
+        done.set_result((settle_round(self.learner, result, data, p_k), reduction))
         return done
 
 

@@ -281,13 +281,15 @@ def assert_nothing_retained(address: BrokerAddress, topic_filter: str) -> None:
 
 
 def assert_onnx_models_match_torch(simulation: Simulation, workdir: Path) -> None:
-    """Every agent exported its personalized model; onnxruntime agrees with torch."""
+    """Every agent exported the model it kept (its personalized or its local-only one, as
+    the simulated agent chose); onnxruntime agrees with torch."""
     model = simulation.learner.model
     for agent_id, state in simulation.states.items():
         exported = OnnxModel.load(workdir / agent_id / "model.onnx", threads=1)
         assert exported.metadata["agent"] == agent_id
+        assert state.kept is not None and exported.metadata["kept"] == state.kept.name
         x = simulation.data[agent_id].x_test
-        model.load_state_dict(state.weights)
+        model.load_state_dict(state.kept.weights)
         model.eval()
         with torch.no_grad():
             expected = model(x).numpy()

@@ -40,7 +40,7 @@ def simulated(strategy: str, **over: int) -> float:
         partition="dirichlet:0.3",
         seed=3,
         threads=1,
-        learning=preset(strategy, rounds=2, epochs=2, **over),
+        learning=preset(strategy, rounds=2, epochs=2, fallback="off", **over),
     )
     return float(simulate(config)["summary"]["mean_accuracy"])
 

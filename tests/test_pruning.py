@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from agent.learning import preset
 from agent.learning import pruning as pr
 
 
@@ -77,3 +78,20 @@ def test_pruning_plan_decides_t_star_once():
     restored = pr.PruningPlan(total_rounds=50, t_star=10)
     assert restored.times == [20, 28, 34, 39, 43, 46, 49]
     assert restored.observe(11, True) == 10
+
+
+def test_the_peak_scale_divides_a_change_by_the_largest_so_far() -> None:
+    """`peak` (the default) asks whether the model now moves away from its start at less
+    than delta_pr of its fastest: free of D^1, which on the keyword-spotting example kept
+    the paper's score at 0.2-0.3 for 30 rounds."""
+    assert pr.scaled_score([2.0]) == 1.0
+    assert pr.scaled_score([2.0, 3.0, 3.1]) == pytest.approx(0.1 / 2.0)
+    assert pr.scaled_score([0.5, 6.0, 6.2]) == pytest.approx(0.2 / 5.5)
+    assert pr.scaled_score([0.0, 0.0]) == 0.0
+    distances = [0.5, 6.0, 6.2]
+    assert pr.scaled_score(distances, "first") == pr.detection_score(6.2, 6.0, 0.5)
+    with pytest.raises(ValueError, match="detection scale must be one of peak, first"):
+        pr.scaled_score(distances, "last")
+    assert preset("dadpfl").pruning_threshold == 0.1
+    assert preset("dadpfl", detection_scale="first").pruning_threshold == 0.02
+    assert preset("dadpfl", delta_pr=0.3).pruning_threshold == 0.3

@@ -158,11 +158,16 @@ def _config(
     strategy: str, aggregation: str = "mean", attackers: int = 2, **kw: object
 ) -> ExperimentConfig:
     """8 agents on iid digits (on a skewed partition a median is far from the mean even
-    without attackers), a few short rounds."""
+    without attackers), a few short rounds; the strategy's models as they are (no device
+    falls back to its local-only model, which would hide what the rule lets through)."""
     neighbours = {"neighbours": 4} if strategy in ("dadpfl", "dfedavgm") else {}
     rounds = 8 if strategy == "dadpfl" else 6
     learning = preset(
-        strategy, rounds=rounds, epochs=1, aggregation=aggregation, **neighbours, **kw
+        strategy,
+        rounds=rounds,
+        epochs=1,
+        aggregation=aggregation,
+        **{"fallback": "off", **neighbours, **kw},
     )
     return ExperimentConfig(
         dataset="digits",

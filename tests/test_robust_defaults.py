@@ -53,9 +53,15 @@ BEFORE = {
 }
 
 
+OLD_TRAINING = {"optimizer": "sgd", "lr": 0.1, "momentum": 0.0, "clip_norm": 0.0}
+"""The local training and the model each device kept when `BEFORE` was recorded: plain SGD
+and the strategy's own model."""
+
+
 @pytest.mark.parametrize(("strategy", "attackers"), list(BEFORE))
 def test_aggregation_mean_computes_what_the_mean_did(strategy: str, attackers: int) -> None:
-    final = simulate(_fleet(strategy, attackers, aggregation="mean"))["rounds"][-1]["agents"]
+    old = _fleet(strategy, attackers, aggregation="mean", fallback="off", **OLD_TRAINING)
+    final = simulate(old)["rounds"][-1]["agents"]
     got = [(final[a]["accuracy"], final[a]["loss"]) for a in ("agent-002", "agent-005")]
     assert got == [pytest.approx(pair, rel=1e-6) for pair in BEFORE[(strategy, attackers)]]
 

@@ -106,7 +106,8 @@ def test_a_stopped_agent_keeps_its_model_and_spends_nothing(strategy: str) -> No
             assert record["bytes_sent"] <= last["bytes_sent"] * (AGENTS - 1)
             assert record["accuracy"] == last["accuracy"]
         assert info["saved_rounds"] == 8 - info["round"]
-        assert info["saved_flops"] > 0 and info["saved_bytes"] > 0
+        if info["saved_rounds"]:  # one that stopped after the last round saved nothing
+            assert info["saved_flops"] > 0 and info["saved_bytes"] > 0
 
 
 def test_the_run_ends_when_every_agent_has_stopped() -> None:

@@ -159,7 +159,7 @@ class _Calibration:
         """Seconds of one call of `steps` steps of `reduction` (per-round work included,
         spread over enough steps to weigh little)."""
         learner = self.learner
-        sgd = replace(learner.config.sgd, epochs=1, batch_size=self.batch)
+        sgd = replace(learner.sgd, epochs=1, batch_size=self.batch)
         start = learner.init_agent("calibration").weights
         active = None
         if reduction.active_fraction is not None:

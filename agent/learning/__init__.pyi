@@ -5,6 +5,7 @@ from . import (
     adam,
     central,
     delta,
+    fallback,
     freezing,
     ldf,
     models,
@@ -14,6 +15,7 @@ from . import (
     robust,
     robust_rules,
     sparse,
+    statistics,
     topology,
     training,
 )
@@ -49,6 +51,7 @@ from .early_stop import (
     StopRule,
     StopWatch,
 )
+from .kept import Judged
 from .learner import AgentState, Learner, LocalData, Published, RoundResult
 from .models import build_model, forward_flops
 from .pruning import PruningPlan
@@ -67,12 +70,15 @@ from .rounds import (
     attacked_payload,
     checked_aggregate,
     checked_fit,
-    evaluated_weights,
+    fit_round,
+    judge_central,
     layer_requests,
     layers_to_fetch,
     live,
     participant_p_k,
     running,
+    settle_fit,
+    settle_round,
     settle_votes,
     train_round,
 )
@@ -96,6 +102,7 @@ __all__ = [
     "CentralStrategy",
     "EarlyStop",
     "Fit",
+    "Judged",
     "Learner",
     "LocalData",
     "Masks",
@@ -127,9 +134,11 @@ __all__ = [
     "checked_fit",
     "default_model",
     "delta",
+    "fallback",
     "density_cap",
     "encode_delta",
-    "evaluated_weights",
+    "judge_central",
+    "fit_round",
     "forward_flops",
     "freezing",
     "layer_requests",
@@ -146,8 +155,11 @@ __all__ = [
     "robust",
     "robust_rules",
     "running",
+    "settle_fit",
+    "settle_round",
     "settle_votes",
     "sparse",
+    "statistics",
     "live",
     "static_tier",
     "topology",

@@ -45,6 +45,20 @@ MASK_UNITS = ("weight", "channel")
 WIRE_FORMATS = ("full", "delta", "layers")
 
 
+FALLBACKS = ("local", "fleet", "off")
+"""What a device may keep instead of the strategy's model (`agent.learning.fallback`)."""
+
+
+OPTIMIZERS = ("auto", "sgd", "adam")
+"""The local optimizers of the SGD strategies (`training.LocalOptimizer`); auto: Adam for a
+model with recurrent layers, SGD otherwise (`StrategyConfig.local_training`)."""
+
+
+SGD_LR = 0.1
+ADAM_LR = 3e-3
+"""The default learning rates of the two local optimizers (`StrategyConfig.local_training`)."""
+
+
 def param(default: Any, help: str) -> Any:
     """A config field with its help text, so the CLI flags document themselves."""
     return field(default=default, metadata={"help": help})
@@ -88,6 +102,10 @@ TASKS = ("classification", "regression", "reconstruction")
 METRIC_GOALS = ("max", "min")
 
 
+DETECTION_SCALES = ("peak", "first")
+"""What the pruning-time score's change is measured against (`pruning.scaled_score`)."""
+
+
 DISTANCES = ("squared", "norm")
 """How D_k^t measures an agent's distance from its initial model (`pruning.distance_from_init`)."""
 
@@ -98,7 +116,8 @@ BATCHNORM_MODES = ("local", "shared")
 
 @dataclass(frozen=True)
 class SGDConfig:
-    """Local SGD of ALGORITHMS.md 1.5: lr 0.1 x 0.998^t, weight decay 5e-4, no momentum."""
+    """Local SGD of ALGORITHMS.md 1.5: lr 0.1 x 0.998^t, weight decay 5e-4, no momentum; or
+    Adam (`optimizer`), and the gradient's norm clipped to `clip_norm` (0: never)."""
 
     lr: float = 0.1
     lr_decay: float = 0.998
@@ -106,6 +125,8 @@ class SGDConfig:
     weight_decay: float = 5e-4
     batch_size: int = 128
     epochs: int = 5
+    optimizer: str = "sgd"
+    clip_norm: float = 0.0
 
     def lr_at(self, round_: int) -> float:
         return self.lr * self.lr_decay**round_
@@ -122,10 +143,27 @@ class StrategyConfig:
     topology: str = param("random", "Neighbour topology: random, ring or full.")
     epochs: int = param(5, "Local epochs E per round.")
     batch_size: int = param(128, "Local batch size (the local set if smaller).")
-    lr: float = param(0.1, "Initial learning rate (FedAdam presets: 1e-3).")
+    lr: float | None = param(
+        None,
+        f"Initial learning rate [default: {SGD_LR} with SGD, {ADAM_LR} with Adam; the FedAdam "
+        "presets 0.001].",
+    )
     lr_decay: float = param(0.998, "Learning-rate decay per round: lr x decay^t (FedAdam: 1).")
     weight_decay: float = param(5e-4, "SGD weight decay.")
-    momentum: float = param(0.0, "SGD momentum (dfedavgm uses 0.9).")
+    momentum: float = param(0.9, "SGD momentum (the DA-DPFL and DisPFL papers used 0).")
+    optimizer: str = param(
+        "auto",
+        "Local optimizer of the SGD strategies: sgd (with --momentum), adam (Adam with "
+        "decoupled weight decay, moments restarted every round) or auto (adam for a model "
+        "with recurrent layers, which plain SGD barely trains; sgd otherwise). The FedAdam "
+        "presets keep their own Adam.",
+    )
+    clip_norm: float = param(
+        2.0,
+        "Clip each local step's gradient to this norm (0: never): a step that would jump "
+        "far (a recurrent model's rare huge gradient, an aggregate's first minibatches) "
+        "keeps its direction at a bounded length.",
+    )
     density: float = param(0.5, "Initial ERK density of the sparse models (1 - sparsity).")
     mask_unit: str = param(
         "weight",
@@ -136,11 +174,22 @@ class StrategyConfig:
     )
     rigl_a: float = param(0.3, "RigL drop fraction a: alpha_t = a/2 (1 + cos(pi t / T)).")
     rigl_batches: int = param(1, "Local batches for RigL's dense gradient.")
-    delta_pr: float = param(0.02, "Pruning-time detection threshold delta_pr.")
+    delta_pr: float | None = param(
+        None,
+        "Pruning-time detection threshold delta_pr: an agent votes 'settled' once its score "
+        "falls below it [default: 0.1 with --detection-scale peak, 0.02 with first, the "
+        "paper's].",
+    )
     detection_distance: str = param(
         "norm",
         "Distance D of the detection score: ||w - w0|| (norm, ALGORITHMS.md 1.7, as the "
         "DA-DPFL authors' code computes it) or ||w - w0||^2 (squared, as the paper prints it).",
+    )
+    detection_scale: str = param(
+        "peak",
+        "What the detection score's change |D^t - D^(t-1)| is divided by: the largest change "
+        "so far (peak: 'the model moves at less than delta_pr of its fastest', free of D^1's "
+        "own scale) or D^1 (first, the paper's).",
     )
     delta_v: float = param(0.5, "Fraction of votes that decides the first pruning time t*.")
     schedule_b: float = param(0.0, "Pruning schedule delay b: I_tau = ceil((t* + b) / c^(tau-1)).")
@@ -163,6 +212,15 @@ class StrategyConfig:
         "a FLOP and byte budget, the paper's), freeze (train a fraction of the neurons, "
         "FedSPU-style), prefix (train a window of layers), width (train a narrower sub-model) "
         "or auto (of freeze, prefix and width, what fits by measured cost).",
+    )
+    fallback: str = param(
+        "local",
+        "What each device may keep and serve instead of the strategy's model, judged on its "
+        "own validation data after every round: local (the best of the strategy's model, the "
+        "fleet's global model where there is one, and a local-only model trained beside them "
+        "until it stops improving: extra local training, reported as fallback FLOPs), fleet "
+        "(the best of the models it holds, no extra training) or off (the strategy's model, "
+        "as the papers evaluate).",
     )
     early_stop: bool = param(
         False,
@@ -219,14 +277,30 @@ class StrategyConfig:
         object.__setattr__(self, "clip", robust_rules.default_clip(self.aggregation, self.clip))
 
     @property
-    def sgd(self) -> SGDConfig:
+    def pruning_threshold(self) -> float:
+        """delta_pr, or its default for the detection scale: 0.1 of the peak change (measured
+        on the examples, digits and mnist1d: bench/learning_quality.py), the paper's 0.02 of
+        D^1."""
+        if self.delta_pr is not None:
+            return self.delta_pr
+        return 0.1 if self.detection_scale == "peak" else 0.02
+
+    def local_training(self, recurrent: bool = False) -> SGDConfig:
+        """How an agent trains locally: the optimizer (`auto`: Adam for a `recurrent` model,
+        else SGD) and its learning rate (the optimizer's default unless given)."""
+        optimizer = self.optimizer
+        if optimizer == "auto":
+            optimizer = "adam" if recurrent else "sgd"
+        default_lr = ADAM_LR if optimizer == "adam" else SGD_LR
         return SGDConfig(
-            lr=self.lr,
+            lr=default_lr if self.lr is None else self.lr,
             lr_decay=self.lr_decay,
             momentum=self.momentum,
             weight_decay=self.weight_decay,
             batch_size=self.batch_size,
             epochs=self.epochs,
+            optimizer=optimizer,
+            clip_norm=self.clip_norm,
         )
 
 

@@ -34,8 +34,19 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 from torch import nn
 
-from agent.learning import channels, pqi, prefix, pruning, rigl, robust, robust_rules, sparse
+from agent.learning import (
+    channels,
+    pqi,
+    prefix,
+    pruning,
+    rigl,
+    robust,
+    robust_rules,
+    sparse,
+    statistics,
+)
 from agent.learning.config import ADAM_FAMILY, DECENTRALIZED, STOP_LAMBDA, StrategyConfig
+from agent.learning.kept import Judged, Kept, Shadow
 from agent.learning.models import flops_from_positions, output_positions
 from agent.learning.precision import FP32
 from agent.learning.prefix import Layer
@@ -77,6 +88,10 @@ class AgentState:
     init_weights: State
     distances: list[float] = field(default_factory=list)
     round: int = 0
+    shadow: Shadow | None = None
+    """The device's local-only model (`--fallback local`), trained beside the strategy's."""
+    kept: Kept | None = None
+    """The model the device keeps and serves after its latest round (`fallback.choose`)."""
 
 
 @dataclass(frozen=True)
@@ -88,7 +103,8 @@ class RoundResult:
     loss: float
     accuracy: float
     """The task's metric on the agent's test split (`tasks.Task.metric_name`): accuracy for
-    classification, named so in every record of a classification run."""
+    classification, named so in every record of a classification run. That of the model the
+    agent keeps once the round is settled (`fallback.settle`)."""
     train_loss: float
     train_flops: int
     vote: bool | None
@@ -98,6 +114,8 @@ class RoundResult:
     """With --wire layers: per layer, how far training moved the model from its aggregate."""
     recovered: bool = False
     """The round's model turned non-finite: the agent kept its model from before the round."""
+    judged: Judged | None = None
+    """What the agent kept after the round and why, and the strategy's model's figures."""
 
 
 @dataclass(frozen=True)
@@ -124,9 +142,8 @@ def detect(
         weights, agent.init_weights, prunable, cfg.detection_distance
     )
     distances = [*agent.distances, distance]
-    previous = distances[-2] if len(distances) > 1 else 0.0
-    score = pruning.detection_score(distance, previous, distances[0])
-    return distances, score, pruning.vote(score, cfg.delta_pr)
+    score = pruning.scaled_score(distances, cfg.detection_scale)
+    return distances, score, pruning.vote(score, cfg.pruning_threshold)
 
 
 def prune_further(
@@ -258,6 +275,8 @@ class Learner:
         fastest (`agent.device.calibration`); plain fp32 unless a measurement says so."""
         self.local_keys = local_statistics(model) if config.batchnorm == "local" else ()
         """State entries that never take another device's values (`own_statistics`)."""
+        self.recurrent = any(isinstance(m, nn.RNNBase) for m in model.modules())
+        self.sgd = config.local_training(self.recurrent)  # recurrent: Adam (--optimizer auto)
 
     @property
     def device(self) -> torch.device:
@@ -342,6 +361,12 @@ class Learner:
         if not self.local_keys:
             return state
         return {name: own[name] if name in self.local_keys else t for name, t in state.items()}
+
+    def fresh_statistics(self, weights: State, data: LocalData) -> State:
+        """`weights` with its BatchNorm running statistics re-estimated from the device's
+        training data under these very weights (`statistics.refreshed`), as a model is
+        evaluated, kept and served; itself without BatchNorm or with --batchnorm shared."""
+        return statistics.refreshed(self.model, weights, data.x_train, self.local_keys)
 
     @functools.cached_property
     def freezing_plan(self) -> FreezingPlan:
@@ -459,12 +484,13 @@ class Learner:
             flops += rigl_flops
         if not robust.finite(weights):
             return _recovered(self, before, data, round_, flops, trained.mean_loss)
-        loss, accuracy = self.evaluate_on(weights, data)
+        weights = self.fresh_statistics(weights, data)
         divergence = None
         if cfg.wire == "layers" and self.decentralized:
             from agent.learning.ldf import divergences
 
             divergence = divergences(weights, start, self.layer_groups)
+        loss, accuracy = self.evaluate_on(weights, data)
         new_state = dataclasses.replace(
             agent, weights=weights, masks=masks, distances=distances, round=round_
         )

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from agent.learning.config import DISTANCES
+from agent.learning.config import DETECTION_SCALES, DISTANCES
 
 _EPS = 1e-9
 
@@ -58,6 +58,29 @@ def detection_score(d_t: float, d_prev: float, d_1: float) -> float:
     if d_1 == 0:
         return 0.0 if change == 0 else math.inf
     return change / abs(d_1)
+
+
+def scaled_score(distances: Sequence[float], scale: str = "peak") -> float:
+    """The latest round's detection score from an agent's distances D^1..D^t (D^0 = 0).
+
+    `first` is the paper's, |D^t - D^(t-1)| / |D^1| (`detection_score`). `peak` measures the
+    change against the largest change so far, |D^t - D^(t-1)| / max_s |D^s - D^(s-1)|: "the
+    model now moves away from its start at less than delta_pr of its fastest", which is
+    free of D^1's own scale. That scale decides whether the paper's score ever falls below
+    a fixed delta_pr: on the keyword-spotting example (BatchNorm, weights that keep drifting
+    after their first round) it stayed at 0.2-0.3 for all 30 rounds, so t* never came, while
+    on digits it fell below 0.02 only at round 17 of 30; relative to its own peak the score
+    settles in both (bench/learning_quality.py)."""
+    if scale not in DETECTION_SCALES:
+        raise ValueError(
+            f"detection scale must be one of {', '.join(DETECTION_SCALES)}, got {scale!r}"
+        )
+    previous = distances[-2] if len(distances) > 1 else 0.0
+    if scale == "first":
+        return detection_score(distances[-1], previous, distances[0])
+    changes = [abs(b - a) for a, b in zip([0.0, *distances[:-1]], distances, strict=True)]
+    peak = max(changes)
+    return changes[-1] / peak if peak > 0 else 0.0
 
 
 def vote(score: float, delta_pr: float = 0.02) -> bool:

@@ -48,7 +48,7 @@ def reduced_training(
     sub-model; with a smaller batch or fewer minibatches when it says so. The rule of
     every reduction, written once: the simulator, the agents and the calibration
     (`agent.device.calibration`, with its own `sgd` settings) all train through here."""
-    sgd = sgd or learner.config.sgd
+    sgd = sgd or learner.sgd
     if reduction.batch_size is not None:
         sgd = dataclasses.replace(sgd, batch_size=reduction.batch_size)
     if reduction.width is not None:

@@ -9,7 +9,7 @@ Decentralized rounds (ALGORITHMS.md 1.2-1.8): `RoundTopology` says whom agent k 
 t (this round's models of its prior neighbours, last round's of the others), `live` which of
 them count once neighbours stopped early, `settle_votes` how a round's votes settle the
 pruning plan, `train_round` the budgeted local round. Centralized rounds: `participant_p_k`,
-`layer_requests`, `advance_server` and `evaluated_weights`. Under attack and faults:
+`layer_requests`, `advance_server`, `fit_round` and `judge_central`. Under attack and faults:
 `attacked` (what an attacker sends instead of its round's model), `checked_fit` and
 `checked_aggregate` (a non-finite model is never kept or sent: the round is undone).
 """
@@ -22,7 +22,7 @@ from typing import cast
 
 import torch
 
-from agent.learning import ldf, pruning, robust, topology
+from agent.learning import fallback, ldf, pruning, robust, topology
 from agent.learning.central import (
     Aggregate,
     CentralStrategy,
@@ -34,7 +34,14 @@ from agent.learning.central import (
 )
 from agent.learning.config import StrategyConfig
 from agent.learning.costs import CostTable
-from agent.learning.learner import AgentState, Learner, LocalData, Published, RoundResult
+from agent.learning.kept import FLEET, PERSONAL, Judged
+from agent.learning.learner import (
+    AgentState,
+    Learner,
+    LocalData,
+    Published,
+    RoundResult,
+)
 from agent.learning.reduction import Reduction, local_reduction
 from agent.learning.sparse import State
 
@@ -129,6 +136,15 @@ def train_round(
     return result, reduction
 
 
+def settle_round(
+    learner: Learner, result: RoundResult, data: LocalData, p_k: float | None
+) -> RoundResult:
+    """A decentralized round once the device judged it (`fallback.settle`): its local-only
+    model's round, and the model it keeps. Apart from `train_round`, so that a device times
+    its budgeted round without the local model's (which its budget does not cover)."""
+    return fallback.settle(learner, result, data, p_k)
+
+
 def layers_to_fetch(
     divergences: Mapping[str, Mapping[str, float]], ldf_n: int
 ) -> dict[str, list[str]]:
@@ -162,12 +178,51 @@ def advance_server(
     return strategy.receive(previous, as_sent(aggregate.broadcast, fp16))
 
 
-def evaluated_weights(
-    learner: Learner, strategy: CentralStrategy, own: State, view: ServerState
-) -> State:
-    """The model a participant's accuracy is measured on: its own for a personalized
-    strategy, else the global model it holds (with its own BatchNorm statistics)."""
-    return own if strategy.personal else learner.own_statistics(view.weights, own)
+def fit_round(
+    strategy: CentralStrategy,
+    learner: Learner,
+    agent: AgentState,
+    data: LocalData,
+    view: ServerState,
+    round_: int,
+    p_k: float,
+) -> Fit:
+    """A centralized participant's local round (`CentralStrategy.fit`), its model's own
+    BatchNorm statistics re-estimated for the weights it trained to
+    (`Learner.fresh_statistics`). `settle_fit` trains its local-only model."""
+    fit = strategy.fit(learner, agent, data, view, round_, p_k)
+    fresh = learner.fresh_statistics(fit.state.weights, data)
+    return dataclasses.replace(fit, state=dataclasses.replace(fit.state, weights=fresh))
+
+
+def settle_fit(
+    learner: Learner, fit: Fit, data: LocalData, round_: int, budget_p_k: float | None
+) -> Fit:
+    """A centralized participant's fit with its local-only model's round
+    (`fallback.advance`; `budget_p_k`: the device's measured budget, None without)."""
+    state, flops = fallback.advance(learner, fit.state, data, round_, budget_p_k)
+    return dataclasses.replace(fit, state=state, fallback_flops=flops)
+
+
+def judge_central(
+    learner: Learner,
+    strategy: CentralStrategy,
+    agent: AgentState,
+    view: ServerState,
+    data: LocalData,
+) -> tuple[AgentState, Judged]:
+    """What a centralized participant keeps after a round (`fallback.judge`): the strategy's
+    model first (its own under a personalized strategy, else the global model it holds),
+    then the other one it holds (a strategy that broadcasts no global model leaves it only
+    its own). The global model is judged with BatchNorm statistics of the participant's
+    own data re-estimated for its weights (`Learner.fresh_statistics`)."""
+    own = (agent.weights, agent.masks)
+    if not strategy.broadcasts:
+        return fallback.judge(learner, agent, data, {PERSONAL: own})
+    fleet_weights = learner.own_statistics(view.weights, agent.weights)
+    fleet = (learner.fresh_statistics(fleet_weights, data), None)
+    held = {PERSONAL: own, FLEET: fleet} if strategy.personal else {FLEET: fleet, PERSONAL: own}
+    return fallback.judge(learner, agent, data, held)
 
 
 def attacked(learner: Learner, result: RoundResult, attack: str, round_: int) -> RoundResult:

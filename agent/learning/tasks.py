@@ -128,6 +128,14 @@ class Task:
         total = metric * len(target) if metric.dim() == 0 else metric.sum()
         return loss, float(total)
 
+    def per_sample(self, output: Tensor, target: Tensor) -> Tensor | None:
+        """The metric of every sample of a batch (float64), for the spread of a mean over a
+        device's samples; None for a custom metric that gives only the batch's mean."""
+        metric: Tensor = self._metric(output, target)  # type: ignore[attr-defined]
+        if metric.dim() == 0 or metric.numel() != len(target):
+            return None
+        return metric.detach().reshape(-1).to(torch.float64)
+
     def check(self, output: Tensor, x: Tensor, y: Tensor) -> None:
         """Compute the loss and metric of one batch's `output` before a run starts, so a
         model whose output does not fit the task, or a loss or metric that fails, is one

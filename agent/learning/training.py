@@ -105,6 +105,62 @@ def sgd_step_(
         param.add_(grad, alpha=-lr)
 
 
+ADAM_BETAS = (0.9, 0.999)
+ADAM_EPS = 1e-8
+
+
+def adam_step_(
+    params: dict[str, nn.Parameter],
+    moments: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    step: int,
+    config: SGDConfig,
+    round_: int,
+) -> None:
+    """Step `step` (from 1) of Adam with decoupled weight decay (AdamW: torch.optim.AdamW's
+    arithmetic, betas 0.9 and 0.999, eps 1e-8), in place; `moments` start empty each round.
+    Adam's per-weight step sizes fit models whose gradients differ by orders of magnitude
+    between layers (a GRU's, a model on unscaled inputs), where one SGD learning rate fits
+    none of them."""
+    lr = config.lr_at(round_)
+    beta1, beta2 = ADAM_BETAS
+    for name, param in params.items():
+        if param.grad is None:
+            continue
+        grad = param.grad
+        if name not in moments:
+            moments[name] = (torch.zeros_like(param), torch.zeros_like(param))
+        m, v = moments[name]
+        param.mul_(1 - lr * config.weight_decay)
+        m.lerp_(grad, 1 - beta1)
+        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        denominator = (v / (1 - beta2**step)).sqrt_().add_(ADAM_EPS)
+        param.addcdiv_(m, denominator, value=-lr / (1 - beta1**step))
+
+
+class LocalOptimizer:
+    """A round's local optimizer (`SGDConfig.optimizer`): SGD with momentum and weight decay,
+    or Adam, each after clipping the gradient's norm to `clip_norm` when set. Its state (the
+    momentum or the moments) lives for one round: every round starts afresh, as the papers'
+    local training does."""
+
+    def __init__(self, params: dict[str, nn.Parameter], config: SGDConfig, round_: int) -> None:
+        self.params, self.config, self.round = params, config, round_
+        self.momentum: dict[str, torch.Tensor] = {}
+        self.moments: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.steps = 0
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.steps += 1
+        if self.config.clip_norm > 0:
+            trained = [p for p in self.params.values() if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(trained, self.config.clip_norm)
+        if self.config.optimizer == "adam":
+            adam_step_(self.params, self.moments, self.steps, self.config, self.round)
+        else:
+            sgd_step_(self.params, self.momentum, self.config, self.round)
+
+
 @contextlib.contextmanager
 def _only_trainable(model: nn.Module, trainable: set[str] | None) -> Iterator[None]:
     """Within: only the `trainable` parameters require gradients, and the buffers outside it
@@ -180,8 +236,14 @@ def train_local(
     model.train()
     device = model_device(model)
     params = dict(model.named_parameters())
-    momentum_buffers: dict[str, torch.Tensor] = {}
-    masked = {name: (params[name], mask.to(device)) for name, mask in (masks or {}).items()}
+    optimizer = LocalOptimizer(params, config, round_)
+    # A sub-model's masks may cover buffers too (BatchNorm statistics of dropped channels):
+    # the step masks the parameters; the returned state is masked whole.
+    masked = {
+        name: (params[name], mask.to(device))
+        for name, mask in (masks or {}).items()
+        if name in params
+    }
     # Frozen buffers too: every forward pass in train mode updates BatchNorm's running
     # statistics, frozen channels' included.
     tensors = {**dict(model.named_buffers()), **params}
@@ -192,7 +254,7 @@ def train_local(
     }
 
     def step() -> None:
-        sgd_step_(params, momentum_buffers, config, round_)
+        optimizer.step()
         for param, trainable, start in kept.values():
             torch.where(trainable, param, start, out=param)
         for param, mask in masked.values():
@@ -255,6 +317,24 @@ def minibatch_epochs(
     return total_loss / max(steps, 1), samples
 
 
+def _outputs(
+    model: nn.Module,
+    state: State,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    batch_size: int,
+    task: Task,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The outputs of `state` on (x, y), batch by batch, with their targets; model in eval
+    mode (call it under torch.no_grad)."""
+    load_weights(model, state)
+    model.eval()
+    device = model_device(model)
+    for start in range(0, len(y), batch_size):
+        inputs = x[start : start + batch_size].to(device)
+        yield model(inputs), task.target(inputs, y[start : start + batch_size].to(device))
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
@@ -268,17 +348,33 @@ def evaluate(
     classification the mean cross-entropy and the accuracy."""
     if len(y) == 0:
         return float("nan"), float("nan")
-    load_weights(model, state)
-    model.eval()
-    device = model_device(model)
     loss, metric = 0.0, 0.0
-    for start in range(0, len(y), batch_size):
-        inputs = x[start : start + batch_size].to(device)
-        target = task.target(inputs, y[start : start + batch_size].to(device))
-        batch_loss, batch_metric = task.sums(model(inputs), target)
+    for output, target in _outputs(model, state, x, y, batch_size, task):
+        batch_loss, batch_metric = task.sums(output, target)
         loss += batch_loss
         metric += batch_metric
     return loss / len(y), metric / len(y)
+
+
+@torch.no_grad()
+def per_sample_metric(
+    model: nn.Module,
+    state: State,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    batch_size: int = 1024,
+    task: Task = CLASSIFICATION,
+) -> torch.Tensor | None:
+    """The task's metric of `state` on each sample of (x, y), model in eval mode (float64, on
+    the CPU); None for a custom metric that gives only a batch's mean. `evaluate`'s mean
+    metric is their mean."""
+    values = []
+    for output, target in _outputs(model, state, x, y, batch_size, task):
+        batch = task.per_sample(output, target)
+        if batch is None:
+            return None
+        values.append(batch.cpu())
+    return torch.cat(values) if values else torch.zeros(0, dtype=torch.float64)
 
 
 def dense_gradients(
@@ -294,11 +390,17 @@ def dense_gradients(
 ) -> tuple[dict[str, torch.Tensor], int]:
     """The task loss's gradient of the named (masked) weights as if they were dense, for RigL.
 
-    Model in eval mode, mean over `num_batches` local batches (ALGORITHMS.md 1.6). Returns the
-    gradients (on the CPU) and the number of samples used, for FLOP accounting.
+    Model in eval mode but for its BatchNorm layers, which normalize with the batch's own
+    statistics as in training: the running statistics may describe other weights (those of
+    the round's last minibatches, or an aggregate's), the batch's always describe these.
+    Mean over `num_batches` local batches (ALGORITHMS.md 1.6). Returns the gradients (on the
+    CPU) and the number of samples used, for FLOP accounting.
     """
     load_weights(model, state)
     model.eval()
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            module.train()  # the buffer model's statistics move; the next load resets them
     device = model_device(model)
     params = dict(model.named_parameters())
     wanted = [params[name] for name in names]

@@ -35,8 +35,10 @@ from agent.learning import (
     attacked_payload,
     central_strategy,
     checked_fit,
-    evaluated_weights,
+    fit_round,
+    judge_central,
     participant_p_k,
+    settle_fit,
 )
 from agent.report import AgentRound
 from agent.runtime import codec
@@ -216,19 +218,22 @@ class CentralizedRounds:
         with compute_slot():
             compute_started = time.monotonic()
             fit, undone = checked_fit(
-                self.strategy.fit(s.learner, s.state, s.data, view, round_, p_k), s.state, view
+                fit_round(self.strategy, s.learner, s.state, s.data, view, round_, p_k),
+                s.state,
+                view,
             )
+            fit = settle_fit(s.learner, fit, s.data, round_, budget.p_k if budget else None)
         if undone:
             log.warning("round %d: model not finite; kept the model from before it", round_)
-        throttled = s.after_compute(compute_started, fit.train_flops)
-        s.state = fit.state
+        throttled = s.after_compute(compute_started, fit.train_flops + fit.fallback_flops)
         stragglers = self._exchange(round_, p_k, fit)
-        evaluated = evaluated_weights(s.learner, self.strategy, fit.state.weights, self.view)
+        s.state, judged = judge_central(s.learner, self.strategy, fit.state, self.view, s.data)
+        judged = dataclasses.replace(judged, fallback_flops=fit.fallback_flops)
         return self._record(
             round_,
             p_k,
             budget,
-            s.learner.evaluate_on(evaluated, s.data),
+            (judged.loss, judged.metric),
             train_loss=fit.train_loss,
             nonzeros_sent=self.values_sent,
             train_flops=fit.train_flops,
@@ -236,7 +241,7 @@ class CentralizedRounds:
             stragglers=stragglers,
             wait_s=round(waited, 3),
             stopped=s.stops_after(fit.state.weights, fit.train_loss),
-        )
+        ).judged_as(judged)
 
     def _exchange(self, round_: int, p_k: float, fit: Fit) -> list[str]:
         """Upload the fit (FedLDF: its divergence vector, then the layers asked for) and

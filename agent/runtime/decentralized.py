@@ -32,6 +32,7 @@ from agent.learning import (
     attacked,
     live,
     pruning,
+    settle_round,
     settle_votes,
     train_round,
 )
@@ -216,6 +217,7 @@ class DecentralizedRounds:
         waited = time.monotonic() - started
         prune_now = self.prune_now(round_)
         budget = s.budget()
+        p_k = budget.p_k if budget else None
         meter = ActivationMeter()
         with compute_slot():
             compute_started = time.monotonic()
@@ -227,7 +229,7 @@ class DecentralizedRounds:
                     inbox,
                     round_,
                     prune_now,
-                    budget.p_k if budget else None,
+                    p_k,
                     s.costs.table if s.costs else None,
                     budget.allowed_mb if budget else None,
                 )
@@ -236,28 +238,26 @@ class DecentralizedRounds:
         else:
             slept = s.after_compute(compute_started, result.train_flops)
             clock = RoundClock(slept, time.monotonic() - compute_started, None)
-        throttled = clock.throttled_s
-        peak_mb = meter.megabytes + working_set_mb(s.learner, reduction)
+        result, settle_slept = settled(s, result, p_k)
         s.state = result.state
         if result.recovered:
             log.warning("round %d: model not finite; kept the model from before it", round_)
         stops = s.stops_after(result.state.weights, result.train_loss, result.pruned)
-        sent = result
-        if s.me in attackers(s.config, s.roster):  # research: it sends a poisoned model
-            sent = attacked(s.learner, result, s.config.attack, round_)
+        attacker = s.me in attackers(s.config, s.roster)  # research: it sends poisoned models
+        sent = attacked(s.learner, result, s.config.attack, round_) if attacker else result
         nonzeros = self.publish(round_, sent, poisoned=sent is not result)
         return AgentRound.of_result(
             round_,
             s.me,
             result,
             reduction,
-            budget.p_k if budget else None,
+            p_k,
             nonzeros_sent=nonzeros,
             limited_by=budget.limited_by if budget else "none",
-            throttled_s=round(throttled, 3),
+            throttled_s=round(clock.throttled_s + settle_slept, 3),
             train_s=round(clock.train_s, 4),
             predicted_s=None if clock.predicted_s is None else round(clock.predicted_s, 4),
-            peak_memory_mb=round(peak_mb, 2),
+            peak_memory_mb=round(meter.megabytes + working_set_mb(s.learner, reduction), 2),
             stragglers=stragglers,
             wait_s=round(waited, 3),
             t_star=self.plan.t_star,
@@ -350,3 +350,16 @@ class DecentralizedRounds:
         self.plan._last_round = saved["settled_round"]
         self.settled_round = saved["settled_round"]
         self.wire.restore(saved)
+
+
+def settled(session: Session, result: RoundResult, p_k: float | None) -> tuple[RoundResult, float]:
+    """A round once the device judged it (`settle_round`): its local-only model trains here,
+    off the budgeted round's clock (the budget is the strategy's), and an emulated board
+    sleeps out that model's FLOPs too. Returns the result and the seconds slept."""
+    with compute_slot():
+        started = time.monotonic()
+        result = settle_round(session.learner, result, session.data, p_k)
+    flops = result.judged.fallback_flops if result.judged else 0
+    if session.throttle is None or not flops:
+        return result, 0.0
+    return result, session.throttle.after_compute(time.monotonic() - started, flops)

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from agent.learning import StopWatch
+from agent.learning.kept import restored_kept, restored_shadow
 from agent.report import early_stop_savings
 from agent.runtime import checkpoint
 
@@ -40,6 +41,8 @@ def persist(session: Session, driver: RoundDriver, round_: int, record: dict[str
             "weights": session.state.weights,
             "masks": session.state.masks or {},
             "distances": session.state.distances,
+            "local_model": session.state.shadow.saved() if session.state.shadow else None,
+            "kept_model": session.state.kept.saved() if session.state.kept else None,
             "stop_watch": dataclasses.asdict(session.early.watch),
             "record": record,
             **driver.checkpoint(round_),
@@ -66,6 +69,8 @@ def restore(session: Session, driver: RoundDriver) -> int:
         masks=saved["masks"] or None,
         distances=list(saved["distances"]),
         round=saved["round"],
+        shadow=restored_shadow(saved.get("local_model")),
+        kept=restored_kept(saved.get("kept_model")),
     )
     session.early.watch = StopWatch(**saved.get("stop_watch", {}))
     if saved["record"].get("stopped"):

@@ -160,16 +160,28 @@ def round_cost_metrics(agents: list[dict[str, Any]]) -> Iterator[Metric]:
             if (value := value_of(row)) is not None:
                 gauge.add_metric([row["fleet"], row["agent"]], value)
         yield gauge
-    info = GaugeMetricFamily(
-        "edgefl_agent_reduction_info",
+    yield info_gauge(
+        agents,
+        "reduction",
         "What the budget made the agent's latest round do (label reduction: none, prune, "
         "freeze, prefix, width, possibly with +steps).",
-        labels=["fleet", "agent", "reduction"],
     )
+    yield info_gauge(
+        agents,
+        "kept",
+        "Which of its models the agent keeps and serves after its latest round, judged on "
+        "its own validation data (label kept: personal, fleet or local).",
+    )
+
+
+def info_gauge(agents: list[dict[str, Any]], field: str, doc: str) -> GaugeMetricFamily:
+    """An info-style gauge `edgefl_agent_FIELD_info`: value 1 for each agent that says one,
+    what it says in the label `field`."""
+    gauge = GaugeMetricFamily(f"edgefl_agent_{field}_info", doc, labels=["fleet", "agent", field])
     for row in agents:
-        if row.get("reduction"):
-            info.add_metric([row["fleet"], row["agent"], row["reduction"]], 1.0)
-    yield info
+        if row.get(field):
+            gauge.add_metric([row["fleet"], row["agent"], row[field]], 1.0)
+    return gauge
 
 
 def fleet_metrics(fleets: list[dict[str, Any]]) -> Iterator[Metric]:

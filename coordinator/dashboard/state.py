@@ -251,6 +251,9 @@ def agent_row(entry: AgentEntry, series: AgentSeries | None, with_series: bool) 
         **{name: number(figure(name)) for name in ROUND_COST},
         "reduction": text(figure("reduction"), 64),
         "reduction_why": text(figure("reduction_why")),
+        # Which of its models the agent keeps and serves (personal, fleet, local) and why.
+        "kept": text(figure("kept"), 64),
+        "kept_why": text(figure("kept_why")),
         # What "accuracy" holds: the run task's metric (mae, reconstruction_error, ...).
         "metric": text(figure("metric"), 64) or "accuracy",
         "limited_by": text(figure("limited_by"), 64),

@@ -1,13 +1,16 @@
 """Synthetic vibration windows of pumps in normal operation: each pump hums at its own
 frequency and amplitude, with noise. `anomalies` makes windows of failing pumps (a bearing
-defect's high-frequency burst) to score with the trained model."""
+defect's high-frequency burst) to score with the trained model. Each pump's last
+`TEST_WINDOWS` are set aside for testing (`test`): a device is scored on 120 windows of its
+pumps."""
 
 from __future__ import annotations
 
 import numpy as np
 
 PUMPS = 16
-WINDOWS = 60
+WINDOWS = 48
+TEST_WINDOWS = 60
 CHANNELS, STEPS = 2, 32
 
 
@@ -22,11 +25,14 @@ def _hum(rng: np.random.Generator, count: int) -> np.ndarray:
 
 def load(seed: int = 1) -> dict[str, np.ndarray]:
     """edgefl calls this (with the run's seed) at the start of every run: x (N, 2, 32) of
-    normal operation, no y (the model reconstructs x), groups the pump."""
+    normal operation, no y (the model reconstructs x), groups the pump, test the windows set
+    aside for testing."""
     rng = np.random.default_rng(seed)
-    x = np.concatenate([_hum(rng, WINDOWS) for _ in range(PUMPS)]).astype(np.float32)
-    groups = np.repeat(np.arange(PUMPS), WINDOWS)
-    return {"x": x, "groups": groups}
+    per_pump = WINDOWS + TEST_WINDOWS
+    x = np.concatenate([_hum(rng, per_pump) for _ in range(PUMPS)]).astype(np.float32)
+    groups = np.repeat(np.arange(PUMPS), per_pump)
+    test = np.tile(np.arange(per_pump) >= WINDOWS, PUMPS)
+    return {"x": x, "groups": groups, "test": test}
 
 
 def anomalies(count: int = 20, seed: int = 2) -> np.ndarray:

@@ -64,6 +64,8 @@ class Fit:
     train_flops: int
     divergence: dict[str, float] | None = None
     """FedLDF: per-layer divergence, sent before any tensor."""
+    fallback_flops: int = 0
+    """Training FLOPs of the participant's local-only model this round (`fit_round`)."""
 
 
 @dataclass(frozen=True)
@@ -219,7 +221,7 @@ def train_sgd(
         masks,
         data.x_train,
         data.y_train,
-        learner.config.sgd,
+        learner.sgd,
         round_,
         learner.generator("train", agent.agent_id, round_),
         frozen=frozen,

@@ -46,8 +46,11 @@ class FedAdam(CentralStrategy):
     mode = adam.MODE_DENSE
 
     def init_server(self, learner: Learner) -> ServerState:
-        weights = dict(learner.initial)
-        return ServerState(weights, adam.zeros_like_state(weights), adam.zeros_like_state(weights))
+        """The initial model, and zero moments for its parameters (buffers, such as
+        BatchNorm's running statistics, have none: they stay on each device)."""
+        params = _parameters(learner.initial, learner)
+        zeros = adam.zeros_like_state
+        return ServerState(dict(learner.initial), zeros(params), zeros(params))
 
     def fit(
         self,
@@ -67,12 +70,16 @@ class FedAdam(CentralStrategy):
             server.v,
             data.x_train,
             data.y_train,
-            adam.AdamConfig(lr=cfg.lr, epochs=cfg.epochs, batch_size=cfg.batch_size),
+            adam.AdamConfig(
+                lr=adam.AdamConfig.lr if cfg.lr is None else cfg.lr,
+                epochs=cfg.epochs,
+                batch_size=cfg.batch_size,
+            ),
             learner.generator("train", agent.agent_id, round_),
             learner.task,
         )
         (dw, w_mask), (dm, m_mask), (dv, v_mask) = adam.compress(
-            adam.deltas(result.weights, server.weights),
+            adam.deltas(_parameters(result.weights, learner), _parameters(server.weights, learner)),
             adam.deltas(result.m, server.m),
             adam.deltas(result.v, server.v),
             cfg.ssm_fraction,
@@ -120,7 +127,7 @@ class FedAdam(CentralStrategy):
         """One of the three deltas aggregated: clipped around zero (`--clip`), then the
         weighted mean, or the `--aggregation` rule over the participants that selected each
         coordinate (a sparsified delta's zeros are not selections, the mean's count them)."""
-        zero = adam.zeros_like_state(server.weights)
+        zero = adam.zeros_like_state(_parameters(server.weights, learner))
         held = None
         if self.mode != adam.MODE_DENSE:
             held = {k: {n: t != 0 for n, t in d.items()} for k, d in deltas.items()}
@@ -150,12 +157,12 @@ class FedAdam(CentralStrategy):
         """An SSM-layout payload: w:<name> in the model's shapes with a mask, m:/v:<name>
         value vectors as long as that mask's count."""
         masks = payload.masks or {}
-        want = {f"{p}:{n}" for p in "wmv" for n in learner.initial}
+        want = {f"{p}:{n}" for p in "wmv" for n in _parameters(learner.initial, learner)}
         if set(payload.weights) != want:
             raise ValueError("a moment payload must hold w:, m: and v: of every tensor")
         if not all(torch.is_floating_point(t) for t in payload.weights.values()):
             raise ValueError("a moment payload holds floating values only")
-        for name, (shape, _dtype) in model_layout(learner.initial).items():
+        for name, (shape, _dtype) in model_layout(_parameters(learner.initial, learner)).items():
             w = payload.weights[f"w:{name}"]
             mask = masks.get(f"w:{name}")
             if tuple(w.shape) != shape or mask is None:
@@ -176,8 +183,15 @@ class FedAdamSSM(FedAdam):
     mode = adam.MODE_SSM
 
 
+def _parameters(state: State, learner: Learner) -> State:
+    """The model's parameters of `state`: what Adam's moments, the deltas and the payloads
+    cover (a model's buffers, such as BatchNorm's running statistics, stay local)."""
+    names = {name for name, _ in learner.model.named_parameters()}
+    return {name: t for name, t in state.items() if name in names}
+
+
 def _moment_layout(learner: Learner) -> Layout:
-    layout = model_layout(learner.initial)
+    layout = model_layout(_parameters(learner.initial, learner))
     return {f"{p}:{n}": shape for p in "wmv" for n, shape in layout.items()}
 
 

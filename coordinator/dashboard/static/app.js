@@ -151,9 +151,12 @@ function row(agent, index, multi) {
   train.title = trainTitle(agent);
   const reduction = cell("reduction", agent.reduction || "–");
   reduction.title = agent.reduction_why;
+  const kept = cell("kept", agent.kept || "–");
+  kept.title = agent.kept_why;
   tr.append(name, presence, stateCell(agent),
     cell("round", String(agent.round), "num"),
     cell("accuracy", figure(agent.accuracy, agent.metric), "num"),
+    kept,
     cell("sparsity", pct(agent.sparsity), "num"),
     cell("p_k", agent.p_k == null ? "–" : agent.p_k.toFixed(2) + limited, "num"),
     train,
