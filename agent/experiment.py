@@ -235,7 +235,9 @@ class ExperimentConfig:
     attack: str = param(
         "scale",
         f"What attackers send: scale (x {robust_rules.SCALE_FACTOR:g}), noise (+ N(0, "
-        f"{robust_rules.NOISE_STD:g}^2)), signflip (negated), huge (3e37 in every entry) or nan.",
+        f"{robust_rules.NOISE_STD:g}^2)), signflip (negated), huge (3e37 in every entry), nan "
+        "or inflate (centralized: an update-sized step the wrong way claiming "
+        f"{robust_rules.INFLATED_SAMPLES:,} samples).",
     )
     init: str = run_param(
         "seed",

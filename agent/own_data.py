@@ -356,7 +356,7 @@ def misfit(
     regression needs targets (labels count as one target each), as many per sample as
     `targets` when given; reconstruction reads x alone, so labels and targets do not matter.
     """
-    parsed = _parse_description(description)
+    parsed = parse_description(description)
     if isinstance(parsed, str):
         return f"the device's data description is malformed: {parsed}"
     samples, shape, labels, described = parsed
@@ -398,7 +398,7 @@ def _task_misfit(
     return None
 
 
-def _parse_description(
+def parse_description(
     description: object,
 ) -> tuple[int, tuple[int, ...], list[int], int | None] | str:
     """(samples, shape, labels, targets) of an untrusted description, or what is wrong with

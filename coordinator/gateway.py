@@ -21,7 +21,7 @@ from typing import Any
 
 from agent.experiment import DEFAULT_MIN_SAMPLES, ExperimentConfig, config_from_dict, config_to_dict
 from agent.learning.config import CENTRALIZED
-from agent.own_data import misfit
+from agent.own_data import misfit, parse_description
 from agent.runfile import RunFile, load_run_file, run_timeouts
 from agent.runtime import new_run_id
 from agent.runtime.heap import settled_heap
@@ -72,26 +72,69 @@ def data_of(entry: AgentEntry) -> Mapping[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+INFERRED_CLASSES_LIMIT = 1000
+"""The most classes a run takes from its agents' labels: a run file that wants more says so
+(`classes`), so that no member's description alone builds a model of a million outputs."""
+LABEL_COVERAGE = 4
+"""A fleet's labels must cover at least 1 / LABEL_COVERAGE of the classes they imply: the
+highest label of a member whose labels leave the fleet's set sparser is no class the fleet
+has (labels 0-9 and one member's 99999 would make every device train 100,000 outputs)."""
+
+
+def described_labels(entries: list[AgentEntry]) -> dict[str, list[int]]:
+    """Each agent's labels, from a well-formed data description only (`parse_description`:
+    a malformed one is its agent's misfit, said by `fitting`, never an error here)."""
+    labels = {}
+    for entry in entries:
+        parsed = parse_description(data_of(entry))
+        if not isinstance(parsed, str) and parsed[2]:
+            labels[entry.agent] = parsed[2]
+    return labels
+
+
+def fleet_classes(labels: Mapping[str, list[int]]) -> tuple[int | None, dict[str, str]]:
+    """The classes the agents' labels span, and the agents whose highest label no fleet
+    explains, each with why: beyond `INFERRED_CLASSES_LIMIT`, or so far beyond the others'
+    labels that the fleet's would cover less than 1 / `LABEL_COVERAGE` of the classes (a
+    lone agent is its own evidence). None when no agent reports labels."""
+    remaining = {agent: set(values) for agent, values in labels.items() if values}
+    left_out: dict[str, str] = {}
+    while remaining:
+        top = max(remaining, key=lambda agent: (max(remaining[agent]), agent))
+        highest = max(remaining[top])
+        covered = len(set().union(*remaining.values()))
+        sparse = len(remaining) > 1 and LABEL_COVERAGE * covered < highest + 1
+        if highest < INFERRED_CLASSES_LIMIT and not sparse:
+            return highest + 1, left_out
+        others = [max(values) for agent, values in remaining.items() if agent != top]
+        span = f"the fleet's labels 0-{max(others)}" if others else "any class a run infers"
+        left_out[top] = (
+            f"label {highest} lies far beyond {span} (a run file with classes = {highest + 1} "
+            "takes it)"
+        )
+        del remaining[top]
+    return None, left_out
+
+
 def reported_shape_and_classes(
     entries: list[AgentEntry], runfile: RunFile
-) -> tuple[tuple[int, ...] | None, int | None]:
+) -> tuple[tuple[int, ...] | None, int | None, dict[str, str]]:
     """The input shape and number of classes of the run: the run file's, else the most
-    common sample shape among the agents and the number of classes their labels span."""
+    common sample shape among the agents and the classes their labels span
+    (`fleet_classes`), with the agents left out for an implausible label, each with why."""
     shape = runfile.values.get("input_shape")
     classes = runfile.values.get("classes")
+    left_out: dict[str, str] = {}
     if shape is None:
         shapes = Counter(
-            tuple(d["shape"]) for e in entries if isinstance((d := data_of(e)).get("shape"), list)
+            parsed[1]
+            for e in entries
+            if not isinstance(parsed := parse_description(data_of(e)), str)
         )
         shape = shapes.most_common(1)[0][0] if shapes else None
     if classes is None:
-        labels = [
-            max(d["labels"])
-            for e in entries
-            if isinstance((d := data_of(e)).get("labels"), list) and d["labels"]
-        ]
-        classes = max(labels) + 1 if labels else None
-    return (tuple(shape) if shape else None), classes
+        classes, left_out = fleet_classes(described_labels(entries))
+    return (tuple(shape) if shape else None), classes, left_out
 
 
 def fitting(
@@ -99,12 +142,12 @@ def fitting(
 ) -> tuple[list[str], tuple[int, ...] | None, int | None]:
     """The idle agents whose data fits the run (each misfit said once), with the run's
     input shape and classes."""
-    shape, classes = reported_shape_and_classes(entries, runfile)
+    shape, classes, left_out = reported_shape_and_classes(entries, runfile)
     if runfile.dataset != "device":
         return [e.agent for e in entries], shape, classes
     fit = []
     for entry in entries:
-        problem = misfit(
+        problem = left_out.get(entry.agent) or misfit(
             data_of(entry) or {"samples": 0},
             shape or (),
             classes or 0,

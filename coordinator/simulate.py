@@ -40,6 +40,7 @@ from agent.learning import (
     central_strategy,
     checked_aggregate,
     checked_fit,
+    claimed_samples,
     judge_central,
     layer_requests,
     live,
@@ -259,11 +260,13 @@ class Simulation:
         return fit
 
     def _uploads(
-        self, strategy: CentralStrategy, fits: dict[str, Fit], t: int
-    ) -> tuple[dict[str, list[str]], dict[str, Payload]]:
-        """(the coordinator's layer requests, what each participant uploads): FedLDF selects
-        layers from the divergence vectors and participants send those; the others send
-        their fit's upload. An attacker's upload is poisoned."""
+        self, strategy: CentralStrategy, fits: dict[str, Fit], t: int, reference: sparse.State
+    ) -> tuple[dict[str, list[str]], dict[str, Upload]]:
+        """(the coordinator's layer requests, what the aggregator decodes of each upload: fp16
+        on the wire rounds the values): FedLDF selects layers from the divergence vectors
+        and participants send those; the others send their fit's upload. An attacker's
+        upload is poisoned (around `reference`, the global model it trained from) and claims
+        what its attack claims (`claimed_samples`)."""
         requests: dict[str, list[str]] = {}
         if not strategy.asks_layers:
             payloads = {k: f.upload for k, f in fits.items()}
@@ -273,11 +276,14 @@ class Simulation:
             payloads = {
                 k: strategy.respond(self.learner, f, requests.get(k, [])) for k, f in fits.items()
             }
-        attack = self.config.attack
-        return requests, {
-            k: attacked_payload(self.learner, p, attack, k, t) if k in self.attackers else p
-            for k, p in payloads.items()
-        }
+        attack, fp16 = self.config.attack, self.config.learning.fp16
+        uploads = {k: Upload(as_sent(p, fp16), fits[k].num_samples) for k, p in payloads.items()}
+        for k in set(self.attackers) & set(payloads):
+            poisoned = attacked_payload(self.learner, payloads[k], attack, k, t, reference)
+            uploads[k] = Upload(
+                as_sent(poisoned, fp16), claimed_samples(attack, fits[k].num_samples)
+            )
+        return requests, uploads
 
     def _evaluate(
         self, strategy: CentralStrategy, server: ServerState, job: FitJob, t: int, fit: Fit
@@ -320,11 +326,7 @@ class Simulation:
                 fits[k] = self._checked(jobs[k], fit, t)
                 if progress:
                     progress(t, k)
-            requests, payloads = self._uploads(strategy, fits, t)
-            uploads = {  # what the aggregator decodes (fp16 on the wire rounds the values)
-                k: Upload(as_sent(payload, cfg.fp16), fits[k].num_samples)
-                for k, payload in payloads.items()
-            }
+            requests, uploads = self._uploads(strategy, fits, t, server.weights)
             aggregate, undone = checked_aggregate(
                 strategy, server, strategy.aggregate(self.learner, server, uploads)
             )

@@ -34,13 +34,15 @@ def bench_study() -> ModuleType:
 
 
 def simulated(strategy: str, **over: int) -> float:
+    """The simulator's figure for the study's row: the study weighs uploads by their sample
+    counts (FedLDF's eq. 5), which the simulator does under `--aggregation mean`."""
     config = ExperimentConfig(
         dataset="digits",
         agents=5,
         partition="dirichlet:0.3",
         seed=3,
         threads=1,
-        learning=preset(strategy, rounds=2, epochs=2, fallback="off", **over),
+        learning=preset(strategy, rounds=2, epochs=2, fallback="off", aggregation="mean", **over),
     )
     return float(simulate(config)["summary"]["mean_accuracy"])
 

@@ -127,8 +127,9 @@ def test_auto_with_one_or_two_received_models() -> None:
 def test_a_poisoned_model_is_well_formed_and_bad(attack: str) -> None:
     weights = {"w": torch.tensor([[0.5, -0.25], [0.0, 1.0]]), "b": torch.tensor([0.1, 0.2])}
     masks = {"w": torch.tensor([[True, True], [False, True]])}
-    first = robust.poison(weights, masks, attack, torch.Generator().manual_seed(3))
-    again = robust.poison(weights, masks, attack, torch.Generator().manual_seed(3))
+    trained_from = {"w": torch.zeros(2, 2), "b": torch.tensor([0.5, 0.5])}  # `inflate`'s
+    first = robust.poison(weights, masks, attack, torch.Generator().manual_seed(3), trained_from)
+    again = robust.poison(weights, masks, attack, torch.Generator().manual_seed(3), trained_from)
     for n in weights:  # drawn from the generator
         torch.testing.assert_close(first[n], again[n], rtol=0, atol=0, equal_nan=True)
     assert all(first[n].shape == t.shape and first[n].dtype == t.dtype for n, t in weights.items())
@@ -139,6 +140,8 @@ def test_a_poisoned_model_is_well_formed_and_bad(attack: str) -> None:
         assert first["b"].tolist() == torch.full((2,), robust_rules.HUGE_VALUE).tolist()
     if attack == "signflip":
         assert torch.equal(first["b"], -weights["b"])
+    if attack == "inflate":  # the step from the model trained from, the other way
+        torch.testing.assert_close(first["b"], torch.tensor([0.9, 0.8]))
 
 
 def test_bad_options_are_one_sentence_each() -> None:
@@ -192,6 +195,20 @@ def test_two_attackers_break_the_mean_and_not_the_robust_rules(strategy: str) ->
         defended = simulate(_config(strategy, aggregation, clip=clip))["summary"]
         accuracy = defended["honest_mean_accuracy"]
         assert accuracy > broken + 0.1 and accuracy > clean["mean_accuracy"] - 0.15, aggregation
+
+
+def test_a_member_claiming_the_protocols_largest_count_does_not_outweigh_the_fleet() -> None:
+    """FedAvg weighed each upload by its sender's claim: one member claiming 10,000,000
+    samples with a step the wrong way took the fleet to chance. Under the default rule
+    every upload weighs the same; `--aggregation mean` keeps the published weighting."""
+    clean = simulate(_config("fedavg", "screened", attackers=0))["summary"]["mean_accuracy"]
+    inflated = dataclasses.replace(_config("fedavg", "screened", attackers=1), attack="inflate")
+    defended = simulate(inflated)["summary"]
+    assert defended["attackers"] == ["agent-000"]
+    # one reversed step of eight slows 6 short rounds; the claim adds nothing to it
+    assert defended["honest_mean_accuracy"] > clean - 0.1
+    undefended = dataclasses.replace(_config("fedavg", attackers=1), attack="inflate")
+    assert simulate(undefended)["summary"]["honest_mean_accuracy"] < clean - 0.3
 
 
 def test_an_agent_receiving_huge_weights_keeps_its_model_and_goes_on() -> None:

@@ -21,8 +21,9 @@ pytestmark = pytest.mark.timeout(600)
     [
         ("dadpfl", "noise", {"aggregation": "median", "clip": "auto", "neighbours": 3}),
         ("fedavg", "scale", {"aggregation": "trimmed:0.2", "clip": "auto"}),
+        ("fedavg", "inflate", {"aggregation": "mean"}),
     ],
-    ids=["dadpfl-noise-median-clip", "fedavg-scale-trimmed-clip"],
+    ids=["dadpfl-noise-median-clip", "fedavg-scale-trimmed-clip", "fedavg-inflated-count-mean"],
 )
 def test_emulate_equals_simulate_under_attack(
     amqtt_broker, tmp_path: Path, strategy: str, attack: str, learning: dict

@@ -336,11 +336,14 @@ def poison(
     masks: Masks | None,
     attack: str,
     generator: torch.Generator,
+    reference: Mapping[str, torch.Tensor] | None = None,
 ) -> State:
     """The poisoned version of a model an attacker sends: in the same shapes, zero outside
     its masks as the honest model is, finite but for `nan`. Noise is drawn tensor by tensor
     in the model's order from `generator` (derived from the fleet seed, agent and round: the
-    simulator and the agent draw the same)."""
+    simulator and the agent draw the same). `inflate` sends an update-sized step the wrong
+    way, 2 `reference` - model (the global model the attacker trained from; the model itself
+    where there is none), and claims `INFLATED_SAMPLES` (`claimed_samples`)."""
     if attack not in ATTACKS:
         raise ValueError(f"--attack must be one of {', '.join(ATTACKS)}, got {attack!r}")
     out: State = {}
@@ -352,6 +355,9 @@ def poison(
             bad = tensor * SCALE_FACTOR
         elif attack == "signflip":
             bad = -tensor
+        elif attack == "inflate":
+            base = None if reference is None else reference.get(name)
+            bad = tensor.clone() if base is None else 2 * base.to(tensor.dtype) - tensor
         elif attack in ("huge", "nan"):
             bad = torch.full_like(tensor, HUGE_VALUE if attack == "huge" else math.nan)
         else:

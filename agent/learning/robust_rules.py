@@ -9,7 +9,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-ATTACKS = ("scale", "noise", "signflip", "huge", "nan")
+ATTACKS = ("scale", "noise", "signflip", "huge", "nan", "inflate")
+INFLATED_SAMPLES = 10_000_000
+"""The `inflate` attack's claimed sample count: the most the protocol lets a model claim
+(`protocol.limits.Limits.max_num_samples`)."""
 SCALE_FACTOR = -100.0
 """The `scale` attack's factor: large, and negative so that it also points the wrong way."""
 NOISE_STD = 10.0

@@ -22,7 +22,7 @@ from typing import cast
 
 import torch
 
-from agent.learning import fallback, ldf, pruning, robust, topology
+from agent.learning import fallback, ldf, pruning, robust, robust_rules, topology
 from agent.learning.central import (
     Aggregate,
     CentralStrategy,
@@ -235,11 +235,24 @@ def attacked(learner: Learner, result: RoundResult, attack: str, round_: int) ->
 
 
 def attacked_payload(
-    learner: Learner, payload: Payload, attack: str, agent_id: str, round_: int
+    learner: Learner,
+    payload: Payload,
+    attack: str,
+    agent_id: str,
+    round_: int,
+    reference: State | None = None,
 ) -> Payload:
-    """A centralized attacker's upload, poisoned (`robust.poison`) as `attacked`'s."""
+    """A centralized attacker's upload, poisoned (`robust.poison`) as `attacked`'s;
+    `reference` is the global model it trained from (`inflate` steps away from it)."""
     generator = learner.generator("attack", agent_id, round_)
-    return Payload(robust.poison(payload.weights, payload.masks, attack, generator), payload.masks)
+    poisoned = robust.poison(payload.weights, payload.masks, attack, generator, reference)
+    return Payload(poisoned, payload.masks)
+
+
+def claimed_samples(attack: str, honest: int) -> int:
+    """The sample count an attacker's upload claims: the protocol's largest under
+    `inflate`, else its own."""
+    return robust_rules.INFLATED_SAMPLES if attack == "inflate" else honest
 
 
 def _neutral(payload: Payload, reference: State) -> Payload:

@@ -237,13 +237,9 @@ def train_local(
     device = model_device(model)
     params = dict(model.named_parameters())
     optimizer = LocalOptimizer(params, config, round_)
-    # A sub-model's masks may cover buffers too (BatchNorm statistics of dropped channels):
-    # the step masks the parameters; the returned state is masked whole.
-    masked = {
-        name: (params[name], mask.to(device))
-        for name, mask in (masks or {}).items()
-        if name in params
-    }
+    # A sub-model's masks may cover buffers (BatchNorm statistics of dropped channels): the
+    # step masks the parameters, the returned state is masked whole.
+    masked = {n: (params[n], mask.to(device)) for n, mask in (masks or {}).items() if n in params}
     # Frozen buffers too: every forward pass in train mode updates BatchNorm's running
     # statistics, frozen channels' included.
     tensors = {**dict(model.named_buffers()), **params}

@@ -35,6 +35,7 @@ from agent.learning import (
     attacked_payload,
     central_strategy,
     checked_fit,
+    claimed_samples,
     fit_round,
     judge_central,
     participant_p_k,
@@ -130,7 +131,9 @@ class CentralizedRounds:
         """Upload `payload` (counting its values in `values_sent`)."""
         s = self.session
         if self.attacker:
-            payload = attacked_payload(s.learner, payload, s.config.attack, s.me, round_)
+            attack = s.config.attack
+            payload = attacked_payload(s.learner, payload, attack, s.me, round_, self.view.weights)
+            num_samples = claimed_samples(attack, num_samples)
         self.values_sent += values_sent(payload.weights, payload.masks)
         body = encode_state(payload.weights, payload.masks, fp16=s.cfg.fp16)
         update = messages.Update(**s.header(round_), tensors=body, num_samples=num_samples)

@@ -102,7 +102,7 @@ class FedAdam(CentralStrategy):
         self, learner: Learner, server: ServerState, uploads: Mapping[str, Upload]
     ) -> Aggregate:
         assert server.m is not None and server.v is not None
-        weights = sample_weights(uploads)
+        weights = sample_weights(learner, uploads)
         deltas = {k: _moment_deltas(u.payload) for k, u in uploads.items()}
         dw, dm, dv = (
             self._combine(learner, server, {k: d[i] for k, d in deltas.items()}, weights)

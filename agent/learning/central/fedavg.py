@@ -62,7 +62,7 @@ class FedAvg(CentralStrategy):
         if rule.robust:
             weights = robust.aggregate_onto(server.weights, states, rule)
         else:
-            weights = sparse.aggregate_weighted(states, sample_weights(uploads))
+            weights = sparse.aggregate_weighted(states, sample_weights(learner, uploads))
         return Aggregate(ServerState(weights), Payload(weights))
 
 

@@ -62,7 +62,7 @@ class FedLDF(CentralStrategy):
             {k: u.payload.weights for k, u in uploads.items() if u.payload.weights},
         )
         weights = ldf.aggregate_layers(
-            states, sample_weights(uploads), learner.layer_groups, server.weights
+            states, sample_weights(learner, uploads), learner.layer_groups, server.weights
         )  # also what validates the uploads
         if rule.robust:
             weights = robust.aggregate_onto(server.weights, states, rule)

@@ -102,7 +102,9 @@ class ActivePart(CentralStrategy):
             weights = robust.aggregate_onto(server.weights, states, rule, held)
         else:
             weights = freezing.aggregate_active(
-                server.weights, {k: (states[k], held[k]) for k in states}, sample_weights(uploads)
+                server.weights,
+                {k: (states[k], held[k]) for k in states},
+                sample_weights(learner, uploads),
             )
         return Aggregate(ServerState(weights), Payload({}))
 
