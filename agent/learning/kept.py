@@ -12,27 +12,18 @@ from typing import Any
 from agent.learning.sparse import Masks, State
 
 PERSONAL, FLEET, LOCAL = "personal", "fleet", "local"
-SHADOW_PATIENCE = 5
-"""Rounds in a row the strategy's model must beat the local one on validation to stop it."""
 
 
 @dataclass(frozen=True)
 class Shadow:
-    """A device's local-only model: its weights, the rounds it trained, and how many rounds
-    in a row the strategy's model beat it on validation (it trains no more at
-    `SHADOW_PATIENCE`)."""
+    """A device's local-only model: its weights and the rounds it trained."""
 
     weights: State
-    behind: int = 0
     rounds: int = 0
-
-    @property
-    def stopped(self) -> bool:
-        return self.behind >= SHADOW_PATIENCE
 
     def saved(self) -> dict[str, object]:
         """As a checkpoint holds it: tensors and plain numbers (`restored_shadow`)."""
-        return {"weights": self.weights, "behind": self.behind, "rounds": self.rounds}
+        return {"weights": self.weights, "rounds": self.rounds}
 
 
 @dataclass(frozen=True)
@@ -61,7 +52,7 @@ def restored_shadow(saved: Mapping[str, Any] | None) -> Shadow | None:
     """A `Shadow.saved` read back (None: the checkpoint had none)."""
     if not saved:
         return None
-    return Shadow(saved["weights"], int(saved["behind"]), int(saved["rounds"]))
+    return Shadow(saved["weights"], int(saved["rounds"]))
 
 
 def restored_kept(saved: Mapping[str, Any] | None) -> Kept | None:
