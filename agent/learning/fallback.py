@@ -24,9 +24,10 @@ strategy's had beaten it on validation 5 rounds in a row saved 30-50% of its tra
 the fleet helps, but went on to lose to a local model trained to the end: 8 to 11 of 24
 anomaly-detection devices kept a fleet model worse than alone under FedAvg, DFedAvgM, FedAdam
 and FedLDF, and 2 to 4 of 24 keyword-spotting devices; trained every round, no device did
-(those strategies on the anomaly, keyword-spotting and user-regression tasks). One that stopped once its own validation loss stopped improving (best
-weights kept) was worse than the `local` strategy's final model on 3 of 24 sensor-regression
-devices: validation sets of 20-40 samples pick a best round by noise.
+(those strategies on the anomaly, keyword-spotting and user-regression tasks). One that
+stopped once its own validation loss stopped improving (best weights kept) was worse than the
+`local` strategy's final model on 3 of 24 sensor-regression devices: validation sets of 20-40
+samples pick a best round by noise.
 """
 
 from __future__ import annotations
