@@ -49,7 +49,20 @@ from amqtt.mqtt.protocol import handler as amqtt_handler
 from amqtt.plugins.base import BaseAuthPlugin, BaseTopicPlugin
 from amqtt.session import Session
 
-from coordinator.broker_config import MAX_PACKET_BYTES, Admission, BrokerAuthError
+from coordinator.broker_config import (
+    COORDINATOR_IDS,
+    MAX_PACKET_BYTES,
+    Admission,
+    BrokerAuthError,
+)
+from coordinator.broker_limits import (
+    BrokerBounds,
+    Connection,
+    ConnectionBook,
+    LineBudget,
+    RetainedBook,
+    raise_fd_limit,
+)
 from protocol import BrokerAddress
 from protocol.logs import RejectionLog
 
@@ -177,13 +190,77 @@ class _FleetBroker(Broker):
     which publishes its will.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, config: dict[str, Any], bounds: BrokerBounds, guarded: bool) -> None:
+        super().__init__(config)
         self._subscriptions: _SnapshotDict = _SnapshotDict(self._subscriptions)
+        self.bounds, self.guarded = bounds, guarded
+        self.connections = ConnectionBook(bounds, exempt=frozenset(COORDINATOR_IDS))
+        self.retained = RetainedBook(bounds, topics_only=guarded)
+        self.refusals = RejectionLog(log)
+
+    _connection: contextvars.ContextVar[Connection] = contextvars.ContextVar("connection")
+    """The book's entry of the connection being served, per connection (its own task)."""
+
+    async def stream_connected(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, listener_name: str
+    ) -> None:
+        """amqtt's, within `BrokerBounds` (see `ConnectionBook`): a connection past them is
+        closed unread, and every connection's socket is closed when it ends (amqtt left one whose client
+        closed before its CONNECT open, in CLOSE-WAIT, until the garbage collector ran)."""
+        peer = writer.get_extra_info("peername")
+        source = str(peer[0]) if peer else "?"
+        connection, why = self.connections.open(source, writer.transport.abort)
+        if connection is None:
+            self.refusals.reject("connection", source, "", f"closed unread: {why}")
+            writer.transport.abort()
+            return
+        self._connection.set(connection)
+        try:
+            await super().stream_connected(reader, writer, listener_name)
+        finally:
+            self.connections.close(connection)
+            if not writer.is_closing():
+                writer.transport.abort()
 
     async def _initialize_client_session(
         self, reader: ReaderAdapter, writer: WriterAdapter, *args: Any
     ) -> Any:
+        """`_open_session`, which must end within the CONNECT timeout: a connection that
+        never completes its CONNECT (idle, or sending it a byte at a time) is closed."""
+        try:
+            return await asyncio.wait_for(
+                self._open_session(reader, writer, *args), self.bounds.connect_timeout_s
+            )
+        except asyncio.TimeoutError:
+            await writer.close()
+            source = self._connection.get().source
+            why = f"no whole CONNECT within {self.bounds.connect_timeout_s:g} s"
+            self.refusals.reject("connection", source, "", why)
+            raise AMQTTError(_REFUSED) from None
+
+    async def _read_connect_header(self, reader: ReaderAdapter, writer: WriterAdapter) -> bytes:
+        """The fixed header of the first packet, which must be a CONNECT of at most
+        `BrokerBounds.connect_bytes` (its fields' 16-bit lengths allow 320 KB)."""
+        header = bytearray(await read_or_raise(reader, 1))
+        if header[0] >> 4 != CONNECT:
+            await writer.close()
+            raise AMQTTError(f"[MQTT-3.1.0-1] first packet of type {header[0] >> 4}, not CONNECT")
+        length, scale = 0, 1
+        for _ in range(4):
+            byte = (await read_or_raise(reader, 1))[0]
+            header.append(byte)
+            length, scale = length + (byte & 0x7F) * scale, scale * 128
+            if not byte & 0x80:
+                break
+        if length > self.bounds.connect_bytes:
+            await writer.close()
+            source = self._connection.get().source
+            why = f"a CONNECT of {length} bytes (over {self.bounds.connect_bytes})"
+            self.refusals.reject("connection", source, "", why)
+            raise AMQTTError(_REFUSED)
+        return bytes(header)
+
+    async def _open_session(self, reader: ReaderAdapter, writer: WriterAdapter, *args: Any) -> Any:
         """amqtt's session start, and three rules of MQTT 3.1.1 it leaves out. A connection
         whose first packet is not a CONNECT is closed at once (3.1.0-1), and so is one whose
         CONNECT is refused: amqtt (0.12.1) read on, as a CONNECT, whatever came (a PUBLISH
@@ -194,10 +271,7 @@ class _FleetBroker(Broker):
         session of the client id first and refused after, so a refused client with another
         member's client id still took that member's session (it stayed connected and
         received nothing). And a silent client is dropped (below)."""
-        first = await read_or_raise(reader, 1)
-        if first[0] >> 4 != CONNECT:
-            await writer.close()
-            raise AMQTTError(f"[MQTT-3.1.0-1] first packet of type {first[0] >> 4}, not CONNECT")
+        first = await self._read_connect_header(reader, writer)
         try:
             await self._admit(_ByteBack(first, reader), writer)
             handler, session = await super()._initialize_client_session(
@@ -228,7 +302,14 @@ class _FleetBroker(Broker):
             reader, writer, self.plugins_manager
         )
         self._connect.set(bytes(reader.read_so_far))
-        if not await super()._authenticate(session, None):
+        admitted = await super()._authenticate(session, None)
+        if admitted:
+            connection = self._connection.get()
+            why = self.connections.log_in(connection, session.username, self.guarded)
+            if why is not None:
+                self.refusals.reject("connect", connection.source, session.client_id, why)
+                admitted = False
+        if not admitted:
             handler.attach(session, reader, writer)
             await handler.mqtt_connack_authorize(False)
             raise AMQTTError(_REFUSED)
@@ -251,6 +332,26 @@ class _FleetBroker(Broker):
         if handler.reader is not None:
             handler.reader.feed_eof()
         await super()._stop_handler(handler)
+
+    async def retain_message(
+        self,
+        source_session: Session | None,
+        topic_name: str | None,
+        data: bytes | bytearray | None,
+        qos: int | None = None,
+    ) -> None:
+        """amqtt's, within the retained store's bounds (`RetainedBook`): a message past
+        them is delivered but not retained, with a (rate-limited) line naming its owner."""
+        if topic_name is not None and data:
+            owner = "" if source_session is None else source_session.username or ""
+            owner = owner or ("" if source_session is None else source_session.client_id or "")
+            why = self.retained.admit(owner, topic_name, len(data))
+            if why is not None:
+                self.refusals.reject("retained message", owner or "(broker)", topic_name, why)
+                return
+        elif topic_name is not None:
+            self.retained.forget(topic_name)
+        await super().retain_message(source_session, topic_name, data, qos)
 
     async def add_subscription(self, subscription: tuple[str, int], session: Session) -> int:
         """Grant QoS 0 to every subscription: see `_deliver_at_qos0`."""
@@ -404,6 +505,17 @@ class _ProbesAreNotClients(logging.Filter):
 
 
 _PROBES = _ProbesAreNotClients()
+_LINES = LineBudget()
+
+
+def _budget_log_lines() -> None:
+    """Put the broker's loggers (amqtt's, asyncio's, this module's) under one `LineBudget`:
+    a filter applies to the records of the logger it is added to, not of its children."""
+    names = [name for name in logging.root.manager.loggerDict if name.startswith("amqtt")]
+    for name in [*names, "asyncio", "transitions", __name__]:
+        logger = logging.getLogger(name)
+        if _LINES not in logger.filters:
+            logger.addFilter(_LINES)
 
 
 class EmbeddedBroker:
@@ -427,9 +539,10 @@ class EmbeddedBroker:
         admitted: str | Path | None = None,
         fleet: str = "default",
         coordinator_key: str | None = None,
+        bounds: BrokerBounds | None = None,
     ) -> None:
         """Raises BrokerAuthError (a ValueError, one line) for an unusable `auth` folder or
-        `admitted` list."""
+        `admitted` list. `bounds`: what it may hold (`coordinator.broker_limits`)."""
         if not 0 < port < 65536:
             raise ValueError(f"port must be in 1..65535, got {port}")
         self.host = host
@@ -446,6 +559,7 @@ class EmbeddedBroker:
                 "fleet": fleet,
                 "coordinator_key": coordinator_key or "",
             }
+        self.bounds = bounds or BrokerBounds()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._broker: Broker | None = None
@@ -464,6 +578,8 @@ class EmbeddedBroker:
         amqtt_log = logging.getLogger("amqtt.broker")
         if _PROBES not in amqtt_log.filters:
             amqtt_log.addFilter(_PROBES)
+        _budget_log_lines()
+        raise_fd_limit()
         loop = asyncio.new_event_loop()
         thread = threading.Thread(
             target=loop.run_forever, name=f"amqtt-broker-{self.port}", daemon=True
@@ -514,7 +630,9 @@ class EmbeddedBroker:
         if self._guard is not None:
             plugins = {f"{_MODULE}.FleetGuardPlugin": self._guard}
         broker = _FleetBroker(
-            {"listeners": {"default": {"type": "tcp", "bind": bind}}, "plugins": plugins}
+            {"listeners": {"default": {"type": "tcp", "bind": bind}}, "plugins": plugins},
+            self.bounds.usable(),
+            guarded=self._guard is not None,
         )
         await broker.start()
         return broker
