@@ -205,8 +205,9 @@ class _FleetBroker(Broker):
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, listener_name: str
     ) -> None:
         """amqtt's, within `BrokerBounds` (see `ConnectionBook`): a connection past them is
-        closed unread, and every connection's socket is closed when it ends (amqtt left one whose client
-        closed before its CONNECT open, in CLOSE-WAIT, until the garbage collector ran)."""
+        closed unread, and every connection's socket is closed when it ends (amqtt left one
+        whose client closed before its CONNECT open, in CLOSE-WAIT, until the garbage
+        collector ran)."""
         peer = writer.get_extra_info("peername")
         source = str(peer[0]) if peer else "?"
         connection, why = self.connections.open(source, writer.transport.abort)
@@ -445,9 +446,8 @@ class FleetGuardPlugin(BaseAuthPlugin, BaseTopicPlugin):
         admission.refresh()
         why = admission.refusal(session.client_id, user, session.password)
         if why is not None:
-            self.refusals.reject(
-                "connect", user or "(anonymous)", f"client {session.client_id}", why
-            )
+            where = f"client {session.client_id} from {session.remote_address or '?'}"
+            self.refusals.reject("connect", user or "(anonymous)", where, why)
             return False
         will = session.will_topic or ""
         if session.will_flag and not admission.may_publish(user, will):
@@ -525,9 +525,9 @@ class EmbeddedBroker:
     (a loopback broker for `emulate`). With `auth`, a folder written by `coordinator
     broker-config`, only its members log in, each with its password and its own client ids,
     and each publishes only on its own topics and reads only its fleet's. With `admitted`
-    (per-device keys of `fleet`) and no `auth`, a member's client id and topics take its
-    connect proof; see `coordinator.broker_config.Admission`. Retained messages and last
-    wills work; there is no message size limit beyond MQTT's own.
+    (per-device keys of `fleet`), a member's client id and topics take its connect proof
+    (with `auth` too: in place of its password); see `coordinator.broker_config.Admission`.
+    Retained messages and last wills work, within `bounds`.
     """
 
     def __init__(
@@ -548,7 +548,7 @@ class EmbeddedBroker:
         self.host = host
         self.port = port
         self.auth = None if auth is None else Path(auth)
-        self.admitted = None if admitted is None or self.auth is not None else Path(admitted)
+        self.admitted = None if admitted is None else Path(admitted)
         self._guard: dict[str, str] | None = None
         if self.auth is not None or self.admitted is not None:
             # Fail here, in one line, not inside amqtt's startup.

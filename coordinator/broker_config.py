@@ -139,6 +139,11 @@ class BrokerAuth:
         return grant is not None and grant.may_subscribe(topic_filter)
 
 
+_REKEY = (
+    " (another device with its id, or its bundle copied to a second board? A re-imaged device "
+    "is admitted again with `coordinator admit ID KEY --replace`)"
+)
+
 PROOF_WINDOW_S = 600.0
 """How far a connect proof's time may be from the broker's clock: wide enough for a device
 whose clock drifts, narrow enough that the proofs the broker must remember stay few."""
@@ -159,6 +164,11 @@ class Admission:
     login may use the client ids of the members it speaks as (`<fleet>-<id>`) or any other
     id (a prober's, a feed's), never another member's: MQTT lets a second connection with a
     client id close the first, so a member using another's id would take its session.
+
+    With both (`coordinator serve`'s secure default), a member with an admitted key logs in
+    with its connect proof and never with its password: a device's bundle copied to another
+    board, or a re-imaged board with a new key, cannot take the member's client id (MQTT
+    hands it to the newest connection) and with it the member's place in the fleet.
 
     With an admission list (`--admitted`, per-device keys) and no logins, anyone may connect
     anonymously to read and to probe for ids (`membership`), but a member's client id, and
@@ -190,9 +200,8 @@ class Admission:
         self._load()
 
     def _files(self) -> list[Path]:
-        if self.folder is not None:
-            return [self.folder / PASSWORDS, self.folder / ACL]
-        return [self.admitted] if self.admitted is not None else []
+        logins = [self.folder / PASSWORDS, self.folder / ACL] if self.folder is not None else []
+        return logins + ([self.admitted] if self.admitted is not None else [])
 
     def _signature(self) -> tuple[tuple[int, int, int], ...]:
         stats = []
@@ -212,6 +221,7 @@ class Admission:
         if self.folder is not None:
             self.auth = BrokerAuth.load(self.folder)
             grants = self.auth.grants
+            self.keys = self._member_keys()
         else:
             try:
                 admitted = read_keys(self.admitted) if self.admitted is not None else {}
@@ -229,6 +239,19 @@ class Admission:
         self.grants = grants
         self.owners = _owners(grants.values())
         self._seen = signature
+
+    def _member_keys(self) -> dict[str, Ed25519PublicKey]:
+        """The admitted keys of the folder's members (the coordinator's logins excepted):
+        each of these members logs in with its connect proof, never its password."""
+        if self.admitted is None or not self.admitted.exists():
+            return {}
+        try:
+            admitted = read_keys(self.admitted)
+        except ProtocolError as exc:
+            raise BrokerAuthError(str(exc)) from None
+        assert self.auth is not None
+        members = set(self.auth.passwords) - set(COORDINATOR_IDS)
+        return {member: key for member, key in admitted.items() if member in members}
 
     def refresh(self) -> None:
         """Read the files again if they changed; a file caught half written (or broken)
@@ -250,7 +273,11 @@ class Admission:
 
     def refusal(self, client_id: str, user: str | None, password: str | None) -> str | None:
         """Why a CONNECT of `client_id` as `user` is refused, or None when it is admitted."""
-        if self.auth is not None:
+        if self.auth is not None and user in self.keys:
+            why = self._proof_refusal(client_id, user, password or "")
+            if why is not None:
+                return f"{why}: the device is not the one admitted as {user!r}" + _REKEY
+        elif self.auth is not None:
             if not self.auth.login(user, password):
                 return f"wrong password or unknown user {user!r}" if user else "no user name"
         elif user is not None:

@@ -537,20 +537,27 @@ def require_extra(
     type=NAME,
     help="The fleet [default: the one the gateway's logins are for, else default].",
 )
+@click.option(
+    "--replace",
+    is_flag=True,
+    help="AGENT_ID is admitted with another key: admit it with PUBLIC_KEY instead (a re-imaged "
+    "device; the old key logs in no more).",
+)
 @state_dir_option
 def admit(
     agent_id: str,
     public_key: str,
     admitted_file: str | None,
     fleet: str | None,
+    replace: bool,
     state_dir: str | None,
 ) -> None:
     """Admit the agent AGENT_ID with its PUBLIC_KEY (`ed25519:...`, as `edge-agent key`
-    prints it) to the fleet: the gateway accepts its messages and its broker login, at once
-    (a running serve included), and the device's bundle (its login and the coordinator's
-    keys it trusts) is written for you to copy to it."""
+    prints it) to the fleet: the gateway accepts its messages and its key's broker login, at
+    once (a running serve included), and the device's bundle (the coordinator's keys it
+    trusts) is written for you to copy to it."""
     if admitted_file is not None:
-        added = admit_key(Path(admitted_file), agent_id, public_key)
+        added = admit_key(Path(admitted_file), agent_id, public_key, replace)
         say(
             f"admitted {agent_id} in {admitted_file}"
             if added
@@ -563,23 +570,24 @@ def admit(
     known = (folder / BROKER_AUTH / FLEET_FILE).is_file()
     fleet = fleet or (read_fleet(folder) if known else "default")
     prepare_gateway(folder, fleet)
-    admit_key(folder / ADMITTED, agent_id, public_key)
+    admit_key(folder / ADMITTED, agent_id, public_key, replace)
     agents = broker_agents(folder)
     if agent_id not in agents:
         write_logins(folder, fleet, [*agents, agent_id])
     bundle = write_bundle(folder, agent_id)
     fleet_flag = "" if fleet == "default" else f" --fleet {fleet}"
     say(
-        f"admitted {agent_id} to fleet {fleet}: its key is in {folder / ADMITTED}, its broker "
-        f"login in {folder / BROKER_AUTH}. Copy its bundle to the device: `scp -r {bundle} "
-        f"{agent_id}:edgefl`, and start it there with `edge-agent{fleet_flag} --config "
-        "edgefl/agent.toml` (docs/deploy.md: as a service, in /etc/edgefl)"
+        f"admitted {agent_id} to fleet {fleet}: its key is in {folder / ADMITTED} (it logs in "
+        f"to the broker with it), its grants in {folder / BROKER_AUTH}. Copy its bundle to the "
+        f"device: `scp -r {bundle} {agent_id}:edgefl`, and start it there with "
+        f"`edge-agent{fleet_flag} --config edgefl/agent.toml` (docs/deploy.md: as a service, "
+        "in /etc/edgefl)"
     )
 
 
-def admit_key(path: Path, agent_id: str, public_key: str) -> bool:
+def admit_key(path: Path, agent_id: str, public_key: str, replace: bool = False) -> bool:
     try:
-        return add_key(path, agent_id, public_key)
+        return add_key(path, agent_id, public_key, replace)
     except ProtocolError as exc:
         raise click.ClickException(str(exc)) from None
 

@@ -199,9 +199,10 @@ def warn_open(where: str) -> None:
 
 
 BUNDLE_CONFIG, BUNDLE_TRUST = "agent.toml", "trust.keys"
-"""A device's bundle, in its member folder: its broker login (`[broker]`, the password in
-the file `password` beside it) and the coordinator keys it takes runs from; `edge-agent
---config FOLDER/agent.toml` reads both."""
+"""A device's bundle, in its member folder: its `[broker]` table (no password: the device
+logs in to the gateway's broker with a connect proof of its own key, so a copied bundle
+logs no other board in) and the coordinator keys it takes runs from; `edge-agent --config
+FOLDER/agent.toml` reads both."""
 
 
 def write_bundle(folder: Path, agent_id: str) -> Path:
@@ -210,9 +211,10 @@ def write_bundle(folder: Path, agent_id: str) -> Path:
     home = folder / BROKER_AUTH / MEMBERS / agent_id
     trust = [public_line(member, folder / IDENTITY) for member in (COORDINATOR, GATEWAY)]
     config = (
-        f"# edgefl: the broker login of {agent_id}, written by `coordinator admit`; the\n"
-        f"# coordinator keys it trusts are in {BUNDLE_TRUST}, its password in password.\n"
-        f'[broker]\nusername = "{agent_id}"\npassword_file = "password"\n'
+        f"# edgefl: the bundle of {agent_id}, written by `coordinator admit`. The device logs\n"
+        "# in to the gateway's broker with its own key (never a password); the coordinator\n"
+        f'# keys it trusts are in {BUNDLE_TRUST}. Add broker = "..." to name the gateway.\n'
+        "[broker]\n"
     )
     write_file(home / BUNDLE_CONFIG, config, 0o600)
     write_file(home / BUNDLE_TRUST, "\n".join(trust) + "\n", 0o600)

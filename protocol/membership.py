@@ -317,7 +317,7 @@ def connect(
         if not asked and prober.refused is not None:
             raise ProtocolError(
                 f"the MQTT broker {broker} refused the connection ({prober.refused}): "
-                "check the user name, password and TLS options"
+                + _refusal_hint(options, identity)
             )
         problem = tls_problem(broker, options.tls) if not asked and options.tls else None
         if problem is not None:
@@ -356,6 +356,19 @@ def _join(
     transport.subscribe(topics.probe(identity.fleet, identity.sender), claim.handler(transport))
     transport.start()
     return transport
+
+
+def _refusal_hint(options: TransportOptions, identity: Identity) -> str:
+    """What to check when the broker refuses: the login, or for a member proving its key,
+    whether the gateway admitted this key (a re-imaged board, or a bundle copied to another
+    board, has another)."""
+    if options.username is not None or not isinstance(identity.key, MemberKeys):
+        return "check the user name, password and TLS options"
+    return (
+        f"the gateway takes {identity.sender!r} only with the key it admitted; this device's is "
+        f"{identity.key.public} (a re-imaged device is admitted again on the gateway with "
+        f"`coordinator admit {identity.sender} {identity.key.public} --replace`)"
+    )
 
 
 def _logged_in(options: TransportOptions) -> bool:

@@ -238,17 +238,28 @@ def key_line(member: str, public: str) -> str:
     return f"{check_name(member, 'member id')} {public}"
 
 
-def add_key(path: Path, member: str, public: str) -> bool:
+def add_key(path: Path, member: str, public: str, replace: bool = False) -> bool:
     """Admit `member` with `public` in the keys file at `path` (made if missing): False when
-    it is there already with this key; ProtocolError when it is there with another."""
+    it is there already with this key; ProtocolError when it is there with another, unless
+    `replace` (a re-imaged device's new key takes the old one's place)."""
     parse_public(public, "the public key")
     known = read_keys(path) if path.exists() else {}
     if member in known:
         if public_text(known[member]) == public:
             return False
-        raise ProtocolError(
-            f"{member!r} is already admitted with another key in {path}; remove its line first"
-        )
+        if not replace:
+            raise ProtocolError(
+                f"{member!r} is already admitted with another key in {path}: give --replace "
+                "to admit it with this one instead (a re-imaged device)"
+            )
+        lines = path.read_text(encoding="utf-8").splitlines()
+        kept = [line for line in lines if line.split()[:1] != [member]]
+        text = "".join(f"{line}\n" for line in [*kept, key_line(member, public)])
+        partial = path.with_name(f".{path.name}.new")
+        partial.write_text(text, encoding="utf-8")
+        os.chmod(partial, path.stat().st_mode & 0o777)
+        os.replace(partial, path)  # whole or not at all: the broker reads it when it changes
+        return True
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a", encoding="utf-8") as handle:
         handle.write(key_line(member, public) + "\n")

@@ -138,6 +138,16 @@ def test_the_secure_path_of_deploy_md_admits_devices_and_runs_signed(
     )
     assert all("signs with its own key" in text(tmp_path / f"{h}.log") for h in DEVICES)
 
+    # d1's bundle on another board, which has a key of its own: refused at its CONNECT, and
+    # the gateway says which id was claimed and from where; d1 stays in the fleet (below).
+    impostor = site.swap(with_bundle, "d1")
+    impostor[impostor.index("--state-dir") + 1] = str(tmp_path / "impostor")
+    taken = lan.run("d2", impostor, timeout=60)
+    assert taken.returncode != 0 and "--replace" in taken.stderr, taken.stderr
+    gateway_log = text(tmp_path / "gw.log").splitlines()
+    claimed = [line for line in gateway_log if "not the one admitted" in line]
+    assert claimed and "'d1'" in claimed[0] and lan.address("d2") in claimed[0], claimed
+
     # Without a login nobody gets in; a member's name with a guessed password neither.
     for who in ([], ["d1"]):
         intruder = [sys.executable, "-c", ANONYMOUS_RUN, gateway, *who]
@@ -208,7 +218,7 @@ def test_admit_gives_a_device_its_key_its_login_and_its_bundle(tmp_path: Path) -
 
     from coordinator.broker_config import BrokerAuth, member_password
     from coordinator.cli import main as coordinator
-    from protocol.signing import public_line, read_keys
+    from protocol.signing import public_line, public_text, read_keys
 
     state, runner = tmp_path / "gw", CliRunner()
     lines = [public_line(name, tmp_path / f"{name}.pem") for name in ("d1", "d2")]
@@ -226,9 +236,16 @@ def test_admit_gives_a_device_its_key_its_login_and_its_bundle(tmp_path: Path) -
     assert not auth.may_publish("d1", "fl/v1/lab/status/d2")
     assert not auth.may_publish("d1", "fl/v1/lab/run"), "only the coordinator starts runs"
     bundle = state / "broker" / "members" / "d1"
-    assert 'username = "d1"' in (bundle / "agent.toml").read_text()
+    assert "username" not in (bundle / "agent.toml").read_text(), "the device logs in with its key"
     coordinator_key = runner.invoke(coordinator, ["key", "--state-dir", str(state)]).output
     assert (bundle / "trust.keys").read_text() == coordinator_key
     assert all((bundle / name).stat().st_mode & 0o077 == 0 for name in ("password", "agent.toml"))
     taken = runner.invoke(coordinator, [*admit, "gateway", lines[0].split()[1]])
     assert taken.exit_code == 2 and "coordinator's own id" in taken.output
+    reimaged = public_line("d1", tmp_path / "d1-reimaged.pem").split()[1]
+    refused = runner.invoke(coordinator, [*admit, "d1", reimaged])
+    assert refused.exit_code == 1 and "--replace" in refused.output
+    rotated = runner.invoke(coordinator, [*admit, "d1", reimaged, "--replace"])
+    assert rotated.exit_code == 0, rotated.output
+    keys = read_keys(state / "admitted.keys")
+    assert set(keys) == {"d1", "d2"} and public_text(keys["d1"]) == reimaged

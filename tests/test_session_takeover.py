@@ -26,6 +26,7 @@ from coordinator.broker_config import (
     COORDINATOR_IDS,
     Admission,
     Listener,
+    member_password,
     write_broker_config,
 )
 from protocol import BrokerAddress, Identity, connect, leave, topics
@@ -91,9 +92,22 @@ def keyed(tmp_path: Path, *members: str) -> tuple[Path, dict[str, MemberKeys]]:
 
 
 @pytest.fixture
-def keyed_broker(tmp_path: Path, unused_port: int) -> Iterator[tuple[BrokerAddress, dict]]:
+def keyed_broker(
+    request: pytest.FixtureRequest, tmp_path: Path, unused_port: int
+) -> Iterator[tuple[BrokerAddress, dict]]:
+    """Per-device keys alone, or beside `broker-config` logins as `coordinator serve` runs
+    by default: there a device logs in with its key's proof and never with its password."""
     admitted, keys = keyed(tmp_path, "d0", "d1")
-    with EmbeddedBroker(port=unused_port, admitted=admitted, fleet=FLEET) as broker:
+    auth = None
+    if getattr(request, "param", "keys") == "keys-and-logins":
+        auth = tmp_path / "auth"
+        grants = fleet_grants(FLEET, ["d0", "d1"], "gateway", COORDINATOR_IDS)
+        write_broker_config(auth, FLEET, grants, Listener(unused_port, "127.0.0.1"))
+    with EmbeddedBroker(port=unused_port, auth=auth, admitted=admitted, fleet=FLEET) as broker:
+        if auth is not None:  # the member's own password, from a copied bundle: refused
+            copied = Raw(broker.address, f"{FLEET}-d0", "d0", member_password(auth, "d0"))
+            assert not copied.accepted
+            copied.close()
         yield broker.address, keys
 
 
@@ -101,6 +115,7 @@ def proven(keys: MemberKeys, client_id: str | None = None) -> TransportOptions:
     return TransportOptions(client_id=client_id, credentials=connect_proof(keys))
 
 
+@pytest.mark.parametrize("keyed_broker", ["keys", "keys-and-logins"], indirect=True)
 def test_keys_a_members_client_id_takes_its_proof(keyed_broker: tuple) -> None:
     address, keys = keyed_broker
     captured: list[tuple[str, str]] = []
