@@ -30,6 +30,7 @@ import logging
 import math
 import signal
 import socket
+import ssl
 import sys
 import threading
 from collections import deque
@@ -63,12 +64,15 @@ from coordinator.broker_limits import (
     RetainedBook,
     raise_fd_limit,
 )
+from coordinator.gateway_tls import BrokerCertificate
 from protocol import BrokerAddress
 from protocol.logs import RejectionLog
 
 log = logging.getLogger(__name__)
 
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+TLS_LISTENER = "tls"
+MQTTS_PORT = 8883
 _MODULE = "coordinator.broker"  # amqtt imports plugins by dotted path (not __main__'s name)
 
 
@@ -190,8 +194,15 @@ class _FleetBroker(Broker):
     which publishes its will.
     """
 
-    def __init__(self, config: dict[str, Any], bounds: BrokerBounds, guarded: bool) -> None:
+    def __init__(
+        self,
+        config: dict[str, Any],
+        bounds: BrokerBounds,
+        guarded: bool,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         super().__init__(config)
+        self.tls = tls
         self._subscriptions: _SnapshotDict = _SnapshotDict(self._subscriptions)
         self.bounds, self.guarded = bounds, guarded
         self.connections = ConnectionBook(bounds, exempt=frozenset(COORDINATOR_IDS))
@@ -217,11 +228,45 @@ class _FleetBroker(Broker):
             return
         self._connection.set(connection)
         try:
+            if listener_name == TLS_LISTENER:
+                secured = await self._start_tls(reader, writer, source)
+                if secured is None:
+                    return
+                writer = secured
             await super().stream_connected(reader, writer, listener_name)
         finally:
             self.connections.close(connection)
             if not writer.is_closing():
                 writer.transport.abort()
+
+    async def _start_tls(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, source: str
+    ) -> asyncio.StreamWriter | None:
+        """The TLS handshake of a connection to the TLS listener, within the CONNECT
+        timeout; the writer over TLS (the reader reads through it as before), or None.
+
+        It is done here, on a connection the book already counts, rather than by the
+        listening socket: asyncio waits 60 s for a handshake that stalls, outside any count,
+        so a flood of them would hold the descriptors the bounds protect. (Python 3.11's
+        `StreamWriter.start_tls` takes a server's stream for a client's: hence the loop's.)"""
+        assert self.tls is not None
+        protocol = writer.transport.get_protocol()
+        timeout_s = self.bounds.connect_timeout_s
+        try:
+            secured = await asyncio.get_running_loop().start_tls(
+                writer.transport,
+                protocol,
+                self.tls,
+                server_side=True,
+                ssl_handshake_timeout=timeout_s,
+            )
+        except (OSError, ssl.SSLError, asyncio.TimeoutError, ConnectionError) as exc:
+            self.refusals.reject("connection", source, "", f"no TLS handshake: {exc!r}")
+            return None
+        if secured is None:
+            return None
+        self._connection.get().abort = secured.abort
+        return asyncio.StreamWriter(secured, protocol, reader, asyncio.get_running_loop())
 
     async def _initialize_client_session(
         self, reader: ReaderAdapter, writer: WriterAdapter, *args: Any
@@ -540,9 +585,13 @@ class EmbeddedBroker:
         fleet: str = "default",
         coordinator_key: str | None = None,
         bounds: BrokerBounds | None = None,
+        tls: BrokerCertificate | None = None,
+        tls_port: int = MQTTS_PORT,
     ) -> None:
         """Raises BrokerAuthError (a ValueError, one line) for an unusable `auth` folder or
-        `admitted` list. `bounds`: what it may hold (`coordinator.broker_limits`)."""
+        `admitted` list. `bounds`: what it may hold (`coordinator.broker_limits`). With
+        `tls`, it listens on (host, tls_port) over TLS only, and in clear on loopback
+        (127.0.0.1, `port`) alone, for the gateway's own commands."""
         if not 0 < port < 65536:
             raise ValueError(f"port must be in 1..65535, got {port}")
         self.host = host
@@ -560,15 +609,26 @@ class EmbeddedBroker:
                 "coordinator_key": coordinator_key or "",
             }
         self.bounds = bounds or BrokerBounds()
+        self.tls, self.tls_port = tls, tls_port
+        if tls is not None and not 0 < tls_port < 65536:
+            raise ValueError(f"TLS port must be in 1..65535, got {tls_port}")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._broker: Broker | None = None
 
     @property
     def address(self) -> BrokerAddress:
-        """Where local clients reach this broker."""
+        """Where local clients reach this broker (in clear: on loopback when it has TLS)."""
+        wildcard = self.host in _WILDCARD_HOSTS or self.tls is not None
+        return BrokerAddress("127.0.0.1" if wildcard else self.host, self.port)
+
+    @property
+    def tls_address(self) -> BrokerAddress | None:
+        """Where devices reach it over TLS (None without TLS)."""
+        if self.tls is None:
+            return None
         host = "127.0.0.1" if self.host in _WILDCARD_HOSTS else self.host
-        return BrokerAddress(host, self.port)
+        return BrokerAddress(host, self.tls_port)
 
     def start(self, timeout_s: float = 15.0) -> None:
         """Start listening; raises BrokerStartError if the port is taken or startup fails."""
@@ -622,28 +682,58 @@ class EmbeddedBroker:
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
+    def _listeners(self) -> dict[str, dict[str, str]]:
+        """amqtt's listeners: one in clear on (host, port), or with TLS one on loopback in
+        clear and one on (host, tls_port) that `_FleetBroker` upgrades to TLS."""
+
+        def bind(host: str, port: int) -> dict[str, str]:
+            return {"type": "tcp", "bind": f"[{host}]:{port}" if ":" in host else f"{host}:{port}"}
+
+        if self.tls is None:
+            return {"default": bind(self.host, self.port)}
+        return {
+            "default": bind("127.0.0.1", self.port),
+            TLS_LISTENER: bind(self.host, self.tls_port),
+        }
+
+    def _tls_context(self) -> ssl.SSLContext | None:
+        if self.tls is None:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.load_cert_chain(self.tls.cert, self.tls.key)
+        return context
+
     async def _start(self) -> Broker:
-        bind = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
         plugins: dict[str, dict[str, Any]] = {
             "amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}
         }
         if self._guard is not None:
             plugins = {f"{_MODULE}.FleetGuardPlugin": self._guard}
         broker = _FleetBroker(
-            {"listeners": {"default": {"type": "tcp", "bind": bind}}, "plugins": plugins},
+            {"listeners": self._listeners(), "plugins": plugins},
             self.bounds.usable(),
             guarded=self._guard is not None,
+            tls=self._tls_context(),
         )
         await broker.start()
         return broker
 
     def _check_port(self) -> None:
         """Fail early and clearly on a taken port (amqtt would log a traceback first)."""
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        if self.tls is None:
+            self._check_bind(self.host, self.port)
+        else:
+            self._check_bind("127.0.0.1", self.port)
+            self._check_bind(self.host, self.tls_port)
+
+    @staticmethod
+    def _check_bind(host: str, port: int) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
         with socket.socket(family) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio does
             try:
-                probe.bind((self.host, self.port))
+                probe.bind((host, port))
             except OSError as exc:
                 hint = (
                     ": the port is already in use (is another MQTT broker running? "
@@ -651,7 +741,7 @@ class EmbeddedBroker:
                     if exc.errno == errno.EADDRINUSE
                     else f": {exc.strerror}"
                 )
-                raise BrokerStartError(f"cannot listen on {self.host}:{self.port}{hint}") from exc
+                raise BrokerStartError(f"cannot listen on {host}:{port}{hint}") from exc
 
     def _close_loop(self, timeout_s: float = 15.0) -> None:
         loop, thread = self._loop, self._thread

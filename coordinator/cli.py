@@ -40,6 +40,7 @@ from coordinator.gateway_state import (
     ADMITTED,
     BROKER_AUTH,
     FLEET_FILE,
+    IDENTITY,
     FollowedKeys,
     Guard,
     broker_agents,
@@ -52,6 +53,7 @@ from coordinator.gateway_state import (
     write_bundle,
     write_logins,
 )
+from coordinator.gateway_tls import BrokerCertificate, broker_certificate, gateway_names
 from coordinator.manage import RETAINED_WAIT_S
 from coordinator.runs import (
     DEFAULT_RUNS_DIR,
@@ -311,6 +313,23 @@ def fleet_options(command: Callable) -> Callable:
     )(command)
 
 
+def gateway_certificate(
+    guard: Guard | None, host: str, mdns_interfaces: tuple[str, ...]
+) -> BrokerCertificate | None:
+    """The TLS certificate of the embedded broker beyond loopback under the gateway's own
+    logins (its secure default), issued now from the gateway's CA for the names devices
+    may use; None on loopback, or under logins given by --broker-auth."""
+    if guard is None or guard.broker_auth is None or loopback(host):
+        return None
+    folder = Path(guard.broker_auth).parent
+    if Path(guard.broker_auth).name != BROKER_AUTH or not (folder / IDENTITY).is_file():
+        return None
+    try:
+        return broker_certificate(folder, gateway_names(host, *mdns_interfaces))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot make the broker's TLS certificate in {folder}: {exc}") from None
+
+
 @contextlib.contextmanager
 def gateway_broker(
     settings: BrokerSettings,
@@ -343,6 +362,7 @@ def gateway_broker(
                 admitted=guard.admitted_file if guard else None,
                 fleet=fleet,
                 coordinator_key=key.public if isinstance(key, MemberKeys) else None,
+                tls=gateway_certificate(guard, host, mdns_interfaces),
             )
         except BrokerAuthError as exc:
             raise ConfigError(str(exc)) from None
@@ -352,8 +372,15 @@ def gateway_broker(
             raise click.ClickException(
                 f"cannot start the embedded broker on {host}:{port}: {exc}"
             ) from None
-        say(f"embedded MQTT broker listening on [bold]{host}:{port}[/]")
-        broker = BrokerAddress("127.0.0.1" if host in ("0.0.0.0", "") else host, port)
+        if embedded.tls_address is not None:
+            say(
+                f"embedded MQTT broker listening on [bold]{host}:{embedded.tls_port}[/] over TLS "
+                f"(its CA for the devices' bundles: {embedded.tls.ca if embedded.tls else ''}), "
+                f"and in clear on 127.0.0.1:{port} for this machine alone"
+            )
+        else:
+            say(f"embedded MQTT broker listening on [bold]{host}:{port}[/]")
+        broker = embedded.address
     else:
         say(f"using MQTT broker at [bold]{settings.describe()}[/]")
     discovery = None
@@ -370,8 +397,12 @@ def gateway_broker(
             announced = mdns_interfaces[0] if embedded else socket.gethostbyname(broker.host)
             if ipaddress.ip_address(announced).is_loopback:  # on this host: reached on the LAN
                 announced = mdns_interfaces[0]
+            tls_port = embedded.tls_port if embedded and embedded.tls else None
             discovery.advertise_broker(
-                announced, broker.port, fleets=[fleet], tls=settings.tls is not None
+                announced,
+                tls_port or broker.port,
+                fleets=[fleet],
+                tls=tls_port is not None or settings.tls is not None,
             )
             say(f"announcing the broker over mDNS on {', '.join(mdns_interfaces)}")
         yield broker

@@ -27,9 +27,11 @@ from coordinator.broker_config import (
     write_broker_config,
     write_file,
 )
+from coordinator.gateway_tls import CA_CERT, TLS_DIR, ca_certificate, gateway_names
 from protocol import ConfigError, ProtocolError
 from protocol.acl import fleet_grants
-from protocol.cli import BrokerSettings, loopback, say
+from protocol.cli import MQTT_PORT, MQTTS_PORT, BrokerSettings, loopback, say
+from protocol.mqtt import TlsOptions
 from protocol.signing import MemberKeys, public_line, read_keys
 
 log = logging.getLogger(__name__)
@@ -138,7 +140,25 @@ def secure_by_default(
         )
     except BrokerAuthError as exc:
         raise ConfigError(str(exc)) from None
-    return secured, login
+    return secured, over_tls(login, folder)
+
+
+def over_tls(settings: BrokerSettings, folder: Path) -> BrokerSettings:
+    """`settings` for the gateway's own broker at one of this machine's LAN addresses: over
+    TLS against the gateway's CA, at the TLS port where the plain one was given or implied
+    (the broker serves the LAN over TLS only). Any other broker, a TLS option given, or no
+    CA yet: as given."""
+    address, ca = settings.address, folder / TLS_DIR / CA_CERT
+    if address is None or settings.tls is not None or not ca.is_file():
+        return settings
+    if address.host not in gateway_names():
+        return settings
+    port = MQTTS_PORT if address.port == MQTT_PORT else address.port
+    return dataclasses.replace(
+        settings,
+        address=dataclasses.replace(address, port=port),
+        tls=TlsOptions(ca_certs=str(ca)),
+    )
 
 
 def prepare_gateway(folder: Path, fleet: str) -> bool:
@@ -198,11 +218,11 @@ def warn_open(where: str) -> None:
     )
 
 
-BUNDLE_CONFIG, BUNDLE_TRUST = "agent.toml", "trust.keys"
+BUNDLE_CONFIG, BUNDLE_TRUST, BUNDLE_CA = "agent.toml", "trust.keys", "ca.pem"
 """A device's bundle, in its member folder: its `[broker]` table (no password: the device
 logs in to the gateway's broker with a connect proof of its own key, so a copied bundle
-logs no other board in) and the coordinator keys it takes runs from; `edge-agent --config
-FOLDER/agent.toml` reads both."""
+logs no other board in; TLS checked against the gateway's CA, `ca.pem`) and the
+coordinator keys it takes runs from; `edge-agent --config FOLDER/agent.toml` reads all."""
 
 
 def write_bundle(folder: Path, agent_id: str) -> Path:
@@ -212,10 +232,12 @@ def write_bundle(folder: Path, agent_id: str) -> Path:
     trust = [public_line(member, folder / IDENTITY) for member in (COORDINATOR, GATEWAY)]
     config = (
         f"# edgefl: the bundle of {agent_id}, written by `coordinator admit`. The device logs\n"
-        "# in to the gateway's broker with its own key (never a password); the coordinator\n"
-        f'# keys it trusts are in {BUNDLE_TRUST}. Add broker = "..." to name the gateway.\n'
-        "[broker]\n"
+        "# in to the gateway's broker with its own key (never a password), over TLS (port\n"
+        f"# {MQTTS_PORT}) checked against the gateway's CA, {BUNDLE_CA}; the coordinator keys\n"
+        f'# it trusts are in {BUNDLE_TRUST}. Add broker = "..." to name the gateway.\n'
+        f'[broker]\ntls_ca = "{BUNDLE_CA}"\n'
     )
+    write_file(home / BUNDLE_CA, ca_certificate(folder).read_text(), 0o644)
     write_file(home / BUNDLE_CONFIG, config, 0o600)
     write_file(home / BUNDLE_TRUST, "\n".join(trust) + "\n", 0o600)
     return home

@@ -14,15 +14,20 @@ import resource
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import paho.mqtt.client as mqtt
 import psutil
 import pytest
+from paho.mqtt.enums import CallbackAPIVersion
 
+from coordinator.broker import EmbeddedBroker
 from coordinator.broker_limits import MIB, RESERVED_FDS, BrokerBounds
+from coordinator.gateway_tls import broker_certificate, gateway_names
 from protocol import BrokerAddress, topics
 from tests.conftest import REPO, _unused_port
 from tests.test_broker_acl import FLEET, Client, configure
@@ -235,3 +240,34 @@ def test_a_member_cannot_fill_the_retained_store(gateway: Gateway) -> None:
     assert grown < BOUNDS.retained_bytes_per_member + 48 * MIB, f"grew {grown / MIB:.0f} MiB"
     assert grown <= BOUNDS.memory_bound(members=3)
     gateway.member_gets_through()
+
+
+def test_tls_listener_takes_only_tls_and_bounds_stalled_handshakes(tmp_path: Path) -> None:
+    """Beyond loopback the broker speaks TLS only (issue 46): a plain CONNECT to its TLS port
+    is closed unanswered, a handshake that never comes is closed at the CONNECT timeout
+    (asyncio alone would wait 60 s, outside any count), and a member with the gateway's CA
+    logs in meanwhile."""
+    port, tls_port = _unused_port(), _unused_port()
+    passwords = configure(tmp_path / "auth", port)
+    certificate = broker_certificate(tmp_path / "gw", gateway_names())
+    broker = EmbeddedBroker(port=port, auth=tmp_path / "auth", tls=certificate, tls_port=tls_port)
+    with broker:
+        assert broker.address == BrokerAddress("127.0.0.1", port)
+        tls_address = broker.tls_address
+        assert tls_address == BrokerAddress("127.0.0.1", tls_port)
+        plain = Flood(tls_address, 20, partial_connect(12), 3)
+        assert plain.closed_by_broker() == plain.opened == 20
+        stalled = Flood(tls_address, 300, b"", BOUNDS.connect_timeout_s + 5)
+        ready = threading.Event()
+        client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="tls-member")
+        client.username_pw_set("a1", passwords["a1"])
+        client.tls_set(ca_certs=str(certificate.ca))
+        client.on_connect = lambda *args: ready.set() if not args[3].is_failure else None
+        client.connect(tls_address.host, tls_address.port, keepalive=10)
+        client.loop_start()
+        try:
+            assert ready.wait(5), "a member over TLS did not get in during the flood"
+        finally:
+            client.disconnect()
+            client.loop_stop()
+        assert stalled.closed_by_broker() == stalled.opened == 300

@@ -159,7 +159,7 @@ def test_gateway_runs_a_fleet_of_devices_that_find_it_over_mdns(lan: Lan, tmp_pa
     serve = lan.popen(
         "gw", command(site.readme["serve"], site.swaps("gw"), *site.state), log=tmp_path / "gw.log"
     )
-    assert lan.reachable("d1", lan.address("gw"), 1883, timeout_s=30), log_text(tmp_path / "gw.log")
+    assert lan.reachable("d1", lan.address("gw"), 8883, timeout_s=30), log_text(tmp_path / "gw.log")
     mixes = ([0, 1, 2, 3, 4, 5], [3, 4, 5, 6, 7, 8], [6, 7, 8, 9, 0, 1], [1, 3, 5, 7, 9, 2])
     for k, host in enumerate(DEVICES):
         write_data(tmp_path / f"{host}.npz", mixes[k], seed=k)

@@ -36,13 +36,17 @@ GATEWAY, DEVICE, DEVICE_ID = "192.168.1.10", "pi-kitchen", "pi-kitchen"
 DEVICES = ("d1", "d2")
 
 ANONYMOUS_RUN = """
-import sys, paho.mqtt.client as mqtt
+import ssl, sys, paho.mqtt.client as mqtt
 client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="intruder")
-if len(sys.argv) > 2:
-    client.username_pw_set(sys.argv[2], "guessed")
+port = int(sys.argv[2])
+if len(sys.argv) > 3:
+    client.username_pw_set(sys.argv[3], "guessed")
+if port == 8883:
+    client.tls_set(cert_reqs=ssl.CERT_NONE)  # an intruder checks nothing
+    client.tls_insecure_set(True)
 codes = []
 client.on_connect = lambda c, u, f, reason, p: codes.append(reason.value)
-client.connect(sys.argv[1], 1883, 10)
+client.connect(sys.argv[1], port, 10)
 client.loop_start()
 import time
 deadline = time.monotonic() + 10
@@ -51,6 +55,15 @@ while not codes and time.monotonic() < deadline:
 client.publish("fl/v1/default/run", b"forged", qos=1, retain=True)
 time.sleep(0.5)
 print(codes[0] if codes else "none")
+"""
+
+
+PLAIN_CONNECT = """
+import socket, sys
+sock = socket.create_connection((sys.argv[1], 8883), 10)
+sock.sendall(bytes([0x10, 12]) + b"\\x00\\x04MQTT\\x04\\x02\\x00\\x1e\\x00\\x00")
+sock.settimeout(12)
+print("closed" if sock.recv(16) == b"" else "answered")
 """
 
 
@@ -148,9 +161,14 @@ def test_the_secure_path_of_deploy_md_admits_devices_and_runs_signed(
     claimed = [line for line in gateway_log if "not the one admitted" in line]
     assert claimed and "'d1'" in claimed[0] and lan.address("d2") in claimed[0], claimed
 
-    # Without a login nobody gets in; a member's name with a guessed password neither.
+    # Beyond loopback the broker speaks TLS only: nothing listens in clear on the LAN, and
+    # a plain CONNECT to the TLS port gets no answer. Without a login nobody gets in over
+    # TLS either; a member's name with a guessed password neither.
+    assert not lan.reachable("d2", gateway, 1883, timeout_s=2)
+    plain = lan.run("d2", [sys.executable, "-c", PLAIN_CONNECT, gateway], timeout=30)
+    assert plain.stdout.strip() == "closed", plain.stdout + plain.stderr
     for who in ([], ["d1"]):
-        intruder = [sys.executable, "-c", ANONYMOUS_RUN, gateway, *who]
+        intruder = [sys.executable, "-c", ANONYMOUS_RUN, gateway, "8883", *who]
         answer = lan.run("d2", intruder, timeout=30)
         assert answer.stdout.strip() not in ("0", "none"), answer.stdout + answer.stderr
 
@@ -187,7 +205,8 @@ def test_open_says_what_it_allows_and_works_as_before(lan: Lan, tmp_path: Path) 
     site.start("d1", ["edge-agent", "--data", "data.npz", "--broker", GATEWAY, "--open"], "d1.log")
     wait_for(lambda: "joined fleet" in text(tmp_path / "d1.log"), 40, "the open agent")
     assert "signs nothing" in text(tmp_path / "d1.log")
-    anonymous = lan.run("d2", [sys.executable, "-c", ANONYMOUS_RUN, gateway], timeout=30)
+    intruder = [sys.executable, "-c", ANONYMOUS_RUN, gateway, "1883"]
+    anonymous = lan.run("d2", intruder, timeout=30)
     assert anonymous.stdout.strip() == "0", "an open broker lets anyone in"
 
 
@@ -236,7 +255,11 @@ def test_admit_gives_a_device_its_key_its_login_and_its_bundle(tmp_path: Path) -
     assert not auth.may_publish("d1", "fl/v1/lab/status/d2")
     assert not auth.may_publish("d1", "fl/v1/lab/run"), "only the coordinator starts runs"
     bundle = state / "broker" / "members" / "d1"
-    assert "username" not in (bundle / "agent.toml").read_text(), "the device logs in with its key"
+    config = (bundle / "agent.toml").read_text()
+    assert "username" not in config, "the device logs in with its key"
+    assert 'tls_ca = "ca.pem"' in config, "and over TLS, checked against the gateway's CA"
+    assert (bundle / "ca.pem").read_text() == (state / "tls" / "ca.pem").read_text()
+    assert (state / "tls" / "ca.key").stat().st_mode & 0o077 == 0
     coordinator_key = runner.invoke(coordinator, ["key", "--state-dir", str(state)]).output
     assert (bundle / "trust.keys").read_text() == coordinator_key
     assert all((bundle / name).stat().st_mode & 0o077 == 0 for name in ("password", "agent.toml"))
