@@ -11,9 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from test_cli import COORDINATOR, EDGE_AGENT, REPO
 
 from agent.data import load_dataset
+from protocol import BrokerAddress, Identity, connect, messages, topics
+from protocol.signing import MemberKeys, add_key
 
 
 def write_data(path: Path, classes: list[int], samples: int = 200, seed: int = 0) -> Path:
@@ -361,3 +364,70 @@ def test_a_broker_certificate_the_ca_does_not_sign_is_explained_in_one_line(
     assert result.returncode == 1, result.stderr
     assert f"TLS handshake with {broker.address} failed: CERTIFICATE_VERIFY_FAILED" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def forged_members(broker: str, fleet: str, keys: dict[str, MemberKeys], labels: dict) -> list:
+    """Admitted members online with a signed idle status whose data description claims
+    `labels[member]` (a member bending the run's classes: issue 46)."""
+    transports = []
+    for member, claimed in labels.items():
+        identity = Identity(fleet, member, key=keys[member])
+        transport = connect(BrokerAddress.parse(broker), identity, probe_s=0)
+        data = {"samples": 200, "shape": [40], "labels": claimed}
+        status = messages.Status(fleet=fleet, sender=member, state="idle", metrics={"data": data})
+        transport.publish(
+            topics.status(fleet, member), messages.encode(status, key=keys[member]), retain=True
+        ).wait_for_publish(5)
+        transports.append(transport)
+    return transports
+
+
+def test_a_members_absurd_labels_never_build_the_run(amqtt_broker, tmp_path: Path) -> None:
+    """Two admitted members claim labels [0, "x"] (which crashed `coordinator run`) and
+    [0, 99999] (which built a 100,000-class run); the run is built from the fleet's own
+    labels with the two devices whose data fits, and says why each member was left out."""
+    broker = str(amqtt_broker.address)
+    identity, admitted = tmp_path / "coordinator.pem", tmp_path / "admitted.keys"
+    coordinator_line = subprocess.run(
+        [*COORDINATOR, "key", "--identity", str(identity)],
+        cwd=REPO, check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    (tmp_path / "trust.keys").write_text(coordinator_line)
+    keys = {name: MemberKeys(name, Ed25519PrivateKey.generate()) for name in ("pi-0", "pi-1")}
+    for name, key in keys.items():
+        add_key(admitted, name, key.public)
+    for name in ("pi-a", "pi-b"):
+        member, public = trust_file(tmp_path, [name]).read_text().split()
+        add_key(admitted, member, public)
+    liars = forged_members(broker, "default", keys, {"pi-0": [0, "x"], "pi-1": [0, 99999]})
+    (tmp_path / "trust.keys").write_text(coordinator_line)
+    agents = []
+    for k, name in enumerate(["pi-a", "pi-b"]):
+        data = write_data(tmp_path / f"{name}.npz", [0, 1, 2, 3], seed=k)
+        command = [
+            *EDGE_AGENT, "--broker", broker, "--id", name, "--data", str(data),
+            "--state-dir", str(tmp_path / name), "--trust", str(tmp_path / "trust.keys"),
+        ]  # fmt: skip
+        log = open(tmp_path / f"{name}.log", "ab")  # noqa: SIM115 - the child holds it
+        agents.append(subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
+    run_file = write_run(tmp_path / "run.toml", strategy="fedavg", agents=2, rounds=1,
+                         join_timeout=60)  # fmt: skip
+    try:
+        result = subprocess.run(
+            [*COORDINATOR, "run", str(run_file), "--broker", broker, "--admitted", str(admitted),
+             "--identity", str(identity), "--report", str(tmp_path / "report.json")],
+            cwd=REPO, capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+    finally:
+        for process in agents:
+            process.terminate()
+        for process in agents:
+            process.wait(30)
+        for transport in liars:
+            transport.stop()
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["config"]["roster"] == ["pi-a", "pi-b"]
+    assert report["config"]["classes"] == 4
+    assert "agent pi-0 cannot join" in result.stderr and "label" in result.stderr
+    assert "agent pi-1 cannot join: label 99999" in result.stderr
