@@ -319,7 +319,8 @@ class _FleetBroker(Broker):
         received nothing). And a silent client is dropped (below)."""
         first = await self._read_connect_header(reader, writer)
         try:
-            await self._admit(_ByteBack(first, reader), writer)
+            client_id = await self._admit(_ByteBack(first, reader), writer)
+            await self._close_taken_over(client_id)
             handler, session = await super()._initialize_client_session(
                 _ByteBack(bytes(self._connect.get()), reader), writer, *args
             )
@@ -341,9 +342,9 @@ class _FleetBroker(Broker):
     _connect: contextvars.ContextVar[bytes] = contextvars.ContextVar("connect")
     """The CONNECT packet being admitted, per connection (each runs in its own task)."""
 
-    async def _admit(self, reader: _ByteBack, writer: WriterAdapter) -> None:
-        """Read the CONNECT and authenticate it; a refused one gets its CONNACK (not
-        authorized) and AMQTTError, before amqtt looks its client id up."""
+    async def _admit(self, reader: _ByteBack, writer: WriterAdapter) -> str:
+        """Read the CONNECT and authenticate it; its client id. A refused one gets its
+        CONNACK (not authorized) and AMQTTError, before amqtt looks its client id up."""
         handler, session = await BrokerProtocolHandler.init_from_connect(
             reader, writer, self.plugins_manager
         )
@@ -359,6 +360,24 @@ class _FleetBroker(Broker):
             handler.attach(session, reader, writer)
             await handler.mqtt_connack_authorize(False)
             raise AMQTTError(_REFUSED)
+        return str(session.client_id or "")
+
+    async def _close_taken_over(self, client_id: str) -> None:
+        """Close the connection that holds `client_id`, which an admitted CONNECT takes
+        (MQTT 3.1.4-2), without its last will (the member is back, not gone). amqtt
+        (0.12.1) dropped the old session of a clean-session client but left its connection
+        open and its handler running: the old client stayed connected, received nothing
+        and never learned why; closed, it reconnects, and one that keeps being taken over
+        says so (`protocol.mqtt`)."""
+        held = self._sessions.get(client_id) if client_id else None
+        if held is None:
+            return
+        old_session, old_handler = held
+        if old_handler is None or old_handler.writer is None:
+            return
+        log.info("client id %s taken by a new connection: closing its old one", client_id)
+        old_session.will_flag = False
+        await old_handler.writer.close()
 
     async def _authenticate(self, session: Session, listener: Any) -> bool:
         """The verdict of `_admit` (a connect proof is good once: asked again, it would

@@ -12,6 +12,7 @@ the broker runs connect without a restart.
 
 from __future__ import annotations
 
+import logging
 import queue
 import subprocess
 import time
@@ -356,3 +357,29 @@ def test_keys_a_member_that_joins_with_its_key_pair_proves_it_by_itself(
     unproven = Raw(address, f"{FLEET}-d0", None, None)
     assert not unproven.accepted
     unproven.close()
+
+
+def test_a_connection_taken_over_again_and_again_says_so(
+    embedded_address: BrokerAddress, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two clients with one client id (a board cloned with the device's key) take the id
+    from each other in turn, and MQTT tells neither: each notices the pattern and says
+    what it means, in one warning per burst."""
+    options = TransportOptions(client_id=f"{FLEET}-d0", backoff_min_s=0.2, backoff_max_s=1.0)
+    first, second = (
+        MqttTransport(embedded_address, options),
+        MqttTransport(embedded_address, options),
+    )
+    with caplog.at_level(logging.WARNING, logger="protocol.mqtt"):
+        first.start()
+        assert first.wait_connected(5)
+        second.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not any(
+            t.stats.get("taken_over") for t in (first, second)
+        ):
+            time.sleep(0.2)
+        first.stop()
+        second.stop()
+    said = [r.getMessage() for r in caplog.records if "another client uses client id" in r.message]
+    assert said and f"'{FLEET}-d0'" in said[0] and "--replace" in said[0], caplog.text[-2000:]
