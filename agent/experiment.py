@@ -236,8 +236,9 @@ class ExperimentConfig:
         "scale",
         f"What attackers send: scale (x {robust_rules.SCALE_FACTOR:g}), noise (+ N(0, "
         f"{robust_rules.NOISE_STD:g}^2)), signflip (negated), huge (3e37 in every entry), nan "
-        "or inflate (centralized: an update-sized step the wrong way claiming "
-        f"{robust_rules.INFLATED_SAMPLES:,} samples).",
+        "inflate (centralized: an update-sized step the wrong way claiming "
+        f"{robust_rules.INFLATED_SAMPLES:,} samples) or backdoor (trains on its data plus "
+        "copies with a 2x2 trigger labelled class 0, and sends that model).",
     )
     init: str = run_param(
         "seed",

@@ -19,8 +19,14 @@ import torch
 
 from agent import data as datasets
 from agent.device import Budget, BudgetLimits, RoundWork, compute_budget, nominal_reading
-from agent.experiment import ExperimentConfig, agent_profiles, default_model, device_outputs
-from agent.learning import Learner, LocalData, models
+from agent.experiment import (
+    ExperimentConfig,
+    agent_profiles,
+    attackers,
+    default_model,
+    device_outputs,
+)
+from agent.learning import Learner, LocalData, backdoor, models, robust_rules
 from agent.learning.tasks import Task
 from agent.user_code import fingerprint, is_import_path
 
@@ -146,6 +152,9 @@ def build_workload(
         for agent_id, part in zip(sorted(roster), parts, strict=True)
         if agent_id in wanted
     }
+    if config.attack in robust_rules.DATA_ATTACKS:
+        for agent_id in set(attackers(config, roster)) & set(data):
+            data[agent_id] = backdoor.poisoned(data[agent_id], config.seed)
     return Workload(model_name, learner, data)
 
 

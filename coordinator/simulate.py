@@ -37,6 +37,7 @@ from agent.learning import (
     as_sent,
     attacked,
     attacked_payload,
+    backdoor,
     central_strategy,
     checked_aggregate,
     checked_fit,
@@ -46,6 +47,7 @@ from agent.learning import (
     live,
     participant_p_k,
     pruning,
+    robust_rules,
     running,
     settle_votes,
     sparse,
@@ -140,9 +142,16 @@ class Simulation:
                 **summarize(rounds, self.plan.t_star, time.perf_counter() - started),
                 "stopped": stopped_summary(rounds, self.stopped, cfg.rounds),
                 **honest_summary(rounds, self.attackers),
+                **self._backdoor_summary(),
             },
         }
         return named_for_task(report, self.learner.task)
+
+    def _backdoor_summary(self) -> dict[str, Any]:
+        if self.config.attack not in robust_rules.DATA_ATTACKS or not self.attackers:
+            return {}
+        model = self.learner.model
+        return backdoor.honest_summary(model, self.states, self.data, self.attackers)
 
     # ------------------------------------------------------------------ decentralized rounds
 

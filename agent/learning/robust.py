@@ -70,6 +70,7 @@ import torch
 from agent.learning import sparse
 from agent.learning.robust_rules import (
     ATTACKS,
+    DATA_ATTACKS,
     HUGE_VALUE,
     NOISE_STD,
     SCALE_FACTOR,
@@ -346,6 +347,8 @@ def poison(
     where there is none), and claims `INFLATED_SAMPLES` (`claimed_samples`)."""
     if attack not in ATTACKS:
         raise ValueError(f"--attack must be one of {', '.join(ATTACKS)}, got {attack!r}")
+    if attack in DATA_ATTACKS:  # the harm is in what it trained on
+        return {name: tensor.clone() for name, tensor in weights.items()}
     out: State = {}
     for name, tensor in weights.items():
         if not torch.is_floating_point(tensor):

@@ -9,7 +9,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-ATTACKS = ("scale", "noise", "signflip", "huge", "nan", "inflate")
+ATTACKS = ("scale", "noise", "signflip", "huge", "nan", "inflate", "backdoor")
+DATA_ATTACKS = ("backdoor",)
+"""Attacks on an attacker's training data (`agent.learning.backdoor`): it then sends the
+model it trained, as it is."""
+BACKDOOR_TARGET = 0
+"""The class the `backdoor` attack's trigger leads to."""
+BACKDOOR_SHARE = 1.0
+"""Triggered copies an attacker adds to its training data, per sample it has."""
 INFLATED_SAMPLES = 10_000_000
 """The `inflate` attack's claimed sample count: the most the protocol lets a model claim
 (`protocol.limits.Limits.max_num_samples`)."""
