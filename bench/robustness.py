@@ -10,58 +10,47 @@
 `--grid` is issue 34's test of the default defence on settings it was not tuned on, fixed
 here before the tuning (GRID_SETTINGS): DA-DPFL, 20 agents, Dirichlet 0.3, digits and
 mnist1d, six settings of (neighbours, local epochs, rounds, attackers) in which each of
-neighbours {2, 4, 8}, epochs {1, 3, 5} and attackers {1, 2, 3} appears twice and rounds
-span 10 to 60 (n2 e1 r60 a3, n8 e1 r10 a1, n4 e3 r30 a2, n2 e3 r10 a2, n8 e5 r10 a3,
-n4 e5 r20 a1: a full factorial would take days on 2 cores; the long runs have few epochs),
-the attacks scale, noise, signflip, huge (3e37) and nan, seeds 1-3: 252 runs, about half
-an hour with --jobs 2. Per run, the median honest agent's final accuracy, always over the
-same 17 agents (the first three of the roster, the most attackers of a setting, are left
-out of every run). A cell (dataset, setting, attack) passes when the median over the seeds
-of (attacked with the default - clean with `--aggregation mean`) is at least -2 points
-(paired per seed, so that a seed's luck cancels); the default's clean-run cost, the median
-over the seeds of (clean with the default - clean with `mean`), must be at least -0.5.
-The default's tuning used only the settings of the tables below (30 rounds of 2 epochs,
-5 neighbours, 2 attackers), never the grid's.
+neighbours {2, 4, 8}, epochs {1, 3, 5} and attackers {1, 2, 3} appears twice and rounds span
+10 to 60 (n2 e1 r60 a3, n8 e1 r10 a1, n4 e3 r30 a2, n2 e3 r10 a2, n8 e5 r10 a3, n4 e5 r20
+a1: a full factorial would take days on 2 cores; the long runs have few epochs), the attacks
+scale, noise, signflip, huge (3e37), nan, inflate and backdoor, seeds 1-3: 324 runs, about
+25 minutes with --jobs 2. Per run, the median honest agent's final accuracy, always over the
+same 17 agents (the first three of the roster, the most attackers of a setting, are left out
+of every run). A cell (dataset, setting, attack) passes when the median over the seeds of
+(attacked with the default - clean with `--aggregation mean`) is at least -2 points (paired
+per seed, so that a seed's luck cancels); the default's clean-run cost, the median over the
+seeds of (clean with the default - clean with `mean`), must be at least -0.5. The default's
+tuning used only the settings of the tables below (30 rounds of 2 epochs, 5 neighbours, 2
+attackers), never the grid's.
 
-Measured once, after the tuning (the default: `--aggregation screened`, `--clip auto` with
-the own model's norm as a cap, agent/learning/robust.py; --jobs 2 on 2 cores shared with
-other work, 252 runs in 2562 s, bench/results/robustness-grid.json). Per cell the median
-over seeds 1-3 of (attacked with the default - clean with `mean`), in points, `!` a miss;
-`clean` is the default's own cost without attackers; `mean` the clean runs' median:
+Re-measured after issue 45's learning changes and with issue 46's attacks added (inflate:
+a step the wrong way claiming 10,000,000 samples, which a decentralized receiver never weighs
+by; backdoor: bench/backdoor.py, whose harm no accuracy shows), --jobs 2 on 2 cores, 324
+runs (bench/results/robustness-grid.json). Per cell the median over seeds 1-3 of (attacked
+with the default - clean with `mean`), in points, `!` a miss:
 
-    dataset  setting             mean     clean     scale     noise  signflip      huge       nan
-    digits   n2 e1 r60 a3       1.000    +0.0      +0.0      +0.0      +0.0      +0.0      +0.0
-    digits   n8 e1 r10 a1       0.545    +0.0      -5.6!     -5.6!     -5.6!     -5.6!     -5.6!
-    digits   n4 e3 r30 a2       1.000    +0.0      +0.0      +0.0      +0.0      +0.0      +0.0
-    digits   n2 e3 r10 a2       0.889    +0.0      +0.0      +0.0      +0.0      +0.0      +0.0
-    digits   n8 e5 r10 a3       0.955    +0.0      -0.9      -0.9      -0.9      -0.9      -0.9
-    digits   n4 e5 r20 a1       1.000    +0.0      +0.0      +0.0      +0.0      +0.0      +0.0
-    mnist1d  n2 e1 r60 a3       0.581    +0.0      +1.6      +1.6      +1.6      +1.6      +1.6
-    mnist1d  n8 e1 r10 a1       0.474    +0.0      +0.6      +0.6      +0.6      +0.6      +0.6
-    mnist1d  n4 e3 r30 a2       0.615    +0.0      +1.0      +1.0      +1.0      +1.0      +1.0
-    mnist1d  n2 e3 r10 a2       0.576    +0.0      -4.4!     -4.4!     -4.4!     -4.4!     -4.4!
-    mnist1d  n8 e5 r10 a3       0.576    +0.0      +0.0      +0.0      +0.0      +0.0      +0.0
-    mnist1d  n4 e5 r20 a1       0.644    +0.0      +0.7      +0.7      +0.7      +0.7      +0.7
+    dataset  setting             mean  clean scale noise signflip  huge   nan inflate backdoor
+    digits   n2 e1 r60 a3       0.941   +0.0  +0.0  +0.0     +0.0  +0.0  +0.0    +0.0     +0.0
+    digits   n8 e1 r10 a1       0.750   +0.0  +0.0  +0.0     +0.0  +0.0  +0.0    +0.0     +0.0
+    digits   n4 e3 r30 a2       0.952   +0.0  +0.0  +0.0     +0.0  +0.0  +0.0    +0.0     +0.0
+    digits   n2 e3 r10 a2       0.941   +0.0  +0.0  +0.0     +0.0  +0.0  +0.0    +0.0     +0.0
+    digits   n8 e5 r10 a3       0.952   +0.0  +0.0  +0.0     +0.0  +0.0  +0.0    +0.0     +0.0
+    digits   n4 e5 r20 a1       0.955   +0.0  +0.0  +0.0     +0.0  +0.0  +0.0    +0.0     +0.0
+    mnist1d  n2 e1 r60 a3       0.685   +0.0  -3.5! -3.5!    -3.5! -3.5! -3.5!   +0.0    -3.7!
+    mnist1d  n8 e1 r10 a1       0.545   +0.0  +0.0  +0.0     +0.0  +0.0  +0.0    +0.0     +0.0
+    mnist1d  n4 e3 r30 a2       0.680   +0.0  -1.7  -1.7     -1.7  -1.7  -1.7    +0.0     +0.0
+    mnist1d  n2 e3 r10 a2       0.644   +0.0  +0.7  +0.7     +0.7  +0.7  +0.7    +0.0     +0.7
+    mnist1d  n8 e5 r10 a3       0.673   +0.0  +1.6  +1.6     +1.6  +1.6  +1.6    +0.0     -1.8
+    mnist1d  n4 e5 r20 a1       0.684   +0.0  +0.0  +0.0     +0.0  +0.0  +0.0    +0.0     +0.8
 
-62 of 72 cells pass, and the 12 clean-cost cells (within 0.5 point: all 0.0; 175 of the 181
-runs with the default touched no honest model, the other 6, mnist1d n2 e1 r60 seed 2,
-clipped 6 to 14 of about 2,400, +1.2 points). In every run the five attacks give the same
-accuracy, seed by seed: no poisoned value reaches an honest model (the attackers' models
-the clip left whole, 1 to 27 a run, are as many under `nan`, whose poisoned models are never
-finite: they are the round-0 models, which are not poisoned), so what an attack still costs
-is the attackers' own contribution, which the fleet no longer gets. The misses are two
-settings, every attack in each:
-
-* digits n8 e1 r10 a1, -5.6 (seeds -5.6, -5.6, +2.6): the median honest agent has about 18
-  test samples, so its accuracy moves in steps of 5.6 points; the honest agents' mean moves
-  -2.9, +4.3, -2.5. One attacker's data missing from a run of 10 rounds of 1 epoch.
-* mnist1d n2 e3 r10 a2, -4.4 (seeds -6.1, 0.0, -4.4; the honest mean -1.9, -2.2, -1.5): two
-  neighbours and two attackers, 10 rounds: an honest agent that hears an attacker averages
-  over one model fewer, in a run too short to make up for it.
-
-Neither is the defence letting an attack through; nothing short of getting the attackers'
-honest work back (which they do not send) would close them. On the runs that end near 1.0
-(digits with 20 rounds or more) the metric is at its ceiling and says little.
+90 of 96 cells pass, and the 12 clean-cost cells (all 0.0). The one setting that misses,
+mnist1d n2 e1 r60 a3 (seeds -7.5, -3.5, +2.6 under every model attack; backdoor -4.5, 0.0,
+-3.6), is two neighbours and three attackers: an honest agent that hears an attacker averages
+over one model fewer for 60 rounds; the five model attacks give the same accuracy seed by
+seed, so no poisoned value reaches an honest model. `inflate` costs nothing here: a
+decentralized receiver weighs no one by a claimed count, and what the attacker sends is the
+model it trained. The earlier measurement (before the learning changes, 252 runs) passed 62
+of 72 cells, its misses digits n8 e1 r10 a1 and mnist1d n2 e3 r10 a2, both of which now pass.
 
 With one seed it prints the accuracy per defence and attack; with several (`--seeds 1-10`)
 each case's worst attack - clean per seed, summed up as mean, sd, range and the seeds
@@ -368,7 +357,7 @@ GRID_SETTINGS: tuple[dict[str, int], ...] = (
 """The grid's settings (issue 34 point 5), fixed before the default defence was tuned: each
 level of neighbours {2, 4, 8}, epochs {1, 3, 5} and attackers {1, 2, 3} twice, rounds 10 to
 60; the long runs have few epochs, so that it runs in about half an hour on 2 cores."""
-GRID_ATTACKS = ("scale", "noise", "signflip", "huge", "nan")
+GRID_ATTACKS = ("scale", "noise", "signflip", "huge", "nan", "inflate", "backdoor")
 GRID_SEEDS = (1, 2, 3)
 GRID_LEFT_OUT = 3
 """The agents left out of every grid run's honest set: the most attackers a setting has, so
