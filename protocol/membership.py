@@ -362,7 +362,15 @@ def _refusal_hint(options: TransportOptions, identity: Identity) -> str:
     """What to check when the broker refuses: the login, or for a member proving its key,
     whether the gateway admitted this key (a re-imaged board, or a bundle copied to another
     board, has another)."""
-    if options.username is not None or not isinstance(identity.key, MemberKeys):
+    if not isinstance(identity.key, MemberKeys):
+        return "check the user name, password and TLS options"
+    if options.username == identity.sender:
+        return (
+            "check the user name, password and TLS options; a gateway whose `coordinator "
+            "admit` took this device's key logs it in with that key, not a password: remove "
+            "username and password_file from an older bundle's agent.toml"
+        )
+    if options.username is not None:
         return "check the user name, password and TLS options"
     return (
         f"the gateway takes {identity.sender!r} only with the key it admitted; this device's is "

@@ -30,7 +30,7 @@ from coordinator.broker_config import (
     member_password,
     write_broker_config,
 )
-from protocol import BrokerAddress, Identity, connect, leave, topics
+from protocol import BrokerAddress, Identity, ProtocolError, connect, leave, topics
 from protocol.acl import fleet_grants
 from protocol.mqtt import MqttTransport, TransportOptions
 from protocol.signing import MemberKeys, add_key, connect_proof
@@ -114,6 +114,18 @@ def keyed_broker(
 
 def proven(keys: MemberKeys, client_id: str | None = None) -> TransportOptions:
     return TransportOptions(client_id=client_id, credentials=connect_proof(keys))
+
+
+@pytest.mark.parametrize("keyed_broker", ["keys-and-logins"], indirect=True)
+def test_a_device_with_an_older_bundles_password_is_told_to_drop_it(
+    keyed_broker: tuple, tmp_path: Path
+) -> None:
+    """Its gateway now takes its key: the refusal says what to change in its bundle."""
+    address, keys = keyed_broker
+    password = member_password(tmp_path / "auth", "d0")
+    options = TransportOptions(username="d0", password=password)
+    with pytest.raises(ProtocolError, match="remove username and password_file"):
+        connect(address, Identity(FLEET, "d0", key=keys["d0"]), options, broker_wait_s=5)
 
 
 @pytest.mark.parametrize("keyed_broker", ["keys", "keys-and-logins"], indirect=True)
