@@ -144,6 +144,59 @@ def test_coordinator_run_says_why_when_the_agents_do_not_come(amqtt_broker, tmp_
     assert not (tmp_path / "report.json").exists()
 
 
+def admitted_fleet(tmp: Path, names: list[str]) -> tuple[Path, Path]:
+    """The coordinator's key pair (made now) and an admission list of `names`' keys
+    (`coordinator admit --admitted`); every device trusts the coordinator (tmp/trust.keys)."""
+    identity, admitted = tmp / "coordinator.pem", tmp / "admitted.keys"
+    line = subprocess.run(
+        [*COORDINATOR, "key", "--identity", str(identity)],
+        cwd=REPO, check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    for name in names:
+        agent_id, public = trust_file(tmp, [name]).read_text().split()
+        subprocess.run([*COORDINATOR, "admit", agent_id, public, "--admitted", str(admitted)],
+                       cwd=REPO, check=True)  # fmt: skip
+    (tmp / "trust.keys").write_text(line)
+    return identity, admitted
+
+
+def start_trusting(tmp: Path, broker: str, names: list[str]) -> list[subprocess.Popen]:
+    """`edge-agent` per name, with data of classes 0-3, trusting tmp/trust.keys."""
+    agents = []
+    for k, name in enumerate(names):
+        data = write_data(tmp / f"{name}.npz", [0, 1, 2, 3], seed=k)
+        command = [
+            *EDGE_AGENT, "--broker", broker, "--id", name, "--data", str(data),
+            "--state-dir", str(tmp / name), "--trust", str(tmp / "trust.keys"),
+        ]  # fmt: skip
+        log = open(tmp / f"{name}.log", "ab")  # noqa: SIM115 - the child holds it
+        agents.append(subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
+    return agents
+
+
+def run_admitted(
+    tmp: Path,
+    broker: str,
+    run_file: Path,
+    identity: Path,
+    admitted: Path,
+    agents: list[subprocess.Popen],
+) -> subprocess.CompletedProcess[str]:
+    """`coordinator run` with the admission list, its report in tmp/report.json; the agents
+    are stopped after it."""
+    try:
+        return subprocess.run(
+            [*COORDINATOR, "run", str(run_file), "--broker", broker, "--admitted", str(admitted),
+             "--identity", str(identity), "--report", str(tmp / "report.json")],
+            cwd=REPO, capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+    finally:
+        for process in agents:
+            process.terminate()
+        for process in agents:
+            process.wait(30)
+
+
 @pytest.mark.slow
 def test_coordinator_run_admits_by_key_and_agents_take_runs_only_from_it(
     amqtt_broker, tmp_path: Path
@@ -151,38 +204,12 @@ def test_coordinator_run_admits_by_key_and_agents_take_runs_only_from_it(
     """Two admitted devices and a stranger with a key of its own: the run takes the two
     (fedavg: the coordinator aggregates their signed updates); the stranger is never seen."""
     broker = str(amqtt_broker.address)
-    identity, admitted = tmp_path / "coordinator.pem", tmp_path / "admitted.keys"
-    line = subprocess.run(
-        [*COORDINATOR, "key", "--identity", str(identity)],
-        cwd=REPO, check=True, capture_output=True, text=True,
-    ).stdout  # fmt: skip
-    for name in ("pi-a", "pi-b"):
-        agent_id, public = trust_file(tmp_path, [name]).read_text().split()
-        subprocess.run([*COORDINATOR, "admit", agent_id, public, "--admitted", str(admitted)],
-                       cwd=REPO, check=True)  # fmt: skip
-    (tmp_path / "trust.keys").write_text(line)
-    agents = {}
-    for k, name in enumerate(["pi-a", "pi-b", "pi-0"]):  # pi-0 first by id: would be taken
-        data = write_data(tmp_path / f"{name}.npz", [0, 1, 2, 3], seed=k)
-        command = [
-            *EDGE_AGENT, "--broker", broker, "--id", name, "--data", str(data),
-            "--state-dir", str(tmp_path / name), "--trust", str(tmp_path / "trust.keys"),
-        ]  # fmt: skip
-        log = open(tmp_path / f"{name}.log", "ab")  # noqa: SIM115 - the child holds it
-        agents[name] = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    identity, admitted = admitted_fleet(tmp_path, ["pi-a", "pi-b"])
+    # pi-0 first by id: would be taken
+    agents = start_trusting(tmp_path, broker, ["pi-a", "pi-b", "pi-0"])
     run_file = write_run(tmp_path / "run.toml", strategy="fedavg", agents=2, rounds=2,
                          join_timeout=60)  # fmt: skip
-    try:
-        result = subprocess.run(
-            [*COORDINATOR, "run", str(run_file), "--broker", broker, "--admitted", str(admitted),
-             "--identity", str(identity), "--report", str(tmp_path / "report.json")],
-            cwd=REPO, capture_output=True, text=True, timeout=180,
-        )  # fmt: skip
-    finally:
-        for process in agents.values():
-            process.terminate()
-        for process in agents.values():
-            process.wait(30)
+    result = run_admitted(tmp_path, broker, run_file, identity, admitted, agents)
     assert result.returncode == 0, result.stderr
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["config"]["roster"] == ["pi-a", "pi-b"]
@@ -387,42 +414,17 @@ def test_a_members_absurd_labels_never_build_the_run(amqtt_broker, tmp_path: Pat
     [0, 99999] (which built a 100,000-class run); the run is built from the fleet's own
     labels with the two devices whose data fits, and says why each member was left out."""
     broker = str(amqtt_broker.address)
-    identity, admitted = tmp_path / "coordinator.pem", tmp_path / "admitted.keys"
-    coordinator_line = subprocess.run(
-        [*COORDINATOR, "key", "--identity", str(identity)],
-        cwd=REPO, check=True, capture_output=True, text=True,
-    ).stdout  # fmt: skip
-    (tmp_path / "trust.keys").write_text(coordinator_line)
+    identity, admitted = admitted_fleet(tmp_path, ["pi-a", "pi-b"])
     keys = {name: MemberKeys(name, Ed25519PrivateKey.generate()) for name in ("pi-0", "pi-1")}
     for name, key in keys.items():
         add_key(admitted, name, key.public)
-    for name in ("pi-a", "pi-b"):
-        member, public = trust_file(tmp_path, [name]).read_text().split()
-        add_key(admitted, member, public)
     liars = forged_members(broker, "default", keys, {"pi-0": [0, "x"], "pi-1": [0, 99999]})
-    (tmp_path / "trust.keys").write_text(coordinator_line)
-    agents = []
-    for k, name in enumerate(["pi-a", "pi-b"]):
-        data = write_data(tmp_path / f"{name}.npz", [0, 1, 2, 3], seed=k)
-        command = [
-            *EDGE_AGENT, "--broker", broker, "--id", name, "--data", str(data),
-            "--state-dir", str(tmp_path / name), "--trust", str(tmp_path / "trust.keys"),
-        ]  # fmt: skip
-        log = open(tmp_path / f"{name}.log", "ab")  # noqa: SIM115 - the child holds it
-        agents.append(subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
+    agents = start_trusting(tmp_path, broker, ["pi-a", "pi-b"])
     run_file = write_run(tmp_path / "run.toml", strategy="fedavg", agents=2, rounds=1,
                          join_timeout=60)  # fmt: skip
     try:
-        result = subprocess.run(
-            [*COORDINATOR, "run", str(run_file), "--broker", broker, "--admitted", str(admitted),
-             "--identity", str(identity), "--report", str(tmp_path / "report.json")],
-            cwd=REPO, capture_output=True, text=True, timeout=180,
-        )  # fmt: skip
+        result = run_admitted(tmp_path, broker, run_file, identity, admitted, agents)
     finally:
-        for process in agents:
-            process.terminate()
-        for process in agents:
-            process.wait(30)
         for transport in liars:
             transport.stop()
     assert result.returncode == 0, result.stderr
