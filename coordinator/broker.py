@@ -66,13 +66,13 @@ from coordinator.broker_limits import (
 )
 from coordinator.gateway_tls import BrokerCertificate
 from protocol import BrokerAddress
+from protocol.cli import MQTTS_PORT
 from protocol.logs import RejectionLog
 
 log = logging.getLogger(__name__)
 
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 TLS_LISTENER = "tls"
-MQTTS_PORT = 8883
 _MODULE = "coordinator.broker"  # amqtt imports plugins by dotted path (not __main__'s name)
 
 
@@ -408,8 +408,8 @@ class _FleetBroker(Broker):
         """amqtt's, within the retained store's bounds (`RetainedBook`): a message past
         them is delivered but not retained, with a (rate-limited) line naming its owner."""
         if topic_name is not None and data:
-            owner = "" if source_session is None else source_session.username or ""
-            owner = owner or ("" if source_session is None else source_session.client_id or "")
+            session = source_session
+            owner = "" if session is None else session.username or session.client_id or ""
             why = self.retained.admit(owner, topic_name, len(data))
             if why is not None:
                 self.refusals.reject("retained message", owner or "(broker)", topic_name, why)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 
 from coordinator.broker_config import MAX_PACKET_BYTES
 from protocol import topics
+from protocol.errors import ProtocolError
 
 MIB = 1024 * 1024
 RESERVED_FDS = 64
@@ -220,7 +221,7 @@ def retained_by_protocol(topic: str) -> bool:
         return True
     try:
         return topics.parse(topic)[1] in RETAINED_KINDS
-    except Exception:
+    except ProtocolError:
         return False
 
 

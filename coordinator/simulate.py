@@ -142,16 +142,10 @@ class Simulation:
                 **summarize(rounds, self.plan.t_star, time.perf_counter() - started),
                 "stopped": stopped_summary(rounds, self.stopped, cfg.rounds),
                 **honest_summary(rounds, self.attackers),
-                **self._backdoor_summary(),
+                **backdoor_summary(self),
             },
         }
         return named_for_task(report, self.learner.task)
-
-    def _backdoor_summary(self) -> dict[str, Any]:
-        if self.config.attack not in robust_rules.DATA_ATTACKS or not self.attackers:
-            return {}
-        model = self.learner.model
-        return backdoor.honest_summary(model, self.states, self.data, self.attackers)
 
     # ------------------------------------------------------------------ decentralized rounds
 
@@ -421,6 +415,14 @@ def with_energy(profiles: dict[str, DeviceProfile], spent: AgentRound) -> AgentR
     return dataclasses.replace(
         spent, energy_j=energy, radio_energy_j=radio, energy_source=ENERGY_SOURCE
     )
+
+
+def backdoor_summary(run: Simulation) -> dict[str, Any]:
+    """Under a data attack (`--attack backdoor`), the trigger's success on the honest
+    agents' final models (`backdoor.honest_summary`); nothing otherwise."""
+    if run.config.attack not in robust_rules.DATA_ATTACKS or not run.attackers:
+        return {}
+    return backdoor.honest_summary(run.learner.model, run.states, run.data, run.attackers)
 
 
 def simulate(

@@ -486,26 +486,42 @@ being taken over: MQTT hands a client id to its newest connection and tells the 
 nothing, so two clients with one id take it from each other in turn."""
 
 
-class _TakeoverWatch:
-    """Counts the accepted connections the broker dropped, to say when they look taken over."""
+class _Losses:
+    """Says each connection the broker dropped, and when they look taken over: the last
+    TAKEN_OVER_LOSSES came within the window (said at most once a window, counted in the
+    transport's stats as `taken_over`)."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
+    def __init__(
+        self,
+        broker: BrokerAddress,
+        client_id: str,
+        count: Callable[[str], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._broker, self._client_id, self._count, self._clock = broker, client_id, count, clock
         self._losses: deque[float] = deque(maxlen=TAKEN_OVER_LOSSES)
         self._said = -math.inf
 
-    def lost(self) -> bool:
-        """Note a dropped connection; whether to say it looks taken over: the last
-        TAKEN_OVER_LOSSES came within the window, and it was not said within the window."""
+    def lost(self, reason: Any) -> None:
+        log.warning("lost MQTT broker %s (%s); reconnecting", self._broker, reason)
         now = self._clock()
         self._losses.append(now)
         burst = len(self._losses) == TAKEN_OVER_LOSSES
-        if burst and now - self._losses[0] <= TAKEN_OVER_WINDOW_S:
-            self._losses.clear()
-            if now - self._said > TAKEN_OVER_WINDOW_S:
-                self._said = now
-                return True
-        return False
+        if not burst or now - self._losses[0] > TAKEN_OVER_WINDOW_S:
+            return
+        self._losses.clear()
+        if now - self._said <= TAKEN_OVER_WINDOW_S:
+            return
+        self._said = now
+        self._count("taken_over")
+        log.warning(
+            "MQTT broker %s dropped this connection %d times in %.0f s, each time after "
+            "accepting it: if the network is steady, another client uses client id %r "
+            "(a second process, or a board with this device's id and key such as a copied "
+            "SD card): stop it, or give this device a new key and admit it again with "
+            "`coordinator admit ID KEY --replace`",
+            self._broker, TAKEN_OVER_LOSSES, TAKEN_OVER_WINDOW_S, self._client_id,
+        )  # fmt: skip
 
 
 class MqttTransport:
@@ -534,8 +550,8 @@ class MqttTransport:
         self._stats: Counter[str] = Counter()
         self._stats_lock = threading.Lock()
         self._outgoing = _OutgoingQueue()
+        self._losses = _Losses(broker, self.client_id, self._count)
         self._stopped = False
-        self._takeovers = _TakeoverWatch()
         self.refused: str | None = None
         """Why the broker refused the last connection attempt (bad credentials, ...), if it
         did; None once a connection is accepted."""
@@ -750,19 +766,8 @@ class MqttTransport:
         self, client: paho.Client, userdata: Any, flags: Any, reason: Any, properties: Any
     ) -> None:
         self._subscriptions.disconnected(lost=True)
-        if self._stopped:
-            return
-        log.warning("lost MQTT broker %s (%s); reconnecting", self.broker, reason)
-        if self._takeovers.lost():
-            self._count("taken_over")  # said at most once a window
-            log.warning(
-                "MQTT broker %s dropped this connection %d times in %.0f s, each time after "
-                "accepting it: if the network is steady, another client uses client id %r "
-                "(a second process, or a board with this device's id and key such as a copied "
-                "SD card): stop it, or give this device a new key and admit it again with "
-                "`coordinator admit ID KEY --replace`",
-                self.broker, TAKEN_OVER_LOSSES, TAKEN_OVER_WINDOW_S, self.client_id,
-            )  # fmt: skip
+        if not self._stopped:
+            self._losses.lost(reason)
 
     def _on_subscribe(
         self, client: paho.Client, userdata: Any, mid: int, reasons: list[Any], properties: Any
