@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import os
 import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -25,6 +24,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from coordinator.broker_config import write_file
 
 TLS_DIR = "tls"
 CA_CERT, CA_KEY, BROKER_CERT, BROKER_KEY = "ca.pem", "ca.key", "broker.pem", "broker.key"
@@ -68,8 +69,8 @@ def ca_certificate(folder: Path) -> Path:
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(key, hashes.SHA256())
     )
-    _write(key_path, _private_pem(key), 0o600)
-    _write(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    write_file(key_path, _private_pem(key), 0o600)
+    write_file(cert_path, cert.public_bytes(serialization.Encoding.PEM).decode(), 0o644)
     return cert_path
 
 
@@ -87,7 +88,7 @@ def broker_certificate(folder: Path, names: Iterable[str]) -> BrokerCertificate:
         assert isinstance(key, ec.EllipticCurvePrivateKey)
     else:
         key = ec.generate_private_key(ec.SECP256R1())
-        _write(key_path, _private_pem(key), 0o600)
+        write_file(key_path, _private_pem(key), 0o600)
     now = datetime.datetime.now(datetime.timezone.utc)
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, socket.gethostname())])
     cert = (
@@ -105,7 +106,7 @@ def broker_certificate(folder: Path, names: Iterable[str]) -> BrokerCertificate:
         .sign(ca_key, hashes.SHA256())
     )
     cert_path = home / BROKER_CERT
-    _write(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    write_file(cert_path, cert.public_bytes(serialization.Encoding.PEM).decode(), 0o644)
     return BrokerCertificate(ca_path, cert_path, key_path)
 
 
@@ -149,19 +150,9 @@ def _usage(cert_sign: bool) -> x509.KeyUsage:
     )
 
 
-def _private_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+def _private_pem(key: ec.EllipticCurvePrivateKey) -> str:
     return key.private_bytes(
         serialization.Encoding.PEM,
         serialization.PrivateFormat.PKCS8,
         serialization.NoEncryption(),
-    )
-
-
-def _write(path: Path, data: bytes, mode: int) -> None:
-    """Whole or not at all, with `mode` from the start (a key is never readable by others)."""
-    partial = path.with_name(f".{path.name}.new")
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(data)
-    os.chmod(partial, mode)
-    os.replace(partial, path)
+    ).decode()

@@ -193,15 +193,22 @@ def _create_private(path: Path) -> Ed25519PrivateKey:
         serialization.PrivateFormat.PKCS8,
         serialization.NoEncryption(),
     )
+    _write_whole(path, pem, 0o600)
+    return private
+
+
+def _write_whole(path: Path, data: bytes, mode: int) -> None:
+    """`data` at `path`, whole or not at all (a reader never sees half a file), created with
+    `mode` (a private key is never readable by others, not even while it is written)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(path.name + ".tmp")
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     with os.fdopen(descriptor, "wb") as handle:
-        handle.write(pem)
+        handle.write(data)
         handle.flush()
         os.fsync(handle.fileno())
+    os.chmod(temporary, mode)
     os.replace(temporary, path)
-    return private
 
 
 def read_keys(path: Path) -> dict[str, Ed25519PublicKey]:
@@ -255,10 +262,7 @@ def add_key(path: Path, member: str, public: str, replace: bool = False) -> bool
         lines = path.read_text(encoding="utf-8").splitlines()
         kept = [line for line in lines if line.split()[:1] != [member]]
         text = "".join(f"{line}\n" for line in [*kept, key_line(member, public)])
-        partial = path.with_name(f".{path.name}.new")
-        partial.write_text(text, encoding="utf-8")
-        os.chmod(partial, path.stat().st_mode & 0o777)
-        os.replace(partial, path)  # whole or not at all: the broker reads it when it changes
+        _write_whole(path, text.encode("utf-8"), path.stat().st_mode & 0o777)  # read live
         return True
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a", encoding="utf-8") as handle:
