@@ -40,7 +40,6 @@ from coordinator.gateway_state import (
     ADMITTED,
     BROKER_AUTH,
     FLEET_FILE,
-    IDENTITY,
     FollowedKeys,
     Guard,
     broker_agents,
@@ -319,11 +318,9 @@ def gateway_certificate(
     """The TLS certificate of the embedded broker beyond loopback under the gateway's own
     logins (its secure default), issued now from the gateway's CA for the names devices
     may use; None on loopback, or under logins given by --broker-auth."""
-    if guard is None or guard.broker_auth is None or loopback(host):
+    if guard is None or guard.state_folder is None or loopback(host):
         return None
-    folder = Path(guard.broker_auth).parent
-    if Path(guard.broker_auth).name != BROKER_AUTH or not (folder / IDENTITY).is_file():
-        return None
+    folder = Path(guard.state_folder)
     try:
         return broker_certificate(folder, gateway_names(host, *mdns_interfaces))
     except (OSError, ValueError) as exc:
@@ -372,10 +369,10 @@ def gateway_broker(
             raise click.ClickException(
                 f"cannot start the embedded broker on {host}:{port}: {exc}"
             ) from None
-        if embedded.tls_address is not None:
+        if embedded.tls is not None:
             say(
                 f"embedded MQTT broker listening on [bold]{host}:{embedded.tls_port}[/] over TLS "
-                f"(its CA for the devices' bundles: {embedded.tls.ca if embedded.tls else ''}), "
+                f"(its CA for the devices' bundles: {embedded.tls.ca}), "
                 f"and in clear on 127.0.0.1:{port} for this machine alone"
             )
         else:
@@ -397,12 +394,12 @@ def gateway_broker(
             announced = mdns_interfaces[0] if embedded else socket.gethostbyname(broker.host)
             if ipaddress.ip_address(announced).is_loopback:  # on this host: reached on the LAN
                 announced = mdns_interfaces[0]
-            tls_port = embedded.tls_port if embedded and embedded.tls else None
+            tls = embedded.tls_address if embedded else None  # devices reach it over TLS
             discovery.advertise_broker(
                 announced,
-                tls_port or broker.port,
+                (tls or broker).port,
                 fleets=[fleet],
-                tls=tls_port is not None or settings.tls is not None,
+                tls=tls is not None or settings.tls is not None,
             )
             say(f"announcing the broker over mDNS on {', '.join(mdns_interfaces)}")
         yield broker

@@ -99,6 +99,9 @@ class Guard:
     admitted_file: str | None
     identity_file: str
     broker_auth: str | None = None
+    state_folder: str | None = None
+    """The gateway's state folder these came from (`secure_by_default`), whose CA makes the
+    embedded broker's TLS certificate; None for what the flags named."""
 
     def chosen(self, settings: BrokerSettings) -> bool:
         """Whether the user said how (a key, an admission list, logins or a user name)."""
@@ -133,7 +136,7 @@ def secure_by_default(
     elif not (folder / BROKER_AUTH / FLEET_FILE).is_file():
         return guard, settings
     auth = folder / BROKER_AUTH
-    secured = Guard(None, str(folder / ADMITTED), str(folder / IDENTITY), str(auth))
+    secured = Guard(None, str(folder / ADMITTED), str(folder / IDENTITY), str(auth), str(folder))
     try:
         login = dataclasses.replace(
             settings, username=GATEWAY, password=member_password(auth, GATEWAY)
