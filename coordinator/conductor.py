@@ -31,6 +31,7 @@ from agent.report import (
 )
 from agent.runtime import new_run_id
 from coordinator.aggregator import Aggregator, AggregatorRecord
+from coordinator.status_figures import TOLD, checked, header_problem, incomplete
 from coordinator.tallies import DEFAULT_VOTE_WAIT_S, TallyKeeper
 from protocol import MqttTransport, ProtocolError, messages, topics
 from protocol.limits import Limits
@@ -239,17 +240,19 @@ class Conductor:
         rounds = self.config.learning.rounds
         if not 0 <= message.round <= rounds:
             return  # a round the run does not have: nothing to keep of it
+        if problem := header_problem(message):
+            TOLD.tell(self.fleet, message.sender, [problem], "status ignored")
+            return
+        figures, problems = checked(message.metrics, message.round, run_metric(self.config))
+        TOLD.tell(self.fleet, message.sender, problems, "ignored")
         progress = self.agents[message.sender]
         self.keeper.on_status(message)
         with self._changed:
             progress.state, progress.stopped = message.state, message.stopped
             progress.round = max(progress.round, message.round)
-            record = message.metrics.get("record")
-            if isinstance(record, dict) and message.round >= 1:
-                progress.records.setdefault(message.round, record)
-            for row in earlier_records(message.metrics.get("records"), rounds):
+            for row in reportable(self.fleet, message, figures):
                 progress.records.setdefault(row["round"], row)
-            error = message.metrics.get("error")
+            error = figures.get("error")
             if isinstance(error, str):
                 progress.error = error[:500]
             self._changed.notify_all()
@@ -332,6 +335,34 @@ def ended_earlier(idle: messages.Status, run_id: str) -> messages.Status | None:
         stopped=state == "stopped",
         metrics={"records": last.get("records")},
     )
+
+
+def run_metric(config: ExperimentConfig) -> str:
+    """The name under which the run's agents report their metric (`Task.metric_name`),
+    without loading the task (torch): whether a status's accuracy must be a share is the
+    run's to say, not the member's."""
+    if config.metric:
+        return config.metric.rpartition(":")[2]
+    return "accuracy" if config.task == "classification" else config.task
+
+
+def reportable(
+    fleet: str, message: messages.Status, figures: Mapping[str, Any]
+) -> list[dict[str, Any]]:
+    """The round records of a status (checked `figures`) a report can be built from: its
+    round's and those its final status repeats (`earlier_records`), each with every figure
+    a report needs; one that lacks any is told and left out."""
+    record = figures.get("record")
+    rows = [record] if isinstance(record, dict) and message.round >= 1 else []
+    rows += earlier_records(figures.get("records"), message.round)
+    kept = []
+    for row in rows:
+        if why := incomplete(row):
+            where = f"of round {row.get('round', message.round)}"
+            TOLD.tell(fleet, message.sender, [("record", f"{where} {why}")], "left out")
+        else:
+            kept.append(row)
+    return kept
 
 
 def earlier_records(rows: object, rounds: int) -> list[dict[str, Any]]:

@@ -22,6 +22,13 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from coordinator.status_figures import (
+    MAX_ROUNDS,
+    TOLD,
+    checked,
+    header_problem,
+    presence_problems,
+)
 from protocol import ProtocolError, messages, topics
 from protocol.limits import MAX_MEMBERS
 from protocol.logs import RejectionLog, claimed_sender
@@ -89,6 +96,9 @@ class FleetView:
             self.rejected += 1
             self._rejections.reject(kind, message.sender, topic, "older than its latest presence")
             return None
+        if isinstance(message, messages.Status) and (problem := header_problem(message)):
+            TOLD.tell(fleet, message.sender, [problem], "status ignored")
+            return None
         key = (fleet, message.sender)
         if key not in self._entries and len(self._entries) >= MAX_MEMBERS:
             self.dropped += 1
@@ -97,12 +107,12 @@ class FleetView:
             return None
         entry = self._entries.setdefault(key, AgentEntry(fleet, message.sender))
         if isinstance(message, messages.Presence):
-            entry.online, entry.since = message.online, message.since
-            entry.role, entry.profile = message.role, message.profile or entry.profile
-            entry.reason = message.reason
+            apply_presence(entry, message)
         elif isinstance(message, messages.Status):
             entry.state, entry.round, entry.stopped = message.state, message.round, message.stopped
-            entry.metrics, entry.run_id = message.metrics, message.run_id
+            figures, problems = checked(message.metrics, message.round)
+            TOLD.tell(fleet, message.sender, problems, "ignored")
+            entry.metrics, entry.run_id = figures, message.run_id
         return entry
 
     def _clock(self, fleet: str) -> PresenceClock:
@@ -112,6 +122,18 @@ class FleetView:
 
     def entries(self) -> list[AgentEntry]:
         return [self._entries[k] for k in sorted(self._entries)]
+
+
+def apply_presence(entry: AgentEntry, presence: messages.Presence) -> None:
+    """Fold a presence into the member's entry; a role or profile no agent sends (rich
+    markup, 900 kB) is told once and the one known before kept."""
+    wrong = dict(presence_problems(presence))
+    TOLD.tell(entry.fleet, entry.agent, list(wrong.items()), "ignored", kind="presence")
+    entry.online, entry.since, entry.reason = presence.online, presence.since, presence.reason
+    if "role" not in wrong:
+        entry.role = presence.role
+    if "profile" not in wrong:
+        entry.profile = presence.profile or entry.profile
 
 
 RUNS_FOLLOWED = 1000
@@ -155,7 +177,7 @@ class FleetLog:
         if kind == "run":
             return self._run(fleet, payload)
         entry = self.view.feed(topic, payload)
-        if entry is None or entry.role != "agent":
+        if entry is None or entry.role != "agent" or not self._in_run(entry):
             return []
         lines = []
         key = (entry.fleet, entry.agent)
@@ -173,6 +195,16 @@ class FleetLog:
                     f"{entry.fleet}: run {entry.run_id} at round {self._of(run, entry.round)}"
                 )
         return lines
+
+    def _in_run(self, entry: AgentEntry) -> bool:
+        """Whether the agent's round is one its run has (any, for a run not seen): a member
+        claiming round 5000 of a 10-round run moves no line."""
+        rounds = self._rounds.get((entry.fleet, entry.run_id), MAX_ROUNDS)
+        if entry.round <= rounds:
+            return True
+        why = f"must be at most run {entry.run_id}'s {rounds} rounds, got {entry.round}"
+        TOLD.tell(entry.fleet, entry.agent, [("round", why)], "status ignored")
+        return False
 
     def describe(self, entry: AgentEntry) -> str:
         """'lab/x1: online, training round 3/10': presence without its age (a log line

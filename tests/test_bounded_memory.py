@@ -37,6 +37,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from agent.experiment import ExperimentConfig
 from agent.learning import preset
+from agent.report import AgentRound
 from coordinator.broker_config import MAX_PACKET_BYTES
 from coordinator.conductor import Conductor
 from coordinator.watch import FleetFeed
@@ -217,7 +218,7 @@ def test_the_conductor_keeps_no_record_of_rounds_its_run_does_not_have() -> None
     conductor.start()
     try:
         on_status = wire.handlers[topics.status(FLEET)]
-        record = {"round": 1, "accuracy": 0.5}
+        record = AgentRound(1, "a", 0.5, loss=1.0, train_loss=1.0, sparsity=0.0).as_dict()
         for round_ in (1, 3, 10**9):
             payload = status("a", run_id="r1", round=round_, metrics={"record": record})
             on_status(topics.status(FLEET, "a"), payload)

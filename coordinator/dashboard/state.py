@@ -274,12 +274,19 @@ def agent_row(entry: AgentEntry, series: AgentSeries | None, with_series: bool) 
 
 
 def fleet_summaries(agents: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per fleet: agents known, online and stopped, the furthest round and mean accuracy."""
+    """Per fleet: agents known, online and stopped, the furthest round and the mean of the
+    metric most of its agents report (a member naming another metric is left out of the
+    mean: an mae is no accuracy)."""
     summaries = []
     for fleet in sorted({row["fleet"] for row in agents}):
         rows = [row for row in agents if row["fleet"] == fleet]
-        accuracies = [row["accuracy"] for row in rows if row["accuracy"] is not None]
         metrics = Counter(row["metric"] for row in rows if row["accuracy"] is not None)
+        metric = metrics.most_common(1)[0][0] if metrics else "accuracy"
+        accuracies = [
+            row["accuracy"]
+            for row in rows
+            if row["accuracy"] is not None and row["metric"] == metric
+        ]
         summaries.append(
             {
                 "fleet": fleet,
@@ -288,7 +295,7 @@ def fleet_summaries(agents: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "stopped": sum(row["stopped"] for row in rows),
                 "round": max(row["round"] for row in rows),
                 "mean_accuracy": sum(accuracies) / len(accuracies) if accuracies else None,
-                "metric": metrics.most_common(1)[0][0] if metrics else "accuracy",
+                "metric": metric,
             }
         )
     return summaries
