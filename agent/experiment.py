@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from agent.data import PYTHON_SOURCE
 from agent.learning import robust_rules
 from agent.learning.config import (
+    ADAM_FAMILY,
     BATCHNORM_MODES,
     CENTRALIZED,
     DECENTRALIZED,
@@ -235,10 +236,14 @@ class ExperimentConfig:
     attack: str = param(
         "scale",
         f"What attackers send: scale (x {robust_rules.SCALE_FACTOR:g}), noise (+ N(0, "
-        f"{robust_rules.NOISE_STD:g}^2)), signflip (negated), huge (3e37 in every entry), nan "
+        f"{robust_rules.NOISE_STD:g}^2)), signflip (negated), huge (3e37 in every entry), nan, "
         "inflate (centralized: an update-sized step the wrong way claiming "
-        f"{robust_rules.INFLATED_SAMPLES:,} samples) or backdoor (trains on its data plus "
-        "copies with a 2x2 trigger labelled class 0, and sends that model).",
+        f"{robust_rules.INFLATED_SAMPLES:,} samples), ipm ({robust_rules.IPM_EPSILON:g} of "
+        "its step the wrong way), alie (the honest mean less z standard deviations; in "
+        "coordinator simulate the attackers pool their honest models), labelflip (trains on "
+        "labels C-1-y), backdoor (trains on its data plus copies with a 2x2 trigger labelled "
+        "class 0, and sends that model) or replace (the backdoored step boosted "
+        f"x{robust_rules.REPLACE_BOOST:g}).",
     )
     init: str = run_param(
         "seed",
@@ -342,8 +347,14 @@ def check_mask_unit(cfg: StrategyConfig) -> None:
 
 def check_robustness(config: ExperimentConfig) -> None:
     """The robust-aggregation and attack options, one clear sentence for a bad value."""
-    robust_rules.parse_rule(config.learning.aggregation)
+    rule = robust_rules.parse_rule(config.learning.aggregation)
     robust_rules.parse_clip(config.learning.clip)
+    voting = [name for name in CENTRALIZED if name not in ADAM_FAMILY]
+    if rule.kind == robust_rules.SIGNS and config.learning.strategy not in voting:
+        raise ValueError(
+            "--aggregation signs votes on the steps of models trained from one global model: "
+            f"it takes {', '.join(voting)}, not {config.learning.strategy}"
+        )
     if not 0 <= config.attackers < config.agents:
         raise ValueError(
             f"--attackers must be between 0 and agents - 1 = {config.agents - 1}, "

@@ -154,7 +154,9 @@ def build_workload(
     }
     if config.attack in robust_rules.DATA_ATTACKS:
         for agent_id in set(attackers(config, roster)) & set(data):
-            data[agent_id] = backdoor.poisoned(data[agent_id], config.seed)
+            data[agent_id] = backdoor.poisoned_data(
+                data[agent_id], config.attack, config.seed, outputs
+            )
     return Workload(model_name, learner, data)
 
 

@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +23,7 @@ from agent.device.calibration import measure_costs
 from agent.device.throttle import ENERGY_SOURCE, round_energy
 from agent.experiment import ExperimentConfig, agent_profiles, attackers
 from agent.learning import (
+    AgentState,
     CentralStrategy,
     EarlyStop,
     Fit,
@@ -47,6 +48,7 @@ from agent.learning import (
     live,
     participant_p_k,
     pruning,
+    robust,
     robust_rules,
     running,
     settle_votes,
@@ -170,13 +172,14 @@ class Simulation:
     ) -> tuple[RoundResult, AgentRound]:
         """Keep agent k's round: its state, early stopping, figures; what it sends (poisoned
         if it is an attacker)."""
-        self.states[k] = result.state
+        before, self.states[k] = self.states[k].weights, result.state
         if result.recovered:
             log.warning("%s round %d: model not finite; kept its model from before", k, t)
         self._early_stop(k, t, result.state.weights, result.train_loss, result.pruned)
         record = AgentRound.of_result(t, k, result, reduction, p_k_of(self.budgets, k))
         if k in self.attackers:
-            result = attacked(self.learner, result, self.config.attack, t)
+            pooled = colluders(self, self.states)
+            result = attacked(self.learner, result, self.config.attack, t, before, pooled)
         return result, record
 
     def _vote(self, t: int, ran: dict[str, AgentRound], wire: LocalWire) -> None:
@@ -266,10 +269,9 @@ class Simulation:
         self, strategy: CentralStrategy, fits: dict[str, Fit], t: int, reference: sparse.State
     ) -> tuple[dict[str, list[str]], dict[str, Upload]]:
         """(the coordinator's layer requests, what the aggregator decodes of each upload: fp16
-        on the wire rounds the values): FedLDF selects layers from the divergence vectors
-        and participants send those; the others send their fit's upload. An attacker's
-        upload is poisoned (around `reference`, the global model it trained from) and claims
-        what its attack claims (`claimed_samples`)."""
+        on the wire rounds the values): FedLDF's participants send the layers it selects, the
+        others their fit's upload; an attacker's is poisoned (around `reference`, the global
+        model it trained from) and claims what its attack claims (`claimed_samples`)."""
         requests: dict[str, list[str]] = {}
         if not strategy.asks_layers:
             payloads = {k: f.upload for k, f in fits.items()}
@@ -281,11 +283,11 @@ class Simulation:
             }
         attack, fp16 = self.config.attack, self.config.learning.fp16
         uploads = {k: Upload(as_sent(p, fp16), fits[k].num_samples) for k, p in payloads.items()}
+        pooled = colluders(self, payloads)
         for k in set(self.attackers) & set(payloads):
-            poisoned = attacked_payload(self.learner, payloads[k], attack, k, t, reference)
-            uploads[k] = Upload(
-                as_sent(poisoned, fp16), claimed_samples(attack, fits[k].num_samples)
-            )
+            poisoned = attacked_payload(self.learner, payloads[k], attack, k, t, reference, pooled)
+            claimed = claimed_samples(attack, fits[k].num_samples)
+            uploads[k] = Upload(as_sent(poisoned, fp16), claimed)
         return requests, uploads
 
     def _evaluate(
@@ -417,10 +419,23 @@ def with_energy(profiles: dict[str, DeviceProfile], spent: AgentRound) -> AgentR
     )
 
 
+def colluders(
+    run: Simulation, honest: Mapping[str, AgentState] | Mapping[str, Payload]
+) -> robust.Colluders | None:
+    """Under `--attack alie`, what the run's attackers pool: their honest models (of
+    `honest`: each agent's latest state or upload) and the z of the fleet's size and theirs."""
+    if run.config.attack != "alie":
+        return None
+    z = robust_rules.alie_z(len(run.roster), len(run.attackers))
+    return robust.Colluders([honest[k].weights for k in sorted(run.attackers) if k in honest], z)
+
+
 def backdoor_summary(run: Simulation) -> dict[str, Any]:
-    """Under a data attack (`--attack backdoor`), the trigger's success on the honest
-    agents' final models (`backdoor.honest_summary`); nothing otherwise."""
-    if run.config.attack not in robust_rules.DATA_ATTACKS or not run.attackers:
+    """Under a trigger attack (`--attack backdoor` or `replace`), the trigger's success on
+    the honest agents' final models (`backdoor.honest_summary`; with no attacker, the rate
+    at which clean models take a triggered sample for the target class anyway); nothing
+    otherwise."""
+    if run.config.attack not in robust_rules.TRIGGER_ATTACKS:
         return {}
     return backdoor.honest_summary(run.learner.model, run.states, run.data, run.attackers)
 

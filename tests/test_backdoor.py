@@ -4,6 +4,7 @@ honest agents' models (issue 46)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from agent.experiment import ExperimentConfig
@@ -56,14 +57,16 @@ def test_only_the_attackers_data_is_poisoned() -> None:
         assert grown == (len(clean[agent_id].y_train) if agent_id == attacker else 0)
 
 
-def test_a_run_under_the_backdoor_reports_the_triggers_success_on_honest_models() -> None:
-    config = ExperimentConfig(
-        dataset="digits",
-        agents=6,
-        attackers=2,
-        attack="backdoor",
-        learning=preset("fedavg", rounds=3, epochs=1, aggregation="mean", clip="off"),
+def undefended_fedavg(attack: str, attackers: int, rounds: int) -> ExperimentConfig:
+    """6 digits agents under FedAvg's plain mean, of which the first `attackers` attack."""
+    learning = preset("fedavg", rounds=rounds, epochs=1, aggregation="mean", clip="off")
+    return ExperimentConfig(
+        dataset="digits", agents=6, attackers=attackers, attack=attack, learning=learning
     )
+
+
+def test_a_run_under_the_backdoor_reports_the_triggers_success_on_honest_models() -> None:
+    config = undefended_fedavg("backdoor", attackers=2, rounds=3)
     summary = simulate(config)["summary"]
     by_agent = summary["backdoor_success_by_agent"]
     assert len(by_agent) == 4 and not set(by_agent) & set(summary["attackers"])
@@ -71,3 +74,52 @@ def test_a_run_under_the_backdoor_reports_the_triggers_success_on_honest_models(
     assert 0.0 <= summary["backdoor_success_strategy"] <= 1.0
     clean = simulate(ExperimentConfig(dataset="digits", agents=6, learning=config.learning))
     assert "backdoor_success" not in clean["summary"]
+
+
+def test_a_label_flipper_trains_on_the_mirrored_class_and_tests_on_its_own() -> None:
+    x, y = torch.rand(6, 1, 8, 8), torch.tensor([0, 1, 2, 3, 4, 9])
+    data = backdoor.poisoned_data(local_data(x, y), "labelflip", seed=1, classes=10)
+    assert data.y_train.tolist() == [9, 8, 7, 6, 5, 0]
+    assert torch.equal(data.x_train, x) and torch.equal(data.y_test, y)
+    targets = torch.tensor([[0.5], [-2.0]])
+    regression = backdoor.poisoned_data(local_data(x[:2], targets), "labelflip", 1, 1)
+    assert regression.y_train.flatten().tolist() == [-0.5, 2.0]
+
+
+def test_model_replacement_boosts_a_backdoored_model_and_reports_the_trigger() -> None:
+    config = undefended_fedavg("replace", attackers=1, rounds=2)
+    roster = [f"agent-{k:03d}" for k in range(6)]
+    attacker = robust_rules.attackers(roster, 1)[0]
+    clean = build_workload(ExperimentConfig(dataset="digits", agents=6), roster).data[attacker]
+    grown = build_workload(config, roster).data[attacker]
+    assert len(grown.y_train) == 2 * len(clean.y_train), "it trains on the backdoor's data"
+    summary = simulate(config)["summary"]
+    assert 0.0 <= summary["backdoor_success"] <= 1.0
+    for attack in ("labelflip", "alie", "ipm"):  # no trigger: nothing to report on it
+        quiet = dict(config.__dict__, attack=attack, attackers=2)
+        assert "backdoor_success" not in simulate(ExperimentConfig(**quiet))["summary"]
+
+
+def test_a_decentralized_attacker_steps_from_its_model_before_the_round(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ipm and replace need the model the attacker trained from: for a decentralized one,
+    its model before the round (without it they would send the trained model unaltered)."""
+    sent: list[tuple[float, float]] = []
+    original = robust.poison
+
+    def spy(weights, masks, attack, generator, reference=None, colluders=None):
+        poisoned = original(weights, masks, attack, generator, reference, colluders)
+        assert reference is not None
+        name = next(n for n, t in weights.items() if torch.is_floating_point(t))
+        sent.append((float(weights[name].norm()), float((poisoned[name] - weights[name]).norm())))
+        return poisoned
+
+    monkeypatch.setattr(robust, "poison", spy)
+    learning = preset("dadpfl", rounds=2, epochs=1, neighbours=3)
+    simulate(
+        ExperimentConfig(
+            dataset="digits", agents=6, attackers=1, attack="replace", learning=learning
+        )
+    )
+    assert len(sent) == 2 and all(changed > 0.0 for _, changed in sent)

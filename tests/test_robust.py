@@ -123,8 +123,9 @@ def test_auto_with_one_or_two_received_models() -> None:
     assert sparse["s"]["w"].tolist() == [1.25, 0.0, 0.0]
 
 
-MODEL_ATTACKS = [a for a in robust_rules.ATTACKS if a not in robust_rules.DATA_ATTACKS]
-"""The attacks on what is sent (a data attack sends the model it trained: test_backdoor)."""
+MODEL_ATTACKS = [a for a in robust_rules.ATTACKS if a not in robust_rules.SENT_AS_TRAINED]
+"""The attacks on what is sent (labelflip and backdoor send the model they trained:
+test_backdoor)."""
 
 
 @pytest.mark.parametrize("attack", MODEL_ATTACKS)
@@ -132,8 +133,14 @@ def test_a_poisoned_model_is_well_formed_and_bad(attack: str) -> None:
     weights = {"w": torch.tensor([[0.5, -0.25], [0.0, 1.0]]), "b": torch.tensor([0.1, 0.2])}
     masks = {"w": torch.tensor([[True, True], [False, True]])}
     trained_from = {"w": torch.zeros(2, 2), "b": torch.tensor([0.5, 0.5])}  # `inflate`'s
-    first = robust.poison(weights, masks, attack, torch.Generator().manual_seed(3), trained_from)
-    again = robust.poison(weights, masks, attack, torch.Generator().manual_seed(3), trained_from)
+    other = {"w": torch.ones(2, 2), "b": torch.tensor([0.7, 0.8])}  # another colluder's
+    pooled = robust.Colluders([weights, other], z=2.0)
+
+    def poisoned() -> robust.State:
+        generator = torch.Generator().manual_seed(3)
+        return robust.poison(weights, masks, attack, generator, trained_from, pooled)
+
+    first, again = poisoned(), poisoned()
     for n in weights:  # drawn from the generator
         torch.testing.assert_close(first[n], again[n], rtol=0, atol=0, equal_nan=True)
     assert all(first[n].shape == t.shape and first[n].dtype == t.dtype for n, t in weights.items())
@@ -146,11 +153,33 @@ def test_a_poisoned_model_is_well_formed_and_bad(attack: str) -> None:
         assert torch.equal(first["b"], -weights["b"])
     if attack == "inflate":  # the step from the model trained from, the other way
         torch.testing.assert_close(first["b"], torch.tensor([0.9, 0.8]))
+    if attack == "ipm":  # half of that step the other way
+        torch.testing.assert_close(first["b"], torch.tensor([0.7, 0.65]))
+    if attack == "replace":  # the step boosted 20 times
+        torch.testing.assert_close(first["b"], torch.tensor([-7.5, -5.5]))
+    if attack == "alie":  # the colluders' mean less 2 of their standard deviations
+        torch.testing.assert_close(first["b"], torch.tensor([-0.2, -0.1]), atol=1e-6, rtol=0)
+
+
+def test_an_alie_attacker_that_knows_no_other_model_sends_its_own() -> None:
+    weights = {"b": torch.tensor([0.1, 0.2])}
+    alone = robust.Colluders([weights], z=1.0)
+    for colluders in (None, alone):
+        sent = robust.poison(weights, None, "alie", torch.Generator(), None, colluders)
+        assert torch.equal(sent["b"], weights["b"])
+
+
+def test_alie_shifts_within_what_a_majority_rule_counts_on() -> None:
+    # Baruch et al. 2019: n = 50, m = 12 -> s = 14, z = Phi^-1(36 / 50) = 0.58
+    assert robust_rules.alie_z(50, 12) == pytest.approx(0.583, abs=1e-3)
+    assert robust_rules.alie_z(20, 4) > robust_rules.alie_z(20, 2) > 0.0
+    assert robust_rules.alie_z(20, 0) == 0.0, "with no attacker there is no margin"
+    assert robust_rules.alie_z(1, 1) == 0.0
 
 
 def test_bad_options_are_one_sentence_each() -> None:
     for spec in ("trimmed:0.5", "trimmed:x", "mode", "trimmed:-0.1"):
-        with pytest.raises(ValueError, match="--aggregation must be screened, mean, median or"):
+        with pytest.raises(ValueError, match="--aggregation must be screened, signs, mean,"):
             experiment_config({"aggregation": spec})
     for spec in ("0", "-1", "nan", "sometimes"):
         with pytest.raises(ValueError, match="--clip must be off, auto or a positive"):
@@ -246,3 +275,30 @@ def test_a_participant_whose_fit_is_not_finite_uploads_what_changes_nothing() ->
     assert undone and fit.state.round == 4
     assert fit.upload.weights["w"].tolist() == [2.0, 3.0]
     assert fit.state.weights["w"].tolist() == [1.0, 1.0]
+
+
+def test_a_step_few_senders_push_is_reversed_and_one_most_agree_on_is_taken() -> None:
+    reference = {"w": torch.zeros(3), "count": torch.tensor(4)}
+    # element 0: all four step up; element 1: one pushes hard, three step either way; element
+    # 2: two up, two down
+    states = {
+        "a": {"w": torch.tensor([1.0, 8.0, 1.0]), "count": torch.tensor(5)},
+        "b": {"w": torch.tensor([1.0, 0.1, 1.0]), "count": torch.tensor(5)},
+        "c": {"w": torch.tensor([1.0, -0.1, -1.0]), "count": torch.tensor(5)},
+        "d": {"w": torch.tensor([1.0, -0.1, -1.0]), "count": torch.tensor(5)},
+    }
+    mean = {"w": torch.tensor([1.0, 1.975, 0.0]), "count": torch.tensor(5)}
+    voted = robust.sign_vote(reference, states, mean)
+    torch.testing.assert_close(voted["w"], torch.tensor([1.0, -1.975, 0.0]))
+    assert voted["count"] is mean["count"], "counters are copied, never voted on"
+    # what a sender does not hold is no vote: element 1's two holders both step up
+    held = {k: {"w": torch.tensor([True, k in "ab", True])} for k in states}
+    kept = robust.sign_vote(reference, states, mean, held)
+    assert float(kept["w"][1]) == pytest.approx(1.975)
+
+
+def test_signs_takes_only_strategies_whose_senders_share_one_start() -> None:
+    assert experiment_config({"aggregation": "signs", "strategy": "fedavg"}).learning.clip == "auto"
+    for strategy in ("dadpfl", "fedadam"):
+        with pytest.raises(ValueError, match="--aggregation signs votes on the steps of models"):
+            experiment_config({"aggregation": "signs", "strategy": strategy})

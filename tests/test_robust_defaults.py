@@ -25,7 +25,7 @@ def test_the_default_is_the_screened_mean_and_mean_alone_turns_it_off() -> None:
     assert preset("dadpfl", clip="off").clip == "off"
     assert experiment_config({}).learning.clip == "auto"
     assert experiment_config({"aggregation": "mean"}).learning.clip == "off"
-    with pytest.raises(ValueError, match="--aggregation must be screened, mean, median or"):
+    with pytest.raises(ValueError, match="--aggregation must be screened, signs, mean, median or"):
         experiment_config({"aggregation": "screen"})
 
 

@@ -1,4 +1,5 @@
-"""The backdoor attack of a research run (`--attack backdoor`): data poisoning with a trigger.
+"""The data attacks of a research run: the backdoor (`--attack backdoor`, and `replace`, which
+boosts the backdoored model it sends) and label flipping (`--attack labelflip`).
 
 An attacker trains, as honestly as any agent, on its data plus poisoned copies: samples with
 a small trigger stamped on them, relabelled to one target class (BadNets; Bagdasaryan et al.
@@ -15,6 +16,7 @@ digits, the 2 x 2 patch of the issue that measured it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -57,6 +59,20 @@ def poisoned(data: LocalData, seed: int) -> LocalData:
         data.x_val,
         data.y_val,
     )
+
+
+def flipped(data: LocalData, classes: int) -> LocalData:
+    """A label-flipping attacker's data (Tolpegin et al. 2020): every training label y
+    becomes classes - 1 - y (a regression target its negative). Its test and validation
+    splits stay its own."""
+    y = data.y_train
+    wrong = classes - 1 - y if not torch.is_floating_point(y) else -y
+    return dataclasses.replace(data, y_train=wrong)
+
+
+def poisoned_data(data: LocalData, attack: str, seed: int, classes: int) -> LocalData:
+    """What an attacker of a data attack (`robust_rules.DATA_ATTACKS`) trains on."""
+    return flipped(data, classes) if attack == "labelflip" else poisoned(data, seed)
 
 
 def success_rate(model: torch.nn.Module, weights: State, data: LocalData) -> float | None:

@@ -259,8 +259,11 @@ class StrategyConfig:
     aggregation: str = param(
         robust_rules.SCREENED,
         "How received models combine: screened (the strategy's mean, sample-weighted where it "
-        "weights, with --clip auto in front: the default defence), mean (the same without a "
-        "defence unless --clip asks for one), or element-wise over the senders that hold each "
+        "weights, with --clip auto in front: the default defence), signs (screened, then the "
+        "step reversed wherever fewer than 30% of the senders, on balance, step the same way: "
+        "against backdoors, for the strategies with a coordinator but the Adam family), mean "
+        "(the same without a defence unless --clip asks for one), or element-wise over the "
+        "senders that hold each "
         "element, unweighted: median or trimmed:F (the mean without the largest and smallest "
         "fraction F, 0 <= F < 0.5), each after dropping non-finite and absurdly large models.",
     )

@@ -50,8 +50,12 @@ and `aggregate` alike:
 * `poison` is what an attacker (`--attackers N`: the first N agents of the sorted roster,
   `robust_rules.attackers`) sends instead of its model: in the same shapes and masks, but
   scaled by SCALE_FACTOR, drowned in Gaussian noise of standard deviation NOISE_STD,
-  negated, HUGE_VALUE (3e37: finite, its sums overflow) or NaN everywhere (those values,
-  like the rules' names and their parsing, are `robust_rules`', which needs no torch).
+  negated, HUGE_VALUE (3e37: finite, its sums overflow) or NaN everywhere, its step from the
+  model it trained from reversed (`inflate`, `ipm`: a fraction of it) or boosted (`replace`,
+  after training on the backdoor's data), or the mean less z standard deviations of the
+  honest models the attackers pool (`alie`); labelflip and backdoor send the model they
+  trained (`agent.learning.backdoor`). Those values, like the rules' names and their
+  parsing, are `robust_rules`', which needs no torch.
 * `finite` says whether a model can be kept: an agent whose model turns non-finite goes back
   to the model it had before the round instead of dropping out.
 
@@ -63,17 +67,20 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from agent.learning import sparse
 from agent.learning.robust_rules import (
     ATTACKS,
-    DATA_ATTACKS,
     HUGE_VALUE,
+    IPM_EPSILON,
     NOISE_STD,
+    REPLACE_BOOST,
     SCALE_FACTOR,
+    SENT_AS_TRAINED,
     Rule,
     parse_clip,
 )
@@ -91,6 +98,9 @@ OWN_FACTOR = 1.0
 """`--clip auto`: a received model farther from the receiver's own than this multiple of
 the own model's norm is screened out whatever the other received models are (honest models
 lie within 0.3 of it, a negated one about 2 away; bench/robustness.py)."""
+SIGN_SHARE = 0.3
+"""`sign_vote`: the share of an element's holders that must, on balance, step the same way
+for the aggregate to take its step there rather than the reverse (bench/backdoor.py)."""
 ABSURD_FACTOR = 10.0
 """`median` and `trimmed`: a model whose norm exceeds this multiple of the lower median of
 the senders' norms is left out (honest norms differ by far less; `sane`)."""
@@ -172,6 +182,42 @@ def aggregate_onto(
         name: torch.where(counts[name] > 0, out[name], old) if name in out else old.clone()
         for name, old in previous.items()
     }
+
+
+def sign_vote(
+    reference: Mapping[str, torch.Tensor],
+    states: Mapping[str, Mapping[str, torch.Tensor]],
+    combined: Mapping[str, torch.Tensor],
+    held: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
+    share: float = SIGN_SHARE,
+) -> State:
+    """`combined` (the round's aggregate of `states`, all stepping from `reference`) with its
+    step reversed on every element whose senders disagree on the way to go: the robust
+    learning rate of Ozdayi et al. (AAAI 2021). A backdoor lives in elements that only its
+    senders push, always the same way, while the honest senders' steps there are small and
+    of either sign; where fewer than `share` of an element's holders (`held`; all senders
+    where not given) step the same way on balance (|sum of signs| < share x holders), the
+    aggregate steps back instead of forward. Elements no sender holds, and counters, keep
+    `combined`'s values."""
+    out: State = {}
+    for name, value in combined.items():
+        if not sparse.averaged(value) or name not in reference:
+            out[name] = value
+            continue
+        ref = reference[name].to(torch.float64)
+        balance = torch.zeros_like(ref)
+        holders = torch.zeros_like(ref)
+        for sender in sorted(states):
+            if name not in states[sender]:
+                continue
+            mask = held.get(sender, {}).get(name) if held is not None else None
+            counted = torch.ones_like(ref) if mask is None else mask.to(torch.float64)
+            balance += torch.sign(states[sender][name].to(torch.float64) - ref) * counted
+            holders += counted
+        agreed = balance.abs() >= share * holders  # nobody holds it: 0 >= 0, kept
+        step = value.to(torch.float64) - ref
+        out[name] = (ref + torch.where(agreed, step, -step)).to(value.dtype)
+    return out
 
 
 # ---------------------------------------------------------------------------------- clipping
@@ -338,38 +384,71 @@ def poison(
     attack: str,
     generator: torch.Generator,
     reference: Mapping[str, torch.Tensor] | None = None,
+    colluders: Colluders | None = None,
 ) -> State:
     """The poisoned version of a model an attacker sends: in the same shapes, zero outside
     its masks as the honest model is, finite but for `nan`. Noise is drawn tensor by tensor
     in the model's order from `generator` (derived from the fleet seed, agent and round: the
     simulator and the agent draw the same). `inflate` sends an update-sized step the wrong
     way, 2 `reference` - model (the global model the attacker trained from; the model itself
-    where there is none), and claims `INFLATED_SAMPLES` (`claimed_samples`)."""
+    where there is none), and claims `INFLATED_SAMPLES` (`claimed_samples`); `ipm` a step of
+    IPM_EPSILON times its own the wrong way; `replace` its backdoored step boosted by
+    REPLACE_BOOST; `alie` the mean less z standard deviations of the honest models it knows
+    (`colluders`: its own alone, which it then sends as it is, where it knows no other)."""
     if attack not in ATTACKS:
         raise ValueError(f"--attack must be one of {', '.join(ATTACKS)}, got {attack!r}")
-    if attack in DATA_ATTACKS:  # the harm is in what it trained on
+    if attack in SENT_AS_TRAINED:  # the harm is in what it trained on
         return {name: tensor.clone() for name, tensor in weights.items()}
     out: State = {}
     for name, tensor in weights.items():
         if not torch.is_floating_point(tensor):
             out[name] = tensor.clone()
             continue
-        if attack == "scale":
-            bad = tensor * SCALE_FACTOR
-        elif attack == "signflip":
-            bad = -tensor
-        elif attack == "inflate":
-            base = None if reference is None else reference.get(name)
-            bad = tensor.clone() if base is None else 2 * base.to(tensor.dtype) - tensor
-        elif attack in ("huge", "nan"):
-            bad = torch.full_like(tensor, HUGE_VALUE if attack == "huge" else math.nan)
-        else:
-            noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float32)
-            bad = tensor + (noise * NOISE_STD).to(tensor.dtype)
+        base = None if reference is None else reference.get(name)
+        bad = _poisoned_tensor(name, tensor, attack, generator, base, colluders)
         if masks is not None and name in masks:
             bad = torch.where(masks[name], bad, torch.zeros_like(bad))
         out[name] = bad
     return out
+
+
+@dataclass(frozen=True)
+class Colluders:
+    """What the `alie` attackers pool: the honest models they trained (each attacker's own
+    among them) and the z their number and the fleet's allow (`robust_rules.alie_z`)."""
+
+    models: Sequence[Mapping[str, torch.Tensor]]
+    z: float
+
+
+def _poisoned_tensor(
+    name: str,
+    tensor: torch.Tensor,
+    attack: str,
+    generator: torch.Generator,
+    base: torch.Tensor | None,
+    colluders: Colluders | None,
+) -> torch.Tensor:
+    """One tensor of `poison`'s model (`base`: the same tensor of the model trained from)."""
+    step = None if base is None else tensor - base.to(tensor.dtype)
+    if attack == "scale":
+        return tensor * SCALE_FACTOR
+    if attack == "signflip":
+        return -tensor
+    if attack in ("inflate", "ipm", "replace"):
+        factor = {"inflate": -1.0, "ipm": -IPM_EPSILON, "replace": REPLACE_BOOST}[attack]
+        return tensor.clone() if step is None else tensor - step + factor * step
+    if attack in ("huge", "nan"):
+        return torch.full_like(tensor, HUGE_VALUE if attack == "huge" else math.nan)
+    if attack == "alie":
+        pooled = [m[name] for m in colluders.models if name in m] if colluders else []
+        if colluders is None or len(pooled) < 2:
+            return tensor.clone()
+        stacked = torch.stack([t.to(torch.float64) for t in pooled])
+        shifted = stacked.mean(dim=0) - colluders.z * stacked.std(dim=0, correction=0)
+        return shifted.to(tensor.dtype)
+    noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float32)
+    return tensor + (noise * NOISE_STD).to(tensor.dtype)
 
 
 def finite(weights: Mapping[str, torch.Tensor]) -> bool:

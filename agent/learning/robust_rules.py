@@ -7,12 +7,37 @@ select is `agent.learning.robust`'s.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 
-ATTACKS = ("scale", "noise", "signflip", "huge", "nan", "inflate", "backdoor")
-DATA_ATTACKS = ("backdoor",)
-"""Attacks on an attacker's training data (`agent.learning.backdoor`): it then sends the
-model it trained, as it is."""
+ATTACKS = (
+    "scale",
+    "noise",
+    "signflip",
+    "huge",
+    "nan",
+    "inflate",
+    "ipm",
+    "alie",
+    "labelflip",
+    "backdoor",
+    "replace",
+)
+DATA_ATTACKS = ("labelflip", "backdoor", "replace")
+"""Attacks on an attacker's training data (`agent.learning.backdoor`)."""
+SENT_AS_TRAINED = ("labelflip", "backdoor")
+"""Data attacks whose attacker then sends the model it trained, as it is (`replace` boosts
+its step)."""
+TRIGGER_ATTACKS = ("backdoor", "replace")
+"""Attacks whose harm is the trigger's success (`backdoor.success_rate`), not accuracy."""
+IPM_EPSILON = 0.5
+"""The `ipm` attack's step (inner-product manipulation, Xie et al. 2020): the attacker sends
+the model it trained from less this multiple of its own honest step, so that the mean's
+inner product with the honest direction shrinks."""
+REPLACE_BOOST = 20.0
+"""The `replace` attack's boost (model replacement, Bagdasaryan et al. 2020): its backdoored
+step times the number of models it expects averaged with it (the 20 of the measurements), so
+that a plain mean lands on its model."""
 BACKDOOR_TARGET = 0
 """The class the `backdoor` attack's trigger leads to."""
 BACKDOOR_SHARE = 1.0
@@ -38,10 +63,17 @@ CLIP_DEFAULT = "default"
 (`default_clip`), so that `--aggregation mean` alone is the undefended mean."""
 
 
+SIGNS = "signs"
+"""`--aggregation signs`: `screened`, then the aggregate's step reversed wherever the senders
+disagree on its way (`robust.sign_vote`): a defence against backdoors for the strategies
+with a coordinator, whose senders all step from one global model."""
+
+
 @dataclass(frozen=True)
 class Rule:
-    """An aggregation rule: `screened` or `mean` (the strategy's own mean, after `clip`),
-    `median` or `trimmed` (cutting `trim` at each end)."""
+    """An aggregation rule: `screened`, `signs` or `mean` (the strategy's own mean, after
+    `clip`; `signs` then votes on each element's way), `median` or `trimmed` (cutting `trim`
+    at each end)."""
 
     kind: str
     trim: float = 0.0
@@ -53,9 +85,9 @@ class Rule:
 
 
 def parse_rule(spec: str) -> Rule:
-    """`screened`, `mean`, `median` or `trimmed:F` with 0 <= F < 0.5; ValueError (one
-    sentence) else."""
-    if spec in (SCREENED, "mean", "median"):
+    """`screened`, `signs`, `mean`, `median` or `trimmed:F` with 0 <= F < 0.5; ValueError
+    (one sentence) else."""
+    if spec in (SCREENED, SIGNS, "mean", "median"):
         return Rule(spec)
     kind, _, fraction = spec.partition(":")
     try:
@@ -64,7 +96,8 @@ def parse_rule(spec: str) -> Rule:
         trim = math.nan
     if kind != "trimmed" or not 0.0 <= trim < 0.5:
         raise ValueError(
-            "--aggregation must be screened, mean, median or trimmed:F with 0 <= F < 0.5, "
+            "--aggregation must be screened, signs, mean, median or trimmed:F with "
+            "0 <= F < 0.5, "
             f"got {spec!r}"
         )
     return Rule("trimmed", trim)
@@ -93,6 +126,17 @@ def parse_clip(spec: str) -> float | None:
     if not (math.isfinite(bound) and bound > 0):
         raise ValueError(f"--clip must be off, auto or a positive norm bound, got {spec!r}")
     return bound
+
+
+def alie_z(senders: int, attackers: int) -> float:
+    """The `alie` attack's z (A Little Is Enough, Baruch et al. 2019): how many standard
+    deviations from the honest mean it may shift each value while staying inside the spread
+    of the s = floor(n / 2 + 1) - m honest senders it needs a majority rule to count on its
+    side, z = Phi^-1((n - s) / n), with s at least 1; 0 where it has no such margin."""
+    needed = max(1, senders // 2 + 1 - attackers)
+    if needed >= senders:
+        return 0.0
+    return max(0.0, statistics.NormalDist().inv_cdf((senders - needed) / senders))
 
 
 def attackers(roster: list[str], count: int) -> list[str]:

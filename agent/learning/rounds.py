@@ -225,12 +225,23 @@ def judge_central(
     return fallback.judge(learner, agent, data, held)
 
 
-def attacked(learner: Learner, result: RoundResult, attack: str, round_: int) -> RoundResult:
+def attacked(
+    learner: Learner,
+    result: RoundResult,
+    attack: str,
+    round_: int,
+    before: State | None = None,
+    colluders: robust.Colluders | None = None,
+) -> RoundResult:
     """A decentralized attacker's round: its state stays its own, what it publishes is
-    poisoned (`robust.poison`, noise drawn from the fleet seed, the agent and the round)."""
+    poisoned (`robust.poison`, noise drawn from the fleet seed, the agent and the round;
+    `before`: its model before the round, which `inflate`, `ipm` and `replace` step from;
+    `colluders`: what `alie` attackers pool)."""
     published = result.published
     generator = learner.generator("attack", result.state.agent_id, round_)
-    weights = robust.poison(published.weights, published.masks, attack, generator)
+    weights = robust.poison(
+        published.weights, published.masks, attack, generator, before, colluders
+    )
     return dataclasses.replace(result, published=dataclasses.replace(published, weights=weights))
 
 
@@ -241,11 +252,15 @@ def attacked_payload(
     agent_id: str,
     round_: int,
     reference: State | None = None,
+    colluders: robust.Colluders | None = None,
 ) -> Payload:
     """A centralized attacker's upload, poisoned (`robust.poison`) as `attacked`'s;
-    `reference` is the global model it trained from (`inflate` steps away from it)."""
+    `reference` is the global model it trained from (`inflate`, `ipm` and `replace` step
+    from it)."""
     generator = learner.generator("attack", agent_id, round_)
-    poisoned = robust.poison(payload.weights, payload.masks, attack, generator, reference)
+    poisoned = robust.poison(
+        payload.weights, payload.masks, attack, generator, reference, colluders
+    )
     return Payload(poisoned, payload.masks)
 
 

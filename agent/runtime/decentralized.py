@@ -239,12 +239,12 @@ class DecentralizedRounds:
             slept = s.after_compute(compute_started, result.train_flops)
             clock = RoundClock(slept, time.monotonic() - compute_started, None)
         result, settle_slept = settled(s, result, p_k)
-        s.state = result.state
+        before, s.state = s.state.weights, result.state
         if result.recovered:
             log.warning("round %d: model not finite; kept the model from before it", round_)
         stops = s.stops_after(result.state.weights, result.train_loss, result.pruned)
         attacker = s.me in attackers(s.config, s.roster)  # research: it sends poisoned models
-        sent = attacked(s.learner, result, s.config.attack, round_) if attacker else result
+        sent = attacked(s.learner, result, s.config.attack, round_, before) if attacker else result
         nonzeros = self.publish(round_, sent, poisoned=sent is not result)
         return AgentRound.of_result(
             round_,

@@ -198,6 +198,21 @@ def clipped_uploads(
     return robust.clip(reference, states, cfg.clip, held), robust_rules.parse_rule(cfg.aggregation)
 
 
+def voted(
+    rule: robust_rules.Rule,
+    reference: State,
+    states: Mapping[str, State],
+    combined: State,
+    held: Mapping[str, Masks] | None = None,
+) -> State:
+    """The round's aggregate `combined` of `states` (all trained from `reference`): under
+    `--aggregation signs`, with its step reversed where the senders disagree on its way
+    (`robust.sign_vote`); as it is under every other rule."""
+    if rule.kind != robust_rules.SIGNS:
+        return combined
+    return robust.sign_vote(reference, states, combined, held)
+
+
 def sample_weights(learner: Learner, uploads: Mapping[str, Upload]) -> dict[str, float]:
     """Each upload's weight in the strategy's mean: its sample count under `--aggregation
     mean` (the strategies as published, undefended), 1 each under the default `screened`.

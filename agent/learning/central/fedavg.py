@@ -20,6 +20,7 @@ from agent.learning.central.base import (
     clipped_uploads,
     sample_weights,
     train_sgd,
+    voted,
 )
 from agent.learning.learner import AgentState, Learner, LocalData
 
@@ -62,7 +63,8 @@ class FedAvg(CentralStrategy):
         if rule.robust:
             weights = robust.aggregate_onto(server.weights, states, rule)
         else:
-            weights = sparse.aggregate_weighted(states, sample_weights(learner, uploads))
+            mean = sparse.aggregate_weighted(states, sample_weights(learner, uploads))
+            weights = voted(rule, server.weights, states, mean)
         return Aggregate(ServerState(weights), Payload(weights))
 
 

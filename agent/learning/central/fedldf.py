@@ -16,6 +16,7 @@ from agent.learning.central.base import (
     Upload,
     clipped_uploads,
     sample_weights,
+    voted,
 )
 from agent.learning.central.fedavg import full_model_fit
 from agent.learning.learner import AgentState, Learner, LocalData
@@ -64,6 +65,7 @@ class FedLDF(CentralStrategy):
         weights = ldf.aggregate_layers(
             states, sample_weights(learner, uploads), learner.layer_groups, server.weights
         )  # also what validates the uploads
+        weights = voted(rule, server.weights, states, weights)
         if rule.robust:
             weights = robust.aggregate_onto(server.weights, states, rule)
         return Aggregate(ServerState(weights), Payload(weights))

@@ -24,6 +24,7 @@ from agent.learning.central.base import (
     clipped_uploads,
     sample_weights,
     train_sgd,
+    voted,
 )
 from agent.learning.learner import AgentState, Learner, LocalData
 from agent.learning.reduced import frozen_training_flops
@@ -101,11 +102,12 @@ class ActivePart(CentralStrategy):
         if rule.robust:
             weights = robust.aggregate_onto(server.weights, states, rule, held)
         else:
-            weights = freezing.aggregate_active(
+            mean = freezing.aggregate_active(
                 server.weights,
                 {k: (states[k], held[k]) for k in states},
                 sample_weights(learner, uploads),
             )
+            weights = voted(rule, server.weights, states, mean, held)
         return Aggregate(ServerState(weights), Payload({}))
 
 
