@@ -13,8 +13,9 @@ mnist1d, six settings of (neighbours, local epochs, rounds, attackers) in which 
 neighbours {2, 4, 8}, epochs {1, 3, 5} and attackers {1, 2, 3} appears twice and rounds span
 10 to 60 (n2 e1 r60 a3, n8 e1 r10 a1, n4 e3 r30 a2, n2 e3 r10 a2, n8 e5 r10 a3, n4 e5 r20
 a1: a full factorial would take days on 2 cores; the long runs have few epochs), the attacks
-scale, noise, signflip, huge (3e37), nan, inflate and backdoor, seeds 1-3: 324 runs, about
-25 minutes with --jobs 2. Per run, the median honest agent's final accuracy, always over the
+scale, noise, signflip, huge (3e37), nan, inflate, ipm, alie, labelflip, backdoor and
+replace (every `--attack`), seeds 1-3: 468 runs, about 45 minutes with --jobs 2. Per run,
+the median honest agent's final accuracy, always over the
 same 17 agents (the first three of the roster, the most attackers of a setting, are left out
 of every run). A cell (dataset, setting, attack) passes when the median over the seeds of
 (attacked with the default - clean with `--aggregation mean`) is at least -2 points (paired
@@ -23,34 +24,72 @@ seeds of (clean with the default - clean with `mean`), must be at least -0.5. Th
 tuning used only the settings of the tables below (30 rounds of 2 epochs, 5 neighbours, 2
 attackers), never the grid's.
 
-Re-measured after issue 45's learning changes and with issue 46's attacks added (inflate:
-a step the wrong way claiming 10,000,000 samples, which a decentralized receiver never weighs
-by; backdoor: bench/backdoor.py, whose harm no accuracy shows), --jobs 2 on 2 cores, 324
-runs (bench/results/robustness-grid.json). Per cell the median over seeds 1-3 of (attacked
-with the default - clean with `mean`), in points, `!` a miss:
+Re-measured with every attack of issue 46 (inflate: a step the wrong way claiming
+10,000,000 samples, which a decentralized receiver never weighs by; ipm: half a step the
+wrong way; alie: the colluders' mean less z standard deviations; labelflip; backdoor and
+replace: bench/backdoor.py, whose harm no accuracy shows), a decentralized attacker stepping
+from its model before the round, --jobs 2 on 2 cores, 468 runs (bench/results/
+robustness-grid.json). Per cell the median over seeds 1-3 of (attacked with the default -
+clean with `mean`), in points, `!` a miss:
 
-    dataset  setting             mean  clean scale noise signflip  huge   nan inflate backdoor
-    digits   n2 e1 r60 a3       0.941   +0.0  +0.0  +0.0     +0.0  +0.0  +0.0    +0.0     +0.0
-    digits   n8 e1 r10 a1       0.750   +0.0  +0.0  +0.0     +0.0  +0.0  +0.0    +0.0     +0.0
-    digits   n4 e3 r30 a2       0.952   +0.0  +0.0  +0.0     +0.0  +0.0  +0.0    +0.0     +0.0
-    digits   n2 e3 r10 a2       0.941   +0.0  +0.0  +0.0     +0.0  +0.0  +0.0    +0.0     +0.0
-    digits   n8 e5 r10 a3       0.952   +0.0  +0.0  +0.0     +0.0  +0.0  +0.0    +0.0     +0.0
-    digits   n4 e5 r20 a1       0.955   +0.0  +0.0  +0.0     +0.0  +0.0  +0.0    +0.0     +0.0
-    mnist1d  n2 e1 r60 a3       0.685   +0.0  -3.5! -3.5!    -3.5! -3.5! -3.5!   +0.0    -3.7!
-    mnist1d  n8 e1 r10 a1       0.545   +0.0  +0.0  +0.0     +0.0  +0.0  +0.0    +0.0     +0.0
-    mnist1d  n4 e3 r30 a2       0.680   +0.0  -1.7  -1.7     -1.7  -1.7  -1.7    +0.0     +0.0
-    mnist1d  n2 e3 r10 a2       0.644   +0.0  +0.7  +0.7     +0.7  +0.7  +0.7    +0.0     +0.7
-    mnist1d  n8 e5 r10 a3       0.673   +0.0  +1.6  +1.6     +1.6  +1.6  +1.6    +0.0     -1.8
-    mnist1d  n4 e5 r20 a1       0.684   +0.0  +0.0  +0.0     +0.0  +0.0  +0.0    +0.0     +0.8
+    dataset  setting             mean  clean  scale  noise signflip   huge    nan inflate
+    digits   n2 e1 r60 a3       0.941  +0.0   +0.0   +0.0     +0.0   +0.0   +0.0    +0.0
+    digits   n8 e1 r10 a1       0.750  +0.0   +0.0   +0.0     +0.0   +0.0   +0.0    +0.0
+    digits   n4 e3 r30 a2       0.952  +0.0   +0.0   +0.0     +0.0   +0.0   +0.0    -0.6
+    digits   n2 e3 r10 a2       0.941  +0.0   +0.0   +0.0     +0.0   +0.0   +0.0    +0.0
+    digits   n8 e5 r10 a3       0.952  +0.0   +0.0   +0.0     +0.0   +0.0   +0.0    -0.6
+    digits   n4 e5 r20 a1       0.955  +0.0   +0.0   +0.0     +0.0   +0.0   +0.0    +0.0
+    mnist1d  n2 e1 r60 a3       0.685  +0.0   -3.5!  -3.5!    -3.5!  -3.5!  -3.5!   -2.4!
+    mnist1d  n8 e1 r10 a1       0.545  +0.0   +0.0   +0.0     +0.0   +0.0   +0.0    +0.0
+    mnist1d  n4 e3 r30 a2       0.680  +0.0   -1.7   -1.7     -1.7   -1.7   -1.7    +0.8
+    mnist1d  n2 e3 r10 a2       0.644  +0.0   +0.7   +0.7     +0.7   +0.7   +0.7    +0.7
+    mnist1d  n8 e5 r10 a3       0.673  +0.0   +1.6   +1.6     +1.6   +1.6   +1.6    -1.2
+    mnist1d  n4 e5 r20 a1       0.684  +0.0   +0.0   +0.0     +0.0   +0.0   +0.0    +0.0
 
-90 of 96 cells pass, and the 12 clean-cost cells (all 0.0). The one setting that misses,
-mnist1d n2 e1 r60 a3 (seeds -7.5, -3.5, +2.6 under every model attack; backdoor -4.5, 0.0,
--3.6), is two neighbours and three attackers: an honest agent that hears an attacker averages
-over one model fewer for 60 rounds; the five model attacks give the same accuracy seed by
-seed, so no poisoned value reaches an honest model. `inflate` costs nothing here: a
-decentralized receiver weighs no one by a claimed count, and what the attacker sends is the
-model it trained. The earlier measurement (before the learning changes, 252 runs) passed 62
-of 72 cells, its misses digits n8 e1 r10 a1 and mnist1d n2 e3 r10 a2, both of which now pass.
+    dataset  setting             mean     ipm   alie labelflip backdoor replace
+    digits   n2 e1 r60 a3       0.941   +0.0   +0.0      +0.0     +0.0    +0.0
+    digits   n8 e1 r10 a1       0.750   +0.0   +0.0      +0.0     +0.0    -2.3!
+    digits   n4 e3 r30 a2       0.952   +0.0   +0.0      +0.0     +0.0    +0.0
+    digits   n2 e3 r10 a2       0.941   +0.0   +0.0      +0.0     +0.0    +0.0
+    digits   n8 e5 r10 a3       0.952   +0.0   +0.0      -0.6     +0.0    +0.0
+    digits   n4 e5 r20 a1       0.955   +0.0   +0.0      -0.6     +0.0    +0.0
+    mnist1d  n2 e1 r60 a3       0.685   +0.0   -3.0!     -3.7!    -3.7!   -3.7!
+    mnist1d  n8 e1 r10 a1       0.545   +0.0   +0.0      +0.0     +0.0    +0.0
+    mnist1d  n4 e3 r30 a2       0.680   -0.2   +1.4      +1.4     +0.0    +0.0
+    mnist1d  n2 e3 r10 a2       0.644   +0.7   +0.7      +1.2     +0.7    +0.7
+    mnist1d  n8 e5 r10 a3       0.673   +1.0   +0.0      -2.2!    -1.8    +1.6
+    mnist1d  n4 e5 r20 a1       0.684   +0.0   +0.0      +0.0     +0.8    +0.0
+
+132 of 144 cells pass, and the 12 clean-cost cells (all 0.0). The setting that misses most,
+mnist1d n2 e1 r60 a3 (seeds -7.5, -3.5, +2.6 under the five model attacks that are screened
+out; -4.4, 0.0, -3.7 under the backdoor), is two neighbours and three attackers: an honest
+agent that hears an attacker averages over one model fewer for 60 rounds; the five model
+attacks give the same accuracy seed by seed, so no poisoned value reaches an honest model.
+ipm, a step small enough to pass the screen, costs nothing there; inflate, a whole step the
+wrong way, -2.4 (-2.4, 0.0, -3.7). digits n8 e1 r10 a1
+misses under replace (-2.3, -4.8, +1.4: 10 rounds of 1 epoch, where the first seed loses
+2.3 points under every attack, the median of 17 agents moving by one test sample's worth)
+and mnist1d n8 e5 r10 a3 under labelflip (-2.2, -2.6, 0.0). The trigger's success on the
+honest devices' served models, median over the seeds (a clean model's own rate is
+0.004-0.008 on digits, 0.03-0.04 on mnist1d):
+
+    dataset  setting             backdoor   replace
+    digits   n2 e1 r60 a3           0.012     0.010
+    digits   n8 e1 r10 a1           0.008     0.008
+    digits   n4 e3 r30 a2           0.011     0.007
+    digits   n2 e3 r10 a2           0.009     0.009
+    digits   n8 e5 r10 a3           0.003     0.003
+    digits   n4 e5 r20 a1           0.010     0.003
+    mnist1d  n2 e1 r60 a3           0.156     0.051
+    mnist1d  n8 e1 r10 a1           0.044     0.044
+    mnist1d  n4 e3 r30 a2           0.106     0.051
+    mnist1d  n2 e3 r10 a2           0.057     0.051
+    mnist1d  n8 e5 r10 a3           0.059     0.048
+    mnist1d  n4 e5 r20 a1           0.057     0.048
+
+The earlier measurements passed 90 of 96 cells (7 attacks, with inflate, ipm and replace not
+yet stepping from a decentralized attacker's own model) and 62 of 72 (before issue 45's
+learning changes).
 
 With one seed it prints the accuracy per defence and attack; with several (`--seeds 1-10`)
 each case's worst attack - clean per seed, summed up as mean, sd, range and the seeds
@@ -357,7 +396,8 @@ GRID_SETTINGS: tuple[dict[str, int], ...] = (
 """The grid's settings (issue 34 point 5), fixed before the default defence was tuned: each
 level of neighbours {2, 4, 8}, epochs {1, 3, 5} and attackers {1, 2, 3} twice, rounds 10 to
 60; the long runs have few epochs, so that it runs in about half an hour on 2 cores."""
-GRID_ATTACKS = ("scale", "noise", "signflip", "huge", "nan", "inflate", "backdoor")
+GRID_ATTACKS = robust_rules.ATTACKS
+"""Every attack `--attack` offers, model and data attacks alike."""
 GRID_SEEDS = (1, 2, 3)
 GRID_LEFT_OUT = 3
 """The agents left out of every grid run's honest set: the most attackers a setting has, so
@@ -418,7 +458,8 @@ def grid_run(job: GridJob) -> dict[str, Any]:
     )
     started = time.perf_counter()
     with _verdicts() as seen:
-        final = simulate(config)["rounds"][-1]["agents"]
+        report = simulate(config)
+    final = report["rounds"][-1]["agents"]
     left_out = robust_rules.attackers(sorted(final), GRID_LEFT_OUT)
     honest = [a["accuracy"] for k, a in final.items() if k not in left_out]
     poisoners = set(robust_rules.attackers(sorted(final), config.attackers))
@@ -430,6 +471,7 @@ def grid_run(job: GridJob) -> dict[str, Any]:
         "seed": seed,
         "honest_median_accuracy": statistics.median(honest),
         "honest_mean_accuracy": statistics.mean(honest),
+        "backdoor_success": report["summary"].get("backdoor_success"),
         # received models the clip left whole (kept) or changed (clipped or screened out)
         "attacker_models": _count(seen, poisoners, True),
         "honest_models": _count(seen, poisoners, False),
@@ -509,7 +551,11 @@ def grid_verdicts(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def grid_table(cells: list[dict[str, Any]]) -> list[str]:
     """One line per (dataset, setting): the median drop per attack, a `!` on each miss."""
     columns = ("clean", *GRID_ATTACKS)
-    lines = [f"{'dataset':8} {'setting':18} {'mean':>5} " + " ".join(f"{a:>9}" for a in columns)]
+    widths = [max(6, len(a)) for a in columns]
+    lines = [
+        f"{'dataset':8} {'setting':18} {'mean':>5} "
+        + " ".join(f"{a:>{w}}" for a, w in zip(columns, widths, strict=True))
+    ]
     rows: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
     for cell in cells:
         rows.setdefault((cell["dataset"], cell["setting"]), {})[cell["attack"]] = cell
@@ -517,19 +563,39 @@ def grid_table(cells: list[dict[str, Any]]) -> list[str]:
         s = GRID_SETTINGS[index]
         name = f"n{s['neighbours']} e{s['epochs']} r{s['rounds']} a{s['attackers']}"
         clean = statistics.median(next(iter(row.values()))["clean_mean"])
-        lines.append(
-            f"{dataset:8} {name:18} {clean:5.3f} " + " ".join(_mark(row.get(a)) for a in columns)
-        )
+        marks = (_mark(row.get(a), w) for a, w in zip(columns, widths, strict=True))
+        lines.append(f"{dataset:8} {name:18} {clean:5.3f} " + " ".join(marks))
     passed = sum(c["passed"] for c in cells)
     lines.append(f"{passed} of {len(cells)} cells pass")
     return lines
 
 
-def _mark(cell: dict[str, Any] | None) -> str:
-    """A cell of the table: its median drop in points, `!` on a miss, `-` if not run."""
+def trigger_table(results: list[dict[str, Any]]) -> list[str]:
+    """One line per (dataset, setting): the trigger's success on the honest devices' served
+    models under each trigger attack (`robust_rules.TRIGGER_ATTACKS`), the median over the
+    seeds (bench/backdoor.py gives the rate of clean models, 0.01-0.05)."""
+    attacks = [a for a in GRID_ATTACKS if a in robust_rules.TRIGGER_ATTACKS]
+    rates: dict[tuple[str, int, str], list[float]] = {}
+    for r in results:
+        if r.get("backdoor_success") is not None and r["defence"] == "default":
+            key = (r["dataset"], r["setting"], r["attack"])
+            rates.setdefault(key, []).append(r["backdoor_success"])
+    lines = [f"{'dataset':8} {'setting':18} " + " ".join(f"{a:>9}" for a in attacks)]
+    for dataset, index in sorted({(d, i) for d, i, _ in rates}):
+        s = GRID_SETTINGS[index]
+        name = f"n{s['neighbours']} e{s['epochs']} r{s['rounds']} a{s['attackers']}"
+        cells = [rates.get((dataset, index, a)) for a in attacks]
+        shown = [f"{statistics.median(c):9.3f}" if c else f"{'-':>9}" for c in cells]
+        lines.append(f"{dataset:8} {name:18} " + " ".join(shown))
+    return lines
+
+
+def _mark(cell: dict[str, Any] | None, width: int) -> str:
+    """A cell of the table, `width` wide: its median drop in points, `!` on a miss, `-` if
+    not run."""
     if cell is None:
-        return f"{'-':>9}"
-    return f"{cell['median_drop']:+7.1f}{' ' if cell['passed'] else '!'} "
+        return f"{'-':>{width - 1}} "
+    return f"{cell['median_drop']:+{width - 1}.1f}{' ' if cell['passed'] else '!'}"
 
 
 def grid_main(args: argparse.Namespace) -> None:
@@ -555,7 +621,8 @@ def _write_grid(
 ) -> list[str]:
     """The grid's results, verdicts and table so far, written to `path`; returns the table."""
     cells = grid_verdicts(results)
-    lines = grid_table(cells)
+    triggers = trigger_table(results)
+    lines = grid_table(cells) + ["", "trigger success on the served models:", *triggers]
     write_json(
         path,
         {
