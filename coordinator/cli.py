@@ -962,6 +962,7 @@ def summary_table(report: dict) -> Table:
     shown = metric if metric == "accuracy" else f"{metric}, {better} is better"
     rows = [(f"mean {shown} ({final})", f"{summary[f'mean_{metric}']:.4f}")]
     rows += kept_rows(summary, metric)
+    rows += attack_rows(summary, config, metric)
     rows += [
         (f"mean sparsity ({final})", f"{summary['mean_sparsity']:.3f}"),
         ("busiest agent bytes", f"{summary['busiest_agent_bytes']:,} ({summary['busiest_agent']})"),
@@ -1000,6 +1001,26 @@ def kept_rows(summary: dict, metric: str) -> list[tuple[str, str]]:
         rows.append((f"mean {metric} of the strategy's own models", f"{strategy:.4f}"))
     if summary.get("total_fallback_flops"):
         rows.append(("local-only models' training FLOPs", f"{summary['total_fallback_flops']:.3e}"))
+    return rows
+
+
+def attack_rows(summary: dict, config: dict, metric: str) -> list[tuple[str, str]]:
+    """Under `--attackers` (research): who attacked, the honest agents' mean (an attacker's
+    own model says nothing of what the fleet learned) and, under a trigger attack, how often
+    the trigger works on the honest agents' models; nothing for a run without attackers."""
+    rows = []
+    attackers = summary.get("attackers") or []
+    if attackers:
+        rows.append(("attackers", f"{len(attackers)} ({config['attack']})"))
+        honest = summary.get(f"honest_mean_{metric}")
+        if honest is not None:
+            rows.append((f"mean {metric} of the honest agents", f"{honest:.4f}"))
+    if summary.get("backdoor_success") is not None:
+        strategy = summary.get("backdoor_success_strategy")
+        beside = f" (the strategy's own models {strategy:.3f})" if strategy is not None else ""
+        rows.append(
+            ("trigger success on honest models", f"{summary['backdoor_success']:.3f}{beside}")
+        )
     return rows
 
 
