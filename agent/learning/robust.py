@@ -390,8 +390,9 @@ def poison(
     its masks as the honest model is, finite but for `nan`. Noise is drawn tensor by tensor
     in the model's order from `generator` (derived from the fleet seed, agent and round: the
     simulator and the agent draw the same). `inflate` sends an update-sized step the wrong
-    way, 2 `reference` - model (the global model the attacker trained from; the model itself
-    where there is none), and claims `INFLATED_SAMPLES` (`claimed_samples`); `ipm` a step of
+    way, 2 `reference` - model (the model the attacker trained from: the global one, or a
+    decentralized attacker's own before the round; the model itself where there is none),
+    and claims `INFLATED_SAMPLES` (`claimed_samples`); `ipm` a step of
     IPM_EPSILON times its own the wrong way; `replace` its backdoored step boosted by
     REPLACE_BOOST; `alie` the mean less z standard deviations of the honest models it knows
     (`colluders`: its own alone, which it then sends as it is, where it knows no other)."""
@@ -430,14 +431,16 @@ def _poisoned_tensor(
     colluders: Colluders | None,
 ) -> torch.Tensor:
     """One tensor of `poison`'s model (`base`: the same tensor of the model trained from)."""
-    step = None if base is None else tensor - base.to(tensor.dtype)
     if attack == "scale":
         return tensor * SCALE_FACTOR
     if attack == "signflip":
         return -tensor
     if attack in ("inflate", "ipm", "replace"):
+        if base is None:
+            return tensor.clone()
         factor = {"inflate": -1.0, "ipm": -IPM_EPSILON, "replace": REPLACE_BOOST}[attack]
-        return tensor.clone() if step is None else tensor - step + factor * step
+        start = base.to(tensor.dtype)
+        return start + factor * (tensor - start)
     if attack in ("huge", "nan"):
         return torch.full_like(tensor, HUGE_VALUE if attack == "huge" else math.nan)
     if attack == "alie":
