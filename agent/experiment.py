@@ -32,7 +32,7 @@ from agent.learning.config import (
 )
 from agent.learning.config import default_model as default_dataset_model
 from agent.learning.early_stop import StopRule
-from protocol.limits import MAX_MEMBERS, WEEK_S
+from protocol.limits import MAX_MEMBERS, MAX_ROUNDS, WEEK_S
 
 if TYPE_CHECKING:
     from agent.learning.tasks import Task
@@ -51,7 +51,6 @@ DEFAULT_KEEP_MARGIN = 0.02
 
 MAX_AGENTS = MAX_MEMBERS
 """The largest fleet a run may name (a roster message lists every member)."""
-MAX_ROUNDS = 100_000
 MAX_EPOCHS = 10_000
 MAX_BATCH = 1_000_000
 MAX_SECONDS = WEEK_S

@@ -81,7 +81,7 @@ sys.path.insert(0, str(ROOT))
 from agent.experiment import ExperimentConfig  # noqa: E402
 from agent.learning import preset, robust_rules  # noqa: E402
 from agent.learning.config import CENTRALIZED  # noqa: E402
-from bench.support import environment, write_json  # noqa: E402
+from bench.support import environment, seeds, write_json  # noqa: E402
 from coordinator.simulate import simulate  # noqa: E402
 
 DEFENCES: dict[str, dict[str, str]] = {
@@ -161,18 +161,11 @@ def counts(text: str) -> list[int]:
     return [int(part) for part in text.split(",")]
 
 
-def seeds(text: str) -> list[int]:
-    first, _, last = text.partition("-")
-    return list(range(int(first), int(last or first) + 1))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--datasets", default="digits,mnist1d")
     parser.add_argument("--strategies", default="fedavg,dadpfl")
-    parser.add_argument(
-        "--attackers", default="0,2,4", type=lambda t: [int(x) for x in t.split(",")]
-    )
+    parser.add_argument("--attackers", default="0,2,4", type=counts)
     parser.add_argument("--defences", default="mean,default")
     parser.add_argument("--attacks", default="backdoor,replace")
     parser.add_argument("--seeds", default="1-3", type=seeds)

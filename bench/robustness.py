@@ -232,7 +232,7 @@ sys.path.insert(0, str(ROOT))
 
 from agent.experiment import ExperimentConfig  # noqa: E402
 from agent.learning import preset, robust, robust_rules  # noqa: E402
-from bench.support import environment, write_json  # noqa: E402
+from bench.support import environment, seeds, write_json  # noqa: E402
 from coordinator.simulate import simulate  # noqa: E402
 
 DEFENCES: dict[str, dict[str, str]] = {
@@ -370,17 +370,6 @@ def seeds_table(results: list[dict[str, Any]]) -> list[str]:
             f"{min(drops):+6.1f} {max(drops):+6.1f} {within:>4} of {len(drops)}"
         )
     return lines
-
-
-def seeds(spec: str) -> list[int]:
-    """`--seeds`: a list (1,2,3) or a range (1-10)."""
-    try:
-        if "-" in spec:
-            first, last = (int(x) for x in spec.split("-"))
-            return list(range(first, last + 1))
-        return [int(x) for x in spec.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 1,2,3 or 1-10, got {spec!r}") from None
 
 
 # ------------------------------------------------------------------------------------ grid

@@ -3,6 +3,7 @@ emulated fleet, round ends from the agents' logs, and a watch on the fleet's mem
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -38,6 +39,17 @@ def environment() -> dict[str, Any]:
     if hasattr(os, "getloadavg"):
         env["loadavg"] = list(os.getloadavg())
     return env
+
+
+def seeds(spec: str) -> list[int]:
+    """`--seeds`: a list (1,2,3) or a range (1-10)."""
+    try:
+        if "-" in spec:
+            first, last = (int(x) for x in spec.split("-"))
+            return list(range(first, last + 1))
+        return [int(x) for x in spec.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 1,2,3 or 1-10, got {spec!r}") from None
 
 
 def write_json(path: pathlib.Path, data: Any) -> None:

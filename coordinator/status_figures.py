@@ -27,16 +27,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from protocol import ProtocolError
-from protocol.limits import MAX_MEMBERS, WEEK_S
+from protocol.limits import MAX_MEMBERS, MAX_ROUNDS, WEEK_S
 from protocol.logs import BURST, INTERVAL_S
 from protocol.messages import Presence, Status
 from protocol.topics import check_name
 
 log = logging.getLogger(__name__)
 
-MAX_ROUNDS = 100_000
-"""The most rounds a run has (`agent.experiment.MAX_ROUNDS`, which a test keeps equal: this
-module loads no training code)."""
 MAX_BYTES = 1 << 50
 """A round's traffic: a pebibyte is beyond any device link."""
 MAX_FLOPS = 1e21

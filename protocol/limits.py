@@ -25,6 +25,9 @@ MAX_MEMBERS = 10_000
 """The most members a fleet has: the largest roster a run may name, and how many members a
 follower (`coordinator status`, `run` while it gathers its roster) keeps track of, so that
 statuses under ever new names cannot grow it without end."""
+MAX_ROUNDS = 100_000
+"""The most rounds a run has: a run option beyond it is a typo, and a member's status
+naming a later round no status of a real run."""
 
 
 @dataclass(frozen=True)

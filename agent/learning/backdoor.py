@@ -51,13 +51,8 @@ def poisoned(data: LocalData, seed: int) -> LocalData:
     value = float(data.x_train.max())
     copies = with_trigger(data.x_train[picked], value)
     target = torch.full((count,), robust_rules.BACKDOOR_TARGET, dtype=data.y_train.dtype)
-    return LocalData(
-        torch.cat([data.x_train, copies]),
-        torch.cat([data.y_train, target]),
-        data.x_test,
-        data.y_test,
-        data.x_val,
-        data.y_val,
+    return dataclasses.replace(
+        data, x_train=torch.cat([data.x_train, copies]), y_train=torch.cat([data.y_train, target])
     )
 
 

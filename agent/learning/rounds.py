@@ -234,15 +234,21 @@ def attacked(
     colluders: robust.Colluders | None = None,
 ) -> RoundResult:
     """A decentralized attacker's round: its state stays its own, what it publishes is
-    poisoned (`robust.poison`, noise drawn from the fleet seed, the agent and the round;
-    `before`: its model before the round, which `inflate`, `ipm` and `replace` step from;
-    `colluders`: what `alie` attackers pool)."""
+    poisoned as a centralized attacker's upload is (`attacked_payload`), stepping from
+    `before`, its model before the round."""
     published = result.published
-    generator = learner.generator("attack", result.state.agent_id, round_)
-    weights = robust.poison(
-        published.weights, published.masks, attack, generator, before, colluders
+    sent = attacked_payload(
+        learner,
+        Payload(published.weights, published.masks),
+        attack,
+        result.state.agent_id,
+        round_,
+        before,
+        colluders,
     )
-    return dataclasses.replace(result, published=dataclasses.replace(published, weights=weights))
+    return dataclasses.replace(
+        result, published=dataclasses.replace(published, weights=sent.weights)
+    )
 
 
 def attacked_payload(
@@ -254,9 +260,9 @@ def attacked_payload(
     reference: State | None = None,
     colluders: robust.Colluders | None = None,
 ) -> Payload:
-    """A centralized attacker's upload, poisoned (`robust.poison`) as `attacked`'s;
-    `reference` is the global model it trained from (`inflate`, `ipm` and `replace` step
-    from it)."""
+    """An attacker's upload, poisoned (`robust.poison`, noise drawn from the fleet seed, the
+    agent and the round); `reference` is the model it trained from (`inflate`, `ipm` and
+    `replace` step from it), `colluders` what `alie` attackers pool."""
     generator = learner.generator("attack", agent_id, round_)
     poisoned = robust.poison(
         payload.weights, payload.masks, attack, generator, reference, colluders
