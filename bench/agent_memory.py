@@ -1,7 +1,7 @@
 """Agent memory: resident memory (RSS) of one edge-agent process during its rounds, against what
 `import torch` alone costs. Target: <= 60 MB above torch after import, model and data excluded.
 
-    python bench/agent_memory.py [--agents 4] [--rounds 10] [--dataset mnist1d] [--model NAME]
+    python -m bench.agent_memory [--agents 4] [--rounds 10] [--dataset mnist1d] [--model NAME]
         [--broker embedded|mosquitto|HOST:PORT] [--out bench/results/agent_memory.json]
 
 Measured:
@@ -39,20 +39,19 @@ import tempfile
 import threading
 import time
 
+import psutil
+from rich.console import Console
+from rich.table import Table
+
+from agent.data import load_dataset
+from agent.experiment import ExperimentConfig
+from agent.learning import default_model, preset
+from agent.runtime.decentralized import KEEP_OWN_ROUNDS
+from agent.workload import build_workload
+from bench.support import broker, environment, fleet_round_ends, write_json
+from coordinator.emulate import Emulation, EmulationOptions
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import psutil  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from agent.data import load_dataset  # noqa: E402
-from agent.experiment import ExperimentConfig  # noqa: E402
-from agent.learning import default_model, preset  # noqa: E402
-from agent.runtime.decentralized import KEEP_OWN_ROUNDS  # noqa: E402
-from agent.workload import build_workload  # noqa: E402
-from bench.support import broker, environment, fleet_round_ends, write_json  # noqa: E402
-from coordinator.emulate import Emulation, EmulationOptions  # noqa: E402
 
 TARGET_MB = 60.0
 MB = 2**20

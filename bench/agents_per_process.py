@@ -2,7 +2,7 @@
 a process (`coordinator emulate --agents-per-process K`) against a process each.
 Target (issue 16): <= 15 MB per added agent.
 
-    python bench/agents_per_process.py [--runs 32x1,32x8,8x8,32x32] [--rounds 3]
+    python -m bench.agents_per_process [--runs 32x1,32x8,8x8,32x32] [--rounds 3]
         [--broker embedded|mosquitto|HOST:PORT] [--out bench/results/agents_per_process.json]
 
 Each run AxK is one emulation of A agents, K to a process (mnist1d, Dirichlet 0.3, DA-DPFL
@@ -40,15 +40,12 @@ import tempfile
 import time
 from typing import Any
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from rich.console import Console
+from rich.table import Table
 
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from agent.experiment import ExperimentConfig  # noqa: E402
-from agent.learning import preset  # noqa: E402
-from bench.support import (  # noqa: E402
+from agent.experiment import ExperimentConfig
+from agent.learning import preset
+from bench.support import (
     MemoryWatch,
     broker,
     environment,
@@ -56,7 +53,9 @@ from bench.support import (  # noqa: E402
     steady_round_s,
     write_json,
 )
-from coordinator.emulate import Emulation, EmulationOptions  # noqa: E402
+from coordinator.emulate import Emulation, EmulationOptions
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 TARGET_MB = 15.0
 MB = 2**20

@@ -1,6 +1,6 @@
 """The backdoor attacks against the fleet: how often a trigger turns an honest device's answer.
 
-    python bench/backdoor.py [--datasets digits,mnist1d] [--strategies fedavg,dadpfl]
+    python -m bench.backdoor [--datasets digits,mnist1d] [--strategies fedavg,dadpfl]
         [--attacks backdoor,replace] [--attackers 0,2,4] [--defences mean,default,signs]
         [--seeds 1-3] [--agents 20] [--rounds 30] [--epochs 2] [--jobs 2]
         [--out bench/results/backdoor.json]
@@ -70,19 +70,17 @@ import argparse
 import logging
 import pathlib
 import statistics
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from agent.experiment import ExperimentConfig
+from agent.learning import preset, robust_rules
+from agent.learning.config import CENTRALIZED
+from bench.support import environment, seeds, write_json
+from coordinator.simulate import simulate
 
-from agent.experiment import ExperimentConfig  # noqa: E402
-from agent.learning import preset, robust_rules  # noqa: E402
-from agent.learning.config import CENTRALIZED  # noqa: E402
-from bench.support import environment, seeds, write_json  # noqa: E402
-from coordinator.simulate import simulate  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 DEFENCES: dict[str, dict[str, str]] = {
     "mean": {"aggregation": "mean", "clip": "off"},

@@ -1,6 +1,6 @@
 """The embedded broker's CPU per published message, by payload size and number of receivers.
 
-    python bench/broker_cost.py [--messages 300] [--out bench/results/broker_cost.json]
+    python -m bench.broker_cost [--messages 300] [--out bench/results/broker_cost.json]
 
 Each case starts an `EmbeddedBroker` on loopback, connects `receivers` paho clients (each
 subscribed to the bench's topics and, as a fleet's agents are, to 5 filters that never match)
@@ -32,23 +32,21 @@ import argparse
 import contextlib
 import os
 import pathlib
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import paho.mqtt.client as mqtt
+from amqtt.broker import Broker
+from rich.console import Console
+from rich.table import Table
+
+from bench.support import environment, write_json
+from coordinator import broker as embedded
+from coordinator.cli import free_port
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import paho.mqtt.client as mqtt  # noqa: E402
-from amqtt.broker import Broker  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from bench.support import environment, write_json  # noqa: E402
-from coordinator import broker as embedded  # noqa: E402
-from coordinator.cli import free_port  # noqa: E402
 
 SIZES = {"status, 1 kB": 1_000, "mnist1d model, 34 kB": 34_000, "frame, 256 kB": 256 * 1024}
 """A status; the CNN of the README's main job; one frame of a model larger than a frame

@@ -3,35 +3,26 @@
 Targets: encoded size within 5% of the information-theoretic bound at every density, and
 encode and decode both at least 1 GB/s (of the dense fp32 size) at density 0.5 on one core.
 
-    python bench/codec.py [--out bench/results/codec.json] [--repeat N]
+    python -m bench.codec [--out bench/results/codec.json] [--repeat N]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import pathlib
+import platform
+import sys
+import time
+from collections import Counter
 
+# One thread for numpy's and BLAS's pools: set before numpy loads, which is why numpy and
+# protocol (which imports it) are imported inside the functions below.
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS"):
     os.environ[_var] = "1"
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import pathlib  # noqa: E402
-import platform  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from collections import Counter  # noqa: E402
-
-import numpy as np  # noqa: E402
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from protocol import (  # noqa: E402
-    decode_tensors,
-    encode_mask,  # noqa: E402
-    encode_tensors,
-    lower_bound_bytes,
-)
 
 DENSITIES = (0.01, 0.05, 0.1, 0.3, 0.5, 0.7, 0.9, 0.99)
 MAX_RATIO = 1.05
@@ -72,6 +63,10 @@ def best_seconds(fn, repeat: int) -> float:
 
 
 def measure(model, density: float, repeat: int, fp16: bool, rng) -> dict:
+    import numpy as np
+
+    from protocol import decode_tensors, encode_mask, encode_tensors, lower_bound_bytes
+
     masks = {name: rng.random(array.shape) < density for name, array in model.items()}
     dense_bytes = sum(array.nbytes for array in model.values())
     size = sum(array.size for array in model.values())
@@ -144,6 +139,8 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main() -> None:
+    import numpy as np
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench/results/codec.json")
     parser.add_argument("--repeat", type=int, default=5)

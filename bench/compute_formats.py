@@ -2,7 +2,7 @@
 this device, what each changes in the numbers, and which one an agent's calibration trains in
 (issue 32, point 4).
 
-    python bench/compute_formats.py [--models mlp,cnn2d,resnet18] [--device auto|cpu|cuda]
+    python -m bench.compute_formats [--models mlp,cnn2d,resnet18] [--device auto|cpu|cuda]
         [--precisions fp32,fp16,bf16] [--repeats 5] [--out bench/results/compute_formats.json]
 
 For each model (those of bench/real_budgets.py: mlp on 64 features, cnn2d on 1x28x28, resnet18
@@ -31,18 +31,14 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import sys
 from dataclasses import replace
 from typing import Any
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
+from rich.console import Console
+from rich.table import Table
 
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from agent.device.calibration import (  # noqa: E402
+from agent.device.calibration import (
     FORMAT_GAIN,
     _Calibration,
     _sample,
@@ -50,13 +46,15 @@ from agent.device.calibration import (  # noqa: E402
     candidate_formats,
     chosen_format,
 )
-from agent.learning import Learner, LocalData, preset  # noqa: E402
-from agent.learning.models import build_model, prunable_names  # noqa: E402
-from agent.learning.precision import CHANNELS_LAST, ComputeFormat  # noqa: E402
-from agent.learning.reduced import reduced_training  # noqa: E402
-from agent.learning.reduction import NO_REDUCTION  # noqa: E402
-from bench.real_budgets import BATCH, CLASSES, MODELS  # noqa: E402
-from bench.support import environment, write_json  # noqa: E402
+from agent.learning import Learner, LocalData, preset
+from agent.learning.models import build_model, prunable_names
+from agent.learning.precision import CHANNELS_LAST, ComputeFormat
+from agent.learning.reduced import reduced_training
+from agent.learning.reduction import NO_REDUCTION
+from bench.real_budgets import BATCH, CLASSES, MODELS
+from bench.support import environment, write_json
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # Samples drawn: enough for the calibration's longest call (`_steps`: 0.1 s of dense work).
 SAMPLES = BATCH * 100

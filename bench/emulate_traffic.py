@@ -2,7 +2,7 @@
 `coordinator simulate` counts for the same run. Target (issue 16): within 1.1x at 8, 32 and 64
 agents, with 5 neighbours and all-to-all.
 
-    python bench/emulate_traffic.py [--sizes 8,32,64] [--neighbours 5,all] [--rounds 6]
+    python -m bench.emulate_traffic [--sizes 8,32,64] [--neighbours 5,all] [--rounds 6]
         [--strategy dfedavgm] [--broker embedded|mosquitto|HOST:PORT]
         [--out bench/results/emulate_traffic.json]
 
@@ -75,26 +75,24 @@ from __future__ import annotations
 import argparse
 import pathlib
 import re
-import sys
 import tempfile
 import time
 from typing import Any
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from rich.console import Console
+from rich.table import Table
 
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from agent.experiment import ExperimentConfig  # noqa: E402
-from agent.learning import preset  # noqa: E402
-from bench.support import broker, environment, write_json  # noqa: E402
-from coordinator.emulate import (  # noqa: E402
+from agent.experiment import ExperimentConfig
+from agent.learning import preset
+from bench.support import broker, environment, write_json
+from coordinator.emulate import (
     Emulation,
     EmulationOptions,
     auto_agents_per_process,
 )
-from coordinator.simulate import simulate  # noqa: E402
+from coordinator.simulate import simulate
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def totals(report: dict[str, Any]) -> tuple[int, int]:

@@ -1,8 +1,8 @@
 """The examples' numbers: each example's run file under local-only training, FedAvg and the
 strategies of the papers, with the task's metric and the bytes on the wire.
 
-    python3 bench/examples.py                 # every example, every strategy
-    python3 bench/examples.py sensor_regression --rounds 5
+    python -m bench.examples                  # every example, every strategy
+    python -m bench.examples sensor_regression --rounds 5
 
 Prints a table and writes bench/results/examples.json; the examples' READMEs quote it.
 """
@@ -16,9 +16,7 @@ import time
 from typing import Any
 
 import edgefl
-
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from support import environment, write_json  # noqa: E402
+from bench.support import environment, write_json
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 STRATEGIES = ("local", "fedavg", "dadpfl", "fedspu", "fedldf")

@@ -1,7 +1,7 @@
 """Deliveries per agent and round: MQTT messages each agent receives in a steady round, as the
 fleet grows. Target (issue 16): at most M + 5 at K = 1,000 (M neighbours a round).
 
-    python bench/fleet_deliveries.py [--sizes 50,200,1000] [--rounds 3] [--neighbours 5]
+    python -m bench.fleet_deliveries [--sizes 50,200,1000] [--rounds 3] [--neighbours 5]
         [--broker mosquitto|embedded|HOST:PORT] [--out bench/results/fleet_deliveries.json]
 
 Each size K is one `coordinator emulate` run (DA-DPFL, 1 epoch, on `synthetic:1,1,K` with the
@@ -54,20 +54,16 @@ import argparse
 import pathlib
 import re
 import statistics
-import sys
 import tempfile
 import time
 from typing import Any
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from rich.console import Console
+from rich.table import Table
 
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from agent.experiment import ExperimentConfig  # noqa: E402
-from agent.learning import preset  # noqa: E402
-from bench.support import (  # noqa: E402
+from agent.experiment import ExperimentConfig
+from agent.learning import preset
+from bench.support import (
     MemoryWatch,
     broker,
     environment,
@@ -75,7 +71,9 @@ from bench.support import (  # noqa: E402
     steady_round_s,
     write_json,
 )
-from coordinator.emulate import Emulation, EmulationOptions, auto_agents_per_process  # noqa: E402
+from coordinator.emulate import Emulation, EmulationOptions, auto_agents_per_process
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 DELIVERIES = re.compile(r"round (\d+): (\d+) deliveries received")
 

@@ -2,7 +2,7 @@
 against `coordinator simulate` (one process) on the same configuration. Target: emulate <=
 1.25x simulate.
 
-    python bench/fleet_overhead.py [--agents 8] [--rounds 20] [--strategy dadpfl]
+    python -m bench.fleet_overhead [--agents 8] [--rounds 20] [--strategy dadpfl]
         [--dataset mnist1d] [--broker embedded|mosquitto|HOST:PORT] [--repeat 2]
         [--out bench/results/fleet_overhead.json]
 
@@ -29,28 +29,26 @@ import argparse
 import dataclasses
 import pathlib
 import resource
-import sys
 import tempfile
 import time
 from typing import Any
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from rich.console import Console
+from rich.table import Table
 
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from agent.experiment import ExperimentConfig  # noqa: E402
-from agent.learning import PRESETS, preset  # noqa: E402
-from bench.support import (  # noqa: E402
+from agent.experiment import ExperimentConfig
+from agent.learning import PRESETS, preset
+from bench.support import (
     broker,
     environment,
     fleet_round_ends,
     steady_round_s,
     write_json,
 )
-from coordinator.emulate import Emulation, EmulationOptions  # noqa: E402
-from coordinator.simulate import Simulation  # noqa: E402
+from coordinator.emulate import Emulation, EmulationOptions
+from coordinator.simulate import Simulation
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 TARGET = 1.25
 

@@ -1,7 +1,7 @@
 """Fleet scale: the largest emulated fleet (real agent processes, real broker) that completes
 3 rounds on this machine, and the time per round as the fleet grows. Target: >= 50 agents.
 
-    python bench/fleet_scale.py [--sizes 8,16,32,50,64,96,128] [--rounds 3]
+    python -m bench.fleet_scale [--sizes 8,16,32,50,64,96,128] [--rounds 3]
         [--broker embedded|mosquitto|HOST:PORT] [--out bench/results/fleet_scale.json]
 
 Each size is one `coordinator emulate` run (mnist1d, Dirichlet 0.3, DA-DPFL with 5 neighbours,
@@ -29,20 +29,16 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import sys
 import tempfile
 import time
 from typing import Any
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from rich.console import Console
+from rich.table import Table
 
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from agent.experiment import ExperimentConfig  # noqa: E402
-from agent.learning import preset  # noqa: E402
-from bench.support import (  # noqa: E402
+from agent.experiment import ExperimentConfig
+from agent.learning import preset
+from bench.support import (
     MemoryWatch,
     broker,
     environment,
@@ -50,7 +46,9 @@ from bench.support import (  # noqa: E402
     steady_round_s,
     write_json,
 )
-from coordinator.emulate import Emulation, EmulationOptions  # noqa: E402
+from coordinator.emulate import Emulation, EmulationOptions
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 TARGET = 50
 MB = 2**20

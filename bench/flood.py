@@ -2,7 +2,7 @@
 hostile payloads on the fleet's topics; the run must give the numbers of `simulate`, and each
 agent's memory must stay within a bound of its memory in the same run without the flood.
 
-    python bench/flood.py [--payloads 5000] [--agents 4] [--rounds 4] [--wire delta]
+    python -m bench.flood [--payloads 5000] [--agents 4] [--rounds 4] [--wire delta]
         [--broker mosquitto|embedded|HOST:PORT] [--out bench/results/flood.json]
 
 The payloads, in equal turns (`KINDS`): random bytes; truncated frames; first chunks that
@@ -49,22 +49,21 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import msgpack
+import paho.mqtt.client as paho
+from paho.mqtt.enums import CallbackAPIVersion
+
+from agent.experiment import ExperimentConfig
+from agent.learning import preset
+from agent.runtime import expected_shapes, model_message
+from agent.workload import build_workload
+from bench.support import fleet_round_ends
+from coordinator.emulate import Emulation, EmulationOptions
+from protocol import BrokerAddress, messages, topics
+from protocol.chunking import MAGIC, split
+from protocol.limits import Limits, run_limits
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import msgpack  # noqa: E402
-import paho.mqtt.client as paho  # noqa: E402
-from paho.mqtt.enums import CallbackAPIVersion  # noqa: E402
-
-from agent.experiment import ExperimentConfig  # noqa: E402
-from agent.learning import preset  # noqa: E402
-from agent.runtime import expected_shapes, model_message  # noqa: E402
-from agent.workload import build_workload  # noqa: E402
-from bench.support import fleet_round_ends  # noqa: E402
-from coordinator.emulate import Emulation, EmulationOptions  # noqa: E402
-from protocol import BrokerAddress, messages, topics  # noqa: E402
-from protocol.chunking import MAGIC, split  # noqa: E402
-from protocol.limits import Limits, run_limits  # noqa: E402
 
 MB = 2**20
 SLACK_MB = 16.0
@@ -81,8 +80,9 @@ FAR_AHEAD = 50
 
 
 def agent_main() -> None:
-    """`flood.py agent ARGS`: `edge-agent ARGS`; with NO_LIMITS set, the session's run limits
-    are put back to the defaults (the comparison run: what the run's limits buy)."""
+    """`python -m bench.flood agent ARGS`: `edge-agent ARGS`; with NO_LIMITS set, the
+    session's run limits are put back to the defaults (the comparison run: what the run's
+    limits buy)."""
     from agent.cli import main
     from agent.runtime import session as session_module
     from protocol.limits import DEFAULT_LIMITS
@@ -105,7 +105,7 @@ class LimitedEmulation(Emulation):
     def agent_command(self, index: int) -> list[str]:
         command = super().agent_command(index)
         assert command[1:3] == ["-m", "agent"], command
-        return [command[0], str(pathlib.Path(__file__).resolve()), "agent", *command[3:]]
+        return [command[0], "-m", "bench.flood", "agent", *command[3:]]
 
 
 # ------------------------------------------------------------------------ hostile payloads
@@ -281,10 +281,18 @@ def run_fleet(
     os.environ.pop(NO_LIMITS, None)
     if default_limits:
         os.environ[NO_LIMITS] = "1"
+    # The agents run `python -m bench.flood agent` under emulate's PYTHONSAFEPATH, which
+    # leaves the working directory off their path: the checkout goes on PYTHONPATH.
+    pythonpath = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), pythonpath]))
     try:
         report = emulation.run()
     finally:
         os.environ.pop(NO_LIMITS, None)
+        if pythonpath is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = pythonpath
     attacker.join(120)
     sampler.done.set()
     sampler.join()

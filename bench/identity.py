@@ -9,11 +9,11 @@ distances; a configuration the recording lacks (added since) is listed as new.
 `emulate` runs a few configurations as real agent processes on the embedded broker and checks
 that every agent's accuracy and sparsity in every round equal simulate's.
 
-    python3 bench/identity.py record /tmp/before      # on the old code
-    python3 bench/identity.py compare /tmp/before     # on the new code
-    python3 bench/identity.py compare /tmp/before --workers 2   # trained in 2 processes
-    python3 bench/identity.py compare /tmp/before --old-training
-    python3 bench/identity.py emulate
+    python -m bench.identity record /tmp/before      # on the old code
+    python -m bench.identity compare /tmp/before     # on the new code
+    python -m bench.identity compare /tmp/before --workers 2   # trained in 2 processes
+    python -m bench.identity compare /tmp/before --old-training
+    python -m bench.identity emulate
 
 `--old-training` runs every configuration with the local training and model keeping of
 before issue 45 (plain SGD at lr 0.1, no momentum, no clipping, the strategy's own model

@@ -1,6 +1,6 @@
 """Inflated sample counts: what one member's claim does to a weighted mean, per weighting.
 
-    python bench/inflated_claims.py [--seeds 1,2,3] [--jobs 2]
+    python -m bench.inflated_claims [--seeds 1,2,3] [--jobs 2]
 
 FedAvg weighs each upload by the sample count its sender claims. An attacker (`--attack
 inflate`) sends an update-sized step the wrong way (2 w_global - w_trained) and claims the
@@ -43,11 +43,11 @@ from collections.abc import Mapping
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
+from agent.experiment import ExperimentConfig
+from agent.learning import preset, robust_rules
+from bench.support import environment, write_json
+
 BENCH = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH.parent))
-from agent.experiment import ExperimentConfig  # noqa: E402
-from agent.learning import preset, robust_rules  # noqa: E402
-from bench.support import environment, write_json  # noqa: E402
 
 WEIGHTINGS: dict[str, float | None] = {
     "counts": math.inf,

@@ -1,6 +1,6 @@
 """Install footprint: what each install profile puts on disk, and what an idle agent holds.
 
-    python bench/install_footprint.py [--out bench/results/install_footprint.json]
+    python -m bench.install_footprint [--out bench/results/install_footprint.json]
 
 Installs as a user does: the wheel is built with `--no-build-isolation` on the oldest
 setuptools the metadata allows, then a fresh virtual environment (no system site-packages)
@@ -32,15 +32,14 @@ import tempfile
 import time
 from collections.abc import Sequence
 
+import numpy as np
+import psutil
+from rich.console import Console
+from rich.table import Table
+
+from bench.support import broker, environment, write_json
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import numpy as np  # noqa: E402
-import psutil  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from bench.support import broker, environment, write_json  # noqa: E402
 
 TORCH_PIN = os.environ.get("TORCH_PIN", "torch==2.13.0")
 SETUPTOOLS_MINIMUM = "setuptools==77.0.1"

@@ -5,9 +5,9 @@ mnist1d at Dirichlet 0.1 and 0.5 and pathological:2, a task with per-device feat
 (FedProx's synthetic), and two user models the project was not written for
 (bench/quality_models.py), each over several seeds at the run lengths users run.
 
-    python3 bench/learning_quality.py --quick                # minutes: a change's check
-    python3 bench/learning_quality.py --workers 2            # the whole grid: hours on 2 cores
-    python3 bench/learning_quality.py --tasks keyword_spotting --strategies local,dadpfl \\
+    python -m bench.learning_quality --quick                 # minutes: a change's check
+    python -m bench.learning_quality --workers 2             # the whole grid: hours on 2 cores
+    python -m bench.learning_quality --tasks keyword_spotting --strategies local,dadpfl \\
         --set momentum=0.9 --label momentum                  # a variant, in its own file
 
 Per cell (task, strategy), over the seeds: the fleet mean of each device's final metric and
@@ -44,12 +44,10 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from multiprocessing import get_context
 from typing import Any
 
-BENCH = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
-sys.path.insert(0, str(BENCH.parent))
-from support import environment, write_json  # noqa: E402
+from agent.learning.config import CENTRALIZED, DECENTRALIZED
+from bench.support import environment, write_json
 
-from agent.learning.config import CENTRALIZED, DECENTRALIZED  # noqa: E402
+BENCH = pathlib.Path(__file__).resolve().parent
 
 EXAMPLES = BENCH.parent / "examples"
 MODELS = BENCH / "quality_models.py"

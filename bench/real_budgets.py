@@ -1,7 +1,7 @@
 """Real budgets: does p_k cut a round's measured seconds and memory, and does the device's cost
 table predict by how much? (issue 32, first "Done when" bullet)
 
-    python bench/real_budgets.py [--models mlp,cnn2d,resnet18] [--quick] [--no-rss]
+    python -m bench.real_budgets [--models mlp,cnn2d,resnet18] [--quick] [--no-rss]
         [--out bench/results/real_budgets.json]
 
 For each model (mlp on 64 features, cnn2d on 1x28x28, resnet18 on 3x32x32; 10 classes, batch 64,
@@ -58,28 +58,27 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
+from rich.console import Console
+from rich.table import Table
 
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from agent.device.calibration import ActivationMeter, measure_costs, working_set_mb  # noqa: E402
-from agent.learning import Learner, LocalData, channels, preset, rigl  # noqa: E402
-from agent.learning.costs import CostTable, Row  # noqa: E402
-from agent.learning.freezing import active_masks  # noqa: E402
-from agent.learning.models import build_model, prunable_names  # noqa: E402
-from agent.learning.reduced import reduced_training  # noqa: E402
-from agent.learning.reduction import (  # noqa: E402
+from agent.device.calibration import ActivationMeter, measure_costs, working_set_mb
+from agent.learning import Learner, LocalData, channels, preset, rigl
+from agent.learning.costs import CostTable, Row
+from agent.learning.freezing import active_masks
+from agent.learning.models import build_model, prunable_names
+from agent.learning.reduced import reduced_training
+from agent.learning.reduction import (
     NO_REDUCTION,
     Reduction,
     active_fraction,
     capped_density,
     measured_reduction,
 )
-from agent.learning.sparse import Masks  # noqa: E402
-from bench.support import environment, write_json  # noqa: E402
+from agent.learning.sparse import Masks
+from bench.support import environment, write_json
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 MODELS: dict[str, tuple[int, ...]] = {"mlp": (64,), "cnn2d": (1, 28, 28), "resnet18": (3, 32, 32)}
 QUICK_MODELS = ("mlp", "cnn2d")
@@ -320,7 +319,7 @@ def rss_growth_mb(model: str, round_plan: Plan) -> float | None:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
     spec = json.dumps(_spec(model, round_plan))
     done = subprocess.run(
-        [sys.executable, __file__, "--probe-rss", spec],
+        [sys.executable, "-m", "bench.real_budgets", "--probe-rss", spec],
         capture_output=True,
         text=True,
         cwd=ROOT,

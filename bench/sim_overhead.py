@@ -1,7 +1,7 @@
 """Simulator overhead: time per round of `coordinator simulate` against the bare training it
 contains. Target: simulator / bare <= 1.2.
 
-    python bench/sim_overhead.py [--agents 20] [--rounds 5] [--dataset mnist1d]
+    python -m bench.sim_overhead [--agents 20] [--rounds 5] [--dataset mnist1d]
         [--strategy dadpfl] [--repeat 3] [--threads 1] [--basis auto|wall|cpu]
         [--out bench/results/sim_overhead.json]
 
@@ -65,17 +65,16 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
+from torch.nn import functional as F
+
+from agent.learning import PRESETS, pqi, preset, pruning, rigl, sparse, topology, training
+from agent.learning import learner as strategies
+from coordinator import simulate as simulator
+from coordinator import traffic
+from coordinator.simulate import ExperimentConfig, Simulation
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-from torch.nn import functional as F  # noqa: E402
-
-from agent.learning import PRESETS, pqi, preset, pruning, rigl, sparse, topology, training  # noqa: E402  # noqa: E402
-from agent.learning import learner as strategies  # noqa: E402
-from coordinator import simulate as simulator  # noqa: E402
-from coordinator import traffic  # noqa: E402
-from coordinator.simulate import ExperimentConfig, Simulation  # noqa: E402
 
 TARGET = 1.2
 

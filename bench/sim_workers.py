@@ -1,6 +1,6 @@
 """`coordinator simulate --workers N`: time per round with the agents trained in N processes.
 
-    python bench/sim_workers.py [--workers 1,2] [--strategies dadpfl,dispfl,fedavg]
+    python -m bench.sim_workers [--workers 1,2] [--strategies dadpfl,dispfl,fedavg]
         [--agents 20] [--rounds 20] [--epochs 1] [--dataset mnist1d] [--seed 1]
         [--out bench/results/sim_workers.json]
 
@@ -48,16 +48,15 @@ import sys
 import time
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
+from agent.experiment import ExperimentConfig
+from agent.learning import preset
+from bench.support import environment, steady_round_s, write_json
+from coordinator.simulate import simulate
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from agent.experiment import ExperimentConfig  # noqa: E402
-from agent.learning import preset  # noqa: E402
-from bench.support import environment, steady_round_s, write_json  # noqa: E402
-from coordinator.simulate import simulate  # noqa: E402
 
 
 def without_wall(report: dict[str, Any]) -> str:

@@ -1,6 +1,6 @@
 """Soak: a gateway and four devices through many runs and the faults of months in the field.
 
-    python bench/soak.py [--runs 10] [--broker embedded|mosquitto] [--no-init-previous]
+    python -m bench.soak [--runs 10] [--broker embedded|mosquitto] [--no-init-previous]
         [--loopback] [--workdir DIR] [--out bench/results/soak.json]
 
 Real processes on an emulated LAN (tests/netns.py: a network namespace per host, a bridge
@@ -71,21 +71,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import psutil
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from agent.data import load_dataset
+from agent.model_store import run_folder
+from agent.runtime import checkpoint
+from bench.support import environment, write_json
+from coordinator.cli import free_port
+from tests.netns import Lan
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-
-import numpy as np  # noqa: E402
-import psutil  # noqa: E402
-from netns import Lan  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.markup import escape  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from agent.data import load_dataset  # noqa: E402
-from agent.model_store import run_folder  # noqa: E402
-from agent.runtime import checkpoint  # noqa: E402
-from bench.support import environment, write_json  # noqa: E402
-from coordinator.cli import free_port  # noqa: E402
 
 FLEET = "soak"
 DEVICES = ("d1", "d2", "d3", "d4")

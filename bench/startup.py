@@ -1,7 +1,7 @@
 """Command start-up: the CPU time and peak memory of the commands a user types on a device
 or a gateway that neither train nor aggregate.
 
-    python bench/startup.py [--code DIR] [--repeats 5] [--out bench/results/startup.json]
+    python -m bench.startup [--code DIR] [--repeats 5] [--out bench/results/startup.json]
 
 Each command runs in a fresh process of this Python (`python -c "from agent.cli import
 main; main()" ARGS`, what the console scripts do), from the code in `--code` (default: this
@@ -24,14 +24,13 @@ import subprocess
 import sys
 import tempfile
 
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from bench.support import environment, write_json
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import numpy as np  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from bench.support import environment, write_json  # noqa: E402
 
 MB = 2**20
 

@@ -1,7 +1,7 @@
 """Every preset on mnist1d and digits, Dirichlet 0.3, the same rounds and local epochs, and
 the papers' directions checked on the results.
 
-    python bench/strategies.py [--agents 20] [--rounds 60] [--epochs 2] [--seed 1]
+    python -m bench.strategies [--agents 20] [--rounds 60] [--epochs 2] [--seed 1]
         [--datasets mnist1d,digits] [--jobs 2] [--out bench/results/strategies.json]
 
 Per run: final-round mean accuracy, rounds run, busiest-node and total bytes, total training
@@ -32,8 +32,8 @@ Directions (each printed as shown / NOT shown, with its numbers):
 
 What the default run shows (seed 1; 1348 s with --jobs 1 beside other benchmarks, the
 early-stopping rows from a run of `--only fedspu,fedavg-ft,dadpfl`;
-bench/results/strategies.json). Seeds 1-3 and the causes: bench/fedadam_study.py,
-bench/fedldf_study.py, bench/early_stopping.py.
+bench/results/strategies.json). Seeds 1-3 and the causes: studies/fedadam_study.py,
+studies/fedldf_study.py, studies/early_stopping.py.
 
 * FedSPU over dropout: shown, +12.6 points on mnist1d (0.728 vs 0.601) and +12.2 on digits
   (0.986 vs 0.864) with identical bytes; dropout trains fewer FLOPs (0.57x and 0.51x: a
@@ -44,24 +44,24 @@ bench/fedldf_study.py, bench/early_stopping.py.
   0.88, dense 0.975) and on mnist1d learns like Top (0.301 vs 0.322), so Top reaches the
   common target with less uplink. At about the paper's 30 local steps (@L30) it is shown on
   digits (0.963 vs Top 0.930; 1.75 MB to the target against Top's 2.24 and dense's 7.46),
-  not on mnist1d at seed 1 (3.61 MB vs Top's 2.40; seeds 1-3 in bench/fedadam_study.py: 2 of
-  3 there). The cause (bench/fedadam_study.py): with few local steps |dM| is as large as
+  not on mnist1d at seed 1 (3.61 MB vs Top's 2.40; seeds 1-3 in studies/fedadam_study.py: 2 of
+  3 there). The cause (studies/fedadam_study.py): with few local steps |dM| is as large as
   |dW|, and the one mask from |dW| locks onto its first picks, leaving 60% of the digits
   model untrained; the paper's premise |dW| >> |dM| >> |dV| holds at 30 steps.
 * FedLDF: upload 0.204x FedAvg's (n/K = 0.2) as the paper says, but accuracy NOT within a
   point: -10.4 points on mnist1d (0.385 vs 0.488), -3.0 on digits (0.947 vs 0.977). No
-  defect (bench/fedldf_study.py): any rule that uploads the same 20% loses as much here; the
+  defect (studies/fedldf_study.py): any rule that uploads the same 20% loses as much here; the
   gap closes with rounds (mnist1d -4.0 at 240, digits +0.3) and in the paper's fleet (20 of
   50 agents a round, Dirichlet 1: -2.5 / -0.4 at 60 rounds).
 * Early stopping, the default rule (+es, `progress`): shown on digits for all three (cut
   29.1% / 25.2% / 29.7% of the agent-rounds at -0.31 / -0.43 / -0.07 points for fedspu /
   fedavg-ft / dadpfl), NOT on mnist1d, still learning at round 60 (cut 5-8% at -1.12 /
   -0.41 / -3.35; DA-DPFL's agents now leave stopped neighbours out, which
-  bench/early_stopping.py measured at a 3.4% cut and -0.53 points for this seed, digits
+  studies/early_stopping.py measured at a 3.4% cut and -0.53 points for this seed, digits
   unchanged). The paper's rule (+es-paper: the first rise of L) cuts 74-94% at -18 to
   -69 points: one noisy rise of L after a round or two stops an agent; with patience 3
   (+es-paper3) it cuts 2.5-53% at -1.1 to -45. Seeds 1-3 and longer horizons:
-  bench/early_stopping.py.
+  studies/early_stopping.py.
 * Compositions: shown. (This session's re-run, with votes going once to a tally keeper:
   plain 0.109 / 0.225, auto 0.112 / 0.221, auto + fp16 0.202 / 0.414, delta 0.159 / 0.308,
   layers 0.335 / 1.007, layers2 0.218 / 0.511, auto + layers + fp16 0.623 / 1.595, the
@@ -100,14 +100,13 @@ import sys
 import time
 from typing import Any
 
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+from rich.table import Table
+
+from bench.support import environment, write_json
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from rich.console import Console  # noqa: E402
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from bench.support import environment, write_json  # noqa: E402
 
 EARLY_STOPPING = ("fedspu", "fedavg-ft", "dadpfl")
 STOP_VARIANTS: dict[str, dict[str, Any]] = {
@@ -138,7 +137,7 @@ PAPER_STEPS: dict[str, dict[str, Any]] = {
     "mnist1d": {"epochs": 15, "rounds": 30},
 }
 """The FedAdam family at about the FedAdam-SSM paper's L = 30 local steps a round (one or two
-mini-batches an epoch here; bench/fedadam_study.py), 30 rounds to bound the cost: suffix @L30."""
+mini-batches an epoch here; studies/fedadam_study.py), 30 rounds to bound the cost: suffix @L30."""
 MAX_ACCURACY_LOSS = 0.01
 MIN_ROUNDS_CUT = 0.25
 

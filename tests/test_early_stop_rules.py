@@ -192,7 +192,7 @@ def test_a_decentralized_agent_leaves_stopped_neighbours_out(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """DA-DPFL in the simulator: no aggregate holds a model of a round its sender did not
-    train (a stopped agent's stale model pulled its neighbours back: bench/early_stopping.py),
+    train (a stopped agent's stale model pulled its neighbours back: studies/early_stopping.py),
     and the run does leave some neighbour out."""
     learning = preset(
         "dadpfl", rounds=8, neighbours=3, epochs=1, early_stop=True, stop_rule="paper"

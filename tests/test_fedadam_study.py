@@ -1,11 +1,11 @@
-"""bench/fedadam_study.py's accounting: the paper's uplink cost model (section VII-A) and the
+"""studies/fedadam_study.py's accounting: the paper's uplink cost model (section VII-A) and the
 uplink summed to a target accuracy, pinned on hand-worked numbers."""
 
 from __future__ import annotations
 
 import math
 
-from bench.fedadam_study import paper_bits, to_target
+from studies.fedadam_study import paper_bits, to_target
 
 
 def test_paper_cost_model_takes_the_cheaper_of_a_bitmap_and_log2_d_bit_indices() -> None:

@@ -1,13 +1,8 @@
-"""bench/fedldf_study.py measures what `coordinator simulate` runs: its FedLDF row is the
+"""studies/fedldf_study.py measures what `coordinator simulate` runs: its FedLDF row is the
 simulator's FedLDF, its n >= K row is FedAvg, and its alternative selections upload what they
 say (issue 17: the study's conclusions rest on these)."""
 
 from __future__ import annotations
-
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
@@ -15,22 +10,9 @@ import torch
 from agent.experiment import ExperimentConfig
 from agent.learning import preset
 from coordinator.simulate import simulate
-
-REPO = Path(__file__).resolve().parents[1]
+from studies import fedldf_study as study
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def bench_study() -> ModuleType:
-    """bench/fedldf_study.py (bench is not a package the tests import by name)."""
-    spec = importlib.util.spec_from_file_location(
-        "bench_fedldf_study", REPO / "bench" / "fedldf_study.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 def simulated(strategy: str, **over: int) -> float:
@@ -48,7 +30,6 @@ def simulated(strategy: str, **over: int) -> float:
 
 
 def test_fedldf_and_fedavg_rows_are_the_simulators() -> None:
-    study = bench_study()
     fedldf = study.run("digits", 3, study.Variant("fedldf", "", n=2, rounds=2, agents=5))
     assert fedldf["accuracy"] == simulated("fedldf", ldf_n=2)
     fedavg = study.run("digits", 3, study.Variant("fedavg", "", **study.AVG, rounds=2, agents=5))
@@ -61,7 +42,6 @@ def test_fedldf_and_fedavg_rows_are_the_simulators() -> None:
 
 @pytest.mark.parametrize("select", ["random", "client-random", "client-top", "per-step", "bottom"])
 def test_every_selection_sends_each_layer_from_n_agents(select: str) -> None:
-    study = bench_study()
     gen = torch.Generator().manual_seed(0)
     divs = {f"a{i}": {"L1": float(i), "L2": float(5 - i), "L3": 1.0} for i in range(5)}
     steps = {f"a{i}": 1 + i % 2 for i in range(5)}

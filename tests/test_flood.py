@@ -1,36 +1,22 @@
 """A fleet run under a flood of hostile payloads (random bytes, truncated frames, huge
 declared sizes, forged future rounds, forged sample counts, forged requests) gives the numbers
-of `simulate`. `bench/flood.py` measures the agents' memory under the same flood."""
+of `simulate`. `python -m bench.flood` measures the agents' memory under the same flood."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
+from bench import flood
 from coordinator.simulate import Simulation
 
-REPO = Path(__file__).resolve().parents[1]
 PAYLOADS = 1400
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def bench_flood() -> ModuleType:
-    """bench/flood.py (bench is not a package the tests import by name)."""
-    spec = importlib.util.spec_from_file_location("bench_flood", REPO / "bench" / "flood.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_a_flooded_run_gives_the_numbers_of_simulate(amqtt_broker, tmp_path: Path) -> None:
-    flood = bench_flood()
     config = flood.fleet_config(agents=4, rounds=4, wire="delta")
     run = flood.run_fleet(config, amqtt_broker.address, tmp_path / "fleet", PAYLOADS)
     report, sent = run["report"], run["sent"]

@@ -352,7 +352,7 @@ rule, equally: one agent goes on to round 8)."""
 def test_rounds_trained_in_worker_processes_give_the_identical_report(
     strategy: str, learning: dict
 ) -> None:
-    """Every preset, wire and reduction: `bench/identity.py compare DIR --workers 2`."""
+    """Every preset, wire and reduction: `python -m bench.identity compare DIR --workers 2`."""
     config = small(strategy, **learning)
     serial = simulate(config)
     assert without_wall_time(simulate(config, workers=2)) == without_wall_time(serial)

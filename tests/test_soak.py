@@ -7,7 +7,7 @@ is killed and started again, and `coordinator run` is killed in the middle of a 
 run and started again. Nothing may be lost: every report is complete, the same run file
 gives the same figures on its first and its later runs, and every device keeps each run's
 folder. The full version, with more runs and faults and the devices' memory, is
-bench/soak.py.
+`python -m bench.soak`.
 """
 
 from __future__ import annotations

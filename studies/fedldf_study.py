@@ -1,6 +1,6 @@
 """Why FedLDF loses accuracy against FedAvg here (issue 17, point 1): one hypothesis per row.
 
-    python bench/fedldf_study.py [--seeds 1,2,3] [--datasets mnist1d,digits] [--rounds 60]
+    python -m studies.fedldf_study [--seeds 1,2,3] [--datasets mnist1d,digits] [--rounds 60]
         [--suite base|main|paper|factors|all] [--only NAME,...]
         [--out bench/results/fedldf_study.json]
 
@@ -28,125 +28,7 @@ as the old global layer); n=8, n=12; E=1 and lr=.03 (with their own FedAvg); pap
 paper's fleet (each round K = 20 agents drawn from N = 50, Dirichlet 1); paper-iid, the same
 with iid data; Dir(1) and K=20/50, one of the paper's two fleet changes at a time.
 
-Results (the default run, seeds 1, 2, 3; 168 runs, 58 min of one core on the shared machine):
-
-    dataset    T variant          accuracy (min..max)   gap (min..max)        same up upload never
-    mnist1d   60 fedavg           0.467 (0.430..0.488)                                1.000   0.0
-    mnist1d   60 fedldf           0.319 (0.230..0.385) -14.8 (-25.2..-8.8)      +0.9  0.200   3.7
-    mnist1d   60 random           0.330 (0.306..0.362) -13.7 (-16.0..-12.4)     +2.0  0.200   0.0
-    mnist1d   60 per-step         0.273 (0.174..0.355) -19.4 (-30.8..-13.3)     -3.7  0.200   1.7
-    mnist1d   60 bottom           0.266 (0.247..0.278) -20.1 (-21.0..-18.3)     -4.5  0.200   8.7
-    mnist1d   60 client-top       0.309 (0.225..0.353) -15.8 (-25.7..-7.7)      -0.1  0.200   5.7
-    mnist1d   60 client-random    0.346 (0.305..0.381) -12.1 (-17.7..-7.8)      +3.6  0.200   0.0
-    mnist1d   60 uniform          0.318 (0.246..0.368) -14.8 (-23.7..-8.8)      +0.8  0.200   3.0
-    mnist1d   60 all-weight       0.275 (0.235..0.301) -19.2 (-24.7..-14.1)     -3.5  0.200   6.0
-    mnist1d   60 n=8              0.423 (0.399..0.455) -4.3 (-6.6..-3.1)        +5.4  0.400   0.7
-    mnist1d   60 n=12             0.445 (0.385..0.513) -2.2 (-4.6..+2.5)        +4.2  0.600   0.7
-    mnist1d   60 fedavg E=1       0.404 (0.352..0.449)                                1.000   0.0
-    mnist1d   60 fedldf E=1       0.301 (0.270..0.319) -10.4 (-14.2..-3.9)      +3.9  0.200   1.0
-    mnist1d   60 fedavg lr=.03    0.390 (0.357..0.428)                                1.000   0.0
-    mnist1d   60 fedldf lr=.03    0.321 (0.258..0.358) -6.9 (-9.9..-3.9)        +6.5  0.200   4.0
-    mnist1d   60 fedavg paper     0.397 (0.378..0.435)                                1.000   0.0
-    mnist1d   60 fedldf paper     0.372 (0.324..0.397) -2.5 (-5.5..+1.6)        +7.9  0.200   1.7
-    mnist1d   60 random paper     0.340 (0.302..0.365) -5.7 (-8.1..-1.3)        +4.7  0.200   0.0
-    mnist1d   60 fedavg paper-iid 0.404 (0.381..0.416)                                1.000   0.0
-    mnist1d   60 fedldf paper-iid 0.427 (0.404..0.442) +2.3 (+2.0..+2.7)       +13.9  0.200   0.0
-    mnist1d   60 random paper-iid 0.421 (0.414..0.428) +1.7 (-0.1..+3.9)       +13.3  0.200   0.0
-    mnist1d   60 fedavg Dir(1)    0.538 (0.497..0.569)                                1.000   0.0
-    mnist1d   60 fedldf Dir(1)    0.414 (0.395..0.444) -12.5 (-15.4..-9.5)      +5.7  0.200   3.0
-    mnist1d   60 fedavg K=20/50   0.421 (0.411..0.427)                                1.000   0.0
-    mnist1d   60 fedldf K=20/50   0.303 (0.291..0.312) -11.8 (-13.5..-10.5)     +1.9  0.200   0.7
-
-    digits    60 fedavg           0.982 (0.970..0.998)                                1.000   0.0
-    digits    60 fedldf           0.968 (0.947..0.988) -1.3 (-3.0..+0.0)        +5.4  0.200   0.0
-    digits    60 random           0.971 (0.946..0.998) -1.1 (-3.1..+0.0)        +5.7  0.200   0.0
-    digits    60 per-step         0.968 (0.947..0.988) -1.3 (-3.0..+0.0)        +5.4  0.200   0.0
-    digits    60 bottom           0.772 (0.714..0.845) -21.0 (-25.7..-13.2)    -14.2  0.200   6.3
-    digits    60 client-top       0.967 (0.947..0.983) -1.5 (-3.0..+0.0)        +5.3  0.200   0.7
-    digits    60 client-random    0.961 (0.939..0.985) -2.0 (-3.1..-1.3)        +4.7  0.200   0.0
-    digits    60 uniform          0.964 (0.943..0.995) -1.7 (-3.4..-0.3)        +5.0  0.200   0.0
-    digits    60 all-weight       0.774 (0.512..0.924) -20.8 (-46.5..-7.4)     -14.0  0.200   2.0
-    digits    60 n=8              0.978 (0.964..0.998) -0.4 (-0.7..+0.0)        +1.7  0.400   0.0
-    digits    60 n=12             0.980 (0.964..0.998) -0.2 (-0.7..+0.0)        +0.8  0.600   0.0
-    digits    60 fedavg E=1       0.979 (0.970..0.997)                                1.000   0.0
-    digits    60 fedldf E=1       0.863 (0.827..0.905) -11.6 (-14.4..-9.2)      +6.1  0.200   0.3
-    digits    60 fedavg lr=.03    0.969 (0.953..0.991)                                1.000   0.0
-    digits    60 fedldf lr=.03    0.940 (0.908..0.986) -2.9 (-4.6..-0.5)        +5.9  0.200   0.7
-    digits    60 fedavg paper     0.986 (0.980..0.990)                                1.000   0.0
-    digits    60 fedldf paper     0.983 (0.978..0.986) -0.4 (-0.6..-0.2)        +4.8  0.200   1.7
-    digits    60 random paper     0.981 (0.977..0.986) -0.5 (-1.3..-0.1)        +4.6  0.200   0.0
-    digits    60 fedavg paper-iid 0.985 (0.983..0.986)                                1.000   0.0
-    digits    60 fedldf paper-iid 0.986 (0.983..0.989) +0.1 (-0.3..+0.3)        +4.6  0.200   2.0
-    digits    60 random paper-iid 0.976 (0.969..0.980) -0.9 (-1.7..-0.3)        +3.6  0.200   0.0
-    digits    60 fedavg Dir(1)    0.978 (0.964..0.987)                                1.000   0.0
-    digits    60 fedldf Dir(1)    0.981 (0.975..0.991) +0.3 (-1.0..+1.2)        +6.2  0.200   0.0
-    digits    60 fedavg K=20/50   0.975 (0.962..0.988)                                1.000   0.0
-    digits    60 fedldf K=20/50   0.936 (0.915..0.966) -3.9 (-7.3..-1.0)        +6.8  0.200   1.3
-    mnist1d  240 fedavg           0.696 (0.650..0.733)                                1.000   0.0
-    mnist1d  240 fedldf           0.656 (0.616..0.704) -4.0 (-5.6..-3.0)       +22.0  0.200   0.3
-    mnist1d  240 random           0.658 (0.614..0.681) -3.8 (-11.9..+2.7)      +22.2  0.200   0.0
-    digits   240 fedavg           0.985 (0.975..0.998)                                1.000   0.0
-    digits   240 fedldf           0.988 (0.981..0.998) +0.3 (+0.0..+0.6)        +0.9  0.200   0.0
-    digits   240 random           0.986 (0.979..0.998) +0.2 (-0.2..+0.7)        +0.8  0.200   0.0
-
-Gap by round in the 240-round runs (points against FedAvg, mean (min..max) over seeds 1-3):
-
-    round            60                  120                180                240
-    mnist1d fedldf   -14.8 (-25.2..-8.8) -8.1 (-13.6..-3.9) -6.5 (-11.1..-3.7) -4.0 (-5.6..-3.0)
-    mnist1d random   -13.7 (-16.0..-12.4) -4.0 (-6.7..-0.7) -4.0 (-4.6..-3.2)  -3.8 (-11.9..+2.7)
-    digits  fedldf   -1.3 (-3.0..+0.0)   -0.1 (-0.7..+0.9)  -0.1 (-1.2..+0.9)  +0.3 (+0.0..+0.6)
-    digits  random   -1.1 (-3.1..+0.0)   -0.1 (-0.2..+0.0)  +0.1 (-0.3..+0.6)  +0.2 (-0.2..+0.7)
-
-What the paper did (arXiv 2404.08324, III-A and Algorithm 1) that ALGORITHMS.md 4 leaves out:
-"We set a total of 50 clients, and in every global round, 20 clients (K = 20) are randomly
-selected for aggregation and FedLDF will select 4 clients (n = 4) from the 20 clients"
-(Algorithm 1: "C_t <- random(K, max(C*N, 1))"); VGG-9 (8 conv + 1 FC, BN) on CIFAR-10; non-iid
-is Dirichlet alpha = 1 (here 0.3); T = 1000 rounds, and the "0.5% higher [error] than FedAvg
-but with 80% communication overhead savings" is the end of that run (Fig. 4), after "the
-performance gap between FedLDF and FedAvg diminishes as training progresses". The algorithm
-itself is ALGORITHMS.md's and the code's: eq. 3 (per-layer L2 divergence from the last global
-model), eq. 4 (top-n per layer), eq. 5 (each layer the |D_k|-weighted mean over its n
-uploaders only; every layer has n uploaders, so none keeps the old global value), eq. 6.
-
-The cause, as measured: the upload cut itself, not a defect. With each layer averaged over n = 4
-of 20 label-skewed agents (Dirichlet 0.3), the model learns less per round than FedAvg's; at
-60 rounds mnist1d is far from converged (FedAvg 0.47 there, 0.70 at 240), so the per-round
-deficit shows whole:
-* every rule that uploads the same 20% loses about as much: n random agents per layer -13.7 /
-  -1.1 points (mnist1d / digits), 4 random whole models -12.1 / -2.0, the 4 most diverged whole
-  models -15.8 / -1.5, against FedLDF's -14.8 / -1.3 (spreads overlap). So neither the
-  per-layer selection nor the layer grouping (mixing layers of different agents) is the cause;
-* weighting is not: the plain mean of a layer's uploads gives -14.8 / -1.7; the alternative
-  reading of "combining with the layers not received" (non-uploaders count as the old global
-  layer, a FedAvg denominator over all K) is far worse, -19.2 / -20.8 (each step shrinks ~n/K);
-* local steps are not: E = 1 gives -10.4 / -11.6 and lr 0.03 gives -6.9 / -2.9, each against its
-  own FedAvg;
-* the loss falls fast with n (n = 8: -4.3 / -0.4 at 0.4x upload; n = 12: -2.2 / -0.2), with
-  milder skew (the paper's fleet: -2.5 / -0.4; iid: +2.3 / +0.1) and with rounds (the table
-  above: mnist1d -14.8, -8.1, -6.5, -4.0 at 60, 120, 180, 240 rounds; digits +0.3 at 240);
-* per uploaded byte FedLDF is ahead throughout: +0.9 / +5.4 points against FedAvg at no less
-  upload at 60 rounds, +22.0 / +0.9 at 240 (the paper's Fig. 3-4 view).
-Divergence carries signal (the n least diverged: -20.1 / -21.0), but under Dirichlet 0.3 at
-n = 4 the top-n is no better than random, and it concentrates the uploads: on mnist1d the 4
-most picked agents make 47-60% of all layer uploads (random: 22-24%), 2-5 of 20 agents never
-upload in 60 rounds, and the agents with at most 128 samples (one minibatch an epoch, so 2 SGD
-steps where the others take 4) make 0-4% of them though they are 4-8 of the 20. That widens
-FedLDF's seed spread (-25.2..-8.8 against random's -16.0..-12.4) without making its mean
-clearly worse; dividing the divergence by the local steps (per-step) does not help (-19.4 /
--1.3). Neither of the paper's two fleet changes closes the
-mnist1d gap alone (Dirichlet 1 with all 20 taking part: -12.5; 20 of 50 at Dirichlet 0.3:
--11.8); together (-2.5) they do most of it, and FedLDF then beats random selection (+3.2
-points on mnist1d; the paper: +2.2 non-iid).
-
-The paper's claim (80% less upload at <= 0.5 point loss): upload 0.200x FedAvg's (0.2005 with
-the divergence vectors): shown. Accuracy: shown on digits at 240 rounds in this fleet (+0.3,
-+0.0..+0.6) and at 60 in the paper's fleet (-0.4, -0.6..-0.2; iid +0.1); the iid direction
-(the paper: FedLDF 0.4 points better than FedAvg) shown on mnist1d (+2.3, +2.0..+2.7). NOT
-shown on mnist1d within 240 rounds: -4.0 (-5.6..-3.0), still closing by about 2 points per 60
-rounds; the paper's figure is at T = 1000 with a model that has converged, which this machine
-cannot run for the study's 3 seeds. Nothing in agent/learning was changed: the code is the
-paper's algorithm; what differs is the setting (Dirichlet 0.3, every agent every round, 60
-rounds, 3-4 layer models).
+Results, dated, with the commit, the machine and the command: studies/results/fedldf_study.md.
 """
 
 from __future__ import annotations
@@ -162,14 +44,13 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from bench.support import environment, write_json
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from bench.support import environment, write_json  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)

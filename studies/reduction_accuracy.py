@@ -1,6 +1,6 @@
 """Accuracy cost of each `--reduce` against the masked-dense equivalent at equal p_k.
 
-    python bench/reduction_accuracy.py [--agents 10] [--rounds 20] [--epochs 2]
+    python -m studies.reduction_accuracy [--agents 10] [--rounds 20] [--epochs 2]
         [--seeds 1,2,3] [--datasets digits,mnist1d] [--p-ks 0.5,0.2]
         [--out bench/results/reduction_accuracy.json]
 
@@ -26,45 +26,7 @@ measures) and gives every measured run that table. The table is in the JSON, and
 choices each run made (`choices`: agent-rounds per reduction and level, from the
 simulator's round records, which carry `reduction` and `reduction_why`).
 
-What the default run shows (10 agents, 20 rounds, 2 epochs, seeds 1-3; 940 s of runs on 2
-shared cores at load 3-7; bench/results/reduction_accuracy.json has the table and choices).
-Points of mean accuracy against prune at the same p_k, mean over seeds (per seed in the JSON):
-
-    p_k  reduction   digits   mnist1d   (reference p_k 1: digits 0.940, mnist1d 0.537)
-    0.5  freeze       +0.0     +0.0     (the FLOP rule asks nothing of a density-0.5 model)
-    0.5  prefix      -35.4     -3.1     (one window fits, the classifier: nothing else trains)
-    0.5  width       -22.7     -6.4     (width 0.75 on digits, 0.25 on mnist1d)
-    0.5  auto        -35.4     -3.1     (= prefix)
-    0.2  freeze      -38.7    -19.2     (active 0.05, the FLOP rule's floor)
-    0.2  prefix      -19.6     -4.8     (+steps: nothing fits, windows rotate, fewer batches)
-    0.2  width        -6.0    -14.2     (digits width 0.5; mnist1d width 0.25 + fewer steps)
-    0.2  auto         -6.0     -8.5
-
-* At p_k 0.5 prune is the unreduced run (the cap, 0.5 / (FLOPs per density), is above the
-  ERK density 0.5), so every physical reduction's cost there is against no reduction at all:
-  prune meets 0.5 in counted FLOPs only, not in seconds (issue 32's measurements).
-* Over seeds, no physical reduction matched prune in any cell (per seed, two did: mnist1d
-  prefix at 0.5 seed 2, +1.9; digits width at 0.2 seed 3, +0.7); the closest were prefix on
-  mnist1d (-3.1 / -4.8) and width at 0.2 on digits (-6.0). `auto`'s order (freeze,
-  prefix, width: least expected cost first) is not what these runs show on digits, where
-  width cost less than prefix at both budgets.
-* prefix at 0.5 trains the same single window every round (only the last layer's window fits
-  the measured 0.5), and on digits does worse than prefix at 0.2 (0.586 vs 0.654), whose
-  fallback rotates two windows with fewer minibatches.
-* `channels` (prune on `--mask-unit channel` masks, the same FLOP rule; its own run,
-  bench/results/reduction_accuracy_channels.json, `--reductions prune,channels`), points
-  against prune at the same p_k, mean over seeds (per seed):
-
-      p_k  digits                 mnist1d
-      0.5  -3.8 (-3.5,-6.1,-2.0)  +2.4 (+4.1,+0.8,+2.4)   (the cap binds neither)
-      0.2  +5.3 (+2.5,+2.1,+11.3) +0.2 (-3.6,+2.6,+1.7)   (channel density 0.23 / 0.22)
-
-  Where the budget binds, whole channels cost nothing against single weights here, and
-  they train the narrower model (bench/real_budgets.py: resnet18 0.52x / 0.33x a dense
-  round's time); unbudgeted on digits, channel masks trail weight masks by 3.8 points.
-* The cost tables were measured under load and are not monotone (digits: width 0.5 at 0.14
-  of a dense step, width 0.35 at 0.34; freeze 0.35 at 1.96), so a quieter machine may choose
-  other levels; the choices made are in the JSON.
+Results, dated, with the commit, the machine and the command: studies/results/reduction_accuracy.md.
 """
 
 from __future__ import annotations
@@ -73,22 +35,20 @@ import argparse
 import collections
 import pathlib
 import statistics
-import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from agent.device.budget import Budget
+from agent.experiment import ExperimentConfig
+from agent.learning import preset
+from agent.learning.reduction import MEASURED_MODES
+from agent.workload import build_workload
+from bench.support import environment, write_json
+from coordinator.simulate import Simulation, measured_costs
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-import torch  # noqa: E402
-
-from agent.device.budget import Budget  # noqa: E402
-from agent.experiment import ExperimentConfig  # noqa: E402
-from agent.learning import preset  # noqa: E402
-from agent.learning.reduction import MEASURED_MODES  # noqa: E402
-from agent.workload import build_workload  # noqa: E402
-from bench.support import environment, write_json  # noqa: E402
-from coordinator.simulate import Simulation, measured_costs  # noqa: E402
 
 if TYPE_CHECKING:
     from agent.learning.costs import CostTable

@@ -1,6 +1,6 @@
 """Flower's FedAvg against `coordinator simulate` and `coordinator emulate` on exactly our task.
 
-    python bench/vs_flower.py [--agents 8] [--rounds 10] [--epochs 1] [--seed 1]
+    python -m studies.vs_flower [--agents 8] [--rounds 10] [--epochs 1] [--seed 1]
         [--main-rounds 10] [--main-epochs 5] [--skip-main] [--repeats 1]
         [--out bench/results/vs_flower.json]
 
@@ -49,75 +49,10 @@ README's main job, `coordinator emulate --agents 8 --agents-per-process 4 --roun
   0.3121): its FedAvg sums float32 arrays in the order replies arrive, ours sums in float64
   in a fixed order. After 2 rounds both give exactly 0.11855.
 
-Measured here (flwr 1.41.0, Ray 2.55.1, torch 2.13 CPU, 2 cores, seed 1, nothing else
-running), session 16, `--repeats 5` (the JSON holds this run): s / round is the steady mean,
-each figure min..max over the five passes, the multiple of Flower's taken within each pass:
+Targets (issue 16): simulate <= 0.4x Flower's steady s / round, emulate <= 0.5x, and the
+README main job's whole run no slower than Flower's.
 
-    job   engine      strategy E  s / round     x Flower    CPU x       whole s     x Flower
-    task  flower      fedavg   1  0.156..0.168  1           1           8.7..10.1   1
-    task  simulate    fedavg   1  0.048..0.051  0.29..0.31  0.46..0.49  0.5         0.05..0.06
-    task  simulate/2  fedavg   1  0.041..0.046  0.24..0.28  0.61..0.75  1.8..2.0    0.18..0.23
-    task  emulate     fedavg   1  0.063..0.077  0.37..0.46  0.99..1.21  3.2..3.5    0.32..0.40
-    task  simulate    dadpfl   1  0.078..0.087  0.47..0.56  1.38..1.70  0.8..0.9    0.08..0.10
-    task  emulate     dadpfl   1  0.111..0.131  0.67..0.79  1.59..2.00  3.7..3.9    0.39..0.41
-    main  flower      fedavg   5  0.245         1           1           9.3         1
-    main  emulate     dadpfl   5  0.253         1.03        1.49        5.2         0.55
-
-One emulate dadpfl run of the five (left out of its whole-run figures above) took 32.1 s in
-all, its rounds as long as the others': at its start a client's PUBLISH had gone out ahead
-of its CONNECT (most likely through a window in paho's reconnect), amqtt read it as a
-CONNECT and waited for bytes that never came, and the client waited out its 30 s keep-alive
-for a CONNACK ("lost MQTT broker (Keep alive timeout)"). Seen once in about 45 emulated
-runs that day; since then the embedded broker closes such a connection at once
-(MQTT-3.1.0-1, coordinator/broker.py) and the client connects again within paho's reconnect
-delay.
-
-What made emulate's rounds steady (session 16; before it, one pass in five came out at
-0.53-0.65x while the others gave 0.36-0.45x, on the same machine the same hour):
-* The coordinator's garbage collector: a full collection walked its ~350,000 start-up
-  objects (torch, Ray's and Flower's in this process) with the interpreter lock held,
-  186-230 ms, and one that fell inside the 10 rounds held the broker and the aggregator,
-  so the whole fleet (a pass's steady round 0.089 s against a median round of 0.062). The
-  coordinator and each agent process now freeze their heap for the length of a run
-  (`agent.runtime.heap.settled_heap`): the coordinator's full collections in the rounds
-  take 1-2 ms.
-* An agent without early stopping waited for its process's compute slot to decide that it
-  does not stop, so its round's record, checkpoint and status waited for the agents
-  training meanwhile: over 40 rounds the rounds' lengths had a standard deviation of
-  16.5-18.8 ms, now 7.1-9.2 (means unchanged).
-* The embedded broker passes a message on without amqtt's debug string of it
-  (bench/broker_cost.py: 0.44 -> 0.22 ms of broker CPU per 34 kB model).
-Where a steady emulated round's CPU goes (0.118 s a round, 60 rounds, each thread's clock):
-the fits 56 ms (7.0 ms each, 5.5-5.8 in simulate, where one fit runs at a time), the rest of
-each agent's round 30 ms (decoding and evaluating the global model 1.1 ms each, checkpoint
-and round log 1.35, status, console line and record 0.5, upload 0.3), the agents' network
-threads 8 ms, the embedded broker 7.4 ms, the coordinator's MQTT client and aggregator
-7.9 ms. Both cores are busy (1.72 of 2), so only less CPU makes a round shorter: one agent
-per process, or all 8 in 2, or 4 in 2, or other thread switch intervals, gave the same.
-
-Before, for the record: session 15 measured the same bench at 0.49-0.61x (medians of 3-5
-passes, emulate) on a machine running about 1.4x slower (simulate fedavg 0.092-0.184 CPU s
-a round for the same work); session 12, with the embedded broker at QoS 1, 0.73-0.88x.
-
-Bytes per round: Flower 541 kB (16 x 33.8 kB), simulate fedavg 525 kB, emulate fedavg
-528 kB, simulate dadpfl 665 kB, emulate dadpfl 570 kB. Accuracy after 10 rounds: fedavg
-0.3121 (ours, all engines), Flower 0.3065-0.3153 (its float32 sum in arrival order); dadpfl
-0.3638 (both); main job: Flower fedavg 0.4885, ours 0.5412.
-
-Targets (issue 16), in this run:
-* Simulate <= 0.4x Flower's steady s / round: met, 0.30x (0.29-0.31 over the passes); with
-  `--workers 2` 0.27x (0.24-0.28).
-* Emulate <= 0.5x: met, 0.41x (0.37-0.46 over the passes; CPU seconds 1.14x Flower's:
-  ours are spent, Flower's rounds mostly wait). On a slower machine every ratio of ours
-  grows, since our rounds are CPU and Flower's are not: a second run half an hour later, on
-  the final code of the session, found the machine slower (simulate fedavg 0.052-0.065 s a
-  round against 0.048-0.051; emulate's CPU s a round 0.111-0.137 against 0.113-0.123) and
-  gave 0.38-0.50x, median 0.45x, with no pass over the target; the main job 0.53x.
-* The README main job's whole run no slower than Flower's: met, 0.55x.
-Flower here runs its fastest configuration: server-side evaluation (no second round trip
-per round) and one CPU per client actor (two train at once). Wall-time multiples follow
-the machine's other work (an engine with more processes gets more of a busy machine's
-cores), CPU ones do not.
+Results, dated, with the commit, the machine and the command: studies/results/vs_flower.md.
 """
 
 from __future__ import annotations
@@ -136,22 +71,21 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import psutil
+from rich.console import Console
+from rich.table import Table
 
-import psutil  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from agent.experiment import ExperimentConfig  # noqa: E402
-from agent.learning import preset  # noqa: E402
-from bench.support import (  # noqa: E402
+from agent.experiment import ExperimentConfig
+from agent.learning import preset
+from bench.support import (
     broker,
     environment,
     fleet_round_ends,
     steady_round_s,
     write_json,
 )
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 SIMULATE_TARGET = 0.4
 """Target: simulate's steady s / round at most this fraction of Flower's."""
@@ -628,9 +562,9 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("Flower's simulation engine is not installed: pip install 'flwr[simulation]'")
         return 2
-    import bench.vs_flower as bench  # Ray's workers unpickle the client app from this module
+    import studies.vs_flower as study  # Ray's workers unpickle the client app from this module
 
-    bench.AGENTS_PER_PROCESS[0] = args.agents_per_process
+    study.AGENTS_PER_PROCESS[0] = args.agents_per_process
 
     console = Console(width=None if sys.stdout.isatty() else 160)
     plan = [
@@ -645,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     for job, engine, strategy, rounds, epochs, repeat in plan:
         config = task(strategy, args.agents, rounds, epochs, args.seed)
-        rows.append(bench.measure(console, engine, strategy, config, job, repeat))
+        rows.append(study.measure(console, engine, strategy, config, job, repeat))
         write_json(args.out, {"rows": rows, "machine": environment()})
     checks = verdicts(rows)
     for printed in table(rows, checks):

@@ -1,7 +1,7 @@
 """FedAdam-SSM against FedAdam-Top and dense FedAdam (issue 17, point 2): uplink to a target
 accuracy in two accountings, why the shared mask learns slower here, and the paper's setting.
 
-    python bench/fedadam_study.py [--seeds 1,2,3] [--datasets mnist1d,digits] [--rounds 60]
+    python -m studies.fedadam_study [--seeds 1,2,3] [--datasets mnist1d,digits] [--rounds 60]
         [--epochs 2] [--variants fedadam,fedadam-ssm,...] [--out bench/results/fedadam_study.json]
 
 Every run: 20 agents, Dirichlet 0.3, lr 1e-3, alpha = 0.05, `coordinator simulate` with one
@@ -20,114 +20,11 @@ Accountings of the uplink (agents' bytes sent, summed up to the first round whos
 accuracy reaches the target): ours, the simulator's encoded messages; the paper's cost model
 (section VII-A): per agent and round min{3kq + d, k(3q + log2 d)} bits for SSM, min{3(kq +
 d), 3k(q + log2 d)} for Top, 3dq dense, q = 32 (a d-bit mask or log2(d)-bit indices,
-whichever is smaller); and the same with a 32-bit index per kept value. Per agent and round
-(d = 6138 digits cnn2d, 8106 mnist1d cnn1d, k = 0.05 d), SSM / Top is 0.90x in our bytes
-(0.91x mnist1d), 0.81x in the paper's model and 0.67x with 32-bit indices; SSM / dense is
-0.065x ours, 0.057x the paper's. (The issue's "32-bit indices" is not the paper's model: it
-takes the cheaper of a bitmap and log2 d bits per index, under which one mask saves 19%.)
+whichever is smaller); and the same with a 32-bit index per kept value.
 Targets, per seed: common = 95% of the lowest best accuracy of the three (bench/strategies.py's
 rule: all three reach it); dense90 = 90% of dense FedAdam's best (inf: never reached).
 
-What the default run showed (seeds 1, 2, 3; mean (min..max); MB to the common target):
-
-    digits              final acc            rounds       ours MB      paper MB    idx32 MB
-    fedadam             0.982 (0.975..0.997)   3.7 (3..4)   5.47        5.40        5.40
-    fedadam-top         0.910 (0.880..0.926)  11.3 (8..16)  1.21        1.17        1.67
-    fedadam-ssm         0.551 (0.242..0.822)  37.0 (13..52) 3.59        3.10        3.63
-    ssm+dense-moments   0.970 (0.959..0.985)   7.3 (5..10)  -           -           -
-    ssm-v               0.877 (0.831..0.918)  21.7 (11..36) -           -           -
-    ssm-m               0.776 (0.756..0.789)  34.7 (17..55) -           -           -
-    fedadam@L30         0.983 (0.978..0.991)   3.3 (2..5)   4.97        4.91        4.91
-    fedadam-top@L30     0.961 (0.930..0.998)  17.3 (12..21) 1.85        1.80        2.55
-    fedadam-ssm@L30     0.974 (0.963..0.993)  15.0 (13..18) 1.46        1.25        1.47
-    mnist1d
-    fedadam             0.589 (0.533..0.640)   6.0 (5..7)   11.82       11.67       11.67
-    fedadam-top         0.272 (0.227..0.322)  42.3 (34..48) 5.94        5.79        8.23
-    fedadam-ssm         0.298 (0.283..0.310)  43.3 (19..58) 5.56        4.78        5.62
-    ssm+dense-moments   0.454 (0.434..0.468)  15.0 (14..16) -           -           -
-    ssm-v               0.286 (0.259..0.304)  48.0 (45..54) -           -           -
-    ssm-m               0.218 (0.200..0.235)  inf (0 of 3)  -           -           -
-    fedadam@L30         0.564 (0.520..0.588)   4.0 (2..6)   7.88        7.78        7.78
-    fedadam-top@L30     0.307 (0.228..0.387)  17.0 (6..28)  2.40        2.32        3.30
-    fedadam-ssm@L30     0.394 (0.371..0.433)  18.0 (5..28)  2.32        1.99        2.33
-
-To 90% of dense's best at 2 local steps: SSM never (0 of 3 seeds, either dataset), Top on
-digits only (3 of 3: 48 rounds, 5.16 MB ours, 4.97 paper). At L30 on digits SSM takes 13.3
-rounds, 1.29 MB ours, 1.12 MB paper; Top 15.7, 1.67, 1.62. On mnist1d neither gets there.
-
-The V = 0 hypothesis (probe, seed mean; "V=0 last" and "W never moved" after round 59, L30:
-29; the other columns are means over rounds 6 on):
-
-    digits              V=0     W never  mask on  step/lr  step/lr  log10 median
-                        last    moved    V=0      V=0      V>0      |dW|, |dM|, |dV|
-    fedadam             0.000   0.000    -        -        0.44     -3.3, -2.7, -6.4
-    fedadam-top         0.478   0.220    0.536    1.90     1.59     -2.5, -2.2, -5.5
-    fedadam-ssm         0.605   0.605    0.000    1.96     2.63     -2.3, -2.3, -5.8
-    fedadam-top@L30     0.467   0.195    0.908    0.53     0.22     -2.2, -3.5, -5.9
-    fedadam-ssm@L30     0.011   0.011    0.008    0.32     0.38     -2.1, -3.4, -6.3
-    mnist1d
-    fedadam             0.000   0.000    -        -        0.56     -2.8, -2.2, -5.3
-    fedadam-top         0.289   0.074    0.660    1.74     1.24     -2.4, -2.2, -5.5
-    fedadam-ssm         0.210   0.210    0.006    1.84     2.48     -2.1, -2.2, -5.4
-    fedadam-top@L30     0.377   0.041    0.862    1.11     0.56     -1.8, -2.6, -4.9
-    fedadam-ssm@L30     0.000   0.000    0.006    0.65     0.74     -1.8, -2.5, -4.9
-
-* The hypothesis is half right. V does stay 0 where the shared mask never selects (61% of
-  the digits model after 59 rounds, 21% of mnist1d's; 63% / 52% already after round 5), but
-  those coordinates are not hurt by large restarts: they move less per local step (1.96 /
-  1.84 lr) than the ones the mask already covers (2.63 / 2.48 lr), so top-k |dW| almost
-  never picks them again (0.0% / 0.6% of the mask): they are simply never trained, and on
-  digits 60% of the weights stay at their initial values for the whole run. The mask locks
-  in (the mechanism, inferred from these figures: where it picked in the first rounds the
-  global M is non-zero and V, averaged with the zeros of the agents that did not pick it,
-  stays small, so m / sqrt(v) and the move are largest there, and it is picked again).
-  Top escapes: its V mask follows |dV| (the largest gradients), which damps their steps
-  (1.59 lr against 1.90 on V = 0), so its W mask moves on (54% / 66% of it on V = 0
-  coordinates) and only 22% / 7% of the weights never move.
-* The cause is sparsifying the moments under W's mask at few local steps: with dM and dV
-  sent whole (ssm+dense-moments) the same W mask reaches 0.970 on digits (dense 0.982) and
-  0.454 on mnist1d (SSM 0.298, Top 0.272). The paper picks the mask from |dW| alone because
-  |dW| >> |dM| >> |dV| (its Fig. 1: logs about -2, -3, -6); at 2 to 4 local steps |dM| is as
-  large as |dW| (-2.3 vs -2.3 digits, -2.1 vs -2.2 mnist1d), so dropping dM's largest entries
-  is not a small error. The paper's own baselines SSM_V and SSM_M (mask from |dV| or |dM|)
-  beat SSM here on digits (0.877 and 0.776 vs 0.551), the reverse of the paper's ranking; on
-  mnist1d the ranking is the paper's (SSM 0.298, SSM_V 0.286, SSM_M 0.218).
-* At the paper's L = 30 local steps per round its premise holds (log10 -2.1, -3.4, -6.3 on
-  digits: the paper's -2, -3, -6), the lock-in is gone (V = 0 on 1% / 0% of the model, every
-  weight trained) and SSM learns at least as well as Top: digits 0.974 vs 0.961, mnist1d
-  0.394 vs 0.307.
-
-The paper's claim (SSM reaches the target with 1.1-5.6x less uplink than the sparse
-baselines): Top's uplink to the common target / SSM's, per seed (> 1: SSM needs less):
-
-    setting        digits: ours          paper model         mnist1d: ours       paper model
-    2 steps/round  0.68, 0.21, 0.38      0.76, 0.24, 0.43    0.64, 2.78, 0.93    0.73, 3.13, 1.05
-    L30            1.28, 1.61, 0.94      1.44, 1.81, 1.06    0.67, 1.31, 1.46    0.75, 1.49, 1.65
-
-* At this project's 2 epochs (2 to 4 local steps): NOT shown, for the measured reason above
-  (the shared mask locks in and leaves 21-60% of the model untrained; SSM's 10% (ours) / 19%
-  (paper) cheaper rounds do not make up for it: on digits SSM needs 3.0x Top's uplink).
-* At the paper's L = 30 steps: shown on digits in the paper's cost model (1.06-1.81x less
-  than Top in every seed; 1.13-1.80x to 90% of dense's best), and in 2 of 3 seeds in our
-  bytes (0.94-1.61x); on mnist1d in 2 of 3 seeds (1.31-1.65x; in seed 1 Top learns better,
-  best 0.395 vs 0.377, and reaches the target 0.358 in 17 rounds to SSM's 28). SSM's mean
-  final accuracy is above Top's on both datasets at L30 (digits 0.974 vs 0.961, mnist1d
-  0.394 vs 0.307). So: shown where the paper's premise holds (its L), not in every seed in
-  our bytes, and not at this project's 2 epochs. Neither sparse variant reaches 90% of dense
-  on mnist1d in either setting: at alpha = 0.05 of an 8106-parameter model per agent,
-  sparsification itself costs most of the accuracy (ssm+dense-moments 0.454 vs 0.589).
-
-ALGORITHMS.md section 3 against the paper (Algorithms 1 and 2, section VII-A): Adam without
-bias correction with eps inside the root (eq. 3-5), b1 0.9, b2 0.999, eps 1e-6, lr 1e-3,
-alpha = 0.05, M0 = V0 = 0, local Adam from the global W, M, V every round (Alg. 2 line 7; no
-local moment state kept), mask top-k of |dW| shared by dW, dM, dV (eq. 28), the server's
-weighted mean of the zero-filled sparse deltas over all N, broadcast and applied by everyone
-(Alg. 2 lines 5-6, 13): all as the paper; no defect in the algorithm, and alpha = 1 still
-equals dense FedAdam (tests/test_strategies_central.py). What differs is
-the setting: the paper runs L = 30 local steps per round (its "local epoch" is one mini-batch
-step, eq. 3), N = 20, Dirichlet 0.1, CNNs of 10^5 - 10^7 parameters; bench/strategies.py runs
-2 epochs (2 to 4 steps). Its weights |D~_n| are written as the mini-batch's size (equal for
-all when batches are full); we weight by sample count, as ALGORITHMS.md decides.
+Results, dated, with the commit, the machine and the command: studies/results/fedadam_study.md.
 """
 
 from __future__ import annotations
@@ -142,13 +39,12 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
+from bench.support import environment, write_json
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from bench.support import environment, write_json  # noqa: E402
 
 ADAMS = ("fedadam", "fedadam-top", "fedadam-ssm")
 VALUE_BITS = 32

@@ -1,7 +1,7 @@
 """Does DA-DPFL reproduce the paper's claims against DisPFL? DA-DPFL, DisPFL, DFedAvgM and
 FedAvg on the same task, the same rounds and the same local epochs.
 
-    python bench/paper_claims.py [--agents 50] [--rounds 300] [--epochs 5] [--seed 1]
+    python -m studies.paper_claims [--agents 50] [--rounds 300] [--epochs 5] [--seed 1]
         [--strategies dadpfl,dadpfl-squared,dispfl,dfedavgm,fedavg] [--jobs 2]
         [--out bench/results/paper_claims.json]
 
@@ -18,7 +18,7 @@ Two definitions of the cost ratios are reported. The targets use whole-run total
 simulator's summary). The paper's Table II numbers are per-round figures of the final
 models: its DisPFL busiest node moves 223.1 MB per round on CIFAR-10, ten half-dense ResNet-18s,
 and FedAvg's 8.3e12 FLOPs are one client's round (500 samples x 5 epochs x 3 x 1.1 GFLOPs).
-The "final round" ratios below (busiest agent's bytes in the last round, training FLOPs of the
+The "final round" ratios (busiest agent's bytes in the last round, training FLOPs of the
 last round) are that definition. A run-total ratio is always higher than a final-round ratio
 for a method that starts at DisPFL's density and only gets sparser later.
 
@@ -40,51 +40,7 @@ the masked model and only the weights' gradient is dense. (Counted as three dens
 3 f_D, they would be a third of DisPFL's FLOPs here, one pass over each ~56-sample local set
 per round against five half-dense epochs, and dadpfl-norm's FLOPs ratio 0.79x.)
 
-What the default run shows (the figures are in bench/results/paper_claims*.json).
-
-dadpfl, with D = ||w - w0|| (ALGORITHMS.md 1.7, the norm, as the authors' code computes it),
-at the paper's horizon over three seeds (`--strategies dadpfl,dispfl --seed S` for S = 1, 2,
-3, then `--summarize` of the three result files; bench/results/paper_claims_seeds.json; 825,
-1343 and 1193 s with --jobs 2 beside other benchmarks). Ratios are DA-DPFL / DisPFL:
-
-    figure                             seed 1   seed 2   seed 3   mean     sd      paper
-    accuracy, final round (points)     +1.47    -1.66    +0.49    +0.10    1.60    +3.2
-    accuracy, last 10 rounds (points)  +1.11    -2.32    +0.41    -0.27    1.81
-    busiest-agent bytes (run)          0.724    0.714    0.703    0.714    0.011
-    training FLOPs (run)               0.729    0.719    0.709    0.719    0.010
-    busiest-agent bytes (final round)  0.470    0.471    0.471    0.471    0.000   0.67
-    training FLOPs (final round)       0.490    0.490    0.490    0.490    0.000   0.58
-    final sparsity                     0.800    0.800    0.800    0.800            0.65-0.73
-    t*                                 44       43       41
-
-(DA-DPFL's final mean accuracy 0.607 / 0.568 / 0.598, DisPFL's 0.593 / 0.585 / 0.593.) The
-cost claims are shown, and beyond the paper's: 0.71x the busiest agent's bytes and 0.72x the
-FLOPs over the run (0.47x and 0.49x in the final round), first further pruning at 2 t* ~ 85,
-sparsity 0.8. The accuracy claim (+3.2 points) is NOT shown: the difference is +0.1 points on
-average with a spread of 1.6 (-1.7 to +1.5), DA-DPFL matches DisPFL's accuracy at ~0.7x the
-cost. Measured reason: the seed moves the difference by more than the method does. Both
-methods' mean accuracy swings by 2-3 points between rounds (DisPFL seed 1: 0.620 at round
-150, 0.588 at 200), and the seeds disagree on the trend: at seed 1 DA-DPFL overtakes DisPFL
-after its pruning reaches 0.8 (0.575 -> 0.607 from round 200 to 300), at seed 2 it levels
-off at ~0.56 from round 100 while pruning from 0.58 to 0.8 and DisPFL climbs to 0.60.
-Mean accuracy at rounds 50 / 100 / 150 / 200 / 250 / 300, DA-DPFL - DisPFL in points, seeds
-1, 2, 3: -0.9 -2.8 -5.4 -1.4 +1.0 +1.5; +3.9 +1.3 0.0 -2.6 -4.7 -1.7; -2.1 -2.7 +1.7 -1.6
-+0.8 +0.5. mnist1d's ~56-sample agents and small MLP are not the paper's CIFAR-10 ResNet-18
-with 500 samples a client. A +3.2-point gap would stand out of a spread of 1.6 points
-even at three seeds; these three show none.
-(Run-total bytes fell from 0.745x in session 8's seed-1 run to 0.724x: votes now go once to a
-tally keeper, ALGORITHMS.md unchanged.)
-
-dadpfl-squared, with the paper's printed D = ||w - w0||^2 (`--detection-distance squared`): a
-majority of scores first drops below 0.03 at t* = 177 (0.02: 181, 0.01: 217), once the local
-models (~56 samples per agent) have fitted their data and the learning rate has decayed; 1.8
-then schedules the first further pruning at 2 t* = 354 >= T. DA-DPFL never prunes and is
-DisPFL plus waiting: +1.4 points, the same bytes (+2% for the votes) and FLOPs, sparsity 0.5:
-one target of four. b and c cannot move that first pruning earlier (b >= 0 only delays it; c
-only shortens the later intervals), and reaching three pruning events would need
-T > 3.4 t* ~ 600 rounds, twice the budget. Worse, t* grows with T (124 at T = 200, 177 at
-T = 300: ~0.6 T, it tracks RigL's annealed drop fraction), so 2 t* stays past T whatever the
-budget. This is why ALGORITHMS.md 1.7 decided for the norm.
+Results, dated, with the commit, the machine and the command: studies/results/paper_claims.md.
 """
 
 from __future__ import annotations
@@ -103,10 +59,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.support import environment, write_json
 
-from bench.support import environment, write_json  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 STRATEGIES = ("dadpfl", "dadpfl-squared", "dispfl", "dfedavgm", "fedavg")
 # Variants of DA-DPFL, accepted by --strategies and each compared with DisPFL like DA-DPFL:

@@ -4,7 +4,7 @@ measured cost) against today's default `--reduce prune` (masked-dense pruning, w
 counted FLOPs but no time), the same fleet and seed. Target: >= 95% of agent-rounds in time
 under auto.
 
-    python bench/deadlines.py [--agents 6] [--rounds 5] [--round-time-s 1.5,2] [--epochs 2]
+    python -m studies.deadlines [--agents 6] [--rounds 5] [--round-time-s 1.5,2] [--epochs 2]
         [--width 64] [--per-process 6] [--modes prune,auto] [--out bench/results/deadlines.json]
 
 The fleet: `--profiles mixed` (each bundled board in turn: raspberry-pi-4, -5, jetson-nano,
@@ -28,21 +28,7 @@ clocks, are then noisier than on an idle machine. A throttled board's `train_s` 
 modelled time (the throttle sleeps to it), so this measures whether the reduction chosen
 and the board's clock agree with p_k; prediction error shows only on host-bound rounds.
 
-Measured here (2 cores, nothing else running; 12 agents, two to a board, 6 agents a process,
-5 rounds, width 64, 2 epochs; bench/results/deadlines.json), agent-rounds in time:
-
-    limit   prune (today)          channels               auto
-    1.0 s   83%, Pi 4 1.84x        83%, Pi 4 1.20x        100%, worst 1.00x (width+steps)
-    1.5 s   83%, Pi 4 1.32x        100%, worst 0.94x      100%, worst 0.98x (width)
-
-Only the Pi 4 is budget-limited (p_k 0.24 and 0.73); the other boards are faster than this
-host. Masked pruning takes a dense round's time whatever its density; channel masks cut the
-time by the FLOP rule's cap, which at p_k 0.24 leaves the overheads no FLOP count sees
-(GroupNorm, pooling, blocks of 8 channels) 1.2x over; auto measures them. Before this
-stop the channels run lost two agents of a shared process silently: tracing a model with
-torch.fx while another agent built its own broke the other's forward pass; agents sharing
-a process now build, trace and measure in turn, and emulate names an agent that refused a
-run.
+Results, dated, with the commit, the machine and the command: studies/results/deadlines.md.
 """
 
 from __future__ import annotations
@@ -57,23 +43,22 @@ import time
 from collections import Counter
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
+from agent.experiment import ExperimentConfig, agent_profiles
+from agent.learning import preset
+from bench.support import broker, environment, write_json
+from coordinator.emulate import Emulation, EmulationOptions
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from agent.experiment import ExperimentConfig, agent_profiles  # noqa: E402
-from agent.learning import preset  # noqa: E402
-from bench.support import broker, environment, write_json  # noqa: E402
-from coordinator.emulate import Emulation, EmulationOptions  # noqa: E402
 
 TARGET = 0.95
 MODES = ("prune", "channels", "auto")
 CHANNELS = "channels"
 """`--reduce prune` on channel masks (`--mask-unit channel`): the same FLOP rule's density
 cap, whose narrower model saves the seconds it counts."""
-MODEL_SOURCE = '''"""A wider CNN for 8x8 digits: seconds a round on a Pi 4 (bench/deadlines.py)."""
+MODEL_SOURCE = '''"""A wider CNN for 8x8 digits: seconds a round on a Pi 4 (studies/deadlines)."""
 from torch import nn
 
 

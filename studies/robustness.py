@@ -1,11 +1,11 @@
 """Poisoning against robust aggregation: honest agents' accuracy under attack, per defence.
 
-    python bench/robustness.py [--agents 20] [--attackers 2] [--rounds 30] [--epochs 2]
+    python -m studies.robustness [--agents 20] [--attackers 2] [--rounds 30] [--epochs 2]
         [--seeds 1] [--partition dirichlet:0.3] [--datasets digits,mnist1d]
         [--strategies dadpfl,fedavg] [--defences mean,median,...] [--jobs 2]
         [--out bench/results/robustness.json]
 
-    python bench/robustness.py --grid [--jobs 2] [--out bench/results/robustness-grid.json]
+    python -m studies.robustness --grid [--jobs 2] [--out bench/results/robustness-grid.json]
 
 `--grid` is issue 34's test of the default defence on settings it was not tuned on, fixed
 here before the tuning (GRID_SETTINGS): DA-DPFL, 20 agents, Dirichlet 0.3, digits and
@@ -21,75 +21,8 @@ of every run). A cell (dataset, setting, attack) passes when the median over the
 (attacked with the default - clean with `--aggregation mean`) is at least -2 points (paired
 per seed, so that a seed's luck cancels); the default's clean-run cost, the median over the
 seeds of (clean with the default - clean with `mean`), must be at least -0.5. The default's
-tuning used only the settings of the tables below (30 rounds of 2 epochs, 5 neighbours, 2
+tuning used only the settings of the one-seed tables (30 rounds of 2 epochs, 5 neighbours, 2
 attackers), never the grid's.
-
-Re-measured with every attack of issue 46 (inflate: a step the wrong way claiming
-10,000,000 samples, which a decentralized receiver never weighs by; ipm: half a step the
-wrong way; alie: the colluders' mean less z standard deviations; labelflip; backdoor and
-replace: bench/backdoor.py, whose harm no accuracy shows), a decentralized attacker stepping
-from its model before the round, --jobs 2 on 2 cores, 468 runs (bench/results/
-robustness-grid.json). Per cell the median over seeds 1-3 of (attacked with the default -
-clean with `mean`), in points, `!` a miss:
-
-    dataset  setting             mean  clean  scale  noise signflip   huge    nan inflate
-    digits   n2 e1 r60 a3       0.941  +0.0   +0.0   +0.0     +0.0   +0.0   +0.0    +0.0
-    digits   n8 e1 r10 a1       0.750  +0.0   +0.0   +0.0     +0.0   +0.0   +0.0    +0.0
-    digits   n4 e3 r30 a2       0.952  +0.0   +0.0   +0.0     +0.0   +0.0   +0.0    -0.6
-    digits   n2 e3 r10 a2       0.941  +0.0   +0.0   +0.0     +0.0   +0.0   +0.0    +0.0
-    digits   n8 e5 r10 a3       0.952  +0.0   +0.0   +0.0     +0.0   +0.0   +0.0    -0.6
-    digits   n4 e5 r20 a1       0.955  +0.0   +0.0   +0.0     +0.0   +0.0   +0.0    +0.0
-    mnist1d  n2 e1 r60 a3       0.685  +0.0   -3.5!  -3.5!    -3.5!  -3.5!  -3.5!   -2.4!
-    mnist1d  n8 e1 r10 a1       0.545  +0.0   +0.0   +0.0     +0.0   +0.0   +0.0    +0.0
-    mnist1d  n4 e3 r30 a2       0.680  +0.0   -1.7   -1.7     -1.7   -1.7   -1.7    +0.8
-    mnist1d  n2 e3 r10 a2       0.644  +0.0   +0.7   +0.7     +0.7   +0.7   +0.7    +0.7
-    mnist1d  n8 e5 r10 a3       0.673  +0.0   +1.6   +1.6     +1.6   +1.6   +1.6    -1.2
-    mnist1d  n4 e5 r20 a1       0.684  +0.0   +0.0   +0.0     +0.0   +0.0   +0.0    +0.0
-
-    dataset  setting             mean     ipm   alie labelflip backdoor replace
-    digits   n2 e1 r60 a3       0.941   +0.0   +0.0      +0.0     +0.0    +0.0
-    digits   n8 e1 r10 a1       0.750   +0.0   +0.0      +0.0     +0.0    -2.3!
-    digits   n4 e3 r30 a2       0.952   +0.0   +0.0      +0.0     +0.0    +0.0
-    digits   n2 e3 r10 a2       0.941   +0.0   +0.0      +0.0     +0.0    +0.0
-    digits   n8 e5 r10 a3       0.952   +0.0   +0.0      -0.6     +0.0    +0.0
-    digits   n4 e5 r20 a1       0.955   +0.0   +0.0      -0.6     +0.0    +0.0
-    mnist1d  n2 e1 r60 a3       0.685   +0.0   -3.0!     -3.7!    -3.7!   -3.7!
-    mnist1d  n8 e1 r10 a1       0.545   +0.0   +0.0      +0.0     +0.0    +0.0
-    mnist1d  n4 e3 r30 a2       0.680   -0.2   +1.4      +1.4     +0.0    +0.0
-    mnist1d  n2 e3 r10 a2       0.644   +0.7   +0.7      +1.2     +0.7    +0.7
-    mnist1d  n8 e5 r10 a3       0.673   +1.0   +0.0      -2.2!    -1.8    +1.6
-    mnist1d  n4 e5 r20 a1       0.684   +0.0   +0.0      +0.0     +0.8    +0.0
-
-132 of 144 cells pass, and the 12 clean-cost cells (all 0.0). The setting that misses most,
-mnist1d n2 e1 r60 a3 (seeds -7.5, -3.5, +2.6 under the five model attacks that are screened
-out; -4.4, 0.0, -3.7 under the backdoor), is two neighbours and three attackers: an honest
-agent that hears an attacker averages over one model fewer for 60 rounds; the five model
-attacks give the same accuracy seed by seed, so no poisoned value reaches an honest model.
-ipm, a step small enough to pass the screen, costs nothing there; inflate, a whole step the
-wrong way, -2.4 (-2.4, 0.0, -3.7). digits n8 e1 r10 a1
-misses under replace (-2.3, -4.8, +1.4: 10 rounds of 1 epoch, where the first seed loses
-2.3 points under every attack, the median of 17 agents moving by one test sample's worth)
-and mnist1d n8 e5 r10 a3 under labelflip (-2.2, -2.6, 0.0). The trigger's success on the
-honest devices' served models, median over the seeds (a clean model's own rate is
-0.004-0.008 on digits, 0.03-0.04 on mnist1d):
-
-    dataset  setting             backdoor   replace
-    digits   n2 e1 r60 a3           0.012     0.010
-    digits   n8 e1 r10 a1           0.008     0.008
-    digits   n4 e3 r30 a2           0.011     0.007
-    digits   n2 e3 r10 a2           0.009     0.009
-    digits   n8 e5 r10 a3           0.003     0.003
-    digits   n4 e5 r20 a1           0.010     0.003
-    mnist1d  n2 e1 r60 a3           0.156     0.051
-    mnist1d  n8 e1 r10 a1           0.044     0.044
-    mnist1d  n4 e3 r30 a2           0.106     0.051
-    mnist1d  n2 e3 r10 a2           0.057     0.051
-    mnist1d  n8 e5 r10 a3           0.059     0.048
-    mnist1d  n4 e5 r20 a1           0.057     0.048
-
-The earlier measurements passed 90 of 96 cells (7 attacks, with inflate, ipm and replace not
-yet stepping from a decentralized attacker's own model) and 62 of 72 (before issue 45's
-learning changes).
 
 With one seed it prints the accuracy per defence and attack; with several (`--seeds 1-10`)
 each case's worst attack - clean per seed, summed up as mean, sd, range and the seeds
@@ -110,105 +43,7 @@ without attackers that the acceptance compares with (within 2 points). Runs with
 attackers are measured over the same agents (the would-be attackers left out), so that
 both sides of a comparison are one set of agents.
 
-Measured (seed 1, 20 agents, 2 attackers, 30 rounds of 2 epochs, --clip auto with
-screen_factor 3 and clip_factor 2, --jobs 2 on 2 cores: Dirichlet 0.3 80 runs in 245 s,
-bench/results/robustness.json; iid 80 runs in 240 s, bench/results/robustness-iid.json).
-Honest agents' final mean accuracy; worst-clean is the worst attack's distance from the
-clean run (mean, no attackers), in points:
-
-Dirichlet 0.3 (the default):
-
-    dataset  strategy defence          none    scale    noise signflip worst-clean
-    digits   dadpfl   mean            0.978    0.407    0.406    0.526      -57.2p
-    digits   dadpfl   median          0.813    0.500    0.576    0.643      -47.8p
-    digits   dadpfl   trimmed:0.2     0.834    0.629    0.541    0.665      -43.7p
-    digits   dadpfl   mean+clip       0.978    0.935    0.935    0.935       -4.3p
-    digits   dadpfl   median+clip     0.813    0.844    0.844    0.844      -13.4p
-    digits   fedavg   mean            0.934    0.083    0.177    0.099      -85.1p
-    digits   fedavg   median          0.736    0.714    0.758    0.733      -22.0p
-    digits   fedavg   trimmed:0.2     0.860    0.804    0.860    0.790      -14.3p
-    digits   fedavg   mean+clip       0.934    0.921    0.921    0.921       -1.3p
-    digits   fedavg   median+clip     0.736    0.749    0.749    0.749      -18.4p
-    mnist1d  dadpfl   mean            0.594    0.418    0.211    0.508      -38.3p
-    mnist1d  dadpfl   median          0.560    0.516    0.523    0.563       -7.8p
-    mnist1d  dadpfl   trimmed:0.2     0.555    0.504    0.545    0.539       -9.0p
-    mnist1d  dadpfl   mean+clip       0.594    0.590    0.590    0.590       -0.5p
-    mnist1d  dadpfl   median+clip     0.560    0.575    0.575    0.575       -1.9p
-    mnist1d  fedavg   mean            0.406    0.110    0.092    0.110      -31.5p
-    mnist1d  fedavg   median          0.292    0.305    0.300    0.317      -10.6p
-    mnist1d  fedavg   trimmed:0.2     0.337    0.343    0.347    0.323       -8.3p
-    mnist1d  fedavg   mean+clip       0.406    0.407    0.407    0.407       +0.1p
-    mnist1d  fedavg   median+clip     0.292    0.305    0.305    0.305      -10.1p
-
-IID:
-
-    dataset  strategy defence          none    scale    noise signflip worst-clean
-    digits   dadpfl   mean            0.938    0.364    0.105    0.160      -83.3p
-    digits   dadpfl   median          0.932    0.435    0.620    0.917      -50.3p
-    digits   dadpfl   trimmed:0.2     0.932    0.574    0.645    0.926      -36.4p
-    digits   dadpfl   mean+clip       0.938    0.951    0.951    0.951       +1.2p
-    digits   dadpfl   median+clip     0.932    0.932    0.932    0.932       -0.6p
-    digits   fedavg   mean            0.969    0.111    0.188    0.102      -86.7p
-    digits   fedavg   median          0.975    0.957    0.975    0.963       -1.2p
-    digits   fedavg   trimmed:0.2     0.975    0.954    0.963    0.963       -1.5p
-    digits   fedavg   mean+clip       0.969    0.957    0.957    0.957       -1.2p
-    digits   fedavg   median+clip     0.960    0.975    0.975    0.975       +0.6p
-    mnist1d  dadpfl   mean            0.257    0.099    0.104    0.129      -15.8p
-    mnist1d  dadpfl   median          0.253    0.180    0.150    0.222      -10.7p
-    mnist1d  dadpfl   trimmed:0.2     0.264    0.127    0.154    0.236      -13.0p
-    mnist1d  dadpfl   mean+clip       0.257    0.262    0.262    0.262       +0.6p
-    mnist1d  dadpfl   median+clip     0.253    0.253    0.253    0.253       -0.3p
-    mnist1d  fedavg   mean            0.499    0.106    0.094    0.101      -40.4p
-    mnist1d  fedavg   median          0.467    0.427    0.466    0.437       -7.2p
-    mnist1d  fedavg   trimmed:0.2     0.491    0.413    0.477    0.436       -8.6p
-    mnist1d  fedavg   mean+clip       0.499    0.486    0.486    0.486       -1.3p
-    mnist1d  fedavg   median+clip     0.467    0.478    0.478    0.478       -2.1p
-
-What it shows:
-
-* With `mean` every attack costs 16-87 points (FedAvg: the global model is wrecked for all;
-  DA-DPFL: the attackers' neighbours and theirs); many rounds end non-finite and are undone
-  (the agent keeps its model from before the round), so nobody drops out.
-* `mean` with `--clip auto` is the defence: within 2 points of the clean run in 7 of the 8
-  cases (-1.3 to +1.2), and it costs nothing without attackers (`none` equals `clean`: no
-  honest model was ever screened or clipped). The three attacks give one figure per row:
-  every poisoned model was screened out in every round, so what is left is the fleet
-  without the attackers' contributions. The miss is DA-DPFL on Dirichlet digits, -4.3
-  points: not the attack getting through (the same with all three), but the honest agents
-  whose neighbours were attackers averaging over fewer models. The figure moves with how a
-  screened model's share is given back: 0.935 with the mean of the own and kept models
-  standing in, 0.948 with the kept ones alone and 0.968 with the own model alone (which
-  instead cost FedAvg 2.4-3.9 points): on one seed the honest fleet's trajectory moves by
-  this much with where a few models' weight goes.
-  Clipping to the median without screening (the earlier `auto`) cost 2.6-6.0 points on
-  Dirichlet 0.3: a clipped poisoned model still pulled a full honest distance every round,
-  always the same wrong way.
-* `median` and `trimmed:0.2` hold FedAvg on iid digits (1.2 and 1.5 points) but on Dirichlet
-  0.3 cost 3-20 points without any attacker (a coordinate-wise median of skewed,
-  personalized models is far from their mean). On sparse DA-DPFL models an element often has
-  two holders, whose median is their mean, so scale and noise get through (up to -50
-  points); screening first (median+clip) stops that (-0.6 to +0.6 on iid but FedAvg
-  mnist1d, -2.1), but on Dirichlet 0.3 the median's own cost remains.
-* Over ten seeds (`--defences mean+clip --seeds 1-10`, Dirichlet 0.3, 200 runs in 966 s,
-  bench/results/robustness-seeds.json), mean+clip's worst attack - clean, in points:
-
-    dataset  strategy defence        mean    sd    min    max within 2p
-    digits   dadpfl   mean+clip     -0.02  2.12   -4.3   +3.1    9 of 10
-    digits   fedavg   mean+clip     -0.37  0.58   -1.3   +0.5   10 of 10
-    mnist1d  dadpfl   mean+clip     +0.36  1.94   -2.6   +4.5    9 of 10
-    mnist1d  fedavg   mean+clip     +0.45  0.60   -0.6   +1.2   10 of 10
-
-  Within 2 points on average in every case, and in 38 of 40 runs. Seed 1's digits DA-DPFL
-  (-4.3, the miss of the one-seed table above) is the low end of a spread of about 2 points
-  either way: the same case gains 3.1 on seed 9, and mnist1d DA-DPFL 4.5 on seed 9. What
-  moves is the honest fleet's trajectory, not the attack: every poisoned model is screened
-  out (instrumented on seed 1: 279 of 279; the 10 attacker models kept were their round-0
-  models, unpoisoned), and no honest model is touched. Leaving a screened model out of a
-  DA-DPFL aggregate instead of its stand-in gives mean+clip's figures bit for bit (seed 1,
-  both datasets: eq. 7 is an unweighted mean per entry, which the stand-in leaves as it
-  was); dropping the attackers' models from every aggregate, their
-  round-0 ones included (an oracle), gives -1.7, -1.0 and +1.0 on seeds 1-3 where mean+clip
-  gives -4.3, -1.7 and -1.3: 2.6 points from ten honest round-1 models.
+Results, dated, with the commit, the machine and the command: studies/results/robustness.md.
 """
 
 from __future__ import annotations
@@ -219,7 +54,6 @@ import json
 import logging
 import pathlib
 import statistics
-import sys
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -227,13 +61,12 @@ from typing import Any
 
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from agent.experiment import ExperimentConfig
+from agent.learning import preset, robust, robust_rules
+from bench.support import environment, seeds, write_json
+from coordinator.simulate import simulate
 
-from agent.experiment import ExperimentConfig  # noqa: E402
-from agent.learning import preset, robust, robust_rules  # noqa: E402
-from bench.support import environment, seeds, write_json  # noqa: E402
-from coordinator.simulate import simulate  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 DEFENCES: dict[str, dict[str, str]] = {
     "mean": {"aggregation": "mean", "clip": "off"},
