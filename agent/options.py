@@ -19,6 +19,7 @@ from agent.learning.config import (
     ADAM_FAMILY,
     BATCHNORM_MODES,
     DECENTRALIZED,
+    DEFAULT_STOP_RULE,
     DETECTION_SCALES,
     DISTANCES,
     FALLBACKS,
@@ -27,12 +28,12 @@ from agent.learning.config import (
     OPTIMIZERS,
     PRESETS,
     REDUCE_MODES,
+    STOP_RULES,
     TASKS,
     WIRE_FORMATS,
     StrategyConfig,
     preset,
 )
-from agent.learning.early_stop import DEFAULT_STOP_RULE, STOP_RULES
 from agent.learning.robust_rules import ATTACKS
 from agent.learning.topology import TOPOLOGIES
 

@@ -23,16 +23,16 @@ from rich.progress import (
 
 from agent.options import experiment_config, experiment_options
 from agent.runfile import lab_config
-from coordinator.cli import (
+from coordinator.cli_shared import (
     agent_rounds,
     console,
     dashboard,
-    free_port,
     http_options,
     publish_report,
     report_options,
     require_extra,
 )
+from coordinator.ports import free_port
 from coordinator.watch import require_broker
 from protocol import BROKER, BrokerAddress, ConfigError
 from protocol.cli import BrokerSettings, seconds

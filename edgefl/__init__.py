@@ -182,8 +182,8 @@ def emulate(
     a network has: waiting and stragglers). Logs and state go to `workdir` (a temporary
     folder by default)."""
     from coordinator.broker import EmbeddedBroker
-    from coordinator.cli import free_port
     from coordinator.emulate import Emulation, EmulationOptions, auto_agents_per_process
+    from coordinator.ports import free_port
 
     folder = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="emulate-"))
     options = EmulationOptions(

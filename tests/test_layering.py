@@ -75,6 +75,95 @@ def test_the_rule_catches_an_import_at_any_depth(tmp_path: Path) -> None:
     assert violations(module, LEARNING_FORBIDDEN) == []
 
 
+PACKAGES = ("agent", "coordinator", "protocol", "edgefl", "firmware_profiles")
+"""The packages whose modules may not import each other in a circle."""
+
+
+def module_files(root: Path) -> dict[str, Path]:
+    """Every module of the `PACKAGES` under `root` by dotted name (a package by its own)."""
+    modules: dict[str, Path] = {}
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Which of the project's modules each module imports, counting every import statement:
+    at module level, inside functions and under TYPE_CHECKING, since a type-only or a late
+    import couples the two modules as much as any (a change to either may break the other).
+    A name from a package counts as its submodule where there is one; a module's imports of
+    its own packages and a package's of its own submodules are left out, as every module
+    loads the packages above it."""
+    modules = module_files(root)
+
+    def owner(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*up, base] if base else up)
+                targets = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+            for target in filter(None, map(owner, targets)):
+                own_package = target == name or name.startswith(target + ".")
+                own_submodule = path.name == "__init__.py" and target.startswith(name + ".")
+                if not own_package and not own_submodule:
+                    graph[name].add(target)
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The modules that import each other in a circle, one sorted list per circle (each
+    strongly connected component of more than one module): those each reaches the other."""
+    reach: dict[str, set[str]] = {}
+    for start in graph:
+        seen: set[str] = set()
+        todo = [start]
+        while todo:
+            for target in graph[todo.pop()] - seen:
+                seen.add(target)
+                todo.append(target)
+        reach[start] = seen
+    circles = {tuple(sorted(m for m in reach[start] if start in reach[m])) for start in graph}
+    return sorted(list(circle) for circle in circles if len(circle) > 1)
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    """No import cycle among the project's modules: each module can be read, tested and
+    changed on top of those it imports alone, and a type-only import is no exception."""
+    cycles = import_cycles(import_graph(ROOT))
+    described = "; ".join(f"{len(c)} modules: {', '.join(c)}" for c in cycles)
+    assert not cycles, f"import cycles: {described}"
+
+
+def test_the_cycle_rule_counts_late_and_type_only_imports(tmp_path: Path) -> None:
+    """A function-level import and one under TYPE_CHECKING close a circle like any."""
+    package = tmp_path / "agent"
+    package.mkdir()
+    (package / "__init__.py").write_text("from agent.a import A\n")
+    (package / "a.py").write_text("def f():\n    from . import b\n")
+    (package / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from agent.c import C\n"
+    )
+    (package / "c.py").write_text("import agent.a\nfrom agent import b\n")
+    (package / "d.py").write_text("from agent.c import C\n")
+    assert import_cycles(import_graph(tmp_path)) == [["agent.a", "agent.b", "agent.c"]]
+    (package / "c.py").write_text("from agent import d\n")
+    assert import_cycles(import_graph(tmp_path)) == [["agent.c", "agent.d"]]
+
+
 WALK_COMMANDS = """
 import sys
 import click

@@ -33,10 +33,12 @@ from .central import (
 from .config import (
     CENTRALIZED,
     DECENTRALIZED,
+    DEFAULT_STOP_RULE,
     DISTANCES,
     MODEL_NAMES,
     PRESETS,
     REDUCE_MODES,
+    STOP_RULES,
     WIRE_FORMATS,
     StrategyConfig,
     default_model,
@@ -44,15 +46,10 @@ from .config import (
     preset,
 )
 from .delta import FLIP, apply_delta, encode_delta
-from .early_stop import (
-    DEFAULT_STOP_RULE,
-    STOP_RULES,
-    EarlyStop,
-    StopRule,
-    StopWatch,
-)
+from .early_stop import EarlyStop, StopRule, StopWatch
+from .facts import LocalData
 from .kept import Judged
-from .learner import AgentState, Learner, LocalData, Published, RoundResult
+from .learner import AgentState, Learner, Published, RoundResult
 from .models import build_model, forward_flops
 from .pruning import PruningPlan
 from .reduction import (

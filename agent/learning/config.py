@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.learning import robust_rules
-from agent.learning.early_stop import DEFAULT_STOP_RULE
 
 DECENTRALIZED = ("dadpfl", "dispfl", "dfedavgm")
 
@@ -32,6 +31,13 @@ ADAM_FAMILY = ("fedadam", "fedadam-top", "fedadam-ssm")
 
 
 STOP_LAMBDA = 0.7
+
+
+STOP_RULES = {"progress": 20, "paper": 1}
+"""Each early-stopping rule (`agent.learning.early_stop`) and its patience when
+`--stop-patience` is 0."""
+DEFAULT_STOP_RULE = "progress"
+"""The rule of `--early-stop` without `--stop-rule`: the one measured best."""
 
 
 REDUCE_MODES = ("prune", "freeze", "prefix", "width", "auto")

@@ -41,15 +41,12 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from agent.learning.config import DEFAULT_STOP_RULE, STOP_RULES
+
 if TYPE_CHECKING:
     from agent.learning.config import StrategyConfig
-    from agent.learning.learner import Learner, LocalData
+    from agent.learning.facts import LocalData, StoppingLoss
     from agent.learning.sparse import State
-
-STOP_RULES = {"progress": 20, "paper": 1}
-"""Each stop rule and its patience when `--stop-patience` is 0."""
-DEFAULT_STOP_RULE = "progress"
-"""The rule of `--early-stop` without `--stop-rule`: the one measured best."""
 
 
 @dataclass(frozen=True)
@@ -145,7 +142,7 @@ class EarlyStop:
 
     def after(
         self,
-        learner: Learner,
+        learner: StoppingLoss,
         weights: State,
         train_loss: float,
         data: LocalData,

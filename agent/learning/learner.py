@@ -46,6 +46,7 @@ from agent.learning import (
     statistics,
 )
 from agent.learning.config import ADAM_FAMILY, DECENTRALIZED, STOP_LAMBDA, StrategyConfig
+from agent.learning.facts import LocalData as LocalData  # re-exported: imported from here too
 from agent.learning.kept import Judged, Kept, Shadow
 from agent.learning.models import flops_from_positions, output_positions
 from agent.learning.precision import FP32
@@ -116,19 +117,6 @@ class RoundResult:
     """The round's model turned non-finite: the agent kept its model from before the round."""
     judged: Judged | None = None
     """What the agent kept after the round and why, and the strategy's model's figures."""
-
-
-@dataclass(frozen=True)
-class LocalData:
-    """One agent's local data as tensors: train for training, test for accuracy, validation
-    for early stopping."""
-
-    x_train: torch.Tensor
-    y_train: torch.Tensor
-    x_test: torch.Tensor
-    y_test: torch.Tensor
-    x_val: torch.Tensor
-    y_val: torch.Tensor
 
 
 _Model = TypeVar("_Model", AgentState, Published)

@@ -19,11 +19,11 @@ from agent.learning.sparse import Masks, State
 from agent.learning.training import TrainResult, train_local
 
 if TYPE_CHECKING:
-    from agent.learning.learner import Learner, LocalData
+    from agent.learning.facts import LocalData, ModelFacts, TrainingFacts
     from agent.learning.width import Selection, WidthPlan
 
 
-def frozen_training_flops(learner: Learner, masks: Masks | None, active: Masks) -> int:
+def frozen_training_flops(learner: ModelFacts, masks: Masks | None, active: Masks) -> int:
     """Training FLOPs per sample with frozen weights: the forward pass and the input-gradient
     pass run through every kept weight (frozen neurons still pass gradients back to active
     ones), the weight-gradient pass only through the active ones: 2 F + F_active."""
@@ -33,7 +33,7 @@ def frozen_training_flops(learner: Learner, masks: Masks | None, active: Masks) 
 
 
 def reduced_training(
-    learner: Learner,
+    learner: TrainingFacts,
     start: State,
     masks: Masks | None,
     active: Masks | None,
@@ -100,7 +100,7 @@ def reduced_training(
 
 
 def _narrow_training(
-    learner: Learner,
+    learner: TrainingFacts,
     plan: WidthPlan,
     selection: Selection,
     start: State,

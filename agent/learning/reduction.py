@@ -26,7 +26,7 @@ from agent.learning.prefix import Window, round_window
 from agent.learning.sparse import Masks
 
 if TYPE_CHECKING:
-    from agent.learning.learner import Learner
+    from agent.learning.facts import ModelFacts
 
 MEASURED_KINDS = ("freeze", "width", "prefix")
 """The reductions `auto` chooses among, least expected accuracy cost first: freezing trains
@@ -50,7 +50,7 @@ def measured_kinds(mode: str) -> tuple[str, ...]:
     return (*kinds, "checkpoint") if mode in MEASURED_MODES else kinds
 
 
-def capped_density(learner: Learner, p_k: float | None, masks: Masks | None) -> float | None:
+def capped_density(learner: ModelFacts, p_k: float | None, masks: Masks | None) -> float | None:
     """The density the budget allows this round's sparse model (None: no cap applies)."""
     if p_k is None or masks is None:
         return None
@@ -90,7 +90,7 @@ NO_REDUCTION = Reduction()
 
 
 def local_reduction(
-    learner: Learner,
+    learner: ModelFacts,
     p_k: float | None,
     masks: Masks | None,
     *,
@@ -118,7 +118,7 @@ def local_reduction(
     )
 
 
-def flop_reduction(learner: Learner, p_k: float | None, masks: Masks | None) -> Reduction:
+def flop_reduction(learner: ModelFacts, p_k: float | None, masks: Masks | None) -> Reduction:
     """`--reduce prune` (cap the density) or `freeze` (train a fraction of the neurons, the
     rest frozen and kept), by counted FLOPs: the papers' budgets.
 

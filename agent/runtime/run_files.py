@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 from agent.learning import StopWatch
 from agent.learning.kept import restored_kept, restored_shadow
@@ -20,7 +20,10 @@ from agent.report import early_stop_savings
 from agent.runtime import checkpoint
 
 if TYPE_CHECKING:
-    from agent.runtime.session import RoundDriver, Session
+    import threading
+    from pathlib import Path
+
+    from agent.learning import AgentState, EarlyStop, StrategyConfig
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +32,58 @@ RECORDS_IN_FINAL_STATUS = 200
 status's 1 MiB limit)."""
 
 
-def persist(session: Session, driver: RoundDriver, round_: int, record: dict[str, Any]) -> None:
+class RunId(Protocol):
+    """The run an agent takes part in, as far as its files go: its id."""
+
+    @property
+    def run_id(self) -> str: ...
+
+
+class AgentRun(Protocol):
+    """What the run's files read of an agent's session (`agent.runtime.session.Session`) and
+    what `restore` writes back into it: typed here by what is used, so that this module,
+    which the session imports, does not import the session back."""
+
+    state: AgentState
+    early: EarlyStop
+    stopped_round: int | None
+
+    @property
+    def me(self) -> str: ...
+
+    @property
+    def run_info(self) -> RunId: ...
+
+    @property
+    def cfg(self) -> StrategyConfig: ...
+
+    @property
+    def checkpoint_path(self) -> Path: ...
+
+    @property
+    def records_path(self) -> Path: ...
+
+    @property
+    def say(self) -> Callable[[str], None]: ...
+
+    @property
+    def finished(self) -> bool: ...
+
+    @property
+    def cancelled(self) -> threading.Event: ...
+
+
+class Checkpointed(Protocol):
+    """What a topology's rounds (`agent.runtime.session.RoundDriver`) keep in the checkpoint."""
+
+    def checkpoint(self, round_: int) -> dict[str, Any]:
+        """The driver's state to persist with round `round_`."""
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        """Read back what `checkpoint` saved."""
+
+
+def persist(session: AgentRun, driver: Checkpointed, round_: int, record: dict[str, Any]) -> None:
     """Checkpoint (with the round's record), then log the record. A full disk raises
     `DiskFullError` and leaves the previous checkpoint in place."""
     checkpoint.save(
@@ -51,7 +105,7 @@ def persist(session: Session, driver: RoundDriver, round_: int, record: dict[str
     checkpoint.append_record(session.records_path, record)
 
 
-def restore(session: Session, driver: RoundDriver) -> int:
+def restore(session: AgentRun, driver: Checkpointed) -> int:
     """Resume `session` from the checkpoint of its run, if any; returns the last completed
     round."""
     saved = checkpoint.load(session.checkpoint_path)
@@ -83,7 +137,7 @@ def restore(session: Session, driver: RoundDriver) -> int:
     return int(saved["round"])
 
 
-def recent_records(session: Session) -> list[dict[str, Any]]:
+def recent_records(session: AgentRun) -> list[dict[str, Any]]:
     """The newest `RECORDS_IN_FINAL_STATUS` round records, for the final status: a
     coordinator that was down while some rounds' statuses went by fills its report from
     them (a retained status keeps only the latest round's)."""
@@ -91,14 +145,14 @@ def recent_records(session: Session) -> list[dict[str, Any]]:
     return [records[r] for r in sorted(records)[-RECORDS_IN_FINAL_STATUS:]]
 
 
-def savings(session: Session, round_: int) -> dict[str, Any]:
+def savings(session: AgentRun, round_: int) -> dict[str, Any]:
     """What stopping after `round_` saves, for the status (from the round log)."""
     records = checkpoint.read_records(session.records_path)
     ran: list[Mapping[str, Any]] = [records[r] for r in sorted(records) if r <= round_]
     return {"saved": early_stop_savings(ran, round_, session.cfg.rounds)}
 
 
-def ending(session: Session) -> dict[str, Any] | None:
+def ending(session: AgentRun) -> dict[str, Any] | None:
     """How the run ended for this agent, for its idle statuses until the next run (a
     coordinator that comes back after the run's end reads its final state there); None if
     it did not end (the process is stopping: a restart resumes it)."""

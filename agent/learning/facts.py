@@ -1,0 +1,95 @@
+"""What the round's rules read of a learner and of an agent's data, as narrow types.
+
+The budget's rule (`reduction`), the reduced training (`reduced`) and early stopping
+(`early_stop`) each read a few facts of the model a `learner.Learner` holds; the learner in
+turn builds on them. Typed by these protocols instead of by `Learner`, they need not import
+the learner module (no import cycle, even a type-only one), and each says exactly what it
+depends on. This module imports torch alone when it runs and, for type checking, only
+modules the learner itself builds on, never the learner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from agent.learning.channels import ChannelPlan
+    from agent.learning.config import SGDConfig, StrategyConfig
+    from agent.learning.precision import ComputeFormat
+    from agent.learning.prefix import Layer
+    from agent.learning.sparse import Masks, State
+    from agent.learning.tasks import Task
+    from agent.learning.width import WidthPlan
+
+
+@dataclass(frozen=True)
+class LocalData:
+    """One agent's local data as tensors: train for training, test for accuracy, validation
+    for early stopping."""
+
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    x_val: torch.Tensor
+    y_val: torch.Tensor
+
+
+class ModelFacts(Protocol):
+    """What the budget's rule (`reduction.local_reduction`) and the FLOPs of frozen training
+    (`reduced.frozen_training_flops`) read of a model: the config and the FLOPs a mask leaves."""
+
+    @property
+    def config(self) -> StrategyConfig: ...
+
+    @property
+    def dense_flops(self) -> int:
+        """Forward FLOPs per sample of the dense model."""
+
+    def forward_flops(self, masks: Masks | None) -> int:
+        """Forward FLOPs per sample with `masks` (None: dense)."""
+
+    def flops_per_density(self, masks: Masks) -> float:
+        """FLOP fraction / parameter density of `masks`."""
+
+
+class TrainingFacts(ModelFacts, Protocol):
+    """What a round's reduced training (`reduced.reduced_training`) reads besides: the model
+    to train, how it trains, and the plans that cut it to a window or a width."""
+
+    @property
+    def model(self) -> nn.Module: ...
+
+    @property
+    def task(self) -> Task: ...
+
+    @property
+    def sgd(self) -> SGDConfig: ...
+
+    @property
+    def compute_format(self) -> ComputeFormat: ...
+
+    @property
+    def channel_masks(self) -> bool:
+        """Masks keep whole channels (`agent.learning.channels`)."""
+
+    @property
+    def channel_plan(self) -> ChannelPlan: ...
+
+    @property
+    def width_plan(self) -> WidthPlan: ...
+
+    @property
+    def forward_layers(self) -> tuple[Layer, ...]: ...
+
+
+class StoppingLoss(Protocol):
+    """What early stopping (`early_stop.EarlyStop`) asks of a model after each round."""
+
+    def stopping_loss(self, weights: State, train_loss: float, data: LocalData) -> float:
+        """L_t = 0.7 L_train + 0.3 L_val (ALGORITHMS.md 2)."""

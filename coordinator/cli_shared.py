@@ -1,0 +1,282 @@
+"""What the coordinator's commands share: the gateway's (`coordinator.cli`) and the lab's
+(`coordinator.lab_cli`, simulate and emulate). The output console, the dashboard's options
+and server, the checks for optional extras, and the report a run writes and shows.
+
+A module of its own so that both import it, and neither imports the other: `coordinator.cli`
+loads the lab's commands, and with them the experiment's options, only when one of them runs
+or is listed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import click
+from click.core import ParameterSource
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+
+from agent.files import atomic_write
+from protocol import BrokerAddress, ConfigError, MqttTransport, topics
+from protocol.cli import BrokerSettings, say
+from protocol.cli import console as output_console
+from protocol.extras import DASHBOARD, EMBEDDED_BROKER, GATEWAY_EXTRA, PLOTS, require
+from protocol.signing import Signer
+
+console = output_console(stderr=False)
+"""Reports and tables: on stdout, unwrapped when not on a terminal."""
+
+
+def require_extra(
+    extra: str,
+    command: str,
+    *,
+    embedded_broker: bool = False,
+    http: str | None = None,
+    plot_dir: str | None = None,
+) -> None:
+    """Before `command` starts anything: the modules of each feature it will use are
+    installed, or one line says which extra brings them (exit 2). The dashboard is the
+    gateway's, whichever command serves it; a built-in dataset is checked where it is
+    loaded (`agent.data.load_dataset`), before any agent starts."""
+    if embedded_broker:
+        require(extra, EMBEDDED_BROKER, f"{command}'s embedded broker (without --broker)")
+    if http is not None:
+        require(GATEWAY_EXTRA, DASHBOARD, f"{command} --http (the dashboard and /metrics)")
+    if plot_dir is not None:
+        require(extra, PLOTS, f"{command} --plot")
+
+
+def http_options(command: Callable) -> Callable:
+    """--http and --http-token-file (or EDGEFL_HTTP_TOKEN): the live dashboard and /metrics
+    (serve, run, emulate); the command gets the token as `http_token`."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        kwargs["http_token"] = dashboard_token(kwargs.pop("http_token_file"), kwargs["http_token"])
+        return command(*args, **kwargs)
+
+    wrapper = click.option(
+        "--http-token",
+        envvar=HTTP_TOKEN_ENV,
+        hidden=True,
+        callback=refuse_token_on_command_line,
+    )(wrapper)
+    wrapper = click.option(
+        "--http-token-file",
+        type=click.Path(dir_okay=False),
+        envvar="EDGEFL_HTTP_TOKEN_FILE",
+        show_envvar=True,
+        help=f"File holding the access token the dashboard requires (needed when --http binds "
+        f"beyond loopback), or set {HTTP_TOKEN_ENV}. There is no --http-token: a command line "
+        "is visible to every user in `ps`.",
+    )(wrapper)
+    return click.option(
+        "--http",
+        "http",
+        default=None,
+        metavar="[HOST:]PORT",
+        help="Serve the live dashboard and Prometheus /metrics here (host 127.0.0.1 unless "
+        "given). Off unless given.",
+    )(wrapper)
+
+
+HTTP_TOKEN_ENV = "EDGEFL_HTTP_TOKEN"
+
+
+def refuse_token_on_command_line(
+    ctx: click.Context, param: click.Parameter, value: str | None
+) -> str | None:
+    """The token may come from EDGEFL_HTTP_TOKEN, never from the command line."""
+    if (
+        value is not None
+        and ctx.get_parameter_source(param.name or "") is ParameterSource.COMMANDLINE
+    ):
+        raise ConfigError(
+            "--http-token would show the token to every user of this machine (`ps`): put it "
+            f"in a file given by --http-token-file FILE, or in {HTTP_TOKEN_ENV}"
+        )
+    return value
+
+
+def dashboard_token(path: str | None, from_environment: str | None) -> str | None:
+    """The dashboard's token: the file's content (its first line), else the variable's."""
+    if path is None:
+        return from_environment
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise click.BadParameter(
+            f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}",
+            param_hint="--http-token-file",
+        ) from None
+    token = lines[0].strip() if lines else ""
+    if not token:
+        raise click.BadParameter(f"{path} is empty", param_hint="--http-token-file")
+    return token
+
+
+@contextlib.contextmanager
+def dashboard(
+    http: str | None,
+    token: str | None,
+    broker: BrokerAddress,
+    settings: BrokerSettings,
+    fleet: str,
+    key: Signer | None,
+) -> Iterator[None]:
+    """The dashboard of `fleet` on `http` while in use, fed by a connection of its own (a
+    run's connection unsubscribes what it no longer needs); nothing without --http."""
+    if http is None:
+        yield
+        return
+    from coordinator.dashboard import Dashboard, FleetState
+
+    try:
+        address = BrokerAddress.parse(http if ":" in http else f"127.0.0.1:{http}", 8080)
+        state = FleetState(fleet, key=key)
+        board = Dashboard(state, address.host, address.port, token=token)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--http") from None
+    try:
+        board.start()
+    except OSError as exc:
+        raise click.ClickException(f"cannot serve the dashboard on {http}: {exc}") from None
+    feed = MqttTransport(broker, settings.transport_options(None))
+    feed.subscribe(topics.presence(fleet), state.feed)
+    feed.subscribe(topics.status(fleet), state.feed)
+    feed.start()
+    say(f"dashboard on [bold]{board.url}[/] (metrics at {board.url.rstrip('/')}/metrics)")
+    try:
+        yield
+    finally:
+        feed.stop()
+        board.stop()
+
+
+def report_options(command: Callable) -> Callable:
+    """--report and --plot, shared by simulate, emulate and run (they write one schema)."""
+    command = click.option(
+        "--plot",
+        "plot_dir",
+        type=click.Path(file_okay=False),
+        help="Also write PNG plots into this folder.",
+    )(command)
+    return click.option(
+        "--report",
+        "report_path",
+        type=click.Path(dir_okay=False),
+        default="report.json",
+        show_default=True,
+        help="Where to write the JSON report.",
+    )(command)
+
+
+def publish_report(report: dict, report_path: str, plot_dir: str | None) -> None:
+    """Write the report atomically (a crash never leaves half of one), show it, plot it."""
+    atomic_write(Path(report_path), lambda f: f.write(json.dumps(report, indent=1).encode()))
+    if report["rounds"]:
+        console.print(summary_table(report))
+    console.print(f"report written to [bold]{report_path}[/]")
+    if plot_dir and report["rounds"]:
+        from coordinator.plots import write_plots
+
+        for path in write_plots(report, plot_dir):
+            console.print(f"plot written to {path}")
+
+
+def summary_table(report: dict) -> Table:
+    """The run's figures; the final ones say which round and how many agents they are over
+    (a run whose agents died ends early, and its means leave the dead out)."""
+    summary, config = report["summary"], report["config"]
+    table = Table("figure", "value", title=f"{config['learning']['strategy']} summary")
+    final = f"round {summary['rounds']}, {summary['agents_reported']} of {config['agents']} agents"
+    from agent.report import metric_of
+
+    metric, higher_is_better = metric_of(report)
+    better = "higher" if higher_is_better else "lower"
+    shown = metric if metric == "accuracy" else f"{metric}, {better} is better"
+    rows = [(f"mean {shown} ({final})", f"{summary[f'mean_{metric}']:.4f}")]
+    rows += kept_rows(summary, metric)
+    rows += attack_rows(summary, config, metric)
+    rows += [
+        (f"mean sparsity ({final})", f"{summary['mean_sparsity']:.3f}"),
+        ("busiest agent bytes", f"{summary['busiest_agent_bytes']:,} ({summary['busiest_agent']})"),
+        ("total bytes", f"{summary['total_bytes']:,}"),
+        ("total training FLOPs", f"{summary['total_train_flops']:.3e}"),
+        ("first pruning time t*", str(summary["t_star"])),
+        ("rounds", f"{summary['rounds']} of {config['learning']['rounds']}"),
+        ("wall time", f"{summary['wall_seconds']:.1f} s"),
+    ]
+    stopped = summary.get("stopped") or {}
+    if stopped:
+        saved = sum(s["saved_rounds"] for s in stopped.values())
+        rows.append(
+            (
+                "stopped early",
+                f"{len(stopped)} agents, {saved} agent-rounds, "
+                f"{sum(s['saved_flops'] for s in stopped.values()):.3e} FLOPs, "
+                f"{sum(s['saved_bytes'] for s in stopped.values()):,} bytes saved",
+            )
+        )
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
+def kept_rows(summary: dict, metric: str) -> list[tuple[str, str]]:
+    """What the devices kept (`agent.learning.fallback`): how many kept each model, the
+    strategy's own models' mean beside the kept ones', and what the local-only models cost
+    (none in a report from before devices chose)."""
+    kept = summary.get("kept") or {}
+    if not kept:
+        return []
+    strategy = summary.get(f"mean_strategy_{metric}")
+    rows = [("models kept", ", ".join(f"{name} {count}" for name, count in sorted(kept.items())))]
+    if strategy is not None:
+        rows.append((f"mean {metric} of the strategy's own models", f"{strategy:.4f}"))
+    if summary.get("total_fallback_flops"):
+        rows.append(("local-only models' training FLOPs", f"{summary['total_fallback_flops']:.3e}"))
+    return rows
+
+
+def attack_rows(summary: dict, config: dict, metric: str) -> list[tuple[str, str]]:
+    """Under `--attackers` (research): who attacked, the honest agents' mean (an attacker's
+    own model says nothing of what the fleet learned) and, under a trigger attack, how often
+    the trigger works on the honest agents' models; nothing for a run without attackers."""
+    rows = []
+    attackers = summary.get("attackers") or []
+    if attackers:
+        rows.append(("attackers", f"{len(attackers)} ({config['attack']})"))
+        honest = summary.get(f"honest_mean_{metric}")
+        if honest is not None:
+            rows.append((f"mean {metric} of the honest agents", f"{honest:.4f}"))
+    if summary.get("backdoor_success") is not None:
+        strategy = summary.get("backdoor_success_strategy")
+        beside = f" (the strategy's own models {strategy:.3f})" if strategy is not None else ""
+        rows.append(
+            ("trigger success on honest models", f"{summary['backdoor_success']:.3f}{beside}")
+        )
+    return rows
+
+
+def agent_rounds() -> Progress:
+    """The progress bar of a networked run: agent-rounds done of all (emulate, run)."""
+    return Progress(
+        TextColumn("agent-rounds"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    )
