@@ -236,7 +236,7 @@ class StrategyConfig:
         DEFAULT_STOP_RULE,
         "Early stopping rule: progress (stop once the last --stop-patience rounds improved the "
         "best L by at most --stop-delta of its improvement since round 1; measured best, "
-        "bench/early_stopping.py) or paper (stop after --stop-patience consecutive rises of "
+        "studies/early_stopping.py) or paper (stop after --stop-patience consecutive rises of "
         "L, the FedSPU paper's rule with patience 1).",
     )
     stop_patience: int = param(

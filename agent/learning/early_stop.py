@@ -1,6 +1,6 @@
 """Early stopping (ALGORITHMS.md 2): after each round an agent computes
 L_t = 0.7 L_train + 0.3 L_val and asks its stop rule (`--stop-rule`) whether it stops; a
-stopped agent keeps its model. Measured in bench/early_stopping.py (20 agents, Dirichlet 0.3,
+stopped agent keeps its model. Measured in studies/early_stopping.py (20 agents, Dirichlet 0.3,
 60 rounds x 2 epochs; fedspu, fedavg-ft, dadpfl; mnist1d, digits; 3 seeds; cut = agent-rounds
 not trained, change = final mean accuracy over all agents against the same run without):
 

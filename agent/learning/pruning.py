@@ -37,7 +37,7 @@ def distance_from_init(
     as the paper prints it. The norm's score is the squared one times
     sqrt(D^1) / (sqrt(D^t) + sqrt(D^(t-1))), at most half of it while D stays above D^1 and
     less as D grows, so it settles below delta_pr much earlier: with the square, t* comes so
-    late that DA-DPFL never prunes further within T (bench/paper_claims.py).
+    late that DA-DPFL never prunes further within T (studies/paper_claims.py).
     """
     if kind not in DISTANCES:
         raise ValueError(f"distance must be one of {', '.join(DISTANCES)}, got {kind!r}")

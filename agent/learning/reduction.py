@@ -33,7 +33,7 @@ MEASURED_KINDS = ("freeze", "width", "prefix")
 every layer a little (it fits only mild budgets: its weight gradients are a third of a
 step); a narrower model trains every layer's rolling share of channels; a layer window
 trains only the windows that fit, which at a low budget leaves the layers near the input
-untrained on that device (bench/reduction_accuracy.py: at equal p_k width cost least on
+untrained on that device (studies/reduction_accuracy.py: at equal p_k width cost least on
 digits, prefix on mnist1d; the order is a decision, easy to change)."""
 
 MEASURED_MODES = ("prefix", "width", "auto")

@@ -10,8 +10,8 @@ and `aggregate` alike:
   every rule but `mean` (`robust_rules.default_clip`), so `--aggregation mean` alone is the
   undefended mean and computes exactly what the mean did before any defence
   (tests/test_robust_defaults.py).
-  The defence was fixed on bench/robustness.py's old setting and then measured once on a
-  grid of settings it was not tuned on (`--grid`, the module's docstring).
+  The defence was fixed on studies/robustness.py's old setting and then measured once on a
+  grid of settings it was not tuned on (`--grid`, studies/results/robustness.md).
 * `aggregate` combines models element-wise over the senders that hold each element (a sparse
   sender holds its mask's entries, a FedSPU participant its active ones, a FedLDF participant
   the layers it uploaded): the median, or the mean of what is left after the largest and
@@ -32,7 +32,7 @@ and `aggregate` alike:
   them is what it would be without it; the rest are clipped to CLIP_FACTOR (2) times it.
   Why: clipping alone to the median (the earlier `auto`) left a poisoned model pulling a
   full honest distance every round, always the same wrong way, which added up to 3-6 points
-  on Dirichlet 0.3 in bench/robustness.py, and clipping honest models to the median cost up
+  on Dirichlet 0.3 in studies/robustness.py, and clipping honest models to the median cost up
   to 1.7 points without any attacker. The attacks here land 2 to 10^4 times farther than
   honest models; in those runs no honest model was ever beyond twice the median, so neither
   bound touches a clean run. Standing in for a screened model, rather than leaving it out,
@@ -97,7 +97,7 @@ far beyond it)."""
 OWN_FACTOR = 1.0
 """`--clip auto`: a received model farther from the receiver's own than this multiple of
 the own model's norm is screened out whatever the other received models are (honest models
-lie within 0.3 of it, a negated one about 2 away; bench/robustness.py)."""
+lie within 0.3 of it, a negated one about 2 away; studies/robustness.py)."""
 SIGN_SHARE = 0.3
 """`sign_vote`: the share of an element's holders that must, on balance, step the same way
 for the aggregate to take its step there rather than the reverse (bench/backdoor.py)."""

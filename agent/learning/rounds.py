@@ -92,7 +92,7 @@ def live(needs: Iterable[Need], stopped: Mapping[str, int]) -> set[Need]:
     round s is left out of every aggregate that needs its model of a later round, as if it
     had left. Its last model standing in for it instead cost the DA-DPFL agents that trained
     on 1.7 points on digits, against 0.3 left out (early stopping, 10 seeds, at the same cut:
-    bench/early_stopping.py): a stale model pulls its neighbours back to where it stopped."""
+    studies/early_stopping.py): a stale model pulls its neighbours back to where it stopped."""
     return {(r, j) for r, j in needs if running(j, r, stopped)}
 
 

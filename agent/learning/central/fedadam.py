@@ -6,7 +6,7 @@ an upload of the deltas of all three.
     fedadam-ssm  one shared top-k mask, from the weight delta, for all three
 
 These are the paper's Algorithms 1 and 2 as written (checked point by point in
-bench/fedadam_study.py). Taking the one mask from |dW| rests on the paper's premise that
+studies/fedadam_study.py). Taking the one mask from |dW| rests on the paper's premise that
 |dW| >> |dM| >> |dV| (its Fig. 1: logs about -2, -3, -6), which holds at its L = 30 local
 mini-batch steps per round (its "local epoch" is one step, eq. 3) but not at a few: with 2
 to 4 steps |dM| is as large as |dW|, and the shared mask locks onto the coordinates it
