@@ -23,26 +23,22 @@ import copy
 import math
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import torch
 from torch import Tensor, fx, nn
 
-from agent.learning.neuron_groups import (
-    _ELEMENTWISE_FUNCTIONS,
-    _ELEMENTWISE_METHODS,
-    _ELEMENTWISE_MODULES,
-    _REDUCTION_FUNCTIONS,
-    _REDUCTIONS,
-    _SPATIAL_FUNCTIONS,
-    _SPATIAL_MODULES,
-    _arg,
-    _is_metadata,
-    _pooled_rank,
-    _reads_only,
-    _shape,
-    _traced,
+from agent.learning.fx_graph import (
+    NORM_TENSORS,
+    PER_UNIT_MODULES,
+    Units,
+    call_step,
+    is_metadata,
+    module_step,
+    reads_only,
+    shape_of,
+    traced,
 )
 from agent.learning.sparse import Masks, State, _ceil
 
@@ -73,7 +69,6 @@ _BATCH_NORMS = (
     nn.InstanceNorm2d,
     nn.InstanceNorm3d,
 )
-_PER_CHANNEL = ("weight", "bias", "running_mean", "running_var")
 _INPUT, _OUTPUT = "the model's input", "the model's output"
 
 Selection = tuple[Tensor, ...]
@@ -124,7 +119,7 @@ def width_plan(model: nn.Module, input_shape: Sequence[int]) -> WidthPlan:
 def channel_classes(model: nn.Module, input_shape: Sequence[int]) -> WidthPlan:
     """`width_plan`'s classes, none at all included (ValueError only when the model cannot be
     traced or run on `input_shape`)."""
-    return _Dataflow(model).run(_traced(model, input_shape))
+    return _Dataflow(model).run(traced(model, input_shape))
 
 
 def rolling_selection(plan: WidthPlan, fraction: float, round_: int) -> Selection:
@@ -246,29 +241,14 @@ def _written(full: Tensor, narrow: Tensor, picks: list[tuple[int, Tensor]]) -> T
 
 
 @dataclass(frozen=True)
-class _Layout:
+class _Layout(Units):
     """Where a value's channels are: class `cls` along `dim` of a `rank`-dim value, each
-    channel covering `expansion` consecutive entries (positions, after a flatten)."""
+    channel covering `expansion` consecutive entries (positions, after a flatten). The plan
+    is always read with shapes, so the rank and the expansion are always known."""
 
-    cls: int
-    dim: int
     rank: int
     expansion: int = 1
-
-    @property
-    def channel(self) -> bool:
-        """Channels along dim 1, one entry each (what a conv or a norm reads)."""
-        return self.dim == 1 and self.expansion == 1
-
-    @property
-    def spatial(self) -> bool:
-        """Channels along dim 1 with positions after them (what pooling acts on)."""
-        return self.channel and self.rank >= 3
-
-    @property
-    def last(self) -> bool:
-        """Channels along the last dim (what a linear layer reads)."""
-        return self.dim == self.rank - 1
+    cls: int = field(kw_only=True)
 
 
 @dataclass
@@ -389,29 +369,28 @@ class _Dataflow:
         return self.classes.plan()
 
     def _visit(self, node: fx.Node) -> _Layout | None:
-        shape = _shape(node)
+        shape = shape_of(node)
         if node.op == "placeholder":
             if shape is None or len(shape) < 2:
                 return None
-            return _Layout(self.classes.new(shape[1], _INPUT), 1, len(shape))
+            return _Layout(1, len(shape), cls=self.classes.new(shape[1], _INPUT))
         if node.op == "output":
             return self._unknown(node, _OUTPUT)
-        if node.op == "get_attr" or _is_metadata(node):
+        if node.op == "get_attr" or is_metadata(node):
             return None
         if node.op == "call_function" and node.target in _JOIN_FUNCTIONS:
             return self._join(node)
         if node.op == "call_method" and node.target in _JOIN_METHODS:
             return self._join(node)
         source = node.args[0] if node.args else None
-        if not isinstance(source, fx.Node) or not _reads_only(node, source):
+        if not isinstance(source, fx.Node) or not reads_only(node, source):
             return self._unknown(node)
         layout = self.layouts.get(source)
         if node.op == "call_module":
             return self._module(node, source, layout)
         if layout is None:
             return None
-        step = _function_step if node.op == "call_function" else _method_step
-        kept = step(layout, source, node)
+        kept = call_step(layout, source, node, narrowing=True)
         return kept if kept is not None else self._unknown(node)
 
     def _unknown(self, node: fx.Node, reason: str | None = None) -> _Layout | None:
@@ -428,10 +407,10 @@ class _Dataflow:
         values = [
             a
             for a in (*node.args, *node.kwargs.values())
-            if isinstance(a, fx.Node) and not _is_metadata(a)
+            if isinstance(a, fx.Node) and not is_metadata(a)
         ]
         tracked = [self.layouts.get(v) for v in values]
-        out = _shape(node)
+        out = shape_of(node)
         if len(values) == 1:  # with a constant
             return tracked[0]
         if len(values) != 2 or out is None:
@@ -441,25 +420,21 @@ class _Dataflow:
             return None
         if la is not None and lb is not None:
             alike = (la.dim, la.rank, la.expansion) == (lb.dim, lb.rank, lb.expansion)
-            exact = la.expansion == 1 or _shape(a) == _shape(b) == out
+            exact = la.expansion == 1 or shape_of(a) == shape_of(b) == out
             if alike and exact and la.rank == len(out):
-                return _Layout(self.classes.union(la.cls, lb.cls), la.dim, la.rank, la.expansion)
+                return replace(la, cls=self.classes.union(la.cls, lb.cls))
             return self._unknown(node, f"{_what(node)} joins channels along other dims")
         layout, other = (la, b) if la is not None else (lb, a)
-        if layout is not None and layout.rank == len(out) and _broadcast(_shape(other), layout):
+        if layout is not None and layout.rank == len(out) and _broadcast(shape_of(other), layout):
             return layout
         return self._unknown(node, f"{_what(node)} joins them with a tensor of other channels")
 
     def _module(self, node: fx.Node, source: fx.Node, layout: _Layout | None) -> _Layout | None:
         name = cast(str, node.target)
         module = self.modules[name]
-        if isinstance(module, _ELEMENTWISE_MODULES):
-            return layout
-        if isinstance(module, _SPATIAL_MODULES):
-            return layout if layout is None or layout.spatial else self._unknown(node)
-        if isinstance(module, nn.Flatten):
-            flat = _flattened(layout, module.start_dim, module.end_dim, source)
-            return flat if flat or layout is None else self._unknown(node)
+        if isinstance(module, PER_UNIT_MODULES):
+            kept = None if layout is None else module_step(layout, source, module)
+            return kept if kept is not None or layout is None else self._unknown(node)
         if isinstance(module, nn.Conv1d | nn.Conv2d):
             return self._conv(node, name, module, layout)
         if isinstance(module, nn.Linear):
@@ -488,12 +463,12 @@ class _Dataflow:
         if f"{name}.bias" in self.state:
             self.classes.union(slot, self.classes.slot(f"{name}.bias", 0, size, 1))
         self.classes.items[slot].widths.append((name, attribute, 1))
-        shape = _shape(node)
+        shape = shape_of(node)
         if shape is None:
             self.classes.fix(slot, f"{name}'s output is not a tensor")
             return None
         dim = 1 if attribute == "out_channels" else len(shape) - 1
-        return _Layout(self.classes.find(slot), dim, len(shape))
+        return _Layout(dim, len(shape), cls=self.classes.find(slot))
 
     def _conv(
         self, node: fx.Node, name: str, conv: nn.Conv1d | nn.Conv2d, layout: _Layout | None
@@ -517,7 +492,7 @@ class _Dataflow:
             self.classes.items[cls].widths += [
                 (name, a, 1) for a in ("in_channels", "out_channels", "groups")
             ]
-            return _Layout(cls, 1, layout.rank)
+            return _Layout(1, layout.rank, cls=cls)
         self._unknown(node, f"{name} is a grouped conv")
         out = self._write(node, name, "out_channels", conv.out_channels)
         if out is not None:
@@ -549,7 +524,7 @@ class _Dataflow:
             ok, attribute, size = layout.channel, "num_features", cast(int, norm.num_features)
         if not ok:
             return self._unknown(node, f"{name} normalizes across them")
-        for kind in _PER_CHANNEL:
+        for kind in NORM_TENSORS:
             if f"{name}.{kind}" in self.state:
                 self.classes.union(layout.cls, self.classes.slot(f"{name}.{kind}", 0, size, 1))
         cls = self.classes.find(layout.cls)
@@ -557,7 +532,7 @@ class _Dataflow:
         if isinstance(norm, nn.GroupNorm) and norm.num_groups > 1:
             step = norm.num_channels // norm.num_groups
             self.classes.items[cls].step = math.lcm(self.classes.items[cls].step, step)
-        return _Layout(cls, layout.dim, layout.rank)
+        return _Layout(layout.dim, layout.rank, cls=cls)
 
 
 def _broadcast(shape: tuple[int, ...] | None, layout: _Layout) -> bool:
@@ -566,72 +541,3 @@ def _broadcast(shape: tuple[int, ...] | None, layout: _Layout) -> bool:
         return False
     at = layout.dim - (layout.rank - len(shape))
     return at < 0 or shape[at] == 1
-
-
-def _flattened(
-    layout: _Layout | None, start: object, end: object, source: fx.Node
-) -> _Layout | None:
-    """``flatten(1)`` of channels along dim 1: channel c becomes features c * P .. c * P + P - 1
-    for P positions per channel (channel-major). Any other flatten mixes them."""
-    if layout is None or not layout.channel or start != 1 or end not in (-1, layout.rank - 1):
-        return None
-    shape = _shape(source)
-    if shape is None:
-        return None
-    return _Layout(layout.cls, 1, 2, math.prod(shape[2:]))
-
-
-def _reshaped(layout: _Layout, source: fx.Node, node: fx.Node) -> _Layout | None:
-    """A view or reshape kept when it is a no-op or exactly ``flatten(1)`` and its size along
-    the channels is not written as a number (``x.view(-1, 512)`` breaks once narrowed)."""
-    before, after = _shape(source), _shape(node)
-    sizes = node.args[1:]
-    if len(sizes) == 1 and isinstance(sizes[0], tuple | list):
-        sizes = tuple(sizes[0])
-    if before is None or after is None or len(sizes) != len(after):
-        return None
-    written = sizes[layout.dim if after == before else 1]
-    if isinstance(written, int) and written != -1:
-        return None
-    if after == before:
-        return layout
-    if layout.spatial and after == (before[0], math.prod(before[1:])):
-        return _Layout(layout.cls, 1, 2, math.prod(before[2:]))
-    return None
-
-
-def _reduced(layout: _Layout, node: fx.Node) -> _Layout | None:
-    """A mean, sum, max or min over positions only (global pooling) keeps each channel
-    (`neuron_groups._pooled_rank`, the rule FedSPU's groups follow too)."""
-    rank = _pooled_rank(layout.spatial, layout.rank, node)
-    return None if rank is None else _Layout(layout.cls, 1, rank)
-
-
-def _function_step(layout: _Layout, source: fx.Node, node: fx.Node) -> _Layout | None:
-    target = node.target
-    if target in _ELEMENTWISE_FUNCTIONS:
-        return layout
-    if target in _SPATIAL_FUNCTIONS:
-        return layout if layout.spatial else None
-    if target is torch.flatten:
-        return _flattened(
-            layout, _arg(node, 1, "start_dim", 0), _arg(node, 2, "end_dim", -1), source
-        )
-    if target in _REDUCTION_FUNCTIONS:
-        return _reduced(layout, node)
-    return None
-
-
-def _method_step(layout: _Layout, source: fx.Node, node: fx.Node) -> _Layout | None:
-    target = node.target
-    if target in _ELEMENTWISE_METHODS:
-        return layout
-    if target == "flatten":
-        return _flattened(
-            layout, _arg(node, 1, "start_dim", 0), _arg(node, 2, "end_dim", -1), source
-        )
-    if target in ("view", "reshape"):
-        return _reshaped(layout, source, node)
-    if target in _REDUCTIONS:
-        return _reduced(layout, node)
-    return None
