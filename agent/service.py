@@ -75,7 +75,7 @@ from agent.workload import (
     round_work,
 )
 from firmware_profiles import DeviceProfile, load_profile
-from protocol import Identity, MqttTransport, ProtocolError, messages, topics
+from protocol import Identity, ProtocolError, Transport, messages, topics
 from protocol.logs import RejectionLog, claimed_sender
 from protocol.signing import MemberKeys, Signer, keys_to_list, signer_for_run
 
@@ -134,7 +134,7 @@ class RunBoard:
 
     def __init__(
         self,
-        transport: MqttTransport,
+        transport: Transport,
         fleet: str,
         key: Signer | None,
         refused: Callable[[str, str], None] | None = None,
@@ -239,10 +239,10 @@ class RunBoard:
 class Announcer:
     """Answers the coordinator's requests to announce this agent again (after `coordinator
     forget` cleared its retained presence and status, or a broker lost them): publishes its
-    birth and kept statuses anew (`MqttTransport.reassert`), at most once per
+    birth and kept statuses anew (`Transport.reassert`), at most once per
     ANNOUNCE_INTERVAL_S, for a member trusted to start runs (with keys per member)."""
 
-    def __init__(self, transport: MqttTransport, identity: Identity) -> None:
+    def __init__(self, transport: Transport, identity: Identity) -> None:
         self.transport = transport
         self.identity = identity
         self._answered_at = -ANNOUNCE_INTERVAL_S
@@ -278,7 +278,7 @@ class AgentService:
     def __init__(
         self,
         identity: Identity,
-        transport: MqttTransport,
+        transport: Transport,
         options: ServiceOptions,
         stop: threading.Event,
     ) -> None:
@@ -654,7 +654,7 @@ class RunModels:
 
 
 def wait_for_roster(
-    transport: MqttTransport, identity: Identity, expect: int, stop: threading.Event
+    transport: Transport, identity: Identity, expect: int, stop: threading.Event
 ) -> list[str] | None:
     """The first `expect` agents (by id) seen online on the fleet's presence topics, once
     this agent is among them; None if `stop` is set first."""

@@ -45,7 +45,7 @@ from agent.report import Traffic
 from agent.runtime import checkpoint, decode_upload, encode_state, expected_shapes, values_sent
 from agent.runtime.inbox import ROUNDS_AHEAD
 from agent.workload import build_workload
-from protocol import MqttTransport, ProtocolError, messages, topics
+from protocol import ProtocolError, Transport, messages, topics
 from protocol.limits import DEFAULT_LIMITS, run_limits
 from protocol.logs import RejectionLog, claimed_sender
 from protocol.signing import Signer
@@ -102,7 +102,7 @@ class Intake:
         unread (a forged far-future update would otherwise be kept for the whole run)."""
         self._rejections = RejectionLog(log)
 
-    def subscribe(self, transport: MqttTransport) -> None:
+    def subscribe(self, transport: Transport) -> None:
         subscribe = transport.subscribe
         subscribe(topics.round_topic(self.fleet, "+", "update"), self.on_update)
         subscribe(topics.round_topic(self.fleet, "+", "divergence"), self.on_divergence)
@@ -219,7 +219,7 @@ class Aggregator:
         run_id: str,
         roster: list[str],
         config: ExperimentConfig,
-        transport: MqttTransport,
+        transport: Transport,
         sender: str = "coordinator",
         key: Signer | None = None,
         round_timeout_s: float = 120.0,

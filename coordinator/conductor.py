@@ -33,7 +33,7 @@ from agent.runtime import new_run_id
 from coordinator.aggregator import Aggregator, AggregatorRecord
 from coordinator.status_figures import TOLD, checked, header_problem, incomplete
 from coordinator.tallies import DEFAULT_VOTE_WAIT_S, TallyKeeper
-from protocol import MqttTransport, ProtocolError, messages, topics
+from protocol import ProtocolError, Transport, messages, topics
 from protocol.limits import Limits
 from protocol.membership import PresenceClock
 from protocol.messages import FINAL_STATES
@@ -73,7 +73,7 @@ class Conductor:
         fleet: str,
         roster: list[str],
         config: ExperimentConfig,
-        transport: MqttTransport,
+        transport: Transport,
         sender: str = "coordinator",
         key: Signer | None = None,
         round_timeout_s: float = 120.0,

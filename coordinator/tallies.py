@@ -30,7 +30,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from protocol import MqttTransport, messages, topics
+from protocol import Transport, messages, topics
 from protocol.membership import CRASH_GRACE_S, LOST
 from protocol.signing import Signer
 
@@ -74,7 +74,7 @@ class TallyKeeper:
         run_id: str,
         roster: list[str],
         rounds: int,
-        transport: MqttTransport,
+        transport: Transport,
         sender: str,
         key: Signer | None,
         wait_s: float,

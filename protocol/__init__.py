@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from protocol.limits import DEFAULT_LIMITS, Limits
     from protocol.masks import MaskKind, bitmap_size, decode_mask, elias_fano_size, encode_mask
     from protocol.membership import DuplicateMember, Identity, connect, leave
+    from protocol.memory import MemoryBroker, MemoryTransport
     from protocol.mqtt import (
         BrokerAddress,
         MqttTransport,
@@ -62,6 +63,7 @@ if TYPE_CHECKING:
         encode_tensors,
         lower_bound_bytes,
     )
+    from protocol.transport import Transport
     from protocol.version import PROTOCOL_VERSION
 
 _EXPORTS: dict[str, tuple[str, ...]] = {
@@ -99,6 +101,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "protocol.limits": ("DEFAULT_LIMITS", "Limits"),
     "protocol.masks": ("MaskKind", "bitmap_size", "decode_mask", "elias_fano_size", "encode_mask"),
     "protocol.membership": ("DuplicateMember", "Identity", "connect", "leave"),
+    "protocol.memory": ("MemoryBroker", "MemoryTransport"),
     "protocol.mqtt": (
         "BrokerAddress",
         "MqttTransport",
@@ -114,6 +117,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "encode_tensors",
         "lower_bound_bytes",
     ),
+    "protocol.transport": ("Transport",),
     "protocol.version": ("PROTOCOL_VERSION",),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
@@ -142,12 +146,15 @@ __all__ = [
     "Limits",
     "MaskKind",
     "MemberKeys",
+    "MemoryBroker",
+    "MemoryTransport",
     "MqttTransport",
     "ProtocolError",
     "PublishQueueFull",
     "Reassembler",
     "Signer",
     "TlsOptions",
+    "Transport",
     "TransportOptions",
     "bitmap_size",
     "broker_options",

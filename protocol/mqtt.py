@@ -40,7 +40,7 @@ import ssl
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,6 +162,31 @@ class Publication:
         return self._outgoing.until(lambda: self._remaining == 0, timeout_s)
 
 
+class Counters:
+    """A transport's traffic counters (its `stats`), counted from the network, dispatcher and
+    caller threads alike."""
+
+    def __init__(self) -> None:
+        self._counts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def count(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[key] += n
+
+    def get(self, key: str) -> int:
+        return self._counts[key]  # one dict read: atomic, no lock needed
+
+    def stats(self, reassembly: Mapping[str, int]) -> dict[str, int]:
+        """The counters, the reassembler's events (`reassembly.<event>`) and `reconnects`;
+        the caller holds whatever guards `reassembly`."""
+        with self._lock:
+            stats = dict(self._counts)
+        stats.update({f"reassembly.{k}": v for k, v in reassembly.items()})
+        stats["reconnects"] = max(0, stats.get("connects", 0) - 1)
+        return stats
+
+
 class _OutgoingQueue:
     """The QoS 1 frames published but not yet acknowledged, and the waits on them.
 
@@ -228,7 +253,7 @@ class _OutgoingQueue:
 _Delivery = tuple[str, bytes, list[Handler]]
 
 
-class _Dispatcher:
+class Dispatcher:
     """Runs the handlers of whole messages on one thread, in arrival order.
 
     Never on paho's network thread, so a slow handler cannot stall keepalive pings or
@@ -547,8 +572,8 @@ class MqttTransport:
         self._kept = _KeptRetained()
         self.client_id = options.client_id or f"edgefl-{secrets.token_hex(6)}"
         self._reassembler = Reassembler(options.limits, options.reassembly_timeout_s)
-        self._stats: Counter[str] = Counter()
-        self._stats_lock = threading.Lock()
+        self._counters = Counters()
+        self._count = self._counters.count
         self._outgoing = _OutgoingQueue()
         self._losses = _Losses(broker, self.client_id, self._count)
         self._stopped = False
@@ -556,7 +581,7 @@ class MqttTransport:
         """Why the broker refused the last connection attempt (bad credentials, ...), if it
         did; None once a connection is accepted."""
         self._reassembly_lock = threading.Lock()
-        self._dispatcher = _Dispatcher(
+        self._dispatcher = Dispatcher(
             f"mqtt-dispatch-{self.client_id}", self._count, options.limits
         )
         self._client = _new_client(self.client_id, options)
@@ -634,16 +659,18 @@ class MqttTransport:
         """Counters: published_/received_ messages, frames, bytes; connects, reconnects;
         dropped_frames, dropped_messages (delivery queue full) and dropped.<reason>;
         handler_errors; reassembly.<event>."""
-        with self._stats_lock, self._reassembly_lock:
-            stats = dict(self._stats)
-            stats.update({f"reassembly.{k}": v for k, v in self._reassembler.counts.items()})
-        stats["reconnects"] = max(0, stats.get("connects", 0) - 1)
-        return stats
+        with self._reassembly_lock:
+            return self._counters.stats(self._reassembler.counts)
 
     @property
     def connects(self) -> int:
         """Connections made: a change is a reconnect (the broker may have dropped our queue)."""
-        return self._stats["connects"]  # one dict read: atomic, no lock needed
+        return self._counters.get("connects")
+
+    def scoped_subscriptions(self) -> contextlib.AbstractContextManager[None]:
+        """Drop every handler subscribed inside, at its end: a process that lives through
+        many runs would otherwise keep each old run's handlers, state and deliveries."""
+        return self._subscriptions.scoped()
 
     # -- publishing ------------------------------------------------------------------------
 
@@ -820,16 +847,6 @@ class MqttTransport:
         self._count(f"dropped_{what}s")
         self._count(f"dropped.{reason}")
         _DROPS.reject(f"{what} ({reason})", claimed_sender(topic), topic, exc)
-
-    def _count(self, key: str, n: int = 1) -> None:
-        with self._stats_lock:
-            self._stats[key] += n
-
-
-def scoped_subscriptions(transport: MqttTransport) -> contextlib.AbstractContextManager[None]:
-    """Drop every handler subscribed on `transport` inside, at its end: a process that lives
-    through many runs would otherwise keep each old run's handlers, state and deliveries."""
-    return transport._subscriptions.scoped()
 
 
 def _not_resolving(broker: BrokerAddress, exc: socket.gaierror) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -11,41 +13,70 @@ from agent.experiment import ExperimentConfig
 from agent.learning import preset
 from agent.runtime import decode_state, encode_state, expected_shapes
 from coordinator.aggregator import Aggregator
-from protocol import messages, topics
+from protocol import MemoryBroker, MemoryTransport, messages, topics
 
 ROSTER = ["agent-000", "agent-001", "agent-002"]
+SETTLED = "test/settled"
 
 
-class FakeTransport:
-    """Records publishes; handlers are called by the test."""
+class Recorder:
+    """A subscriber to every topic: what the aggregator published; handlers of the
+    aggregator's own subscriptions are called by the test."""
 
-    def __init__(self) -> None:
-        self.published: list[tuple[str, bytes]] = []
+    def __init__(self, broker: MemoryBroker) -> None:
+        self.transport = MemoryTransport(broker, "recorder")
+        self.messages: list[tuple[str, bytes]] = []
+        self._settled = threading.Event()
+        self.transport.subscribe("#", self._on_message)
+        self.transport.start()
 
-    def subscribe(self, topic: str, handler: Any) -> None:
-        pass
+    def _on_message(self, topic: str, payload: bytes) -> None:
+        if topic == SETTLED:
+            self._settled.set()
+        else:
+            self.messages.append((topic, payload))
 
-    def publish(self, topic: str, data: bytes, **_: Any) -> None:
-        self.published.append((topic, data))
+    @property
+    def published(self) -> list[tuple[str, bytes]]:
+        """Everything published so far, once it arrived (one dispatcher thread, in arrival
+        order: a marker published now comes after it)."""
+        self._settled.clear()
+        self.transport.publish(SETTLED, b"")
+        assert self._settled.wait(5), "the marker never came"
+        return list(self.messages)
 
 
-def aggregator(strategy: str, **learning: Any) -> tuple[Aggregator, FakeTransport]:
-    config = ExperimentConfig(
-        dataset="mnist1d",
-        agents=len(ROSTER),
-        seed=1,
-        learning=preset(strategy, rounds=2, epochs=1, **learning),
-    )
-    transport = FakeTransport()
-    agg = Aggregator(
-        fleet="f",
-        run_id="r",
-        roster=ROSTER,
-        config=config,
-        transport=transport,  # type: ignore[arg-type]
-        round_timeout_s=0.3,
-    )
-    return agg, transport
+Make = Callable[..., tuple[Aggregator, Recorder]]
+
+
+@pytest.fixture
+def aggregator() -> Iterator[Make]:
+    """Makes an aggregator on an in-memory broker, with a recorder of what it publishes."""
+    broker, transports = MemoryBroker(), []
+
+    def make(strategy: str, **learning: Any) -> tuple[Aggregator, Recorder]:
+        config = ExperimentConfig(
+            dataset="mnist1d",
+            agents=len(ROSTER),
+            seed=1,
+            learning=preset(strategy, rounds=2, epochs=1, **learning),
+        )
+        transport, recorder = MemoryTransport(broker, "coordinator"), Recorder(broker)
+        transport.start()
+        transports.extend([transport, recorder.transport])
+        agg = Aggregator(
+            fleet="f",
+            run_id="r",
+            roster=ROSTER,
+            config=config,
+            transport=transport,
+            round_timeout_s=0.3,
+        )
+        return agg, recorder
+
+    yield make
+    for transport in transports:
+        transport.stop()
 
 
 def update(sender: str, weights: dict[str, torch.Tensor], num_samples: int = 10) -> bytes:
@@ -60,7 +91,7 @@ def update(sender: str, weights: dict[str, torch.Tensor], num_samples: int = 10)
     return messages.encode(message)
 
 
-def test_bad_uploads_are_left_out_and_the_round_goes_on() -> None:
+def test_bad_uploads_are_left_out_and_the_round_goes_on(aggregator: Make) -> None:
     agg, transport = aggregator("fedavg", aggregation="mean")  # the lone upload, unclipped
     initial = agg.learner.initial
     good = {n: t + 1.0 for n, t in reversed(list(initial.items()))}  # the sender's own order
@@ -86,7 +117,7 @@ def test_bad_uploads_are_left_out_and_the_round_goes_on() -> None:
     assert list(weights) == list(initial)
 
 
-def test_a_divergence_vector_that_does_not_cover_every_layer_is_refused() -> None:
+def test_a_divergence_vector_that_does_not_cover_every_layer_is_refused(aggregator: Make) -> None:
     agg, _ = aggregator("fedldf", ldf_n=1)
     layers = list(agg.learner.layer_groups)
     for sender, names in (("agent-000", layers), ("agent-001", layers[:-1])):
@@ -104,7 +135,9 @@ def test_a_divergence_vector_that_does_not_cover_every_layer_is_refused() -> Non
 
 
 @pytest.mark.parametrize("strategy", ["fedavg", "fedadam-ssm"])
-def test_a_round_nobody_delivers_to_still_ends_with_a_global(strategy: str) -> None:
+def test_a_round_nobody_delivers_to_still_ends_with_a_global(
+    aggregator: Make, strategy: str
+) -> None:
     agg, transport = aggregator(strategy)
     agg.intake.offline = set(ROSTER)
     agg._missed = set(ROSTER)

@@ -6,20 +6,23 @@ again to every asker)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+
+import pytest
 
 from agent.runtime import Expected, Inbox, expected_shapes
 from agent.runtime.asking import FALLBACK_FACTOR, Asking
-from protocol import messages, topics
+from protocol import MemoryBroker, MemoryTransport, messages, topics
 
 FLEET, RUN = "lab", "run-1"
 EVERY_S = 0.05
 
 
-class FakeTransport:
-    """The one thing `Asking` reads of a transport: its connect count."""
-
-    def __init__(self) -> None:
-        self.connects = 1
+@pytest.fixture
+def transport() -> Iterator[MemoryTransport]:
+    """What `Asking` reads of a transport is its connect count; `reconnect` changes it."""
+    with MemoryTransport(MemoryBroker(), "a") as transport:
+        yield transport
 
 
 def status(box: Inbox, agent: str, round_: int, state: str = "training") -> None:
@@ -27,14 +30,15 @@ def status(box: Inbox, agent: str, round_: int, state: str = "training") -> None
     box.on_status(topics.status(FLEET, agent), messages.encode(message))
 
 
-def setup() -> tuple[Inbox, FakeTransport, Asking]:
+def setup(transport: MemoryTransport) -> tuple[Inbox, Asking]:
     box = Inbox(Expected(FLEET, RUN, frozenset({"a", "b", "c"}), expected_shapes({})))
-    transport = FakeTransport()
-    return box, transport, Asking(transport, EVERY_S, box.reported_done)  # type: ignore[arg-type]
+    return box, Asking(transport, EVERY_S, box.reported_done)
 
 
-def test_a_model_is_asked_for_only_once_its_sender_reported_the_round_done_a_look_ago() -> None:
-    box, _, asking = setup()
+def test_a_model_is_asked_for_only_once_its_sender_reported_the_round_done_a_look_ago(
+    transport: MemoryTransport,
+) -> None:
+    box, asking = setup(transport)
     missing = {(2, "b"), (2, "c")}
     assert asking.to_ask(missing) == set()
     status(box, "b", 1)  # b is still in round 2: its model is only late
@@ -49,18 +53,20 @@ def test_a_model_is_asked_for_only_once_its_sender_reported_the_round_done_a_loo
     assert asking.to_ask({(2, "b")}) == set(), "c's model came meanwhile: nothing to ask"
 
 
-def test_everything_missing_is_asked_for_after_a_reconnect() -> None:
-    _, transport, asking = setup()
+def test_everything_missing_is_asked_for_after_a_reconnect(transport: MemoryTransport) -> None:
+    _, asking = setup(transport)
     missing = {(2, "b"), (2, "c")}
     assert asking.to_ask(missing) == set()
-    transport.connects = 2  # the broker dropped what was queued for this agent
+    transport.reconnect()  # the broker dropped what was queued for this agent
     assert asking.to_ask(missing) == missing
     assert asking.to_ask(missing) == set()
 
 
-def test_an_agent_back_from_a_restart_asks_at_once_for_everything_missing() -> None:
-    box, transport, _ = setup()
-    asking = Asking(transport, EVERY_S, box.reported_done, returned=True)  # type: ignore[arg-type]
+def test_an_agent_back_from_a_restart_asks_at_once_for_everything_missing(
+    transport: MemoryTransport,
+) -> None:
+    box, _ = setup(transport)
+    asking = Asking(transport, EVERY_S, box.reported_done, returned=True)
     missing = {(2, "b"), (3, "c")}  # published while it was gone; nobody reported them done
     assert asking.pause(EVERY_S, time.monotonic() + 10) == 0.0, "its first look comes at once"
     assert asking.to_ask(missing) == missing
@@ -68,8 +74,8 @@ def test_an_agent_back_from_a_restart_asks_at_once_for_everything_missing() -> N
     assert asking.to_ask(missing) == set(), "then it asks as any other agent does"
 
 
-def test_the_last_resort_ask_comes_late_and_ever_later() -> None:
-    _, _, asking = setup()
+def test_the_last_resort_ask_comes_late_and_ever_later(transport: MemoryTransport) -> None:
+    _, asking = setup(transport)
     missing = {(2, "b")}
     first_s = FALLBACK_FACTOR * EVERY_S
     started = time.monotonic()
@@ -83,14 +89,14 @@ def test_the_last_resort_ask_comes_late_and_ever_later() -> None:
     assert time.monotonic() - again >= 2 * first_s
 
 
-def test_the_pause_never_passes_the_deadline() -> None:
-    _, _, asking = setup()
+def test_the_pause_never_passes_the_deadline(transport: MemoryTransport) -> None:
+    _, asking = setup(transport)
     assert asking.pause(EVERY_S, time.monotonic() + 0.01) <= 0.01
     assert asking.pause(EVERY_S, time.monotonic() - 1.0) == 0.0
 
 
-def test_nothing_is_asked_while_awaited_models_keep_arriving() -> None:
-    box, _, asking = setup()
+def test_nothing_is_asked_while_awaited_models_keep_arriving(transport: MemoryTransport) -> None:
+    box, asking = setup(transport)
     status(box, "b", 2)  # b and c reported round 2 done: their models may be queued
     status(box, "c", 2)
     missing = {(2, "a"), (2, "b"), (2, "c")}

@@ -15,7 +15,7 @@ from agent.runtime.inbox import SESSIONS_ANSWERED
 from protocol import messages, topics
 from protocol.chunking import MAGIC, FrameError, Reassembler, split
 from protocol.limits import HEADROOM_BYTES, Limits, dense_model_bytes, limits_for_shapes
-from protocol.mqtt import _Dispatcher
+from protocol.mqtt import Dispatcher
 
 FLEET, RUN = "lab", "run-1"
 WEIGHTS = {
@@ -101,10 +101,10 @@ def test_tightened_limits_drop_partials_above_them() -> None:
 
 def test_the_delivery_queue_is_bounded() -> None:
     counted: list[str] = []
-    dispatcher = _Dispatcher("test", counted.append, Limits(max_queued_messages=3))
+    dispatcher = Dispatcher("test", counted.append, Limits(max_queued_messages=3))
     assert all(dispatcher.put("t", b"x", []) for _ in range(3))
     assert not dispatcher.put("t", b"x", [])
-    by_bytes = _Dispatcher("test", counted.append, Limits(max_queued_bytes=10))
+    by_bytes = Dispatcher("test", counted.append, Limits(max_queued_bytes=10))
     assert by_bytes.put("t", b"x" * 6, []) and not by_bytes.put("t", b"x" * 6, [])
     delivered: list[bytes] = []
     by_bytes.start()

@@ -20,7 +20,7 @@ from agent.runtime.layer_server import LayerServer, PublishLayers
 from agent.runtime.wire_layers import LayersWire
 from agent.workload import build_workload
 from coordinator.simulate import ExperimentConfig, simulate
-from protocol import messages, topics
+from protocol import MemoryBroker, MemoryTransport, messages, topics
 
 FLEET, RUN = "lab", "run-1"
 
@@ -170,17 +170,11 @@ def test_divergence_vectors_must_give_one_value_per_layer() -> None:
     assert list(box.divergence(2, "b") or {}) == ["conv", "fc"], "kept in the model's order"
 
 
-class FakeTransport:
-    """What fetching layers uses of a transport: subscriptions that take at once."""
-
-    connects = 1
-
-    def subscribe(self, topic: str, handler: object) -> None: ...
-
-    def unsubscribe(self, topic: str) -> None: ...
-
-    def wait_subscribed(self, timeout_s: float) -> bool:
-        return True
+@pytest.fixture
+def transport() -> Iterator[MemoryTransport]:
+    """Fetching layers subscribes to their topics: subscriptions that take at once."""
+    with MemoryTransport(MemoryBroker(), "a") as transport:
+        yield transport
 
 
 class RecordingFetcher:
@@ -193,7 +187,9 @@ class RecordingFetcher:
         self.requests.append((missing, layers))
 
 
-def test_a_sender_that_announces_again_is_asked_again_for_its_layers_at_once() -> None:
+def test_a_sender_that_announces_again_is_asked_again_for_its_layers_at_once(
+    transport: MemoryTransport,
+) -> None:
     """A request sent to a peer while it was down is lost; the peer, back from its restart,
     announces its recent rounds again, which tells its askers to ask again (not 4 request
     intervals later, as their last resort)."""
@@ -203,7 +199,7 @@ def test_a_sender_that_announces_again_is_asked_again_for_its_layers_at_once() -
     session = SimpleNamespace(
         inbox=box,
         learner=SimpleNamespace(layer_groups=GROUPS),
-        transport=FakeTransport(),
+        transport=transport,
         timeouts=SimpleNamespace(request_every_s=30.0),
         stop=threading.Event(),
     )

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 
 from agent.learning import Need
-from protocol.mqtt import MqttTransport
+from protocol.transport import Transport
 
 FALLBACK_FACTOR = 4.0
 """The last-resort ask comes after this many `request_every_s` (20 s by default): longer than
@@ -45,7 +45,7 @@ class Asking:
 
     def __init__(
         self,
-        transport: MqttTransport,
+        transport: Transport,
         request_every_s: float,
         reported_done: Callable[[int, str], bool],
         returned: bool = False,

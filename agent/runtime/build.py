@@ -12,7 +12,6 @@ from agent.runtime.session import RoundDriver, Session, SessionOptions
 from agent.runtime.wire_delta import DeltaWire
 from agent.runtime.wire_full import FullWire
 from agent.runtime.wire_layers import LayersWire
-from protocol.mqtt import scoped_subscriptions
 
 WIRES: dict[str, type[FullWire] | type[DeltaWire] | type[LayersWire]] = {
     "full": FullWire,
@@ -47,5 +46,5 @@ class AgentRuntime:
     def run(self) -> None:
         """The run's rounds; whatever they subscribed is dropped at the end, however it
         ends (a long-lived agent takes part in run after run on one transport)."""
-        with scoped_subscriptions(self.session.transport):
+        with self.session.transport.scoped_subscriptions():
             self.session.run(self.driver)

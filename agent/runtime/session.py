@@ -35,7 +35,7 @@ from agent.runtime.codec import expected_shapes
 from agent.runtime.inbox import Expected, Inbox
 from agent.runtime.run_files import persist, recent_records, restore, savings
 from agent.workload import Workload, compute_slot, round_work
-from protocol import MqttTransport, messages, topics
+from protocol import Transport, messages, topics
 from protocol.limits import run_limits
 from protocol.signing import Signer
 
@@ -131,7 +131,7 @@ def telemetry_json(status: messages.Status, at: float) -> bytes:
     return json.dumps(finite_or_none(document), allow_nan=False).encode()
 
 
-def publish_telemetry(transport: MqttTransport, status: messages.Status) -> None:
+def publish_telemetry(transport: Transport, status: messages.Status) -> None:
     """Publish `status` again as plain JSON, retained, for MQTT tools; it stays after the run
     like the status, the latest state. Unframed: a JSON reader expects no frame header."""
     topic = topics.telemetry(status.fleet, status.sender)
@@ -144,7 +144,7 @@ class TrafficMeter:
 
     KEYS = ("published_bytes", "received_bytes", "published_frames", "received_frames")
 
-    def __init__(self, transport: MqttTransport) -> None:
+    def __init__(self, transport: Transport) -> None:
         """Counts from now: a long-lived agent's transport carried its earlier runs too, and
         none of that is this run's traffic."""
         self.transport = transport
@@ -222,7 +222,7 @@ class SessionOptions(TypedDict, total=False):
     fleet: Required[str]
     run: Required[Run]
     workload: Required[Workload]
-    transport: Required[MqttTransport]
+    transport: Required[Transport]
     state_dir: Required[Path]
     timeouts: Timeouts
     key: Signer | None
@@ -242,7 +242,7 @@ def run_inbox(
     fleet: str,
     run: Run,
     learner: Learner,
-    transport: MqttTransport,
+    transport: Transport,
     key: Signer | None,
     expects: Mapping[str, Any],
 ) -> Inbox:
@@ -276,7 +276,7 @@ class Session:
         fleet: str,
         run: Run,
         workload: Workload,
-        transport: MqttTransport,
+        transport: Transport,
         state_dir: Path,
         timeouts: Timeouts = Timeouts(),
         key: Signer | None = None,
