@@ -255,8 +255,8 @@ def test_every_name_the_lazy_packages_list_exists() -> None:
     """A name in an `__init__.pyi` that its module lacks fails on first use only; loading
     them all at once (lazy_loader's EAGER_IMPORT) finds it now."""
     probe = (
-        "import agent.device, agent.learning\n"
-        "print(len(agent.learning.__all__), len(agent.device.__all__))\n"
+        "import agent.device, agent.learning, agent.runtime, protocol\n"
+        "print(*(len(p.__all__) for p in (agent.learning, agent.device, agent.runtime, protocol)))\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", probe],
@@ -267,4 +267,4 @@ def test_every_name_the_lazy_packages_list_exists() -> None:
         timeout=60,
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["80", "15"]
+    assert done.stdout.split() == ["80", "15", "23", "57"]

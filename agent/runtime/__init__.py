@@ -5,58 +5,10 @@ stopping, lingering, exit); `decentralized` and `centralized`: a round driver pe
 `wire_full`, `wire_delta`, `wire_layers`: one object per `--wire` format (`wire`: their
 interface), the last with its `layer_server`; `inbox` and `mail`: what arrived; `codec` and
 `checkpoint`: bytes on the wire and on disk.
+
+The names are loaded when first used (`lazy_loader`; they are listed in `__init__.pyi`).
 """
 
-from __future__ import annotations
+import lazy_loader
 
-from agent.runtime import checkpoint, codec
-from agent.runtime.build import AgentRuntime
-from agent.runtime.codec import (
-    all_finite,
-    decode_broadcast,
-    decode_download,
-    decode_state,
-    decode_upload,
-    divergence_message,
-    encode_state,
-    expected_delta_shapes,
-    expected_shapes,
-    model_message,
-    values_sent,
-)
-from agent.runtime.inbox import Expected, Inbox
-from agent.runtime.layer_server import LayerServer
-from agent.runtime.session import (
-    RoundDriver,
-    Run,
-    Session,
-    Timeouts,
-    new_run_id,
-    publish_telemetry,
-)
-
-__all__ = [
-    "AgentRuntime",
-    "Expected",
-    "Inbox",
-    "LayerServer",
-    "RoundDriver",
-    "Run",
-    "Session",
-    "Timeouts",
-    "all_finite",
-    "checkpoint",
-    "codec",
-    "decode_broadcast",
-    "decode_download",
-    "decode_state",
-    "decode_upload",
-    "divergence_message",
-    "encode_state",
-    "expected_delta_shapes",
-    "expected_shapes",
-    "model_message",
-    "new_run_id",
-    "publish_telemetry",
-    "values_sent",
-]
+__getattr__, __dir__, __all__ = lazy_loader.attach_stub(__name__, __file__)
