@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import ipaddress
+import functools
 import json
-import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +18,11 @@ from coordinator.broker_config import (
     COORDINATOR,
     COORDINATOR_IDS,
     GATEWAY,
-    BrokerAuthError,
     broker_config,
-    member_password,
 )
 from coordinator.cli_shared import (
     agent_rounds,
     console,
-    dashboard,
     http_options,
     publish_report,
     report_options,
@@ -35,11 +30,11 @@ from coordinator.cli_shared import (
 )
 from coordinator.cli_shared import summary_table as summary_table  # re-exported: tests show it
 from coordinator.fleet import FleetLog
+from coordinator.gateway_start import GatewayOptions, GatewayStart, coordinator_signer
 from coordinator.gateway_state import (
     ADMITTED,
     BROKER_AUTH,
     FLEET_FILE,
-    FollowedKeys,
     Guard,
     broker_agents,
     gateway_folder,
@@ -47,11 +42,9 @@ from coordinator.gateway_state import (
     prepare_gateway,
     read_fleet,
     secure_by_default,
-    warn_open,
     write_bundle,
     write_logins,
 )
-from coordinator.gateway_tls import BrokerCertificate, broker_certificate, gateway_names
 from coordinator.manage import RETAINED_WAIT_S
 from coordinator.ports import free_port as free_port  # re-exported: imported from here too
 from coordinator.runs import (
@@ -70,12 +63,7 @@ from protocol import (
     NAME,
     BrokerAddress,
     ConfigError,
-    Identity,
-    MqttTransport,
     ProtocolError,
-    connect,
-    leave,
-    read_key,
     stop_on_signal,
     topics,
     wait_for,
@@ -85,7 +73,6 @@ from protocol.cli import (
     FiniteRange,
     broker_options,
     logging_options,
-    loopback,
     say,
     version_option,
 )
@@ -94,10 +81,8 @@ from protocol.extras import (
 )
 from protocol.mqtt import unreachable
 from protocol.signing import (
-    MemberKeys,
     Signer,
     add_key,
-    member_keys,
     public_line,
 )
 
@@ -195,72 +180,6 @@ def state_dir_option(command: Callable) -> Callable:
     )(command)
 
 
-def coordinator_signer(
-    key_file: str | None, admitted_file: str | None, identity_file: str, *, signs: bool = True
-) -> Signer | None:
-    """The fleet key, the coordinator's own key pair with its admission list, or nothing.
-    A coordinator that `signs` (serve, run) makes its key on first use and says so: the
-    devices must trust the new key; `status` only reads and never makes one."""
-    if key_file and admitted_file:
-        raise click.UsageError("give --key-file (one fleet key) or --admitted (a key per member)")
-    if admitted_file is None:
-        return read_key(key_file)
-    if not Path(identity_file).exists():
-        if not signs:
-            raise click.ClickException(
-                f"no coordinator key at {identity_file}: give --identity, the key file "
-                "`coordinator serve` and `run` sign with"
-            )
-        say(
-            f"made a new coordinator key {identity_file}; devices take runs only from a key "
-            f"they trust: `coordinator key --identity {identity_file}` prints their trust lines"
-        )
-    try:
-        keys = member_keys(
-            COORDINATOR,
-            Path(identity_file),
-            Path(admitted_file),
-            aliases=frozenset({GATEWAY}),
-        )
-    except ProtocolError as exc:
-        raise click.ClickException(str(exc)) from None
-    return FollowedKeys(
-        keys.me, keys.private, keys.known, aliases=keys.aliases, admitted=admitted_file
-    )
-
-
-def embedded_login(settings: BrokerSettings, auth: str | None) -> BrokerSettings:
-    """Settings that log `serve` and `run` in to their own embedded broker under its
-    --broker-auth (as the gateway), unless they name a broker or a user of their own."""
-    if auth is None or settings.address is not None or settings.username is not None:
-        return settings
-    try:
-        password = member_password(auth, GATEWAY)
-    except BrokerAuthError as exc:
-        raise ConfigError(str(exc)) from None
-    return dataclasses.replace(settings, username=GATEWAY, password=password)
-
-
-def gateway_guard(
-    settings: BrokerSettings,
-    host: str,
-    fleet: str,
-    guard: Guard,
-    state_dir: str | None,
-    open_fleet: bool,
-) -> tuple[Guard, BrokerSettings]:
-    """serve's and run's keys and login: as given, open with --open (said), else secure by
-    default beyond loopback (the broker given, or the embedded one's --host); logged in to
-    their own embedded broker under --broker-auth."""
-    where = settings.address.host if settings.address is not None else host
-    if open_fleet:
-        if not guard.chosen(settings):
-            warn_open(where)
-    else:
-        guard, settings = secure_by_default(guard, settings, where, fleet, state_dir, prepare=True)
-    return guard, embedded_login(settings, guard.broker_auth)
-
-
 def reader_guard(
     settings: BrokerSettings,
     key_file: str | None,
@@ -304,113 +223,17 @@ def fleet_options(command: Callable) -> Callable:
     )(command)
 
 
-def gateway_certificate(
-    guard: Guard | None, host: str, mdns_interfaces: tuple[str, ...]
-) -> BrokerCertificate | None:
-    """The TLS certificate of the embedded broker beyond loopback under the gateway's own
-    logins (its secure default), issued now from the gateway's CA for the names devices
-    may use; None on loopback, or under logins given by --broker-auth."""
-    if guard is None or guard.state_folder is None or loopback(host):
-        return None
-    folder = Path(guard.state_folder)
-    try:
-        return broker_certificate(folder, gateway_names(host, *mdns_interfaces))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot make the broker's TLS certificate in {folder}: {exc}") from None
+def gateway_options(command: Callable) -> Callable:
+    """The options serve and run share (the broker's, the embedded broker's, the fleet's
+    with its keys, the dashboard's), given to the command as one `gateway`: both start the
+    gateway from them alike (`GatewayStart`)."""
 
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        given = {field.name: kwargs.pop(field.name) for field in dataclasses.fields(GatewayOptions)}
+        return command(*args, gateway=GatewayOptions(**given), **kwargs)
 
-@contextlib.contextmanager
-def gateway_broker(
-    settings: BrokerSettings,
-    host: str,
-    port: int,
-    fleet: str,
-    mdns_interfaces: tuple[str, ...],
-    guard: Guard | None = None,
-    key: Signer | None = None,
-) -> Iterator[BrokerAddress]:
-    """The fleet's broker: the one the settings name, else an embedded amqtt broker started
-    here (with the guard's logins and ACL, or its admission list: a member's client id then
-    takes that member's key, `key`'s for the coordinator's own); announced over mDNS on the
-    given interfaces while in use."""
-    from coordinator.broker import EmbeddedBroker
-
-    embedded = None
-    broker = settings.address
-    if broker is None:
-        if mdns_interfaces and loopback(host):
-            raise ConfigError(
-                "--mdns announces the broker to the LAN, but it listens on loopback: give "
-                "--host (the LAN address or 0.0.0.0)"
-            )
-        try:
-            embedded = EmbeddedBroker(
-                host=host,
-                port=port,
-                auth=guard.broker_auth if guard else None,
-                admitted=guard.admitted_file if guard else None,
-                fleet=fleet,
-                coordinator_key=key.public if isinstance(key, MemberKeys) else None,
-                tls=gateway_certificate(guard, host, mdns_interfaces),
-            )
-        except BrokerAuthError as exc:
-            raise ConfigError(str(exc)) from None
-        try:
-            embedded.start()
-        except OSError as exc:
-            raise click.ClickException(
-                f"cannot start the embedded broker on {host}:{port}: {exc}"
-            ) from None
-        if embedded.tls is not None:
-            say(
-                f"embedded MQTT broker listening on [bold]{host}:{embedded.tls_port}[/] over TLS "
-                f"(its CA for the devices' bundles: {embedded.tls.ca}), "
-                f"and in clear on 127.0.0.1:{port} for this machine alone"
-            )
-        else:
-            say(f"embedded MQTT broker listening on [bold]{host}:{port}[/]")
-        broker = embedded.address
-    else:
-        say(f"using MQTT broker at [bold]{settings.describe()}[/]")
-    discovery = None
-    try:
-        if mdns_interfaces:
-            from protocol.discovery import Discovery
-
-            try:
-                discovery = Discovery(interfaces=list(mdns_interfaces))
-            except ValueError as exc:
-                raise click.BadParameter(str(exc), param_hint="--mdns") from None
-            # An mDNS address record needs an IP: the embedded broker is reached on the
-            # interface it is announced on; an external broker's host name is resolved here.
-            announced = mdns_interfaces[0] if embedded else socket.gethostbyname(broker.host)
-            if ipaddress.ip_address(announced).is_loopback:  # on this host: reached on the LAN
-                announced = mdns_interfaces[0]
-            tls = embedded.tls_address if embedded else None  # devices reach it over TLS
-            discovery.advertise_broker(
-                announced,
-                (tls or broker).port,
-                fleets=[fleet],
-                tls=tls is not None or settings.tls is not None,
-            )
-            say(f"announcing the broker over mDNS on {', '.join(mdns_interfaces)}")
-        yield broker
-    finally:
-        if discovery is not None:
-            discovery.close()
-        if embedded is not None:
-            embedded.stop()
-
-
-def join_fleet(
-    broker: BrokerAddress, settings: BrokerSettings, identity: Identity
-) -> MqttTransport:
-    """Connect as `identity` (proving its key to a broker that checks keys, when it has no
-    login); a second process under the same name is a one-line error."""
-    try:
-        return connect(broker, identity, settings.transport_options(None))
-    except ProtocolError as exc:  # a duplicate id, or refused credentials
-        raise click.ClickException(str(exc)) from None
+    return broker_options(embedded_options(fleet_options(http_options(wrapper))))
 
 
 @main.command()
@@ -507,25 +330,8 @@ def key(identity_file: str | None, state_dir: str | None) -> None:
 
 
 @main.command()
-@broker_options
-@embedded_options
-@fleet_options
-@http_options
-def serve(
-    broker_settings: BrokerSettings,
-    host: str,
-    port: int,
-    broker_auth: str | None,
-    fleet: str,
-    mdns_interfaces: tuple[str, ...],
-    key_file: str | None,
-    admitted_file: str | None,
-    identity_file: str | None,
-    state_dir: str | None,
-    open_fleet: bool,
-    http: str | None,
-    http_token: str | None,
-) -> None:
+@gateway_options
+def serve(gateway: GatewayOptions) -> None:
     """Host the fleet's broker (unless --broker is given) and follow the fleet until Ctrl-C;
     `coordinator run` starts runs on it.
 
@@ -535,29 +341,21 @@ def serve(
     require_extra(
         GATEWAY_EXTRA,
         "coordinator serve",
-        embedded_broker=broker_settings.address is None,
-        http=http,
+        embedded_broker=gateway.broker_settings.address is None,
+        http=gateway.http,
     )
     stop = stop_on_signal()
-    if broker_settings.address is not None:
-        require_broker(broker_settings.address, given=True)
-    given = Guard(key_file, admitted_file, identity_path(identity_file, state_dir), broker_auth)
-    guard, broker_settings = gateway_guard(
-        broker_settings, host, fleet, given, state_dir, open_fleet
-    )
-    key = coordinator_signer(guard.key_file, guard.admitted_file, guard.identity_file)
-    identity = Identity(fleet, GATEWAY, role="coordinator", key=key)
-    fleet_log = FleetLog(key=key)
+    if gateway.broker_settings.address is not None:
+        require_broker(gateway.broker_settings.address, given=True)
+    start = GatewayStart.secured(gateway)
+    identity = start.signed(GATEWAY)
+    fleet, fleet_log = gateway.fleet, FleetLog(key=identity.key)
 
     def on_fleet_message(topic: str, payload: bytes) -> None:
         for line in fleet_log.feed(topic, payload):
             say(escape(line))
 
-    with (
-        gateway_broker(broker_settings, host, port, fleet, mdns_interfaces, guard, key) as broker,
-        dashboard(http, http_token, broker, broker_settings, fleet, key),
-    ):
-        transport = join_fleet(broker, broker_settings, identity)
+    with start.joined(identity) as (_, transport):
         try:
             transport.subscribe(topics.presence(fleet), on_fleet_message)
             transport.subscribe(topics.status(fleet), on_fleet_message)
@@ -566,7 +364,6 @@ def serve(
             wait_for(stop)
         finally:
             say("stopping")
-            leave(transport, identity)
     say("stopped")
 
 
@@ -800,20 +597,20 @@ def resume_options(command: Callable) -> Callable:
     )(command)
 
 
-def run_broker(
-    settings: BrokerSettings, host: str, port: int, broker_auth: str | None
-) -> BrokerSettings:
+def run_broker(start: GatewayStart) -> GatewayStart:
     """The broker `coordinator run` uses, said before anything waits: the one given (one
     line and exit 1 when nothing answers there); without --broker, the one already
     listening at --host:--port (a `coordinator serve`'s), else its own embedded one."""
+    settings, options = start.settings, start.options
     if settings.address is not None:
         require_broker(settings.address, given=True)
-        return settings
-    here = BrokerAddress("127.0.0.1" if host in ("0.0.0.0", "") else host, port)
-    if unreachable(here, timeout_s=1.0) is None and broker_auth is None:
+        return start
+    host = "127.0.0.1" if options.host in ("0.0.0.0", "") else options.host
+    here = BrokerAddress(host, options.port)
+    if unreachable(here, timeout_s=1.0) is None and options.broker_auth is None:
         say(f"a broker already listens on {here} (coordinator serve?): using it")
-        return dataclasses.replace(settings, address=here)
-    return settings
+        return dataclasses.replace(start, settings=dataclasses.replace(settings, address=here))
+    return start
 
 
 def with_broker_hint(error: str, own_broker: bool, broker: BrokerAddress) -> str:
@@ -840,27 +637,12 @@ def drop_interrupted(base: Path, entry: RunEntry | None, fresh: bool, resume: bo
 
 @main.command("run")
 @click.argument("run_file", type=click.Path(dir_okay=False))
-@broker_options
-@embedded_options
-@fleet_options
-@http_options
+@gateway_options
 @report_options
 @resume_options
 def run_command(
     run_file: str,
-    broker_settings: BrokerSettings,
-    host: str,
-    port: int,
-    broker_auth: str | None,
-    fleet: str,
-    mdns_interfaces: tuple[str, ...],
-    key_file: str | None,
-    admitted_file: str | None,
-    identity_file: str | None,
-    state_dir: str | None,
-    open_fleet: bool,
-    http: str | None,
-    http_token: str | None,
+    gateway: GatewayOptions,
     report_path: str,
     plot_dir: str | None,
     resume: bool,
@@ -879,8 +661,8 @@ def run_command(
     require_extra(
         GATEWAY_EXTRA,
         "coordinator run",
-        embedded_broker=broker_settings.address is None,
-        http=http,
+        embedded_broker=gateway.broker_settings.address is None,
+        http=gateway.http,
         plot_dir=plot_dir,
     )
     from coordinator.gateway import Registry, RunFailed, conduct, load_for_run
@@ -889,23 +671,15 @@ def run_command(
         runfile = load_for_run(run_file)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    given = Guard(key_file, admitted_file, identity_path(identity_file, state_dir), broker_auth)
-    guard, broker_settings = gateway_guard(
-        broker_settings, host, fleet, given, state_dir, open_fleet
-    )
-    broker_settings = run_broker(broker_settings, host, port, broker_auth)
+    start = run_broker(GatewayStart.secured(gateway))
     stop = stop_on_signal()
-    key = coordinator_signer(guard.key_file, guard.admitted_file, guard.identity_file)
-    identity = Identity(fleet, COORDINATOR, role="coordinator", key=key)
+    identity = start.signed(COORDINATOR)
+    fleet, key = gateway.fleet, identity.key
     registry = Registry(runs_dir_of(runs_dir), str(Path(report_path).resolve()))
     interrupted = resumable(registry.base, run_file, fleet)
     drop_interrupted(registry.base, interrupted, fresh, resume)
-    own_broker = broker_settings.address is None
-    with (
-        gateway_broker(broker_settings, host, port, fleet, mdns_interfaces, guard, key) as broker,
-        dashboard(http, http_token, broker, broker_settings, fleet, key),
-    ):
-        transport = join_fleet(broker, broker_settings, identity)
+    own_broker = start.settings.address is None
+    with start.joined(identity) as (broker, transport):
         try:
             with agent_rounds() as progress:
                 task = progress.add_task("rounds", total=None)
@@ -921,8 +695,6 @@ def run_command(
             raise click.ClickException(with_broker_hint(str(exc), own_broker, broker)) from None
         except (ValueError, RuntimeError) as exc:
             raise click.ClickException(str(exc)) from None
-        finally:
-            leave(transport, identity)
     publish_report(report, report_path, plot_dir)
     say_how_it_ended(report)
 
