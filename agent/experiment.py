@@ -14,9 +14,7 @@ from typing import TYPE_CHECKING, Any
 from agent.data import PYTHON_SOURCE
 from agent.learning import robust_rules
 from agent.learning.config import (
-    ADAM_FAMILY,
     BATCHNORM_MODES,
-    CENTRALIZED,
     DECENTRALIZED,
     DETECTION_SCALES,
     DISTANCES,
@@ -32,6 +30,7 @@ from agent.learning.config import (
 )
 from agent.learning.config import default_model as default_dataset_model
 from agent.learning.early_stop import StopRule
+from agent.learning.strategies import LOCAL, TABLE, names, strategy
 from protocol.limits import MAX_MEMBERS, MAX_ROUNDS, WEEK_S
 
 if TYPE_CHECKING:
@@ -287,7 +286,7 @@ class ExperimentConfig:
         self.learning_task()  # imports and checks a custom loss or metric
         if self.on_devices:
             check_device_data(self)
-        decentralized = cfg.strategy in DECENTRALIZED
+        decentralized = strategy(cfg.strategy).decentralized
         if decentralized and cfg.topology == "random" and not 1 <= cfg.neighbours < self.agents:
             raise ValueError(
                 f"--neighbours must be between 1 and agents - 1 = {self.agents - 1} "
@@ -332,10 +331,10 @@ def check_mask_unit(cfg: StrategyConfig) -> None:
         raise ValueError(
             f"--mask-unit must be one of {', '.join(MASK_UNITS)}, got {cfg.mask_unit!r}"
         )
-    if cfg.mask_unit == "channel" and cfg.strategy not in ("dadpfl", "dispfl"):
+    if cfg.mask_unit == "channel" and not strategy(cfg.strategy).sparse:
+        sparse = " and ".join(s.name for s in TABLE if s.sparse)
         raise ValueError(
-            f"--mask-unit channel is for the sparse strategies dadpfl and dispfl, not "
-            f"{cfg.strategy}"
+            f"--mask-unit channel is for the sparse strategies {sparse}, not {cfg.strategy}"
         )
     if cfg.mask_unit == "channel" and cfg.reduce != "prune":
         raise ValueError(
@@ -348,8 +347,8 @@ def check_robustness(config: ExperimentConfig) -> None:
     """The robust-aggregation and attack options, one clear sentence for a bad value."""
     rule = robust_rules.parse_rule(config.learning.aggregation)
     robust_rules.parse_clip(config.learning.clip)
-    voting = [name for name in CENTRALIZED if name not in ADAM_FAMILY]
-    if rule.kind == robust_rules.SIGNS and config.learning.strategy not in voting:
+    voting = [s.name for s in TABLE if s.votes_signs]
+    if rule.kind == robust_rules.SIGNS and not strategy(config.learning.strategy).votes_signs:
         raise ValueError(
             "--aggregation signs votes on the steps of models trained from one global model: "
             f"it takes {', '.join(voting)}, not {config.learning.strategy}"
@@ -441,11 +440,12 @@ def check_networked(config: ExperimentConfig, *, aggregator: bool) -> None:
     """Reject what networked agents cannot run, with one clear sentence: a centralized
     strategy needs a coordinator to aggregate (its run message names it)."""
     config.validate()
-    if config.learning.strategy in CENTRALIZED and not aggregator:
+    if strategy(config.learning.strategy).centralized and not aggregator:
         raise ValueError(
             f"{config.learning.strategy} is centralized: it needs a coordinator to aggregate "
             f"(coordinator emulate, or a coordinator's run message); without one, agents run "
-            f"the decentralized strategies ({', '.join(DECENTRALIZED)}) and local"
+            f"the decentralized strategies ({', '.join(DECENTRALIZED)}) and "
+            f"{' and '.join(names(LOCAL))}"
         )
 
 

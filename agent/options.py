@@ -16,9 +16,7 @@ import click
 
 from agent.experiment import ExperimentConfig
 from agent.learning.config import (
-    ADAM_FAMILY,
     BATCHNORM_MODES,
-    DECENTRALIZED,
     DEFAULT_STOP_RULE,
     DETECTION_SCALES,
     DISTANCES,
@@ -35,6 +33,8 @@ from agent.learning.config import (
     preset,
 )
 from agent.learning.robust_rules import ATTACKS
+from agent.learning.strategies import SCOPES, Scope
+from agent.learning.strategies import strategy as strategy_record
 from agent.learning.topology import TOPOLOGIES
 
 _TYPES = {int: int, float: float, str: str}
@@ -100,7 +100,7 @@ def experiment_config(values: dict[str, Any]) -> ExperimentConfig:
     strategy_names = {f.name for f in dataclasses.fields(StrategyConfig)}
     learning = {k: v for k, v in given.items() if k in strategy_names and k != "strategy"}
     experiment = {k: v for k, v in given.items() if k not in strategy_names}
-    strategy = given.get("strategy", "dadpfl")
+    strategy = given.get("strategy", StrategyConfig.strategy)
     for name, applies, where in FLAG_SCOPES:
         if name in learning and not applies(strategy, learning):
             flag = "--" + name.replace("_", "-")
@@ -119,8 +119,8 @@ def fitted_neighbours(
     if "neighbours" in learning:
         return {}
     defaults = preset(strategy)
-    if defaults.strategy not in DECENTRALIZED or learning.get("topology", defaults.topology) != (
-        "random"
+    if not strategy_record(strategy).decentralized or (
+        learning.get("topology", defaults.topology) != "random"
     ):
         return {}
     agents = experiment.get("agents", ExperimentConfig.agents)
@@ -129,33 +129,27 @@ def fitted_neighbours(
     return {"neighbours": min(defaults.neighbours, agents - 1)}
 
 
-FLAG_SCOPES: tuple[tuple[str, Callable[[str, dict[str, Any]], bool], str], ...] = (
-    ("reduce", lambda s, _: s in ("dadpfl", "dispfl"), "the sparse strategies dadpfl and dispfl"),
-    ("ssm_fraction", lambda s, _: s in ("fedadam-top", "fedadam-ssm"), "fedadam-top, fedadam-ssm"),
-    (
-        "ldf_n",
-        lambda s, given: s == "fedldf" or given.get("wire") == "layers",
-        "fedldf and runs with --wire layers",
-    ),
-    ("wire", lambda s, _: s in DECENTRALIZED, "the decentralized strategies"),
-    (
-        "optimizer",
-        lambda s, _: s not in ADAM_FAMILY,
-        "the SGD strategies (the FedAdam presets keep their own Adam)",
-    ),
-    ("detection_scale", lambda s, _: s == "dadpfl", "dadpfl, the strategy that prunes further"),
-    ("detection_distance", lambda s, _: s == "dadpfl", "dadpfl, the strategy that prunes further"),
-    ("delta_fraction", lambda _, given: given.get("wire") == "delta", "runs with --wire delta"),
-    ("stop_rule", lambda _, given: bool(given.get("early_stop")), "runs with --early-stop"),
-    ("stop_patience", lambda _, given: bool(given.get("early_stop")), "runs with --early-stop"),
-    (
-        "stop_delta",
-        lambda _, given: (
-            bool(given.get("early_stop"))
-            and given.get("stop_rule", DEFAULT_STOP_RULE) == "progress"
+FLAG_SCOPES: tuple[tuple[str, Callable[[str, dict[str, Any]], bool], str], ...] = tuple(
+    (scope.option, scope.applies, scope.readers())
+    for scope in (
+        *SCOPES,
+        Scope(
+            "delta_fraction", "runs with --wire delta", lambda given: given.get("wire") == "delta"
         ),
-        "runs with --early-stop and --stop-rule progress",
-    ),
+        Scope("stop_rule", "runs with --early-stop", lambda given: bool(given.get("early_stop"))),
+        Scope(
+            "stop_patience", "runs with --early-stop", lambda given: bool(given.get("early_stop"))
+        ),
+        Scope(
+            "stop_delta",
+            "runs with --early-stop and --stop-rule progress",
+            lambda given: (
+                bool(given.get("early_stop"))
+                and given.get("stop_rule", DEFAULT_STOP_RULE) == "progress"
+            ),
+        ),
+    )
 )
-"""Strategy flags that only some strategies read: given elsewhere, they are an error, not a
-silent no-op."""
+"""Strategy flags that only some runs read, each with whether a strategy's run with the
+given flags reads it and who does: given elsewhere, they are an error, not a silent no-op.
+Those only some strategies read are the table's (`strategies.SCOPES`)."""

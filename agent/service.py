@@ -38,7 +38,7 @@ from agent.experiment import (
     profile_names,
 )
 from agent.files import DiskFullError, disk_full_as_error
-from agent.learning import CENTRALIZED, AgentState, Masks, State
+from agent.learning import AgentState, Masks, State
 from agent.learning.central import central_strategy
 from agent.learning.kept import Kept
 from agent.learning.learner import served_model
@@ -581,7 +581,7 @@ class RunModels:
             return None
         learner, start = workload.learner, f"run {run.run_id}: starting from"
         strategy = run.config.learning.strategy
-        if strategy in CENTRALIZED and not central_strategy(strategy).trains_own:
+        if learner.traits.centralized and not central_strategy(strategy).trains_own:
             self.say(
                 f"{start} the seed: {strategy} trains every round from the aggregator's "
                 "global model, not from a device's own"
@@ -697,7 +697,7 @@ def round_costs(
     cfg = run.config.learning
     learner = workload.learner
     measured_mode = cfg.reduce in MEASURED_MODES
-    if cfg.strategy in CENTRALIZED or not (emulated or options.device or measured_mode):
+    if learner.traits.centralized or not (emulated or options.device or measured_mode):
         return None
     data = workload.data[agent_id]
     table = cached_costs(options.state_dir, learner, data, measured_kinds(cfg.reduce), say)

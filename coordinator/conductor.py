@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from agent.experiment import ExperimentConfig, attackers, config_to_dict
-from agent.learning import CENTRALIZED, running, topology
+from agent.learning import running, topology
+from agent.learning.strategies import strategy
 from agent.report import (
     AgentRound,
     honest_summary,
@@ -122,7 +123,7 @@ class Conductor:
             start_wait_s=self.timeouts.get("round_s", round_timeout_s),
         )
         self.aggregator: Aggregator | None = None
-        if config.learning.strategy in CENTRALIZED:
+        if strategy(config.learning.strategy).centralized:
             self.aggregator = Aggregator(
                 fleet=fleet,
                 run_id=self.run_id,
@@ -422,7 +423,7 @@ def assemble_report(
             "agents": agents,
             "t_star": t_star,
         }
-        if config.learning.strategy in CENTRALIZED:
+        if strategy(config.learning.strategy).centralized:
             record["order"] = roster
             if t <= len(aggregated):
                 record["coordinator"] = dataclasses.asdict(aggregated[t - 1].traffic)

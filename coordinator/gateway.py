@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.experiment import DEFAULT_MIN_SAMPLES, ExperimentConfig, config_from_dict, config_to_dict
-from agent.learning.config import CENTRALIZED
+from agent.learning.strategies import strategy
 from agent.own_data import misfit, parse_description
 from agent.runfile import RunFile, load_run_file, run_timeouts
 from agent.runtime import new_run_id
@@ -266,7 +266,7 @@ def load_for_run(path: str) -> RunFile:
     model = config.model
     # Only where this process builds the model: its fingerprint (devices' own data) or the
     # aggregate (centralized); otherwise only the devices import the code.
-    builds = config.on_devices or config.learning.strategy in CENTRALIZED
+    builds = config.on_devices or strategy(config.learning.strategy).centralized
     if model and is_import_path(model) and builds:
         try:
             load_callable(model, "model")

@@ -54,7 +54,6 @@ from agent.learning import (
     settle_votes,
     sparse,
 )
-from agent.learning.config import CENTRALIZED
 from agent.learning.costs import CostTable
 from agent.learning.reduction import MEASURED_MODES, measured_kinds
 from agent.report import (
@@ -125,7 +124,7 @@ class Simulation:
     @property
     def centralized(self) -> bool:
         """Whether a coordinator aggregates (the strategies of `agent.learning.central`)."""
-        return not (self.learner.decentralized or self.config.learning.strategy == "local")
+        return self.learner.traits.centralized
 
     def run(self, progress: ProgressCallback | None = None) -> dict[str, Any]:
         started = time.perf_counter()
@@ -401,7 +400,7 @@ def measured_costs(config: ExperimentConfig, workload: Workload) -> CostTable | 
     auto) in a decentralized run, measured here on the first agent's data (one table for
     every simulated agent: they share the host); else None."""
     cfg = config.learning
-    if cfg.reduce not in MEASURED_MODES or cfg.strategy in CENTRALIZED:
+    if cfg.reduce not in MEASURED_MODES or workload.learner.traits.centralized:
         return None
     data = workload.data[min(workload.data)]
     return measure_costs(workload.learner, data, kinds=measured_kinds(cfg.reduce))

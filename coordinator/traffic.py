@@ -313,7 +313,7 @@ def wire_traffic(
     cfg: StrategyConfig, roster: Sequence[str], stopped: Mapping[str, int], learner: Learner
 ) -> LocalWire:
     """The traffic model of a decentralized run's wire format."""
-    if cfg.strategy == "local":
+    if learner.traits.alone:
         return LocalWire(roster, stopped, cfg.fp16)
     if cfg.wire == "delta":
         return DeltaWire(roster, stopped, cfg.fp16, cfg.delta_fraction)

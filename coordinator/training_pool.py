@@ -53,7 +53,6 @@ from agent.learning import (
     settle_round,
     train_round,
 )
-from agent.learning.central import CENTRAL_STRATEGIES
 from agent.learning.costs import CostTable
 from agent.workload import build_workload
 
@@ -195,9 +194,9 @@ _WORKER: list[InProcess] = []
 def _start(config: ExperimentConfig, roster: list[str]) -> None:
     """A worker's initializer: the run's workload, as the simulator built it."""
     workload = build_workload(config, roster)
-    name = config.learning.strategy
-    strategy = central_strategy(name) if name in CENTRAL_STRATEGIES else None
-    _WORKER[:] = [InProcess(workload.learner, workload.data, strategy)]
+    learner = workload.learner
+    strategy = central_strategy(learner.config.strategy) if learner.traits.centralized else None
+    _WORKER[:] = [InProcess(learner, workload.data, strategy)]
 
 
 class _Pickler(pickle.Pickler):

@@ -1,33 +1,21 @@
-"""The hyper-parameters of a strategy (StrategyConfig), the presets of every strategy, and
-the names a run chooses among (models, tasks, distances). Plain data without torch, so that
-a command lists and checks them without loading it."""
+"""The hyper-parameters of a strategy (StrategyConfig), a preset's configuration (`preset`,
+from the table of strategies, `agent.learning.strategies`), and the names a run chooses among
+(models, tasks, distances). Plain data without torch, so that a command lists and checks them
+without loading it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.learning import robust_rules
+from agent.learning import robust_rules, strategies
 
-DECENTRALIZED = ("dadpfl", "dispfl", "dfedavgm")
-
-
-CENTRALIZED = (
-    "fedavg",
-    "fedavg-ft",
-    "fedspu",
-    "feddrop",
-    "fedadam",
-    "fedadam-top",
-    "fedadam-ssm",
-    "fedldf",
-)
-
-
-PRESETS = (*DECENTRALIZED, "local", *CENTRALIZED)
-
-
-ADAM_FAMILY = ("fedadam", "fedadam-top", "fedadam-ssm")
+DECENTRALIZED = strategies.names(strategies.DECENTRAL)
+CENTRALIZED = strategies.names(strategies.CENTRAL)
+PRESETS = tuple(strategies.STRATEGIES)
+ADAM_FAMILY = tuple(s.name for s in strategies.TABLE if s.adam)
+"""Names of the strategies by family, every strategy, and the FedAdam family, in the table's
+order (`agent.learning.strategies`, which says what each is): for help texts and choices."""
 
 
 STOP_LAMBDA = 0.7
@@ -319,16 +307,8 @@ def preset(name: str, **overrides: Any) -> StrategyConfig:
     A preset fixes what defines its method (DisPFL never waits, DFedAvgM uses momentum 0.9);
     an override that contradicts it is an error rather than silently ignored.
     """
-    if name not in PRESETS:
-        raise ValueError(f"unknown strategy {name!r}; known: {', '.join(PRESETS)}")
-    fixed: dict[str, Any] = {}
-    defaults: dict[str, Any] = {}
-    if name == "dispfl":
-        fixed = {"max_wait": 0}
-    elif name == "dfedavgm":
-        fixed = {"max_wait": 0, "momentum": 0.9}
-    elif name in ADAM_FAMILY:
-        defaults = {"lr": 1e-3, "lr_decay": 1.0}  # ALGORITHMS.md 3: Adam at lr 1e-3
+    record = strategies.strategy(name)
+    fixed, defaults = record.fixed, record.defaults
     for key, value in fixed.items():
         if key in overrides and overrides[key] != value:
             flag = "--" + key.replace("_", "-")

@@ -1,10 +1,11 @@
 """What the round's rules read of a learner and of an agent's data, as narrow types.
 
-The budget's rule (`reduction`), the reduced training (`reduced`) and early stopping
-(`early_stop`) each read a few facts of the model a `learner.Learner` holds; the learner in
-turn builds on them. Typed by these protocols instead of by `Learner`, they need not import
-the learner module (no import cycle, even a type-only one), and each says exactly what it
-depends on. This module imports torch alone when it runs and, for type checking, only
+The budget's rule (`reduction`), the reduced training (`reduced`), early stopping
+(`early_stop`) and the decentralized strategies' steps (`decentral`) each read a few facts
+of the model a `learner.Learner` holds; the learner in turn builds on them. Typed by these
+protocols instead of by `Learner`, they need not import the learner module (no import
+cycle, even a type-only one), and each says exactly what it depends on. This module imports
+torch alone when it runs and, for type checking, only
 modules the learner itself builds on, never the learner.
 """
 
@@ -93,3 +94,34 @@ class StoppingLoss(Protocol):
 
     def stopping_loss(self, weights: State, train_loss: float, data: LocalData) -> float:
         """L_t = 0.7 L_train + 0.3 L_val (ALGORITHMS.md 2)."""
+
+
+class MaskFacts(TrainingFacts, Protocol):
+    """What a decentralized strategy's step after training (`agent.learning.decentral`)
+    reads of a model besides: the prunable weights and the initial model they are measured
+    against, the generators of its draws and the FLOPs of RigL's dense gradients."""
+
+    @property
+    def prunable(self) -> list[str]: ...
+
+    @property
+    def initial(self) -> State: ...
+
+    def generator(self, purpose: str, agent_id: str, round_: int) -> torch.Generator: ...
+
+    def dense_gradient_flops(self, masks: Masks | None, samples: int) -> int:
+        """RigL's dense-gradient batches' FLOPs under `masks`."""
+
+
+class AgentFacts(Protocol):
+    """What a decentralized strategy's step after training reads of an agent's state: who
+    it is, its initial model, and the distances from it of its models so far."""
+
+    @property
+    def agent_id(self) -> str: ...
+
+    @property
+    def init_weights(self) -> State: ...
+
+    @property
+    def distances(self) -> list[float]: ...

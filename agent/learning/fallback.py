@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from agent.learning.config import ADAM_FAMILY, SGDConfig, StrategyConfig
+from agent.learning.config import SGDConfig, StrategyConfig
 from agent.learning.kept import LOCAL, PERSONAL, Judged, Kept, Shadow
 from agent.learning.sparse import Masks, State
 from agent.learning.training import evaluate, per_sample_metric, train_local
@@ -53,7 +53,7 @@ def shadow_config(learner: Learner) -> SGDConfig:
     family, whose learning rate is its own Adam's, as the SGD strategies' agents train
     (`StrategyConfig.local_training` with the default optimizer and rates)."""
     cfg = learner.config
-    if cfg.strategy not in ADAM_FAMILY:
+    if not learner.traits.adam:
         return learner.sgd
     plain = StrategyConfig(epochs=cfg.epochs, batch_size=cfg.batch_size)
     return plain.local_training(learner.recurrent)
@@ -148,9 +148,9 @@ def _rank(
 
 
 def own_model(learner: Learner) -> str:
-    """What the strategy's own model is to the device: its local-only model under `local`,
-    else its personal one."""
-    return LOCAL if learner.config.strategy == "local" else PERSONAL
+    """What the strategy's own model is to the device: its local-only model under a strategy
+    whose agents train `alone` (local), else its personal one."""
+    return LOCAL if learner.traits.alone else PERSONAL
 
 
 def advance(
@@ -161,7 +161,7 @@ def advance(
     rounds (p_k < 1) has no time for a second model: its local model stays as it is (it
     keeps the best of the models it holds)."""
     cfg = learner.config
-    if cfg.fallback != "local" or cfg.strategy == "local" or (p_k is not None and p_k < 1):
+    if cfg.fallback != "local" or learner.traits.alone or (p_k is not None and p_k < 1):
         return agent, 0
     shadow, flops = train_shadow(
         learner, agent.shadow or start_shadow(learner), data, agent.agent_id, round_

@@ -1,24 +1,16 @@
-"""Strategies: what one agent does in one round, as small pluggable objects.
+"""The learner: what every round needs (a model to compute with, its shapes, the config),
+and one decentralized round, composed (`Learner.local_round`).
 
-A strategy owns the math of a round (aggregate, train, vote, prune, update the mask) and
-nothing of the runtime: it never waits, sends or sleeps. The in-process simulator and the
-networked agent both hand it the same inputs (the agent's state, the models it holds from its
-neighbours) and get the same outputs (its new state and the model it publishes), which is
-what makes a networked run reproduce a simulated one.
+A round's math (aggregate, train, vote, prune, update the mask) owns nothing of the runtime:
+it never waits, sends or sleeps. The in-process simulator and the networked agent both hand
+it the same inputs (the agent's state, the models it holds from its neighbours) and get the
+same outputs (its new state and the model it publishes), which is what makes a networked
+run reproduce a simulated one.
 
-Presets (ALGORITHMS.md section 1 and its baselines):
-
-    dadpfl     sparse, mask-based aggregation, waits for up to N prior neighbours, RigL,
-               further PQI pruning at the voted times
-    dispfl     dadpfl with N = 0 and no further pruning
-    dfedavgm   dense, neighbour averaging, local SGD with momentum 0.9
-    local      dense, no communication
-    fedavg     centralized, sample-weighted averaging; accuracy of the global model
-    fedavg-ft  fedavg whose accuracy is that of each agent's model after local training
-               (the global model fine-tuned for E epochs on the agent's data)
-
-and the centralized ones of ALGORITHMS.md sections 2 to 4 (fedspu, feddrop, fedadam,
-fedadam-top, fedadam-ssm, fedldf), whose rounds live in `agent.learning.central`. Early stopping
+What differs between the decentralized strategies (dadpfl, dispfl, dfedavgm, local: what
+follows training) is theirs, in `agent.learning.decentral`; the centralized strategies'
+rounds (ALGORITHMS.md sections 2 to 4) live in `agent.learning.central`; which is which,
+with each one's traits, in the table `agent.learning.strategies`. Early stopping
 (`early_stop`, section 2) applies to every strategy.
 """
 
@@ -36,16 +28,16 @@ from torch import nn
 
 from agent.learning import (
     channels,
-    pqi,
     prefix,
-    pruning,
     rigl,
     robust,
     robust_rules,
     sparse,
     statistics,
+    strategies,
 )
-from agent.learning.config import ADAM_FAMILY, DECENTRALIZED, STOP_LAMBDA, StrategyConfig
+from agent.learning.config import STOP_LAMBDA, StrategyConfig
+from agent.learning.decentral.base import DecentralizedStrategy, Trained
 from agent.learning.facts import LocalData as LocalData  # re-exported: imported from here too
 from agent.learning.kept import Judged, Kept, Shadow
 from agent.learning.models import flops_from_positions, output_positions
@@ -57,7 +49,6 @@ from agent.learning.sparse import Masks, State
 from agent.learning.tasks import Task
 from agent.learning.training import (
     CLASSIFICATION,
-    dense_gradients,
     derive_seed,
     evaluate,
     model_device,
@@ -122,40 +113,6 @@ class RoundResult:
 _Model = TypeVar("_Model", AgentState, Published)
 
 
-def detect(
-    cfg: StrategyConfig, prunable: list[str], agent: AgentState, weights: State
-) -> tuple[list[float], float, bool]:
-    """Pruning-time detection (1.7): the distances so far, this round's score and vote."""
-    distance = pruning.distance_from_init(
-        weights, agent.init_weights, prunable, cfg.detection_distance
-    )
-    distances = [*agent.distances, distance]
-    score = pruning.scaled_score(distances, cfg.detection_scale)
-    return distances, score, pruning.vote(score, cfg.pruning_threshold)
-
-
-def prune_further(
-    cfg: StrategyConfig, weights: State, masks: Masks, plan: channels.ChannelPlan | None = None
-) -> Masks:
-    """PQI further pruning (1.9) toward the target sparsity s*: of weights, or with a
-    `plan` of whole channels (`agent.learning.channels`)."""
-    if plan is not None:
-        count = channels.pqi_counter(
-            cfg.pqi_p, cfg.pqi_q, cfg.pqi_eta_c, cfg.pqi_gamma, cfg.pqi_beta
-        )
-        return channels.pqi_prune(plan, weights, masks, count, cfg.target_sparsity)
-    return pqi.pqi_prune(
-        weights,
-        masks,
-        p=cfg.pqi_p,
-        q=cfg.pqi_q,
-        eta_c=cfg.pqi_eta_c,
-        gamma=cfg.pqi_gamma,
-        beta=cfg.pqi_beta,
-        target_sparsity=cfg.target_sparsity,
-    )
-
-
 def starting_point(
     learner: Learner,
     agent: AgentState,
@@ -185,34 +142,6 @@ def starting_point(
     return start, agent, active
 
 
-def rigl_step(
-    learner: Learner, weights: State, masks: Masks, data: LocalData, agent_id: str, round_: int
-) -> tuple[State, Masks, int]:
-    """RigL's mask update (1.6) from dense gradients on local batches; returns the new
-    weights and masks and the FLOPs the dense gradients cost. With channel masks, over
-    whole channels (`channels.rigl_update`), the gradients taken at `channels.revived`."""
-    cfg = learner.config
-    plan = learner.channel_plan if learner.channel_masks else None
-    grads, grad_samples = dense_gradients(
-        learner.model,
-        weights if plan is None else channels.revived(plan, weights, learner.initial, masks),
-        learner.prunable,
-        data.x_train,
-        data.y_train,
-        cfg.batch_size,
-        cfg.rigl_batches,
-        learner.generator("rigl", agent_id, round_),
-        learner.task,
-    )
-    flops = learner.dense_gradient_flops(masks, grad_samples)
-    alpha = rigl.rigl_alpha(round_, cfg.rounds, cfg.rigl_a)
-    if plan is not None:
-        weights, masks = channels.rigl_update(plan, weights, masks, grads, learner.initial, alpha)
-        return weights, masks, flops
-    masks = rigl.rigl_update(weights, masks, grads, alpha)
-    return sparse.apply_masks(weights, masks), masks, flops
-
-
 class Learner:
     """The pieces every round needs: a model to compute with, its shapes and the config.
 
@@ -240,9 +169,11 @@ class Learner:
         self._positions = output_positions(model, input_shape)
         self._weight_shapes = {n: tuple(self.initial[n].shape) for n in self._positions}
         self.dense_flops = flops_from_positions(self._positions, self._weight_shapes)
-        self.sparse = config.strategy in ("dadpfl", "dispfl")
-        self.prunes_further = config.strategy == "dadpfl"
-        self.decentralized = config.strategy in DECENTRALIZED
+        self.traits = strategies.strategy(config.strategy)
+        """What the strategy is (`agent.learning.strategies`): its family and traits."""
+        self.sparse = self.traits.sparse
+        self.prunes_further = self.traits.prunes_further
+        self.decentralized = self.traits.decentralized
         self._shapes = {name: tuple(self.initial[name].shape) for name in prunable}
         self.channel_masks = self.sparse and config.mask_unit == "channel"
         """Masks keep whole channels (`agent.learning.channels`), the model trains narrow."""
@@ -277,7 +208,7 @@ class Learner:
         in and results out), and the generators stay CPU ones, so batch order, masks and
         active neurons are drawn as on the CPU. Returns the learner itself.
         """
-        if device.type != "cpu" and self.config.strategy in ADAM_FAMILY:
+        if device.type != "cpu" and self.traits.adam:
             raise ValueError(
                 f"--device {device}: strategy {self.config.strategy} trains on the cpu only "
                 "(its Adam moments are kept there); use --device cpu"
@@ -422,6 +353,14 @@ class Learner:
             log.warning("%s", plan.note)
         return plan
 
+    @functools.cached_property
+    def decentral(self) -> DecentralizedStrategy:
+        """The decentralized strategy whose steps `local_round` takes (the table's class)."""
+        cls = strategies.implementation(self.config.strategy)
+        if not issubclass(cls, DecentralizedStrategy):
+            raise TypeError(f"{self.config.strategy} has no decentralized round")
+        return cls()
+
     def local_round(
         self,
         agent: AgentState,
@@ -431,7 +370,8 @@ class Learner:
         prune_now: bool,
         reduction: Reduction = NO_REDUCTION,
     ) -> RoundResult:
-        """One decentralized round of agent k: aggregate, train, vote, prune, RigL, evaluate.
+        """One decentralized round of agent k: aggregate, train, the strategy's step after
+        training (`decentral`: vote, prune, RigL), evaluate.
 
         The order follows the paper's Algorithm 1: the vote scores the freshly trained model,
         further pruning (when `prune_now` and sparsity < s*) precedes the RigL update, and the
@@ -454,22 +394,9 @@ class Learner:
             round_,
             self.generator("train", agent.agent_id, round_),
         )
-        weights, masks = trained.state, agent.masks
-        vote: bool | None = None
-        score: float | None = None
-        distances = agent.distances
-        pruned = False
-        if self.sparse and masks is not None:
-            distances, score, vote = detect(cfg, self.prunable, agent, weights)
-            if self.prunes_further and prune_now and sparse.sparsity(masks) < cfg.target_sparsity:
-                plan = self.channel_plan if self.channel_masks else None
-                masks = prune_further(cfg, weights, masks, plan)
-                weights = sparse.apply_masks(weights, masks)
-                pruned = True
-            weights, masks, rigl_flops = rigl_step(
-                self, weights, masks, data, agent.agent_id, round_
-            )
-            flops += rigl_flops
+        done = Trained(agent, trained.state, agent.masks, data, round_, prune_now)
+        step = self.decentral.after_training(self, done)
+        weights, masks, flops = step.weights, step.masks, flops + step.flops
         if not robust.finite(weights):
             return _recovered(self, before, data, round_, flops, trained.mean_loss)
         weights = self.fresh_statistics(weights, data)
@@ -480,7 +407,7 @@ class Learner:
             divergence = divergences(weights, start, self.layer_groups)
         loss, accuracy = self.evaluate_on(weights, data)
         new_state = dataclasses.replace(
-            agent, weights=weights, masks=masks, distances=distances, round=round_
+            agent, weights=weights, masks=masks, distances=step.distances, round=round_
         )
         return RoundResult(
             state=new_state,
@@ -489,9 +416,9 @@ class Learner:
             accuracy=accuracy,
             train_loss=trained.mean_loss,
             train_flops=flops,
-            vote=vote,
-            score=None if score is None or not math.isfinite(score) else score,
-            pruned=pruned,
+            vote=step.vote,
+            score=None if step.score is None or not math.isfinite(step.score) else step.score,
+            pruned=step.pruned,
             divergence=divergence,
         )
 

@@ -22,7 +22,7 @@ from typing import cast
 
 import torch
 
-from agent.learning import fallback, ldf, pruning, robust, robust_rules, topology
+from agent.learning import fallback, ldf, pruning, robust, robust_rules, strategies, topology
 from agent.learning.central import (
     Aggregate,
     CentralStrategy,
@@ -62,13 +62,14 @@ class RoundTopology:
         self._neighbours: dict[str, list[str]] = {}
 
     def neighbours(self, agent: str) -> list[str]:
-        """`agent`'s neighbour set G_k^t, sorted by id; under `local` nobody has any."""
+        """`agent`'s neighbour set G_k^t, sorted by id; under a strategy whose agents train
+        `alone` (local) nobody has any."""
         if agent not in self._neighbours:
             cfg = self._cfg
             kind = cast(topology.Topology, cfg.topology)  # validated by ExperimentConfig
             self._neighbours[agent] = (
                 []
-                if cfg.strategy == "local"
+                if strategies.strategy(cfg.strategy).alone
                 else topology.neighbours(
                     self._seed, self.round, self._roster, agent, cfg.neighbours, kind
                 )

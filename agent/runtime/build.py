@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing_extensions import Unpack
 
-from agent.learning import CENTRALIZED, StrategyConfig
+from agent.learning import StrategyConfig
+from agent.learning.strategies import strategy
 from agent.runtime.centralized import CentralizedRounds
 from agent.runtime.decentralized import DecentralizedRounds
 from agent.runtime.session import RoundDriver, Session, SessionOptions
@@ -23,7 +24,7 @@ WIRES: dict[str, type[FullWire] | type[DeltaWire] | type[LayersWire]] = {
 def wire_format(cfg: StrategyConfig) -> str:
     """The `--wire` format a decentralized run uses: under `local` nothing is received, so
     models (which are not sent) count as whole."""
-    return "full" if cfg.strategy == "local" else cfg.wire
+    return "full" if strategy(cfg.strategy).alone else cfg.wire
 
 
 class AgentRuntime:
@@ -34,7 +35,7 @@ class AgentRuntime:
     def __init__(self, **options: Unpack[SessionOptions]) -> None:
         cfg = options["run"].config.learning
         self.driver: RoundDriver
-        if cfg.strategy in CENTRALIZED:
+        if strategy(cfg.strategy).centralized:
             self.session = Session(**options)
             self.driver = CentralizedRounds(self.session)
         else:

@@ -277,7 +277,7 @@ class DecentralizedRounds:
             sent = Published({}, None, 0)
         else:
             data, resend, sent = self.wire.encode(round_, result)
-        if s.cfg.strategy != "local":
+        if not s.learner.traits.alone:
             for old in [r for r in self.own if r <= round_ - KEEP_OWN_ROUNDS]:
                 del self.own[old]
                 self.wire.forget(old)

@@ -17,6 +17,7 @@ Strategy (`base.CentralStrategy` is the contract; a file per strategy family):
 
 from __future__ import annotations
 
+from agent.learning import strategies
 from agent.learning.central.base import (
     Aggregate,
     CentralStrategy,
@@ -58,18 +59,9 @@ __all__ = [
 ]
 
 CENTRAL_STRATEGIES: dict[str, type[CentralStrategy]] = {
-    cls.name: cls
-    for cls in (
-        FedAvg,
-        FedAvgFineTuned,
-        FedSPU,
-        FedDropout,
-        FedAdam,
-        FedAdamTop,
-        FedAdamSSM,
-        FedLDF,
-    )
+    name: strategies.implementation(name) for name in strategies.names(strategies.CENTRAL)
 }
+"""Each centralized strategy's class, by name, as the table of strategies names it."""
 
 
 def central_strategy(name: str) -> CentralStrategy:

@@ -1,0 +1,16 @@
+"""Decentralized strategies as small objects, a file per family, beside the centralized
+ones (`agent.learning.central`); `base.DecentralizedStrategy` is the contract:
+
+    dadpfl     sparse, mask-based aggregation, RigL, further PQI pruning at the voted times
+    dispfl     sparse, mask-based aggregation, RigL
+    dfedavgm   dense, neighbour averaging
+    local      dense, no communication
+
+The table of strategies (`agent.learning.strategies`) names each one's class and its traits.
+"""
+
+from __future__ import annotations
+
+from agent.learning.decentral.base import DecentralizedStrategy, MaskStep, Trained
+
+__all__ = ["DecentralizedStrategy", "MaskStep", "Trained"]

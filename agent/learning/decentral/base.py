@@ -1,0 +1,69 @@
+"""The contract of a decentralized strategy: the steps of a round that differ between
+dadpfl, dispfl, dfedavgm and local, beside `agent.learning.central.base.CentralStrategy`.
+
+A decentralized round (`Learner.local_round`, ALGORITHMS.md 1) is the same for all of them
+up to its training: aggregate what the neighbours sent (eq. 7 over masks, or the mean),
+train, cut to the device's budget. What follows training is the strategy's
+(`after_training`): a sparse strategy scores the model for the pruning vote, may prune
+further, and moves its mask with RigL; a dense one keeps what it trained. Pure math, typed
+by the facts it reads (`agent.learning.facts`), so that this package never imports the
+learner that calls it.
+
+Which strategy is which, and the traits the rest of the code asks of it (sparse, prunes
+further, trains alone), is the table's (`agent.learning.strategies`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from agent.learning.facts import AgentFacts, LocalData, MaskFacts
+    from agent.learning.sparse import Masks, State
+
+
+@dataclass(frozen=True)
+class Trained:
+    """What a round's training gave (`weights` under `masks`) and where the round stands:
+    the step after training's input."""
+
+    agent: AgentFacts
+    weights: State
+    masks: Masks | None
+    data: LocalData
+    round: int
+    prune_now: bool
+    """Whether the pruning plan prunes this round."""
+
+
+@dataclass(frozen=True)
+class MaskStep:
+    """A round's model after the strategy's step after training, and what the step found."""
+
+    weights: State
+    masks: Masks | None
+    distances: list[float]
+    """The agent's distances from its initial model so far (pruning-time detection)."""
+    flops: int = 0
+    """Training FLOPs the step cost (RigL's dense gradients)."""
+    vote: bool | None = None
+    """The agent's vote that its model settled (None: the strategy does not vote)."""
+    score: float | None = None
+    pruned: bool = False
+    """Whether the step pruned the model further."""
+
+
+class DecentralizedStrategy:
+    """The contract: a dense strategy's steps, which keep what training gave; sparse ones
+    override `after_training` (`agent.learning.decentral.sparse`)."""
+
+    name: ClassVar[str] = ""
+    trains_own: ClassVar[bool] = True
+    """Whether a round trains from the agent's own weights (in part), as
+    `CentralStrategy.trains_own` says of the centralized ones: a decentralized agent always
+    starts a round from its aggregate of its own model and its neighbours'."""
+
+    def after_training(self, learner: MaskFacts, trained: Trained) -> MaskStep:
+        """The round's model once the strategy had its say on what training gave."""
+        return MaskStep(trained.weights, trained.masks, trained.agent.distances)

@@ -1,0 +1,78 @@
+"""The sparse strategies' step after training (dadpfl, dispfl): each agent's model lives
+under its own mask, which the round scores for pruning-time detection (1.7), may prune
+further (`SparseStrategy.prune`: only DA-DPFL does) and moves with RigL (1.6)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from agent.learning import channels, pruning, rigl, sparse
+from agent.learning.decentral.base import DecentralizedStrategy, MaskStep, Trained
+from agent.learning.training import dense_gradients
+
+if TYPE_CHECKING:
+    from agent.learning.config import StrategyConfig
+    from agent.learning.facts import AgentFacts, LocalData, MaskFacts
+    from agent.learning.sparse import Masks, State
+
+
+class SparseStrategy(DecentralizedStrategy):
+    """A strategy whose agents train sparse models: detection's vote, then `prune` (none
+    here), then RigL's mask update, in the order of the paper's Algorithm 1."""
+
+    def after_training(self, learner: MaskFacts, trained: Trained) -> MaskStep:
+        agent, weights, masks = trained.agent, trained.weights, trained.masks
+        if masks is None:
+            return MaskStep(weights, masks, agent.distances)
+        distances, score, vote = detect(learner.config, learner.prunable, agent, weights)
+        weights, masks, pruned = self.prune(learner, weights, masks, trained.prune_now)
+        weights, masks, flops = rigl_step(
+            learner, weights, masks, trained.data, agent.agent_id, trained.round
+        )
+        return MaskStep(weights, masks, distances, flops, vote, score, pruned)
+
+    def prune(
+        self, learner: MaskFacts, weights: State, masks: Masks, prune_now: bool
+    ) -> tuple[State, Masks, bool]:
+        """The model pruned further this round, and whether it was: never here."""
+        return weights, masks, False
+
+
+def detect(
+    cfg: StrategyConfig, prunable: list[str], agent: AgentFacts, weights: State
+) -> tuple[list[float], float, bool]:
+    """Pruning-time detection (1.7): the distances so far, this round's score and vote."""
+    distance = pruning.distance_from_init(
+        weights, agent.init_weights, prunable, cfg.detection_distance
+    )
+    distances = [*agent.distances, distance]
+    score = pruning.scaled_score(distances, cfg.detection_scale)
+    return distances, score, pruning.vote(score, cfg.pruning_threshold)
+
+
+def rigl_step(
+    learner: MaskFacts, weights: State, masks: Masks, data: LocalData, agent_id: str, round_: int
+) -> tuple[State, Masks, int]:
+    """RigL's mask update (1.6) from dense gradients on local batches; returns the new
+    weights and masks and the FLOPs the dense gradients cost. With channel masks, over
+    whole channels (`channels.rigl_update`), the gradients taken at `channels.revived`."""
+    cfg = learner.config
+    plan = learner.channel_plan if learner.channel_masks else None
+    grads, grad_samples = dense_gradients(
+        learner.model,
+        weights if plan is None else channels.revived(plan, weights, learner.initial, masks),
+        learner.prunable,
+        data.x_train,
+        data.y_train,
+        cfg.batch_size,
+        cfg.rigl_batches,
+        learner.generator("rigl", agent_id, round_),
+        learner.task,
+    )
+    flops = learner.dense_gradient_flops(masks, grad_samples)
+    alpha = rigl.rigl_alpha(round_, cfg.rounds, cfg.rigl_a)
+    if plan is not None:
+        weights, masks = channels.rigl_update(plan, weights, masks, grads, learner.initial, alpha)
+        return weights, masks, flops
+    masks = rigl.rigl_update(weights, masks, grads, alpha)
+    return sparse.apply_masks(weights, masks), masks, flops

@@ -1,0 +1,187 @@
+"""Every strategy in one table: its name, its family, the class that computes its rounds,
+its preset, the traits the rest of the code asks of it and the options it reads.
+
+Plain data without torch (it imports nothing of the project), so that `--help`, option
+parsing and config checks read it in a fraction of a second; the class of a strategy is
+named by its import path and loaded only when a round needs it (`implementation`). The
+constants the config and the options expose (`DECENTRALIZED`, `CENTRALIZED`, `ADAM_FAMILY`,
+`PRESETS`, `FLAG_SCOPES`, ...) are derived from this table, never kept beside it, and code
+asks a strategy's record for a trait rather than comparing its name.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+CENTRAL = "centralized"
+"""A coordinator aggregates what participants upload (`agent.learning.central`)."""
+DECENTRAL = "decentralized"
+"""Agents aggregate their neighbours' models, without a server (`agent.learning.decentral`)."""
+LOCAL = "local"
+"""Each agent trains alone and exchanges nothing (the baseline every strategy must beat)."""
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One strategy's record: what the code asks of it instead of its name."""
+
+    name: str
+    family: str
+    """CENTRAL, DECENTRAL or LOCAL: who aggregates, if anyone."""
+    implementation: str
+    """The import path of the class that computes its rounds, "module:Class"."""
+    fixed: Mapping[str, Any] = field(default_factory=dict)
+    """Config values its preset fixes: what defines the method (an override that contradicts
+    one is an error, `preset`)."""
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    """Config defaults of its preset that a run may override."""
+    options: frozenset[str] = frozenset()
+    """The options of `SCOPES` it reads; given to a strategy that does not read one, it is
+    an error (`Scope.applies`)."""
+    sparse: bool = False
+    """Each agent trains a sparse model under its own mask (ERK-drawn, moved by RigL)."""
+    prunes_further: bool = False
+    """Agents vote on the pruning time (pruning-time detection) and prune further (PQI) at
+    the voted times; its rounds publish votes."""
+    adam: bool = False
+    """The FedAdam family: local Adam with moments of its own, kept on the CPU."""
+
+    @property
+    def centralized(self) -> bool:
+        return self.family == CENTRAL
+
+    @property
+    def decentralized(self) -> bool:
+        return self.family == DECENTRAL
+
+    @property
+    def alone(self) -> bool:
+        """Its agents train alone: no neighbours, nothing sent, its model the local one."""
+        return self.family == LOCAL
+
+    @property
+    def votes_signs(self) -> bool:
+        """`--aggregation signs` applies: it votes on the steps of models trained from one
+        global model, which the centralized strategies' uploads are, but the Adam family's
+        (whose moments move the global model, not the steps) are not."""
+        return self.centralized and not self.adam
+
+
+_SGD = frozenset({"optimizer"})
+"""The options of every strategy that trains with the local SGD (`--optimizer`)."""
+_DECENTRAL = _SGD | {"wire"}
+_SPARSE = _DECENTRAL | {"reduce"}
+_ADAM = {"lr": 1e-3, "lr_decay": 1.0}  # ALGORITHMS.md 3: Adam at lr 1e-3
+_NEVER_WAITS = {"max_wait": 0}
+
+TABLE: tuple[Strategy, ...] = (
+    Strategy(
+        "dadpfl",
+        DECENTRAL,
+        "agent.learning.decentral.dadpfl:DADPFL",
+        options=_SPARSE | {"detection_scale", "detection_distance"},
+        sparse=True,
+        prunes_further=True,
+    ),
+    Strategy(
+        "dispfl",
+        DECENTRAL,
+        "agent.learning.decentral.dispfl:DisPFL",
+        fixed=_NEVER_WAITS,
+        options=_SPARSE,
+        sparse=True,
+    ),
+    Strategy(
+        "dfedavgm",
+        DECENTRAL,
+        "agent.learning.decentral.dfedavgm:DFedAvgM",
+        fixed={**_NEVER_WAITS, "momentum": 0.9},
+        options=_DECENTRAL,
+    ),
+    Strategy("local", LOCAL, "agent.learning.decentral.local:Local", options=_SGD),
+    Strategy("fedavg", CENTRAL, "agent.learning.central.fedavg:FedAvg", options=_SGD),
+    Strategy("fedavg-ft", CENTRAL, "agent.learning.central.fedavg:FedAvgFineTuned", options=_SGD),
+    Strategy("fedspu", CENTRAL, "agent.learning.central.fedspu:FedSPU", options=_SGD),
+    Strategy("feddrop", CENTRAL, "agent.learning.central.fedspu:FedDropout", options=_SGD),
+    Strategy(
+        "fedadam", CENTRAL, "agent.learning.central.fedadam:FedAdam", defaults=_ADAM, adam=True
+    ),
+    Strategy(
+        "fedadam-top",
+        CENTRAL,
+        "agent.learning.central.fedadam:FedAdamTop",
+        defaults=_ADAM,
+        options=frozenset({"ssm_fraction"}),
+        adam=True,
+    ),
+    Strategy(
+        "fedadam-ssm",
+        CENTRAL,
+        "agent.learning.central.fedadam:FedAdamSSM",
+        defaults=_ADAM,
+        options=frozenset({"ssm_fraction"}),
+        adam=True,
+    ),
+    Strategy("fedldf", CENTRAL, "agent.learning.central.fedldf:FedLDF", options=_SGD | {"ldf_n"}),
+)
+"""The strategies, in the order help texts and `PRESETS` list them."""
+
+STRATEGIES: Mapping[str, Strategy] = MappingProxyType({s.name: s for s in TABLE})
+
+
+def strategy(name: str) -> Strategy:
+    """The record of strategy `name`; ValueError naming the known ones otherwise."""
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        raise ValueError(f"unknown strategy {name!r}; known: {', '.join(STRATEGIES)}") from None
+
+
+def names(family: str) -> tuple[str, ...]:
+    """The strategies of `family`, in the table's order."""
+    return tuple(s.name for s in TABLE if s.family == family)
+
+
+def implementation(name: str) -> type:
+    """The class that computes strategy `name`'s rounds, imported now (it loads torch)."""
+    module, _, attribute = strategy(name).implementation.partition(":")
+    cls: type = getattr(importlib.import_module(module), attribute)
+    return cls
+
+
+@dataclass(frozen=True)
+class Scope:
+    """An option that only some runs read: those of the strategies whose `options` name it,
+    and those whose other flags `given` says read it."""
+
+    option: str
+    where: str
+    """Who reads it, for the error: formatted with `names` (the strategies that read it,
+    joined by commas) and `names_and` (joined by "and")."""
+    given: Callable[[dict[str, Any]], bool] | None = None
+
+    def applies(self, name: str, flags: dict[str, Any]) -> bool:
+        """Whether a run of strategy `name` with these given `flags` reads the option."""
+        return self.option in strategy(name).options or bool(self.given and self.given(flags))
+
+    def readers(self) -> str:
+        """Who reads it, in words."""
+        readers = [s.name for s in TABLE if self.option in s.options]
+        return self.where.format(names=", ".join(readers), names_and=" and ".join(readers))
+
+
+SCOPES: tuple[Scope, ...] = (
+    Scope("reduce", "the sparse strategies {names_and}"),
+    Scope("ssm_fraction", "{names}"),
+    Scope("ldf_n", "{names_and} and runs with --wire layers", lambda f: f.get("wire") == "layers"),
+    Scope("wire", "the decentralized strategies"),
+    Scope("optimizer", "the SGD strategies (the FedAdam presets keep their own Adam)"),
+    Scope("detection_scale", "{names}, the strategy that prunes further"),
+    Scope("detection_distance", "{names}, the strategy that prunes further"),
+)
+"""The options that only some strategies read (`Strategy.options`); the options that only
+some other flags make read are `agent.options`'."""
