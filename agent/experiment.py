@@ -30,7 +30,7 @@ from agent.learning.config import (
 )
 from agent.learning.config import default_model as default_dataset_model
 from agent.learning.early_stop import StopRule
-from agent.learning.strategies import LOCAL, TABLE, names, strategy
+from agent.learning.strategies import LOCAL, TABLE, fingerprint, names, strategy
 from protocol.limits import MAX_MEMBERS, MAX_ROUNDS, WEEK_S
 
 if TYPE_CHECKING:
@@ -265,6 +265,13 @@ class ExperimentConfig:
     """A digest of the user model's parameter names and shapes (`user_code.fingerprint`),
     set by the coordinator of a run on devices' own data: a device whose copy of the model
     builds something else is rejected with its reason."""
+    strategy_fingerprint: str = field(
+        default="",
+        metadata={"flag": False, "internal": True, "help": "Set by the coordinator."},
+    )
+    """A digest of a user strategy's source (`strategies.fingerprint`), set wherever a run
+    is configured (`agent.options.experiment_config`): a device whose copy of the strategy's
+    code differs refuses the run with its reason."""
     learning: StrategyConfig = field(default_factory=StrategyConfig)
 
     def learning_task(self) -> Task:
@@ -286,6 +293,7 @@ class ExperimentConfig:
         self.learning_task()  # imports and checks a custom loss or metric
         if self.on_devices:
             check_device_data(self)
+        check_strategy_code(self)
         decentralized = strategy(cfg.strategy).decentralized
         if decentralized and cfg.topology == "random" and not 1 <= cfg.neighbours < self.agents:
             raise ValueError(
@@ -340,6 +348,17 @@ def check_mask_unit(cfg: StrategyConfig) -> None:
         raise ValueError(
             f"--mask-unit channel cuts a budgeted round by its density cap (--reduce prune), "
             f"which saves real time with channel masks; got --reduce {cfg.reduce}"
+        )
+
+
+def check_strategy_code(config: ExperimentConfig) -> None:
+    """A user strategy's code here is the run's (its fingerprint), as a user model's is
+    (`agent.workload.check_user_model`): two versions compute different rounds."""
+    name, wanted = config.learning.strategy, config.strategy_fingerprint
+    if wanted and (here := fingerprint(name)) != wanted:
+        raise ValueError(
+            f"strategy {name!r} has different code here (fingerprint {here}) than the run's "
+            f"({wanted}): every device needs the same version of the strategy's code"
         )
 
 

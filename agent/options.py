@@ -33,9 +33,10 @@ from agent.learning.config import (
     preset,
 )
 from agent.learning.robust_rules import ATTACKS
-from agent.learning.strategies import SCOPES, Scope
+from agent.learning.strategies import SCOPES, Scope, fingerprint
 from agent.learning.strategies import strategy as strategy_record
 from agent.learning.topology import TOPOLOGIES
+from agent.user_code import is_import_path, resolved
 
 _TYPES = {int: int, float: float, str: str}
 _CHOICES: dict[str, tuple[str, ...]] = {
@@ -54,6 +55,16 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "task": TASKS,
     "metric_goal": METRIC_GOALS,
 }
+
+
+class StrategyChoice(click.Choice):
+    """--strategy: a shipped strategy's name, or the user's class by its import path
+    (MODULE:CLASS, ./FILE.py:CLASS), imported and checked with the run's config."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and is_import_path(value):
+            return value
+        return super().convert(value, param, ctx)
 
 
 def _fields() -> list[tuple[dataclasses.Field, Any]]:
@@ -78,7 +89,8 @@ def _option(field: dataclasses.Field, hint: Any) -> Callable[[Callable], Callabl
         (_TYPES[t] for t in typing.get_args(hint) or (hint,) if t in _TYPES), str
     )
     if field.name in _CHOICES:
-        kind = click.Choice(_CHOICES[field.name])
+        choice = StrategyChoice if field.name == "strategy" else click.Choice
+        kind = choice(_CHOICES[field.name])
     default = field.default if field.default is not dataclasses.MISSING else None
     shown = f" [default: {default}]" if default not in (None, "") else ""
     return click.option(flag, type=kind, default=None, help=help_text + shown)
@@ -100,13 +112,17 @@ def experiment_config(values: dict[str, Any]) -> ExperimentConfig:
     strategy_names = {f.name for f in dataclasses.fields(StrategyConfig)}
     learning = {k: v for k, v in given.items() if k in strategy_names and k != "strategy"}
     experiment = {k: v for k, v in given.items() if k not in strategy_names}
-    strategy = given.get("strategy", StrategyConfig.strategy)
+    strategy = resolved(given.get("strategy", StrategyConfig.strategy))  # ./FILE.py from here
     for name, applies, where in FLAG_SCOPES:
         if name in learning and not applies(strategy, learning):
             flag = "--" + name.replace("_", "-")
             raise ValueError(f"{flag} has no effect here: it applies to {where}")
     learning.update(fitted_neighbours(strategy, learning, experiment))
-    config = ExperimentConfig(**experiment, learning=preset(strategy, **learning))
+    config = ExperimentConfig(
+        **experiment,
+        strategy_fingerprint=fingerprint(strategy),
+        learning=preset(strategy, **learning),
+    )
     config.validate()
     return config
 

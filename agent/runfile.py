@@ -272,8 +272,8 @@ def _value(key: str, value: Any) -> Any:
     if not ok:
         raise ValueError(f"{key} must be {what}, got {_shown(value)}")
     choices = _VALUE_CHOICES.get(key)
-    if key == "model" and is_import_path(value):
-        choices = None  # the user's own model, imported when the run starts
+    if key in USER_CODE_KEYS and is_import_path(value):
+        choices = None  # the user's own model or strategy, imported with the run's config
     if choices is not None and value not in choices:
         raise ValueError(
             f"{key} must be one of {', '.join(choices)}; got {_shown(value)}"
@@ -282,8 +282,9 @@ def _value(key: str, value: Any) -> Any:
     return float(value) if kind is float else tuple(value) if key == "input_shape" else value
 
 
-USER_CODE_KEYS = ("model", "loss", "metric")
-"""Keys that may name the user's code: MODULE:FUNCTION or ./FILE.py:FUNCTION."""
+USER_CODE_KEYS = ("model", "loss", "metric", "strategy")
+"""Keys that may name the user's code: MODULE:FUNCTION or ./FILE.py:FUNCTION (a class for
+the strategy)."""
 
 
 def _user_code_beside(values: Mapping[str, Any], folder: Path) -> dict[str, str]:

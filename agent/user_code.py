@@ -4,7 +4,9 @@ path (``"mypkg.nets:build"``) or a file (``"./nets.py:build"``).
 Nothing of it travels: a run names the code, and every device imports its own copy (installed
 package or file). A run therefore also carries a fingerprint of the model's parameter names and
 shapes (`fingerprint`), so a device whose copy builds something else is rejected with its
-reason rather than training a model its neighbours cannot average with.
+reason rather than training a model its neighbours cannot average with; and one of a user
+strategy's source (`source_fingerprint`), since two versions of a strategy's code give the
+same shapes but different rounds.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import sys
 import threading
 from collections.abc import Callable
@@ -22,6 +25,8 @@ if TYPE_CHECKING:
     from torch import nn
 
 FILE_SUFFIX = ".py"
+FILE_MODULE_PREFIX = "edgefl_user_"
+"""The module name of a user's file begins so (`load_callable`), its file hash after."""
 _FILE_IMPORTS = threading.RLock()
 """Held while a user's file is imported (re-entrant: the file may load another one)."""
 
@@ -67,7 +72,7 @@ def _module_from_file(path: Path, what: str, spec: str) -> Any:
     # One module per file path: the same file imported twice is the same module. Agents
     # sharing a process (agent/host.py) import at once: one runs the file while the others
     # wait, rather than taking a module whose code has not run yet.
-    name = "edgefl_user_" + hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
+    name = FILE_MODULE_PREFIX + hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
     with _FILE_IMPORTS:
         if name in sys.modules:
             return sys.modules[name]
@@ -135,4 +140,23 @@ def fingerprint(model: nn.Module) -> str:
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
         digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
+    return digest.hexdigest()[:16]
+
+
+PROJECT_PACKAGES = ("agent", "coordinator", "protocol", "edgefl")
+"""The project's own packages: their code is the installed version's, not the user's."""
+
+
+def source_fingerprint(cls: type) -> str:
+    """A short digest of the source files of `cls` and of the other user classes it derives
+    from (the project's own, whose version the fleet checks apart, left out): equal on two
+    devices exactly when their copies of the user's code are the same text."""
+    digest = hashlib.sha256()
+    files = dict.fromkeys(
+        inspect.getsourcefile(c) or ""
+        for c in cls.__mro__
+        if c.__module__.partition(".")[0] not in (*PROJECT_PACKAGES, "builtins", "abc")
+    )
+    for file in files:
+        digest.update(Path(file).read_bytes() if file else b"")
     return digest.hexdigest()[:16]

@@ -15,9 +15,10 @@
 
 `config` takes the long options of ``coordinator simulate`` as keywords (dashes as
 underscores) and validates them as the command line does: one `ConfigError` sentence for a
-bad value. A model, loss, metric or data source may be given as a function: it is named by
-its import path (a function of a script run as ``python script.py`` by the script's file), so
-agent processes can import it too. The commands ``coordinator simulate`` and ``coordinator
+bad value. A model, loss, metric or data source may be given as a function, the strategy as
+a class (``strategy=FedAvgM``, examples/own_strategy): it is named by its import path (a
+function of a script run as ``python script.py`` by the script's file), so agent processes
+can import it too. The commands ``coordinator simulate`` and ``coordinator
 emulate`` run the same code as `simulate` and `emulate`; `run_agent` and `run` are
 ``edge-agent`` and ``coordinator run`` on a real fleet, taking the same options.
 """
@@ -42,6 +43,7 @@ from agent.learning.tasks import Task
 from agent.options import experiment_config
 from agent.report import metric_of
 from agent.runfile import lab_config
+from agent.user_code import FILE_MODULE_PREFIX
 
 __all__ = [
     "TASKS",
@@ -61,8 +63,9 @@ class ConfigError(ValueError):
     """A configuration that cannot run, in one sentence (what and why)."""
 
 
-USER_CODE = ("model", "loss", "metric")
-"""Options that name the user's code; `config` also takes functions for them."""
+USER_CODE = ("model", "loss", "metric", "strategy")
+"""Options that name the user's code; `config` also takes functions (a class for the
+strategy) for them."""
 
 
 def _import_path(function: Callable[..., Any], what: str) -> str:
@@ -72,9 +75,11 @@ def _import_path(function: Callable[..., Any], what: str) -> str:
     module = getattr(function, "__module__", None)
     if not name.isidentifier() or module is None:
         raise ConfigError(
-            f"{what} must be a function defined at the top level of a module or script "
+            f"{what} must be defined at the top level of a module or script "
             f"(agents import it by name), got {function!r}"
         )
+    if module.startswith(FILE_MODULE_PREFIX):  # imported from ./FILE.py: name it by its file
+        return f"{sys.modules[module].__file__}:{name}"
     if module == "__main__":
         script = getattr(sys.modules["__main__"], "__file__", None)
         if script is None:
@@ -98,7 +103,11 @@ def config(run_file: str | Path | None = None, **options: Any) -> Config:
             values[key] = _import_path(values[key], key)
     if callable(values.get("dataset")):
         values["dataset"] = "python:" + _import_path(values["dataset"], "dataset")
-    known = {f.name for f in dataclasses.fields(Config)} - {"learning", "model_fingerprint"}
+    known = {f.name for f in dataclasses.fields(Config)} - {
+        "learning",
+        "model_fingerprint",
+        "strategy_fingerprint",
+    }
     known |= {f.name for f in dataclasses.fields(StrategyConfig)}
     unknown = sorted(set(values) - known)
     if unknown:

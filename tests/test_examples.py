@@ -25,11 +25,16 @@ METRICS = {
 SHORT = {"agents": 4, "rounds": 2, "epochs": 1}
 
 
+CODE = {"own_strategy": ("strategy.py",)}
+"""The code of an example that brings no model or data of its own (tests/test_user_strategy.py
+runs it); the others bring their model (nets.py) and data (data.py)."""
+
+
 def test_every_example_has_a_readme_a_run_file_and_its_code() -> None:
     found = sorted(p.name for p in EXAMPLES.iterdir() if p.is_dir())
-    assert found == sorted(METRICS)
+    assert found == sorted([*METRICS, *CODE])
     for name in found:
-        for file in ("README.md", "run.toml", "nets.py", "data.py"):
+        for file in ("README.md", "run.toml", *CODE.get(name, ("nets.py", "data.py"))):
             assert (EXAMPLES / name / file).is_file(), f"{name}/{file}"
 
 

@@ -5,7 +5,7 @@ without loading it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from agent.learning import robust_rules, strategies
@@ -130,7 +130,12 @@ class SGDConfig:
 class StrategyConfig:
     """Every hyper-parameter of a run; defaults are ALGORITHMS.md's decisions."""
 
-    strategy: str = param("dadpfl", "Algorithm preset: " + ", ".join(PRESETS) + ".")
+    strategy: str = param(
+        "dadpfl",
+        "Algorithm preset: "
+        + ", ".join(PRESETS)
+        + "; or your own strategy class, MODULE:CLASS or ./FILE.py:CLASS (examples/own_strategy).",
+    )
     rounds: int = param(30, "Communication rounds T.")
     neighbours: int = param(5, "Neighbours M per agent and round (decentralized strategies).")
     max_wait: int = param(2, "Max prior neighbours N an agent waits for (0: fully parallel).")
@@ -309,6 +314,9 @@ def preset(name: str, **overrides: Any) -> StrategyConfig:
     """
     record = strategies.strategy(name)
     fixed, defaults = record.fixed, record.defaults
+    unknown = set(defaults) - {f.name for f in fields(StrategyConfig)}
+    if unknown:  # a user strategy's `preset` (the table's are checked by the tests)
+        raise ValueError(f"{name}: its preset sets unknown options {', '.join(sorted(unknown))}")
     for key, value in fixed.items():
         if key in overrides and overrides[key] != value:
             flag = "--" + key.replace("_", "-")

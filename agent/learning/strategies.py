@@ -1,9 +1,13 @@
 """Every strategy in one table: its name, its family, the class that computes its rounds,
 its preset, the traits the rest of the code asks of it and the options it reads.
 
-Plain data without torch (it imports nothing of the project), so that `--help`, option
-parsing and config checks read it in a fraction of a second; the class of a strategy is
-named by its import path and loaded only when a round needs it (`implementation`). The
+Plain data without torch (it imports only `agent.user_code`, itself torch-free), so that
+`--help`, option parsing and config checks read it in a fraction of a second; the class of a
+strategy is named by its import path and loaded only when a round needs it (`implementation`).
+
+A user's own strategy is named like a model, by its class's import path (``mypkg.mod:Class``
+or ``./file.py:Class``, `user_code`); its record is read from the class (`user_strategy`),
+so it is imported (with torch) as soon as a run names it. The
 constants the config and the options expose (`DECENTRALIZED`, `CENTRALIZED`, `ADAM_FAMILY`,
 `PRESETS`, `FLAG_SCOPES`, ...) are derived from this table, never kept beside it, and code
 asks a strategy's record for a trait rather than comparing its name.
@@ -11,11 +15,15 @@ asks a strategy's record for a trait rather than comparing its name.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
+
+from agent.user_code import is_import_path, load_callable, source_fingerprint
 
 CENTRAL = "centralized"
 """A coordinator aggregates what participants upload (`agent.learning.central`)."""
@@ -134,7 +142,10 @@ STRATEGIES: Mapping[str, Strategy] = MappingProxyType({s.name: s for s in TABLE}
 
 
 def strategy(name: str) -> Strategy:
-    """The record of strategy `name`; ValueError naming the known ones otherwise."""
+    """The record of strategy `name`, or of the user's class it names (MODULE:CLASS,
+    ./FILE.py:CLASS); ValueError naming the known ones otherwise."""
+    if is_import_path(name):
+        return user_strategy(name)[0]
     try:
         return STRATEGIES[name]
     except KeyError:
@@ -148,9 +159,78 @@ def names(family: str) -> tuple[str, ...]:
 
 def implementation(name: str) -> type:
     """The class that computes strategy `name`'s rounds, imported now (it loads torch)."""
+    if is_import_path(name):
+        return user_strategy(name)[1]
     module, _, attribute = strategy(name).implementation.partition(":")
     cls: type = getattr(importlib.import_module(module), attribute)
     return cls
+
+
+CONTRACTS = {
+    "agent.learning.central.base.CentralStrategy": CENTRAL,
+    "agent.learning.decentral.base.DecentralizedStrategy": DECENTRAL,
+}
+"""The two contracts a user's strategy may implement, by qualified name (importing them
+here would import torch and the learner, which imports this table), with its family."""
+_FAMILY_OPTIONS = {CENTRAL: _SGD, DECENTRAL: _DECENTRAL}
+"""What a user's strategy reads when it derives from a contract directly: the local SGD
+every round trains with, and a decentralized one's wire format (none of the options only
+a shipped strategy's own method reads)."""
+
+
+@functools.cache
+def user_strategy(spec: str) -> tuple[Strategy, type]:
+    """The record and class of the user's strategy `spec` names; ValueError with one line
+    if it cannot be imported or implements neither contract.
+
+    The record is the class's: its family is its contract's; a class derived from a shipped
+    strategy's takes that one's record (traits, options, preset), a class derived from a
+    contract directly is dense, reads only the options of its family and has no preset. Class
+    attributes `sparse`, `prunes_further`, `adam` override the traits, and a ``preset`` dict
+    adds config defaults a run may override (``preset = {"lr": 0.05}``).
+    """
+    cls = load_callable(spec, "strategy")
+    if not isinstance(cls, type):
+        raise ValueError(f"strategy {spec!r}: {type(cls).__name__} is not a class")
+    shipped = {s.implementation: s for s in TABLE}
+    record = None
+    for base in cls.__mro__:
+        if (path := f"{base.__module__}:{base.__qualname__}") in shipped:
+            record = shipped[path]
+            break
+        if (qualified := f"{base.__module__}.{base.__qualname__}") in CONTRACTS:
+            family = CONTRACTS[qualified]
+            record = Strategy(spec, family, spec, options=_FAMILY_OPTIONS[family])
+            break
+    if record is None:
+        raise ValueError(
+            f"strategy {spec!r}: {cls.__name__} derives from neither contract, "
+            "agent.learning.central.CentralStrategy nor agent.learning.decentral."
+            "DecentralizedStrategy"
+        )
+    preset = getattr(cls, "preset", {})
+    if not isinstance(preset, Mapping):
+        raise ValueError(f"strategy {spec!r}: {cls.__name__}.preset must be a dict of options")
+
+    def trait(name: str) -> bool:
+        return bool(getattr(cls, name, getattr(record, name)))
+
+    own = dataclasses.replace(
+        record,
+        name=spec,
+        implementation=spec,
+        defaults={**record.defaults, **preset},
+        sparse=trait("sparse"),
+        prunes_further=trait("prunes_further"),
+        adam=trait("adam"),
+    )
+    return own, cls
+
+
+def fingerprint(name: str) -> str:
+    """A digest of the code of strategy `name` when it is the user's (`user_code.
+    source_fingerprint`), "" for a shipped one (the installed version's)."""
+    return source_fingerprint(implementation(name)) if is_import_path(name) else ""
 
 
 @dataclass(frozen=True)

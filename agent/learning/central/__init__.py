@@ -65,5 +65,9 @@ CENTRAL_STRATEGIES: dict[str, type[CentralStrategy]] = {
 
 
 def central_strategy(name: str) -> CentralStrategy:
-    """A fresh strategy object by its name (`CENTRAL_STRATEGIES`)."""
-    return CENTRAL_STRATEGIES[name]()
+    """A fresh strategy object by its name (`CENTRAL_STRATEGIES`), or of the user's class
+    the name imports (MODULE:CLASS, ./FILE.py:CLASS; `strategies.user_strategy`)."""
+    cls = CENTRAL_STRATEGIES.get(name) or strategies.implementation(name)
+    if not issubclass(cls, CentralStrategy):
+        raise ValueError(f"{name} is not a centralized strategy")
+    return cls()

@@ -1,0 +1,176 @@
+"""A strategy the user brings (issue 47): named as a class by import path or file, in a run
+file, on the command line and in the Python API; its family, traits and preset read from the
+class; fingerprinted so a device with other code refuses the run; and the example in
+examples/own_strategy runs in simulate and as real agent processes with the same figures."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import edgefl
+from agent.experiment import config_from_dict, config_to_dict
+from agent.learning import strategies
+from agent.learning.central import central_strategy
+from agent.options import experiment_config
+from agent.runfile import load_run_file
+from agent.user_code import load_callable
+from coordinator.cli import main as coordinator
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "own_strategy"
+SHORT = {"agents": 4, "rounds": 2}
+
+DECENTRAL = """
+from agent.learning.decentral import DecentralizedStrategy
+from agent.learning.decentral.dispfl import DisPFL
+
+
+class Plain(DecentralizedStrategy):
+    preset = {"epochs": 2}
+
+
+class Masked(DisPFL):
+    prunes_further = True
+
+
+class Neither:
+    pass
+
+
+def build():
+    pass
+"""
+
+
+@pytest.fixture
+def own(tmp_path: Path) -> Path:
+    """A folder with a copy of the example's strategy and some decentralized ones."""
+    folder = tmp_path / "own"
+    folder.mkdir()
+    shutil.copy(EXAMPLE / "strategy.py", folder / "strategy.py")
+    (folder / "decentral.py").write_text(DECENTRAL)
+    return folder
+
+
+def test_the_example_emulated_equals_simulated_in_every_round(tmp_path: Path) -> None:
+    config = edgefl.config(EXAMPLE / "run.toml", **SHORT)
+    assert config.learning.strategy == f"{EXAMPLE / 'strategy.py'}:FedAvgM"
+    assert config.learning.lr == 0.05, "the class's preset"
+    assert config.strategy_fingerprint
+    simulated = edgefl.simulate(config)
+    emulated = edgefl.emulate(config, workdir=tmp_path / "fleet", agents_per_process=4)
+    assert len(simulated.rounds) == len(emulated.rounds) == 2
+    for sim, emu in zip(simulated.rounds, emulated.rounds, strict=True):
+        assert len(sim["agents"]) == 4
+        for agent, figures in sim["agents"].items():
+            assert emu["agents"][agent]["accuracy"] == figures["accuracy"]
+    # Its aggregate is FedAvgM's, not FedAvg's: round 2 moves with round 1's momentum.
+    fedavg = edgefl.simulate(
+        edgefl.config(EXAMPLE / "run.toml", strategy="fedavg", lr=0.05, **SHORT)
+    )
+    assert fedavg.rounds[0]["agents"] == simulated.rounds[0]["agents"]
+    assert fedavg.rounds[1]["agents"] != simulated.rounds[1]["agents"]
+
+
+def test_the_record_is_read_from_the_class(own: Path) -> None:
+    fedavgm = strategies.strategy(f"{own}/strategy.py:FedAvgM")
+    assert (fedavgm.family, fedavgm.options, fedavgm.sparse) == (
+        "centralized",
+        {"optimizer"},
+        False,
+    )
+    assert fedavgm.defaults == {"lr": 0.05}
+    assert type(central_strategy(f"{own}/strategy.py:FedAvgM")).__name__ == "FedAvgM"
+    plain = strategies.strategy(f"{own}/decentral.py:Plain")
+    assert (plain.family, plain.sparse, plain.prunes_further) == ("decentralized", False, False)
+    assert plain.options == {"optimizer", "wire"}
+    assert plain.defaults == {"epochs": 2}
+    masked = strategies.strategy(f"{own}/decentral.py:Masked")
+    assert (masked.sparse, masked.prunes_further, masked.fixed) == (True, True, {"max_wait": 0})
+    assert "reduce" in masked.options, "a DisPFL subclass reads what DisPFL reads"
+
+
+def test_a_decentralized_strategy_of_the_users_trains(own: Path) -> None:
+    config = edgefl.config(dataset="digits", strategy=f"{own}/decentral.py:Plain", **SHORT)
+    assert config.learning.epochs == 2
+    assert len(edgefl.simulate(config).rounds) == 2
+
+
+def test_a_file_resolves_beside_the_run_file_the_cwd_or_from_the_class(
+    own: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (own / "run.toml").write_text(
+        '[run]\nagents = 4\ndataset = "digits"\nstrategy = "./strategy.py:FedAvgM"\n'
+    )
+    wanted = f"{own.resolve()}/strategy.py:FedAvgM"
+    assert load_run_file(own / "run.toml").values["strategy"] == wanted
+    monkeypatch.chdir(own.parent)  # the run file's folder is not the current one
+    assert edgefl.config(own / "run.toml").learning.strategy == wanted
+    monkeypatch.chdir(own)
+    given = {"dataset": "digits", "strategy": "./strategy.py:FedAvgM"}
+    assert experiment_config(given).learning.strategy == wanted
+    cls = load_callable(wanted, "strategy")
+    assert edgefl.config(dataset="digits", strategy=cls).learning.strategy == wanted
+
+
+@pytest.mark.parametrize(
+    ("spec", "error"),
+    [
+        ("./missing.py:FedAvgM", "no such file"),
+        ("./strategy.py:FedAvgN", "has no FedAvgN"),
+        ("./decentral.py:Neither", "derives from neither contract"),
+        ("./decentral.py:build", "function is not a class"),
+        ("no_such_module_anywhere:Cls", "cannot import no_such_module_anywhere"),
+    ],
+)
+def test_a_bad_spec_is_one_line_everywhere(
+    own: Path, monkeypatch: pytest.MonkeyPatch, spec: str, error: str
+) -> None:
+    monkeypatch.chdir(own)
+    with pytest.raises(edgefl.ConfigError, match=error) as api:
+        edgefl.config(dataset="digits", strategy=spec)
+    assert "\n" not in str(api.value)
+    (own / "bad.toml").write_text(f'[run]\nagents = 4\ndataset = "digits"\nstrategy = "{spec}"\n')
+    with pytest.raises(ValueError, match=error) as runfile:
+        edgefl.config(own / "bad.toml")
+    assert str(runfile.value).startswith(str(own / "bad.toml"))
+    result = CliRunner().invoke(
+        coordinator, ["simulate", "--dataset", "digits", "--strategy", spec, "--rounds", "1"]
+    )
+    assert result.exit_code != 0
+    assert error in result.output and "Traceback" not in result.output
+
+
+def test_what_the_class_does_not_read_is_refused(own: Path) -> None:
+    with pytest.raises(edgefl.ConfigError, match="--reduce has no effect here"):
+        edgefl.config(dataset="digits", strategy=f"{own}/strategy.py:FedAvgM", reduce="prune")
+    (own / "odd.py").write_text(
+        "from agent.learning.central import FedAvg\n\n\nclass Odd(FedAvg):\n"
+        '    preset = {"learning_rate": 0.1}\n'
+    )
+    with pytest.raises(edgefl.ConfigError, match="unknown options learning_rate"):
+        edgefl.config(dataset="digits", strategy=f"{own}/odd.py:Odd")
+
+
+def test_a_device_with_other_strategy_code_refuses_the_run(own: Path) -> None:
+    config = edgefl.config(dataset="digits", strategy=f"{own}/strategy.py:FedAvgM", **SHORT)
+    sent = config_to_dict(config)
+    assert config_from_dict(sent) == config, "the same code: accepted"
+    (own / "strategy.py").write_text((own / "strategy.py").read_text() + "\n# edited\n")
+    with pytest.raises(ValueError, match="different code here") as refused:
+        config_from_dict(sent)
+    assert "\n" not in str(refused.value)
+    assert edgefl.config(dataset="digits", strategy="fedavg").strategy_fingerprint == ""
+
+
+def test_naming_a_strategy_loads_no_torch() -> None:
+    code = (
+        "import sys, agent.learning.strategies as s, agent.options; "
+        "s.strategy('fedavg'); assert 'torch' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
