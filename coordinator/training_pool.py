@@ -53,6 +53,7 @@ from agent.learning import (
     settle_round,
     train_round,
 )
+from agent.learning.central.base import FitContext
 from agent.learning.costs import CostTable
 from agent.workload import build_workload
 
@@ -133,7 +134,8 @@ class InProcess:
         assert self.strategy is not None  # a centralized run has one
         for job in jobs:
             data = self.data[job.agent]
-            fit = fit_round(self.strategy, self.learner, job.state, data, job.view, round_, job.p_k)
+            ctx = FitContext(job.state, data, job.view, round_, job.p_k)
+            fit = fit_round(self.strategy, self.learner, ctx)
             yield job.agent, settle_fit(self.learner, fit, data, round_, job.budget_p_k)
 
     def local_round(self, job: RoundJob) -> Future[tuple[RoundResult, Reduction]]:

@@ -141,7 +141,7 @@ def run(dataset: str, seed: int, variant: Variant, threads: int = 1) -> dict[str
     selection and aggregation); accuracy is the global model on every agent's test set."""
     from agent.experiment import ExperimentConfig
     from agent.learning import ldf, preset
-    from agent.learning.central.base import ServerState
+    from agent.learning.central.base import FitContext, ServerState
     from agent.learning.central.fedldf import FedLDF
     from agent.workload import build_workload
 
@@ -180,7 +180,9 @@ def run(dataset: str, seed: int, variant: Variant, threads: int = 1) -> dict[str
                 roster[j]
                 for j in torch.randperm(len(roster), generator=gen)[: variant.participants]
             )
-        fits = {k: strategy.fit(learner, states[k], data[k], server, t, 1.0) for k in ids}
+        fits = {
+            k: strategy.fit(learner, FitContext(states[k], data[k], server, t, 1.0)) for k in ids
+        }
         for k, fit in fits.items():
             states[k] = fit.state
         divs = {k: dict(f.divergence or {}) for k, f in fits.items()}

@@ -238,7 +238,7 @@ def flower_client(config: ExperimentConfig) -> Any:
     from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
     from flwr.clientapp import ClientApp
 
-    from agent.learning.central.base import ServerState
+    from agent.learning.central.base import FitContext, ServerState
     from agent.learning.central.fedavg import full_model_fit
 
     app = ClientApp()
@@ -249,7 +249,8 @@ def flower_client(config: ExperimentConfig) -> Any:
         k = roster[int(context.node_config["partition-id"])]
         start = dict(msg.content.array_records["arrays"].to_torch_state_dict())
         round_ = int(str(msg.content.config_records["config"]["server-round"]))
-        fit = full_model_fit(learner, learner.init_agent(k), data[k], ServerState(start), round_)
+        ctx = FitContext(learner.init_agent(k), data[k], ServerState(start), round_, 1.0)
+        fit = full_model_fit(learner, ctx)
         content = RecordDict(
             {
                 "arrays": ArrayRecord(fit.upload.weights),

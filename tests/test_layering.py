@@ -256,7 +256,8 @@ def test_every_name_the_lazy_packages_list_exists() -> None:
     them all at once (lazy_loader's EAGER_IMPORT) finds it now."""
     probe = (
         "import agent.device, agent.learning, agent.runtime, protocol\n"
-        "print(*(len(p.__all__) for p in (agent.learning, agent.device, agent.runtime, protocol)))\n"
+        "packages = (agent.learning, agent.device, agent.runtime, protocol)\n"
+        "print(*(len(p.__all__) for p in packages))\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", probe],

@@ -32,6 +32,7 @@ from agent.learning.central import (
     as_sent,
     static_tier,
 )
+from agent.learning.central.base import FitContext
 from agent.learning.config import StrategyConfig
 from agent.learning.costs import CostTable
 from agent.learning.kept import FLEET, PERSONAL, Judged
@@ -179,20 +180,12 @@ def advance_server(
     return strategy.receive(previous, as_sent(aggregate.broadcast, fp16))
 
 
-def fit_round(
-    strategy: CentralStrategy,
-    learner: Learner,
-    agent: AgentState,
-    data: LocalData,
-    view: ServerState,
-    round_: int,
-    p_k: float,
-) -> Fit:
+def fit_round(strategy: CentralStrategy, learner: Learner, ctx: FitContext) -> Fit:
     """A centralized participant's local round (`CentralStrategy.fit`), its model's own
     BatchNorm statistics re-estimated for the weights it trained to
     (`Learner.fresh_statistics`). `settle_fit` trains its local-only model."""
-    fit = strategy.fit(learner, agent, data, view, round_, p_k)
-    fresh = learner.fresh_statistics(fit.state.weights, data)
+    fit = strategy.fit(learner, ctx)
+    fresh = learner.fresh_statistics(fit.state.weights, ctx.data)
     return dataclasses.replace(fit, state=dataclasses.replace(fit.state, weights=fresh))
 
 

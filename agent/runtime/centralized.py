@@ -41,6 +41,7 @@ from agent.learning import (
     participant_p_k,
     settle_fit,
 )
+from agent.learning.central.base import FitContext
 from agent.report import AgentRound
 from agent.runtime import codec
 from agent.runtime.codec import divergence_message, encode_state, values_sent
@@ -220,11 +221,8 @@ class CentralizedRounds:
         waited = time.monotonic() - started
         with compute_slot():
             compute_started = time.monotonic()
-            fit, undone = checked_fit(
-                fit_round(self.strategy, s.learner, s.state, s.data, view, round_, p_k),
-                s.state,
-                view,
-            )
+            ctx = FitContext(s.state, s.data, view, round_, p_k)
+            fit, undone = checked_fit(fit_round(self.strategy, s.learner, ctx), s.state, view)
             fit = settle_fit(s.learner, fit, s.data, round_, budget.p_k if budget else None)
         if undone:
             log.warning("round %d: model not finite; kept the model from before it", round_)

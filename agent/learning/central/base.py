@@ -21,6 +21,7 @@ so the coordinator over MQTT and the simulator call `aggregate` with the same in
 from __future__ import annotations
 
 import abc
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
@@ -66,6 +67,43 @@ class Fit:
     """FedLDF: per-layer divergence, sent before any tensor."""
     fallback_flops: int = 0
     """Training FLOPs of the participant's local-only model this round (`fit_round`)."""
+
+
+@dataclass(frozen=True)
+class FitContext:
+    """What one participant's round trains from, gathered once by whoever runs it (the
+    simulator, a worker process, the networked agent), so that every strategy's `fit` and
+    its helpers take the same one value rather than each repeating the list. The learner is
+    not in it: it is the run's, the same for every participant and round, and every other
+    method of the contract takes it apart too."""
+
+    state: AgentState
+    """The participant's state before the round (its own model, its id)."""
+    data: LocalData
+    """Its local data."""
+    view: ServerState
+    """The server state it trains from: the last broadcast it applied, or this round's
+    download of its part of the global model."""
+    round: int
+    """The round number (1 is the first); with the agent id it seeds the round's draws."""
+    p_k: float
+    """Its budget this round: the fraction of the model it trains (FedSPU's family)."""
+
+    @property
+    def agent_id(self) -> str:
+        """The participant's id: with the round, what seeds its draws."""
+        return self.state.agent_id
+
+    def fitted(self, weights: State, upload: Payload, train_loss: float, flops: int) -> Fit:
+        """The participant's `Fit` once it trained to `weights`: the figures every strategy
+        reports alike (its state at this round, its sample count)."""
+        return Fit(
+            state=dataclasses.replace(self.state, weights=weights, round=self.round),
+            upload=upload,
+            num_samples=len(self.data.y_train),
+            train_loss=train_loss,
+            train_flops=flops,
+        )
 
 
 @dataclass(frozen=True)
@@ -120,16 +158,8 @@ class CentralStrategy(abc.ABC):
         raise NotImplementedError(f"{self.name} broadcasts; participants download nothing")
 
     @abc.abstractmethod
-    def fit(
-        self,
-        learner: Learner,
-        agent: AgentState,
-        data: LocalData,
-        server: ServerState,
-        round_: int,
-        p_k: float,
-    ) -> Fit:
-        """A participant's local round from its view of the server state."""
+    def fit(self, learner: Learner, ctx: FitContext) -> Fit:
+        """A participant's local round from its view of the server state (`ctx.view`)."""
 
     def select(
         self, learner: Learner, divergences: Mapping[str, dict[str, float]]
@@ -228,10 +258,8 @@ def sample_weights(learner: Learner, uploads: Mapping[str, Upload]) -> dict[str,
 
 def train_sgd(
     learner: Learner,
-    agent: AgentState,
-    data: LocalData,
+    ctx: FitContext,
     start: State,
-    round_: int,
     *,
     masks: Masks | None = None,
     frozen: Masks | None = None,
@@ -240,13 +268,13 @@ def train_sgd(
     its own BatchNorm statistics (`Learner.own_statistics`)."""
     return train_local(
         learner.model,
-        learner.own_statistics(start, agent.weights),
+        learner.own_statistics(start, ctx.state.weights),
         masks,
-        data.x_train,
-        data.y_train,
+        ctx.data.x_train,
+        ctx.data.y_train,
         learner.sgd,
-        round_,
-        learner.generator("train", agent.agent_id, round_),
+        ctx.round,
+        learner.generator("train", ctx.agent_id, ctx.round),
         frozen=frozen,
         task=learner.task,
     )

@@ -17,7 +17,6 @@ then never leaves its initial values. Give the family about 30 local steps per r
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 
 import torch
@@ -27,6 +26,7 @@ from agent.learning.central.base import (
     Aggregate,
     CentralStrategy,
     Fit,
+    FitContext,
     Layout,
     Payload,
     ServerState,
@@ -35,7 +35,7 @@ from agent.learning.central.base import (
     model_layout,
     sample_weights,
 )
-from agent.learning.learner import AgentState, Learner, LocalData
+from agent.learning.learner import Learner
 from agent.learning.sparse import Masks, State
 
 
@@ -52,30 +52,22 @@ class FedAdam(CentralStrategy):
         zeros = adam.zeros_like_state
         return ServerState(dict(learner.initial), zeros(params), zeros(params))
 
-    def fit(
-        self,
-        learner: Learner,
-        agent: AgentState,
-        data: LocalData,
-        server: ServerState,
-        round_: int,
-        p_k: float,
-    ) -> Fit:
-        cfg = learner.config
+    def fit(self, learner: Learner, ctx: FitContext) -> Fit:
+        cfg, server = learner.config, ctx.view
         assert server.m is not None and server.v is not None
         result = adam.train_adam(
             learner.model,
-            learner.own_statistics(server.weights, agent.weights),
+            learner.own_statistics(server.weights, ctx.state.weights),
             server.m,
             server.v,
-            data.x_train,
-            data.y_train,
+            ctx.data.x_train,
+            ctx.data.y_train,
             adam.AdamConfig(
                 lr=adam.AdamConfig.lr if cfg.lr is None else cfg.lr,
                 epochs=cfg.epochs,
                 batch_size=cfg.batch_size,
             ),
-            learner.generator("train", agent.agent_id, round_),
+            learner.generator("train", ctx.agent_id, ctx.round),
             learner.task,
         )
         (dw, w_mask), (dm, m_mask), (dv, v_mask) = adam.compress(
@@ -85,13 +77,9 @@ class FedAdam(CentralStrategy):
             cfg.ssm_fraction,
             self.mode,
         )
-        return Fit(
-            state=dataclasses.replace(agent, weights=result.weights, round=round_),
-            upload=_moment_payload((dw, w_mask), (dm, m_mask), (dv, v_mask), self.mode),
-            num_samples=len(data.y_train),
-            train_loss=result.mean_loss,
-            train_flops=learner.train_flops(None, result.samples),
-        )
+        upload = _moment_payload((dw, w_mask), (dm, m_mask), (dv, v_mask), self.mode)
+        flops = learner.train_flops(None, result.samples)
+        return ctx.fitted(result.weights, upload, result.mean_loss, flops)
 
     @property
     def broadcast_mode(self) -> str:

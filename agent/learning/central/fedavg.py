@@ -6,7 +6,6 @@ fedavg-ft    accuracy of each agent's fine-tuned model
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 
 from agent.learning import robust, sparse
@@ -14,6 +13,7 @@ from agent.learning.central.base import (
     Aggregate,
     CentralStrategy,
     Fit,
+    FitContext,
     Payload,
     ServerState,
     Upload,
@@ -22,37 +22,22 @@ from agent.learning.central.base import (
     train_sgd,
     voted,
 )
-from agent.learning.learner import AgentState, Learner, LocalData
+from agent.learning.learner import Learner
 
 
-def full_model_fit(
-    learner: Learner, agent: AgentState, data: LocalData, server: ServerState, round_: int
-) -> Fit:
+def full_model_fit(learner: Learner, ctx: FitContext) -> Fit:
     """Local SGD from the global model, uploading the whole trained model (FedAvg's round,
     and FedLDF's before it chooses what to send)."""
-    trained = train_sgd(learner, agent, data, server.weights, round_)
-    return Fit(
-        state=dataclasses.replace(agent, weights=trained.state, round=round_),
-        upload=Payload(trained.state),
-        num_samples=len(data.y_train),
-        train_loss=trained.mean_loss,
-        train_flops=learner.train_flops(None, trained.samples),
-    )
+    trained = train_sgd(learner, ctx, ctx.view.weights)
+    flops = learner.train_flops(None, trained.samples)
+    return ctx.fitted(trained.state, Payload(trained.state), trained.mean_loss, flops)
 
 
 class FedAvg(CentralStrategy):
     name = "fedavg"
 
-    def fit(
-        self,
-        learner: Learner,
-        agent: AgentState,
-        data: LocalData,
-        server: ServerState,
-        round_: int,
-        p_k: float,
-    ) -> Fit:
-        return full_model_fit(learner, agent, data, server, round_)
+    def fit(self, learner: Learner, ctx: FitContext) -> Fit:
+        return full_model_fit(learner, ctx)
 
     def aggregate(
         self, learner: Learner, server: ServerState, uploads: Mapping[str, Upload]

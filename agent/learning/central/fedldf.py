@@ -11,6 +11,7 @@ from agent.learning.central.base import (
     Aggregate,
     CentralStrategy,
     Fit,
+    FitContext,
     Payload,
     ServerState,
     Upload,
@@ -19,7 +20,7 @@ from agent.learning.central.base import (
     voted,
 )
 from agent.learning.central.fedavg import full_model_fit
-from agent.learning.learner import AgentState, Learner, LocalData
+from agent.learning.learner import Learner
 
 
 class FedLDF(CentralStrategy):
@@ -28,22 +29,14 @@ class FedLDF(CentralStrategy):
     name = "fedldf"
     asks_layers = True
 
-    def fit(
-        self,
-        learner: Learner,
-        agent: AgentState,
-        data: LocalData,
-        server: ServerState,
-        round_: int,
-        p_k: float,
-    ) -> Fit:
+    def fit(self, learner: Learner, ctx: FitContext) -> Fit:
         """FedAvg's local round, uploading nothing yet: only the per-layer divergence."""
-        fit = full_model_fit(learner, agent, data, server, round_)
+        fit = full_model_fit(learner, ctx)
         groups = learner.layer_groups
         return dataclasses.replace(
             fit,
             upload=Payload({}),
-            divergence=ldf.divergences(fit.state.weights, server.weights, groups),
+            divergence=ldf.divergences(fit.state.weights, ctx.view.weights, groups),
         )
 
     def select(

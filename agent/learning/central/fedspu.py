@@ -8,7 +8,6 @@ random fraction of the neurons, and only that active part travels, both ways.
 from __future__ import annotations
 
 import abc
-import dataclasses
 from collections.abc import Mapping
 
 import torch
@@ -18,6 +17,7 @@ from agent.learning.central.base import (
     Aggregate,
     CentralStrategy,
     Fit,
+    FitContext,
     Payload,
     ServerState,
     Upload,
@@ -26,7 +26,7 @@ from agent.learning.central.base import (
     train_sgd,
     voted,
 )
-from agent.learning.learner import AgentState, Learner, LocalData
+from agent.learning.learner import Learner
 from agent.learning.reduced import frozen_training_flops
 from agent.learning.reduction import active_fraction
 from agent.learning.sparse import Masks
@@ -51,41 +51,30 @@ class ActivePart(CentralStrategy):
     broadcasts = False
 
     @abc.abstractmethod
+    def fraction(self, p_k: float) -> float:
+        """The fraction of the neurons active at a participant with budget p_k."""
+
     def active(
         self, learner: Learner, server: ServerState, agent_id: str, round_: int, p_k: float
     ) -> Masks:
-        """This round's active neurons of a participant with budget p_k."""
+        """This round's active neurons of a participant with budget p_k, drawn from its seed
+        (the aggregator draws the same for its download as the participant for its fit)."""
+        generator = learner.generator("active", agent_id, round_)
+        return freezing.active_masks(
+            learner.freezing_plan, server.weights, self.fraction(p_k), generator
+        )
 
     @abc.abstractmethod
     def train_active(
-        self,
-        learner: Learner,
-        agent: AgentState,
-        data: LocalData,
-        server: ServerState,
-        round_: int,
-        active: Masks,
+        self, learner: Learner, ctx: FitContext, active: Masks
     ) -> tuple[TrainResult, int]:
         """The local training of a participant's round, and its FLOPs per sample."""
 
-    def fit(
-        self,
-        learner: Learner,
-        agent: AgentState,
-        data: LocalData,
-        server: ServerState,
-        round_: int,
-        p_k: float,
-    ) -> Fit:
-        active = self.active(learner, server, agent.agent_id, round_, p_k)
-        trained, flops = self.train_active(learner, agent, data, server, round_, active)
-        return Fit(
-            state=dataclasses.replace(agent, weights=trained.state, round=round_),
-            upload=Payload(trained.state, active),
-            num_samples=len(data.y_train),
-            train_loss=trained.mean_loss,
-            train_flops=flops * trained.samples,
-        )
+    def fit(self, learner: Learner, ctx: FitContext) -> Fit:
+        active = self.active(learner, ctx.view, ctx.agent_id, ctx.round, ctx.p_k)
+        trained, flops = self.train_active(learner, ctx, active)
+        upload = Payload(trained.state, active)
+        return ctx.fitted(trained.state, upload, trained.mean_loss, flops * trained.samples)
 
     def download(
         self, learner: Learner, server: ServerState, agent_id: str, round_: int, p_k: float
@@ -111,14 +100,6 @@ class ActivePart(CentralStrategy):
         return Aggregate(ServerState(weights), Payload({}))
 
 
-def _draw_active(
-    learner: Learner, agent_id: str, server: ServerState, round_: int, fraction: float
-) -> Masks:
-    """The active neurons of a participant, drawn from its seed."""
-    generator = learner.generator("active", agent_id, round_)
-    return freezing.active_masks(learner.freezing_plan, server.weights, fraction, generator)
-
-
 def _all_masks(payload: Payload) -> Masks:
     """A payload's masks, all True for a tensor sent whole."""
     masks = payload.masks or {}
@@ -134,24 +115,17 @@ class FedSPU(ActivePart):
     name = "fedspu"
     trains_own = True
 
-    def active(
-        self, learner: Learner, server: ServerState, agent_id: str, round_: int, p_k: float
-    ) -> Masks:
-        return _draw_active(learner, agent_id, server, round_, active_fraction(p_k))
+    def fraction(self, p_k: float) -> float:
+        """As ALGORITHMS.md section 2 decides for a frozen model (`active_fraction`)."""
+        return active_fraction(p_k)
 
     def train_active(
-        self,
-        learner: Learner,
-        agent: AgentState,
-        data: LocalData,
-        server: ServerState,
-        round_: int,
-        active: Masks,
+        self, learner: Learner, ctx: FitContext, active: Masks
     ) -> tuple[TrainResult, int]:
         """Train the agent's own model with the global active part, the rest frozen (which
         still runs forward and passes gradients back)."""
-        start = freezing.overwrite_active(agent.weights, server.weights, active)
-        trained = train_sgd(learner, agent, data, start, round_, frozen=active)
+        start = freezing.overwrite_active(ctx.state.weights, ctx.view.weights, active)
+        trained = train_sgd(learner, ctx, start, frozen=active)
         return trained, frozen_training_flops(learner, None, active)
 
 
@@ -163,21 +137,14 @@ class FedDropout(ActivePart):
 
     name = "feddrop"
 
-    def active(
-        self, learner: Learner, server: ServerState, agent_id: str, round_: int, p_k: float
-    ) -> Masks:
-        return _draw_active(learner, agent_id, server, round_, p_k)
+    def fraction(self, p_k: float) -> float:
+        """p_k itself: the trained sub-model keeps that fraction of the neurons."""
+        return p_k
 
     def train_active(
-        self,
-        learner: Learner,
-        agent: AgentState,
-        data: LocalData,
-        server: ServerState,
-        round_: int,
-        active: Masks,
+        self, learner: Learner, ctx: FitContext, active: Masks
     ) -> tuple[TrainResult, int]:
         """Train the global model's sub-model of the active neurons alone."""
-        start = freezing.submodel(server.weights, active)
-        trained = train_sgd(learner, agent, data, start, round_, masks=active)
+        start = freezing.submodel(ctx.view.weights, active)
+        trained = train_sgd(learner, ctx, start, masks=active)
         return trained, 3 * learner.forward_flops(active)
