@@ -17,7 +17,7 @@ import torch
 from agent.learning.config import SGDConfig
 from agent.learning.reduction import Reduction
 from agent.learning.reductions import NONE, kind, kinds
-from agent.learning.reductions.base import ReducedRound
+from agent.learning.reductions.base import ReducedRound, Start
 from agent.learning.sparse import Masks, State
 from agent.learning.training import TrainResult, train_local
 
@@ -56,7 +56,7 @@ def reduced_training(
     sgd = sgd or learner.sgd
     if reduction.batch_size is not None:
         sgd = dataclasses.replace(sgd, batch_size=reduction.batch_size)
-    job = ReducedRound(start, masks, active, reduction, data, round_, generator, sgd)
+    job = ReducedRound(Start(start, masks, active), reduction, data, round_, generator, sgd)
     ordered = sorted(kinds(), key=lambda cut: not cut.narrows)
     chosen = next((cut for cut in ordered if cut.trains(learner, job)), kind(NONE))
     return chosen.train(learner, job)
@@ -71,7 +71,7 @@ def narrow_training(
     whose narrowed masks are all kept and so not applied."""
     from agent.learning import width
 
-    start, masks = job.start, job.masks
+    start, masks = job.start.weights, job.start.masks
     narrow = width.narrow_model(learner.model, plan, selection)
     narrow_masks = None if masks is None else width.narrow_state(masks, plan, selection)
     if narrow_masks is not None and all(bool(m.all()) for m in narrow_masks.values()):

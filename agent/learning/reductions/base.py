@@ -50,12 +50,10 @@ class Start:
 
 @dataclass(frozen=True)
 class ReducedRound:
-    """A round's local training as a kind receives it: from `start` under `masks` (the
-    `active` neurons alone when some are frozen), cut as `reduction` says, with `sgd`."""
+    """A round's local training as a kind receives it: from `start`, cut as `reduction`
+    says, on `data`, with `sgd`."""
 
-    start: State
-    masks: Masks | None
-    active: Masks | None
+    start: Start
     reduction: Reduction
     data: LocalData
     round_: int
@@ -123,21 +121,21 @@ class ReductionKind:
 
     def per_sample_flops(self, learner: TrainingFacts, job: ReducedRound) -> int:
         """Counted training FLOPs per sample (ALGORITHMS.md 1.10): forward and backward."""
-        return 3 * learner.forward_flops(job.masks)
+        return 3 * learner.forward_flops(job.start.masks)
 
     def train(self, learner: TrainingFacts, job: ReducedRound) -> tuple[TrainResult, int]:
         """The round's training and its counted FLOPs: the full model, its `trainable`
         entries (the `active` neurons' weights alone when some are frozen)."""
         trained = train_local(
             learner.model,
-            job.start,
-            job.masks,
+            job.start.weights,
+            job.start.masks,
             job.data.x_train,
             job.data.y_train,
             job.sgd,
             job.round_,
             job.generator,
-            frozen=job.active,
+            frozen=job.start.active,
             trainable=self.trainable(learner, job.reduction),
             step_fraction=job.reduction.step_fraction,
             task=learner.task,

@@ -21,10 +21,10 @@ class Channel(ReductionKind):
     narrows: ClassVar[bool] = True
 
     def trains(self, learner: TrainingFacts, job: ReducedRound) -> bool:
-        return learner.channel_masks and job.masks is not None
+        return learner.channel_masks and job.start.masks is not None
 
     def train(self, learner: TrainingFacts, job: ReducedRound) -> tuple[TrainResult, int]:
         """The channels the masks keep, trained as a narrower model and written back."""
-        assert job.masks is not None
+        assert job.start.masks is not None
         plan = learner.channel_plan
-        return narrow_training(learner, plan.width, channels.selection(plan, job.masks), job)
+        return narrow_training(learner, plan.width, channels.selection(plan, job.start.masks), job)

@@ -76,8 +76,8 @@ class Freeze(ReductionKind):
         return dataclasses.replace(start, active=active)
 
     def trains(self, learner: TrainingFacts, job: ReducedRound) -> bool:
-        return job.active is not None
+        return job.start.active is not None
 
     def per_sample_flops(self, learner: TrainingFacts, job: ReducedRound) -> int:
-        assert job.active is not None
-        return frozen_training_flops(learner, job.masks, job.active)
+        assert job.start.active is not None
+        return frozen_training_flops(learner, job.start.masks, job.start.active)
