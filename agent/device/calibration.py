@@ -32,13 +32,13 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from agent.files import DiskFullError, atomic_write
-from agent.learning import channels, prefix, reductions
+from agent.learning import reductions
 from agent.learning.costs import Cost, CostTable, Row
 from agent.learning.learner import Learner, LocalData
 from agent.learning.precision import CHANNELS_LAST, ComputeFormat
@@ -47,6 +47,9 @@ from agent.learning.reduction import NO_REDUCTION, Reduction
 from agent.learning.reductions.base import Start, started
 from agent.learning.sparse import Masks
 from agent.learning.training import round_steps
+
+if TYPE_CHECKING:
+    from agent.learning.reductions.base import Narrow
 
 log = logging.getLogger(__name__)
 
@@ -98,29 +101,35 @@ def _bytes(tensors: Any) -> int:
 
 def working_set_mb(learner: Learner, reduction: Reduction, masks: Masks | None = None) -> float:
     """Weights, gradients and momentum of the model a round with `reduction` (and `masks`)
-    trains: the whole model's weights, and gradients for what trains (a window's layers, the
-    narrow model's entries: a width's or channel masks'; freezing's gradients are
-    dense-shaped)."""
+    trains: the whole model's weights, and gradients for what trains as the first kind
+    that cuts it says (a window's layers, the narrow model's entries: a width's or channel
+    masks'; freezing's gradients are dense-shaped)."""
     from agent.learning import width
 
     params = dict(learner.model.named_parameters())
     weights = _bytes(params.values())
     grads = weights
-    narrow: tuple[width.WidthPlan, width.Selection] | None = None
-    if reduction.window is not None:
-        names = prefix.trained_names(learner.forward_layers, reduction.window)
+    names, narrow = _trained_part(learner, reduction, masks)
+    if names is not None:
         grads = _bytes(p for name, p in params.items() if name in names)
-    elif reduction.width is not None:
-        plan = learner.width_plan
-        narrow = plan, width.rolling_selection(plan, reduction.width, 0)
-    elif learner.channel_masks and masks is not None:
-        plan = learner.channel_plan.width
-        narrow = plan, channels.selection(learner.channel_plan, masks)
     if narrow is not None:
         held = width.held_masks({n: p.detach() for n, p in params.items()}, *narrow)
         weights = grads = sum(int(held[n].sum()) * p.element_size() for n, p in params.items())
     copies = 2 if learner.config.momentum != 0 else 1
     return (weights + copies * grads) / MIB
+
+
+def _trained_part(
+    learner: Learner, reduction: Reduction, masks: Masks | None
+) -> tuple[set[str] | None, Narrow | None]:
+    """What of the model a round with `reduction` trains, as the first kind in the table
+    that cuts it says: the entries of the full model (None: all), or a narrower model."""
+    for cut in reductions.kinds():
+        names = cut.trainable(learner, reduction)
+        narrow = cut.narrowed(learner, reduction, masks, 0)
+        if names is not None or narrow is not None:
+            return names, narrow
+    return None, None
 
 
 def table_key(learner: Learner, batch_size: int, kinds: Sequence[str] = ()) -> str:

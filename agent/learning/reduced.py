@@ -3,8 +3,7 @@
 The simulator, the agents (`Learner.local_round`) and the calibration that measures what each
 reduction costs (`agent.device.calibration`) all train through `reduced_training`, so the
 cost a device measured is the cost of the round it runs. How each kind trains is its own
-(`agent.learning.reductions`); what two of them share is here: the narrower model's training
-(width reduction's and the channel masks') and the FLOPs of frozen training.
+(`agent.learning.reductions`).
 """
 
 from __future__ import annotations
@@ -19,11 +18,10 @@ from agent.learning.reduction import Reduction
 from agent.learning.reductions import NONE, kind, kinds
 from agent.learning.reductions.base import ReducedRound, Start
 from agent.learning.sparse import Masks, State
-from agent.learning.training import TrainResult, train_local
 
 if TYPE_CHECKING:
     from agent.learning.facts import LocalData, ModelFacts, TrainingFacts
-    from agent.learning.width import Selection, WidthPlan
+    from agent.learning.training import TrainResult
 
 
 def frozen_training_flops(learner: ModelFacts, masks: Masks | None, active: Masks) -> int:
@@ -60,39 +58,3 @@ def reduced_training(
     ordered = sorted(kinds(), key=lambda cut: not cut.narrows)
     chosen = next((cut for cut in ordered if cut.trains(learner, job)), kind(NONE))
     return chosen.train(learner, job)
-
-
-def narrow_training(
-    learner: TrainingFacts, plan: WidthPlan, selection: Selection, job: ReducedRound
-) -> tuple[TrainResult, int]:
-    """The `selection` of channels as a narrower model, trained, and written back into the
-    full model; the other entries keep the start's values. Width reduction's rolling
-    window (FedRolex), or the channels a structured mask keeps (`agent.learning.channels`),
-    whose narrowed masks are all kept and so not applied."""
-    from agent.learning import width
-
-    start, masks = job.start.weights, job.start.masks
-    narrow = width.narrow_model(learner.model, plan, selection)
-    narrow_masks = None if masks is None else width.narrow_state(masks, plan, selection)
-    if narrow_masks is not None and all(bool(m.all()) for m in narrow_masks.values()):
-        narrow_masks = None
-    trained = train_local(
-        narrow,
-        width.narrow_state(start, plan, selection),
-        narrow_masks,
-        job.data.x_train,
-        job.data.y_train,
-        job.sgd,
-        job.round_,
-        job.generator,
-        step_fraction=job.reduction.step_fraction,
-        task=learner.task,
-        compute=learner.compute_format,
-        checkpoint=job.reduction.checkpoint,
-    )
-    held = width.held_masks(start, plan, selection)
-    if masks is not None:
-        held = {n: h & masks[n] if n in masks else h for n, h in held.items()}
-    state = width.widen_state(start, trained.state, plan, selection)
-    flops = 3 * learner.forward_flops(held) * trained.samples
-    return dataclasses.replace(trained, state=state), flops

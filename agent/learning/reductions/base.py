@@ -11,6 +11,7 @@ model, its counted FLOPs those of a dense step (3 F), every level of it fit to t
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
@@ -26,6 +27,10 @@ if TYPE_CHECKING:
     from agent.learning.costs import CostTable, Row
     from agent.learning.facts import CalibrationFacts, LocalData, ModelFacts, TrainingFacts
     from agent.learning.sparse import Masks, State
+    from agent.learning.width import Selection, WidthPlan
+
+    Narrow = tuple[WidthPlan, Selection]
+    """A narrower model: the width plan and the channels of each class it keeps."""
 
 
 @dataclass(frozen=True)
@@ -119,23 +124,35 @@ class ReductionKind:
         """The state entries the full model's training updates (None: all of them)."""
         return None
 
+    def narrowed(
+        self, learner: TrainingFacts, reduction: Reduction, masks: Masks | None, round_: int
+    ) -> Narrow | None:
+        """The narrower model this kind trains in round `round_` in place of the full one
+        (None: the full one)."""
+        return None
+
     def per_sample_flops(self, learner: TrainingFacts, job: ReducedRound) -> int:
         """Counted training FLOPs per sample (ALGORITHMS.md 1.10): forward and backward."""
         return 3 * learner.forward_flops(job.start.masks)
 
     def train(self, learner: TrainingFacts, job: ReducedRound) -> tuple[TrainResult, int]:
-        """The round's training and its counted FLOPs: the full model, its `trainable`
-        entries (the `active` neurons' weights alone when some are frozen)."""
+        """The round's training and its counted FLOPs: the kind's narrower model, or the
+        full model's `trainable` entries (the `active` neurons' weights alone when some
+        are frozen)."""
+        start = job.start
+        narrow = self.narrowed(learner, job.reduction, start.masks, job.round_)
+        if narrow is not None:
+            return narrow_training(learner, *narrow, job)
         trained = train_local(
             learner.model,
-            job.start.weights,
-            job.start.masks,
+            start.weights,
+            start.masks,
             job.data.x_train,
             job.data.y_train,
             job.sgd,
             job.round_,
             job.generator,
-            frozen=job.start.active,
+            frozen=start.active,
             trainable=self.trainable(learner, job.reduction),
             step_fraction=job.reduction.step_fraction,
             task=learner.task,
@@ -143,6 +160,42 @@ class ReductionKind:
             checkpoint=job.reduction.checkpoint,
         )
         return trained, self.per_sample_flops(learner, job) * trained.samples
+
+
+def narrow_training(
+    learner: TrainingFacts, plan: WidthPlan, selection: Selection, job: ReducedRound
+) -> tuple[TrainResult, int]:
+    """The `selection` of channels as a narrower model, trained, and written back into the
+    full model; the other entries keep the start's values. Width reduction's rolling
+    window (FedRolex), or the channels a structured mask keeps (`agent.learning.channels`),
+    whose narrowed masks are all kept and so not applied."""
+    from agent.learning import width
+
+    start, masks = job.start.weights, job.start.masks
+    narrow = width.narrow_model(learner.model, plan, selection)
+    narrow_masks = None if masks is None else width.narrow_state(masks, plan, selection)
+    if narrow_masks is not None and all(bool(m.all()) for m in narrow_masks.values()):
+        narrow_masks = None
+    trained = train_local(
+        narrow,
+        width.narrow_state(start, plan, selection),
+        narrow_masks,
+        job.data.x_train,
+        job.data.y_train,
+        job.sgd,
+        job.round_,
+        job.generator,
+        step_fraction=job.reduction.step_fraction,
+        task=learner.task,
+        compute=learner.compute_format,
+        checkpoint=job.reduction.checkpoint,
+    )
+    held = width.held_masks(start, plan, selection)
+    if masks is not None:
+        held = {n: h & masks[n] if n in masks else h for n, h in held.items()}
+    state = width.widen_state(start, trained.state, plan, selection)
+    flops = 3 * learner.forward_flops(held) * trained.samples
+    return dataclasses.replace(trained, state=state), flops
 
 
 def started(

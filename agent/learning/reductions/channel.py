@@ -8,12 +8,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, ClassVar
 
 from agent.learning import channels
-from agent.learning.reduced import narrow_training
 from agent.learning.reductions.base import ReducedRound, ReductionKind
 
 if TYPE_CHECKING:
     from agent.learning.facts import TrainingFacts
-    from agent.learning.training import TrainResult
+    from agent.learning.reduction import Reduction
+    from agent.learning.reductions.base import Narrow
+    from agent.learning.sparse import Masks
 
 
 class Channel(ReductionKind):
@@ -23,8 +24,11 @@ class Channel(ReductionKind):
     def trains(self, learner: TrainingFacts, job: ReducedRound) -> bool:
         return learner.channel_masks and job.start.masks is not None
 
-    def train(self, learner: TrainingFacts, job: ReducedRound) -> tuple[TrainResult, int]:
-        """The channels the masks keep, trained as a narrower model and written back."""
-        assert job.start.masks is not None
+    def narrowed(
+        self, learner: TrainingFacts, reduction: Reduction, masks: Masks | None, round_: int
+    ) -> Narrow | None:
+        """The channels the masks keep (`channels.selection`)."""
+        if not learner.channel_masks or masks is None:
+            return None
         plan = learner.channel_plan
-        return narrow_training(learner, plan.width, channels.selection(plan, job.start.masks), job)
+        return plan.width, channels.selection(plan, masks)

@@ -51,7 +51,8 @@ class Prefix(ReductionKind):
         return job.reduction.window is not None
 
     def trainable(self, learner: TrainingFacts, reduction: Reduction) -> set[str] | None:
-        assert reduction.window is not None
+        if reduction.window is None:
+            return None
         return prefix.trained_names(learner.forward_layers, reduction.window)
 
     def per_sample_flops(self, learner: TrainingFacts, job: ReducedRound) -> int:

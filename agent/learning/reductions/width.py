@@ -6,14 +6,14 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, ClassVar
 
-from agent.learning.reduced import narrow_training
 from agent.learning.reduction import Reduction
 from agent.learning.reductions.base import Level, ReducedRound, ReductionKind
 
 if TYPE_CHECKING:
     from agent.learning.costs import Row
     from agent.learning.facts import CalibrationFacts, TrainingFacts
-    from agent.learning.training import TrainResult
+    from agent.learning.reductions.base import Narrow
+    from agent.learning.sparse import Masks
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +41,13 @@ class Width(ReductionKind):
     def trains(self, learner: TrainingFacts, job: ReducedRound) -> bool:
         return job.reduction.width is not None
 
-    def train(self, learner: TrainingFacts, job: ReducedRound) -> tuple[TrainResult, int]:
-        """This round's rolling window of channels (`width.rolling_selection`), trained
-        narrow and written back."""
+    def narrowed(
+        self, learner: TrainingFacts, reduction: Reduction, masks: Masks | None, round_: int
+    ) -> Narrow | None:
+        """This round's rolling window of channels (`width.rolling_selection`)."""
+        if reduction.width is None:
+            return None
         from agent.learning.width import rolling_selection
 
-        assert job.reduction.width is not None
         plan = learner.width_plan
-        chosen = rolling_selection(plan, job.reduction.width, job.round_)
-        return narrow_training(learner, plan, chosen, job)
+        return plan, rolling_selection(plan, reduction.width, round_)
