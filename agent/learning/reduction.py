@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from agent.learning import reductions
 from agent.learning.costs import CostTable, Row
 from agent.learning.prefix import Window
-from agent.learning.reductions import MEASURED_KINDS, MEASURED_MODES
+from agent.learning.reductions import AUTO, MEASURED_KINDS, MEASURED_MODES
 from agent.learning.sparse import Masks
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ def measured_kinds(mode: str) -> tuple[str, ...]:
     """The reductions whose costs an agent measures under `--reduce mode`: auto's choices,
     or the mode's own kind (prune and freeze for their prediction); with checkpointing for
     the modes that choose by measurement (what fits the memory at the configured batch)."""
-    kinds = MEASURED_KINDS if mode == "auto" else (mode,)
+    kinds = MEASURED_KINDS if mode == AUTO else (mode,)
     return (*kinds, "checkpoint") if mode in MEASURED_MODES else kinds
 
 
