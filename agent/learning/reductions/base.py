@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from agent.learning.sparse import Masks, State
     from agent.learning.width import Selection, WidthPlan
 
+    Draw = Callable[[], torch.Generator]
+    """Where a kind's random draws come from (a generator made on first need)."""
     Narrow = tuple[WidthPlan, Selection]
     """A narrower model: the width plan and the channels of each class it keeps."""
 
@@ -105,11 +107,7 @@ class ReductionKind:
         return None
 
     def started(
-        self,
-        learner: CalibrationFacts,
-        start: Start,
-        reduction: Reduction,
-        draw: Callable[[], torch.Generator],
+        self, learner: CalibrationFacts, start: Start, reduction: Reduction, draw: Draw
     ) -> Start:
         """The round's start with this kind's step before training (a density cap, the
         neurons that train, drawn from `draw()`); each kind in the table's order takes the
@@ -198,12 +196,7 @@ def narrow_training(
     return dataclasses.replace(trained, state=state), flops
 
 
-def started(
-    learner: CalibrationFacts,
-    start: Start,
-    reduction: Reduction,
-    draw: Callable[[], torch.Generator],
-) -> Start:
+def started(learner: CalibrationFacts, start: Start, reduction: Reduction, draw: Draw) -> Start:
     """`start` with every kind's step before training (`ReductionKind.started`), in the
     table's order: the round's start, and the start a calibration times."""
     for cut in kinds():

@@ -10,7 +10,6 @@ are drawn each round (`learner.starting_point`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
 from agent.learning.reduced import frozen_training_flops
@@ -18,10 +17,9 @@ from agent.learning.reduction import MIN_ACTIVE, NO_REDUCTION, Reduction
 from agent.learning.reductions.base import Level, ReducedRound, ReductionKind, Start
 
 if TYPE_CHECKING:
-    import torch
-
     from agent.learning.costs import Row
     from agent.learning.facts import CalibrationFacts, ModelFacts, TrainingFacts
+    from agent.learning.reductions.base import Draw
     from agent.learning.sparse import Masks
 
 LEVELS = (0.8, 0.5, 0.35, 0.2, 0.05)
@@ -60,11 +58,7 @@ class Freeze(ReductionKind):
         return reduction.active_fraction
 
     def started(
-        self,
-        learner: CalibrationFacts,
-        start: Start,
-        reduction: Reduction,
-        draw: Callable[[], torch.Generator],
+        self, learner: CalibrationFacts, start: Start, reduction: Reduction, draw: Draw
     ) -> Start:
         """The neurons that train this round, drawn (`freezing.active_masks`)."""
         if reduction.active_fraction is None:

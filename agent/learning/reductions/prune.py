@@ -10,7 +10,6 @@ narrower model to train (`channel`), measured at the `LEVELS` below it too.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
 from agent.learning import channels, rigl, sparse
@@ -18,10 +17,9 @@ from agent.learning.reduction import NO_REDUCTION, Reduction, capped_density
 from agent.learning.reductions.base import Level, ReductionKind, Start
 
 if TYPE_CHECKING:
-    import torch
-
     from agent.learning.costs import Row
     from agent.learning.facts import CalibrationFacts, ModelFacts
+    from agent.learning.reductions.base import Draw
     from agent.learning.sparse import Masks
 
 LEVELS = (0.35, 0.2, 0.1)
@@ -60,11 +58,7 @@ class Prune(ReductionKind):
         return reduction.density_cap
 
     def started(
-        self,
-        learner: CalibrationFacts,
-        start: Start,
-        reduction: Reduction,
-        draw: Callable[[], torch.Generator],
+        self, learner: CalibrationFacts, start: Start, reduction: Reduction, draw: Draw
     ) -> Start:
         """The sparse model pruned by magnitude to the density cap, when there is one."""
         cap = reduction.density_cap
