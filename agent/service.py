@@ -42,7 +42,8 @@ from agent.learning import AgentState, Masks, State
 from agent.learning.central import central_strategy
 from agent.learning.kept import Kept
 from agent.learning.learner import served_model
-from agent.learning.reduction import MEASURED_MODES, measured_kinds
+from agent.learning.reduction import measured_kinds
+from agent.learning.reductions import MEASURED_MODES
 from agent.model_store import (
     CANCELLED_MARK,
     DEFAULT_KEEP_RUNS,

@@ -55,7 +55,8 @@ from agent.learning import (
     sparse,
 )
 from agent.learning.costs import CostTable
-from agent.learning.reduction import MEASURED_MODES, measured_kinds
+from agent.learning.reduction import measured_kinds
+from agent.learning.reductions import MEASURED_MODES
 from agent.report import (
     COORDINATOR,
     AgentRound,

@@ -43,7 +43,7 @@ import torch
 from agent.device.budget import Budget
 from agent.experiment import ExperimentConfig
 from agent.learning import preset
-from agent.learning.reduction import MEASURED_MODES
+from agent.learning.reductions import MEASURED_MODES
 from agent.workload import build_workload
 from bench.support import environment, write_json
 from coordinator.simulate import Simulation, measured_costs

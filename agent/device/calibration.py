@@ -32,20 +32,24 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from agent.files import DiskFullError, atomic_write
-from agent.learning import channels, checkpointing, prefix
+from agent.learning import reductions
 from agent.learning.costs import Cost, CostTable, Row
 from agent.learning.learner import Learner, LocalData
 from agent.learning.precision import CHANNELS_LAST, ComputeFormat
 from agent.learning.reduced import reduced_training
 from agent.learning.reduction import NO_REDUCTION, Reduction
+from agent.learning.reductions.base import Start, started
 from agent.learning.sparse import Masks
 from agent.learning.training import round_steps
+
+if TYPE_CHECKING:
+    from agent.learning.reductions.base import Narrow
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +57,10 @@ MIB = 2**20
 MAX_STEPS = 100
 MIN_TIMED_S = 0.1
 REPEATS = 3
-FREEZE_LEVELS = (0.8, 0.5, 0.35, 0.2, 0.05)
-WIDTH_LEVELS = (0.75, 0.5, 0.35, 0.25)
-PRUNE_LEVELS = (0.35, 0.2, 0.1)
 FORMAT_GAIN = 0.95
 """A format other than fp32 is taken when its dense step is at least 5% faster."""
-PREFIX_LEVELS = (0.5, 0.3, 0.15)
 COSTS_FILE = "costs.json"
-KINDS = ("prune", "freeze", "prefix", "width", "checkpoint")
+KINDS = reductions.CALIBRATED
 
 
 class ActivationMeter:
@@ -101,29 +101,35 @@ def _bytes(tensors: Any) -> int:
 
 def working_set_mb(learner: Learner, reduction: Reduction, masks: Masks | None = None) -> float:
     """Weights, gradients and momentum of the model a round with `reduction` (and `masks`)
-    trains: the whole model's weights, and gradients for what trains (a window's layers, the
-    narrow model's entries: a width's or channel masks'; freezing's gradients are
-    dense-shaped)."""
+    trains: the whole model's weights, and gradients for what trains as the first kind
+    that cuts it says (a window's layers, the narrow model's entries: a width's or channel
+    masks'; freezing's gradients are dense-shaped)."""
     from agent.learning import width
 
     params = dict(learner.model.named_parameters())
     weights = _bytes(params.values())
     grads = weights
-    narrow: tuple[width.WidthPlan, width.Selection] | None = None
-    if reduction.window is not None:
-        names = prefix.trained_names(learner.forward_layers, reduction.window)
+    names, narrow = _trained_part(learner, reduction, masks)
+    if names is not None:
         grads = _bytes(p for name, p in params.items() if name in names)
-    elif reduction.width is not None:
-        plan = learner.width_plan
-        narrow = plan, width.rolling_selection(plan, reduction.width, 0)
-    elif learner.channel_masks and masks is not None:
-        plan = learner.channel_plan.width
-        narrow = plan, channels.selection(learner.channel_plan, masks)
     if narrow is not None:
         held = width.held_masks({n: p.detach() for n, p in params.items()}, *narrow)
         weights = grads = sum(int(held[n].sum()) * p.element_size() for n, p in params.items())
     copies = 2 if learner.config.momentum != 0 else 1
     return (weights + copies * grads) / MIB
+
+
+def _trained_part(
+    learner: Learner, reduction: Reduction, masks: Masks | None
+) -> tuple[set[str] | None, Narrow | None]:
+    """What of the model a round with `reduction` trains, as the first kind in the table
+    that cuts it says: the entries of the full model (None: all), or a narrower model."""
+    for cut in reductions.kinds():
+        names = cut.trainable(learner, reduction)
+        narrow = cut.narrowed(learner, reduction, masks, 0)
+        if names is not None or narrow is not None:
+            return names, narrow
+    return None, None
 
 
 def table_key(learner: Learner, batch_size: int, kinds: Sequence[str] = ()) -> str:
@@ -146,6 +152,11 @@ def _sample(data: LocalData, count: int) -> LocalData:
     return LocalData(x, y, x[:1], y[:1], x[:1], y[:1])
 
 
+def _seeded() -> torch.Generator:
+    """A generator seeded 0: a calibration's draws and training are alike for every row."""
+    return torch.Generator().manual_seed(0)
+
+
 @dataclass
 class _Calibration:
     """Timed calls of `steps` minibatch steps on one sample, for every row of a table."""
@@ -160,16 +171,21 @@ class _Calibration:
         spread over enough steps to weigh little)."""
         learner = self.learner
         sgd = replace(learner.sgd, epochs=1, batch_size=self.batch)
-        start = learner.init_agent("calibration").weights
-        active = None
-        if reduction.active_fraction is not None:
-            from agent.learning.freezing import active_masks
-
-            draw = torch.Generator().manual_seed(0)
-            active = active_masks(learner.freezing_plan, start, reduction.active_fraction, draw)
-        generator = torch.Generator().manual_seed(0)
+        weights = learner.init_agent("calibration").weights
+        start = started(learner, Start(weights, masks), reduction, _seeded)
+        generator = _seeded()
         began = time.perf_counter()
-        reduced_training(learner, start, masks, active, reduction, self.data, 0, generator, sgd=sgd)
+        reduced_training(
+            learner,
+            start.weights,
+            start.masks,
+            start.active,
+            reduction,
+            self.data,
+            0,
+            generator,
+            sgd=sgd,
+        )
         return time.perf_counter() - began
 
     def memory(self, reduction: Reduction, masks: Any) -> tuple[float, float, float]:
@@ -205,42 +221,15 @@ class _Calibration:
 def _candidates(
     learner: Learner, kinds: Sequence[str]
 ) -> list[tuple[str, float, Reduction, Masks | None]]:
-    """Every level of `kinds` this learner can train with: (kind, level, reduction, the
-    masks a prune row trains with)."""
-    rows: list[tuple[str, float, Reduction, Masks | None]] = []
-    plan = learner.freezing_plan
-    if "freeze" in kinds and (plan.groups or plan.layers):
-        rows += [("freeze", a, Reduction(active_fraction=a), None) for a in FREEZE_LEVELS]
-    if "prefix" in kinds:
-        for level in PREFIX_LEVELS:
-            for window in prefix.windows(learner.forward_layers, level):
-                rows.append(("prefix", level, Reduction(window=window), None))
-    if "width" in kinds:
-        try:
-            if learner.width_plan.classes:
-                rows += [("width", w, Reduction(width=w), None) for w in WIDTH_LEVELS]
-        except ValueError as exc:
-            log.info("width reduction unavailable for this model: %s", exc)
-    if "prune" in kinds and learner.sparse:
-        rows += [("prune", level, NO_REDUCTION, masks) for level, masks in _pruned(learner)]
-    if "checkpoint" in kinds and checkpointing.blocks(learner.model):
-        rows.append(("checkpoint", 1.0, Reduction(checkpoint=True), None))
-    return rows
-
-
-def _pruned(learner: Learner) -> list[tuple[float, Masks]]:
-    """The densities a prune row is measured at, with masks of each: the initial density
-    alone for weight masks (masked-dense kernels take as long at any density), and below it
-    the `PRUNE_LEVELS` for channel masks, whose narrower models do not."""
-    agent = learner.init_agent("calibration")
-    masks = agent.masks
-    assert masks is not None
-    if not learner.channel_masks:
-        return [(learner.config.density, masks)]
-    levels = [learner.config.density]
-    levels += [d for d in PRUNE_LEVELS if d < learner.config.density]
-    plan = learner.channel_plan
-    return [(d, channels.prune_to_density(plan, agent.weights, masks, d)) for d in levels]
+    """Every level of `kinds` this learner can train with, each kind's own
+    (`agent.learning.reductions`): (kind, level, reduction, the masks a prune row trains
+    with)."""
+    return [
+        (cut.name, row.level, row.reduction, row.masks)
+        for cut in reductions.kinds()
+        if cut.name in kinds
+        for row in cut.levels(learner)
+    ]
 
 
 def _steps(learner: Learner, data: LocalData, batch: int) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from agent.learning import robust_rules, strategies
+from agent.learning import reductions, robust_rules, strategies
 
 DECENTRALIZED = strategies.names(strategies.DECENTRAL)
 CENTRALIZED = strategies.names(strategies.CENTRAL)
@@ -28,7 +28,8 @@ DEFAULT_STOP_RULE = "progress"
 """The rule of `--early-stop` without `--stop-rule`: the one measured best."""
 
 
-REDUCE_MODES = ("prune", "freeze", "prefix", "width", "auto")
+REDUCE_MODES = reductions.REDUCE_MODES
+"""How a round is cut to a budget (`agent.learning.reductions`, which says what each does)."""
 
 
 MASK_UNITS = ("weight", "channel")
@@ -205,13 +206,7 @@ class StrategyConfig:
         "BatchNorm running statistics: local (each device keeps its own, FedBN) or shared "
         "(aggregated like the weights).",
     )
-    reduce: str = param(
-        "prune",
-        "How an agent cuts its round to its budget p_k: prune (cap a sparse model's density: "
-        "a FLOP and byte budget, the paper's), freeze (train a fraction of the neurons, "
-        "FedSPU-style), prefix (train a window of layers), width (train a narrower sub-model) "
-        "or auto (of freeze, prefix and width, what fits by measured cost).",
-    )
+    reduce: str = param("prune", reductions.MODES_HELP)
     fallback: str = param(
         "local",
         "What each device may keep and serve instead of the strategy's model, judged on its "

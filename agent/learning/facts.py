@@ -1,11 +1,11 @@
 """What the round's rules read of a learner and of an agent's data, as narrow types.
 
-The budget's rule (`reduction`), the reduced training (`reduced`), early stopping
-(`early_stop`) and the decentralized strategies' steps (`decentral`) each read a few facts
-of the model a `learner.Learner` holds; the learner in turn builds on them. Typed by these
-protocols instead of by `Learner`, they need not import the learner module (no import
-cycle, even a type-only one), and each says exactly what it depends on. This module imports
-torch alone when it runs and, for type checking, only
+The budget's rule (`reduction`), the reduced training (`reduced`), the reduction kinds
+(`reductions`), early stopping (`early_stop`) and the decentralized strategies' steps
+(`decentral`) each read a few facts of the model a `learner.Learner` holds; the learner in
+turn builds on them. Typed by these protocols instead of by `Learner`, they need not import
+the learner module (no import cycle, even a type-only one), and each says exactly what it
+depends on. This module imports torch alone when it runs and, for type checking, only
 modules the learner itself builds on, never the learner.
 """
 
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
     from agent.learning.channels import ChannelPlan
     from agent.learning.config import SGDConfig, StrategyConfig
+    from agent.learning.freezing import FreezingPlan
     from agent.learning.precision import ComputeFormat
     from agent.learning.prefix import Layer
     from agent.learning.sparse import Masks, State
@@ -87,6 +88,29 @@ class TrainingFacts(ModelFacts, Protocol):
 
     @property
     def forward_layers(self) -> tuple[Layer, ...]: ...
+
+
+class FirstModel(Protocol):
+    """An agent's model before its first round: its weights and masks."""
+
+    @property
+    def weights(self) -> State: ...
+
+    @property
+    def masks(self) -> Masks | None: ...
+
+
+class CalibrationFacts(TrainingFacts, Protocol):
+    """What a reduction kind's calibration levels (`reductions.base.ReductionKind.levels`)
+    read besides: whether the model is sparse, what freezing freezes, a first model."""
+
+    @property
+    def sparse(self) -> bool: ...
+
+    @property
+    def freezing_plan(self) -> FreezingPlan: ...
+
+    def init_agent(self, agent_id: str) -> FirstModel: ...
 
 
 class StoppingLoss(Protocol):

@@ -29,7 +29,6 @@ from torch import nn
 from agent.learning import (
     channels,
     prefix,
-    rigl,
     robust,
     robust_rules,
     sparse,
@@ -45,6 +44,7 @@ from agent.learning.precision import FP32
 from agent.learning.prefix import Layer
 from agent.learning.reduced import reduced_training
 from agent.learning.reduction import NO_REDUCTION, Reduction
+from agent.learning.reductions.base import Start, started
 from agent.learning.sparse import Masks, State
 from agent.learning.tasks import Task
 from agent.learning.training import (
@@ -120,26 +120,15 @@ def starting_point(
     round_: int,
     reduction: Reduction,
 ) -> tuple[State, AgentState, Masks | None]:
-    """The round's start: the aggregate (eq. 7), pruned to the reduction's density cap by
-    magnitude if the budget caps the density, and with an active fraction the neurons
-    that train (the rest frozen). Returns the start, the agent (with its capped masks)
-    and the active masks (None: everything trains)."""
-    start = learner.aggregate(agent, inbox)
-    if agent.masks is not None and reduction.density_cap is not None:
-        cap = reduction.density_cap
-        if learner.channel_masks:
-            capped = channels.prune_to_density(learner.channel_plan, start, agent.masks, cap)
-        else:
-            capped = rigl.prune_to_density(start, agent.masks, cap)
-        agent = dataclasses.replace(agent, masks=capped)
-        start = sparse.apply_masks(start, capped)
-    active = None
-    if reduction.active_fraction is not None:
-        from agent.learning.freezing import active_masks
-
-        generator = learner.generator("active", agent.agent_id, round_)
-        active = active_masks(learner.freezing_plan, start, reduction.active_fraction, generator)
-    return start, agent, active
+    """The round's start: the aggregate (eq. 7), with each reduction kind's step before
+    training (`ReductionKind.started`: pruned by magnitude to a density cap, the neurons
+    that train drawn for an active fraction, the rest frozen). Returns the start, the agent
+    (with its capped masks) and the active masks (None: everything trains)."""
+    draw = functools.partial(learner.generator, "active", agent.agent_id, round_)
+    begun = started(learner, Start(learner.aggregate(agent, inbox), agent.masks), reduction, draw)
+    if begun.masks is not agent.masks:
+        agent = dataclasses.replace(agent, masks=begun.masks)
+    return begun.weights, agent, begun.active
 
 
 class Learner:

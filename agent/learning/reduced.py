@@ -2,7 +2,8 @@
 
 The simulator, the agents (`Learner.local_round`) and the calibration that measures what each
 reduction costs (`agent.device.calibration`) all train through `reduced_training`, so the
-cost a device measured is the cost of the round it runs.
+cost a device measured is the cost of the round it runs. How each kind trains is its own
+(`agent.learning.reductions`).
 """
 
 from __future__ import annotations
@@ -12,15 +13,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from agent.learning import channels, prefix
 from agent.learning.config import SGDConfig
 from agent.learning.reduction import Reduction
+from agent.learning.reductions import NONE, kind, kinds
+from agent.learning.reductions.base import ReducedRound, Start
 from agent.learning.sparse import Masks, State
-from agent.learning.training import TrainResult, train_local
 
 if TYPE_CHECKING:
     from agent.learning.facts import LocalData, ModelFacts, TrainingFacts
-    from agent.learning.width import Selection, WidthPlan
+    from agent.learning.training import TrainResult
 
 
 def frozen_training_flops(learner: ModelFacts, masks: Masks | None, active: Masks) -> int:
@@ -45,99 +46,15 @@ def reduced_training(
 ) -> tuple[TrainResult, int]:
     """The round's local training cut as `reduction` says, and its counted FLOPs: all of
     the model (the active neurons with `active`), a window of layers, or a narrower
-    sub-model; with a smaller batch or fewer minibatches when it says so. The rule of
-    every reduction, written once: the simulator, the agents and the calibration
-    (`agent.device.calibration`, with its own `sgd` settings) all train through here."""
+    sub-model; with a smaller batch or fewer minibatches when it says so. The first kind
+    whose training applies trains it, those that narrow the model first (a width, then
+    channel masks), then in the table's order; none: the whole model (kind "none"). The
+    simulator, the agents and the calibration (`agent.device.calibration`, with its own
+    `sgd` settings) all train through here."""
     sgd = sgd or learner.sgd
     if reduction.batch_size is not None:
         sgd = dataclasses.replace(sgd, batch_size=reduction.batch_size)
-    if reduction.width is not None:
-        from agent.learning.width import rolling_selection
-
-        chosen = rolling_selection(learner.width_plan, reduction.width, round_)
-        return _narrow_training(
-            learner,
-            learner.width_plan,
-            chosen,
-            start,
-            masks,
-            reduction,
-            data,
-            round_,
-            sgd,
-            generator,
-        )
-    if learner.channel_masks and masks is not None:
-        plan = learner.channel_plan
-        chosen = channels.selection(plan, masks)
-        return _narrow_training(
-            learner, plan.width, chosen, start, masks, reduction, data, round_, sgd, generator
-        )
-    window = reduction.window
-    trained = train_local(
-        learner.model,
-        start,
-        masks,
-        data.x_train,
-        data.y_train,
-        sgd,
-        round_,
-        generator,
-        frozen=active,
-        trainable=None if window is None else prefix.trained_names(learner.forward_layers, window),
-        step_fraction=reduction.step_fraction,
-        task=learner.task,
-        compute=learner.compute_format,
-        checkpoint=reduction.checkpoint,
-    )
-    if active is not None:
-        per_sample = frozen_training_flops(learner, masks, active)
-    elif window is not None:
-        per_sample = prefix.window_flops(learner.forward_layers, window)
-    else:
-        per_sample = 3 * learner.forward_flops(masks)
-    return trained, per_sample * trained.samples
-
-
-def _narrow_training(
-    learner: TrainingFacts,
-    plan: WidthPlan,
-    selection: Selection,
-    start: State,
-    masks: Masks | None,
-    reduction: Reduction,
-    data: LocalData,
-    round_: int,
-    sgd: SGDConfig,
-    generator: torch.Generator,
-) -> tuple[TrainResult, int]:
-    """The `selection` of channels as a narrower model, trained, and written back into the
-    full model; the other entries keep the start's values. Width reduction's rolling
-    window (FedRolex), or the channels a structured mask keeps (`agent.learning.channels`),
-    whose narrowed masks are all kept and so not applied."""
-    from agent.learning import width
-
-    narrow = width.narrow_model(learner.model, plan, selection)
-    narrow_masks = None if masks is None else width.narrow_state(masks, plan, selection)
-    if narrow_masks is not None and all(bool(m.all()) for m in narrow_masks.values()):
-        narrow_masks = None
-    trained = train_local(
-        narrow,
-        width.narrow_state(start, plan, selection),
-        narrow_masks,
-        data.x_train,
-        data.y_train,
-        sgd,
-        round_,
-        generator,
-        step_fraction=reduction.step_fraction,
-        task=learner.task,
-        compute=learner.compute_format,
-        checkpoint=reduction.checkpoint,
-    )
-    held = width.held_masks(start, plan, selection)
-    if masks is not None:
-        held = {n: h & masks[n] if n in masks else h for n, h in held.items()}
-    state = width.widen_state(start, trained.state, plan, selection)
-    flops = 3 * learner.forward_flops(held) * trained.samples
-    return dataclasses.replace(trained, state=state), flops
+    job = ReducedRound(Start(start, masks, active), reduction, data, round_, generator, sgd)
+    ordered = sorted(kinds(), key=lambda cut: not cut.narrows)
+    chosen = next((cut for cut in ordered if cut.trains(learner, job)), kind(NONE))
+    return chosen.train(learner, job)

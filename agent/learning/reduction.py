@@ -12,6 +12,9 @@ accuracy cost. Below every measured floor a round trains fewer minibatches; when
 configured batch does not fit the memory, the model's blocks are checkpointed
 (`agent.learning.checkpointing`: the same numbers in less memory, for more time) where the
 time still fits, else a smaller batch trains.
+
+The rules here are shared by every kind; what is a kind's own (its levels, its FLOP rule,
+the reduction a measured level trains with) is in its file of `agent.learning.reductions`.
 """
 
 from __future__ import annotations
@@ -21,32 +24,24 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from agent.learning import reductions
 from agent.learning.costs import CostTable, Row
-from agent.learning.prefix import Window, round_window
+from agent.learning.prefix import Window
+from agent.learning.reductions import AUTO, MEASURED_KINDS, MEASURED_MODES
 from agent.learning.sparse import Masks
 
 if TYPE_CHECKING:
     from agent.learning.facts import ModelFacts
 
-MEASURED_KINDS = ("freeze", "width", "prefix")
-"""The reductions `auto` chooses among, least expected accuracy cost first: freezing trains
-every layer a little (it fits only mild budgets: its weight gradients are a third of a
-step); a narrower model trains every layer's rolling share of channels; a layer window
-trains only the windows that fit, which at a low budget leaves the layers near the input
-untrained on that device (studies/reduction_accuracy.py: at equal p_k width cost least on
-digits, prefix on mnist1d; the order is a decision, easy to change)."""
-
-MEASURED_MODES = ("prefix", "width", "auto")
-"""The `--reduce` modes that choose by measured costs (the others by counted FLOPs)."""
-
 MIN_ACTIVE = 0.05
+"""The least fraction of the neurons `--reduce freeze` trains (`reductions.freeze`)."""
 
 
 def measured_kinds(mode: str) -> tuple[str, ...]:
     """The reductions whose costs an agent measures under `--reduce mode`: auto's choices,
     or the mode's own kind (prune and freeze for their prediction); with checkpointing for
     the modes that choose by measurement (what fits the memory at the configured batch)."""
-    kinds = MEASURED_KINDS if mode == "auto" else (mode,)
+    kinds = MEASURED_KINDS if mode == AUTO else (mode,)
     return (*kinds, "checkpoint") if mode in MEASURED_MODES else kinds
 
 
@@ -106,9 +101,8 @@ def local_reduction(
     prefix windows.
     """
     mode = learner.config.reduce
-    if mode in ("prune", "freeze"):
-        chosen = flop_reduction(learner, p_k, masks)
-        return _predicted(chosen, costs, learner.config.density if masks is not None else 1.0)
+    if mode not in MEASURED_MODES:
+        return _predicted(flop_reduction(learner, p_k, masks), costs)
     if p_k is None or (p_k >= 1.0 and memory_mb is None):
         return Reduction()
     if costs is None:
@@ -120,37 +114,22 @@ def local_reduction(
 
 def flop_reduction(learner: ModelFacts, p_k: float | None, masks: Masks | None) -> Reduction:
     """`--reduce prune` (cap the density) or `freeze` (train a fraction of the neurons, the
-    rest frozen and kept), by counted FLOPs: the papers' budgets.
-
-    p_k is the fraction of a dense round's FLOPs the agent can afford; a full round of the
-    sparse model costs c, its FLOP fraction. A frozen weight skips only its weight-gradient
-    pass, a third of its cost (`frozen_training_flops`), so training a fraction a of the
-    weights costs c (2 + a) / 3 and a = 3 p_k / c - 2 meets the budget; taking a as the
-    neuron fraction errs on the cheap side (a weight trains only when both its neurons do).
-    Freezing cannot go below 2/3 of a round by this count, so it trains at least MIN_ACTIVE.
-    """
+    rest frozen and kept), by counted FLOPs: the papers' budgets. p_k is the fraction of a
+    dense round's FLOPs the agent can afford; the mode's kind says what meets it
+    (`ReductionKind.by_flops`)."""
     if p_k is None or masks is None:
         return Reduction()
-    cost = learner.forward_flops(masks) / learner.dense_flops
-    if learner.config.reduce == "freeze":
-        active = 3.0 * p_k / cost - 2.0
-        if active >= 1.0:
-            return Reduction()
-        fraction = max(active, MIN_ACTIVE)
-        return Reduction(active_fraction=fraction, kind="freeze")
-    return Reduction(density_cap=capped_density(learner, p_k, masks), kind="prune")
+    return reductions.kind(learner.config.reduce).by_flops(learner, p_k, masks)
 
 
-def _predicted(reduction: Reduction, costs: CostTable | None, density: float) -> Reduction:
-    """A FLOP rule's reduction with the table's measured share of a dense round."""
+def _predicted(reduction: Reduction, costs: CostTable | None) -> Reduction:
+    """A FLOP rule's reduction with the table's measured share of a dense round at its
+    kind's level (a whole round: 1)."""
     if costs is None:
         return reduction
-    if reduction.kind == "freeze" and reduction.active_fraction is not None:
-        share = costs.interpolated("freeze", reduction.active_fraction)
-    elif reduction.kind == "prune":
-        share = costs.interpolated("prune", reduction.density_cap or density)
-    else:
-        share = 1.0
+    cut = reductions.kind(reduction.kind)
+    level = cut.level(reduction)
+    share = 1.0 if level is None else costs.interpolated(cut.name, level)
     return replace(reduction, predicted=share)
 
 
@@ -209,34 +188,26 @@ def _fitting_batch(row: Row, costs: CostTable, batch: int, memory_mb: float | No
     return min(batch, math.floor(room)) if room >= 1 else 0
 
 
-def _covered(costs: CostTable, level: float, p_k: float) -> int:
-    """How many layers the prefix windows of `level` that fit p_k train between them."""
-    rows = [row for row in costs.of_kind("prefix") if row.level == level and row.window]
-    return sum(r.window[1] - r.window[0] for r in rows if r.window and costs.fraction(r) <= p_k)
-
-
 def _options(
-    costs: CostTable, kind: str, p_k: float, round_: int, memory_mb: float | None, batch: int
+    costs: CostTable, name: str, p_k: float, round_: int, memory_mb: float | None, batch: int
 ) -> list[_Option]:
-    """Every level of `kind` that fits the memory (at some batch), best level first; for
-    prefix, each level's window of this round among those of that level that fit p_k, the
-    level whose fitting windows train the most layers first (a window that alone fits
-    would train the same layers every round and leave the others as they were)."""
+    """Every level of kind `name` that fits the memory (at some batch), best level first in
+    the kind's ranking (`ReductionKind.ranked`), each level's rows those that may train this
+    round among those of that level that fit p_k (`ReductionKind.taking_turns`: a prefix
+    window that alone fits would train the same layers every round)."""
+    cut = reductions.kind(name)
     options = []
-    levels = sorted({row.level for row in _rows(costs, kind)}, reverse=True)
-    if kind == "prefix":
-        levels.sort(key=lambda level: _covered(costs, level, p_k), reverse=True)
-    for level in levels:
-        rows = [row for row in _rows(costs, kind) if row.level == level]
+    levels = sorted({row.level for row in _rows(costs, name)}, reverse=True)
+    for level in cut.ranked(costs, levels, p_k):
+        rows = [row for row in _rows(costs, name) if row.level == level]
         sized = [way for row in rows for way in _sized(row, costs, batch, memory_mb)]
-        if kind == "prefix":
-            fitting = [row for row, _, _ in sized if costs.fraction(row) <= p_k]
-            if fitting:
-                window = round_window([row.window for row in fitting if row.window], round_)
-                sized = [way for way in sized if way[0].window == window]
+        fitting = [row for row, _, _ in sized if costs.fraction(row) <= p_k]
+        if fitting:
+            turn = cut.taking_turns(fitting, round_)
+            sized = [way for way in sized if turn(way[0])]
         for row, size, checkpoint in sized:
             share = costs.fraction(row)
-            options.append(_Option(kind, row, share, None if size == batch else size, checkpoint))
+            options.append(_Option(name, row, share, None if size == batch else size, checkpoint))
     return options
 
 
@@ -284,12 +255,7 @@ def _as_reduction(
     option: _Option, p_k: float, passed: list[str], step_fraction: float | None
 ) -> Reduction:
     row = option.row
-    level = Reduction(
-        active_fraction=row.level if option.kind == "freeze" else None,
-        window=row.window if option.kind == "prefix" else None,
-        width=row.level if option.kind == "width" else None,
-        density_cap=row.level if option.kind == "prune" else None,
-    )
+    level = reductions.kind(option.kind).of_row(row)
     share = option.share if step_fraction is None else option.share * step_fraction
     kind = "checkpoint" if option.kind == "none" else option.kind
     named = "dense, checkpointed," if option.kind == "none" else f"{kind} {row.level:.2f}"
