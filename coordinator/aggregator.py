@@ -1,7 +1,8 @@
 """The coordinator's side of a centralized strategy over MQTT: collect, aggregate, broadcast.
 
-The math is `agent.learning.central`'s strategy, the object the simulator calls with the same
-inputs: the uploads as they came off the wire. Round t:
+The math is `agent.learning.central`'s strategy and the server's steps of a round in their
+order (`agent.learning.central.server`), which the simulator calls too; here they get what came
+off the wire, and this module only waits, messages and re-sends. Round t:
 
     downloads   (FedSPU family) answer each participant's `Request` (fraction = its p_k)
                 with its part of the global model, on round/t/global/<agent>
@@ -34,13 +35,11 @@ from agent.learning import (
     Payload,
     ServerState,
     Upload,
-    advance_server,
     central_strategy,
-    checked_aggregate,
-    layer_requests,
     ldf,
     running,
 )
+from agent.learning.central.server import conclude, layer_requests, participants
 from agent.report import Traffic
 from agent.runtime import checkpoint, decode_upload, encode_state, expected_shapes, values_sent
 from agent.runtime.inbox import ROUNDS_AHEAD
@@ -428,7 +427,7 @@ class Aggregator:
             return list(uploads), uploads, set()
         senders = self._collect(round_, self.intake.divergences, candidates)
         divergences = {k: self.intake.divergences[(round_, k)] for k in senders}
-        requests = layer_requests(self.strategy.select(self.learner, divergences))
+        requests = layer_requests(self.strategy, self.learner, divergences)
         for k, layers in sorted(requests.items()):
             request = messages.Request(**self._header(round_), target=k, layers=layers)
             topic = topics.round_topic(self.fleet, round_, "request", self.me, to=k)
@@ -438,23 +437,15 @@ class Aggregator:
         return senders, uploads, set(requests) - set(uploads)
 
     def _conclude(self, round_: int, uploads: dict[str, Upload]) -> None:
-        """Aggregate what arrived and, for a broadcast strategy, publish (and keep) the
-        broadcast: empty when nothing arrived."""
-        broadcast = Payload({})
-        if uploads:
-            aggregate, undone = checked_aggregate(
-                self.strategy,
-                self.server,
-                self.strategy.aggregate(self.learner, self.server, uploads),
-            )
-            if undone:
-                log.warning("round %d: aggregate not finite; the server kept its model", round_)
-            broadcast = aggregate.broadcast
-            self.server = advance_server(
-                self.strategy, self.server, aggregate, self.config.learning.fp16
-            )
+        """Aggregate what arrived (`conclude`) and, for a broadcast strategy, publish (and
+        keep) the broadcast: empty when nothing arrived."""
+        fp16 = self.config.learning.fp16
+        aggregate, self.server = conclude(
+            self.strategy, self.learner, self.server, uploads, round_, fp16
+        )
         if not self.strategy.broadcasts:
             return
+        broadcast = aggregate.broadcast
         data = self._global_message(round_, broadcast, sorted(uploads))
         with self._changed:
             self._globals[round_] = data
@@ -471,7 +462,7 @@ class Aggregator:
         """One round; False when nobody is left to take part (everyone stopped early)."""
         stopped = self.intake.stopped
         with self._changed:
-            candidates = [k for k in self.roster if running(k, round_, stopped)]
+            candidates = participants(self.roster, round_, stopped)
         if not candidates:
             return False
         record = AggregatorRecord(round_, [], [])

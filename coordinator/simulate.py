@@ -34,17 +34,13 @@ from agent.learning import (
     RoundTopology,
     ServerState,
     Upload,
-    advance_server,
     as_sent,
     attacked,
-    attacked_payload,
+    attacked_upload,
     backdoor,
     central_strategy,
-    checked_aggregate,
     checked_fit,
-    claimed_samples,
     judge_central,
-    layer_requests,
     live,
     participant_p_k,
     pruning,
@@ -54,6 +50,7 @@ from agent.learning import (
     settle_votes,
     sparse,
 )
+from agent.learning.central.server import conclude, layer_requests, participants
 from agent.learning.costs import CostTable
 from agent.learning.reduction import MEASURED_MODES, measured_kinds
 from agent.report import (
@@ -269,24 +266,23 @@ class Simulation:
     ) -> tuple[dict[str, list[str]], dict[str, Upload]]:
         """(the coordinator's layer requests, what the aggregator decodes of each upload: fp16
         on the wire rounds the values): FedLDF's participants send the layers it selects, the
-        others their fit's upload; an attacker's is poisoned (around `reference`, the global
-        model it trained from) and claims what its attack claims (`claimed_samples`)."""
+        others their fit's upload; an attacker's is poisoned around `reference`, the global
+        model it trained from (`attacked_upload`)."""
         requests: dict[str, list[str]] = {}
         if not strategy.asks_layers:
             payloads = {k: f.upload for k, f in fits.items()}
         else:
             divergences = {k: f.divergence or {} for k, f in fits.items()}
-            requests = layer_requests(strategy.select(self.learner, divergences))
+            requests = layer_requests(strategy, self.learner, divergences)
             payloads = {
                 k: strategy.respond(self.learner, f, requests.get(k, [])) for k, f in fits.items()
             }
-        attack, fp16 = self.config.attack, self.config.learning.fp16
-        uploads = {k: Upload(as_sent(p, fp16), fits[k].num_samples) for k, p in payloads.items()}
-        pooled = colluders(self, payloads)
+        sent = {k: Upload(p, fits[k].num_samples) for k, p in payloads.items()}
+        attack, pooled = self.config.attack, colluders(self, payloads)
         for k in set(self.attackers) & set(payloads):
-            poisoned = attacked_payload(self.learner, payloads[k], attack, k, t, reference, pooled)
-            claimed = claimed_samples(attack, fits[k].num_samples)
-            uploads[k] = Upload(as_sent(poisoned, fp16), claimed)
+            sent[k] = attacked_upload(self.learner, sent[k], attack, k, t, reference, pooled)
+        fp16 = self.config.learning.fp16
+        uploads = {k: Upload(as_sent(u.payload, fp16), u.num_samples) for k, u in sent.items()}
         return requests, uploads
 
     def _evaluate(
@@ -294,7 +290,7 @@ class Simulation:
     ) -> AgentRound:
         """A participant's figures after round t: those of the model it keeps (its own, the
         global one or its local-only one: `judge_central`)."""
-        _, judged = judge_central(self.learner, strategy, fit.state, server, self.data[job.agent])
+        _, judged = judge_central(self.learner, strategy, fit, server, self.data[job.agent])
         return AgentRound(
             round=t,
             agent=job.agent,
@@ -304,11 +300,13 @@ class Simulation:
             sparsity=reported_sparsity(fit.state.masks),
             train_flops=fit.train_flops,
             p_k=job.p_k,
-        ).judged_as(dataclasses.replace(judged, fallback_flops=fit.fallback_flops))
+        ).judged_as(judged)
 
     def _centralized(self, progress: ProgressCallback | None) -> list[dict[str, Any]]:
-        """The rounds of `agent.learning.central`'s contract in one process: downloads, fits,
-        (selection and responses), aggregation, evaluation. A round's evaluation, which
+        """The rounds of `agent.learning.central`'s contract in one process: the server's steps
+        (`central.server`: participants, downloads, FedLDF's requests, `conclude`) as the
+        aggregator takes them, the participants' fits, responses and judging as the networked
+        participant does, with traffic counted as sent. A round's evaluation, which
         nothing in the next round depends on (early stopping asks its own validation loss
         at once), is done while the next round's fits train (`report_round`)."""
         cfg = self.config.learning
@@ -320,23 +318,17 @@ class Simulation:
         for t in range(1, cfg.rounds + 1):
             jobs: dict[str, FitJob] = {}
             downloads: dict[str, Payload] = {}
-            for k in self.roster:
-                if running(k, t, self.stopped):
-                    jobs[k], download = self._job(strategy, server, k, t)
-                    if download is not None:
-                        downloads[k] = download
+            for k in participants(self.roster, t, self.stopped):
+                jobs[k], download = self._job(strategy, server, k, t)
+                if download is not None:
+                    downloads[k] = download
             fits: dict[str, Fit] = {}
             for k, fit in self.training.fit(list(jobs.values()), t, report_round):
                 fits[k] = self._checked(jobs[k], fit, t)
                 if progress:
                     progress(t, k)
             requests, uploads = self._uploads(strategy, fits, t, server.weights)
-            aggregate, undone = checked_aggregate(
-                strategy, server, strategy.aggregate(self.learner, server, uploads)
-            )
-            if undone:
-                log.warning("round %d: aggregate not finite; the server kept its model", t)
-            server = advance_server(strategy, server, aggregate, cfg.fp16)
+            aggregate, server = conclude(strategy, self.learner, server, uploads, t, cfg.fp16)
             traffic = wire.round(t, fits, uploads, downloads, requests, aggregate)
             for k, fit in fits.items():
                 self._early_stop(k, t, fit.state.weights, fit.train_loss)

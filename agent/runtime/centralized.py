@@ -32,10 +32,10 @@ from agent.learning import (
     Fit,
     Payload,
     ServerState,
-    attacked_payload,
+    Upload,
+    attacked_upload,
     central_strategy,
     checked_fit,
-    claimed_samples,
     fit_round,
     judge_central,
     participant_p_k,
@@ -132,9 +132,10 @@ class CentralizedRounds:
         """Upload `payload` (counting its values in `values_sent`)."""
         s = self.session
         if self.attacker:
-            attack = s.config.attack
-            payload = attacked_payload(s.learner, payload, attack, s.me, round_, self.view.weights)
-            num_samples = claimed_samples(attack, num_samples)
+            sent = Upload(payload, num_samples)
+            attack, reference = s.config.attack, self.view.weights
+            sent = attacked_upload(s.learner, sent, attack, s.me, round_, reference)
+            payload, num_samples = sent.payload, sent.num_samples
         self.values_sent += values_sent(payload.weights, payload.masks)
         body = encode_state(payload.weights, payload.masks, fp16=s.cfg.fp16)
         update = messages.Update(**s.header(round_), tensors=body, num_samples=num_samples)
@@ -228,8 +229,7 @@ class CentralizedRounds:
             log.warning("round %d: model not finite; kept the model from before it", round_)
         throttled = s.after_compute(compute_started, fit.train_flops + fit.fallback_flops)
         stragglers = self._exchange(round_, p_k, fit)
-        s.state, judged = judge_central(s.learner, self.strategy, fit.state, self.view, s.data)
-        judged = dataclasses.replace(judged, fallback_flops=fit.fallback_flops)
+        s.state, judged = judge_central(s.learner, self.strategy, fit, self.view, s.data)
         return self._record(
             round_,
             p_k,
