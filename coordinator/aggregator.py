@@ -25,7 +25,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,7 @@ from agent.learning import (
     ldf,
     running,
 )
-from agent.learning.central.server import conclude, layer_requests, participants
+from agent.learning.central.server import conclude, gather, participants
 from agent.report import Traffic
 from agent.runtime import checkpoint, decode_upload, encode_state, expected_shapes, values_sent
 from agent.runtime.inbox import ROUNDS_AHEAD
@@ -399,7 +399,7 @@ class Aggregator:
                 self._changed.wait(min(remaining, 0.2))
 
     def _uploads(
-        self, round_: int, agents: list[str], layers: dict[str, list[str]] | None
+        self, round_: int, agents: list[str], layers: Mapping[str, list[str]] | None
     ) -> dict[str, Upload]:
         """Decode the `Update`s of `agents`; one that does not decode is left out."""
         uploads = {}
@@ -416,25 +416,22 @@ class Aggregator:
             uploads[k] = Upload(payload, update.num_samples)
         return uploads
 
-    def _gather(
-        self, round_: int, candidates: list[str]
-    ) -> tuple[list[str], dict[str, Upload], set[str]]:
-        """This round's participants, their decoded uploads, and who was asked for layers
-        but sent none that decodes (FedLDF)."""
-        if not self.strategy.asks_layers:
-            delivered = self._collect(round_, self.intake.updates, candidates)
-            uploads = self._uploads(round_, delivered, None)
-            return list(uploads), uploads, set()
-        senders = self._collect(round_, self.intake.divergences, candidates)
-        divergences = {k: self.intake.divergences[(round_, k)] for k in senders}
-        requests = layer_requests(self.strategy, self.learner, divergences)
+    def _ask_layers(self, round_: int, requests: Mapping[str, list[str]]) -> None:
+        """Send each FedLDF participant picked for some layer its `Request` for them."""
         for k, layers in sorted(requests.items()):
             request = messages.Request(**self._header(round_), target=k, layers=layers)
             topic = topics.round_topic(self.fleet, round_, "request", self.me, to=k)
             self._publish(round_, topic, messages.encode(request, key=self.key))
-        delivered = self._collect(round_, self.intake.updates, sorted(requests), asked=True)
-        uploads = self._uploads(round_, delivered, requests)
-        return senders, uploads, set(requests) - set(uploads)
+
+    def _gather(
+        self, round_: int, candidates: list[str]
+    ) -> tuple[list[str], dict[str, Upload], set[str]]:
+        """This round's participants (who uploaded, or under FedLDF who sent a divergence
+        vector), their decoded uploads, and who was asked for layers but sent none that
+        decodes (FedLDF)."""
+        inbox = _RoundInbox(self, round_, candidates)
+        requests, uploads = gather(self.strategy, self.learner, inbox)
+        return inbox.senders, uploads, set(requests) - set(uploads)
 
     def _conclude(self, round_: int, uploads: dict[str, Upload]) -> None:
         """Aggregate what arrived (`conclude`) and, for a broadcast strategy, publish (and
@@ -494,3 +491,33 @@ class Aggregator:
         except Exception as exc:
             log.exception("aggregation failed")
             self.error = exc
+
+
+class _RoundInbox:
+    """The aggregator's round `round_` as the server's inbox (`RoundInbox`): each kind of
+    message waited for among `candidates` (`Aggregator._collect`) and decoded; FedLDF's
+    requests sent before their layers are waited for."""
+
+    def __init__(self, aggregator: Aggregator, round_: int, candidates: list[str]) -> None:
+        self.aggregator, self.round, self.candidates = aggregator, round_, candidates
+        self.senders: list[str] = []
+        """The round's participants: who sent a divergence vector (FedLDF), else an upload
+        that decodes."""
+
+    def divergences(self) -> dict[str, dict[str, float]]:
+        store = self.aggregator.intake.divergences
+        self.senders = self.aggregator._collect(self.round, store, self.candidates)
+        return {k: store[(self.round, k)] for k in self.senders}
+
+    def uploads(self, requests: Mapping[str, list[str]] | None) -> dict[str, Upload]:
+        aggregator, round_, candidates = self.aggregator, self.round, self.candidates
+        if requests is not None:
+            aggregator._ask_layers(round_, requests)
+            candidates = sorted(requests)
+        delivered = aggregator._collect(
+            round_, aggregator.intake.updates, candidates, asked=requests is not None
+        )
+        uploads = aggregator._uploads(round_, delivered, requests)
+        if requests is None:
+            self.senders = list(uploads)
+        return uploads

@@ -8,7 +8,9 @@ Round t:
 
     participants    the roster's agents still training (early stopping takes one out)
     download        (FedSPU family) each participant's part: `CentralStrategy.download`
-    layer_requests  (FedLDF) from the participants' divergence vectors, the layers asked of each
+    gather          the uploads, asked for in the strategy's order from a `RoundInbox` (the
+                    transport): FedLDF's divergence vectors first, the layers asked of each
+                    (`layer_requests`), then those layers; the others' uploads at once
     conclude        the uploads aggregated and screened (`checked_aggregate`), the server advanced
                     to what its participants hold once they apply the broadcast
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 from agent.learning.central.base import (
     Aggregate,
@@ -45,6 +48,32 @@ def layer_requests(
     a participant asked for no layer gets no request (and uploads nothing)."""
     selected = strategy.select(learner, divergences)
     return {k: layers for k, layers in selected.items() if layers}
+
+
+class RoundInbox(Protocol):
+    """What one round's participants send the server, as the aggregator decodes it: computed
+    in the same process (the simulator) or waited for over MQTT (the aggregator). `gather`
+    asks in the protocol's order, so an implementation only moves messages."""
+
+    def divergences(self) -> Mapping[str, dict[str, float]]:
+        """(FedLDF) The divergence vector of each participant that sent one."""
+        ...
+
+    def uploads(self, requests: Mapping[str, list[str]] | None) -> dict[str, Upload]:
+        """The uploads that arrived; under FedLDF (`requests` given) those of the layers each
+        participant is asked for, once the requests are out."""
+        ...
+
+
+def gather(
+    strategy: CentralStrategy, learner: Learner, inbox: RoundInbox
+) -> tuple[dict[str, list[str]], dict[str, Upload]]:
+    """A round's uploads in the order the strategy takes them, and the layer requests that
+    went out (none but under FedLDF, which asks for them once the divergence vectors are in)."""
+    if not strategy.asks_layers:
+        return {}, inbox.uploads(None)
+    requests = layer_requests(strategy, learner, inbox.divergences())
+    return requests, inbox.uploads(requests)
 
 
 def conclude(
