@@ -30,10 +30,9 @@ from agent.learning.central import (
     Fit,
     Payload,
     ServerState,
-    Upload,
     static_tier,
 )
-from agent.learning.central.base import FitContext
+from agent.learning.central.base import FitContext, Upload
 from agent.learning.config import StrategyConfig
 from agent.learning.costs import CostTable
 from agent.learning.kept import FLEET, PERSONAL, Judged
