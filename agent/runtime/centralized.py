@@ -1,7 +1,9 @@
 """A participant's rounds in a centralized strategy, over MQTT with the coordinator.
 
-The math is `agent.learning.central`'s strategy, the very objects the simulator calls; this module
-only moves their payloads. Round t of agent k:
+The math is `agent.learning.central`'s strategy and a participant's rules are
+`agent.learning.rounds`' (its p_k, the fit checked and settled, an attacker's upload, the model
+it keeps), which the simulator calls too; this module only moves their payloads. Round t of
+agent k:
 
     FedSPU family   ask the aggregator for its part (`Request` with fraction = p_k), wait
                     for it on round/t/global/k
@@ -128,17 +130,17 @@ class CentralizedRounds:
             messages.encode(request, key=s.key),
         )
 
-    def _send(self, round_: int, payload: Payload, num_samples: int) -> None:
-        """Upload `payload` (counting its values in `values_sent`)."""
+    def _send(self, round_: int, upload: Upload) -> None:
+        """Send `upload` (an attacker's poisoned: `attacked_upload`), counting its values in
+        `values_sent`."""
         s = self.session
         if self.attacker:
-            sent = Upload(payload, num_samples)
-            attack, reference = s.config.attack, self.view.weights
-            sent = attacked_upload(s.learner, sent, attack, s.me, round_, reference)
-            payload, num_samples = sent.payload, sent.num_samples
+            reference = self.view.weights
+            upload = attacked_upload(s.learner, upload, s.config.attack, s.me, round_, reference)
+        payload = upload.payload
         self.values_sent += values_sent(payload.weights, payload.masks)
         body = encode_state(payload.weights, payload.masks, fp16=s.cfg.fp16)
-        update = messages.Update(**s.header(round_), tensors=body, num_samples=num_samples)
+        update = messages.Update(**s.header(round_), tensors=body, num_samples=upload.num_samples)
         self._upload(round_, s.topic(round_, "update", s.me), messages.encode(update, key=s.key))
 
     def _upload(self, round_: int, topic: str, data: bytes, throttled: bool = True) -> None:
@@ -181,7 +183,7 @@ class CentralizedRounds:
                 answered = True
                 assert fit is not None
                 payload = self.strategy.respond(s.learner, fit, list(request.layers))
-                self._send(round_, payload, fit.num_samples)
+                self._send(round_, Upload(payload, fit.num_samples))
             wait = min(s.timeouts.request_every_s, deadline - time.monotonic())
             if wait <= 0:
                 break
@@ -250,7 +252,7 @@ class CentralizedRounds:
         its broadcast never came)."""
         s = self.session
         if fit.upload.weights:
-            self._send(round_, fit.upload, fit.num_samples)
+            self._send(round_, Upload(fit.upload, fit.num_samples))
         if fit.divergence is not None:
             self._upload(
                 round_,
