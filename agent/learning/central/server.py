@@ -45,7 +45,7 @@ def layer_requests(
     strategy: CentralStrategy, learner: Learner, divergences: Mapping[str, dict[str, float]]
 ) -> dict[str, list[str]]:
     """FedLDF's requests from the divergence vectors that arrived (`CentralStrategy.select`):
-    a participant asked for no layer gets no request (and uploads nothing)."""
+    a participant asked for no layer gets no request."""
     selected = strategy.select(learner, divergences)
     return {k: layers for k, layers in selected.items() if layers}
 
