@@ -1,7 +1,8 @@
 """The coordinator's side of a centralized strategy over MQTT: collect, aggregate, broadcast.
 
-The math is `agent.learning.central`'s strategy, the object the simulator calls with the same
-inputs: the uploads as they came off the wire. Round t:
+The math is `agent.learning.central`'s strategy and the server's steps of a round in their
+order (`agent.learning.central.server`), which the simulator calls too; here they get what came
+off the wire, and this module only waits, messages and re-sends. Round t:
 
     downloads   (FedSPU family) answer each participant's `Request` (fraction = its p_k)
                 with its part of the global model, on round/t/global/<agent>
@@ -24,7 +25,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,13 +35,11 @@ from agent.learning import (
     Payload,
     ServerState,
     Upload,
-    advance_server,
     central_strategy,
-    checked_aggregate,
-    layer_requests,
     ldf,
     running,
 )
+from agent.learning.central.server import conclude, gather, participants
 from agent.report import Traffic
 from agent.runtime import checkpoint, decode_upload, encode_state, expected_shapes, values_sent
 from agent.runtime.inbox import ROUNDS_AHEAD
@@ -400,7 +399,7 @@ class Aggregator:
                 self._changed.wait(min(remaining, 0.2))
 
     def _uploads(
-        self, round_: int, agents: list[str], layers: dict[str, list[str]] | None
+        self, round_: int, agents: list[str], layers: Mapping[str, list[str]] | None
     ) -> dict[str, Upload]:
         """Decode the `Update`s of `agents`; one that does not decode is left out."""
         uploads = {}
@@ -417,44 +416,33 @@ class Aggregator:
             uploads[k] = Upload(payload, update.num_samples)
         return uploads
 
-    def _gather(
-        self, round_: int, candidates: list[str]
-    ) -> tuple[list[str], dict[str, Upload], set[str]]:
-        """This round's participants, their decoded uploads, and who was asked for layers
-        but sent none that decodes (FedLDF)."""
-        if not self.strategy.asks_layers:
-            delivered = self._collect(round_, self.intake.updates, candidates)
-            uploads = self._uploads(round_, delivered, None)
-            return list(uploads), uploads, set()
-        senders = self._collect(round_, self.intake.divergences, candidates)
-        divergences = {k: self.intake.divergences[(round_, k)] for k in senders}
-        requests = layer_requests(self.strategy.select(self.learner, divergences))
+    def _ask_layers(self, round_: int, requests: Mapping[str, list[str]]) -> None:
+        """Send each FedLDF participant picked for some layer its `Request` for them."""
         for k, layers in sorted(requests.items()):
             request = messages.Request(**self._header(round_), target=k, layers=layers)
             topic = topics.round_topic(self.fleet, round_, "request", self.me, to=k)
             self._publish(round_, topic, messages.encode(request, key=self.key))
-        delivered = self._collect(round_, self.intake.updates, sorted(requests), asked=True)
-        uploads = self._uploads(round_, delivered, requests)
-        return senders, uploads, set(requests) - set(uploads)
+
+    def _gather(
+        self, round_: int, candidates: list[str]
+    ) -> tuple[list[str], dict[str, Upload], set[str]]:
+        """This round's participants (who uploaded, or under FedLDF who sent a divergence
+        vector), their decoded uploads, and who was asked for layers but sent none that
+        decodes (FedLDF)."""
+        inbox = _RoundInbox(self, round_, candidates)
+        requests, uploads = gather(self.strategy, self.learner, inbox)
+        return inbox.senders, uploads, set(requests) - set(uploads)
 
     def _conclude(self, round_: int, uploads: dict[str, Upload]) -> None:
-        """Aggregate what arrived and, for a broadcast strategy, publish (and keep) the
-        broadcast: empty when nothing arrived."""
-        broadcast = Payload({})
-        if uploads:
-            aggregate, undone = checked_aggregate(
-                self.strategy,
-                self.server,
-                self.strategy.aggregate(self.learner, self.server, uploads),
-            )
-            if undone:
-                log.warning("round %d: aggregate not finite; the server kept its model", round_)
-            broadcast = aggregate.broadcast
-            self.server = advance_server(
-                self.strategy, self.server, aggregate, self.config.learning.fp16
-            )
+        """Aggregate what arrived (`conclude`) and, for a broadcast strategy, publish (and
+        keep) the broadcast: empty when nothing arrived."""
+        fp16 = self.config.learning.fp16
+        aggregate, self.server = conclude(
+            self.strategy, self.learner, self.server, uploads, round_, fp16
+        )
         if not self.strategy.broadcasts:
             return
+        broadcast = aggregate.broadcast
         data = self._global_message(round_, broadcast, sorted(uploads))
         with self._changed:
             self._globals[round_] = data
@@ -471,7 +459,7 @@ class Aggregator:
         """One round; False when nobody is left to take part (everyone stopped early)."""
         stopped = self.intake.stopped
         with self._changed:
-            candidates = [k for k in self.roster if running(k, round_, stopped)]
+            candidates = participants(self.roster, round_, stopped)
         if not candidates:
             return False
         record = AggregatorRecord(round_, [], [])
@@ -503,3 +491,33 @@ class Aggregator:
         except Exception as exc:
             log.exception("aggregation failed")
             self.error = exc
+
+
+class _RoundInbox:
+    """The aggregator's round `round_` as the server's inbox (`RoundInbox`): each kind of
+    message waited for among `candidates` (`Aggregator._collect`) and decoded; FedLDF's
+    requests sent before their layers are waited for."""
+
+    def __init__(self, aggregator: Aggregator, round_: int, candidates: list[str]) -> None:
+        self.aggregator, self.round, self.candidates = aggregator, round_, candidates
+        self.senders: list[str] = []
+        """The round's participants: who sent a divergence vector (FedLDF), else an upload
+        that decodes."""
+
+    def divergences(self) -> dict[str, dict[str, float]]:
+        store = self.aggregator.intake.divergences
+        self.senders = self.aggregator._collect(self.round, store, self.candidates)
+        return {k: store[(self.round, k)] for k in self.senders}
+
+    def uploads(self, requests: Mapping[str, list[str]] | None) -> dict[str, Upload]:
+        aggregator, round_, candidates = self.aggregator, self.round, self.candidates
+        if requests is not None:
+            aggregator._ask_layers(round_, requests)
+            candidates = sorted(requests)
+        delivered = aggregator._collect(
+            round_, aggregator.intake.updates, candidates, asked=requests is not None
+        )
+        uploads = aggregator._uploads(round_, delivered, requests)
+        if requests is None:
+            self.senders = list(uploads)
+        return uploads

@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from agent.device import Budget
@@ -34,17 +35,13 @@ from agent.learning import (
     RoundTopology,
     ServerState,
     Upload,
-    advance_server,
     as_sent,
     attacked,
-    attacked_payload,
+    attacked_upload,
     backdoor,
     central_strategy,
-    checked_aggregate,
     checked_fit,
-    claimed_samples,
     judge_central,
-    layer_requests,
     live,
     participant_p_k,
     pruning,
@@ -54,6 +51,7 @@ from agent.learning import (
     settle_votes,
     sparse,
 )
+from agent.learning.central.server import conclude, gather, participants
 from agent.learning.costs import CostTable
 from agent.learning.reduction import measured_kinds
 from agent.learning.reductions import MEASURED_MODES
@@ -265,37 +263,12 @@ class Simulation:
         self.states[job.agent] = fit.state
         return fit
 
-    def _uploads(
-        self, strategy: CentralStrategy, fits: dict[str, Fit], t: int, reference: sparse.State
-    ) -> tuple[dict[str, list[str]], dict[str, Upload]]:
-        """(the coordinator's layer requests, what the aggregator decodes of each upload: fp16
-        on the wire rounds the values): FedLDF's participants send the layers it selects, the
-        others their fit's upload; an attacker's is poisoned (around `reference`, the global
-        model it trained from) and claims what its attack claims (`claimed_samples`)."""
-        requests: dict[str, list[str]] = {}
-        if not strategy.asks_layers:
-            payloads = {k: f.upload for k, f in fits.items()}
-        else:
-            divergences = {k: f.divergence or {} for k, f in fits.items()}
-            requests = layer_requests(strategy.select(self.learner, divergences))
-            payloads = {
-                k: strategy.respond(self.learner, f, requests.get(k, [])) for k, f in fits.items()
-            }
-        attack, fp16 = self.config.attack, self.config.learning.fp16
-        uploads = {k: Upload(as_sent(p, fp16), fits[k].num_samples) for k, p in payloads.items()}
-        pooled = colluders(self, payloads)
-        for k in set(self.attackers) & set(payloads):
-            poisoned = attacked_payload(self.learner, payloads[k], attack, k, t, reference, pooled)
-            claimed = claimed_samples(attack, fits[k].num_samples)
-            uploads[k] = Upload(as_sent(poisoned, fp16), claimed)
-        return requests, uploads
-
     def _evaluate(
         self, strategy: CentralStrategy, server: ServerState, job: FitJob, t: int, fit: Fit
     ) -> AgentRound:
         """A participant's figures after round t: those of the model it keeps (its own, the
         global one or its local-only one: `judge_central`)."""
-        _, judged = judge_central(self.learner, strategy, fit.state, server, self.data[job.agent])
+        _, judged = judge_central(self.learner, strategy, fit, server, self.data[job.agent])
         return AgentRound(
             round=t,
             agent=job.agent,
@@ -305,11 +278,13 @@ class Simulation:
             sparsity=reported_sparsity(fit.state.masks),
             train_flops=fit.train_flops,
             p_k=job.p_k,
-        ).judged_as(dataclasses.replace(judged, fallback_flops=fit.fallback_flops))
+        ).judged_as(judged)
 
     def _centralized(self, progress: ProgressCallback | None) -> list[dict[str, Any]]:
-        """The rounds of `agent.learning.central`'s contract in one process: downloads, fits,
-        (selection and responses), aggregation, evaluation. A round's evaluation, which
+        """The rounds of `agent.learning.central`'s contract in one process: the server's
+        steps (`central.server`: participants, downloads, `gather` from the participants'
+        fits, `conclude`) as the aggregator takes them over MQTT, with what each message
+        would cost on the wire counted (`CentralTraffic`). A round's evaluation, which
         nothing in the next round depends on (early stopping asks its own validation loss
         at once), is done while the next round's fits train (`report_round`)."""
         cfg = self.config.learning
@@ -321,23 +296,18 @@ class Simulation:
         for t in range(1, cfg.rounds + 1):
             jobs: dict[str, FitJob] = {}
             downloads: dict[str, Payload] = {}
-            for k in self.roster:
-                if running(k, t, self.stopped):
-                    jobs[k], download = self._job(strategy, server, k, t)
-                    if download is not None:
-                        downloads[k] = download
+            for k in participants(self.roster, t, self.stopped):
+                jobs[k], download = self._job(strategy, server, k, t)
+                if download is not None:
+                    downloads[k] = download
             fits: dict[str, Fit] = {}
             for k, fit in self.training.fit(list(jobs.values()), t, report_round):
                 fits[k] = self._checked(jobs[k], fit, t)
                 if progress:
                     progress(t, k)
-            requests, uploads = self._uploads(strategy, fits, t, server.weights)
-            aggregate, undone = checked_aggregate(
-                strategy, server, strategy.aggregate(self.learner, server, uploads)
-            )
-            if undone:
-                log.warning("round %d: aggregate not finite; the server kept its model", t)
-            server = advance_server(strategy, server, aggregate, cfg.fp16)
+            inbox = InProcessInbox(self, strategy, fits, t, server.weights)
+            requests, uploads = gather(strategy, self.learner, inbox)
+            aggregate, server = conclude(strategy, self.learner, server, uploads, t, cfg.fp16)
             traffic = wire.round(t, fits, uploads, downloads, requests, aggregate)
             for k, fit in fits.items():
                 self._early_stop(k, t, fit.state.weights, fit.train_loss)
@@ -389,6 +359,40 @@ class Simulation:
             record["coordinator"] = dataclasses.asdict(traffic[COORDINATOR])
         record["t_star"] = self.plan.t_star
         return record
+
+
+@dataclass(frozen=True)
+class InProcessInbox:
+    """A simulated round's participants as the server's inbox (`RoundInbox`): what each sends
+    of its fit, as the aggregator decodes it (fp16 on the wire rounds the values); an
+    attacker's upload is poisoned around `reference`, the global model it trained from
+    (`attacked_upload`)."""
+
+    run: Simulation
+    strategy: CentralStrategy
+    fits: dict[str, Fit]
+    round: int
+    reference: sparse.State
+
+    def divergences(self) -> dict[str, dict[str, float]]:
+        return {k: f.divergence or {} for k, f in self.fits.items()}
+
+    def uploads(self, requests: Mapping[str, list[str]] | None) -> dict[str, Upload]:
+        """Every participant's upload: its fit's, or (FedLDF) its response to its request
+        (none: an empty one)."""
+        run, fits = self.run, self.fits
+        payloads = {k: f.upload for k, f in fits.items()}
+        if requests is not None:
+            respond = self.strategy.respond
+            payloads = {k: respond(run.learner, f, requests.get(k, [])) for k, f in fits.items()}
+        sent = {k: Upload(p, fits[k].num_samples) for k, p in payloads.items()}
+        attack, pooled = run.config.attack, colluders(run, payloads)
+        for k in set(run.attackers) & set(payloads):
+            sent[k] = attacked_upload(
+                run.learner, sent[k], attack, k, self.round, self.reference, pooled
+            )
+        fp16 = run.config.learning.fp16
+        return {k: Upload(as_sent(u.payload, fp16), u.num_samples) for k, u in sent.items()}
 
 
 def p_k_of(budgets: dict[str, Budget], k: str) -> float | None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-import coordinator.simulate as simulate_module
+import agent.learning.central.server as server_module
 import edgefl
 from agent.learning import PRESETS, LocalData, statistics
 from agent.learning.sparse import State
@@ -45,13 +45,13 @@ def run(strategy: str, monkeypatch: pytest.MonkeyPatch) -> tuple[Simulation, dic
     """The keyword-spotting example (DS-CNN with BatchNorm) for 3 rounds, and the global
     model a centralized run ended with."""
     servers: list[Any] = []
-    advance = simulate_module.advance_server
+    advance = server_module.advance_server
 
     def kept(*args: Any) -> Any:
         servers.append(advance(*args))
         return servers[-1]
 
-    monkeypatch.setattr(simulate_module, "advance_server", kept)
+    monkeypatch.setattr(server_module, "advance_server", kept)
     config = edgefl.config(KEYWORDS, strategy=strategy, rounds=3, agents=4, fallback="off")
     sim = Simulation(config)
     report = sim.run()

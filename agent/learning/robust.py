@@ -392,7 +392,7 @@ def poison(
     simulator and the agent draw the same). `inflate` sends an update-sized step the wrong
     way, 2 `reference` - model (the model the attacker trained from: the global one, or a
     decentralized attacker's own before the round; the model itself where there is none),
-    and claims `INFLATED_SAMPLES` (`claimed_samples`); `ipm` a step of
+    and claims `INFLATED_SAMPLES` (`rounds.attacked_upload`); `ipm` a step of
     IPM_EPSILON times its own the wrong way; `replace` its backdoored step boosted by
     REPLACE_BOOST; `alie` the mean less z standard deviations of the honest models it knows
     (`colluders`: its own alone, which it then sends as it is, where it knows no other)."""

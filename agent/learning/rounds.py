@@ -8,9 +8,10 @@ reads a clock; callers bring what arrived and these decide what it means.
 Decentralized rounds (ALGORITHMS.md 1.2-1.8): `RoundTopology` says whom agent k needs in round
 t (this round's models of its prior neighbours, last round's of the others), `live` which of
 them count once neighbours stopped early, `settle_votes` how a round's votes settle the
-pruning plan, `train_round` the budgeted local round. Centralized rounds: `participant_p_k`,
-`layer_requests`, `advance_server`, `fit_round` and `judge_central`. Under attack and faults:
-`attacked` (what an attacker sends instead of its round's model), `checked_fit` and
+pruning plan, `train_round` the budgeted local round. A centralized participant's round:
+`participant_p_k`, `fit_round`, `settle_fit` and `judge_central` (the server's side, in its
+order: `agent.learning.central.server`). Under attack and faults: `attacked` and
+`attacked_upload` (what an attacker sends instead of its round's model), `checked_fit` and
 `checked_aggregate` (a non-finite model is never kept or sent: the round is undone).
 """
 
@@ -29,10 +30,9 @@ from agent.learning.central import (
     Fit,
     Payload,
     ServerState,
-    as_sent,
     static_tier,
 )
-from agent.learning.central.base import FitContext
+from agent.learning.central.base import FitContext, Upload
 from agent.learning.config import StrategyConfig
 from agent.learning.costs import CostTable
 from agent.learning.kept import FLEET, PERSONAL, Judged
@@ -163,23 +163,6 @@ def participant_p_k(budget_p_k: float | None, roster: Sequence[str], agent: str)
     return budget_p_k if budget_p_k is not None else static_tier(list(roster), agent)
 
 
-def layer_requests(selected: Mapping[str, list[str]]) -> dict[str, list[str]]:
-    """FedLDF's requests from its per-layer selection: a participant asked for no layer gets
-    no request."""
-    return {k: layers for k, layers in selected.items() if layers}
-
-
-def advance_server(
-    strategy: CentralStrategy, previous: ServerState, aggregate: Aggregate, fp16: bool
-) -> ServerState:
-    """The server state after a round. A broadcasting strategy holds what its participants
-    hold: the previous state with the broadcast applied as they decode it (fp16 on the wire
-    rounds it); the others keep the aggregate's state."""
-    if not strategy.broadcasts:
-        return aggregate.server
-    return strategy.receive(previous, as_sent(aggregate.broadcast, fp16))
-
-
 def fit_round(strategy: CentralStrategy, learner: Learner, ctx: FitContext) -> Fit:
     """A centralized participant's local round (`CentralStrategy.fit`), its model's own
     BatchNorm statistics re-estimated for the weights it trained to
@@ -199,24 +182,23 @@ def settle_fit(
 
 
 def judge_central(
-    learner: Learner,
-    strategy: CentralStrategy,
-    agent: AgentState,
-    view: ServerState,
-    data: LocalData,
+    learner: Learner, strategy: CentralStrategy, fit: Fit, view: ServerState, data: LocalData
 ) -> tuple[AgentState, Judged]:
-    """What a centralized participant keeps after a round (`fallback.judge`): the strategy's
-    model first (its own under a personalized strategy, else the global model it holds),
-    then the other one it holds (a strategy that broadcasts no global model leaves it only
-    its own). The global model is judged with BatchNorm statistics of the participant's
-    own data re-estimated for its weights (`Learner.fresh_statistics`)."""
+    """What a centralized participant keeps after its round `fit` (`fallback.judge`), with
+    the FLOPs its local-only model cost (`settle_fit`): the strategy's model first (its own
+    under a personalized strategy, else the global model it holds, `view`), then the other
+    one it holds (a strategy that broadcasts no global model leaves it only its own). The
+    global model is judged with BatchNorm statistics of the participant's own data
+    re-estimated for its weights (`Learner.fresh_statistics`)."""
+    agent = fit.state
     own = (agent.weights, agent.masks)
     if not strategy.broadcasts:
-        return fallback.judge(learner, agent, data, {PERSONAL: own})
-    fleet_weights = learner.own_statistics(view.weights, agent.weights)
-    fleet = (learner.fresh_statistics(fleet_weights, data), None)
-    held = {PERSONAL: own, FLEET: fleet} if strategy.personal else {FLEET: fleet, PERSONAL: own}
-    return fallback.judge(learner, agent, data, held)
+        held = {PERSONAL: own}
+    else:
+        fleet_weights = learner.own_statistics(view.weights, agent.weights)
+        fleet = (learner.fresh_statistics(fleet_weights, data), None)
+        held = {PERSONAL: own, FLEET: fleet} if strategy.personal else {FLEET: fleet, PERSONAL: own}
+    return fallback.judge(learner, agent, data, held, fit.fallback_flops)
 
 
 def attacked(
@@ -264,10 +246,24 @@ def attacked_payload(
     return Payload(poisoned, payload.masks)
 
 
-def claimed_samples(attack: str, honest: int) -> int:
-    """The sample count an attacker's upload claims: the protocol's largest under
-    `inflate`, else its own."""
-    return robust_rules.INFLATED_SAMPLES if attack == "inflate" else honest
+def attacked_upload(
+    learner: Learner,
+    upload: Upload,
+    attack: str,
+    agent_id: str,
+    round_: int,
+    reference: State,
+    colluders: robust.Colluders | None = None,
+) -> Upload:
+    """A centralized attacker's upload (the simulator's and the networked participant's):
+    its payload poisoned around `reference`, the global model it trained from
+    (`attacked_payload`), and the sample count its attack claims: the protocol's largest
+    under `inflate`, else its own."""
+    payload = attacked_payload(
+        learner, upload.payload, attack, agent_id, round_, reference, colluders
+    )
+    claimed = robust_rules.INFLATED_SAMPLES if attack == "inflate" else upload.num_samples
+    return Upload(payload, claimed)
 
 
 def _neutral(payload: Payload, reference: State) -> Payload:

@@ -1,7 +1,9 @@
 """A participant's rounds in a centralized strategy, over MQTT with the coordinator.
 
-The math is `agent.learning.central`'s strategy, the very objects the simulator calls; this module
-only moves their payloads. Round t of agent k:
+The math is `agent.learning.central`'s strategy and a participant's rules are
+`agent.learning.rounds`' (its p_k, the fit checked and settled, an attacker's upload, the model
+it keeps), which the simulator calls too; this module only moves their payloads. Round t of
+agent k:
 
     FedSPU family   ask the aggregator for its part (`Request` with fraction = p_k), wait
                     for it on round/t/global/k
@@ -32,10 +34,10 @@ from agent.learning import (
     Fit,
     Payload,
     ServerState,
-    attacked_payload,
+    Upload,
+    attacked_upload,
     central_strategy,
     checked_fit,
-    claimed_samples,
     fit_round,
     judge_central,
     participant_p_k,
@@ -128,16 +130,17 @@ class CentralizedRounds:
             messages.encode(request, key=s.key),
         )
 
-    def _send(self, round_: int, payload: Payload, num_samples: int) -> None:
-        """Upload `payload` (counting its values in `values_sent`)."""
+    def _send(self, round_: int, upload: Upload) -> None:
+        """Send `upload` (an attacker's poisoned: `attacked_upload`), counting its values in
+        `values_sent`."""
         s = self.session
         if self.attacker:
-            attack = s.config.attack
-            payload = attacked_payload(s.learner, payload, attack, s.me, round_, self.view.weights)
-            num_samples = claimed_samples(attack, num_samples)
+            reference = self.view.weights
+            upload = attacked_upload(s.learner, upload, s.config.attack, s.me, round_, reference)
+        payload = upload.payload
         self.values_sent += values_sent(payload.weights, payload.masks)
         body = encode_state(payload.weights, payload.masks, fp16=s.cfg.fp16)
-        update = messages.Update(**s.header(round_), tensors=body, num_samples=num_samples)
+        update = messages.Update(**s.header(round_), tensors=body, num_samples=upload.num_samples)
         self._upload(round_, s.topic(round_, "update", s.me), messages.encode(update, key=s.key))
 
     def _upload(self, round_: int, topic: str, data: bytes, throttled: bool = True) -> None:
@@ -180,7 +183,7 @@ class CentralizedRounds:
                 answered = True
                 assert fit is not None
                 payload = self.strategy.respond(s.learner, fit, list(request.layers))
-                self._send(round_, payload, fit.num_samples)
+                self._send(round_, Upload(payload, fit.num_samples))
             wait = min(s.timeouts.request_every_s, deadline - time.monotonic())
             if wait <= 0:
                 break
@@ -228,8 +231,7 @@ class CentralizedRounds:
             log.warning("round %d: model not finite; kept the model from before it", round_)
         throttled = s.after_compute(compute_started, fit.train_flops + fit.fallback_flops)
         stragglers = self._exchange(round_, p_k, fit)
-        s.state, judged = judge_central(s.learner, self.strategy, fit.state, self.view, s.data)
-        judged = dataclasses.replace(judged, fallback_flops=fit.fallback_flops)
+        s.state, judged = judge_central(s.learner, self.strategy, fit, self.view, s.data)
         return self._record(
             round_,
             p_k,
@@ -250,7 +252,7 @@ class CentralizedRounds:
         its broadcast never came)."""
         s = self.session
         if fit.upload.weights:
-            self._send(round_, fit.upload, fit.num_samples)
+            self._send(round_, Upload(fit.upload, fit.num_samples))
         if fit.divergence is not None:
             self._upload(
                 round_,
