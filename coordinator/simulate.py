@@ -40,7 +40,6 @@ from agent.learning import (
     attacked_upload,
     backdoor,
     central_strategy,
-    checked_fit,
     judge_central,
     live,
     participant_p_k,
@@ -256,9 +255,8 @@ class Simulation:
         return FitJob(k, self.states[k], view, p_k, samples, budget_p_k), download
 
     def _checked(self, job: FitJob, fit: Fit, t: int) -> Fit:
-        """The fit kept (undone if not finite), and the participant's state after it."""
-        fit, undone = checked_fit(fit, job.state, job.view)
-        if undone:
+        """The participant's state after its fit (undone if not finite: `participant_fit`)."""
+        if fit.undone:
             log.warning("%s round %d: model not finite; kept its model from before", job.agent, t)
         self.states[job.agent] = fit.state
         return fit

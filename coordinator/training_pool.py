@@ -48,8 +48,7 @@ from agent.learning import (
     RoundResult,
     ServerState,
     central_strategy,
-    fit_round,
-    settle_fit,
+    participant_fit,
     settle_round,
     train_round,
 )
@@ -135,8 +134,7 @@ class InProcess:
         for job in jobs:
             data = self.data[job.agent]
             ctx = FitContext(job.state, data, job.view, round_, job.p_k)
-            fit = fit_round(self.strategy, self.learner, ctx)
-            yield job.agent, settle_fit(self.learner, fit, data, round_, job.budget_p_k)
+            yield job.agent, participant_fit(self.strategy, self.learner, ctx, job.budget_p_k)
 
     def local_round(self, job: RoundJob) -> Future[tuple[RoundResult, Reduction]]:
         done: Future[tuple[RoundResult, Reduction]] = Future()

@@ -9,7 +9,8 @@ Decentralized rounds (ALGORITHMS.md 1.2-1.8): `RoundTopology` says whom agent k 
 t (this round's models of its prior neighbours, last round's of the others), `live` which of
 them count once neighbours stopped early, `settle_votes` how a round's votes settle the
 pruning plan, `train_round` the budgeted local round. A centralized participant's round:
-`participant_p_k`, `fit_round`, `settle_fit` and `judge_central` (the server's side, in its
+`participant_p_k`, `participant_fit` (`fit_round`, `checked_fit`, `settle_fit`) and
+`judge_central` (the server's side, in its
 order: `agent.learning.central.server`). Under attack and faults: `attacked` and
 `attacked_upload` (what an attacker sends instead of its round's model), `checked_fit` and
 `checked_aggregate` (a non-finite model is never kept or sent: the round is undone).
@@ -179,6 +180,18 @@ def settle_fit(
     (`fallback.advance`; `budget_p_k`: the device's measured budget, None without)."""
     state, flops = fallback.advance(learner, fit.state, data, round_, budget_p_k)
     return dataclasses.replace(fit, state=state, fallback_flops=flops)
+
+
+def participant_fit(
+    strategy: CentralStrategy, learner: Learner, ctx: FitContext, budget_p_k: float | None
+) -> Fit:
+    """A centralized participant's whole round, in one order wherever it runs (the simulator,
+    a worker process, the networked agent): the strategy's fit (`fit_round`), undone if not
+    finite (`checked_fit`, then `Fit.undone`), and only then its local-only model's round
+    (`settle_fit`), so an undone fit never undoes the local-only model's training."""
+    fit, undone = checked_fit(fit_round(strategy, learner, ctx), ctx.state, ctx.view)
+    fit = dataclasses.replace(fit, undone=undone)
+    return settle_fit(learner, fit, ctx.data, ctx.round, budget_p_k)
 
 
 def judge_central(

@@ -37,11 +37,9 @@ from agent.learning import (
     Upload,
     attacked_upload,
     central_strategy,
-    checked_fit,
-    fit_round,
     judge_central,
+    participant_fit,
     participant_p_k,
-    settle_fit,
 )
 from agent.learning.central.base import FitContext
 from agent.report import AgentRound
@@ -225,9 +223,8 @@ class CentralizedRounds:
         with compute_slot():
             compute_started = time.monotonic()
             ctx = FitContext(s.state, s.data, view, round_, p_k)
-            fit, undone = checked_fit(fit_round(self.strategy, s.learner, ctx), s.state, view)
-            fit = settle_fit(s.learner, fit, s.data, round_, budget.p_k if budget else None)
-        if undone:
+            fit = participant_fit(self.strategy, s.learner, ctx, budget.p_k if budget else None)
+        if fit.undone:
             log.warning("round %d: model not finite; kept the model from before it", round_)
         throttled = s.after_compute(compute_started, fit.train_flops + fit.fallback_flops)
         stragglers = self._exchange(round_, p_k, fit)

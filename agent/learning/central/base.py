@@ -67,6 +67,8 @@ class Fit:
     """FedLDF: per-layer divergence, sent before any tensor."""
     fallback_flops: int = 0
     """Training FLOPs of the participant's local-only model this round (`fit_round`)."""
+    undone: bool = False
+    """The round's model was not finite and was undone (`rounds.checked_fit`)."""
 
 
 @dataclass(frozen=True)
