@@ -5,7 +5,9 @@ change that must not alter behaviour (a refactoring).
 report per configuration into DIR; `compare DIR` runs them again and compares each report with
 the recorded one, wall times aside. The configurations cover every preset, every `--wire`,
 every `--reduce`, channel masks, early stopping, device profiles, fp16 and both detection
-distances; a configuration the recording lacks (added since) is listed as new.
+distances; a configuration the recording lacks (added since) is listed as new. A
+configuration whose `--reduce` chooses by measured costs compares with the cost table the
+recording measured (kept beside its report, NAME.costs.json), not with a new measurement.
 `emulate` runs a few configurations as real agent processes on the embedded broker and checks
 that every agent's accuracy and sparsity in every round equal simulate's.
 
@@ -26,17 +28,22 @@ Prints a table and writes bench/results/identity.json.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from click.testing import CliRunner
 
+import coordinator.simulate as simulate_module
 from agent.learning.config import ADAM_FAMILY
+from agent.learning.costs import CostTable
 from agent.learning.early_stop import STOP_RULES
+from agent.learning.precision import ComputeFormat
 from coordinator.cli import main as coordinator
 
 SMALL = ["--dataset", "mnist1d", "--agents", "6", "--rounds", "5", "--epochs", "1", "--seed", "3"]
@@ -133,11 +140,45 @@ EMULATED = (
 WALL_KEYS = {"wall_seconds"}
 
 
-def simulate(name: str, folder: Path, extra: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Run configuration `name` through the CLI; returns its report."""
+@contextlib.contextmanager
+def pinned_costs(path: Path, keep: bool) -> Iterator[None]:
+    """`--reduce auto` (and prefix, width) choose by the costs measured on this machine now,
+    and no two measurements agree to the last digit: the recording keeps the table each
+    configuration measured (`keep`), and a comparison trains with that table rather than a
+    new measurement, so what it compares is the code, not the machine's load."""
+    measure = simulate_module.measure_costs
+
+    def pinned(learner: Any, data: Any, **options: Any) -> CostTable:
+        if keep or not path.is_file():
+            table = measure(learner, data, **options)
+            if keep:
+                path.write_text(json.dumps(table.to_dict()))
+            return table
+        table = CostTable.from_dict(json.loads(path.read_text()))
+        learner.compute_format = ComputeFormat.parse(table.format)  # as measuring sets it
+        return table
+
+    simulate_module.measure_costs = pinned
+    try:
+        yield
+    finally:
+        simulate_module.measure_costs = measure
+
+
+def simulate(
+    name: str, folder: Path, extra: tuple[str, ...] = (), costs: Path | None = None
+) -> dict[str, Any]:
+    """Run configuration `name` through the CLI; returns its report. With `costs` (a
+    recording's folder), the cost table it kept for `name` is used or, when recording, kept."""
     path = folder / f"{name}.json"
     args = ["simulate", *SMALL, *CONFIGS[name].split(), *extra, "--report", str(path)]
-    result = CliRunner().invoke(coordinator, args, catch_exceptions=False)
+    pinning = (
+        contextlib.nullcontext()
+        if costs is None
+        else pinned_costs(costs / f"{name}.costs.json", keep=costs == folder)
+    )
+    with pinning:
+        result = CliRunner().invoke(coordinator, args, catch_exceptions=False)
     if result.exit_code != 0:
         raise SystemExit(f"{name}: exit {result.exit_code}: {result.output}")
     return json.loads(path.read_text())
@@ -215,7 +256,7 @@ def record(folder: Path) -> list[dict[str, Any]]:
     rows = []
     for name in CONFIGS:
         started = time.perf_counter()
-        report = simulate(name, folder)
+        report = simulate(name, folder, costs=folder)
         rows.append(
             {
                 "config": name,
@@ -239,7 +280,7 @@ def compare(folder: Path, extra: tuple[str, ...] = (), old: bool = False) -> lis
             want = without_wall(json.loads((folder / f"{name}.json").read_text()))
             started = time.perf_counter()
             flags = extra + (old_training(name) if old else ())
-            got = without_wall(simulate(name, Path(scratch), flags))
+            got = without_wall(simulate(name, Path(scratch), flags, costs=folder))
             # A field added since the recording (with its default) is no change.
             got = recorded_fields(got, want)
             same_patience(got["config"], want["config"])
