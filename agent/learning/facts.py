@@ -12,7 +12,7 @@ modules the learner itself builds on, never the learner.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
@@ -90,8 +90,9 @@ class TrainingFacts(ModelFacts, Protocol):
     def forward_layers(self) -> tuple[Layer, ...]: ...
 
 
-class FirstModel(Protocol):
-    """An agent's model before its first round: its weights and masks."""
+class HeldModel(Protocol):
+    """A model an agent holds: its own (before its first round, or its state since), or one
+    a neighbour sent; its weights under its masks."""
 
     @property
     def weights(self) -> State: ...
@@ -110,7 +111,7 @@ class CalibrationFacts(TrainingFacts, Protocol):
     @property
     def freezing_plan(self) -> FreezingPlan: ...
 
-    def init_agent(self, agent_id: str) -> FirstModel: ...
+    def init_agent(self, agent_id: str) -> HeldModel: ...
 
 
 class StoppingLoss(Protocol):
@@ -149,3 +150,17 @@ class AgentFacts(Protocol):
 
     @property
     def distances(self) -> list[float]: ...
+
+
+_Own = TypeVar("_Own", bound=HeldModel, contravariant=True)
+_Sent = TypeVar("_Sent", bound=HeldModel)
+
+
+class AggregationRule(Protocol[_Own, _Sent]):
+    """What a decentralized strategy's aggregate (`DecentralizedStrategy.aggregate`) reads of
+    a learner: the run's rule (eq. 7 over masks or the mean, under `--aggregation` and
+    `--clip`), over the learner's own types of an agent's state (`_Own`) and of what its
+    neighbours sent (`_Sent`), which this module cannot name without importing the learner."""
+
+    def aggregate(self, agent: _Own, inbox: dict[str, _Sent]) -> State:
+        """The agent's model aggregated with those of its `inbox`, by sender."""

@@ -7,8 +7,9 @@ it the same inputs (the agent's state, the models it holds from its neighbours) 
 same outputs (its new state and the model it publishes), which is what makes a networked
 run reproduce a simulated one.
 
-What differs between the decentralized strategies (dadpfl, dispfl, dfedavgm, local: what
-follows training) is theirs, in `agent.learning.decentral`; the centralized strategies'
+What differs between the decentralized strategies (dadpfl, dispfl, dfedavgm, local, a
+user's: what they aggregate, what follows training) is theirs, in `agent.learning.decentral`;
+the run's aggregation rule, their default, is `Learner.aggregate`; the centralized strategies'
 rounds (ALGORITHMS.md sections 2 to 4) live in `agent.learning.central`; which is which,
 with each one's traits, in the table `agent.learning.strategies`. Early stopping
 (`early_stop`, section 2) applies to every strategy.
@@ -120,12 +121,15 @@ def starting_point(
     round_: int,
     reduction: Reduction,
 ) -> tuple[State, AgentState, Masks | None]:
-    """The round's start: the aggregate (eq. 7), with each reduction kind's step before
-    training (`ReductionKind.started`: pruned by magnitude to a density cap, the neurons
-    that train drawn for an active fraction, the rest frozen). Returns the start, the agent
-    (with its capped masks) and the active masks (None: everything trains)."""
+    """The round's start: the strategy's aggregate (`DecentralizedStrategy.aggregate`, the
+    run's rule `Learner.aggregate` unless a user's strategy says otherwise), with each
+    reduction kind's step before training (`ReductionKind.started`: pruned by magnitude to a
+    density cap, the neurons that train drawn for an active fraction, the rest frozen).
+    Returns the start, the agent (with its capped masks) and the active masks (None:
+    everything trains)."""
     draw = functools.partial(learner.generator, "active", agent.agent_id, round_)
-    begun = started(learner, Start(learner.aggregate(agent, inbox), agent.masks), reduction, draw)
+    aggregate = learner.decentral.aggregate(learner, agent, inbox)
+    begun = started(learner, Start(aggregate, agent.masks), reduction, draw)
     if begun.masks is not agent.masks:
         agent = dataclasses.replace(agent, masks=begun.masks)
     return begun.weights, agent, begun.active
@@ -304,7 +308,8 @@ class Learner:
     def aggregate(self, agent: AgentState, inbox: dict[str, Published]) -> State:
         """Mask-based aggregation for sparse strategies (eq. 7), plain mean for dense ones,
         or the robust rule of `--aggregation`; each received model first clipped to the
-        `--clip` bound around the agent's own (`robust.clip`)."""
+        `--clip` bound around the agent's own (`robust.clip`). The run's rule, which a
+        round takes through its strategy (`DecentralizedStrategy.aggregate`, the default)."""
         if not inbox:
             return agent.weights
         return self.own_statistics(self._combined(agent, inbox), agent.weights)
@@ -359,8 +364,8 @@ class Learner:
         prune_now: bool,
         reduction: Reduction = NO_REDUCTION,
     ) -> RoundResult:
-        """One decentralized round of agent k: aggregate, train, the strategy's step after
-        training (`decentral`: vote, prune, RigL), evaluate.
+        """One decentralized round of agent k: the strategy's aggregate (`decentral`), train,
+        the strategy's step after training (vote, prune, RigL), evaluate.
 
         The order follows the paper's Algorithm 1: the vote scores the freshly trained model,
         further pruning (when `prune_now` and sparsity < s*) precedes the RigL update, and the

@@ -1,9 +1,10 @@
 """The contract of a decentralized strategy: the steps of a round that differ between
 dadpfl, dispfl, dfedavgm and local, beside `agent.learning.central.base.CentralStrategy`.
 
-A decentralized round (`Learner.local_round`, ALGORITHMS.md 1) is the same for all of them
-up to its training: aggregate what the neighbours sent (eq. 7 over masks, or the mean),
-train, cut to the device's budget. What follows training is the strategy's
+A decentralized round (`Learner.local_round`, ALGORITHMS.md 1) asks its strategy for two
+steps and composes the rest: the strategy's `aggregate` of what the neighbours sent (the
+run's rule by default: eq. 7 over masks, or the mean, under `--aggregation` and `--clip`),
+training cut to the device's budget, then the strategy's step after training
 (`after_training`): a sparse strategy scores the model for the pruning vote, may prune
 further, and moves its mask with RigL; a dense one keeps what it trained. Pure math, typed
 by the facts it reads (`agent.learning.facts`), so that this package never imports the
@@ -16,11 +17,22 @@ further, trains alone), is the table's (`agent.learning.strategies`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 if TYPE_CHECKING:
-    from agent.learning.facts import AgentFacts, LocalData, MaskFacts
+    from agent.learning.facts import (
+        AgentFacts,
+        AggregationRule,
+        HeldModel,
+        LocalData,
+        MaskFacts,
+    )
     from agent.learning.sparse import Masks, State
+
+_Own = TypeVar("_Own", bound="HeldModel")
+"""The learner's type of an agent's state (`learner.AgentState`), named by its traits."""
+_Sent = TypeVar("_Sent", bound="HeldModel")
+"""The learner's type of a model a neighbour sent (`learner.Published`)."""
 
 
 @dataclass(frozen=True)
@@ -55,14 +67,25 @@ class MaskStep:
 
 
 class DecentralizedStrategy:
-    """The contract: a dense strategy's steps, which keep what training gave; sparse ones
-    override `after_training` (`agent.learning.decentral.sparse`)."""
+    """The contract: a dense strategy's steps, which aggregate by the run's rule and keep
+    what training gave; sparse ones override `after_training`
+    (`agent.learning.decentral.sparse`), and a user's strategy may override either."""
 
     name: ClassVar[str] = ""
     trains_own: ClassVar[bool] = True
     """Whether a round trains from the agent's own weights (in part), as
     `CentralStrategy.trains_own` says of the centralized ones: a decentralized agent always
     starts a round from its aggregate of its own model and its neighbours'."""
+
+    def aggregate(
+        self, learner: AggregationRule[_Own, _Sent], agent: _Own, inbox: dict[str, _Sent]
+    ) -> State:
+        """The model the agent's round starts from, before its budget cuts it: the run's
+        rule over its own model and those its neighbours sent (`Learner.aggregate`: eq. 7
+        over masks, or the mean, under `--aggregation` and `--clip`), which every shipped
+        strategy keeps; the agent's own model when nobody sent one. Weights only: the
+        agent's masks stay its own, moved only after training."""
+        return learner.aggregate(agent, inbox)
 
     def after_training(self, learner: MaskFacts, trained: Trained) -> MaskStep:
         """The round's model once the strategy had its say on what training gave."""
