@@ -1,7 +1,8 @@
 """A strategy the user brings (issue 47): named as a class by import path or file, in a run
 file, on the command line and in the Python API; its family, traits and preset read from the
-class; fingerprinted so a device with other code refuses the run; and the example in
-examples/own_strategy runs in simulate and as real agent processes with the same figures."""
+class; fingerprinted so a device with other code refuses the run; a decentralized one's own
+`aggregate` what its rounds start from; and the example in examples/own_strategy runs in
+simulate and as real agent processes with the same figures."""
 
 from __future__ import annotations
 
@@ -36,6 +37,11 @@ class Plain(DecentralizedStrategy):
 
 class Masked(DisPFL):
     prunes_further = True
+
+
+class OwnOnly(DecentralizedStrategy):
+    def aggregate(self, learner, agent, inbox):
+        return agent.weights
 
 
 class Neither:
@@ -99,6 +105,30 @@ def test_a_decentralized_strategy_of_the_users_trains(own: Path) -> None:
     config = edgefl.config(dataset="digits", strategy=f"{own}/decentral.py:Plain", **SHORT)
     assert config.learning.epochs == 2
     assert len(edgefl.simulate(config).rounds) == 2
+
+
+def figures(report: edgefl.Report) -> list[dict[str, tuple[float, float]]]:
+    """Each round's (accuracy, training loss) per agent: what the model trained to."""
+    return [
+        {k: (a["accuracy"], a["train_loss"]) for k, a in r["agents"].items()} for r in report.rounds
+    ]
+
+
+def test_a_users_aggregate_is_the_one_its_rounds_take(own: Path, tmp_path: Path) -> None:
+    """A strategy whose `aggregate` keeps the agent's own model trains as local training does,
+    agent by agent and round by round, though its neighbours' models reach it (the contract
+    itself, which averages them, trains otherwise): the round takes the strategy's aggregate.
+    Real agent processes give the same figures: whichever neighbours' models reach them in
+    time, none counts."""
+    own_only = edgefl.config(dataset="digits", strategy=f"{own}/decentral.py:OwnOnly", **SHORT)
+    simulated = edgefl.simulate(own_only)
+    local = edgefl.simulate(edgefl.config(dataset="digits", strategy="local", **SHORT))
+    contract = "agent.learning.decentral:DecentralizedStrategy"
+    averaged = edgefl.simulate(edgefl.config(dataset="digits", strategy=contract, **SHORT))
+    assert figures(simulated) == figures(local)
+    assert figures(averaged) != figures(simulated)
+    emulated = edgefl.emulate(own_only, workdir=tmp_path / "fleet", agents_per_process=4)
+    assert figures(emulated) == figures(simulated)
 
 
 def test_a_file_resolves_beside_the_run_file_the_cwd_or_from_the_class(
