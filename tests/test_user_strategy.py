@@ -6,6 +6,7 @@ simulate and as real agent processes with the same figures."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -187,14 +188,34 @@ def test_what_the_class_does_not_read_is_refused(own: Path) -> None:
         edgefl.config(dataset="digits", strategy=f"{own}/odd.py:Odd")
 
 
+DEVICE = """
+import json, sys
+from agent.experiment import config_from_dict
+try:
+    config_from_dict(json.loads(sys.argv[1]))
+except ValueError as exc:
+    sys.exit(str(exc))
+"""
+"""A device reading a run's configuration, in a process of its own."""
+
+
 def test_a_device_with_other_strategy_code_refuses_the_run(own: Path) -> None:
+    """Another device's copy of the code is read by another process: once the file differs
+    from the run's, that device refuses the run. A long-lived process that loaded the class
+    before the file was edited runs what it loaded, and its digest says so: the run made
+    from that same code is still its own (it used to digest the file on disk, and would
+    have taken a run of the edited code while running the old one)."""
     config = edgefl.config(dataset="digits", strategy=f"{own}/strategy.py:FedAvgM", **SHORT)
     sent = config_to_dict(config)
     assert config_from_dict(sent) == config, "the same code: accepted"
     (own / "strategy.py").write_text((own / "strategy.py").read_text() + "\n# edited\n")
-    with pytest.raises(ValueError, match="different code here") as refused:
-        config_from_dict(sent)
-    assert "\n" not in str(refused.value)
+    device = subprocess.run(
+        [sys.executable, "-c", DEVICE, json.dumps(sent)], capture_output=True, text=True
+    )
+    assert device.returncode == 1 and "different code here" in device.stderr
+    assert device.stderr.count("\n") == 1, device.stderr
+    assert config_from_dict(sent) == config, "this process runs the code it loaded"
+    assert strategies.fingerprint(f"{own}/strategy.py:FedAvgM") == config.strategy_fingerprint
     assert edgefl.config(dataset="digits", strategy="fedavg").strategy_fingerprint == ""
 
 

@@ -145,7 +145,7 @@ def strategy(name: str) -> Strategy:
     """The record of strategy `name`, or of the user's class it names (MODULE:CLASS,
     ./FILE.py:CLASS); ValueError naming the known ones otherwise."""
     if is_import_path(name):
-        return user_strategy(name)[0]
+        return user_strategy(name).record
     try:
         return STRATEGIES[name]
     except KeyError:
@@ -160,7 +160,7 @@ def names(family: str) -> tuple[str, ...]:
 def implementation(name: str) -> type:
     """The class that computes strategy `name`'s rounds, imported now (it loads torch)."""
     if is_import_path(name):
-        return user_strategy(name)[1]
+        return user_strategy(name).cls
     module, _, attribute = strategy(name).implementation.partition(":")
     cls: type = getattr(importlib.import_module(module), attribute)
     return cls
@@ -178,10 +178,23 @@ every round trains with, and a decentralized one's wire format (none of the opti
 a shipped strategy's own method reads)."""
 
 
+@dataclass(frozen=True)
+class UserStrategy:
+    """A user's strategy as this process loaded it: its record, its class, and the digest of
+    the code that class was loaded from."""
+
+    record: Strategy
+    cls: type
+    fingerprint: str
+    """`user_code.source_fingerprint`, taken when the class was loaded: a long-lived agent
+    whose file was edited since still runs the code it loaded, and says that code's digest,
+    not the file's new one."""
+
+
 @functools.cache
-def user_strategy(spec: str) -> tuple[Strategy, type]:
-    """The record and class of the user's strategy `spec` names; ValueError with one line
-    if it cannot be imported or implements neither contract.
+def user_strategy(spec: str) -> UserStrategy:
+    """The user's strategy `spec` names, loaded once a process; ValueError with one line if
+    it cannot be imported or implements neither contract.
 
     The record is the class's: its family is its contract's; a class derived from a shipped
     strategy's takes that one's record (traits, options, preset), a class derived from a
@@ -224,13 +237,13 @@ def user_strategy(spec: str) -> tuple[Strategy, type]:
         prunes_further=trait("prunes_further"),
         adam=trait("adam"),
     )
-    return own, cls
+    return UserStrategy(own, cls, source_fingerprint(cls))
 
 
 def fingerprint(name: str) -> str:
-    """A digest of the code of strategy `name` when it is the user's (`user_code.
-    source_fingerprint`), "" for a shipped one (the installed version's)."""
-    return source_fingerprint(implementation(name)) if is_import_path(name) else ""
+    """A digest of the code of strategy `name` this process runs when it is the user's
+    (`UserStrategy.fingerprint`), "" for a shipped one (the installed version's)."""
+    return user_strategy(name).fingerprint if is_import_path(name) else ""
 
 
 @dataclass(frozen=True)
