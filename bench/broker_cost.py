@@ -44,7 +44,7 @@ from rich.table import Table
 
 from bench.support import environment, write_json
 from coordinator import broker as embedded
-from coordinator.cli import free_port
+from coordinator.ports import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

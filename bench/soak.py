@@ -81,7 +81,7 @@ from agent.data import load_dataset
 from agent.model_store import run_folder
 from agent.runtime import checkpoint
 from bench.support import environment, write_json
-from coordinator.cli import free_port
+from coordinator.ports import free_port
 from tests.netns import Lan
 
 ROOT = Path(__file__).resolve().parents[1]

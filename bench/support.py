@@ -68,7 +68,7 @@ def broker(spec: str, workdir: pathlib.Path) -> Iterator[BrokerAddress]:
     """A broker for an emulated fleet: `embedded` (amqtt in this process, what `coordinator
     emulate` starts), `mosquitto` (a child process on a free loopback port) or HOST:PORT."""
     from coordinator.broker import EmbeddedBroker
-    from coordinator.cli import free_port
+    from coordinator.ports import free_port
 
     if spec == "embedded":
         with EmbeddedBroker(host="127.0.0.1", port=free_port()) as embedded:

@@ -28,7 +28,6 @@ from coordinator.cli_shared import (
     report_options,
     require_extra,
 )
-from coordinator.cli_shared import summary_table as summary_table  # re-exported: tests show it
 from coordinator.fleet import FleetLog
 from coordinator.gateway_start import GatewayOptions, GatewayStart, coordinator_signer
 from coordinator.gateway_state import (
@@ -46,7 +45,6 @@ from coordinator.gateway_state import (
     write_logins,
 )
 from coordinator.manage import RETAINED_WAIT_S
-from coordinator.ports import free_port as free_port  # re-exported: imported from here too
 from coordinator.runs import (
     DEFAULT_RUNS_DIR,
     RUNS_DIR_ENV,

@@ -126,17 +126,17 @@ def test_a_decentralized_attacker_steps_from_its_model_before_the_round(
 
 
 def test_the_summary_table_shows_the_attack_and_the_triggers_success() -> None:
-    from coordinator import cli
+    from coordinator.cli_shared import console, summary_table
 
     report = simulate(undefended_fedavg("backdoor", attackers=2, rounds=1))
-    with cli.console.capture() as captured:
-        cli.console.print(cli.summary_table(report))
+    with console.capture() as captured:
+        console.print(summary_table(report))
     shown = captured.get()
     assert "2 (backdoor)" in shown and "mean accuracy of the honest agents" in shown
     assert "trigger success on honest models" in shown
     clean = simulate(undefended_fedavg("scale", attackers=0, rounds=1))
-    with cli.console.capture() as captured:
-        cli.console.print(cli.summary_table(clean))
+    with console.capture() as captured:
+        console.print(summary_table(clean))
     assert "attackers" not in captured.get() and "trigger" not in captured.get()
 
 

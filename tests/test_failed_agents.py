@@ -19,7 +19,7 @@ from agent.experiment import ExperimentConfig
 from agent.learning import preset
 from agent.report import AgentRound
 from agent.runtime import checkpoint
-from coordinator import cli
+from coordinator import cli, cli_shared
 from coordinator.conductor import AgentProgress, assemble_report, describe_failures
 from coordinator.emulate import Emulation, EmulationOptions, exit_reason
 from coordinator.gateway import why_failed
@@ -64,7 +64,7 @@ def test_the_summary_says_who_failed_from_which_round_and_over_whom_its_figures_
         "agents that failed: agent-002 (from round 3, exit code -9 (SIGKILL))"
     )
     with cli.console.capture() as captured:
-        cli.console.print(cli.summary_table(report))
+        cli.console.print(cli_shared.summary_table(report))
     assert "mean accuracy (round 4, 2 of 3 agents)" in captured.get()
     assert "4 of 4" in captured.get()
 

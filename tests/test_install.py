@@ -30,7 +30,7 @@ from bench.install_footprint import (
     run,
 )
 from bench.support import broker
-from coordinator.cli import free_port
+from coordinator.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
