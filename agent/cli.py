@@ -25,7 +25,7 @@ from agent.experiment import ExperimentConfig, check_networked
 from agent.files import DiskFullError
 from agent.model_store import DEFAULT_KEEP_RUNS, MODEL_ONNX, ModelStore
 from agent.onnx_model import RECONSTRUCTION, OnnxModel, load_inputs
-from agent.options import experiment_options
+from agent.options import expect_options
 from firmware_profiles import ProfileError, load_profile
 from protocol import (
     NAME,
@@ -50,6 +50,7 @@ from protocol.cli import (
     seconds,
     version_option,
 )
+from protocol.cli_help import HelpAllGroup, tucked
 from protocol.limits import MAX_MEMBERS, PRE_RUN_LIMITS
 from protocol.membership import BROKER_WAIT_S
 from protocol.mqtt import unreachable, unresolved
@@ -68,12 +69,17 @@ log = logging.getLogger(__name__)
 
 
 def shown(
-    flag: str, kind: click.ParamType, default: float | None, text: str
+    flag: str, kind: click.ParamType, default: float | None, text: str, **extra: Any
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """A numeric option whose help shows its default (when it has one)."""
     return click.option(
-        flag, type=kind, default=default, show_default=default is not None, help=text
+        flag, type=kind, default=default, show_default=default is not None, help=text, **extra
     )
+
+
+TUNING = "Tuning options"
+"""Where `--help-all` lists what a device rarely changes (timeouts, models kept, telemetry):
+`--help` keeps to what connecting, identifying and running a device needs."""
 
 
 def default_agent_id() -> str:
@@ -176,7 +182,11 @@ class Hosted:
     joined: Callable[[MqttTransport], None]
 
 
-@click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(
+    cls=HelpAllGroup,
+    invoke_without_command=True,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
 @version_option
 @broker_options
 @click.option("--fleet", default="default", show_default=True, type=NAME, help="Fleet to join.")
@@ -223,7 +233,7 @@ class Hosted:
     click.IntRange(1, MAX_MEMBERS),
     None,
     "Without a coordinator: start once this many agents (self included) are online, with "
-    "--run FILE or the experiment flags below.",
+    "--run FILE or the experiment options (--help-all).",
 )
 @click.option("--once", is_flag=True, help="Exit after one run instead of waiting for the next.")
 @click.option(
@@ -232,6 +242,7 @@ class Hosted:
     help="Keep the most accurate run's model current (STATE_DIR/model.onnx), whatever a "
     "run's `keep` says [default: the newest run's, unless it is less accurate by more than "
     "the run's keep_margin].",
+    **tucked(TUNING),
 )
 @shown(
     "--keep-runs",
@@ -239,12 +250,14 @@ class Hosted:
     DEFAULT_KEEP_RUNS,
     "Keep the folders (model, checkpoint, round log) of this many ended runs; older ones are "
     "deleted when a run finishes, never the current model's.",
+    **tucked(TUNING),
 )
 @click.option(
     "--telemetry",
     is_flag=True,
     help="Also publish each status as plain JSON on fl/v1/FLEET/telemetry/ID (retained), "
     "for MQTT tools (mosquitto_sub, Node-RED, Telegraf).",
+    **tucked(TUNING),
 )
 @shown(
     "--round-timeout",
@@ -252,18 +265,21 @@ class Hosted:
     120.0,
     "Seconds to wait for a neighbour's model before going on without it (a run's own "
     "timeouts win).",
+    **tucked(TUNING),
 )
 @shown(
     "--vote-timeout",
     seconds(0.1),
     60.0,
     "Seconds to wait for a round's votes before counting missing ones as 0.",
+    **tucked(TUNING),
 )
 @shown(
     "--linger",
     seconds(0),
     60.0,
     "After the last round, keep serving neighbours this long at most.",
+    **tucked(TUNING),
 )
 @click.option(
     "--mdns",
@@ -297,7 +313,7 @@ class Hosted:
     "it, such an agent needs the bundle `coordinator admit` writes (--config).",
 )
 @logging_options
-@experiment_options
+@expect_options
 @click.pass_context
 def main(
     ctx: click.Context,

@@ -2,7 +2,8 @@
 
 Every hyper-parameter of ExperimentConfig and StrategyConfig becomes a flag with the field's
 help text and default, so `simulate` (and later `emulate`) expose all of them without a
-hand-kept list that could drift from the code.
+hand-kept list that could drift from the code. `--help` shows the essential ones (`ESSENTIAL`);
+the research hyper-parameters are tucked under `--help-all` (`protocol.cli_help`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from agent.learning.strategies import SCOPES, Scope, fingerprint
 from agent.learning.strategies import strategy as strategy_record
 from agent.learning.topology import TOPOLOGIES
 from agent.user_code import is_import_path, resolved
+from protocol.cli_help import RESEARCH, tucked
 
 _TYPES = {int: int, float: float, str: str}
 _CHOICES: dict[str, tuple[str, ...]] = {
@@ -80,11 +82,39 @@ def _fields() -> list[tuple[dataclasses.Field, Any]]:
     return pairs
 
 
-def _option(field: dataclasses.Field, hint: Any) -> Callable[[Callable], Callable]:
+ESSENTIAL = (
+    "dataset",
+    "model",
+    "task",
+    "agents",
+    "partition",
+    "seed",
+    "profiles",
+    "round_time_s",
+    "strategy",
+    "rounds",
+    "epochs",
+    "batch_size",
+    "lr",
+)
+"""The experiment flags `--help` shows: what to learn on, by which strategy, how long; the
+rest (the strategies' hyper-parameters, attacks, custom losses and metrics, measurement
+knobs) are listed by `--help-all` under "Research options"."""
+
+EXPERIMENT = "Experiment options (with --expect N instead of --run FILE)"
+"""Where `edge-agent --help-all` lists the essential experiment flags: a device gets its run
+from a coordinator or a run file, and needs them only to start a run among peers."""
+
+
+def _option(
+    field: dataclasses.Field, hint: Any, essential: str | None
+) -> Callable[[Callable], Callable]:
     flag = "--" + field.name.replace("_", "-")
     help_text = field.metadata.get("help", "")
+    section = essential if field.name in ESSENTIAL else RESEARCH
+    where = tucked(section) if section is not None else {}
     if hint is bool:
-        return click.option(f"{flag}/--no-{flag[2:]}", default=None, help=help_text)
+        return click.option(f"{flag}/--no-{flag[2:]}", default=None, help=help_text, **where)
     kind: click.ParamType | type = next(
         (_TYPES[t] for t in typing.get_args(hint) or (hint,) if t in _TYPES), str
     )
@@ -93,13 +123,27 @@ def _option(field: dataclasses.Field, hint: Any) -> Callable[[Callable], Callabl
         kind = choice(_CHOICES[field.name])
     default = field.default if field.default is not dataclasses.MISSING else None
     shown = f" [default: {default}]" if default not in (None, "") else ""
-    return click.option(flag, type=kind, default=None, help=help_text + shown)
+    metavar = "NAME" if field.name == "strategy" else None  # its help lists the names
+    return click.option(
+        flag, type=kind, default=None, metavar=metavar, help=help_text + shown, **where
+    )
 
 
 def experiment_options(command: Callable) -> Callable:
-    """Decorate a click command with one flag per experiment and strategy parameter."""
+    """Decorate a click command with one flag per experiment and strategy parameter: the
+    `ESSENTIAL` ones shown by --help, the others under --help-all (simulate, emulate)."""
+    return _with_experiment_options(command, None)
+
+
+def expect_options(command: Callable) -> Callable:
+    """The experiment flags of `edge-agent`, all under --help-all: the essential ones in
+    their own section, the research ones in theirs."""
+    return _with_experiment_options(command, EXPERIMENT)
+
+
+def _with_experiment_options(command: Callable, essential: str | None) -> Callable:
     for field, hint in reversed(_fields()):
-        command = _option(field, hint)(command)
+        command = _option(field, hint, essential)(command)
     return command
 
 

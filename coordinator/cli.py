@@ -74,6 +74,7 @@ from protocol.cli import (
     say,
     version_option,
 )
+from protocol.cli_help import HelpAllGroup, with_help_all
 from protocol.extras import (
     GATEWAY_EXTRA,
 )
@@ -85,10 +86,11 @@ from protocol.signing import (
 )
 
 
-class Commands(click.Group):
+class Commands(HelpAllGroup):
     """The coordinator's commands, the lab's (`coordinator.lab_cli`, which shares this
     module's helpers in `coordinator.cli_shared`) loaded only when one of them runs or is
-    listed: a gateway's commands (serve, status, admit, ...) need none of it."""
+    listed: a gateway's commands (serve, status, admit, ...) need none of it. Each takes
+    --help-all (`protocol.cli_help`)."""
 
     LAB = ("emulate", "simulate")
 
@@ -101,7 +103,7 @@ class Commands(click.Group):
         from coordinator import lab_cli
 
         command: click.Command = getattr(lab_cli, cmd_name)
-        return command
+        return with_help_all(command)
 
 
 @click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"]})
