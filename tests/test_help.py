@@ -122,6 +122,23 @@ def test_edge_agent_help_is_what_a_device_needs() -> None:
         assert f"  {flag} " in research, flag
 
 
+@pytest.mark.parametrize(
+    ("command", "flags"),
+    [
+        ("serve", ("--broker", "--host", "--port", "--state-dir", "--open", "--http")),
+        ("run", ("--broker", "--fleet", "--state-dir", "--report", "--resume", "--runs-dir")),
+        ("status", ("--broker", "--fleet", "--json", "--watch")),
+        ("admit", ("--fleet", "--state-dir")),
+    ],
+)
+def test_the_gateways_help_shows_what_running_a_fleet_needs(
+    command: str, flags: tuple[str, ...]
+) -> None:
+    shown = help_of(("coordinator", command), "--help")
+    for flag in flags:
+        assert f"  {flag} " in shown, flag
+
+
 @pytest.mark.parametrize("command", ["simulate", "emulate"])
 def test_the_labs_help_shows_the_essentials_and_tucks_the_research(command: str) -> None:
     shown = help_of(("coordinator", command), "--help")
