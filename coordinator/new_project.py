@@ -24,7 +24,7 @@ from coordinator.cli_shared import console
 
 @dataclass(frozen=True)
 class Template:
-    """What the shared README says of one template's project."""
+    """What the shared README says of one template's project (lines as it wraps them)."""
 
     about: str
     metric: str
@@ -32,18 +32,18 @@ class Template:
 
 TEMPLATES = {
     "classification": Template(
-        "Four devices learn to tell four machine states apart from 12 sensor readings; each "
+        "Four devices learn to tell four machine states apart from 12 sensor readings; each\n"
         "sees mostly some of the states and reads its sensors with its own calibration.",
         "accuracy (higher is better)",
     ),
     "regression": Template(
-        "Four devices learn a building's power draw from 8 readings; each building has its "
+        "Four devices learn a building's power draw from 8 readings; each building has its\n"
         "own base load and its sensors their own calibration.",
         "mae, the mean absolute error (lower is better)",
     ),
     "anomaly": Template(
-        "Four devices learn their pump's normal vibration with an autoencoder, whose "
-        "reconstruction error then flags what is not normal (data/anomalies.npy: windows of "
+        "Four devices learn their pump's normal vibration with an autoencoder, whose\n"
+        "reconstruction error then flags what is not normal (data/anomalies.npy: windows of\n"
         "failing pumps).",
         "reconstruction_error (lower is better)",
     ),
