@@ -13,13 +13,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from importlib import resources
-from importlib.resources.abc import Traversable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from rich.markup import escape
 
 from coordinator.cli_shared import console
+
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable  # Python 3.11; importlib.abc before
 
 
 @dataclass(frozen=True)
