@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from agent.own_data import load_own_data
+from agent.own_data import load_own_data, misfit
 from agent.report import metric_of
+from agent.runfile import load_run_file
 from coordinator.cli import main as coordinator
 from coordinator.new_project import TEMPLATES
 
@@ -146,7 +147,10 @@ def test_a_project_emulates_as_agent_processes(tmp_path: Path) -> None:
     assert _metric(report_path, "classification") > 1 / 4  # four classes: chance
 
 
-def test_a_device_reads_its_own_file_through_data_py(tmp_path: Path) -> None:
+def test_a_device_reads_its_own_file_and_the_run_file_serves_devices(tmp_path: Path) -> None:
+    """What the README's "On real devices" says to do. A loopback run of edge-agents with
+    that data and run file (`coordinator run`, 2 agents) trained when tried by hand; what
+    is the template's own is checked here: the loader and the run file."""
     project = _make("regression", tmp_path)
     source = f"python:{project / 'data.py'}:device"
     with pytest.raises(ValueError, match=r"device\.npz: copy this device's file") as missing:
@@ -156,6 +160,14 @@ def test_a_device_reads_its_own_file_through_data_py(tmp_path: Path) -> None:
     (project / "data" / "device-2.npz").rename(project / "data" / "device.npz")
     own = load_own_data(source)
     assert own.samples == 50 and own.targets == 1 and own.input_shape == (8,)
+    run_file = project / "run.toml"
+    lines = run_file.read_text().splitlines(keepends=True)
+    run_file.write_text("".join(x for x in lines if not x.startswith(("dataset =", "partition ="))))
+    devices = load_run_file(run_file)
+    assert devices.dataset == "device" and devices.wanted == 4
+    config = devices.config(4, own.input_shape)
+    assert (config.task, config.model) == ("regression", f"{project / 'model.py'}:build")
+    assert misfit(own.describe(), own.input_shape, 0, 10, task="regression", targets=1) is None
 
 
 def test_new_never_overwrites_and_names_its_templates(tmp_path: Path) -> None:
