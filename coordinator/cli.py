@@ -45,6 +45,7 @@ from coordinator.gateway_state import (
     write_logins,
 )
 from coordinator.manage import RETAINED_WAIT_S
+from coordinator.new_project import new
 from coordinator.runs import (
     DEFAULT_RUNS_DIR,
     RUNS_DIR_ENV,
@@ -115,6 +116,7 @@ def main() -> None:
 
 main.add_command(broker_config)
 main.add_command(bridge_config)
+main.add_command(new)
 
 
 def embedded_options(command: Callable) -> Callable:
