@@ -55,6 +55,16 @@ NETWORKED = (
 """The figures only a networked run has, added to emulate's report."""
 
 
+def reported_p_k(p_k: float | None, budgets: bool) -> float | None:
+    """The p_k a round's record carries: under a strategy that `budgets` (its table's trait),
+    the budget its round was cut to (1.0 without a measured one); under one that trains the
+    full model whatever the device affords (FedAvg, FedAdam, DFedAvgM...), None: FedSPU's
+    static tiers or a device's budget there would be a figure the round never followed."""
+    if not budgets:
+        return None
+    return 1.0 if p_k is None else p_k
+
+
 @dataclass
 class Traffic:
     """Bytes and nonzeros one node put on, and took off, its link in one round."""
@@ -78,7 +88,9 @@ class AgentRound:
     bytes_received: int = 0
     nonzeros_sent: int = 0
     train_flops: int = 0
-    p_k: float = 1.0
+    p_k: float | None = 1.0
+    """The budget the round was cut to (1: none, it trained whole); None under a strategy
+    that budgets nothing (`reported_p_k`)."""
     vote: bool | None = None
     score: float | None = None
     pruned: bool = False
@@ -153,7 +165,8 @@ class AgentRound:
         **figures: Any,
     ) -> AgentRound:
         """The record of a decentralized round from what it computed, the simulator's and a
-        device's alike; `figures`: what only the caller knows (traffic, waiting, t*...)."""
+        device's alike (`p_k`: as `reported_p_k` gives it); `figures`: what only the caller
+        knows (traffic, waiting, t*...)."""
         return cls(
             round=round_,
             agent=agent,
@@ -162,7 +175,7 @@ class AgentRound:
             train_loss=result.train_loss,
             sparsity=reported_sparsity(result.state.masks),
             train_flops=result.train_flops,
-            p_k=1.0 if p_k is None else p_k,
+            p_k=p_k,
             vote=result.vote,
             score=result.score,
             pruned=result.pruned,

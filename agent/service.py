@@ -534,10 +534,11 @@ class AgentService:
         return build_workload(run.config, roster, agents=[self.me])
 
     def report_round(self, metric: str, record: dict[str, Any]) -> None:
+        # A strategy that budgets nothing records no p_k (`agent.report.reported_p_k`).
+        budget = "" if record["p_k"] is None else f"p_k {record['p_k']:.3f}, "
         self.say(
-            f"round {record['round']}: {metric} {record['accuracy']:.4f}, "
-            f"p_k {record['p_k']:.3f}, sparsity {record['sparsity']:.3f}, "
-            f"waited {record['wait_s']:.2f}s"
+            f"round {record['round']}: {metric} {record['accuracy']:.4f}, {budget}"
+            f"sparsity {record['sparsity']:.3f}, waited {record['wait_s']:.2f}s"
             + (f", stragglers {record['stragglers']}" if record["stragglers"] else "")
         )
 

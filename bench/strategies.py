@@ -184,7 +184,10 @@ def run(
         "overrides": over,
         "fleet": fleet,
         "summary": report["summary"],
-        "p_k": sorted({round(a["p_k"], 3) for a in rounds[-1]["agents"].values()}),
+        # A strategy that budgets nothing records no p_k (`agent.report.reported_p_k`).
+        "p_k": sorted(
+            {round(a["p_k"], 3) for a in rounds[-1]["agents"].values() if a["p_k"] is not None}
+        ),
         "accuracy_per_round": [
             sum(a["accuracy"] for a in r["agents"].values()) / len(r["agents"]) for r in rounds
         ],

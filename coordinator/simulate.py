@@ -60,6 +60,7 @@ from agent.report import (
     Traffic,
     honest_summary,
     named_for_task,
+    reported_p_k,
     reported_sparsity,
     stopped_summary,
     summarize,
@@ -173,7 +174,8 @@ class Simulation:
         if result.recovered:
             log.warning("%s round %d: model not finite; kept its model from before", k, t)
         self._early_stop(k, t, result.state.weights, result.train_loss, result.pruned)
-        record = AgentRound.of_result(t, k, result, reduction, p_k_of(self.budgets, k))
+        p_k = reported_p_k(p_k_of(self.budgets, k), self.learner.traits.budgets)
+        record = AgentRound.of_result(t, k, result, reduction, p_k)
         if k in self.attackers:
             pooled = colluders(self, self.states)
             result = attacked(self.learner, result, self.config.attack, t, before, pooled)
@@ -275,7 +277,7 @@ class Simulation:
             train_loss=fit.train_loss,
             sparsity=reported_sparsity(fit.state.masks),
             train_flops=fit.train_flops,
-            p_k=job.p_k,
+            p_k=reported_p_k(job.p_k, self.learner.traits.budgets),
         ).judged_as(judged)
 
     def _centralized(self, progress: ProgressCallback | None) -> list[dict[str, Any]]:

@@ -53,6 +53,8 @@ MAX_UNIX_S = 1e10
 LABEL_CHARS = 64
 REASON_CHARS = 2000
 """The longest label (limited_by, reduction, kept, metric) and reason (error, kept_why...)."""
+STRATEGY_CHARS = 200
+"""The longest strategy: a shipped one's name or a user's class's import path."""
 _LABEL = re.compile(r"^[A-Za-z0-9_ .,:+()/-]*$")
 """What a label such as "time (floored)" or "prefix+steps" is made of: no markup brackets,
 no control characters."""
@@ -94,6 +96,14 @@ def reason(value: Any) -> str | None:
     ):
         return None
     return f"must be text of at most {REASON_CHARS:,} printable characters"
+
+
+def strategy_name(value: Any) -> str | None:
+    """A strategy's name, or a user's class's import path (``mypkg.mod:Class``,
+    ``./strategy.py:Class``): a label's characters, longer."""
+    if isinstance(value, str) and len(value) <= STRATEGY_CHARS and _LABEL.match(value):
+        return None
+    return f"must be a strategy's name or import path of at most {STRATEGY_CHARS} characters"
 
 
 def member_name(value: Any) -> str | None:
@@ -160,6 +170,7 @@ ROUND_FIGURES: dict[str, Check] = {
     "reduction": label,
     "kept": label,
     "metric": label,
+    "strategy": strategy_name,
     "energy_source": label,
     "reduction_why": reason,
     "kept_why": reason,

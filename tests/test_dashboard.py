@@ -60,18 +60,24 @@ def record(agent: str, round_: int, accuracy: float, **figures: Any) -> AgentRou
 
 
 def status(
-    row: AgentRound, *, run_id: str = RUN, stopped: bool = False, limit: int = 6
+    row: AgentRound,
+    *,
+    run_id: str = RUN,
+    stopped: bool = False,
+    limit: int = 6,
+    strategy: str = "dadpfl",
 ) -> tuple[str, bytes]:
     """The status an agent publishes after the round `row` (as Session.finish_round)."""
     data = row.as_dict()
     saved = {"saved": early_stop_savings([data], row.round, limit)} if stopped else {}
+    figures = {k: data[k] for k in STATUS_FIGURES} | {"strategy": strategy}
     message = messages.Status(
         fleet=FLEET,
         sender=row.agent,
         run_id=run_id,
         round=row.round,
         state="stopped" if stopped else "training",
-        metrics={k: data[k] for k in STATUS_FIGURES} | saved | {"record": data},
+        metrics=figures | saved | {"record": data},
         stopped=stopped,
     )
     return topics.status(FLEET, row.agent), messages.encode(message)
@@ -132,8 +138,31 @@ def test_the_snapshot_holds_the_table_and_each_agents_rounds() -> None:
             "round": 2,
             "mean_accuracy": pytest.approx(0.3),
             "metric": "accuracy",
+            "run_id": RUN,
+            "strategy": "dadpfl",
         }
     ]
+
+
+def idle(agent: str, run_id: str) -> tuple[str, bytes]:
+    """The status of an agent back to idle after run `run_id`: round 0, no figures."""
+    message = messages.Status(fleet=FLEET, sender=agent, run_id=run_id, round=0, state="idle")
+    return topics.status(FLEET, agent), messages.encode(message)
+
+
+def test_the_fleet_says_its_run_and_strategy_after_the_run_too() -> None:
+    """The page's header: the run most agents are in and its strategy, still there once
+    they are idle (whose statuses name no strategy), and the next run's once it starts."""
+    state = FleetState(FLEET)
+    for agent in ("a", "b"):
+        state.feed(*status(record(agent, 1, 0.5), strategy="fedavg"))
+        state.feed(*idle(agent, RUN))
+    (fleet,) = state.snapshot()["fleets"]
+    assert (fleet["run_id"], fleet["strategy"]) == (RUN, "fedavg")
+    state.feed(*status(record("a", 1, 0.5), run_id="run-0002", strategy="fedspu"))
+    state.feed(*status(record("b", 1, 0.5), run_id="run-0002", strategy="fedspu"))
+    (fleet,) = state.snapshot()["fleets"]
+    assert (fleet["run_id"], fleet["strategy"]) == ("run-0002", "fedspu")
 
 
 def test_figures_that_are_not_finite_numbers_become_none() -> None:
@@ -233,6 +262,33 @@ def test_api_fleet_serves_the_snapshot(dashboard: Dashboard) -> None:
     assert code == 200 and headers["content-type"] == "application/json"
     served = json.loads(body)
     assert served["agents"] == dashboard.state.snapshot()["agents"]
+
+
+INLINED = re.compile(r'<script id="snapshot" type="application/json">(.*?)</script>', re.S)
+
+
+def test_the_page_carries_the_fleet_as_it_was_served() -> None:
+    """The page shows the fleet from its first paint, not after its event stream's first
+    event (before it: "connecting" and empty charts); no text an agent sends ends the
+    script element that carries it."""
+    state = fed_state()
+    hostile = "</script><script>document.title = 'owned'</script><!--"
+    failed = messages.Status(
+        fleet=FLEET, sender="c", round=1, state="failed", metrics={"error": hostile}
+    )
+    state.feed(topics.status(FLEET, "c"), messages.encode(failed))
+    served = Dashboard(state, port=0)
+    served.start()
+    try:
+        page = request(served.url, "/")[2].decode()
+    finally:
+        served.stop()
+    (inlined,) = INLINED.findall(page)
+    assert "<" not in inlined
+    snapshot = json.loads(inlined)
+    assert snapshot["agents"] == state.snapshot()["agents"]
+    assert rows_by_agent(snapshot)["c"]["error"] == hostile
+    assert rows_by_agent(snapshot)["a"]["series"]["rounds"] == [1, 2]
 
 
 def test_metrics_in_the_prometheus_format(dashboard: Dashboard) -> None:

@@ -14,6 +14,7 @@ import pytest
 
 import firmware_profiles
 from agent.learning import Published, preset, topology
+from agent.learning.strategies import TABLE
 from agent.runtime import model_message
 from coordinator.simulate import ExperimentConfig, Simulation, simulate
 from protocol import messages
@@ -322,6 +323,22 @@ def test_a_weaker_device_trains_fewer_flops_per_round() -> None:
     assert last[weak]["sparsity"] > last[strong]["sparsity"]
     unbudgeted = simulate(small())
     assert {a["p_k"] for a in unbudgeted["rounds"][-1]["agents"].values()} == {1.0}
+
+
+def test_only_a_strategy_that_budgets_reports_a_p_k() -> None:
+    """FedAvg and DFedAvgM train the full model whatever a device affords: their reports
+    carry no p_k (FedAvg's carried FedSPU's static tiers 0.2, 0.4, 0.6); FedSPU's still do,
+    its tiers being what its rounds train with."""
+    reported = {
+        strategy: [
+            a["p_k"]
+            for a in simulate(small(strategy, 3, neighbours=2))["rounds"][-1]["agents"].values()
+        ]
+        for strategy in ("fedavg", "dfedavgm", "fedspu")
+    }
+    assert reported["fedavg"] == reported["dfedavgm"] == [None] * 3
+    assert sorted(reported["fedspu"]) == [0.2, 0.4, 0.6]
+    assert [s.name for s in TABLE if s.budgets] == ["dadpfl", "dispfl", "fedspu", "feddrop"]
 
 
 EVERY_AGENT_STOPS = {

@@ -309,6 +309,7 @@ def test_honest_statuses_pass_unchanged() -> None:
     metrics = (
         {k: row[k] for k in STATUS_FIGURES}
         | {"metric": "accuracy", "record": row, "records": [row], "saved": saved, "votes": "01"}
+        | {"strategy": "./strategies/fedavg_momentum.py:FedAvgM"}
         | {"data": {"samples": 200, "shape": [40], "labels": [0, 1]}, "later": {"any": [1]}}
     )
     assert status_figures.checked(metrics, 2) == (metrics, [])
@@ -316,6 +317,9 @@ def test_honest_statuses_pass_unchanged() -> None:
     assert status_figures.checked(idle, 0) == (idle, [])
     regression = {"metric": "mae", "accuracy": 123.4, "record": record("a", 2, accuracy=123.4)}
     assert status_figures.checked(regression, 2) == (regression, [])
+    # The header's strategy: a name or an import path, never markup the table would obey.
+    kept, problems = status_figures.checked({"strategy": "[bold]fedavg"}, 2)
+    assert kept == {} and [name for name, _ in problems] == ["strategy"]
 
 
 def test_the_round_bound_is_the_runs() -> None:

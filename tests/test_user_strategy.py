@@ -36,6 +36,10 @@ class Plain(DecentralizedStrategy):
     preset = {"epochs": 2}
 
 
+class Budgeted(DecentralizedStrategy):
+    budgets = True
+
+
 class Masked(DisPFL):
     prunes_further = True
 
@@ -100,6 +104,10 @@ def test_the_record_is_read_from_the_class(own: Path) -> None:
     masked = strategies.strategy(f"{own}/decentral.py:Masked")
     assert (masked.sparse, masked.prunes_further, masked.fixed) == (True, True, {"max_wait": 0})
     assert "reduce" in masked.options, "a DisPFL subclass reads what DisPFL reads"
+    # p_k is recorded only for a strategy that budgets: a DisPFL subclass does, as DisPFL;
+    # a class of a contract's does not, unless it says so.
+    assert (masked.budgets, fedavgm.budgets, plain.budgets) == (True, False, False)
+    assert strategies.strategy(f"{own}/decentral.py:Budgeted").budgets
 
 
 def test_a_decentralized_strategy_of_the_users_trains(own: Path) -> None:

@@ -57,6 +57,10 @@ class Strategy:
     the voted times; its rounds publish votes."""
     adam: bool = False
     """The FedAdam family: local Adam with moments of its own, kept on the CPU."""
+    budgets: bool = False
+    """Its rounds are cut to the agent's budget p_k: a sparse model's density or a share of
+    its neurons (`--reduce`), or FedSPU's active fraction. The others train the full model
+    whatever a device affords, so their records, logs and screens carry no p_k."""
 
     @property
     def centralized(self) -> bool:
@@ -94,6 +98,7 @@ TABLE: tuple[Strategy, ...] = (
         options=_SPARSE | {"detection_scale", "detection_distance"},
         sparse=True,
         prunes_further=True,
+        budgets=True,
     ),
     Strategy(
         "dispfl",
@@ -102,6 +107,7 @@ TABLE: tuple[Strategy, ...] = (
         fixed=_NEVER_WAITS,
         options=_SPARSE,
         sparse=True,
+        budgets=True,
     ),
     Strategy(
         "dfedavgm",
@@ -113,8 +119,14 @@ TABLE: tuple[Strategy, ...] = (
     Strategy("local", LOCAL, "agent.learning.decentral.local:Local", options=_SGD),
     Strategy("fedavg", CENTRAL, "agent.learning.central.fedavg:FedAvg", options=_SGD),
     Strategy("fedavg-ft", CENTRAL, "agent.learning.central.fedavg:FedAvgFineTuned", options=_SGD),
-    Strategy("fedspu", CENTRAL, "agent.learning.central.fedspu:FedSPU", options=_SGD),
-    Strategy("feddrop", CENTRAL, "agent.learning.central.fedspu:FedDropout", options=_SGD),
+    Strategy("fedspu", CENTRAL, "agent.learning.central.fedspu:FedSPU", options=_SGD, budgets=True),
+    Strategy(
+        "feddrop",
+        CENTRAL,
+        "agent.learning.central.fedspu:FedDropout",
+        options=_SGD,
+        budgets=True,
+    ),
     Strategy(
         "fedadam", CENTRAL, "agent.learning.central.fedadam:FedAdam", defaults=_ADAM, adam=True
     ),
@@ -199,8 +211,8 @@ def user_strategy(spec: str) -> UserStrategy:
     The record is the class's: its family is its contract's; a class derived from a shipped
     strategy's takes that one's record (traits, options, preset), a class derived from a
     contract directly is dense, reads only the options of its family and has no preset. Class
-    attributes `sparse`, `prunes_further`, `adam` override the traits, and a ``preset`` dict
-    adds config defaults a run may override (``preset = {"lr": 0.05}``).
+    attributes `sparse`, `prunes_further`, `adam`, `budgets` override the traits, and a
+    ``preset`` dict adds config defaults a run may override (``preset = {"lr": 0.05}``).
     """
     cls = load_callable(spec, "strategy")
     if not isinstance(cls, type):
@@ -236,6 +248,7 @@ def user_strategy(spec: str) -> UserStrategy:
         sparse=trait("sparse"),
         prunes_further=trait("prunes_further"),
         adam=trait("adam"),
+        budgets=trait("budgets"),
     )
     return UserStrategy(own, cls, source_fingerprint(cls))
 

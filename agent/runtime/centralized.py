@@ -42,7 +42,7 @@ from agent.learning import (
     participant_p_k,
 )
 from agent.learning.central.base import FitContext
-from agent.report import AgentRound
+from agent.report import AgentRound, reported_p_k
 from agent.runtime import codec
 from agent.runtime.codec import divergence_message, encode_state, values_sent
 from agent.runtime.session import Session
@@ -281,7 +281,7 @@ class CentralizedRounds:
             loss=evaluated[0],
             accuracy=evaluated[1],
             sparsity=0.0,
-            p_k=p_k,
+            p_k=reported_p_k(p_k, self.session.learner.traits.budgets),
             limited_by=budget.limited_by if budget else "none",
             **figures,
         )

@@ -36,7 +36,7 @@ from agent.learning import (
     settle_votes,
     train_round,
 )
-from agent.report import AgentRound
+from agent.report import AgentRound, reported_p_k
 from agent.runtime import checkpoint
 from agent.runtime.asking import Asking
 from agent.runtime.codec import all_finite, values_sent
@@ -251,7 +251,7 @@ class DecentralizedRounds:
             s.me,
             result,
             reduction,
-            p_k,
+            reported_p_k(p_k, s.learner.traits.budgets),
             nonzeros_sent=nonzeros,
             limited_by=budget.limited_by if budget else "none",
             throttled_s=round(clock.throttled_s + settle_slept, 3),

@@ -62,8 +62,8 @@ STATUS_FIGURES = (
     "peak_memory_mb",
 )
 """The round figures a status shows (with `metric`, the name of the figure under
-"accuracy": the task's metric); it also carries the whole round record, from which
-`coordinator run` writes its report."""
+"accuracy": the task's metric, and the run's `strategy`); it also carries the whole round
+record, from which `coordinator run` writes its report."""
 REPORT_ONLY = ("record", "records", "last_run")
 """Status metrics for `coordinator run`'s report, left out of the telemetry mirror."""
 
@@ -511,7 +511,7 @@ class Session:
             "stopped" if record.stopped else "done" if final else "training",
             record.round,
             {k: row[k] for k in STATUS_FIGURES}
-            | {"metric": self.learner.task.metric_name}
+            | {"metric": self.learner.task.metric_name, "strategy": self.cfg.strategy}
             | saved
             | {"record": row}
             | ({"records": recent_records(self)} if final else {}),

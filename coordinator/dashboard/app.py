@@ -1,8 +1,9 @@
 """The dashboard's web app (Starlette) and the uvicorn server that runs it in a thread.
 
-Routes: `/` the page, `/api/fleet` the snapshot as JSON, `/api/events` the snapshot as
-server-sent events on every change, `/metrics` for Prometheus, `/static/...` the page's
-assets (all shipped in the package: the page works with no internet).
+Routes: `/` the page (with the fleet as it is now inlined: `page`), `/api/fleet` the
+snapshot as JSON, `/api/events` the snapshot as server-sent events on every change,
+`/metrics` for Prometheus, `/static/...` the page's assets (all shipped in the package: the
+page works with no internet).
 
 With an access token every route needs it, as `Authorization: Bearer TOKEN` (what a
 Prometheus scrape config sends), `?token=TOKEN`, or the cookie that opening the page with
@@ -42,7 +43,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.requests import HTTPConnection, Request
 from starlette.responses import (
-    FileResponse,
+    HTMLResponse,
     JSONResponse,
     PlainTextResponse,
     RedirectResponse,
@@ -165,7 +166,7 @@ def create_app(state: FleetState, token: str | None = None, host: str = "127.0.0
             response: Response = RedirectResponse("./", status_code=303)
             response.set_cookie(COOKIE, token, httponly=True, samesite="strict")
             return response
-        return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+        return HTMLResponse(page(state), headers={"Cache-Control": "no-cache"})
 
     async def fleet(request: Request) -> Response:
         return JSONResponse(state.snapshot())
@@ -214,6 +215,21 @@ async def event_stream(state: FleetState, closing: threading.Event) -> AsyncIter
             yield ": keep-alive\n\n"
             quiet_since = time.monotonic()
         await asyncio.sleep(POLL_S)
+
+
+SNAPSHOT_TAG = '<script id="snapshot" type="application/json">null</script>'
+"""Where the page carries the fleet as it was served (`page`)."""
+
+
+def page(state: FleetState) -> str:
+    """The page with the fleet's snapshot inlined, so that it shows the fleet from its first
+    paint: fed only by its event stream, it showed "connecting" and empty charts until the
+    stream's first event, all the while a screenshot taken at the page's load, a busy machine
+    or a proxy holding the stream back kept that event from it. `<` is escaped: no text an
+    agent sends can end the script element."""
+    data = json.dumps(state.snapshot(), allow_nan=False, separators=(",", ":"))
+    inlined = SNAPSHOT_TAG.replace("null", data.replace("<", "\\u003c"))
+    return (STATIC / "index.html").read_text(encoding="utf-8").replace(SNAPSHOT_TAG, inlined)
 
 
 def check_token(token: str) -> str:

@@ -65,6 +65,9 @@ class AgentSeries:
     """The rounds received from one agent in its current run, and their totals."""
 
     run_id: str = ""
+    strategy: str = ""
+    """The run's strategy, as its statuses said it (an idle agent's status after the run
+    names none, and the page's header still shows which run it was)."""
     points: dict[int, tuple[float | None, ...]] = dataclasses.field(default_factory=dict)
     """Per round, the SERIES figures of its record (the first copy received)."""
     totals: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(TOTALS, 0.0))
@@ -163,6 +166,9 @@ class FleetState:
         run_id = messages.decode(payload, key=self._key).run_id
         if run_id and run_id != series.run_id:
             series = self._series[key] = AgentSeries(run_id=run_id)
+        strategy = entry.metrics.get("strategy")
+        if isinstance(strategy, str) and strategy:
+            series.strategy = text(strategy)
         record = entry.metrics.get("record")
         if isinstance(record, dict) and entry.round >= 1:
             series.add(entry.round, record)
@@ -245,6 +251,7 @@ def agent_row(entry: AgentEntry, series: AgentSeries | None, with_series: bool) 
         # An agent back to idle after a run says round 0: show the run's last round.
         "round": entry.round or series.last_round,
         "run_id": series.run_id,
+        "strategy": series.strategy,
         **{name: number(figure(name)) for name in ("accuracy", "loss", "sparsity", "p_k")},
         # The round's measured cost against the cost table's prediction (None from an
         # agent that does not measure it) and what its budget made it do.
@@ -273,10 +280,16 @@ def agent_row(entry: AgentEntry, series: AgentSeries | None, with_series: bool) 
     return row
 
 
+def most_said(rows: list[dict[str, Any]], name: str) -> str:
+    """The value of `name` most of the rows give (their run, their strategy), "" if none."""
+    said = Counter(row[name] for row in rows if row[name])
+    return said.most_common(1)[0][0] if said else ""
+
+
 def fleet_summaries(agents: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per fleet: agents known, online and stopped, the furthest round and the mean of the
-    metric most of its agents report (a member naming another metric is left out of the
-    mean: an mae is no accuracy)."""
+    """Per fleet: agents known, online and stopped, the furthest round, the run and strategy
+    most of its agents are in, and the mean of the metric most of them report (a member
+    naming another metric is left out of the mean: an mae is no accuracy)."""
     summaries = []
     for fleet in sorted({row["fleet"] for row in agents}):
         rows = [row for row in agents if row["fleet"] == fleet]
@@ -296,6 +309,8 @@ def fleet_summaries(agents: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "round": max(row["round"] for row in rows),
                 "mean_accuracy": sum(accuracies) / len(accuracies) if accuracies else None,
                 "metric": metric,
+                "run_id": most_said(rows, "run_id"),
+                "strategy": most_said(rows, "strategy"),
             }
         )
     return summaries

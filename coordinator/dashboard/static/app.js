@@ -4,17 +4,22 @@
 
 const COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b",
   "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"];
+// `share(metric)`: whether the chart's figures are fractions, drawn on 0 % to 100 % at most.
 const CHARTS = [
-  { id: "chart-accuracy", key: "accuracy", value: (s, i) => s.accuracy[i], format: pct },
+  { id: "chart-accuracy", key: "accuracy", value: (s, i) => s.accuracy[i],
+    share: (metric) => metric === "accuracy" },
   { id: "chart-loss", key: "loss", value: (s, i) => s.loss[i], format: (v) => v.toFixed(2) },
-  { id: "chart-sparsity", key: "sparsity", value: (s, i) => s.sparsity[i], format: pct },
+  { id: "chart-sparsity", key: "sparsity", value: (s, i) => s.sparsity[i], share: () => true },
   { id: "chart-traffic", key: "bytes", format: bytes,
     value: (s, i) => (s.bytes_sent[i] ?? 0) + (s.bytes_received[i] ?? 0) },
 ];
 const charts = {};
 let received = { at: Date.now(), now: Date.now() / 1000 };
+let shown = null;  // the server's clock of the snapshot on the page
+let streaming = false;  // whether the event stream is delivering
+const POLL_MS = 2000;
 
-function pct(v) { return v == null ? "–" : (100 * v).toFixed(1) + " %"; }
+function pct(v, digits = 1) { return v == null ? "–" : (100 * v).toFixed(digits) + " %"; }
 
 // The task's metric: accuracy as a percentage, any other (mae, reconstruction_error) named.
 function figure(v, metric) {
@@ -103,6 +108,15 @@ function renderSummary(snapshot) {
   const names = snapshot.fleets.map((f) => f.fleet);
   document.getElementById("fleet-name").textContent =
     names.length === 1 ? names[0] : names.length + " fleets";
+  document.getElementById("run").textContent = snapshot.fleets
+    .filter((f) => f.run_id || f.strategy)
+    .map((f) => (names.length > 1 ? f.fleet + ": " : "") + runText(f))
+    .join("; ");
+}
+
+// Which run the page shows, and its strategy: "run run-0003 · fedavg".
+function runText(fleet) {
+  return [fleet.run_id ? "run " + fleet.run_id : "", fleet.strategy].filter(Boolean).join(" · ");
 }
 
 function renderStopped(agents, multi) {
@@ -188,45 +202,78 @@ function columns(agents, spec) {
   return data;
 }
 
-function chartOptions(spec, names, width) {
+// A share's axis: what the data spans, padded, within 0 % to 100 %; a flat line (every
+// sparsity 0) on all of it, not on uPlot's default span of a flat line, 0 to 100 (10000 %).
+function shareRange(u, min, max) {
+  if (min == null || max == null || max - min < 1e-9) return [0, 1];
+  const [low, high] = uPlot.rangeNum(min, max, 0.1, true);
+  return [Math.max(0, low), Math.min(1, high)];
+}
+
+// Tick labels of a share with as many decimals as its ticks' step needs: 20 %, 2.5 %.
+function shareTicks(u, ticks, axis, space, step) {
+  const digits = Math.max(0, Math.min(3, -Math.floor(Math.log10(100 * step + 1e-12))));
+  return ticks.map((v) => pct(v, digits));
+}
+
+// The axis as wide as its longest label (uPlot's fixed default cuts "100.0 %" or "12.3 kB").
+function axisSize(u, values, axis, cycle) {
+  const spec = u.axes[axis];
+  if (cycle > 1) return spec._size;
+  const longest = (values ?? []).reduce((a, v) => (v.length > a.length ? v : a), "");
+  u.ctx.font = spec.font[0];
+  const text = longest ? u.ctx.measureText(longest).width / devicePixelRatio : 0;
+  return Math.ceil(spec.ticks.size + spec.gap + text + 8);
+}
+
+function chartOptions(spec, names, width, metric) {
+  const share = spec.share ? spec.share(metric) : false;
+  const format = share ? pct : spec.format || ((v) => figure(v, metric));
   return {
     width, height: 220,
-    scales: { x: { time: false } },
+    scales: { x: { time: false }, y: share ? { range: shareRange } : {} },
     legend: { live: false },
     axes: [
       { label: "round", incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000] },
-      { size: 70, values: (u, ticks) => ticks.map((v) => spec.format(v)) },
+      { size: axisSize, values: share ? shareTicks : (u, ticks) => ticks.map(format) },
     ],
     series: [{ label: "round" }, ...names.map((name, i) => ({
       label: name, stroke: COLORS[i % COLORS.length], width: 2, spanGaps: true,
-      points: { show: true, size: 5 }, value: (u, v) => v == null ? "–" : spec.format(v),
+      points: { show: true, size: 5 }, value: (u, v) => v == null ? "–" : format(v),
     }))],
   };
 }
 
-function renderCharts(agents, multi) {
+function renderCharts(snapshot, multi) {
+  const agents = snapshot.agents;
   const names = agents.map((a) => label(a, multi));
+  const metric = snapshot.fleets.length ? snapshot.fleets[0].metric : "accuracy";
+  const key = [metric, ...names].join("\n");
   for (const spec of CHARTS) {
     const box = document.getElementById(spec.id);
     const data = columns(agents, spec);
     const existing = charts[spec.id];
-    if (existing && existing.names === names.join("\n")) {
+    if (existing && existing.key === key) {
       existing.plot.setData(data);
       continue;
     }
     if (existing) existing.plot.destroy();
-    const plot = new uPlot(chartOptions(spec, names, box.clientWidth || 400), data, box);
-    charts[spec.id] = { plot, names: names.join("\n") };
+    const options = chartOptions(spec, names, box.clientWidth || 400, metric);
+    charts[spec.id] = { plot: new uPlot(options, data, box), key };
   }
 }
 
+// The snapshot on the page, unless it is older than the one shown (a poll's answer that
+// arrives after the stream's next snapshot).
 function render(snapshot) {
+  if (shown != null && snapshot.now < shown) return;
+  shown = snapshot.now;
   received = { at: Date.now(), now: snapshot.now };
   const multi = snapshot.fleets.length > 1;
   renderSummary(snapshot);
   renderStopped(snapshot.agents, multi);
   renderTable(snapshot, multi);
-  renderCharts(snapshot.agents, multi);
+  renderCharts(snapshot, multi);
   document.body.dataset.version = snapshot.version;
   document.getElementById("updated").textContent =
     "updated " + new Date().toLocaleTimeString();
@@ -241,8 +288,13 @@ function connection(text, state) {
 function listen() {
   const source = new EventSource("api/events");
   source.addEventListener("open", () => connection("live", "live"));
-  source.addEventListener("snapshot", (event) => render(JSON.parse(event.data)));
+  source.addEventListener("snapshot", (event) => {
+    streaming = true;
+    connection("live", "live");
+    render(JSON.parse(event.data));
+  });
   source.addEventListener("error", () => {
+    streaming = false;
     if (source.readyState === EventSource.CLOSED) {
       connection("disconnected: reload (with ?token= if the dashboard has one)", "closed");
     } else {
@@ -251,10 +303,28 @@ function listen() {
   });
 }
 
+// While the stream delivers nothing (not open yet, held back by a proxy that buffers it, or
+// a browser out of connections to this address), the page asks for the fleet itself.
+async function poll() {
+  if (streaming) return;
+  try {
+    const answer = await fetch("api/fleet", { cache: "no-store" });
+    if (!answer.ok || streaming) return;
+    render(await answer.json());
+    connection("polling: the live stream is not getting through", "reconnecting");
+  } catch (error) {
+    // The dashboard is away; the stream's own retries say so.
+  }
+}
+
 new ResizeObserver(() => {
   for (const [id, chart] of Object.entries(charts)) {
     chart.plot.setSize({ width: document.getElementById(id).clientWidth, height: 220 });
   }
 }).observe(document.querySelector(".charts"));
 
+// The fleet as the page was served, so the page shows it from its first paint.
+const initial = JSON.parse(document.getElementById("snapshot").textContent);
+if (initial) render(initial);
 listen();
+setInterval(poll, POLL_MS);
