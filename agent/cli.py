@@ -50,6 +50,7 @@ from protocol.cli import (
     seconds,
     version_option,
 )
+from protocol.fleet_logs import DEFAULT_LEVEL, LEVELS
 from protocol.limits import MAX_MEMBERS, PRE_RUN_LIMITS
 from protocol.membership import BROKER_WAIT_S
 from protocol.mqtt import unreachable, unresolved
@@ -246,6 +247,15 @@ class Hosted:
     help="Also publish each status as plain JSON on fl/v1/FLEET/telemetry/ID (retained), "
     "for MQTT tools (mosquitto_sub, Node-RED, Telegraf).",
 )
+@click.option(
+    "--fleet-logs",
+    type=click.Choice(["off", *(level.lower() for level in LEVELS)], case_sensitive=False),
+    default=DEFAULT_LEVEL.lower(),
+    show_default=True,
+    help="Publish this agent's log records of each run at this level and up to the gateway "
+    "(`coordinator logs`), rate-limited; records below the agent's own level (-v) are never "
+    "made; off: none.",
+)
 @shown(
     "--round-timeout",
     seconds(0.1),
@@ -314,6 +324,7 @@ def main(
     keep_best: bool,
     keep_runs: int,
     telemetry: bool,
+    fleet_logs: str,
     round_timeout: float,
     vote_timeout: float,
     linger: float,
@@ -370,6 +381,7 @@ def main(
         compute=trains_on,
         compute_auto=compute == "auto",
         telemetry=telemetry,
+        fleet_logs=None if fleet_logs == "off" else fleet_logs.upper(),
         keep_best=keep_best,
         keep_runs=keep_runs,
     )
