@@ -40,6 +40,8 @@ SUFFIX = ".jsonl"
 ROTATED = ".jsonl.1"
 MAX_FILE_BYTES = 512 * 1024
 """An agent's log file rotates past this size: at most twice this per agent and run."""
+MAX_LINE_BYTES = 16 * 1024
+"""More than any kept line: a record's message is cut to `fleet_logs.MAX_MESSAGE_CHARS`."""
 RECENT_RECORDS = 200
 """Records of each agent the dashboard keeps (its latest run's)."""
 RECENT_AGENTS = 10_000
@@ -182,8 +184,9 @@ class LogFollower:
     def __init__(self, run_folder: Path, agents: Iterable[str] | None) -> None:
         self.folder = run_folder / LOGS
         self.agents = None if agents is None else set(agents)
-        self._read: dict[str, tuple[int, int]] = {}
-        """agent -> (inode, bytes read) of the file it was last read from."""
+        self._read: dict[str, tuple[bytes, int]] = {}
+        """agent -> (first line, bytes read) of the file it was last read from: a file
+        with another first line is a new one (inode numbers are reused at once)."""
 
     def first_rows(self) -> list[dict[str, Any]]:
         """Every record kept so far (the rotated files' too); `new_rows` goes on from here."""
@@ -204,28 +207,38 @@ class LogFollower:
         return [a for a in present if self.agents is None or a in self.agents]
 
     def _new_of(self, agent: str) -> list[dict[str, Any]]:
-        inode, done = self._read.get(agent, (-1, 0))
+        head, done = self._read.get(agent, (b"", 0))
         rows: list[dict[str, Any]] = []
         current = self.folder / f"{agent}{SUFFIX}"
-        rotated = self.folder / f"{agent}{ROTATED}"
+        now = _first_line(current)
+        if head and now != head:  # the file read so far rotated: its rest first
+            rotated = self.folder / f"{agent}{ROTATED}"
+            with _missing_meanwhile():
+                rows += parse_lines(_tail(rotated, done if _first_line(rotated) == head else 0))
+            done = 0
         with _missing_meanwhile():
-            if inode >= 0 and rotated.stat().st_ino == inode:  # rotated since: its rest first
-                rows += parse_lines(_tail(rotated, done))
-                inode, done = -1, 0
-        with _missing_meanwhile():
-            stat = current.stat()
-            if stat.st_ino != inode:
-                done = 0
             data = _tail(current, done)
             whole = data[: data.rfind(b"\n") + 1]  # a line being written is read next time
             rows += parse_lines(whole)
-            self._read[agent] = (stat.st_ino, done + len(whole))
+            self._read[agent] = (now, done + len(whole))
         return rows
 
 
 def _missing_meanwhile() -> contextlib.suppress:
     """Files come and go as they rotate: one gone meanwhile is read next time."""
     return contextlib.suppress(FileNotFoundError)
+
+
+def _first_line(path: Path) -> bytes:
+    """The first line of a log file (its records carry their time: no two files share
+    one), empty when it is missing or has none yet."""
+    try:
+        with open(path, "rb") as handle:
+            start = handle.read(MAX_LINE_BYTES)
+    except FileNotFoundError:
+        return b""
+    end = start.find(b"\n")
+    return start[: end + 1] if end >= 0 else b""
 
 
 def _tail(path: Path, offset: int) -> bytes:

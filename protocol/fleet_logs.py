@@ -144,39 +144,63 @@ class FleetLogHandler(logging.Handler):
         except Exception:  # a record that cannot be put into a message: never the caller's
             self._drop()
 
+    @property
+    def dropped(self) -> int:
+        """Records left out since the last one sent."""
+        with self._count_lock:
+            return self._dropped
+
     def _drop(self, records: int = 1) -> None:
         with self._count_lock:
             self._dropped += records
 
     def _publish_queued(self) -> None:
-        while (log := self._queue.get()) is not None:
+        """Publish what is queued; when nothing came for a whole interval, say how many
+        records were left out (a flood that stopped is said before the run ends)."""
+        while True:
             try:
-                payload = messages.encode(log, key=self._identity.key)
-                self._transport.publish(self._topic, payload, qos=0)
-            except Exception:  # a stopped transport, a full queue: the record is lost
-                self._drop(1 + log.dropped)
+                log = self._queue.get(timeout=self._limit.interval_s)
+            except queue.Empty:
+                note = self._dropped_note() if self.dropped and self._limit.allow() else None
+                if note is not None:
+                    self._publish(note)
+                continue
+            if log is None:
+                return
+            self._publish(log)
+
+    def _publish(self, log: messages.Log) -> None:
+        try:
+            payload = messages.encode(log, key=self._identity.key)
+            self._transport.publish(self._topic, payload, qos=0)
+        except Exception:  # a stopped transport, a full queue: the record is lost
+            self._drop(1 + log.dropped)
 
     def close(self) -> None:
         """Publish what is queued (and how many records were left out), then stop."""
-        with self._count_lock:
-            dropped, self._dropped = self._dropped, 0
-        if dropped:
+        note = self._dropped_note()
+        if note is not None:
             with contextlib.suppress(queue.Full):
-                self._queue.put_nowait(self._dropped_note(dropped))
+                self._queue.put_nowait(note)
         with contextlib.suppress(queue.Full):
             self._queue.put(None, timeout=CLOSE_WAIT_S)
         self._sender.join(CLOSE_WAIT_S)
         super().close()
 
-    def _dropped_note(self, dropped: int) -> messages.Log:
+    def _dropped_note(self) -> messages.Log | None:
+        """A record saying how many were left out since the last one sent, if any were."""
+        with self._count_lock:
+            dropped, self._dropped = self._dropped, 0
+        if not dropped:
+            return None
         return messages.Log(
             fleet=self._identity.fleet,
             sender=self._identity.sender,
             run_id=self._run_id,
             time=time.time(),
             level="WARNING",
-            message=f"the run ended with records left out (the limit is {self._limit.records} "
-            f"per {self._limit.interval_s:g} s)",
+            message=f"log records left out (at most {self._limit.records} per "
+            f"{self._limit.interval_s:g} s are sent)",
             dropped=dropped,
         )
 
