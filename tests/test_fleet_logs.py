@@ -201,6 +201,30 @@ def test_a_flooding_agent_is_bounded_and_says_what_it_left_out(
     assert dashboard_text(web, "/logs/pi-7").startswith("no log records of agent pi-7")
 
 
+def test_the_dashboard_links_each_agent_to_its_log(fleet_run: tuple[Path, int], chromium) -> None:
+    _, web = fleet_run
+    chromium.call("Page.navigate", url=f"http://127.0.0.1:{web}/")
+    links = (
+        "JSON.stringify([...document.querySelectorAll('#fleet tbody tr a.log-link')]"
+        ".map(a => a.href))"
+    )
+    deadline = time.monotonic() + 20
+    while len(hrefs := json.loads(chromium.evaluate(links))) < 2:
+        assert time.monotonic() < deadline, hrefs
+        time.sleep(0.1)
+    assert sorted(hrefs) == [
+        f"http://127.0.0.1:{web}/logs/pi-1",
+        f"http://127.0.0.1:{web}/logs/pi-2",
+    ]
+    chromium.call("Page.navigate", url=sorted(hrefs)[0])
+    deadline = time.monotonic() + 20
+    while "pi-1: building the model" not in (
+        text := chromium.evaluate("document.body.innerText") or ""
+    ):
+        assert time.monotonic() < deadline, text
+        time.sleep(0.1)
+
+
 def test_logs_follow_prints_new_records_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
     """Through a rotation too: the keeper's files are tiny here."""
     runs = tmp_path / "runs"
