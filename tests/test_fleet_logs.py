@@ -192,9 +192,8 @@ def test_a_flooding_agent_is_bounded_and_says_what_it_left_out(
     while "earlier records left out" not in (page := dashboard_text(web, "/logs/pi-2")):
         assert time.monotonic() < deadline, page
         time.sleep(0.2)
-    said = [line for line in page.splitlines() if "earlier records left out" in line]
-    left_out = int(re.search(r"\[(\d+) earlier records left out\]", said[-1]).group(1))
-    assert left_out >= 300 - 2 * RECORDS_PER_INTERVAL
+    counted = re.findall(r"\[(\d+) earlier records left out\]", page)
+    assert sum(map(int, counted)) >= 300 - 2 * RECORDS_PER_INTERVAL
     pi_1 = dashboard_text(web, "/logs/pi-1")
     assert "pi-1: building the model on this device" in pi_1
     assert "pi-2" not in pi_1
