@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections import deque
@@ -59,11 +60,16 @@ def verified(
     return message.run_id, checked(message)
 
 
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+"""Control characters but newline and tab: a device's message must not drive the operator's
+terminal (escape sequences)."""
+
+
 def line_of(row: dict[str, Any]) -> str:
     """One record as `coordinator logs` and the dashboard print it: time, agent, level and
     message, and how many records the agent left out before it."""
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(row.get("time", 0))))
-    text = str(row.get("message", ""))
+    text = _CONTROL.sub("?", str(row.get("message", "")))
     if row.get("dropped"):
         text += f" [{row['dropped']} earlier records left out]"
     return f"{when} {row.get('level', '?'):<8} {row.get('agent', '?')}: {text}"
@@ -131,7 +137,8 @@ def agents_logged(run_folder: Path) -> list[str]:
     folder = run_folder / LOGS
     if not folder.is_dir():
         return []
-    return sorted({p.name.split(".")[0] for p in folder.iterdir() if p.name.endswith(SUFFIX)})
+    names = (p.name for p in folder.iterdir())
+    return sorted(name.removesuffix(SUFFIX) for name in names if name.endswith(SUFFIX))
 
 
 def parse_lines(data: bytes) -> list[dict[str, Any]]:

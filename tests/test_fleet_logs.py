@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from test_cli import COORDINATOR, EDGE_AGENT, REPO, _spawn, _wait_for_text
 
-from coordinator.agent_logs import LOGS, LogKeeper
+from coordinator.agent_logs import LOGS, LogKeeper, agents_logged, line_of
 from coordinator.broker import EmbeddedBroker
 from coordinator.ports import free_port
 from protocol import Identity, MqttTransport, messages, topics
@@ -403,3 +403,19 @@ def test_a_flood_never_blocks_the_agent_and_what_was_left_out_is_counted(
     assert numbers == sorted(numbers) and 0 < len(records) <= 3, "one published, two queued"
     assert note.message.startswith("log records left out") and note.dropped > 900
     assert len(records) + sum(log.dropped for log in transport.sent) == 1000, "sent or counted"
+
+
+def test_a_printed_record_says_what_was_left_out_and_never_drives_the_terminal() -> None:
+    row = {"time": 0.0, "agent": "pi.1", "level": "ERROR", "message": "a\x1b[2Jb\tc", "dropped": 2}
+    assert line_of(row).endswith("ERROR    pi.1: a?[2Jb\tc [2 earlier records left out]")
+
+
+def test_agents_with_dots_in_their_ids_are_found(tmp_path: Path) -> None:
+    keeper = LogKeeper(FLEET, "run-1", ["pi.1", "pi-2"], tmp_path, None, max_file_bytes=200)
+    for sender in ("pi.1", "pi.1", "pi-2"):
+        log = messages.Log(
+            fleet=FLEET, sender=sender, run_id="run-1", time=1.0, level="INFO", message="m" * 80
+        )
+        keeper.feed(topics.log(FLEET, sender), messages.encode(log))
+    assert agents_logged(tmp_path) == ["pi-2", "pi.1"]
+    assert (tmp_path / LOGS / "pi.1.jsonl.1").exists(), "the second record rotated the first"
