@@ -51,6 +51,7 @@ from protocol.cli import (
     version_option,
 )
 from protocol.cli_help import HelpAllGroup, tucked
+from protocol.fleet_logs import DEFAULT_LEVEL, LEVELS
 from protocol.limits import MAX_MEMBERS, PRE_RUN_LIMITS
 from protocol.membership import BROKER_WAIT_S
 from protocol.mqtt import unreachable, unresolved
@@ -259,6 +260,16 @@ class Hosted:
     "for MQTT tools (mosquitto_sub, Node-RED, Telegraf).",
     **tucked(TUNING),
 )
+@click.option(
+    "--fleet-logs",
+    type=click.Choice(["off", *(level.lower() for level in LEVELS)], case_sensitive=False),
+    default=DEFAULT_LEVEL.lower(),
+    show_default=True,
+    help="Publish this agent's log records of each run at this level and up to the gateway "
+    "(`coordinator logs`), rate-limited; records below the agent's own level (-v) are never "
+    "made; off: none.",
+    **tucked(TUNING),
+)
 @shown(
     "--round-timeout",
     seconds(0.1),
@@ -330,6 +341,7 @@ def main(
     keep_best: bool,
     keep_runs: int,
     telemetry: bool,
+    fleet_logs: str,
     round_timeout: float,
     vote_timeout: float,
     linger: float,
@@ -386,6 +398,7 @@ def main(
         compute=trains_on,
         compute_auto=compute == "auto",
         telemetry=telemetry,
+        fleet_logs=None if fleet_logs == "off" else fleet_logs.upper(),
         keep_best=keep_best,
         keep_runs=keep_runs,
     )

@@ -77,6 +77,7 @@ from agent.workload import (
 )
 from firmware_profiles import DeviceProfile, load_profile
 from protocol import Identity, ProtocolError, Transport, messages, topics
+from protocol.fleet_logs import DEFAULT_LEVEL, publishing_logs
 from protocol.logs import RejectionLog, claimed_sender
 from protocol.signing import MemberKeys, Signer, keys_to_list, signer_for_run
 
@@ -115,6 +116,9 @@ class ServiceOptions:
     """`--keep-best`: keep the most accurate model current, whatever a run's `keep` says."""
     keep_runs: int = DEFAULT_KEEP_RUNS
     """How many ended runs' folders to keep (the current model's is kept in any case)."""
+    fleet_logs: str | None = DEFAULT_LEVEL
+    """Publish the log records of each run at this level and up (`protocol.fleet_logs`);
+    None: none."""
 
 
 ONNX_EXPORT = threading.Lock()
@@ -316,7 +320,10 @@ class AgentService:
             if run is None:
                 continue
             key = signer_for_run(self.identity.key, offer)
-            self.learn(run, self.timeouts_of(offer), key, board.watch(offer))
+            with publishing_logs(
+                self.transport, self.identity, run.run_id, self.options.fleet_logs
+            ):
+                self.learn(run, self.timeouts_of(offer), key, board.watch(offer))
             self.runs_done += 1
             if self.options.once or self.stop.is_set():
                 return

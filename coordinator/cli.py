@@ -54,6 +54,7 @@ from coordinator.runs import (
     find_entry,
     load_entries,
     resumable,
+    run_dir,
 )
 from coordinator.runs import runs_dir as runs_dir_of
 from coordinator.watch import follow, mdns_sightings, require_broker, show
@@ -485,6 +486,40 @@ def runs(runs_dir: str | None, as_json: bool) -> None:
         console.print(f"no runs recorded in {base}")
     else:
         console.print(runs_table(entries, base))
+
+
+@main.command()
+@click.argument("run_id", metavar="[RUN]", required=False)
+@click.option("--agent", "agents", multiple=True, type=NAME, help="Only this agent (repeatable).")
+@click.option("--follow", "-f", is_flag=True, help="Keep printing new records until Ctrl-C.")
+@runs_dir_option
+def logs(run_id: str | None, agents: tuple[str, ...], follow: bool, runs_dir: str | None) -> None:
+    """Print the log records the agents of run RUN (default: the latest) published, one
+    line each: time, level, agent and message. Agents publish WARNING and up unless told
+    (`edge-agent --fleet-logs`); the gateway keeps them in the run's folder."""
+    from coordinator.agent_logs import LogFollower, line_of, run_agents, run_to_show
+
+    stop = stop_on_signal() if follow else None
+    base = runs_dir_of(runs_dir)
+    try:
+        run_id = run_to_show(base, run_id)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    known = run_agents(base, run_id)
+    unknown = [agent for agent in agents if agent not in known]
+    if unknown:
+        raise click.ClickException(
+            f"no agent {unknown[0]} in run {run_id}; its agents: {', '.join(known) or 'none'}"
+        )
+    follower = LogFollower(run_dir(base, run_id), agents or None)
+    rows = follower.first_rows()
+    if not rows and stop is None:
+        say(f"no log records of run {run_id} in {base}")
+    for row in rows:
+        click.echo(line_of(row))
+    while stop is not None and not stop.wait(0.5):
+        for row in follower.new_rows():
+            click.echo(line_of(row))
 
 
 @main.command()

@@ -141,12 +141,13 @@ def dashboard(
     if http is None:
         yield
         return
+    from coordinator.agent_logs import RecentLogs
     from coordinator.dashboard import Dashboard, FleetState
 
     try:
         address = BrokerAddress.parse(http if ":" in http else f"127.0.0.1:{http}", 8080)
-        state = FleetState(fleet, key=key)
-        board = Dashboard(state, address.host, address.port, token=token)
+        state, logs = FleetState(fleet, key=key), RecentLogs(fleet, key)
+        board = Dashboard(state, address.host, address.port, token=token, logs=logs)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--http") from None
     try:
@@ -156,6 +157,7 @@ def dashboard(
     feed = MqttTransport(broker, settings.transport_options(None))
     feed.subscribe(topics.presence(fleet), state.feed)
     feed.subscribe(topics.status(fleet), state.feed)
+    feed.subscribe(topics.log(fleet), logs.feed, qos=0)
     feed.start()
     say(f"dashboard on [bold]{board.url}[/] (metrics at {board.url.rstrip('/')}/metrics)")
     try:

@@ -31,6 +31,7 @@ from agent.report import (
     summarize,
 )
 from agent.runtime import new_run_id
+from coordinator.agent_logs import LogKeeper
 from coordinator.aggregator import Aggregator, AggregatorRecord
 from coordinator.status_figures import TOLD, checked, header_problem, incomplete
 from coordinator.tallies import DEFAULT_VOTE_WAIT_S, TallyKeeper
@@ -82,10 +83,13 @@ class Conductor:
         timeouts: Mapping[str, float] | None = None,
         resumed: Resumed | None = None,
         state_path: Path | None = None,
+        log_folder: Path | None = None,
     ) -> None:
         """`timeouts`: the run's timeouts for the agents (see `messages.RunConfig`);
         `resumed`: what an earlier process of this run kept (`coordinator run --resume`);
-        `state_path`: where a centralized run's server state is kept after every round."""
+        `state_path`: where a centralized run's server state is kept after every round;
+        `log_folder`: the run's folder, where the agents' log records are kept
+        (`coordinator.agent_logs`; None: not kept)."""
         self.fleet = fleet
         self.roster = sorted(roster)
         self.config = config
@@ -122,6 +126,9 @@ class Conductor:
             wait_s=self.timeouts.get("vote_s", DEFAULT_VOTE_WAIT_S),
             start_wait_s=self.timeouts.get("round_s", round_timeout_s),
         )
+        self.logs = (
+            None if log_folder is None else LogKeeper(fleet, self.run_id, roster, log_folder, key)
+        )
         self.aggregator: Aggregator | None = None
         if strategy(config.learning.strategy).centralized:
             self.aggregator = Aggregator(
@@ -139,6 +146,8 @@ class Conductor:
 
     def start(self) -> None:
         """Subscribe (statuses, votes, the aggregator's inputs), then publish the run."""
+        if self.logs is not None:
+            self.logs.subscribe(self.transport)
         self.transport.subscribe(topics.status(self.fleet), self._on_status)
         self.transport.subscribe(topics.presence(self.fleet), self._on_presence)
         self.transport.subscribe(topics.round_topic(self.fleet, "+", "vote"), self._on_vote)
@@ -206,6 +215,8 @@ class Conductor:
         """Stop aggregating and (`clear`) clear the retained run message: it is over."""
         self._stop.set()
         self.keeper.close()
+        if self.logs is not None:
+            self.logs.unsubscribe(self.transport)
         if self._thread is not None:
             self._thread.join(10)
         if self._limits is not None:  # no more models: a follower's limits again

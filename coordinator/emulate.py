@@ -322,6 +322,7 @@ class Emulation:
             key=self.key,
             round_timeout_s=self.options.round_timeout_s,
             run_id=self.run_id,
+            log_folder=self.options.workdir / "runs" / self.run_id,
         )
         try:
             self.conductor.start()

@@ -379,6 +379,7 @@ def conduct(
         timeouts=run_timeouts(runfile.timeouts),
         resumed=resumed,
         state_path=folder / SERVER_STATE if folder else None,
+        log_folder=folder,
     )
     say(
         f"{'resuming run' if resume else 'run'} {conductor.run_id}: {config.learning.strategy}, "

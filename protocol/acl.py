@@ -5,7 +5,7 @@ topics, not another fleet's (fleets sharing a broker do not see each other's mod
 coordinator's login, which runs the broker, reads every fleet (`coordinator status` and
 `watch` follow every fleet at once). Within a fleet, confidentiality comes from TLS,
 authenticity from the signatures. A member publishes only the topics that carry its own
-id: its presence, status, telemetry and id probe, its round messages, the requests and
+id: its presence, status, telemetry, log records and id probe, its round messages, the requests and
 re-sends it sends and the layers of its own model. The coordinator also publishes the run,
 the centralized rounds' global models, requests to announce again and who of a run is
 offline.
@@ -41,6 +41,7 @@ def member_topics(fleet: str, member: str) -> list[str]:
         topics.presence(fleet, member),
         topics.status(fleet, member),
         topics.telemetry(fleet, member),
+        topics.log(fleet, member),
         topics.probe(fleet, member),
         topics.probe_answer(fleet, member),
     ]

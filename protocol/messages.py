@@ -51,6 +51,7 @@ class MessageType(str, Enum):
     GLOBAL = "global"
     TALLY = "tally"
     ABSENT = "absent"
+    LOG = "log"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -248,6 +249,21 @@ class Absent(Message):
     gone: bytes = b""
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Log(Message):
+    """One of an agent's log records during its run (`run_id`), for the gateway to keep
+    (`protocol.fleet_logs`): `time` is the record's (Unix seconds), `level` its name,
+    `message` its text, cut to `fleet_logs.MAX_MESSAGE_CHARS`. `dropped`: how many records
+    the agent left out (rate limit, full queue) since the one before this."""
+
+    TYPE = MessageType.LOG
+    time: float
+    level: str
+    message: str
+    logger: str = ""
+    dropped: int = 0
+
+
 MESSAGE_CLASSES: dict[str, type[Message]] = {
     cls.TYPE.value: cls
     for cls in (
@@ -262,6 +278,7 @@ MESSAGE_CLASSES: dict[str, type[Message]] = {
         Global,
         Tally,
         Absent,
+        Log,
     )
 }
 

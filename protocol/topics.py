@@ -5,6 +5,8 @@ fl/v1/<fleet>/status/<agent>              retained status
 fl/v1/<fleet>/absent/<keeper>             the run's keeper: who of the run is offline (retained)
 fl/v1/<fleet>/telemetry/<agent>           retained JSON copy of the status (optional; plain
                                           UTF-8, unframed, for MQTT tools)
+fl/v1/<fleet>/log/<agent>                 the agent's log records of its current run (QoS 0,
+                                          never retained; `protocol.fleet_logs`)
 fl/v1/<fleet>/probe/<agent>               "is this agent id taken?" (never retained)
 fl/v1/<fleet>/probe/<agent>/answer        "yes: I hold it" (never retained)
 fl/v1/<fleet>/run                         retained run config and roster
@@ -69,6 +71,12 @@ def telemetry(fleet: str, agent: str = "+") -> str:
     return f"{fleet_root(fleet)}/telemetry/{agent if agent == '+' else check_name(agent, 'agent')}"
 
 
+def log(fleet: str, agent: str = "+") -> str:
+    """Where an agent publishes its log records during a run, so that the gateway keeps the
+    fleet's logs in one place (`coordinator logs`) and nobody needs to log in to each board."""
+    return f"{fleet_root(fleet)}/log/{agent if agent == '+' else check_name(agent, 'agent')}"
+
+
 def probe(fleet: str, agent: str) -> str:
     """Where a member starting under `agent` asks whether a live process holds that id."""
     return f"{fleet_root(fleet)}/probe/{check_name(agent, 'agent')}"
@@ -124,7 +132,7 @@ def parse(topic: str) -> tuple[str, str, dict[str, str]]:
     if len(parts) < 4 or "/".join(parts[:2]) != PREFIX:
         raise ProtocolError(f"not a fleet topic: {topic!r}")
     fleet, rest = parts[2], parts[3:]
-    if rest[0] in ("presence", "status", "absent", "announce") and len(rest) == 2:
+    if rest[0] in ("presence", "status", "absent", "announce", "log") and len(rest) == 2:
         return fleet, rest[0], {"agent": rest[1]}
     if rest == ["run"]:
         return fleet, "run", {}

@@ -56,6 +56,16 @@ EXAMPLES: list[m.Message] = [
         left=["d"],
     ),
     m.Absent(fleet="lab", sender="coordinator", run_id="r1", gone=b"\x05"),
+    m.Log(
+        fleet="lab",
+        sender="pi-1",
+        run_id="r1",
+        time=1700000000.5,
+        level="WARNING",
+        message="straggler pi-2",
+        logger="agent.runtime",
+        dropped=3,
+    ),
 ]
 
 

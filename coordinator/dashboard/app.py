@@ -2,6 +2,7 @@
 
 Routes: `/` the page (with the fleet as it is now inlined: `page`), `/api/fleet` the
 snapshot as JSON, `/api/events` the snapshot as server-sent events on every change,
+`/logs/AGENT` the agent's log records of its latest run as text (`coordinator.agent_logs`),
 `/metrics` for Prometheus, `/static/...` the page's assets (all shipped in the package: the
 page works with no internet).
 
@@ -54,6 +55,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from coordinator.agent_logs import RecentLogs, line_of
 from coordinator.dashboard.metrics import registry_for
 from coordinator.dashboard.state import FleetState
 
@@ -155,9 +157,14 @@ def allowed_names(host: str) -> frozenset[str]:
     return frozenset(names - {""})
 
 
-def create_app(state: FleetState, token: str | None = None, host: str = "127.0.0.1") -> Starlette:
-    """The dashboard app over `state` bound to `host` (the Host header every request must
-    name, see `HostCheck`); with `token`, every route needs it."""
+def create_app(
+    state: FleetState,
+    token: str | None = None,
+    host: str = "127.0.0.1",
+    logs: RecentLogs | None = None,
+) -> Starlette:
+    """The dashboard app over `state` (and the agents' `logs`) bound to `host` (the Host
+    header every request must name, see `HostCheck`); with `token`, every route needs it."""
     registry = registry_for(state)
     closing = threading.Event()
 
@@ -181,6 +188,9 @@ def create_app(state: FleetState, token: str | None = None, host: str = "127.0.0
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
+    async def agent_log(request: Request) -> Response:
+        return PlainTextResponse(log_text(logs, request.path_params["agent"]))
+
     middleware = [Middleware(HostCheck, host=host)]
     if token is not None:
         backend = TokenBackend(check_token(token))
@@ -191,12 +201,22 @@ def create_app(state: FleetState, token: str | None = None, host: str = "127.0.0
             Route("/api/fleet", fleet),
             Route("/api/events", events),
             Route("/metrics", metrics),
+            Route("/logs/{agent}", agent_log),
             Mount("/static", StaticFiles(directory=STATIC), name="static"),
         ],
         middleware=middleware,
     )
     app.state.closing = closing
     return app
+
+
+def log_text(logs: RecentLogs | None, agent: str) -> str:
+    """An agent's records of its latest run, one line each as `coordinator logs` prints
+    them, or a line saying why there are none."""
+    run_id, rows = logs.of(agent) if logs is not None else ("", [])
+    if not rows:
+        return f"no log records of agent {agent[:64]} yet\n"
+    return f"agent {agent}, run {run_id}\n" + "".join(line_of(row) + "\n" for row in rows)
 
 
 async def event_stream(state: FleetState, closing: threading.Event) -> AsyncIterator[str]:
@@ -264,6 +284,7 @@ class Dashboard:
         host: str = "127.0.0.1",
         port: int = 8080,
         token: str | None = None,
+        logs: RecentLogs | None = None,
     ) -> None:
         if not 0 <= port < 65536:
             raise ValueError(f"the dashboard's port must be in 0..65535, got {port}")
@@ -275,7 +296,7 @@ class Dashboard:
         self.state = state
         self.host = host.strip("[]")
         self.port = port
-        self.app = create_app(state, token, self.host)
+        self.app = create_app(state, token, self.host, logs)
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
 

@@ -156,6 +156,12 @@ function row(agent, index, multi) {
   const swatch = el("span", null, "swatch");
   swatch.style.background = COLORS[index % COLORS.length];
   name.append(swatch, label(agent, multi));
+  if (!multi) {
+    const logLink = el("a", "log", "log-link");
+    logLink.href = "logs/" + encodeURIComponent(agent.agent);
+    logLink.title = "this agent's log records of its latest run";
+    name.append(" ", logLink);
+  }
   if (agent.profile) name.title = "profile " + agent.profile;
   const presence = cell("presence", null);
   const since = age(agent.since);
