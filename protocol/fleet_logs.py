@@ -179,9 +179,9 @@ class FleetLogHandler(logging.Handler):
     def close(self) -> None:
         """Publish what is queued (and how many records were left out), then stop."""
         note = self._dropped_note()
-        if note is not None:
+        if note is not None:  # waits its turn: a queue still full when the run ends drops it
             with contextlib.suppress(queue.Full):
-                self._queue.put_nowait(note)
+                self._queue.put(note, timeout=CLOSE_WAIT_S)
         with contextlib.suppress(queue.Full):
             self._queue.put(None, timeout=CLOSE_WAIT_S)
         self._sender.join(CLOSE_WAIT_S)
