@@ -51,6 +51,7 @@ from protocol.cli import (
     version_option,
 )
 from protocol.limits import MAX_MEMBERS, PRE_RUN_LIMITS
+from protocol.log_context import agent_scope, set_process_name
 from protocol.membership import BROKER_WAIT_S
 from protocol.mqtt import unreachable, unresolved
 from protocol.signing import (
@@ -340,6 +341,10 @@ def main(
     from agent.service import ServiceOptions
 
     hosted = ctx.find_object(Hosted)
+    # Each line this agent logs or says names it; alone in its process, so do the rest.
+    ctx.with_resource(agent_scope(agent_id))
+    if hosted is None:
+        set_process_name(agent_id)
     stop = stop_on_signal() if hosted is None else hosted.started()
     try:
         device = load_profile(profile) if profile else None

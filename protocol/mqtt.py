@@ -50,6 +50,7 @@ from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 from protocol.chunking import DEFAULT_CHUNK_SIZE, Reassembler, fits_one_frame, split
 from protocol.errors import ProtocolError
 from protocol.limits import DEFAULT_LIMITS, Limits
+from protocol.log_context import bound
 from protocol.logs import RejectionLog, claimed_sender
 
 log = logging.getLogger(__name__)
@@ -271,7 +272,8 @@ class Dispatcher:
         self._deliveries: deque[_Delivery | None] = deque()
         self._queued_bytes = 0
         self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        # The handlers' log lines are those of the agent that made this transport.
+        self._thread = threading.Thread(target=bound(self._loop), name=name, daemon=True)
         self.started = False
 
     def start(self) -> None:
@@ -512,9 +514,10 @@ nothing, so two clients with one id take it from each other in turn."""
 
 
 class _Losses:
-    """Says each connection the broker dropped, and when they look taken over: the last
-    TAKEN_OVER_LOSSES came within the window (said at most once a window, counted in the
-    transport's stats as `taken_over`)."""
+    """Says each connection the broker dropped after accepting it and, when it comes back,
+    after how long; and when they look taken over: the last TAKEN_OVER_LOSSES came within
+    the window (said at most once a window, counted in the transport's stats as
+    `taken_over`). A connection the broker refused was never accepted: not a loss."""
 
     def __init__(
         self,
@@ -526,10 +529,14 @@ class _Losses:
         self._broker, self._client_id, self._count, self._clock = broker, client_id, count, clock
         self._losses: deque[float] = deque(maxlen=TAKEN_OVER_LOSSES)
         self._said = -math.inf
+        self._since: float | None = None
+        """When the connection was lost, until it is back."""
 
     def lost(self, reason: Any) -> None:
-        log.warning("lost MQTT broker %s (%s); reconnecting", self._broker, reason)
+        log.warning("lost MQTT broker %s (%s); reconnecting", self._broker, _why_lost(reason))
         now = self._clock()
+        if self._since is None:
+            self._since = now
         self._losses.append(now)
         burst = len(self._losses) == TAKEN_OVER_LOSSES
         if not burst or now - self._losses[0] > TAKEN_OVER_WINDOW_S:
@@ -547,6 +554,22 @@ class _Losses:
             "`coordinator admit ID KEY --replace`",
             self._broker, TAKEN_OVER_LOSSES, TAKEN_OVER_WINDOW_S, self._client_id,
         )  # fmt: skip
+
+    def back(self) -> None:
+        """The broker accepted a connection again: say so, with how long it was lost."""
+        if self._since is None:
+            return
+        log.warning(
+            "reconnected to MQTT broker %s after %.1f s", self._broker, self._clock() - self._since
+        )
+        self._since = None
+
+
+def _why_lost(reason: Any) -> str:
+    """paho's reason for a lost MQTT 3.1.1 connection in words: it names a dropped socket
+    (the broker gone, the network down) "Unspecified error"."""
+    text = str(reason)
+    return "connection dropped" if text == "Unspecified error" else text
 
 
 class MqttTransport:
@@ -579,15 +602,19 @@ class MqttTransport:
         self._stopped = False
         self.refused: str | None = None
         """Why the broker refused the last connection attempt (bad credentials, ...), if it
-        did; None once a connection is accepted."""
+        did; None once a connection is accepted. Whoever started the transport says it:
+        until a first connection, the transport only logs it at INFO."""
+        self._accepted = False
+        """Whether the broker accepted the current connection (paho reports a refused one
+        as a connection, then its end)."""
         self._reassembly_lock = threading.Lock()
         self._dispatcher = Dispatcher(
             f"mqtt-dispatch-{self.client_id}", self._count, options.limits
         )
         self._client = _new_client(self.client_id, options)
         self._subscriptions = _SubscriptionTable(self._client)
-        for event in CALLBACKS:
-            setattr(self._client, f"on_{event}", getattr(self, f"_on_{event}"))
+        for event in CALLBACKS:  # on paho's thread, in the scope of the agent making this
+            setattr(self._client, f"on_{event}", bound(getattr(self, f"_on_{event}")))
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -777,12 +804,18 @@ class MqttTransport:
         self, client: paho.Client, userdata: Any, flags: Any, reason: Any, properties: Any
     ) -> None:
         if reason.is_failure:
+            # Said once: before a first connection by whoever waits for it, in one line
+            # (`protocol.membership.connect`); later (credentials revoked) here, as a warning.
+            first = self.refused is None and self.connects > 0
             self.refused = str(reason)
-            log.error("MQTT broker %s refused the connection: %s", self.broker, reason)
+            level = logging.WARNING if first else logging.INFO
+            log.log(level, "MQTT broker %s refused the connection: %s", self.broker, reason)
             return
         self.refused = None
+        self._accepted = True
         self._count("connects")
         log.info("connected to MQTT broker %s", self.broker)
+        self._losses.back()
         self.reassert()
         self._subscriptions.connected()
 
@@ -792,8 +825,9 @@ class MqttTransport:
     def _on_disconnect(
         self, client: paho.Client, userdata: Any, flags: Any, reason: Any, properties: Any
     ) -> None:
+        accepted, self._accepted = self._accepted, False
         self._subscriptions.disconnected(lost=True)
-        if not self._stopped:
+        if not self._stopped and accepted:
             self._losses.lost(reason)
 
     def _on_subscribe(
