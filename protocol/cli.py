@@ -522,6 +522,11 @@ def setup_logging(verbose: int, fmt: str) -> None:
     _log_state.verbose, _log_state.fmt = verbose, fmt
 
 
+def log_settings() -> tuple[int, str]:
+    """This process's (verbosity, format), to set a worker process's logging up alike."""
+    return _log_state.verbose, _log_state.fmt
+
+
 def log_flags() -> list[str]:
     """The flags that make a child edgefl process log like this one (coordinator emulate)."""
     verbosity = ["-" + "v" * _log_state.verbose] if _log_state.verbose else []
