@@ -514,8 +514,9 @@ nothing, so two clients with one id take it from each other in turn."""
 
 
 class _Losses:
-    """Says each connection the broker dropped after accepting it and, when it comes back,
-    after how long; and when they look taken over: the last TAKEN_OVER_LOSSES came within
+    """A connection's story in the log: a refusal (`refusal`), each connection the broker
+    dropped after accepting it and, when it comes back, after how long; and when they look
+    taken over: the last TAKEN_OVER_LOSSES came within
     the window (said at most once a window, counted in the transport's stats as
     `taken_over`). A connection the broker refused was never accepted: not a loss."""
 
@@ -531,6 +532,33 @@ class _Losses:
         self._said = -math.inf
         self._since: float | None = None
         """When the connection was lost, until it is back."""
+        self._accepted = False
+        """Whether the broker accepted the current connection (paho reports a refused one
+        as a connection, then its end)."""
+        self.refused: str | None = None
+        """Why the broker refused the last attempt, if it did; None once one is accepted."""
+
+    def refusal(self, reason: str, connected_before: bool) -> None:
+        """The broker refused a connection. Said once: before a first connection by whoever
+        waits for it, in one line (`protocol.membership.connect`), so only at INFO here;
+        after one (credentials revoked since), as a warning."""
+        level = logging.WARNING if connected_before and self.refused is None else logging.INFO
+        self.refused = reason
+        log.log(level, "MQTT broker %s refused the connection: %s", self._broker, reason)
+
+    def accepted(self) -> None:
+        """The broker accepted a connection: if one was lost, say it is back, and when."""
+        self.refused, self._accepted = None, True
+        if self._since is not None:
+            lasted = self._clock() - self._since
+            log.warning("reconnected to MQTT broker %s after %.1f s", self._broker, lasted)
+            self._since = None
+
+    def ended(self, reason: Any) -> None:
+        """A connection ended, not by `stop`: a loss if the broker had accepted it."""
+        accepted, self._accepted = self._accepted, False
+        if accepted:
+            self.lost(reason)
 
     def lost(self, reason: Any) -> None:
         log.warning("lost MQTT broker %s (%s); reconnecting", self._broker, _why_lost(reason))
@@ -554,15 +582,6 @@ class _Losses:
             "`coordinator admit ID KEY --replace`",
             self._broker, TAKEN_OVER_LOSSES, TAKEN_OVER_WINDOW_S, self._client_id,
         )  # fmt: skip
-
-    def back(self) -> None:
-        """The broker accepted a connection again: say so, with how long it was lost."""
-        if self._since is None:
-            return
-        log.warning(
-            "reconnected to MQTT broker %s after %.1f s", self._broker, self._clock() - self._since
-        )
-        self._since = None
 
 
 def _why_lost(reason: Any) -> str:
@@ -600,13 +619,6 @@ class MqttTransport:
         self._outgoing = _OutgoingQueue()
         self._losses = _Losses(broker, self.client_id, self._count)
         self._stopped = False
-        self.refused: str | None = None
-        """Why the broker refused the last connection attempt (bad credentials, ...), if it
-        did; None once a connection is accepted. Whoever started the transport says it:
-        until a first connection, the transport only logs it at INFO."""
-        self._accepted = False
-        """Whether the broker accepted the current connection (paho reports a refused one
-        as a connection, then its end)."""
         self._reassembly_lock = threading.Lock()
         self._dispatcher = Dispatcher(
             f"mqtt-dispatch-{self.client_id}", self._count, options.limits
@@ -659,6 +671,12 @@ class MqttTransport:
     @property
     def connected(self) -> bool:
         return self._subscriptions.is_connected
+
+    @property
+    def refused(self) -> str | None:
+        """Why the broker refused the last connection attempt (bad credentials, ...), if it
+        did; None once a connection is accepted. Whoever waits for the connection says it."""
+        return self._losses.refused
 
     def wait_connected(self, timeout_s: float) -> bool:
         return self._subscriptions.wait_connected(timeout_s)
@@ -804,18 +822,11 @@ class MqttTransport:
         self, client: paho.Client, userdata: Any, flags: Any, reason: Any, properties: Any
     ) -> None:
         if reason.is_failure:
-            # Said once: before a first connection by whoever waits for it, in one line
-            # (`protocol.membership.connect`); later (credentials revoked) here, as a warning.
-            first = self.refused is None and self.connects > 0
-            self.refused = str(reason)
-            level = logging.WARNING if first else logging.INFO
-            log.log(level, "MQTT broker %s refused the connection: %s", self.broker, reason)
+            self._losses.refusal(str(reason), connected_before=self.connects > 0)
             return
-        self.refused = None
-        self._accepted = True
+        self._losses.accepted()
         self._count("connects")
         log.info("connected to MQTT broker %s", self.broker)
-        self._losses.back()
         self.reassert()
         self._subscriptions.connected()
 
@@ -825,10 +836,9 @@ class MqttTransport:
     def _on_disconnect(
         self, client: paho.Client, userdata: Any, flags: Any, reason: Any, properties: Any
     ) -> None:
-        accepted, self._accepted = self._accepted, False
         self._subscriptions.disconnected(lost=True)
-        if not self._stopped and accepted:
-            self._losses.lost(reason)
+        if not self._stopped:
+            self._losses.ended(reason)
 
     def _on_subscribe(
         self, client: paho.Client, userdata: Any, mid: int, reasons: list[Any], properties: Any
