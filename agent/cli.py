@@ -341,8 +341,7 @@ def main(
     from agent.service import ServiceOptions
 
     hosted = ctx.find_object(Hosted)
-    # Every line this agent logs or says names it; alone in its process, so does every
-    # other line of the process (its libraries' threads too).
+    # Its lines name it; alone in its process, so do all (its libraries' threads' too).
     ctx.with_resource(agent_scope(agent_id))
     if hosted is None:
         set_process_name(agent_id)
