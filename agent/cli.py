@@ -53,6 +53,7 @@ from protocol.cli import (
 from protocol.cli_help import HelpAllGroup, tucked
 from protocol.fleet_logs import DEFAULT_LEVEL, LEVELS
 from protocol.limits import MAX_MEMBERS, PRE_RUN_LIMITS
+from protocol.log_context import agent_scope, set_process_name
 from protocol.membership import BROKER_WAIT_S
 from protocol.mqtt import unreachable, unresolved
 from protocol.signing import (
@@ -368,6 +369,10 @@ def main(
     from agent.service import ServiceOptions
 
     hosted = ctx.find_object(Hosted)
+    # Its lines name it; alone in its process, so do all (its libraries' threads' too).
+    ctx.with_resource(agent_scope(agent_id))
+    if hosted is None:
+        set_process_name(agent_id)
     stop = stop_on_signal() if hosted is None else hosted.started()
     try:
         device = load_profile(profile) if profile else None

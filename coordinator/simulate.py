@@ -75,6 +75,7 @@ from coordinator.training_pool import (
     training_on,
     when_ready,
 )
+from protocol.log_context import agent_scope
 
 if TYPE_CHECKING:
     from firmware_profiles import DeviceProfile
@@ -172,7 +173,8 @@ class Simulation:
         if it is an attacker)."""
         before, self.states[k] = self.states[k].weights, result.state
         if result.recovered:
-            log.warning("%s round %d: model not finite; kept its model from before", k, t)
+            with agent_scope(k):
+                log.warning("round %d: model not finite; kept its model from before", t)
         self._early_stop(k, t, result.state.weights, result.train_loss, result.pruned)
         p_k = reported_p_k(p_k_of(self.budgets, k), self.learner.traits.budgets)
         record = AgentRound.of_result(t, k, result, reduction, p_k)
@@ -259,7 +261,8 @@ class Simulation:
     def _checked(self, job: FitJob, fit: Fit, t: int) -> Fit:
         """The participant's state after its fit (undone if not finite: `participant_fit`)."""
         if fit.undone:
-            log.warning("%s round %d: model not finite; kept its model from before", job.agent, t)
+            with agent_scope(job.agent):
+                log.warning("round %d: model not finite; kept its model from before", t)
         self.states[job.agent] = fit.state
         return fit
 

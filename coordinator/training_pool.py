@@ -55,6 +55,8 @@ from agent.learning import (
 from agent.learning.central.base import FitContext
 from agent.learning.costs import CostTable
 from agent.workload import build_workload
+from protocol.cli import log_settings, setup_logging
+from protocol.log_context import agent_scope, process_name, set_process_name
 
 __all__ = [
     "FitJob",
@@ -134,24 +136,27 @@ class InProcess:
         for job in jobs:
             data = self.data[job.agent]
             ctx = FitContext(job.state, data, job.view, round_, job.p_k)
-            yield job.agent, participant_fit(self.strategy, self.learner, ctx, job.budget_p_k)
+            with agent_scope(job.agent):  # the learner's lines are this agent's
+                fit = participant_fit(self.strategy, self.learner, ctx, job.budget_p_k)
+            yield job.agent, fit
 
     def local_round(self, job: RoundJob) -> Future[tuple[RoundResult, Reduction]]:
         done: Future[tuple[RoundResult, Reduction]] = Future()
         data = self.data[job.agent]
         p_k = job.budget.p_k if job.budget else None
-        result, reduction = train_round(
-            self.learner,
-            job.state,
-            data,
-            job.inbox,
-            job.round,
-            job.prune_now,
-            p_k,
-            job.costs,
-            job.budget.allowed_mb if job.budget else None,
-        )
-        done.set_result((settle_round(self.learner, result, data, p_k), reduction))
+        with agent_scope(job.agent):  # the learner's lines are this agent's
+            result, reduction = train_round(
+                self.learner,
+                job.state,
+                data,
+                job.inbox,
+                job.round,
+                job.prune_now,
+                p_k,
+                job.costs,
+                job.budget.allowed_mb if job.budget else None,
+            )
+            done.set_result((settle_round(self.learner, result, data, p_k), reduction))
         return done
 
 
@@ -191,8 +196,13 @@ _WORKER: list[InProcess] = []
 """A worker process's own `InProcess`: the run's learner, data and central strategy."""
 
 
-def _start(config: ExperimentConfig, roster: list[str]) -> None:
-    """A worker's initializer: the run's workload, as the simulator built it."""
+def _start(config: ExperimentConfig, roster: list[str], logging_as: tuple[int, str, str]) -> None:
+    """A worker's initializer: the run's workload, as the simulator built it, and its
+    logging as the simulator's (verbosity, format, program name), so that its lines are in
+    the one format with the agent they are about."""
+    verbose, fmt, program = logging_as
+    setup_logging(verbose, fmt)
+    set_process_name(program)
     workload = build_workload(config, roster)
     learner = workload.learner
     strategy = central_strategy(learner.config.strategy) if learner.traits.centralized else None
@@ -237,7 +247,7 @@ class TrainingPool:
             max_workers=workers,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=_start,
-            initargs=(config, roster),
+            initargs=(config, roster, (*log_settings(), process_name())),
         )
 
     def fit(

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import signal
 import sys
 import tempfile
@@ -165,6 +166,15 @@ class Report:
         return {k: a[self.metric] for k, a in self.rounds[-1]["agents"].items()}
 
 
+def _log_as_the_commands() -> None:
+    """Warnings in the commands' one format (each line naming its agent), unless the program
+    set its own logging up (as `logging.basicConfig` does nothing then)."""
+    if not logging.getLogger().handlers:
+        from protocol.cli import setup_logging
+
+        setup_logging(0, "text")
+
+
 def simulate(
     config: Config, *, workers: int = 1, progress: Callable[[int, str], None] | None = None
 ) -> Report:
@@ -172,6 +182,7 @@ def simulate(
     agent's round. The agents train in `workers` processes (the same report)."""
     from coordinator.simulate import Simulation
 
+    _log_as_the_commands()
     try:
         simulation = Simulation(config, workers)
     except (ValueError, OSError) as exc:
@@ -194,6 +205,7 @@ def emulate(
     from coordinator.emulate import Emulation, EmulationOptions, auto_agents_per_process
     from coordinator.ports import free_port
 
+    _log_as_the_commands()
     folder = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="emulate-"))
     options = EmulationOptions(
         workdir=folder,

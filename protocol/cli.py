@@ -35,6 +35,7 @@ from rich.text import Text
 from protocol import topics
 from protocol.errors import ProtocolError
 from protocol.limits import FOLLOWER_LIMITS, WEEK_S, Limits
+from protocol.log_context import agent_of, current_agent, install, set_process_name
 from protocol.mqtt import BrokerAddress, TlsOptions, TransportOptions
 from protocol.signing import MIN_FLEET_KEY_BYTES, FleetKey
 from protocol.version import DISTRIBUTION, PROTOCOL_VERSION
@@ -425,10 +426,14 @@ def _password(settings: Mapping[str, _Setting], environ: Mapping[str, str]) -> _
 
 # -- logging and messages -------------------------------------------------------------------
 
-TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(agent)s: %(message)s"
+"""Every line on stderr, in every program: `12:03:07 WARNING pi-1: lost MQTT broker ...`,
+the agent being the one the line is about (`protocol.log_context`), else the program."""
+TIME_FORMAT = "%H:%M:%S"
 LOG_FORMATS = ("text", "json")
 MESSAGES = logging.getLogger("edgefl")
-"""The logger `say` writes through in json mode, at INFO whatever the verbosity."""
+"""The logger `say` writes through when its message is a log line, at INFO whatever the
+verbosity."""
 
 
 @dataclass
@@ -440,6 +445,17 @@ class _LogState:
 _log_state = _LogState()
 
 
+class TextFormatter(logging.Formatter):
+    """`TEXT_FORMAT` lines; a record made without the agent factory gets the process's name."""
+
+    def __init__(self) -> None:
+        super().__init__(TEXT_FORMAT, TIME_FORMAT)
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
+        record.agent = agent_of(record)
+        return super().formatMessage(record)
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per record and line, for log collectors (journald, Loki, ...)."""
 
@@ -449,6 +465,7 @@ class JsonFormatter(logging.Formatter):
             .isoformat(timespec="milliseconds")
             .replace("+00:00", "Z"),
             "level": record.levelname,
+            "agent": agent_of(record),
             "logger": record.name,
             "message": record.getMessage(),
         }
@@ -485,21 +502,29 @@ class _StderrHandler(logging.StreamHandler):
 
 
 def setup_logging(verbose: int, fmt: str) -> None:
-    """Log to stderr at WARNING, INFO (-v) or DEBUG (-vv), as text lines or JSON lines.
+    """Log to stderr at WARNING, INFO (-v) or DEBUG (-vv), as text lines or JSON lines,
+    each naming the agent it is about (`protocol.log_context`).
 
-    Calling it again replaces what an earlier call set up; other handlers are left alone.
+    Calling it again replaces what an earlier call set up; other handlers are left alone
+    (they get the records with their `agent` too).
     """
     if fmt not in LOG_FORMATS:
         raise ValueError(f"unknown log format {fmt!r}; expected one of {', '.join(LOG_FORMATS)}")
     root = logging.getLogger()
     for old in [h for h in root.handlers if isinstance(h, _StderrHandler)]:
         root.removeHandler(old)
+    install()
     handler = _StderrHandler()
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root.addHandler(handler)
     root.setLevel((logging.WARNING, logging.INFO, logging.DEBUG)[min(verbose, 2)])
     MESSAGES.setLevel(logging.INFO)
     _log_state.verbose, _log_state.fmt = verbose, fmt
+
+
+def log_settings() -> tuple[int, str]:
+    """This process's (verbosity, format), to set a worker process's logging up alike."""
+    return _log_state.verbose, _log_state.fmt
 
 
 def log_flags() -> list[str]:
@@ -517,6 +542,7 @@ def logging_options(command: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(command)
     def wrapper(*args: Any, verbose: int, log_format: str, **kwargs: Any) -> Any:
+        set_process_name(click.get_current_context().find_root().info_name or "edgefl")
         setup_logging(verbose, log_format)
         return command(*args, **kwargs)
 
@@ -551,11 +577,14 @@ _stderr_console = console()
 def say(message: str, out: Console | None = None) -> None:
     """Tell the person running the program something (rich markup allowed).
 
-    Printed on `out` (stderr by default); with --log-format json it becomes a log line on
-    stderr instead (logger "edgefl", INFO, markup removed), so the output is all JSON. A
-    message that cannot be written (a full disk under the log) is dropped, never fatal.
+    Printed on `out` (stderr by default). An agent's messages (said in its scope,
+    `protocol.log_context.agent_scope`) and, with --log-format json, every message sent to
+    stderr become log lines instead (logger "edgefl", INFO, markup removed): an agent's
+    output is its log, one line format with its id on each line, and json output is all
+    JSON. A message that cannot be written (a full disk under the log) is dropped, never
+    fatal.
     """
-    if _log_state.fmt == "json":
+    if _log_state.fmt == "json" or (out is None and current_agent() is not None):
         MESSAGES.info("%s", Text.from_markup(message).plain)
         return
     with contextlib.suppress(OSError, ValueError):  # a full disk or a closed stream

@@ -50,6 +50,7 @@ from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 from protocol.chunking import DEFAULT_CHUNK_SIZE, Reassembler, fits_one_frame, split
 from protocol.errors import ProtocolError
 from protocol.limits import DEFAULT_LIMITS, Limits
+from protocol.log_context import bound
 from protocol.logs import RejectionLog, claimed_sender
 
 log = logging.getLogger(__name__)
@@ -271,7 +272,8 @@ class Dispatcher:
         self._deliveries: deque[_Delivery | None] = deque()
         self._queued_bytes = 0
         self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        # The handlers' log lines are those of the agent that made this transport.
+        self._thread = threading.Thread(target=bound(self._loop), name=name, daemon=True)
         self.started = False
 
     def start(self) -> None:
@@ -512,9 +514,11 @@ nothing, so two clients with one id take it from each other in turn."""
 
 
 class _Losses:
-    """Says each connection the broker dropped, and when they look taken over: the last
-    TAKEN_OVER_LOSSES came within the window (said at most once a window, counted in the
-    transport's stats as `taken_over`)."""
+    """A connection's story in the log: a refusal (`refusal`), each connection the broker
+    dropped after accepting it and, when it comes back, after how long; and when they look
+    taken over: the last TAKEN_OVER_LOSSES came within
+    the window (said at most once a window, counted in the transport's stats as
+    `taken_over`). A connection the broker refused was never accepted: not a loss."""
 
     def __init__(
         self,
@@ -526,10 +530,41 @@ class _Losses:
         self._broker, self._client_id, self._count, self._clock = broker, client_id, count, clock
         self._losses: deque[float] = deque(maxlen=TAKEN_OVER_LOSSES)
         self._said = -math.inf
+        self._since: float | None = None
+        """When the connection was lost, until it is back."""
+        self._accepted = False
+        """Whether the broker accepted the current connection (paho reports a refused one
+        as a connection, then its end)."""
+        self.refused: str | None = None
+        """Why the broker refused the last attempt, if it did; None once one is accepted."""
+
+    def refusal(self, reason: str, connected_before: bool) -> None:
+        """The broker refused a connection. Said once: before a first connection by whoever
+        waits for it, in one line (`protocol.membership.connect`), so only at INFO here;
+        after one (credentials revoked since), as a warning."""
+        level = logging.WARNING if connected_before and self.refused is None else logging.INFO
+        self.refused = reason
+        log.log(level, "MQTT broker %s refused the connection: %s", self._broker, reason)
+
+    def accepted(self) -> None:
+        """The broker accepted a connection: if one was lost, say it is back, and when."""
+        self.refused, self._accepted = None, True
+        if self._since is not None:
+            lasted = self._clock() - self._since
+            log.warning("reconnected to MQTT broker %s after %.1f s", self._broker, lasted)
+            self._since = None
+
+    def ended(self, reason: Any) -> None:
+        """A connection ended, not by `stop`: a loss if the broker had accepted it."""
+        accepted, self._accepted = self._accepted, False
+        if accepted:
+            self.lost(reason)
 
     def lost(self, reason: Any) -> None:
-        log.warning("lost MQTT broker %s (%s); reconnecting", self._broker, reason)
+        log.warning("lost MQTT broker %s (%s); reconnecting", self._broker, _why_lost(reason))
         now = self._clock()
+        if self._since is None:
+            self._since = now
         self._losses.append(now)
         burst = len(self._losses) == TAKEN_OVER_LOSSES
         if not burst or now - self._losses[0] > TAKEN_OVER_WINDOW_S:
@@ -547,6 +582,13 @@ class _Losses:
             "`coordinator admit ID KEY --replace`",
             self._broker, TAKEN_OVER_LOSSES, TAKEN_OVER_WINDOW_S, self._client_id,
         )  # fmt: skip
+
+
+def _why_lost(reason: Any) -> str:
+    """paho's reason for a lost MQTT 3.1.1 connection in words: it names a dropped socket
+    (the broker gone, the network down) "Unspecified error"."""
+    text = str(reason)
+    return "connection dropped" if text == "Unspecified error" else text
 
 
 class MqttTransport:
@@ -577,17 +619,14 @@ class MqttTransport:
         self._outgoing = _OutgoingQueue()
         self._losses = _Losses(broker, self.client_id, self._count)
         self._stopped = False
-        self.refused: str | None = None
-        """Why the broker refused the last connection attempt (bad credentials, ...), if it
-        did; None once a connection is accepted."""
         self._reassembly_lock = threading.Lock()
         self._dispatcher = Dispatcher(
             f"mqtt-dispatch-{self.client_id}", self._count, options.limits
         )
         self._client = _new_client(self.client_id, options)
         self._subscriptions = _SubscriptionTable(self._client)
-        for event in CALLBACKS:
-            setattr(self._client, f"on_{event}", getattr(self, f"_on_{event}"))
+        for event in CALLBACKS:  # on paho's thread, in the scope of the agent making this
+            setattr(self._client, f"on_{event}", bound(getattr(self, f"_on_{event}")))
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -632,6 +671,12 @@ class MqttTransport:
     @property
     def connected(self) -> bool:
         return self._subscriptions.is_connected
+
+    @property
+    def refused(self) -> str | None:
+        """Why the broker refused the last connection attempt (bad credentials, ...), if it
+        did; None once a connection is accepted. Whoever waits for the connection says it."""
+        return self._losses.refused
 
     def wait_connected(self, timeout_s: float) -> bool:
         return self._subscriptions.wait_connected(timeout_s)
@@ -777,10 +822,9 @@ class MqttTransport:
         self, client: paho.Client, userdata: Any, flags: Any, reason: Any, properties: Any
     ) -> None:
         if reason.is_failure:
-            self.refused = str(reason)
-            log.error("MQTT broker %s refused the connection: %s", self.broker, reason)
+            self._losses.refusal(str(reason), connected_before=self.connects > 0)
             return
-        self.refused = None
+        self._losses.accepted()
         self._count("connects")
         log.info("connected to MQTT broker %s", self.broker)
         self.reassert()
@@ -794,7 +838,7 @@ class MqttTransport:
     ) -> None:
         self._subscriptions.disconnected(lost=True)
         if not self._stopped:
-            self._losses.lost(reason)
+            self._losses.ended(reason)
 
     def _on_subscribe(
         self, client: paho.Client, userdata: Any, mid: int, reasons: list[Any], properties: Any

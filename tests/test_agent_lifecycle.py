@@ -288,7 +288,8 @@ def test_a_run_that_leaves_the_agent_out_is_said_once_with_its_reason(
         text = wait_for_text(tmp_path / "pi.log", "run-0000000000b2")
     finally:
         stop(agent)
-    lines = [line for line in text.splitlines() if "run-0000000000b" in line]
+    # An agent's messages are log lines: `HH:MM:SS INFO pi: ...`.
+    lines = [line.split(" INFO pi: ", 1)[-1] for line in text.splitlines() if "run-000" in line]
     assert lines == [
         "run run-0000000000b1 does not name this agent; waiting for the next run",
         "not joining run run-0000000000b2 (it leaves this agent out): its data does not fit the "

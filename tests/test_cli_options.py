@@ -12,8 +12,10 @@ import io
 import json
 import logging
 import queue
+import re
 import shutil
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,6 +35,7 @@ from protocol.cli import (
     setup_logging,
     version_option,
 )
+from protocol.log_context import agent_scope, bound
 from protocol.mqtt import BrokerAddress, MqttTransport, TlsOptions
 from protocol.version import PROTOCOL_VERSION
 
@@ -277,12 +280,51 @@ def test_json_logs_carry_the_exception() -> None:
 
 
 def test_text_logs_follow_verbosity_and_messages_are_printed() -> None:
+    """Outside any agent's scope a line names the program (here `command`)."""
     quiet, _ = invoke([])
-    assert quiet.stderr.splitlines()[0].endswith("WARNING probe: warning from the command")
+    warning = r"\d\d:\d\d:\d\d WARNING command: warning from the command"
+    assert re.fullmatch(warning, quiet.stderr.splitlines()[0])
     assert quiet.stderr.splitlines()[1] == "connecting to no broker given"
     chatty, _ = invoke(["-vv"])
-    assert "INFO probe: info from the command" in chatty.stderr
+    assert " INFO command: info from the command" in chatty.stderr
     assert log_flags() == ["-vv", "--log-format", "text"]
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_an_agents_messages_and_its_threads_lines_name_it(fmt: str) -> None:
+    """In an agent's scope a message is a log line too, and a thread it starts through
+    `bound` logs in its name, beside another agent of the process."""
+    stream = io.StringIO()
+    setup_logging(0, fmt)
+
+    def agent(agent_id: str) -> None:
+        with agent_scope(agent_id):
+            say(f"agent {agent_id} joined")
+            worker = threading.Thread(
+                target=bound(logging.getLogger("probe").warning),
+                args=(f"agent {agent_id}'s thread",),
+            )
+            worker.start()
+            worker.join()
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("sys.stderr", stream)
+        for agent_id in ("a1", "a2"):
+            agent(agent_id)
+        logging.getLogger("probe").warning("nobody's")
+    lines = stream.getvalue().splitlines()
+    if fmt == "json":
+        said = [(e["agent"], e["message"]) for e in map(json.loads, lines)]
+    else:
+        assert all(re.fullmatch(r"\d\d:\d\d:\d\d (INFO|WARNING) \S+: .+", line) for line in lines)
+        said = [tuple(line.split(" ", 2)[2].split(": ", 1)) for line in lines]
+    assert said[:4] == [
+        ("a1", "agent a1 joined"),
+        ("a1", "agent a1's thread"),
+        ("a2", "agent a2 joined"),
+        ("a2", "agent a2's thread"),
+    ]
+    assert said[4][1] == "nobody's" and said[4][0] not in ("a1", "a2")
 
 
 def test_console_output_does_not_wrap_when_not_on_a_terminal() -> None:
