@@ -710,7 +710,10 @@ def say_how_it_ended(report: dict[str, Any]) -> None:
             "rounds; the same command goes on with it"
         )
     if report["summary"].get("cancelled"):
-        say(f"run {report['config']['run_id']} was cancelled")
+        from coordinator.manage import after_rounds
+
+        ended = after_rounds(report["summary"].get("cancelled_after", {}))
+        say(f"run {report['config']['run_id']} was cancelled {ended}")
         return
     from coordinator.conductor import describe_failures
 
