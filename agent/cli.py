@@ -357,9 +357,7 @@ def main(
     if key is None and broker_settings.username is None:
         check_open(broker_settings, open_fleet, agent_id, fleet, folder)
     profile_name = device.name if device else ""
-    identity = Identity(
-        fleet, agent_id, profile=profile_name, key=key, stamps=folder / STAMPS_FILE
-    )
+    identity = Identity(fleet, agent_id, profile=profile_name, key=key, stamps=folder / STAMPS_FILE)
     options = ServiceOptions(
         state_dir=folder,
         timeouts=Timeouts(round_s=round_timeout, vote_s=vote_timeout, linger_s=linger),

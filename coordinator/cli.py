@@ -655,8 +655,9 @@ def run_command(
     publishes the run, aggregates centralized strategies, follows the agents' statuses, and
     writes the report (the schema of `simulate`) from what they published. With no --broker
     it uses the broker listening at --host:--port, else starts the embedded broker itself.
-    The run is recorded in the gateway's state folder (--state-dir, or --runs-dir) as it goes: if this command is stopped or its host
-    restarts, the same command again goes on with the run (`coordinator runs` lists them).
+    The run is recorded in the gateway's state folder (--state-dir; or --runs-dir) as it
+    goes: if this command is stopped or its host restarts, the same command again goes on
+    with the run (`coordinator runs` lists them).
     """
     require_extra(
         GATEWAY_EXTRA,
