@@ -177,7 +177,8 @@ class PresenceClock:
     look online, an old will making a live one look lost) and is stale; the latest itself,
     delivered again (a retained message to a new subscription), changes nothing and passes.
     Each member's own clock is compared only with itself, so clocks that disagree across
-    devices do no harm.
+    devices do no harm, and a member's stamps never go back (`StampFloor`), so neither does
+    a device whose clock was set back.
     """
 
     def __init__(self) -> None:
