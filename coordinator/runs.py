@@ -110,8 +110,14 @@ def runs_dir(
     if os.environ.get(RUNS_DIR_ENV):
         return Path(os.environ[RUNS_DIR_ENV])
     base = gateway_folder(state_dir) / RUNS
-    if not base.exists() and LEGACY_RUNS_DIR.is_dir() and load_entries(LEGACY_RUNS_DIR):
-        move_history(LEGACY_RUNS_DIR, base, say)
+    if LEGACY_RUNS_DIR.is_dir() and load_entries(LEGACY_RUNS_DIR):
+        if not base.exists():
+            move_history(LEGACY_RUNS_DIR, base, say)
+        elif say is not None:
+            say(
+                f"runs of an older version are still in {LEGACY_RUNS_DIR} (this gateway's are "
+                f"in {base}): `--runs-dir {LEGACY_RUNS_DIR}` reaches them"
+            )
     return base
 
 

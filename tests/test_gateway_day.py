@@ -79,6 +79,10 @@ def test_runs_are_kept_in_the_gateway_state_folder(amqtt_broker, tmp_path: Path)
     assert (state / "runs" / rows[1]["run_id"] / "run.json").is_file()
     other = listed_runs(tmp_path / "other-state", env)
     assert other.returncode == 0 and json.loads(other.stdout) == [], other.stderr
+    save_entry(legacy, RunEntry("run-older", "lab", "fedavg", 3, "/a.toml", state="done"))
+    again = listed_runs(state, env)
+    assert len(json.loads(again.stdout)) == 2, "a history is moved once, never merged"
+    assert f"runs of an older version are still in {legacy}" in " ".join(again.stderr.split())
 
 
 class Fleet:
