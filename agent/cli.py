@@ -54,7 +54,7 @@ from protocol.cli_help import HelpAllGroup, tucked
 from protocol.fleet_logs import DEFAULT_LEVEL, LEVELS
 from protocol.limits import MAX_MEMBERS, PRE_RUN_LIMITS
 from protocol.log_context import agent_scope, set_process_name
-from protocol.membership import BROKER_WAIT_S
+from protocol.membership import BROKER_WAIT_S, STAMPS_FILE
 from protocol.mqtt import unreachable, unresolved
 from protocol.signing import (
     IDENTITY_FILE,
@@ -389,7 +389,8 @@ def main(
     key = agent_signer(key_file, trust_file, agent_id, folder)
     if key is None and broker_settings.username is None:
         check_open(broker_settings, open_fleet, agent_id, fleet, folder)
-    identity = Identity(fleet, agent_id, profile=device.name if device else "", key=key)
+    profile_name = device.name if device else ""
+    identity = Identity(fleet, agent_id, profile=profile_name, key=key, stamps=folder / STAMPS_FILE)
     options = ServiceOptions(
         state_dir=folder,
         timeouts=Timeouts(round_s=round_timeout, vote_s=vote_timeout, linger_s=linger),

@@ -47,7 +47,7 @@ from coordinator.gateway_state import (
 from coordinator.manage import RETAINED_WAIT_S
 from coordinator.new_project import new
 from coordinator.runs import (
-    DEFAULT_RUNS_DIR,
+    RUNS,
     RUNS_DIR_ENV,
     RunEntry,
     end_entry,
@@ -458,27 +458,29 @@ def status(
 
 
 def runs_dir_option(command: Callable) -> Callable:
-    """--runs-dir: where `coordinator run` records the gateway's runs (runs, cancel)."""
+    """--runs-dir: where `coordinator run` records the gateway's runs (run, runs, cancel)."""
     return click.option(
         "--runs-dir",
         envvar=RUNS_DIR_ENV,
         show_envvar=True,
         type=click.Path(file_okay=False),
         default=None,
-        help=f"Where the gateway keeps its runs (default {DEFAULT_RUNS_DIR}).",
+        help=f"Where the gateway keeps its runs [default: STATE_DIR/{RUNS}, the gateway's "
+        "state folder's; an older version's ~/.edgefl/runs is moved there on first use].",
     )(command)
 
 
 @main.command()
 @runs_dir_option
+@state_dir_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def runs(runs_dir: str | None, as_json: bool) -> None:
+def runs(runs_dir: str | None, state_dir: str | None, as_json: bool) -> None:
     """List the runs this gateway recorded, oldest first: id, strategy, state (an
     unfinished run whose `coordinator run` is gone is "interrupted"), rounds, agents and
     when each began."""
     from coordinator.manage import runs_table
 
-    base = runs_dir_of(runs_dir)
+    base = runs_dir_of(runs_dir, state_dir, say)
     entries = load_entries(base)
     if as_json:
         click.echo(json.dumps([entry.summary() for entry in entries], indent=2))
@@ -560,7 +562,7 @@ def cancel(
     writes its report. Signed with the key `coordinator run` signs with."""
     from coordinator.manage import cancel_run, describe_cancellation, mark_cancelled
 
-    base = runs_dir_of(runs_dir)
+    base = runs_dir_of(runs_dir, state_dir, say)
     entry = find_entry(base, run_id)
     fleet = fleet or (entry.fleet if entry is not None else "default")
     key, broker_settings = reader_guard(
@@ -692,8 +694,9 @@ def run_command(
     publishes the run, aggregates centralized strategies, follows the agents' statuses, and
     writes the report (the schema of `simulate`) from what they published. With no --broker
     it uses the broker listening at --host:--port, else starts the embedded broker itself.
-    The run is recorded in --runs-dir as it goes: if this command is stopped or its host
-    restarts, the same command again goes on with the run (`coordinator runs` lists them).
+    The run is recorded in the gateway's state folder (--state-dir; or --runs-dir) as it
+    goes: if this command is stopped or its host restarts, the same command again goes on
+    with the run (`coordinator runs` lists them).
     """
     require_extra(
         GATEWAY_EXTRA,
@@ -712,7 +715,9 @@ def run_command(
     stop = stop_on_signal()
     identity = start.signed(COORDINATOR)
     fleet, key = gateway.fleet, identity.key
-    registry = Registry(runs_dir_of(runs_dir), str(Path(report_path).resolve()))
+    registry = Registry(
+        runs_dir_of(runs_dir, gateway.state_dir, say), str(Path(report_path).resolve())
+    )
     interrupted = resumable(registry.base, run_file, fleet)
     drop_interrupted(registry.base, interrupted, fresh, resume)
     own_broker = start.settings.address is None
@@ -745,7 +750,10 @@ def say_how_it_ended(report: dict[str, Any]) -> None:
             "rounds; the same command goes on with it"
         )
     if report["summary"].get("cancelled"):
-        say(f"run {report['config']['run_id']} was cancelled")
+        from coordinator.manage import after_rounds
+
+        ended = after_rounds(report["summary"].get("cancelled_after", {}))
+        say(f"run {report['config']['run_id']} was cancelled {ended}")
         return
     from coordinator.conductor import describe_failures
 

@@ -311,6 +311,12 @@ class Conductor:
         with self._changed:
             return max((p.round for p in self.agents.values()), default=0)
 
+    def ended_rounds(self) -> dict[str, int]:
+        """Per agent, the latest round it reported finished: a cancelled run's agents each
+        end after the round they are in, and say which (`after_rounds`)."""
+        with self._changed:
+            return {agent: p.round for agent, p in self.agents.items()}
+
     def unfinished(self) -> list[str]:
         with self._changed:
             return [a for a, p in self.agents.items() if p.state not in FINAL_STATES]

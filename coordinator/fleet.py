@@ -22,6 +22,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from coordinator.broker_config import COORDINATOR
 from coordinator.status_figures import (
     MAX_ROUNDS,
     TOLD,
@@ -32,7 +33,7 @@ from coordinator.status_figures import (
 from protocol import ProtocolError, messages, topics
 from protocol.limits import MAX_MEMBERS
 from protocol.logs import RejectionLog, claimed_sender
-from protocol.membership import PresenceClock
+from protocol.membership import SHUTDOWN, PresenceClock
 from protocol.signing import Signer
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,9 @@ class FleetView:
             self.rejected += 1
             self._rejections.reject(kind, message.sender, topic, "older than its latest presence")
             return None
+        if isinstance(message, messages.Presence) and command_ended(message):
+            self._entries.pop((fleet, message.sender), None)
+            return None
         if isinstance(message, messages.Status) and (problem := header_problem(message)):
             TOLD.tell(fleet, message.sender, [problem], "status ignored")
             return None
@@ -122,6 +126,14 @@ class FleetView:
 
     def entries(self) -> list[AgentEntry]:
         return [self._entries[k] for k in sorted(self._entries)]
+
+
+def command_ended(presence: messages.Presence) -> bool:
+    """Whether `presence` is the goodbye of a `coordinator run` that ended: a command, not a
+    member that stays, so it leaves the fleet's table (as a forgotten agent does) rather
+    than stand there offline beside the gateway after every run. One that crashed (its
+    will, "lost") stays, to be seen."""
+    return presence.sender == COORDINATOR and not presence.online and presence.reason == SHUTDOWN
 
 
 def apply_presence(entry: AgentEntry, presence: messages.Presence) -> None:

@@ -430,6 +430,8 @@ def report_of(
     )
     report["summary"]["failed_agents"] = failed
     report["summary"]["cancelled"] = conductor.cancelled
+    if conductor.cancelled:
+        report["summary"]["cancelled_after"] = conductor.ended_rounds()
     return {
         "config": {
             **dataclasses.asdict(config),

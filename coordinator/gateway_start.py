@@ -47,6 +47,7 @@ from protocol import (
     read_key,
 )
 from protocol.cli import BrokerSettings, loopback, say
+from protocol.membership import STAMPS_FILE
 from protocol.signing import MemberKeys, Signer, member_keys
 
 
@@ -108,7 +109,9 @@ class GatewayStart:
         as the gateway), signing with the guard's key, made on first use."""
         guard = self.guard
         key = coordinator_signer(guard.key_file, guard.admitted_file, guard.identity_file)
-        return Identity(self.options.fleet, member, role="coordinator", key=key)
+        folder = guard.state_folder
+        stamps = Path(folder) / f"{member}.{STAMPS_FILE}" if folder is not None else None
+        return Identity(self.options.fleet, member, role="coordinator", key=key, stamps=stamps)
 
     @contextlib.contextmanager
     def joined(self, identity: Identity) -> Iterator[tuple[BrokerAddress, MqttTransport]]:

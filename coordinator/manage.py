@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -286,6 +286,8 @@ def describe_cancellation(done: Cancellation, wait_s: float) -> list[str]:
         elif agent in done.pending:
             where = f" round {done.rounds[agent]}" if done.rounds.get(agent) else ""
             groups["pending"].append(f"{agent} ({state}{where})")
+        elif state == "cancelled" and done.rounds.get(agent):
+            groups["stopped"].append(f"{agent} (cancelled after round {done.rounds[agent]})")
         else:
             groups["stopped"].append(f"{agent} ({state})")
     lines = [
@@ -304,6 +306,16 @@ def describe_cancellation(done: Cancellation, wait_s: float) -> list[str]:
             "after its round)"
         )
     return lines
+
+
+def after_rounds(rounds: Mapping[str, int]) -> str:
+    """'after round 9', or each agent's where they differ ('after round 9 (a1), 10 (a2)'):
+    the rounds a cancelled run's agents say they ended after, each ending the round it was
+    in when the cancel reached it."""
+    ended = sorted(set(rounds.values()))
+    if len(ended) <= 1:
+        return f"after round {ended[0] if ended else 0}"
+    return "after round " + ", ".join(f"{r} ({a})" for a, r in sorted(rounds.items()))
 
 
 def mark_cancelled(base: Path, run_id: str) -> bool:

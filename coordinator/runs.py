@@ -1,5 +1,12 @@
 """The gateway's record of its runs: one folder per run under the runs folder.
 
+The runs folder is `runs` in the gateway's state folder (`--state-dir`, see
+`coordinator.gateway_state.gateway_folder`), beside the keys and logins of the fleet it ran
+on, so two gateways (two state folders) keep two histories; `--runs-dir` or
+$EDGEFL_RUNS_DIR put it elsewhere. Versions before kept every gateway's runs in
+~/.edgefl/runs: the first command that looks in the default folder while it does not exist
+yet moves that history there, and says so.
+
 `coordinator run` writes `RUNS/RUN_ID/run.json` when the run starts and again as it goes
 (state, rounds done), and keeps beside it what it needs to go on after a restart: the
 records the agents reported (`records.json`) and, for a centralized strategy, the server
@@ -14,14 +21,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from agent.files import atomic_write
+from coordinator.gateway_state import gateway_folder
+from protocol import ConfigError
 
-DEFAULT_RUNS_DIR = Path.home() / ".edgefl" / "runs"
+RUNS = "runs"
+"""The runs folder's name in the gateway's state folder."""
+LEGACY_RUNS_DIR = Path.home() / ".edgefl" / "runs"
+"""Where versions before kept the runs of every gateway of the user."""
 RUNS_DIR_ENV = "EDGEFL_RUNS_DIR"
 ENTRY = "run.json"
 RECORDS = "records.json"
@@ -83,11 +97,40 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def runs_dir(given: str | Path | None = None) -> Path:
-    """The runs folder: `given`, else $EDGEFL_RUNS_DIR, else ~/.edgefl/runs."""
+def runs_dir(
+    given: str | Path | None = None,
+    state_dir: str | None = None,
+    say: Callable[[str], None] | None = None,
+) -> Path:
+    """The runs folder: `given` (--runs-dir), else $EDGEFL_RUNS_DIR, else `runs` in the
+    gateway's state folder, where an older version's ~/.edgefl/runs is moved on first use
+    (`say` tells of it)."""
     if given:
         return Path(given)
-    return Path(os.environ.get(RUNS_DIR_ENV) or DEFAULT_RUNS_DIR)
+    if os.environ.get(RUNS_DIR_ENV):
+        return Path(os.environ[RUNS_DIR_ENV])
+    base = gateway_folder(state_dir) / RUNS
+    if LEGACY_RUNS_DIR.is_dir() and load_entries(LEGACY_RUNS_DIR):
+        if not base.exists():
+            move_history(LEGACY_RUNS_DIR, base, say)
+        elif say is not None:
+            say(
+                f"runs of an older version are still in {LEGACY_RUNS_DIR} (this gateway's are "
+                f"in {base}): `--runs-dir {LEGACY_RUNS_DIR}` reaches them"
+            )
+    return base
+
+
+def move_history(old: Path, new: Path, say: Callable[[str], None] | None) -> None:
+    """Move the run history in `old` to `new` (a move, not a copy: resuming or cancelling
+    one of its runs then finds it in one place only); a failure leaves it where it was."""
+    try:
+        new.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        shutil.move(str(old), str(new))
+    except OSError as exc:
+        raise ConfigError(f"cannot move the run history from {old} to {new}: {exc}") from None
+    if say is not None:
+        say(f"moved the run history of an older version from {old} to {new}")
 
 
 def run_dir(base: Path, run_id: str) -> Path:

@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import secrets
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from protocol import messages, topics
 from protocol.errors import ProtocolError
@@ -54,9 +56,65 @@ link the size of a fleet's takes milliseconds, so this is mostly the cost of a f
 CRASH_GRACE_S = 10.0
 """How long a fleet still waits for a member whose will says it crashed ("lost"): time to
 restart and resume, or for a connection dropped on keep-alive to come back."""
+STAMPS_FILE = "presence.stamp"
+"""The name of the file in a member's own folder that keeps its latest presence stamp."""
 BROKER_WAIT_S = 10.0
 """How long `connect` waits for the broker before it gives up checking the id (the member
 still connects, whenever the broker comes up: an agent may start before its broker)."""
+
+
+class StampFloor:
+    """Keeps a member's presence stamps (`messages.Presence.at`) moving forward across its
+    starts, whatever its clock does.
+
+    Readers order one member's presences by `at` (`PresenceClock`) to tell a replay from
+    the current one, so a device that once started with its clock 20 minutes ahead stamped
+    a presence that every later start, its clock put right, would sort before: a reader
+    that saw it would take the device's correct presences for replays until the clock
+    caught up. So each new stamp is at least the latest one given out plus `STEP`, and that
+    latest is kept in `path` (when the member has a folder of its own) for the next start:
+    a hybrid logical clock. Stamps are the wall clock again as soon as it has passed the
+    latest. One connection's birth and will share a stamp: a stamp given again gets the
+    same lifted value."""
+
+    STEP = 1e-3
+
+    def __init__(self, path: Path | None) -> None:
+        self._path = path
+        self._lock = threading.Lock()
+        self._given: tuple[float, float] | None = None
+        """The latest (stamp asked for, stamp given)."""
+
+    def lift(self, at: float) -> float:
+        """The stamp to publish for `at` (a wall-clock time)."""
+        with self._lock:
+            if self._given is not None and self._given[0] == at:
+                return self._given[1]
+            latest = self._given[1] if self._given is not None else self._read()
+            lifted = at if latest is None else max(at, latest + self.STEP)
+            self._given = (at, lifted)
+            self._write(lifted)
+            return lifted
+
+    def _read(self) -> float | None:
+        if self._path is None:
+            return None
+        try:
+            return float(self._path.read_text(encoding="ascii"))
+        except (OSError, ValueError):
+            return None
+
+    def _write(self, stamp: float) -> None:
+        """Keep `stamp` for the next start; a folder that cannot take it costs only that."""
+        if self._path is None:
+            return
+        temporary = self._path.with_name(f".{self._path.name}.tmp")
+        try:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            temporary.write_text(repr(stamp), encoding="ascii")
+            os.replace(temporary, self._path)
+        except OSError as exc:
+            log.debug("cannot keep the presence stamp in %s: %s", self._path, exc)
 
 
 @dataclass(frozen=True)
@@ -69,6 +127,13 @@ class Identity:
     profile: str = ""
     key: Signer | None = None
     since: float = field(default_factory=time.time)
+    """When this process began: a claim on the id (`_Claim`) is ordered by it."""
+    stamps: Path | None = None
+    """The file that keeps the latest presence stamp between starts (`StampFloor`)."""
+    floor: StampFloor = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "floor", StampFloor(self.stamps))
 
     @property
     def topic(self) -> str:
@@ -77,7 +142,7 @@ class Identity:
     def presence(
         self, online: bool, reason: str = "", since: float | None = None, *, at: float
     ) -> bytes:
-        """A presence made at `at` (see `messages.Presence.at`)."""
+        """A presence made at `at` (see `messages.Presence.at`), stamped by `floor`."""
         message = messages.Presence(
             fleet=self.fleet,
             sender=self.sender,
@@ -86,17 +151,19 @@ class Identity:
             role=self.role,
             profile=self.profile,
             reason=reason,
-            at=at,
+            at=self.floor.lift(at),
         )
         return messages.encode(message, key=self.key)
 
     def birth(self, at: float) -> bytes:
-        """The birth of the connection that began at `at`."""
-        return self.presence(True, at=at)
+        """The birth of the connection that began at `at`: online since then (a member
+        that connects again after its broker restarted is online since it came back)."""
+        return self.presence(True, since=at, at=at)
 
     def will(self, at: float) -> bytes:
-        """The will of the connection that began at `at`: ordered after its birth."""
-        return self.presence(False, LOST, at=at)
+        """The will of the connection that began at `at`: ordered after its birth, and
+        lost after being online since `at`."""
+        return self.presence(False, LOST, since=at, at=at)
 
 
 class PresenceClock:
@@ -110,7 +177,8 @@ class PresenceClock:
     look online, an old will making a live one look lost) and is stale; the latest itself,
     delivered again (a retained message to a new subscription), changes nothing and passes.
     Each member's own clock is compared only with itself, so clocks that disagree across
-    devices do no harm.
+    devices do no harm, and a member's stamps never go back (`StampFloor`), so neither does
+    a device whose clock was set back.
     """
 
     def __init__(self) -> None:

@@ -84,11 +84,12 @@ class Presence(Message):
 
     `at` orders one member's presences against replays (`protocol.membership.PresenceClock`):
     the start of the connection a birth and its will belong to (both carry the same), the
-    stop for a goodbye. `since` cannot: a member's birth and will repeat it on every
-    reconnect, so a captured will replayed later would read as current. `answers`, in an
-    answer to an id probe, is the probe's nonce: a prober accepts only answers naming its
-    own, so a replayed birth or an old answer cannot block a restart. Both came with
-    protocol version 2.
+    stop for a goodbye. `since` cannot: a connection's birth and will both carry its start,
+    so a captured will replayed later would read as current. A member's stamps never go
+    back, across its restarts too (`protocol.membership.StampFloor`), whatever its clock
+    does. `answers`, in an answer to an id probe, is the probe's nonce: a prober accepts
+    only answers naming its own, so a replayed birth or an old answer cannot block a
+    restart. Both came with protocol version 2.
     """
 
     TYPE = MessageType.PRESENCE

@@ -232,7 +232,10 @@ def test_cancel_calls_the_run_off_and_says_who_stopped(
         code, output = invoke(broker, "cancel", RUN.run_id, "--key-file", str(key), "--wait", "5")
         assert code == 0
         assert f"run {RUN.run_id} in fleet {FLEET} is cancelled (it already was)" in output
-        stopped = "stopped: a1 (idle), a2 (idle)", "stopped: a1 (cancelled), a2 (cancelled)"
+        stopped = (
+            "stopped: a1 (idle), a2 (idle)",
+            "stopped: a1 (cancelled after round 4), a2 (cancelled after round 4)",
+        )
         assert any(line in output for line in stopped), "out of the run (again: the message is)"
         assert "offline: a3 (they end the run when they are back)" in output
     finally:
