@@ -495,14 +495,21 @@ def runs(runs_dir: str | None, state_dir: str | None, as_json: bool) -> None:
 @click.option("--agent", "agents", multiple=True, type=NAME, help="Only this agent (repeatable).")
 @click.option("--follow", "-f", is_flag=True, help="Keep printing new records until Ctrl-C.")
 @runs_dir_option
-def logs(run_id: str | None, agents: tuple[str, ...], follow: bool, runs_dir: str | None) -> None:
+@state_dir_option
+def logs(
+    run_id: str | None,
+    agents: tuple[str, ...],
+    follow: bool,
+    runs_dir: str | None,
+    state_dir: str | None,
+) -> None:
     """Print the log records the agents of run RUN (default: the latest) published, one
     line each: time, level, agent and message. Agents publish WARNING and up unless told
     (`edge-agent --fleet-logs`); the gateway keeps them in the run's folder."""
     from coordinator.agent_logs import LogFollower, line_of, run_agents, run_to_show
 
     stop = stop_on_signal() if follow else None
-    base = runs_dir_of(runs_dir)
+    base = runs_dir_of(runs_dir, state_dir, say)
     try:
         run_id = run_to_show(base, run_id)
     except ValueError as exc:
