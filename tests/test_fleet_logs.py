@@ -181,7 +181,7 @@ def test_a_flooding_agent_is_bounded_and_says_what_it_left_out(
     kept = [json.loads(line) for line in (folder / "pi-2.jsonl").read_text().splitlines()]
     assert len(kept) <= 2 * RECORDS_PER_INTERVAL, "rate-limited"
     assert all(len(row["message"]) <= MAX_MESSAGE_CHARS for row in kept)
-    assert kept[0]["message"].endswith("... [cut]")
+    assert any(row["message"].endswith("... [cut]") for row in kept), "the flood's, cut"
     assert (folder / "pi-2.jsonl").stat().st_size < 2 * RECORDS_PER_INTERVAL * 1500
     pi_1_kept = (folder / "pi-1.jsonl").read_text().splitlines()
     assert pi_1_kept and {json.loads(line)["agent"] for line in pi_1_kept} == {"pi-1"}
