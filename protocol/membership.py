@@ -293,7 +293,7 @@ class _Claim:
         fleet, agent = self.identity.fleet, self.identity.sender
         prober.subscribe(topics.probe_answer(fleet, agent), self.handler(prober))
         prober.subscribe(topics.probe(fleet, agent), self.handler(prober))
-        asked = prober.wait_subscribed(broker_wait_s)
+        asked = prober.wait_subscribed(broker_wait_s, or_refused=True)
         if asked:
             prober.publish(topics.probe(fleet, agent), self.message())
             self._defeated.wait(probe_s)
@@ -398,7 +398,7 @@ def connect(
         # The prober answers for the id until the member does (without a login: no gap
         # between). A broker that let the prober in but refuses the member refuses its id
         # (a per-member login may connect and publish only as itself, its will included).
-        subscribed = not asked or transport.wait_subscribed(broker_wait_s)
+        subscribed = not asked or transport.wait_subscribed(broker_wait_s, or_refused=True)
         if not subscribed and transport.refused is not None:
             transport.stop()
             raise ProtocolError(

@@ -340,14 +340,25 @@ class _SubscriptionTable:
         self._subs: dict[str, _Subscription] = {}
         self._unacked: set[int] = set()
         self.is_connected = False
+        self._refused = False
 
     def wait_connected(self, timeout_s: float) -> bool:
         with self._cond:
             return self._cond.wait_for(lambda: self.is_connected, timeout_s)
 
-    def wait_subscribed(self, timeout_s: float) -> bool:
+    def wait_subscribed(self, timeout_s: float, *, or_refused: bool = False) -> bool:
         with self._cond:
-            return self._cond.wait_for(lambda: self.is_connected and not self._unacked, timeout_s)
+            self._cond.wait_for(
+                lambda: (self.is_connected and not self._unacked) or (or_refused and self._refused),
+                timeout_s,
+            )
+            return self.is_connected and not self._unacked
+
+    def refused(self) -> None:
+        """The broker refused a connection attempt: a waiter that asked to hear of it stops."""
+        with self._cond:
+            self._refused = True
+            self._cond.notify_all()
 
     def add(self, topic_filter: str, handler: Handler, qos: int) -> None:
         with self._cond:
@@ -393,7 +404,7 @@ class _SubscriptionTable:
             self._unacked.clear()
             if self._subs:
                 self._send_subscribe([(f, s.qos) for f, s in self._subs.items()])
-            self.is_connected = True
+            self.is_connected, self._refused = True, False
             self._cond.notify_all()
 
     def disconnected(self, *, lost: bool) -> None:
@@ -681,9 +692,10 @@ class MqttTransport:
     def wait_connected(self, timeout_s: float) -> bool:
         return self._subscriptions.wait_connected(timeout_s)
 
-    def wait_subscribed(self, timeout_s: float) -> bool:
-        """Wait until connected and every subscription is acknowledged on this connection."""
-        return self._subscriptions.wait_subscribed(timeout_s)
+    def wait_subscribed(self, timeout_s: float, *, or_refused: bool = False) -> bool:
+        """Wait until connected and every subscription is acknowledged on this connection;
+        with `or_refused`, no longer than the broker's first refusal (`refused` says why)."""
+        return self._subscriptions.wait_subscribed(timeout_s, or_refused=or_refused)
 
     @property
     def limits(self) -> Limits:
@@ -823,6 +835,7 @@ class MqttTransport:
     ) -> None:
         if reason.is_failure:
             self._losses.refusal(str(reason), connected_before=self.connects > 0)
+            self._subscriptions.refused()
             return
         self._losses.accepted()
         self._count("connects")
