@@ -26,6 +26,7 @@ from coordinator.cli_shared import (
     http_options,
     publish_report,
     report_options,
+    report_target,
     require_extra,
 )
 from coordinator.fleet import FleetLog
@@ -641,7 +642,8 @@ def drop_interrupted(base: Path, entry: RunEntry | None, fresh: bool, resume: bo
 def run_command(
     run_file: str,
     gateway: GatewayOptions,
-    report_path: str,
+    report_path: str | None,
+    force: bool,
     plot_dir: str | None,
     resume: bool,
     fresh: bool,
@@ -669,12 +671,15 @@ def run_command(
         runfile = load_for_run(run_file)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    fleet, base = gateway.fleet, runs_dir_of(runs_dir)
+    interrupted = resumable(base, run_file, fleet)
+    own = interrupted.report if interrupted is not None and not fresh else None
+    report_path = report_target(report_path, force, own)
     start = run_broker(GatewayStart.secured(gateway))
     stop = stop_on_signal()
     identity = start.signed(COORDINATOR)
-    fleet, key = gateway.fleet, identity.key
-    registry = Registry(runs_dir_of(runs_dir), str(Path(report_path).resolve()))
-    interrupted = resumable(registry.base, run_file, fleet)
+    key = identity.key
+    registry = Registry(base, str(Path(report_path).resolve()))
     drop_interrupted(registry.base, interrupted, fresh, resume)
     own_broker = start.settings.address is None
     with start.joined(identity) as (broker, transport):

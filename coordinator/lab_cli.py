@@ -24,18 +24,20 @@ from rich.progress import (
 from agent.options import experiment_config, experiment_options
 from agent.runfile import lab_config
 from coordinator.cli_shared import (
+    Interrupted,
     agent_rounds,
     console,
     dashboard,
     http_options,
     publish_report,
     report_options,
+    report_target,
     require_extra,
 )
 from coordinator.ports import free_port
 from coordinator.watch import require_broker
 from protocol import BROKER, BrokerAddress, ConfigError
-from protocol.cli import BrokerSettings, seconds
+from protocol.cli import BrokerSettings, seconds, stop_on_signal
 from protocol.extras import LAB_EXTRA, MissingExtra
 from protocol.limits import MAX_MEMBERS
 
@@ -68,10 +70,16 @@ def lab_run_option(command: Callable) -> Callable:
     "seconds.",
 )
 def simulate(
-    report_path: str, plot_dir: str | None, run_file: str | None, workers: int, **values: object
+    report_path: str | None,
+    force: bool,
+    plot_dir: str | None,
+    run_file: str | None,
+    workers: int,
+    **values: object,
 ) -> None:
     """Run a whole fleet in one process (no network) and write the JSON report."""
     require_extra(LAB_EXTRA, "coordinator simulate", plot_dir=plot_dir)
+    report_path = report_target(report_path, force)
     from coordinator.simulate import Simulation
 
     try:
@@ -181,15 +189,19 @@ def emulate(
     agents_per_process: int | None,
     http: str | None,
     http_token: str | None,
-    report_path: str,
+    report_path: str | None,
+    force: bool,
     plot_dir: str | None,
     run_file: str | None,
     **values: object,
 ) -> None:
-    """Run a fleet of real edge-agent processes over MQTT and write the same report as simulate."""
+    """Run a fleet of real edge-agent processes over MQTT and write the same report as
+    simulate. Ctrl-C ends the agents and writes the report of the rounds they did."""
+    stop = stop_on_signal()  # first: a Ctrl-C while starting is honoured once started
     require_extra(
         LAB_EXTRA, "coordinator emulate", embedded_broker=not brokers, http=http, plot_dir=plot_dir
     )
+    report_path = report_target(report_path, force)
     from coordinator.emulate import Emulation, EmulationOptions, auto_agents_per_process
 
     if key_file and agent_keys:
@@ -233,13 +245,27 @@ def emulate(
     try:
         with watched, agent_rounds() as progress:
             task = progress.add_task("rounds", total=cfg.rounds * config.agents)
-            report = emulation.run(lambda done: progress.update(task, completed=done))
+            report = emulation.run(lambda done: progress.update(task, completed=done), stop)
     except TimeoutError as exc:
         raise click.ClickException(f"{exc}; see the agent logs in {folder}") from None
     finally:
         if embedded is not None:
             embedded.stop()
     publish_report(report, report_path, plot_dir)
+    say_how_emulation_ended(report, folder)
+    if not workdir:
+        remove_scratch(folder, report_path, plot_dir)
+
+
+def say_how_emulation_ended(report: dict, folder: Path) -> None:
+    """Exit with the reason, naming the folder the agents' logs are kept in, when the run
+    did not finish well: interrupted (exit 130), failed agents or no round at all (exit 1)."""
+    if report["summary"]["interrupted"]:
+        raise Interrupted(
+            f"interrupted after {len(report['rounds'])} of "
+            f"{report['config']['learning']['rounds']} rounds; the agents' logs are kept in "
+            f"{folder}"
+        )
     from coordinator.conductor import describe_failures  # the learning core: torch
 
     failed = describe_failures(report)
@@ -247,8 +273,6 @@ def emulate(
         raise click.ClickException(f"{failed}; see their logs in {folder}")
     if not report["rounds"]:
         raise click.ClickException(f"no agent completed a round; see the logs in {folder}")
-    if not workdir:
-        remove_scratch(folder, report_path, plot_dir)
 
 
 def remove_scratch(folder: Path, *kept: str | None) -> None:
