@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -609,7 +610,31 @@ def run_broker(start: GatewayStart) -> GatewayStart:
     if unreachable(here, timeout_s=1.0) is None and options.broker_auth is None:
         say(f"a broker already listens on {here} (coordinator serve?): using it")
         return dataclasses.replace(start, settings=dataclasses.replace(settings, address=here))
+    elsewhere = serving_elsewhere(here)
+    if elsewhere:
+        raise ConfigError(
+            f"a broker already serves on {elsewhere[0]} (coordinator serve?), not on {here}: "
+            f"give --broker {elsewhere[0]} to run on it (without --broker this command starts "
+            f"a broker of its own on {here}, which the fleet's agents do not join)"
+        )
     return start
+
+
+def serving_elsewhere(here: BrokerAddress) -> list[BrokerAddress]:
+    """Brokers that answer on `here`'s port at this host's other addresses: a `coordinator
+    serve --host LAN-ADDRESS`, which a run starting its own broker on loopback would never
+    meet (its agents would not come, and it would say so only after the join timeout)."""
+    import psutil
+
+    found = []
+    for addresses in psutil.net_if_addrs().values():
+        for item in addresses:
+            if item.family != socket.AF_INET or item.address.startswith("127."):
+                continue
+            there = BrokerAddress(item.address, here.port)
+            if there != here and unreachable(there, timeout_s=0.5) is None:
+                found.append(there)
+    return found
 
 
 def with_broker_hint(error: str, own_broker: bool, broker: BrokerAddress) -> str:
@@ -665,9 +690,12 @@ def run_command(
         http=gateway.http,
         plot_dir=plot_dir,
     )
-    from coordinator.gateway import Registry, RunFailed, conduct, load_for_run
+    from agent.runfile import load_run_file
 
     try:
+        load_run_file(run_file)  # a mistake in it at once, before the gateway's imports
+        from coordinator.gateway import Registry, RunFailed, conduct, load_for_run
+
         runfile = load_for_run(run_file)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None

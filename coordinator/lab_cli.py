@@ -22,7 +22,7 @@ from rich.progress import (
 )
 
 from agent.options import experiment_config, experiment_options
-from agent.runfile import lab_config
+from agent.runfile import check_files, lab_config
 from coordinator.cli_shared import (
     Interrupted,
     agent_rounds,
@@ -42,6 +42,7 @@ from protocol.extras import LAB_EXTRA, MissingExtra
 from protocol.limits import MAX_MEMBERS
 
 if TYPE_CHECKING:
+    from agent.experiment import ExperimentConfig
     from coordinator.broker import EmbeddedBroker
 
 
@@ -80,10 +81,10 @@ def simulate(
     """Run a whole fleet in one process (no network) and write the JSON report."""
     require_extra(LAB_EXTRA, "coordinator simulate", plot_dir=plot_dir)
     report_path = report_target(report_path, force)
-    from coordinator.simulate import Simulation
+    config = lab_experiment(run_file, values)
+    from coordinator.simulate import Simulation  # torch: after the config's one-line checks
 
     try:
-        config = lab_config(run_file, values) if run_file else experiment_config(values)
         simulation = Simulation(config, workers)
     except (ValueError, OSError) as exc:
         raise ConfigError(str(exc)) from None
@@ -113,6 +114,18 @@ def simulate(
                 "a worker process died (out of memory?): run with fewer --workers"
             ) from None
     publish_report(report, report_path, plot_dir)
+
+
+def lab_experiment(run_file: str | None, values: dict[str, object]) -> ExperimentConfig:
+    """The run's config from --run and the flags, with the files it names: a mistake in
+    either is one line before the run's slow imports (torch) and start."""
+    try:
+        if run_file:
+            return lab_config(run_file, values)
+        check_files(values)
+        return experiment_config(values)
+    except (ValueError, OSError) as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def emulation_broker(
@@ -202,14 +215,14 @@ def emulate(
         LAB_EXTRA, "coordinator emulate", embedded_broker=not brokers, http=http, plot_dir=plot_dir
     )
     report_path = report_target(report_path, force)
-    from coordinator.emulate import Emulation, EmulationOptions, auto_agents_per_process
-
     if key_file and agent_keys:
         raise click.UsageError("give --key-file (one fleet key) or --agent-keys, not both")
+    config = lab_experiment(run_file, values)
+    from coordinator.emulate import Emulation, EmulationOptions, auto_agents_per_process
+
     broker, embedded = emulation_broker(brokers)
     folder = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="emulate-"))
     try:
-        config = lab_config(run_file, values) if run_file else experiment_config(values)
         per_process = agents_per_process or auto_agents_per_process(config.agents)
         options = EmulationOptions(
             workdir=folder,

@@ -1,20 +1,23 @@
-"""What a run says it does, on real `coordinator` processes: a report is never replaced in
-silence (a second run takes a fresh name, an existing --report needs --force), and Ctrl-C
-in `coordinator emulate` writes the rounds done, names the folder the agents' logs are kept
-in, exits 130 and leaves no agent running."""
+"""What a run says it does, on real `coordinator` processes: a mistake in the run file or a
+file it names is its one line before torch is loaded; a report is never replaced in silence
+(a second run takes a fresh name, an existing --report needs --force); Ctrl-C in
+`coordinator emulate` writes the rounds done, names the folder the agents' logs are kept in,
+exits 130 and leaves no agent running."""
 
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
-from test_cli import COORDINATOR
+from netns import Lan, skip_unless_netns
+from test_cli import COORDINATOR, REPO
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -25,6 +28,50 @@ def coordinator(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [*COORDINATOR, *args], cwd=cwd, capture_output=True, text=True, timeout=100
     )
+
+
+WITHOUT_TORCH = f"""
+import sys
+sys.path.insert(0, {str(REPO)!r})
+class NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == "torch":
+            raise ImportError("torch loaded before the run's files were checked")
+sys.meta_path.insert(0, NoTorch())
+from coordinator.cli import main
+main(prog_name="coordinator")
+"""
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["simulate", "--run", "typo.toml"], "typo.toml: unknown key 'rouns' in [run]; did you "
+         "mean 'rounds'?"),
+        (["simulate", "--run", "data.toml"], "data.toml: npz file not found: missing.npz"),
+        (["emulate", "--run", "absent.toml"], "absent.toml: cannot read run file: No such file "
+         "or directory"),
+        (["emulate", "--agents", "2", "--model", "./nets.py:build"], "model './nets.py:build': "
+         "no such file ./nets.py"),
+        (["simulate", "--dataset", "imagefolder:photos"], "image folder not found: photos"),
+        (["run", "typo.toml"], "typo.toml: unknown key 'rouns' in [run]; did you mean "
+         "'rounds'?"),
+    ],
+)  # fmt: skip
+def test_a_mistake_in_the_run_or_its_files_is_said_before_torch_loads(
+    tmp_path: Path, args: list[str], said: str
+) -> None:
+    (tmp_path / "typo.toml").write_text('[run]\nstrategy = "dadpfl"\nagents = 2\nrouns = 2\n')
+    (tmp_path / "data.toml").write_text('[run]\nagents = 2\ndataset = "npz:missing.npz"\n')
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_TORCH, *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (done.returncode, done.stderr) == (2, f"Error: {said}\n")
+    assert not list(tmp_path.glob("report*.json"))
 
 
 def test_a_second_run_never_replaces_the_first_report(tmp_path: Path) -> None:
@@ -110,3 +157,29 @@ def test_ctrl_c_in_emulate_writes_the_rounds_done_and_says_where_the_logs_are(
     assert 1 <= len(report["rounds"]) < 40
     assert report["summary"]["failed_agents"] == {}, "agents ended by Ctrl-C did not fail"
     assert f" {rounds_logged(scratch)}/80 " in out, "the bar counts what the agents logged"
+
+
+def test_run_without_broker_says_at_once_that_serve_is_on_another_address(
+    tmp_path: Path,
+) -> None:
+    """`coordinator serve --host LAN-ADDRESS` is up: `coordinator run` without --broker
+    would start a loopback broker of its own and wait its join timeout for agents that never
+    come there; it says where the broker is and what to pass, before anything waits."""
+    skip_unless_netns()
+    run_file = tmp_path / "run.toml"
+    run_file.write_text("[run]\nagents = 2\nrounds = 1\njoin_timeout = 600\n")
+    state = ["--state-dir", str(tmp_path / "state")]
+    log = tmp_path / "serve.log"
+    with Lan(["gw"]) as lan:
+        address = lan.address("gw")
+        lan.popen("gw", [*COORDINATOR, "serve", "--host", address, "--open", *state], log=log)
+        assert lan.reachable("gw", address, 1883, timeout_s=30), log.read_text()
+        run = [*COORDINATOR, "run", str(run_file), *state, "--runs-dir", str(tmp_path / "runs")]
+        done = lan.run("gw", run, timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr == (
+        f"Error: a broker already serves on {address}:1883 (coordinator serve?), not on "
+        f"127.0.0.1:1883: give --broker {address}:1883 to run on it (without --broker this "
+        "command starts a broker of its own on 127.0.0.1:1883, which the fleet's agents do not "
+        "join)\n"
+    )
