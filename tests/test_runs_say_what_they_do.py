@@ -183,3 +183,24 @@ def test_run_without_broker_says_at_once_that_serve_is_on_another_address(
         "command starts a broker of its own on 127.0.0.1:1883, which the fleet's agents do not "
         "join)\n"
     )
+
+
+def test_going_on_with_an_interrupted_run_writes_its_report_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`coordinator run` stopped wrote its partial report; the same command again (which
+    goes on with that run) writes the run's report there, not to a fresh name; another
+    existing file is still refused."""
+    from coordinator.cli_shared import report_target
+    from protocol import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    partial = tmp_path / "report.json"
+    partial.write_text("{}")
+    assert report_target(None, False) == "report-2.json"
+    assert report_target(None, False, own=str(partial)) == str(partial)
+    assert report_target("report.json", False, own=str(partial)) == "report.json"
+    (tmp_path / "other.json").write_text("{}")
+    with pytest.raises(ConfigError, match="other.json exists"):
+        report_target("other.json", False, own=str(partial))
+    assert report_target("other.json", True, own=str(partial)) == "other.json"
