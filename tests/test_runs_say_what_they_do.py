@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from netns import Lan, skip_unless_netns
@@ -204,3 +205,35 @@ def test_going_on_with_an_interrupted_run_writes_its_report_again(
     with pytest.raises(ConfigError, match="other.json exists"):
         report_target("other.json", False, own=str(partial))
     assert report_target("other.json", True, own=str(partial)) == "other.json"
+
+
+class LastStatusesLate:
+    """A conductor whose last two agents' final statuses arrive just after it was asked
+    whether all were finished (as on a fast run): the FedAvg bar ended at 28/30."""
+
+    error = None
+
+    def __init__(self) -> None:
+        self.done = 28
+
+    def wait(self, timeout_s: float) -> bool:
+        return False
+
+    def gone(self, after_s: float) -> bool:
+        self.done = 30  # they arrive now: nobody is left unfinished
+        return True
+
+    def rounds_done(self) -> int:
+        return self.done
+
+    def unfinished(self) -> list[str]:
+        return [] if self.done == 30 else ["pi-1", "pi-2"]
+
+
+def test_the_bar_counts_the_statuses_that_ended_the_run() -> None:
+    from coordinator.conductor import wait_until_finished
+
+    shown: list[int] = []
+    conductor: Any = LastStatusesLate()
+    assert wait_until_finished(conductor, 60, shown.append, gone_after_s=180) == []
+    assert shown[-1] == 30
