@@ -176,10 +176,13 @@ class RunFile:
         return experiment_config(values)
 
 
-def load_run_file(path: str | Path, agents: int | None = None) -> RunFile:
+def load_run_file(
+    path: str | Path, agents: int | None = None, *, files_here: bool = False
+) -> RunFile:
     """Read and check a run file; ValueError with one line that starts with the path.
     `agents` (`edge-agent --expect N`) serves where the file names neither agents nor
-    agent_ids."""
+    agent_ids. `files_here`: the files it names are on this machine (`check_files`): a lab
+    run's, not the devices' of a run on real devices."""
     path = Path(path)
     try:
         with path.open("rb") as stream:
@@ -194,10 +197,10 @@ def load_run_file(path: str | Path, agents: int | None = None) -> RunFile:
         raise _located(str(path), exc) from None
     if agents is not None and "agents" not in table and "agent_ids" not in table:
         table = {**table, "agents": agents}
-    return parse_run_table(table, str(path))
+    return parse_run_table(table, str(path), files_here=files_here)
 
 
-def parse_run_table(table: Mapping[str, Any], source: str) -> RunFile:
+def parse_run_table(table: Mapping[str, Any], source: str, *, files_here: bool = False) -> RunFile:
     """Check a `[run]` table (as tomllib reads it); errors start with `source`."""
     try:
         for key in table:
@@ -208,6 +211,8 @@ def parse_run_table(table: Mapping[str, Any], source: str) -> RunFile:
         agents, agent_ids = _roster(table)
         run = RunFile(Path(source), values, agents, agent_ids, _timeouts(table))
         _check_dataset(values)
+        if files_here:
+            check_files(values)
         run._build(run.wanted, (1,), 2)  # placeholders where the agents report their data
     except ValueError as exc:  # ProtocolError included
         raise _located(source, exc) from None
@@ -393,14 +398,39 @@ def lab_config(path: str | Path, flags: Mapping[str, Any]) -> ExperimentConfig:
     """`coordinator simulate --run FILE` (and emulate, and the Python API): the run file's
     values, with the command's flags over them. The file must name a dataset: a simulated
     fleet has no devices with data of their own. ValueError with one line naming the file."""
-    runfile = load_run_file(path)
+    runfile = load_run_file(path, files_here=True)
     if runfile.dataset == DEVICE_DATA:
         raise ValueError(
             f'{path}: a simulated fleet needs a dataset in [run] (e.g. dataset = "digits" '
             "or \"python:./data.py:load\"); 'device' means each device's own data"
         )
     given = {k: v for k, v in flags.items() if v is not None}
+    check_files(given)
     try:
         return experiment_config({**runfile.values, "agents": runfile.wanted, **given})
     except ValueError as exc:
         raise _located(str(path), exc) from None
+
+
+def check_files(values: Mapping[str, Any]) -> None:
+    """The files a lab run's values name exist on this machine: its dataset's (`npz:PATH`,
+    `imagefolder:PATH`, `cifar10:PATH`, `python:./FILE.py:FUNCTION`) and its code's
+    (`./FILE.py:FUNCTION`). Checked before the config is (which loads torch) and before the
+    run starts, so a missing file is its one line at once, not seconds later; the loaders
+    say the same if one goes missing meanwhile. ValueError naming the file."""
+    dataset = values.get("dataset")
+    dataset = dataset if isinstance(dataset, str) else ""
+    kind, _, arg = dataset.partition(":")
+    if kind in USER_DATASETS and arg:
+        folder = {"imagefolder": "image folder", "cifar10": "CIFAR-10 folder"}.get(kind)
+        path = Path(arg)
+        if not (path.is_dir() if folder else path.is_file()):
+            raise ValueError(f"{folder or 'npz file'} not found: {path}")
+    code = {key: values.get(key) for key in USER_CODE_KEYS}
+    if dataset.startswith(PYTHON_SOURCE):
+        code["dataset"] = dataset[len(PYTHON_SOURCE) :]
+    for key, spec in code.items():
+        if isinstance(spec, str) and is_import_path(spec):
+            source = spec.rpartition(":")[0]
+            if source.endswith(".py") and not Path(source).expanduser().is_file():
+                raise ValueError(f"{key} {spec!r}: no such file {source}")

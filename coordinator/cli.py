@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,7 @@ from coordinator.cli_shared import (
     http_options,
     publish_report,
     report_options,
+    report_target,
     require_extra,
 )
 from coordinator.fleet import FleetLog
@@ -656,7 +658,31 @@ def run_broker(start: GatewayStart) -> GatewayStart:
     if unreachable(here, timeout_s=1.0) is None and options.broker_auth is None:
         say(f"a broker already listens on {here} (coordinator serve?): using it")
         return dataclasses.replace(start, settings=dataclasses.replace(settings, address=here))
+    elsewhere = serving_elsewhere(here)
+    if elsewhere:
+        raise ConfigError(
+            f"a broker already serves on {elsewhere[0]} (coordinator serve?), not on {here}: "
+            f"give --broker {elsewhere[0]} to run on it (without --broker this command starts "
+            f"a broker of its own on {here}, which the fleet's agents do not join)"
+        )
     return start
+
+
+def serving_elsewhere(here: BrokerAddress) -> list[BrokerAddress]:
+    """Brokers that answer on `here`'s port at this host's other addresses: a `coordinator
+    serve --host LAN-ADDRESS`, which a run starting its own broker on loopback would never
+    meet (its agents would not come, and it would say so only after the join timeout)."""
+    import psutil
+
+    found = []
+    for addresses in psutil.net_if_addrs().values():
+        for item in addresses:
+            if item.family != socket.AF_INET or item.address.startswith("127."):
+                continue
+            there = BrokerAddress(item.address, here.port)
+            if there != here and unreachable(there, timeout_s=0.5) is None:
+                found.append(there)
+    return found
 
 
 def with_broker_hint(error: str, own_broker: bool, broker: BrokerAddress) -> str:
@@ -689,7 +715,8 @@ def drop_interrupted(base: Path, entry: RunEntry | None, fresh: bool, resume: bo
 def run_command(
     run_file: str,
     gateway: GatewayOptions,
-    report_path: str,
+    report_path: str | None,
+    force: bool,
     plot_dir: str | None,
     resume: bool,
     fresh: bool,
@@ -712,20 +739,24 @@ def run_command(
         http=gateway.http,
         plot_dir=plot_dir,
     )
-    from coordinator.gateway import Registry, RunFailed, conduct, load_for_run
+    from agent.runfile import load_run_file
 
     try:
+        load_run_file(run_file)  # a mistake in it at once, before the gateway's imports
+        from coordinator.gateway import Registry, RunFailed, conduct, load_for_run
+
         runfile = load_for_run(run_file)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    fleet, base = gateway.fleet, runs_dir_of(runs_dir, gateway.state_dir, say)
+    interrupted = resumable(base, run_file, fleet)
+    own = interrupted.report if interrupted is not None and not fresh else None
+    report_path = report_target(report_path, force, own)
     start = run_broker(GatewayStart.secured(gateway))
     stop = stop_on_signal()
     identity = start.signed(COORDINATOR)
-    fleet, key = gateway.fleet, identity.key
-    registry = Registry(
-        runs_dir_of(runs_dir, gateway.state_dir, say), str(Path(report_path).resolve())
-    )
-    interrupted = resumable(registry.base, run_file, fleet)
+    key = identity.key
+    registry = Registry(base, str(Path(report_path).resolve()))
     drop_interrupted(registry.base, interrupted, fresh, resume)
     own_broker = start.settings.address is None
     with start.joined(identity) as (broker, transport):

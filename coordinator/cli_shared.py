@@ -168,21 +168,63 @@ def dashboard(
 
 
 def report_options(command: Callable) -> Callable:
-    """--report and --plot, shared by simulate, emulate and run (they write one schema)."""
+    """--report, --force and --plot, shared by simulate, emulate and run (they write one
+    schema)."""
     command = click.option(
         "--plot",
         "plot_dir",
         type=click.Path(file_okay=False),
         help="Also write PNG plots into this folder.",
     )(command)
+    command = click.option(
+        "--force",
+        is_flag=True,
+        help="Replace the --report file if it exists (without it, an existing report is an "
+        "error: a run never overwrites another's report in silence).",
+    )(command)
     return click.option(
         "--report",
         "report_path",
         type=click.Path(dir_okay=False),
-        default="report.json",
-        show_default=True,
-        help="Where to write the JSON report.",
+        default=None,
+        help=f"Where to write the JSON report [default: {DEFAULT_REPORT}, or the first of "
+        "report-2.json, report-3.json, ... not taken].",
     )(command)
+
+
+DEFAULT_REPORT = "report.json"
+
+
+class Interrupted(click.ClickException):
+    """Ctrl-C (or SIGTERM) ended the run after its report was written: one line, and exit
+    130 as a shell reports a command that SIGINT ended."""
+
+    exit_code = 130
+
+
+def report_target(given: str | None, force: bool, own: str | None = None) -> str:
+    """Where a run writes its report, decided before it starts: --report as given, an error
+    if that file exists (an earlier run's report) unless --force or it is `own` (the report
+    of the interrupted run this one goes on with); without --report, `own`, else report.json
+    or the first report-N.json not taken, so a second run never replaces the first's."""
+    if given is None:
+        return own or first_free(Path(DEFAULT_REPORT))
+    path = Path(given)
+    if path.exists() and not force and (own is None or path.resolve() != Path(own).resolve()):
+        raise ConfigError(
+            f"{given} exists (an earlier run's report): give --force to replace it, or "
+            "another --report"
+        )
+    return given
+
+
+def first_free(path: Path) -> str:
+    """`path`, else the first of its numbered names (`report-2.json`, ...) not taken."""
+    candidate, number = path, 1
+    while candidate.exists():
+        number += 1
+        candidate = path.with_name(f"{path.stem}-{number}{path.suffix}")
+    return str(candidate)
 
 
 def publish_report(report: dict, report_path: str, plot_dir: str | None) -> None:
@@ -217,7 +259,7 @@ def summary_table(report: dict) -> Table:
         ("busiest agent bytes", f"{summary['busiest_agent_bytes']:,} ({summary['busiest_agent']})"),
         ("total bytes", f"{summary['total_bytes']:,}"),
         ("total training FLOPs", f"{summary['total_train_flops']:.3e}"),
-        ("first pruning time t*", str(summary["t_star"])),
+        *pruning_rows(summary, config),
         ("rounds", f"{summary['rounds']} of {config['learning']['rounds']}"),
         ("wall time", f"{summary['wall_seconds']:.1f} s"),
     ]
@@ -235,6 +277,20 @@ def summary_table(report: dict) -> Table:
     for name, value in rows:
         table.add_row(name, value)
     return table
+
+
+def pruning_rows(summary: dict, config: dict) -> list[tuple[str, str]]:
+    """When the agents voted to prune further (t*, DA-DPFL's pruning time), for a strategy
+    that votes on it; nothing for one that never prunes further (FedAvg, ...)."""
+    from agent.learning.strategies import STRATEGIES
+
+    t_star = summary.get("t_star")
+    if t_star is not None:
+        return [("pruning time t* (voted)", f"round {t_star}")]
+    known = STRATEGIES.get(config["learning"]["strategy"])
+    if known is not None and known.prunes_further:
+        return [("pruning time t* (voted)", f"not reached in {summary['rounds']} rounds")]
+    return []
 
 
 def kept_rows(summary: dict, metric: str) -> list[tuple[str, str]]:

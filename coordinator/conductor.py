@@ -506,8 +506,9 @@ def wait_until_finished(
         if conductor.error is not None:
             raise RuntimeError(f"the coordinator's aggregation failed: {conductor.error}")
         finished = conductor.wait(0.5)
-        if progress is not None:
+        ended = finished or (gone_after_s is not None and conductor.gone(gone_after_s))
+        if progress is not None:  # counted after deciding: the last statuses count too
             progress(conductor.rounds_done())
-        if finished or (gone_after_s is not None and conductor.gone(gone_after_s)):
+        if ended:
             break
     return conductor.unfinished()

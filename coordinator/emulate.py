@@ -307,7 +307,14 @@ class Emulation:
         else:
             self.processes[agent_id].kill()
 
-    def run(self, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    def run(
+        self,
+        progress: Callable[[int], None] | None = None,
+        stop: threading.Event | None = None,
+    ) -> dict[str, Any]:
+        """Run the fleet to its end, or until `stop` is set (Ctrl-C): then the agents still
+        running are ended and the report covers the rounds their logs hold, its summary's
+        `interrupted` true."""
         started = time.perf_counter()
         identity = Identity(self.fleet, COORDINATOR, role="coordinator", key=self.key)
         transport = connect(
@@ -326,9 +333,10 @@ class Emulation:
         )
         try:
             self.conductor.start()
-            self.start_agents()
+            if not (stop is not None and stop.is_set()):
+                self.start_agents()
             with settled_heap():  # its collection runs while the agents start
-                self._wait(progress)
+                self._wait(progress, stop or threading.Event())
         finally:
             for process in self.processes.values():
                 if process.poll() is None:
@@ -336,35 +344,54 @@ class Emulation:
                     process.wait(10)
             self.conductor.close()
             leave(transport, identity)
-        return self.report(time.perf_counter() - started)
+        interrupted = stop is not None and stop.is_set()
+        report = self.report(time.perf_counter() - started, interrupted)
+        if progress:  # the rounds the agents logged: their last statuses may be in flight
+            progress(self.rounds_logged())
+        return report
 
-    def _wait(self, progress: Callable[[int], None] | None) -> None:
+    def _wait(self, progress: Callable[[int], None] | None, stop: threading.Event) -> None:
         rounds = self.config.learning.rounds
         limit = self.options.run_timeout_s or (
             120.0 + rounds * (self.options.round_timeout_s + 30.0)
         )
         deadline = time.monotonic() + limit
-        while any(p.poll() is None for p in self.processes.values()):
+        while any(p.poll() is None for p in self.processes.values()) and not stop.is_set():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"agents still running after {limit:.0f} s")
             if self.conductor.error is not None:
                 raise RuntimeError(f"the coordinator's aggregation failed: {self.conductor.error}")
             if progress:
                 progress(self.conductor.rounds_done())
-            time.sleep(0.2)
-        if progress:  # what the agents did, not the total: a dead agent's rounds stay undone
-            progress(self.conductor.rounds_done())
+            stop.wait(0.2)
 
     def round_log(self, agent_id: str) -> Path:
         """Where an agent of this run logs its rounds (in its own state folder)."""
         return run_folder(self.options.workdir / agent_id, self.run_id) / "rounds.jsonl"
 
-    def report(self, wall: float) -> dict[str, Any]:
-        """The simulate report schema, assembled from the agents' round logs."""
-        logs = {
-            agent_id: checkpoint.read_records(self.round_log(agent_id)) for agent_id in self.roster
+    def logs(self) -> dict[str, dict[int, dict[str, Any]]]:
+        """Each agent's round records, from its round log."""
+        return {a: checkpoint.read_records(self.round_log(a)) for a in self.roster}
+
+    def rounds_logged(self) -> int:
+        """Agent-rounds the agents logged (an agent that stopped early counts as done), as
+        the progress bar counts them."""
+        rounds = self.config.learning.rounds
+        return sum(
+            rounds if any(r.get("stopped") for r in records.values()) else len(records)
+            for records in self.logs().values()
+        )
+
+    def report(self, wall: float, interrupted: bool = False) -> dict[str, Any]:
+        """The simulate report schema, assembled from the agents' round logs. Interrupted,
+        an agent ended by a signal (Ctrl-C reaches the agents too, and this process ends
+        the rest) did not fail."""
+        logs = self.logs()
+        codes = {
+            a: c
+            for a, p in self.processes.items()
+            if (c := p.returncode) not in (0, None) and not (interrupted and c in STOPPED_CODES)
         }
-        codes = {a: c for a, p in self.processes.items() if (c := p.returncode) not in (0, None)}
         reasons = {a: exit_reason(code, self.log_path(a)) for a, code in codes.items()}
         # An agent that refused the run (a model it cannot build, data that does not fit)
         # exits cleanly after saying why in its status: it failed the run all the same.
@@ -376,6 +403,7 @@ class Emulation:
             self.config, self.roster, logs, self.conductor.aggregated(), wall, reasons
         )
         report["summary"]["failed_agents"] = codes
+        report["summary"]["interrupted"] = interrupted
         return {
             "config": {
                 **dataclasses.asdict(self.config),
@@ -388,6 +416,10 @@ class Emulation:
             },
             **report,
         }
+
+
+STOPPED_CODES = frozenset({-signal.SIGINT, -signal.SIGTERM, -signal.SIGKILL, 130})
+"""Exit codes of an agent process ended by a signal (or by Python's KeyboardInterrupt)."""
 
 
 def agent_env(workdir: Path) -> dict[str, str]:

@@ -22,24 +22,27 @@ from rich.progress import (
 )
 
 from agent.options import experiment_config, experiment_options
-from agent.runfile import lab_config
+from agent.runfile import check_files, lab_config
 from coordinator.cli_shared import (
+    Interrupted,
     agent_rounds,
     console,
     dashboard,
     http_options,
     publish_report,
     report_options,
+    report_target,
     require_extra,
 )
 from coordinator.ports import free_port
 from coordinator.watch import require_broker
 from protocol import BROKER, BrokerAddress, ConfigError
-from protocol.cli import BrokerSettings, seconds
+from protocol.cli import BrokerSettings, seconds, stop_on_signal
 from protocol.extras import LAB_EXTRA, MissingExtra
 from protocol.limits import MAX_MEMBERS
 
 if TYPE_CHECKING:
+    from agent.experiment import ExperimentConfig
     from coordinator.broker import EmbeddedBroker
 
 
@@ -68,14 +71,20 @@ def lab_run_option(command: Callable) -> Callable:
     "seconds.",
 )
 def simulate(
-    report_path: str, plot_dir: str | None, run_file: str | None, workers: int, **values: object
+    report_path: str | None,
+    force: bool,
+    plot_dir: str | None,
+    run_file: str | None,
+    workers: int,
+    **values: object,
 ) -> None:
     """Run a whole fleet in one process (no network) and write the JSON report."""
     require_extra(LAB_EXTRA, "coordinator simulate", plot_dir=plot_dir)
-    from coordinator.simulate import Simulation
+    report_path = report_target(report_path, force)
+    config = lab_experiment(run_file, values)
+    from coordinator.simulate import Simulation  # torch: after the config's one-line checks
 
     try:
-        config = lab_config(run_file, values) if run_file else experiment_config(values)
         simulation = Simulation(config, workers)
     except (ValueError, OSError) as exc:
         raise ConfigError(str(exc)) from None
@@ -105,6 +114,18 @@ def simulate(
                 "a worker process died (out of memory?): run with fewer --workers"
             ) from None
     publish_report(report, report_path, plot_dir)
+
+
+def lab_experiment(run_file: str | None, values: dict[str, object]) -> ExperimentConfig:
+    """The run's config from --run and the flags, with the files it names: a mistake in
+    either is one line before the run's slow imports (torch) and start."""
+    try:
+        if run_file:
+            return lab_config(run_file, values)
+        check_files(values)
+        return experiment_config(values)
+    except (ValueError, OSError) as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def emulation_broker(
@@ -181,23 +202,27 @@ def emulate(
     agents_per_process: int | None,
     http: str | None,
     http_token: str | None,
-    report_path: str,
+    report_path: str | None,
+    force: bool,
     plot_dir: str | None,
     run_file: str | None,
     **values: object,
 ) -> None:
-    """Run a fleet of real edge-agent processes over MQTT and write the same report as simulate."""
+    """Run a fleet of real edge-agent processes over MQTT and write the same report as
+    simulate. Ctrl-C ends the agents and writes the report of the rounds they did."""
+    stop = stop_on_signal()  # first: a Ctrl-C while starting is honoured once started
     require_extra(
         LAB_EXTRA, "coordinator emulate", embedded_broker=not brokers, http=http, plot_dir=plot_dir
     )
-    from coordinator.emulate import Emulation, EmulationOptions, auto_agents_per_process
-
+    report_path = report_target(report_path, force)
     if key_file and agent_keys:
         raise click.UsageError("give --key-file (one fleet key) or --agent-keys, not both")
+    config = lab_experiment(run_file, values)
+    from coordinator.emulate import Emulation, EmulationOptions, auto_agents_per_process
+
     broker, embedded = emulation_broker(brokers)
     folder = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="emulate-"))
     try:
-        config = lab_config(run_file, values) if run_file else experiment_config(values)
         per_process = agents_per_process or auto_agents_per_process(config.agents)
         options = EmulationOptions(
             workdir=folder,
@@ -233,13 +258,27 @@ def emulate(
     try:
         with watched, agent_rounds() as progress:
             task = progress.add_task("rounds", total=cfg.rounds * config.agents)
-            report = emulation.run(lambda done: progress.update(task, completed=done))
+            report = emulation.run(lambda done: progress.update(task, completed=done), stop)
     except TimeoutError as exc:
         raise click.ClickException(f"{exc}; see the agent logs in {folder}") from None
     finally:
         if embedded is not None:
             embedded.stop()
     publish_report(report, report_path, plot_dir)
+    say_how_emulation_ended(report, folder)
+    if not workdir:
+        remove_scratch(folder, report_path, plot_dir)
+
+
+def say_how_emulation_ended(report: dict, folder: Path) -> None:
+    """Exit with the reason, naming the folder the agents' logs are kept in, when the run
+    did not finish well: interrupted (exit 130), failed agents or no round at all (exit 1)."""
+    if report["summary"]["interrupted"]:
+        raise Interrupted(
+            f"interrupted after {len(report['rounds'])} of "
+            f"{report['config']['learning']['rounds']} rounds; the agents' logs are kept in "
+            f"{folder}"
+        )
     from coordinator.conductor import describe_failures  # the learning core: torch
 
     failed = describe_failures(report)
@@ -247,8 +286,6 @@ def emulate(
         raise click.ClickException(f"{failed}; see their logs in {folder}")
     if not report["rounds"]:
         raise click.ClickException(f"no agent completed a round; see the logs in {folder}")
-    if not workdir:
-        remove_scratch(folder, report_path, plot_dir)
 
 
 def remove_scratch(folder: Path, *kept: str | None) -> None:

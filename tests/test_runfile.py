@@ -177,7 +177,8 @@ def test_known_keys_cover_every_simulate_flag_and_the_run_keys() -> None:
     from coordinator.lab_cli import simulate
 
     # where the report goes, how many processes train and the run file itself (simulate's own)
-    flags = {p.name for p in simulate.params} - {"report_path", "plot_dir", "workers", "run_file"}
+    own = {"report_path", "force", "plot_dir", "workers", "run_file"}
+    flags = {p.name for p in simulate.params} - own
     assert flags <= set(KNOWN_KEYS)
     run_only = {"agent_ids", "input_shape", "classes", "min_samples", "round_timeout"}
     assert run_only | {"vote_timeout", "linger", "join_timeout"} <= set(KNOWN_KEYS)
