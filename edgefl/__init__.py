@@ -261,12 +261,16 @@ def run_agent(*, broker: str, stop: threading.Event | None = None, **options: An
     _invoke(edge_agent, ["--broker", broker, *_arguments(renamed)], "edge-agent", hosted)
 
 
-def run(run_file: str | Path, *, report: str | Path = "report.json", **options: Any) -> Report:
+def run(run_file: str | Path, *, report: str | Path | None = None, **options: Any) -> Report:
     """Run RUN_FILE on the fleet's devices, as ``coordinator run`` with `options` (its long
-    options as keywords: ``broker="gateway:1883"``, ``fleet``, ``runs_dir``...), and return
-    its report (also written to `report`). Call it from the main thread: like the command,
-    it stops cleanly on SIGINT or SIGTERM, and puts the previous handlers back after."""
+    options as keywords: ``broker="gateway:1883"``, ``fleet``, ``runs_dir``, ``force``...),
+    and return its report (also written to `report`; by default report.json, or the first
+    report-N.json not taken, as the command does). Call it from the main thread: like the
+    command, it stops cleanly on SIGINT or SIGTERM, and puts the previous handlers back after."""
     from coordinator.cli import main as coordinator
+    from coordinator.cli_shared import DEFAULT_REPORT, first_free
+
+    report = report if report is not None else first_free(Path(DEFAULT_REPORT))
 
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     args = ["run", str(run_file), "--report", str(report), *_arguments(options)]
