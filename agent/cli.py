@@ -184,6 +184,14 @@ class Hosted:
     joined: Callable[[MqttTransport], None]
 
 
+def name_its_lines(ctx: click.Context, agent_id: str, hosted: Hosted | None) -> None:
+    """The agent's log lines name it; alone in its process, so do all (its libraries'
+    threads' too), while a hosted agent shares the process with others."""
+    ctx.with_resource(agent_scope(agent_id))
+    if hosted is None:
+        set_process_name(agent_id)
+
+
 @click.group(
     cls=HelpAllGroup,
     invoke_without_command=True,
@@ -369,10 +377,7 @@ def main(
     from agent.service import ServiceOptions
 
     hosted = ctx.find_object(Hosted)
-    # Its lines name it; alone in its process, so do all (its libraries' threads' too).
-    ctx.with_resource(agent_scope(agent_id))
-    if hosted is None:
-        set_process_name(agent_id)
+    name_its_lines(ctx, agent_id, hosted)
     stop = stop_on_signal() if hosted is None else hosted.started()
     try:
         device = load_profile(profile) if profile else None

@@ -631,9 +631,8 @@ class MqttTransport:
         self._losses = _Losses(broker, self.client_id, self._count)
         self._stopped = False
         self._reassembly_lock = threading.Lock()
-        self._dispatcher = Dispatcher(
-            f"mqtt-dispatch-{self.client_id}", self._count, options.limits
-        )
+        dispatching = f"mqtt-dispatch-{self.client_id}"
+        self._dispatcher = Dispatcher(dispatching, self._count, options.limits)
         self._client = _new_client(self.client_id, options)
         self._subscriptions = _SubscriptionTable(self._client)
         for event in CALLBACKS:  # on paho's thread, in the scope of the agent making this
@@ -693,8 +692,7 @@ class MqttTransport:
         return self._subscriptions.wait_connected(timeout_s)
 
     def wait_subscribed(self, timeout_s: float, *, or_refused: bool = False) -> bool:
-        """Wait until connected and every subscription is acknowledged on this connection;
-        with `or_refused`, no longer than the broker's first refusal (`refused` says why)."""
+        """Until connected and subscribed (with `or_refused`: or refused)."""
         return self._subscriptions.wait_subscribed(timeout_s, or_refused=or_refused)
 
     @property
