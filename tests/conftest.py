@@ -225,11 +225,13 @@ def mosquitto_tls_broker(tmp_path: Path) -> Iterator[tuple[BrokerProcess, Path]]
         + ["-addext", "subjectAltName=IP:127.0.0.1"],
         check=True,
         capture_output=True,
+        timeout=60,
     )
     subprocess.run(
         [mosquitto_passwd, "-b", "-c", str(passwords), "alice", "secret"],
         check=True,
         capture_output=True,
+        timeout=60,
     )
     # `user root`: as root, mosquitto would otherwise drop privileges before reading the key.
     access = (

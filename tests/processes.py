@@ -60,15 +60,15 @@ def wait_for_text(
     text: str,
     timeout_s: float = 60.0,
     process: subprocess.Popen[Any] | None = None,
-) -> None:
-    """Wait until `text` is in `log`. A `process` that exits first fails the test at once
-    with its log; `timeout_s` only bounds a hang, it is no measure of speed: a loaded
-    machine starts a Python program in seconds, not milliseconds."""
+) -> str:
+    """Wait until `text` is in `log`, and return the log. A `process` that exits first
+    fails the test at once with its log; `timeout_s` only bounds a hang, it is no measure
+    of speed: a loaded machine takes seconds to start a Python program, not milliseconds."""
     deadline = time.monotonic() + timeout_s
     while True:
         content = log.read_text(errors="replace") if log.exists() else ""
         if text in content:
-            return
+            return content
         if process is not None and process.poll() is not None:
             raise AssertionError(
                 f"{text!r} not in {log.name}: the process exited ({process.returncode}):\n"
