@@ -263,20 +263,22 @@ def test_the_dashboard_counts_each_run_from_zero() -> None:
 # ------------------------------------------------------------------ coordinator emulate
 
 
-def test_emulate_removes_its_temporary_folder_after_a_good_run(tmp_path: Path) -> None:
+def test_emulate_removes_its_temporary_folder_after_a_good_run(
+    tmp_path: Path, processes: Processes
+) -> None:
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     report = tmp_path / "report.json"
     command = [*COORDINATOR, "emulate", "--agents", "2", "--rounds", "1", "--report", str(report)]
-    result = subprocess.run(
+    emulate = processes.popen(  # a timeout ends its agents with it
         command,
-        cwd=REPO,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=50,
         env={**os.environ, "TMPDIR": str(scratch)},
     )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert f"logs in {scratch}/emulate-" in result.stdout
+    out, err = emulate.communicate(timeout=50)
+    assert emulate.returncode == 0, out + err
+    assert f"logs in {scratch}/emulate-" in out
     assert list(scratch.iterdir()) == [], "its agents' state and logs are gone"
     assert json.loads(report.read_text())["rounds"], "the report is kept"
