@@ -11,7 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.processes import Processes, children, interrupt, left_since, wait_for_text
+from tests.processes import (
+    Processes,
+    children,
+    interrupt,
+    left_since,
+    wait_for_text,
+    wait_until,
+)
 
 SLEEPER = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(600)"]
 
@@ -76,7 +83,8 @@ def test_close_ends_a_process_and_what_it_started(tmp_path: Path) -> None:
     finally:
         started.close()
     assert parent.returncode is not None
-    assert not _running(grandchild)
+    # SIGKILL reaches the grandchild asynchronously: it is dying, not yet dead, at once.
+    wait_until(lambda: not _running(grandchild), "the grandchild killed with its parent", 10)
 
 
 def test_interrupt_returns_the_exit_status(processes: Processes, tmp_path: Path) -> None:
