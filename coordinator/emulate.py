@@ -134,6 +134,16 @@ class SharedProcess:
         self.process.stdin.write(f"kill {agent_id}\n".encode())
         self.process.stdin.flush()
 
+    def end(self, timeout_s: float) -> None:
+        """Wait for the process itself to end, killing it after `timeout_s`: its agents'
+        `exit` lines come before its own teardown, and an emulation that returned on them
+        alone left the process running for a while (seconds on a loaded machine)."""
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout_s)
+
 
 @dataclasses.dataclass(frozen=True)
 class HostedProcess:
@@ -342,6 +352,8 @@ class Emulation:
                 if process.poll() is None:
                     process.kill()
                     process.wait(10)
+            for host in set(self.shared.values()):
+                host.end(10)
             self.conductor.close()
             leave(transport, identity)
         interrupted = stop is not None and stop.is_set()

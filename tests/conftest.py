@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from protocol import BrokerAddress
+from tests.processes import Processes, children, left_since
 
 # One intra-op thread: the suite's models are tiny, and two threads per test process fight
 # over two cores with the brokers and agents the tests start.
@@ -55,6 +56,37 @@ def runs_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("EDGEFL_RUNS_DIR", str(folder))
         yield folder
+
+
+LEFT_GRACE_S = 2.0
+"""How long a child found alive after a test's teardown may take to finish exiting (one
+signalled without a wait) before it counts as left behind."""
+
+
+@pytest.fixture(autouse=True)
+def left_behind() -> Iterator[None]:
+    """Fail a test that leaves a child process running after its teardown (a gateway on
+    its port, an agent, a broker), and kill what it left: the next tests, and the people
+    on the machine, would otherwise share the CPU with it for minutes. Autouse fixtures
+    are torn down after the test's own, so the processes its fixtures end are ended by
+    then; those of fixtures of a wider scope were running before it and are not its."""
+    before = children()
+    yield
+    left = left_since(before, LEFT_GRACE_S)
+    if left:
+        running = "\n".join(left)
+        pytest.fail(f"the test left {len(left)} process(es) running (now killed):\n{running}")
+
+
+@pytest.fixture
+def processes() -> Iterator[Processes]:
+    """Start a test's processes with this (`tests.processes.Processes`): each is ended at
+    the test's end whatever happened, and its session with it."""
+    started = Processes()
+    try:
+        yield started
+    finally:
+        started.close()
 
 
 BROKER_START_TIMEOUT_S = 20.0
@@ -193,11 +225,13 @@ def mosquitto_tls_broker(tmp_path: Path) -> Iterator[tuple[BrokerProcess, Path]]
         + ["-addext", "subjectAltName=IP:127.0.0.1"],
         check=True,
         capture_output=True,
+        timeout=60,
     )
     subprocess.run(
         [mosquitto_passwd, "-b", "-c", str(passwords), "alice", "secret"],
         check=True,
         capture_output=True,
+        timeout=60,
     )
     # `user root`: as root, mosquitto would otherwise drop privileges before reading the key.
     access = (

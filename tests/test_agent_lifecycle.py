@@ -27,6 +27,7 @@ from agent.experiment import config_to_dict
 from agent.onnx_model import OnnxModel
 from agent.runfile import parse_run_table
 from protocol import MqttTransport, messages, topics
+from tests.processes import Processes, wait_for_text
 
 FLEET = "home"
 SHAPE = {"input_shape": [1, 40], "classes": 10}
@@ -81,7 +82,9 @@ def fleet(amqtt_broker) -> Iterator[Fleet]:
     watcher.transport.stop()
 
 
-def start_agent(tmp: Path, broker: BrokerProcess, log: str, *extra: str) -> subprocess.Popen[bytes]:
+def start_agent(
+    processes: Processes, tmp: Path, broker: BrokerProcess, log: str, *extra: str
+) -> subprocess.Popen[bytes]:
     data = tmp / "own.npz"
     if not data.exists():
         write_data(data, [0, 1, 2, 3], samples=300)
@@ -89,16 +92,7 @@ def start_agent(tmp: Path, broker: BrokerProcess, log: str, *extra: str) -> subp
         *EDGE_AGENT, "--broker", str(broker.address), "--id", "pi", "--fleet", FLEET,
         "--data", str(data), "--state-dir", str(tmp / "pi"), *extra,
     ]  # fmt: skip
-    with open(tmp / log, "wb") as out:
-        return subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
-
-
-def wait_for_text(path: Path, text: str, timeout_s: float = 20) -> str:
-    deadline = time.monotonic() + timeout_s
-    while text not in path.read_text(errors="replace"):
-        assert time.monotonic() < deadline, f"{text!r} not in:\n{path.read_text()}"
-        time.sleep(0.05)
-    return path.read_text()
+    return processes.spawn(command, tmp / log)
 
 
 def run_message(
@@ -119,9 +113,11 @@ def stop(agent: subprocess.Popen[bytes]) -> None:
 class Device:
     """One long-lived agent on the test's fleet, given runs as a coordinator gives them."""
 
-    def __init__(self, tmp: Path, broker: BrokerProcess, fleet: Fleet, *extra: str) -> None:
+    def __init__(
+        self, processes: Processes, tmp: Path, broker: BrokerProcess, fleet: Fleet, *extra: str
+    ) -> None:
         self.tmp, self.fleet, self.log = tmp, fleet, tmp / "pi.log"
-        self.process = start_agent(tmp, broker, "pi.log", *extra)
+        self.process = start_agent(processes, tmp, broker, "pi.log", *extra)
         wait_for_text(self.log, "waiting for a run")
 
     def run(self, run_id: str, **keys: Any) -> str:
@@ -150,15 +146,15 @@ GOOD, WORSE, WARM, OTHER = (f"run-00000000000{k}" for k in "abcd")
 
 
 def test_a_worse_run_does_not_replace_the_current_model_and_models_use_rolls_back(
-    fleet: Fleet, amqtt_broker, tmp_path: Path
+    fleet: Fleet, amqtt_broker, tmp_path: Path, processes: Processes
 ) -> None:
-    device = Device(tmp_path, amqtt_broker, fleet, "--keep-runs", "1")
+    device = Device(processes, tmp_path, amqtt_broker, fleet, "--keep-runs", "1")
     try:
         assert f"run {GOOD} is now the current model" in device.run(GOOD, rounds=3)
         old = tmp_path / "pi" / "runs" / "run-000000000000"  # an ended run from long ago
         old.mkdir()
         (old / "finished").touch()
-        subprocess.run(["touch", "-d", "2020-01-01", str(old / "finished")], check=True)
+        subprocess.run(["touch", "-d", "2020-01-01", str(old / "finished")], check=True, timeout=60)
         # lr 0: the run's model is the seeded one, far worse than three rounds of training.
         worse = device.run(WORSE, rounds=1, lr=0.0)
     finally:
@@ -193,9 +189,9 @@ def test_a_worse_run_does_not_replace_the_current_model_and_models_use_rolls_bac
 
 
 def test_init_previous_starts_each_device_from_its_current_model(
-    fleet: Fleet, amqtt_broker, tmp_path: Path
+    fleet: Fleet, amqtt_broker, tmp_path: Path, processes: Processes
 ) -> None:
-    device = Device(tmp_path, amqtt_broker, fleet)
+    device = Device(processes, tmp_path, amqtt_broker, fleet)
     try:
         final = re.findall(r"round 3: accuracy (0\.\d{4})", device.run(GOOD, rounds=3))
         # lr 0: nothing is learned, so the run ends where it started.
@@ -212,9 +208,9 @@ def test_init_previous_starts_each_device_from_its_current_model(
 
 
 def test_a_cancelled_run_ends_after_its_round_and_the_agent_waits_for_the_next(
-    amqtt_broker, fleet: Fleet, tmp_path: Path
+    amqtt_broker, fleet: Fleet, tmp_path: Path, processes: Processes
 ) -> None:
-    agent = start_agent(tmp_path, amqtt_broker, "first.log")
+    agent = start_agent(processes, tmp_path, amqtt_broker, "first.log")
     wait_for_text(tmp_path / "first.log", "waiting for a run")
     run = run_message("run-0000000000aa", ["pi"], strategy="local", rounds=100000)
     fleet.publish(run, RUN_TOPIC)
@@ -222,7 +218,7 @@ def test_a_cancelled_run_ends_after_its_round_and_the_agent_waits_for_the_next(
     agent.send_signal(signal.SIGKILL)  # a crash in the middle of the run
     agent.wait(10)
 
-    agent = start_agent(tmp_path, amqtt_broker, "second.log")
+    agent = start_agent(processes, tmp_path, amqtt_broker, "second.log")
     text = wait_for_text(tmp_path / "second.log", "from its checkpoint")
     resumed = re.search(
         r"run run-0000000000aa: resuming after round (\d+) of 100000 from its", text
@@ -241,7 +237,9 @@ def test_a_cancelled_run_ends_after_its_round_and_the_agent_waits_for_the_next(
     logged = (folder / "rounds.jsonl").read_text()
     stop(agent)
 
-    agent = start_agent(tmp_path, amqtt_broker, "third.log")  # the cancel is still retained
+    agent = start_agent(
+        processes, tmp_path, amqtt_broker, "third.log"
+    )  # the cancel is still retained
     wait_for_text(tmp_path / "third.log", "waiting for a run")
     time.sleep(2)
     stop(agent)
@@ -250,9 +248,9 @@ def test_a_cancelled_run_ends_after_its_round_and_the_agent_waits_for_the_next(
 
 
 def test_an_agent_announces_itself_again_when_asked_at_most_every_few_seconds(
-    amqtt_broker, fleet: Fleet, tmp_path: Path
+    amqtt_broker, fleet: Fleet, tmp_path: Path, processes: Processes
 ) -> None:
-    agent = start_agent(tmp_path, amqtt_broker, "pi.log")
+    agent = start_agent(processes, tmp_path, amqtt_broker, "pi.log")
     try:
         fleet.wait_for(lambda seen: [s.state for s in seen] == ["idle"])
         fleet.transport.clear_retained(topics.status(FLEET, "pi")).wait_for_publish(5)
@@ -273,9 +271,9 @@ def test_an_agent_announces_itself_again_when_asked_at_most_every_few_seconds(
 
 
 def test_a_run_that_leaves_the_agent_out_is_said_once_with_its_reason(
-    amqtt_broker, fleet: Fleet, tmp_path: Path
+    amqtt_broker, fleet: Fleet, tmp_path: Path, processes: Processes
 ) -> None:
-    agent = start_agent(tmp_path, amqtt_broker, "pi.log")
+    agent = start_agent(processes, tmp_path, amqtt_broker, "pi.log")
     try:
         wait_for_text(tmp_path / "pi.log", "waiting for a run")
         fleet.publish(
@@ -301,47 +299,43 @@ def test_a_run_that_leaves_the_agent_out_is_said_once_with_its_reason(
 
 @pytest.mark.parametrize("where", ["port", "name"])
 def test_an_agent_without_a_broker_says_why_and_joins_once_one_answers(
-    tmp_path: Path, unused_port: int, where: str
+    tmp_path: Path, unused_port: int, where: str, processes: Processes
 ) -> None:
     broker = f"127.0.0.1:{unused_port}" if where == "port" else "no-such-broker.invalid"
     command = [*EDGE_AGENT, "--broker", broker, "--id", "pi", "--state-dir", str(tmp_path / "pi")]
     if where == "name":  # a name that does not resolve is no loopback: open, or its bundle
         command.append("--open")
-    with open(tmp_path / "pi.log", "wb") as out:
-        agent = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        said = {
-            "port": f"no MQTT broker answers at {broker} (connection refused); retrying until it "
-            "does",
-            "name": "the broker's name 'no-such-broker.invalid' does not resolve (",
-        }[where]
-        text = wait_for_text(tmp_path / "pi.log", said, timeout_s=10)
-        time.sleep(2)
-        assert agent.poll() is None, "an agent outlives a gateway that is down"
-        assert "waiting for a run" not in text and "WARNING" not in text, text
-        if where == "port":
-            late = BrokerProcess(
-                "amqtt",
-                [sys.executable, "-m", "coordinator.broker", "--host", "127.0.0.1",
-                 "--port", str(unused_port)],
-                unused_port, tmp_path / "amqtt.log",
-            )  # fmt: skip
-            late.start()
-            try:
-                text = wait_for_text(tmp_path / "pi.log", "waiting for a run", timeout_s=40)
-                assert f"connected to broker {broker}\n" in text
-            finally:
-                stop(agent)
-                late.kill()
-    finally:
-        if agent.poll() is None:
+    agent = processes.spawn(command, tmp_path / "pi.log")
+    said = {
+        "port": f"no MQTT broker answers at {broker} (connection refused); retrying until it does",
+        "name": "the broker's name 'no-such-broker.invalid' does not resolve (",
+    }[where]
+    text = wait_for_text(tmp_path / "pi.log", said, process=agent)
+    time.sleep(2)
+    assert agent.poll() is None, "an agent outlives a gateway that is down"
+    assert "waiting for a run" not in text and "WARNING" not in text, text
+    if where == "port":
+        late = BrokerProcess(
+            "amqtt",
+            [sys.executable, "-m", "coordinator.broker", "--host", "127.0.0.1",
+             "--port", str(unused_port)],
+            unused_port, tmp_path / "amqtt.log",
+        )  # fmt: skip
+        late.start()
+        try:
+            text = wait_for_text(tmp_path / "pi.log", "waiting for a run", process=agent)
+            assert f"connected to broker {broker}\n" in text
             stop(agent)
+        finally:
+            late.kill()
+    else:
+        stop(agent)
 
 
 def test_after_the_broker_restarts_empty_the_agent_restores_what_the_fleet_reads(
-    broker: BrokerProcess, tmp_path: Path
+    broker: BrokerProcess, tmp_path: Path, processes: Processes
 ) -> None:
-    agent = start_agent(tmp_path, broker, "pi.log")
+    agent = start_agent(processes, tmp_path, broker, "pi.log")
     try:
         wait_for_text(tmp_path / "pi.log", "waiting for a run")
         broker.kill()

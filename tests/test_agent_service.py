@@ -4,9 +4,7 @@ real `edge-agent` and `coordinator` processes on a real broker (loopback)."""
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
-import time
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +15,7 @@ from test_cli import COORDINATOR, EDGE_AGENT, REPO
 from agent.data import load_dataset
 from protocol import BrokerAddress, Identity, connect, messages, topics
 from protocol.signing import MemberKeys, add_key
+from tests.processes import Processes, interrupt, wait_for_text
 
 
 def write_data(path: Path, classes: list[int], samples: int = 200, seed: int = 0) -> Path:
@@ -42,9 +41,14 @@ def run_files_of(state: Path) -> dict[str, list[int]]:
 
 
 def start_fleet(
-    tmp: Path, broker: str, run_file: Path, names: list[str], extra: tuple[str, ...] = ()
+    processes: Processes,
+    tmp: Path,
+    broker: str,
+    run_file: Path,
+    names: list[str],
+    extra: tuple[str, ...] = (),
 ) -> list[subprocess.Popen]:
-    processes = []
+    fleet = []
     for k, name in enumerate(names):
         data = write_data(tmp / f"{name}.npz", [k, k + 1, k + 2, k + 3], seed=k)
         command = [
@@ -52,9 +56,8 @@ def start_fleet(
             "--expect", str(len(names)), "--run", str(run_file), "--data", str(data),
             "--state-dir", str(tmp / name), "--round-timeout", "20", *extra,
         ]  # fmt: skip
-        log = open(tmp / f"{name}.log", "ab")  # noqa: SIM115 - the child holds it
-        processes.append(subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
-    return processes
+        fleet.append(processes.spawn(command, tmp / f"{name}.log"))
+    return fleet
 
 
 def trust_file(tmp: Path, names: list[str]) -> Path:
@@ -66,6 +69,7 @@ def trust_file(tmp: Path, names: list[str]) -> Path:
             check=True,
             capture_output=True,
             text=True,
+            timeout=60,
         ).stdout
         for name in names
     ]
@@ -76,7 +80,7 @@ def trust_file(tmp: Path, names: list[str]) -> Path:
 
 @pytest.mark.slow
 def test_a_fleet_without_coordinator_runs_from_one_run_file_and_reruns_fresh(
-    amqtt_broker, tmp_path: Path
+    amqtt_broker, tmp_path: Path, processes: Processes
 ) -> None:
     run_file = write_run(
         tmp_path / "run.toml",
@@ -90,7 +94,7 @@ def test_a_fleet_without_coordinator_runs_from_one_run_file_and_reruns_fresh(
     for attempt in (1, 2):
         # The rerun signs with a key per device, each trusting the others' (one trust file).
         extra = ("--trust", str(trust_file(tmp_path, names))) if attempt == 2 else ()
-        fleet = start_fleet(tmp_path, str(amqtt_broker.address), run_file, names, extra)
+        fleet = start_fleet(processes, tmp_path, str(amqtt_broker.address), run_file, names, extra)
         for name, process in zip(names, fleet, strict=True):
             assert process.wait(180) == 0, (tmp_path / f"{name}.log").read_text()
         runs = [run_files_of(tmp_path / name) for name in names]
@@ -150,17 +154,19 @@ def admitted_fleet(tmp: Path, names: list[str]) -> tuple[Path, Path]:
     identity, admitted = tmp / "coordinator.pem", tmp / "admitted.keys"
     line = subprocess.run(
         [*COORDINATOR, "key", "--identity", str(identity)],
-        cwd=REPO, check=True, capture_output=True, text=True,
+        cwd=REPO, check=True, capture_output=True, text=True, timeout=60,
     ).stdout  # fmt: skip
     for name in names:
         agent_id, public = trust_file(tmp, [name]).read_text().split()
         subprocess.run([*COORDINATOR, "admit", agent_id, public, "--admitted", str(admitted)],
-                       cwd=REPO, check=True)  # fmt: skip
+                       cwd=REPO, check=True, timeout=60)  # fmt: skip
     (tmp / "trust.keys").write_text(line)
     return identity, admitted
 
 
-def start_trusting(tmp: Path, broker: str, names: list[str]) -> list[subprocess.Popen]:
+def start_trusting(
+    processes: Processes, tmp: Path, broker: str, names: list[str]
+) -> list[subprocess.Popen]:
     """`edge-agent` per name, with data of classes 0-3, trusting tmp/trust.keys."""
     agents = []
     for k, name in enumerate(names):
@@ -169,8 +175,7 @@ def start_trusting(tmp: Path, broker: str, names: list[str]) -> list[subprocess.
             *EDGE_AGENT, "--broker", broker, "--id", name, "--data", str(data),
             "--state-dir", str(tmp / name), "--trust", str(tmp / "trust.keys"),
         ]  # fmt: skip
-        log = open(tmp / f"{name}.log", "ab")  # noqa: SIM115 - the child holds it
-        agents.append(subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
+        agents.append(processes.spawn(command, tmp / f"{name}.log"))
     return agents
 
 
@@ -199,14 +204,14 @@ def run_admitted(
 
 @pytest.mark.slow
 def test_coordinator_run_admits_by_key_and_agents_take_runs_only_from_it(
-    amqtt_broker, tmp_path: Path
+    amqtt_broker, tmp_path: Path, processes: Processes
 ) -> None:
     """Two admitted devices and a stranger with a key of its own: the run takes the two
     (fedavg: the coordinator aggregates their signed updates); the stranger is never seen."""
     broker = str(amqtt_broker.address)
     identity, admitted = admitted_fleet(tmp_path, ["pi-a", "pi-b"])
     # pi-0 first by id: would be taken
-    agents = start_trusting(tmp_path, broker, ["pi-a", "pi-b", "pi-0"])
+    agents = start_trusting(processes, tmp_path, broker, ["pi-a", "pi-b", "pi-0"])
     run_file = write_run(tmp_path / "run.toml", strategy="fedavg", agents=2, rounds=2,
                          join_timeout=60)  # fmt: skip
     result = run_admitted(tmp_path, broker, run_file, identity, admitted, agents)
@@ -219,7 +224,7 @@ def test_coordinator_run_admits_by_key_and_agents_take_runs_only_from_it(
 
 
 def test_a_device_that_does_not_trust_the_run_says_so_and_the_run_ends(
-    amqtt_broker, tmp_path: Path
+    amqtt_broker, tmp_path: Path, processes: Processes
 ) -> None:
     """A device trusting another coordinator key (a wrong trust file) refuses the run in
     its status, so `coordinator run` ends with the reason instead of waiting for it."""
@@ -227,10 +232,10 @@ def test_a_device_that_does_not_trust_the_run_says_so_and_the_run_ends(
     identity, admitted = tmp_path / "coordinator.pem", tmp_path / "admitted.keys"
     agent_id, public = trust_file(tmp_path, ["pi-w"]).read_text().split()
     subprocess.run([*COORDINATOR, "admit", agent_id, public, "--admitted", str(admitted)],
-                   cwd=REPO, check=True)  # fmt: skip
+                   cwd=REPO, check=True, timeout=60)  # fmt: skip
     other = subprocess.run(
         [*COORDINATOR, "key", "--identity", str(tmp_path / "another.pem")],
-        cwd=REPO, check=True, capture_output=True, text=True,
+        cwd=REPO, check=True, capture_output=True, text=True, timeout=60,
     ).stdout  # fmt: skip
     (tmp_path / "trust.keys").write_text(other)
     data = write_data(tmp_path / "pi-w.npz", [0, 1, 2, 3])
@@ -238,8 +243,7 @@ def test_a_device_that_does_not_trust_the_run_says_so_and_the_run_ends(
         *EDGE_AGENT, "--broker", broker, "--id", "pi-w", "--data", str(data),
         "--state-dir", str(tmp_path / "pi-w"), "--trust", str(tmp_path / "trust.keys"),
     ]  # fmt: skip
-    with open(tmp_path / "pi-w.log", "ab") as log:
-        device = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    device = processes.spawn(command, tmp_path / "pi-w.log")
     run_file = write_run(tmp_path / "run.toml", strategy="fedavg", agents=1, rounds=2,
                          join_timeout=60, round_timeout=60)  # fmt: skip
     try:
@@ -311,7 +315,7 @@ def test_coordinator_run_loads_the_model_code_only_where_it_builds_the_model(
 
 
 def test_coordinator_run_stopped_while_it_waits_for_agents_says_so(
-    amqtt_broker, tmp_path: Path
+    amqtt_broker, tmp_path: Path, processes: Processes
 ) -> None:
     """Ctrl-C before the run started is no timeout: the command says it stopped (exit 1, as
     for a run it interrupts), and the run, which never ran, is recorded as cancelled."""
@@ -319,53 +323,42 @@ def test_coordinator_run_stopped_while_it_waits_for_agents_says_so(
     run_file.write_text("[run]\nagents = 2\nrounds = 1\n")
     runs = ["--runs-dir", str(tmp_path / "runs")]
     log = tmp_path / "run.log"
-    with open(log, "wb") as out:
-        run = subprocess.Popen(
-            [*COORDINATOR, "run", str(run_file), "--broker", str(amqtt_broker.address), *runs],
-            cwd=REPO,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    deadline = time.monotonic() + 30
-    while "waiting for 2 agents" not in log.read_text():
-        assert time.monotonic() < deadline and run.poll() is None, log.read_text()
-        time.sleep(0.1)
-    run.send_signal(signal.SIGINT)
-    assert run.wait(30) == 1
+    run = processes.spawn(
+        [*COORDINATOR, "run", str(run_file), "--broker", str(amqtt_broker.address), *runs], log
+    )
+    wait_for_text(log, "waiting for 2 agents", process=run)
+    assert interrupt(run, 30) == 1
     said = log.read_text()
     assert "Error: stopped while waiting for agents, before the run started: 0 of the 2" in said
     assert "within" not in said and "Traceback" not in said, said
     listed = subprocess.run(
-        [*COORDINATOR, "runs", *runs, "--json"], cwd=REPO, capture_output=True, text=True
+        [*COORDINATOR, "runs", *runs, "--json"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert [r["state"] for r in json.loads(listed.stdout)] == ["cancelled"], listed.stdout
 
 
 def test_a_second_device_with_the_same_id_is_refused_in_one_line(
-    amqtt_broker, tmp_path: Path
+    amqtt_broker, tmp_path: Path, processes: Processes
 ) -> None:
     def agent(log: str) -> subprocess.Popen[bytes]:
         command = [*EDGE_AGENT, "--broker", str(amqtt_broker.address), "--id", "raspberrypi"]
         command += ["--state-dir", str(tmp_path / log)]
-        return subprocess.Popen(
-            command, cwd=REPO, stdout=open(tmp_path / f"{log}.log", "wb"), stderr=subprocess.STDOUT
-        )
+        return processes.spawn(command, tmp_path / f"{log}.log")
 
     first = agent("first")
-    try:
-        deadline = time.monotonic() + 30
-        while "joined fleet" not in (tmp_path / "first.log").read_text():
-            assert time.monotonic() < deadline, (tmp_path / "first.log").read_text()
-            time.sleep(0.1)
-        second = agent("second")
-        assert second.wait(60) == 1
-        text = (tmp_path / "second.log").read_text()
-        assert "agent id 'raspberrypi' is already in use in fleet 'default'" in text
-        assert "Traceback" not in text
-        assert first.poll() is None, "the first device keeps its id and its session"
-    finally:
-        first.terminate()
-        assert first.wait(30) == 0
+    wait_for_text(tmp_path / "first.log", "joined fleet", process=first)
+    second = agent("second")
+    assert second.wait(60) == 1
+    text = (tmp_path / "second.log").read_text()
+    assert "agent id 'raspberrypi' is already in use in fleet 'default'" in text
+    assert "Traceback" not in text
+    assert first.poll() is None, "the first device keeps its id and its session"
+    first.terminate()
+    assert first.wait(30) == 0
 
 
 @pytest.mark.mosquitto
@@ -380,6 +373,7 @@ def test_a_broker_certificate_the_ca_does_not_sign_is_explained_in_one_line(
         + ["-subj", "/CN=stranger"],
         check=True,
         capture_output=True,
+        timeout=60,
     )
     (tmp_path / "password").write_text("secret\n")
     command = [
@@ -409,7 +403,9 @@ def forged_members(broker: str, fleet: str, keys: dict[str, MemberKeys], labels:
     return transports
 
 
-def test_a_members_absurd_labels_never_build_the_run(amqtt_broker, tmp_path: Path) -> None:
+def test_a_members_absurd_labels_never_build_the_run(
+    amqtt_broker, tmp_path: Path, processes: Processes
+) -> None:
     """Two admitted members claim labels [0, "x"] (which crashed `coordinator run`) and
     [0, 99999] (which built a 100,000-class run); the run is built from the fleet's own
     labels with the two devices whose data fits, and says why each member was left out."""
@@ -419,7 +415,7 @@ def test_a_members_absurd_labels_never_build_the_run(amqtt_broker, tmp_path: Pat
     for name, key in keys.items():
         add_key(admitted, name, key.public)
     liars = forged_members(broker, "default", keys, {"pi-0": [0, "x"], "pi-1": [0, 99999]})
-    agents = start_trusting(tmp_path, broker, ["pi-a", "pi-b"])
+    agents = start_trusting(processes, tmp_path, broker, ["pi-a", "pi-b"])
     run_file = write_run(tmp_path / "run.toml", strategy="fedavg", agents=2, rounds=1,
                          join_timeout=60)  # fmt: skip
     try:

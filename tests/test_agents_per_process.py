@@ -90,6 +90,8 @@ def test_one_agent_killed_in_a_shared_process_fails_alone(amqtt_broker, tmp_path
     emulation.kill_agent("agent-001")
     thread.join(400)
     watcher.stop()
+    hosts = set(emulation.shared.values())
+    assert all(host.process.poll() is not None for host in hosts), "none outlives the run"
     summary = result["report"]["summary"]
     assert summary["failures"].keys() == {"agent-001"}
     failure = summary["failures"]["agent-001"]

@@ -22,10 +22,9 @@ import hashlib
 import json
 import os
 import socket
-import subprocess
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -45,7 +44,8 @@ from protocol import BrokerAddress, messages, topics
 from protocol.chunking import MAGIC
 from protocol.limits import FOLLOWER_LIMITS, MAX_MEMBERS, MIB, Limits, held_bytes
 from protocol.membership import Identity, connect, leave
-from tests.test_cli import COORDINATOR, REPO
+from tests.processes import Processes, wait_for_text
+from tests.test_cli import COORDINATOR
 
 FLEET = "default"
 CONNECTIONS = 2
@@ -68,14 +68,6 @@ def first_chunk(total: int, chunk_size: int) -> bytes:
     return msgpack.packb(header) + os.urandom(chunk_size)
 
 
-def wait_for_text(log: Path, text: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while text not in log.read_text(errors="replace"):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{text!r} not in the log:\n{log.read_text(errors='replace')}")
-        time.sleep(0.1)
-
-
 def fleet_on_dashboard(url: str) -> dict[str, dict]:
     with urllib.request.urlopen(f"{url}/api/fleet", timeout=5) as answer:
         return {row["agent"]: row for row in json.load(answer)["agents"]}
@@ -91,27 +83,22 @@ def wait_for_state(url: str, agent: str, state: str, timeout_s: float = 20.0) ->
 
 
 @pytest.fixture
-def served(tmp_path: Path, unused_port: int) -> Iterator[tuple[psutil.Process, int, str, Path]]:
+def served(
+    tmp_path: Path, unused_port: int, processes: Processes
+) -> tuple[psutil.Process, int, str, Path]:
     """serve on its embedded broker with the dashboard: (its process, broker port, URL,
     its log)."""
     with socket.socket() as probe:  # the dashboard's port
         probe.bind(("127.0.0.1", 0))
         http = probe.getsockname()[1]
     log = tmp_path / "serve.log"
-    with open(log, "wb") as out:
-        serve = subprocess.Popen(
-            [*COORDINATOR, "serve", "--host", "127.0.0.1", "--port", str(unused_port)]
-            + ["--http", f"127.0.0.1:{http}"],
-            cwd=REPO,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        wait_for_text(log, "dashboard on")
-        yield psutil.Process(serve.pid), unused_port, f"http://127.0.0.1:{http}", log
-    finally:
-        serve.kill()
-        serve.wait(10)
+    serve = processes.spawn(
+        [*COORDINATOR, "serve", "--host", "127.0.0.1", "--port", str(unused_port)]
+        + ["--http", f"127.0.0.1:{http}"],
+        log,
+    )
+    wait_for_text(log, "dashboard on", process=serve)
+    return psutil.Process(serve.pid), unused_port, f"http://127.0.0.1:{http}", log
 
 
 def flood(port: int) -> int:

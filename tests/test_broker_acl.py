@@ -206,7 +206,7 @@ def test_embedded_broker_binds_loopback_by_default(unused_port: int) -> None:
 def test_generated_hash_matches_mosquitto_passwd(tmp_path: Path) -> None:
     passwd = _require("mosquitto_passwd")
     file = tmp_path / "pw"
-    subprocess.run([passwd, "-b", "-c", str(file), "u", "s3cret"], check=True)
+    subprocess.run([passwd, "-b", "-c", str(file), "u", "s3cret"], check=True, timeout=60)
     theirs = file.read_text().strip().partition(":")[2]
     assert check_password("s3cret", theirs) and not check_password("other", theirs)
     ours = hash_password("s3cret")

@@ -14,6 +14,7 @@ from test_cli import COORDINATOR, EDGE_AGENT, REPO
 from coordinator.broker_config import COORDINATOR_IDS, Listener, write_broker_config
 from protocol.acl import fleet_grants
 from tests.conftest import BrokerProcess
+from tests.processes import Processes
 
 FLEET = "acl"
 
@@ -32,41 +33,36 @@ def member(tmp: Path, name: str) -> list[str]:
     return ["--config", str(tmp / "auth" / "members" / name / "broker.toml")]
 
 
-def spawn(command: list[str], log: Path) -> subprocess.Popen[bytes]:
-    with open(log, "wb") as out:
-        return subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
-
-
-def agents(tmp: Path, broker: str, extra: list[str]) -> dict[str, subprocess.Popen[bytes]]:
-    processes = {}
+def agents(
+    processes: Processes, tmp: Path, broker: str, extra: list[str]
+) -> dict[str, subprocess.Popen[bytes]]:
+    fleet = {}
     for k, name in enumerate(("a1", "a2")):
         data = write_data(tmp / f"{name}.npz", [k, k + 1, k + 2, k + 3], samples=120, seed=k)
         command = [
             *EDGE_AGENT, "--broker", broker, *member(tmp, name), "--id", name, "--fleet", FLEET,
             "--data", str(data), "--state-dir", str(tmp / name), "--round-timeout", "20", *extra,
         ]  # fmt: skip
-        processes[name] = spawn(command, tmp / f"{name}.log")
-    return processes
+        fleet[name] = processes.spawn(command, tmp / f"{name}.log")
+    return fleet
 
 
-def finish(processes: dict[str, subprocess.Popen[bytes]], tmp: Path, timeout_s: float) -> None:
-    try:
-        for name, process in processes.items():
-            assert process.wait(timeout_s) == 0, (tmp / f"{name}.log").read_text()[-3000:]
-    finally:
-        for process in processes.values():
-            if process.poll() is None:
-                process.kill()
-                process.wait(10)
+def finish(fleet: dict[str, subprocess.Popen[bytes]], tmp: Path, timeout_s: float) -> None:
+    """Each agent ends its run and exits cleanly (the `processes` fixture ends any other)."""
+    for name, process in fleet.items():
+        assert process.wait(timeout_s) == 0, (tmp / f"{name}.log").read_text()[-3000:]
 
 
 @pytest.mark.slow
-def test_a_fleet_without_coordinator_runs_under_the_acl(tmp_path: Path, unused_port: int) -> None:
+def test_a_fleet_without_coordinator_runs_under_the_acl(
+    tmp_path: Path, unused_port: int, processes: Processes
+) -> None:
     broker = start_secured_broker(tmp_path, unused_port, coordinator=None)
     run = write_run(tmp_path / "run.toml", strategy="dadpfl", agents=2, rounds=2,
                     input_shape=[1, 40], classes=10)  # fmt: skip
     try:
-        fleet = agents(tmp_path, str(broker.address), ["--expect", "2", "--run", str(run)])
+        expect = ["--expect", "2", "--run", str(run)]
+        fleet = agents(processes, tmp_path, str(broker.address), expect)
         finish(fleet, tmp_path, 120)
     finally:
         broker.kill()
@@ -74,13 +70,15 @@ def test_a_fleet_without_coordinator_runs_under_the_acl(tmp_path: Path, unused_p
 
 
 @pytest.mark.slow
-def test_a_coordinated_centralized_run_under_the_acl(tmp_path: Path, unused_port: int) -> None:
+def test_a_coordinated_centralized_run_under_the_acl(
+    tmp_path: Path, unused_port: int, processes: Processes
+) -> None:
     broker = start_secured_broker(tmp_path, unused_port, coordinator="gateway")
     run = write_run(tmp_path / "run.toml", strategy="fedavg", agents=2, rounds=2,
                     input_shape=[1, 40], classes=10)  # fmt: skip
     address = str(broker.address)
     try:
-        fleet = agents(tmp_path, address, ["--once"])
+        fleet = agents(processes, tmp_path, address, ["--once"])
         report = tmp_path / "report.json"
         conductor = [
             *COORDINATOR, "run", str(run), "--broker", address, *member(tmp_path, "gateway"),

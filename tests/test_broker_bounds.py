@@ -30,6 +30,7 @@ from coordinator.broker_limits import MIB, RESERVED_FDS, BrokerBounds
 from coordinator.gateway_tls import broker_certificate, gateway_names
 from protocol import BrokerAddress, topics
 from tests.conftest import REPO, _unused_port
+from tests.processes import Processes
 from tests.test_broker_acl import FLEET, Client, configure
 from tests.test_broker_packet_size import remaining_length
 
@@ -139,9 +140,11 @@ class Flood:
     then nothing, held by a process of their own (as a stranger on the LAN would: and a
     client's `select` takes no descriptor past 1024)."""
 
-    def __init__(self, address: BrokerAddress, count: int, first: bytes, wait_s: float) -> None:
+    def __init__(
+        self, processes: Processes, address: BrokerAddress, count: int, first: bytes, wait_s: float
+    ) -> None:
         command = [sys.executable, "-c", _FLOODER, address.host, str(address.port)]
-        self.process = subprocess.Popen(
+        self.process = processes.popen(
             [*command, str(count), first.hex() or "", str(wait_s)],
             stdout=subprocess.PIPE,
             text=True,
@@ -164,10 +167,10 @@ def _many_descriptors() -> None:
 
 
 def test_idle_connections_cannot_take_the_descriptors_and_are_closed_after_the_timeout(
-    gateway: Gateway,
+    gateway: Gateway, processes: Processes
 ) -> None:
     before = gateway.fds()
-    flood = Flood(gateway.address, 1100, b"", BOUNDS.connect_timeout_s + 5)
+    flood = Flood(processes, gateway.address, 1100, b"", BOUNDS.connect_timeout_s + 5)
     time.sleep(1)
     held = gateway.fds() - before
     assert held <= BOUNDS.pending + 8, f"{held} descriptors held by strangers"
@@ -178,11 +181,15 @@ def test_idle_connections_cannot_take_the_descriptors_and_are_closed_after_the_t
     assert gateway.fds() <= before + 8
 
 
-def test_huge_or_slow_connects_are_cut_and_cost_little_memory(gateway: Gateway) -> None:
+def test_huge_or_slow_connects_are_cut_and_cost_little_memory(
+    gateway: Gateway, processes: Processes
+) -> None:
     before_rss = gateway.rss()
-    huge = Flood(gateway.address, 300, partial_connect(5 * 65_540), 3)  # five 64 KB fields
+    five_fields = partial_connect(5 * 65_540)  # five 64 KB fields
+    huge = Flood(processes, gateway.address, 300, five_fields, 3)
     assert huge.closed_by_broker() == huge.opened, "a CONNECT over the bound was read"
-    slow = Flood(gateway.address, 300, partial_connect(2000), BOUNDS.connect_timeout_s + 5)
+    wait_s = BOUNDS.connect_timeout_s + 5
+    slow = Flood(processes, gateway.address, 300, partial_connect(2000), wait_s)
     gateway.member_gets_through()
     grown = gateway.rss() - before_rss
     assert grown < 40 * MIB, f"grew {grown / MIB:.0f} MiB"
@@ -242,7 +249,9 @@ def test_a_member_cannot_fill_the_retained_store(gateway: Gateway) -> None:
     gateway.member_gets_through()
 
 
-def test_tls_listener_takes_only_tls_and_bounds_stalled_handshakes(tmp_path: Path) -> None:
+def test_tls_listener_takes_only_tls_and_bounds_stalled_handshakes(
+    tmp_path: Path, processes: Processes
+) -> None:
     """Beyond loopback the broker speaks TLS only (issue 46): a plain CONNECT to its TLS port
     is closed unanswered, a handshake that never comes is closed at the CONNECT timeout
     (asyncio alone would wait 60 s, outside any count), and a member with the gateway's CA
@@ -255,9 +264,9 @@ def test_tls_listener_takes_only_tls_and_bounds_stalled_handshakes(tmp_path: Pat
         assert broker.address == BrokerAddress("127.0.0.1", port)
         tls_address = broker.tls_address
         assert tls_address == BrokerAddress("127.0.0.1", tls_port)
-        plain = Flood(tls_address, 20, partial_connect(12), 3)
+        plain = Flood(processes, tls_address, 20, partial_connect(12), 3)
         assert plain.closed_by_broker() == plain.opened == 20
-        stalled = Flood(tls_address, 300, b"", BOUNDS.connect_timeout_s + 5)
+        stalled = Flood(processes, tls_address, 300, b"", BOUNDS.connect_timeout_s + 5)
         ready = threading.Event()
         client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="tls-member")
         client.username_pw_set("a1", passwords["a1"])

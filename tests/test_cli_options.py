@@ -124,12 +124,14 @@ def pems(tmp_path_factory: pytest.TempPathFactory) -> Path:
             + ["-keyout", str(folder / f"k{n}.pem"), "-out", str(folder / f"c{n}.pem")],
             check=True,
             capture_output=True,
+            timeout=60,
         )
     subprocess.run(
         [openssl, "ec", "-in", str(folder / "k1.pem"), "-aes256", "-passout", "pass:x"]
         + ["-out", str(folder / "k1-encrypted.pem")],
         check=True,
         capture_output=True,
+        timeout=60,
     )
     return folder
 

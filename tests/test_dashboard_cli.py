@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import subprocess
 import time
 import urllib.request
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
-from test_cli import COORDINATOR, REPO
+from test_cli import COORDINATOR
+
+from tests.processes import Processes
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -22,28 +23,25 @@ def scrape(url: str) -> dict[str, float]:
     }
 
 
-def test_emulate_serves_metrics_that_follow_the_run(tmp_path: Path, unused_port: int) -> None:
+def test_emulate_serves_metrics_that_follow_the_run(
+    tmp_path: Path, unused_port: int, processes: Processes
+) -> None:
     command = [
         *COORDINATOR, "emulate", "--agents", "3", "--rounds", "4", "--epochs", "3",
         "--http", str(unused_port), "--report", str(tmp_path / "report.json"),
     ]  # fmt: skip
     log = tmp_path / "emulate.log"
-    with open(log, "wb") as out:
-        process = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    process = processes.spawn(command, log)
     rounds_seen: set[float] = set()
-    try:
-        deadline = time.monotonic() + 120
-        while process.poll() is None and time.monotonic() < deadline:
-            try:
-                samples = scrape(f"http://127.0.0.1:{unused_port}/metrics")
-            except OSError:
-                time.sleep(0.2)
-                continue
-            rounds_seen |= {v for k, v in samples.items() if k.startswith("edgefl_agent_round/")}
-            time.sleep(0.3)
-        assert process.wait(120) == 0, log.read_text()
-    finally:
-        if process.poll() is None:
-            process.kill()
+    deadline = time.monotonic() + 120
+    while process.poll() is None and time.monotonic() < deadline:
+        try:
+            samples = scrape(f"http://127.0.0.1:{unused_port}/metrics")
+        except OSError:
+            time.sleep(0.2)
+            continue
+        rounds_seen |= {v for k, v in samples.items() if k.startswith("edgefl_agent_round/")}
+        time.sleep(0.3)
+    assert process.wait(120) == 0, log.read_text()
     assert len(rounds_seen - {0.0}) >= 2, f"rounds advanced while scraped: {sorted(rounds_seen)}"
     assert f"dashboard on http://127.0.0.1:{unused_port}/" in log.read_text()

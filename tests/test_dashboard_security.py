@@ -7,13 +7,13 @@ import http.client
 import os
 import socket
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_cli import COORDINATOR, REPO, _wait_for_text
+from test_cli import COORDINATOR, REPO
 
 from coordinator.dashboard.app import allowed_names
+from tests.processes import Processes, wait_for_text
 
 TOKEN = "dash-Token_0123456789"
 
@@ -36,7 +36,9 @@ def free_port() -> int:
 
 
 @pytest.fixture
-def serving(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[int, int]]:
+def serving(
+    tmp_path: Path, request: pytest.FixtureRequest, processes: Processes
+) -> tuple[int, int]:
     """`coordinator serve` on loopback with --http on HOST (the test's parameter) and the
     token in a file; (broker port, dashboard port)."""
     http_host, token_from = request.param
@@ -49,14 +51,9 @@ def serving(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[in
     else:
         env["EDGEFL_HTTP_TOKEN"] = TOKEN
     log = tmp_path / "serve.log"
-    with open(log, "wb") as out:
-        serve = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
-    try:
-        _wait_for_text(log, "dashboard on", timeout_s=30)
-        yield serve.pid, web
-    finally:
-        serve.kill()
-        serve.wait(10)
+    serve = processes.spawn(command, log, env=env)
+    wait_for_text(log, "dashboard on", process=serve)
+    return serve.pid, web
 
 
 @pytest.mark.parametrize("serving", [("127.0.0.1", "file")], indirect=True)

@@ -246,10 +246,11 @@ def tls_broker(lan: Lan, tmp: Path, users: dict[str, str]) -> Path:
         + ["-addext", f"subjectAltName=IP:{gateway}"],
         check=True,
         capture_output=True,
+        timeout=60,
     )
     passwords.touch()
     for user, password in users.items():
-        subprocess.run([passwd, "-b", str(passwords), user, password], check=True)
+        subprocess.run([passwd, "-b", str(passwords), user, password], check=True, timeout=60)
         (tmp / f"{user}.password").write_text(password + "\n")
     config = tmp / "mosquitto.conf"
     config.write_text(

@@ -400,7 +400,7 @@ def test_broker_choice_in_a_private_network_namespace() -> None:
     network namespace that ends with the process."""
     if shutil.which("unshare") is None or shutil.which("ip") is None:
         pytest.skip("needs unshare and ip (util-linux, iproute2) to create a network namespace")
-    if subprocess.run(["unshare", "-rn", "true"], capture_output=True).returncode != 0:
+    if subprocess.run(["unshare", "-rn", "true"], capture_output=True, timeout=60).returncode != 0:
         pytest.skip("this host does not allow unprivileged user and network namespaces")
     command = ["unshare", "-rn", "sh", "-c", 'ip link set lo up && exec "$0" -c "$1"']
     done = subprocess.run(

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 from test_agent_service import write_data, write_run
-from test_cli import EDGE_AGENT, REPO
+from test_cli import EDGE_AGENT
 
 from agent.experiment import ExperimentConfig
 from agent.files import DiskFullError
@@ -29,6 +29,7 @@ from agent.runtime.run_files import persist, restore
 from agent.workload import build_workload
 from protocol import BrokerAddress, MqttTransport, messages, topics
 from protocol.cli import say, setup_logging
+from tests.processes import Processes
 
 FULL = OSError(errno.ENOSPC, "No space left on device")
 
@@ -137,13 +138,14 @@ def tiny_disk(folder: Path, size: str) -> Iterator[Path]:
         ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
         capture_output=True,
         text=True,
+        timeout=30,
     )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs to fill (needs root): {mounted.stderr.strip()}")
     try:
         yield folder
     finally:
-        subprocess.run(["umount", "-l", str(folder)], check=False)
+        subprocess.run(["umount", "-l", str(folder)], check=False, timeout=30)
 
 
 def presence_of(address: BrokerAddress, fleet: str, agent: str) -> messages.Presence:
@@ -173,7 +175,7 @@ def fill(folder: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_an_agent_on_a_full_disk_stops_in_one_line_and_the_fleet_finishes(
-    amqtt_broker, tmp_path: Path
+    amqtt_broker, tmp_path: Path, processes: Processes
 ) -> None:
     """pi-b's state is on a disk with room for one checkpoint; pi-a logs to a full disk."""
     run_file = write_run(
@@ -189,7 +191,7 @@ def test_an_agent_on_a_full_disk_stops_in_one_line_and_the_fleet_finishes(
     )
     with tiny_disk(tmp_path / "disk", "256k") as disk, tiny_disk(tmp_path / "logs", "16k") as full:
         fill(full)
-        processes, logs = {}, {}
+        agents, logs = {}, {}
         for k, name in enumerate(["pi-a", "pi-b"]):
             data = write_data(tmp_path / f"{name}.npz", [k, k + 1, k + 2, k + 3], seed=k)
             state = disk / name if name == "pi-b" else tmp_path / name
@@ -199,13 +201,13 @@ def test_an_agent_on_a_full_disk_stops_in_one_line_and_the_fleet_finishes(
                 "--state-dir", str(state),
             ]  # fmt: skip
             log = open(full / "pi-a.log", "w") if name == "pi-a" else subprocess.PIPE  # noqa: SIM115
-            processes[name] = subprocess.Popen(command, cwd=REPO, stderr=log, text=True)
-        for name, process in processes.items():
+            agents[name] = processes.popen(command, stderr=log, text=True)
+        for name, process in agents.items():
             logs[name] = process.communicate(timeout=150)[1]
         assert (full / "pi-a.log").stat().st_size == 0, "pi-a's log lines all failed"
-        assert processes["pi-a"].returncode == 0, "a log on a full disk is not fatal"
+        assert agents["pi-a"].returncode == 0, "a log on a full disk is not fatal"
         assert (tmp_path / "pi-a" / "model.onnx").exists(), "pi-a finished without pi-b"
-        assert processes["pi-b"].returncode == 1, logs["pi-b"]
+        assert agents["pi-b"].returncode == 1, logs["pi-b"]
         errors = [line for line in logs["pi-b"].splitlines() if line.startswith("Error")]
         assert len(errors) == 1 and "disk full" in errors[0], logs["pi-b"]
         assert str(disk / "pi-b") in errors[0] and "No space left" in errors[0]

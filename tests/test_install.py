@@ -31,6 +31,7 @@ from bench.install_footprint import (
 )
 from bench.support import broker
 from coordinator.ports import free_port
+from tests.processes import end
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -48,7 +49,7 @@ seed = 1
 
 def refused(venv: FreshVenv, *args: str) -> str:
     """The one line a command without its extra prints: exit 2, no traceback."""
-    done = subprocess.run(args, capture_output=True, text=True, cwd=venv.path)
+    done = subprocess.run(args, capture_output=True, text=True, cwd=venv.path, timeout=120)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "Traceback" not in done.stderr
     (line,) = done.stderr.strip().splitlines()
@@ -105,7 +106,10 @@ def gateway_serves_dashboard(venv: FreshVenv, work: Path) -> None:
         time.sleep(2)
     finally:
         serve.send_signal(signal.SIGTERM)
-        output, _ = serve.communicate(timeout=30)
+        try:
+            output, _ = serve.communicate(timeout=30)
+        finally:
+            end(serve)  # one that ignored SIGTERM: killed, and the test fails on its code
     assert serve.returncode == 0, output
     assert "Traceback" not in output
 

@@ -49,7 +49,7 @@ pytestmark = pytest.mark.timeout(60)
 def dead_pid() -> int:
     """The id of a process that has exited (a `coordinator run` that is gone)."""
     process = subprocess.Popen([sys.executable, "-c", "pass"])
-    process.wait()
+    process.wait(60)
     return process.pid
 
 

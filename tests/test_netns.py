@@ -118,17 +118,17 @@ def test_exit_removes_namespaces_and_processes_even_after_an_error(tmp_path: Pat
 def test_leftovers_of_a_dead_run_are_removed_but_not_those_of_live_ones() -> None:
     skip_unless_netns()
     finished = subprocess.Popen([sys.executable, "-c", ""])
-    finished.wait()
+    finished.wait(60)
     dead, live = f"{PREFIX}-{finished.pid}-abc123-d1", f"{PREFIX}-1-abc123-d1"
     for name in (dead, live):
-        subprocess.run(["ip", "netns", "add", name], check=True)
+        subprocess.run(["ip", "netns", "add", name], check=True, timeout=30)
     try:
         with Lan(["a"]):
             assert dead not in list_namespaces()
             assert live in list_namespaces(), "pid 1 is alive: its namespace is not ours"
     finally:
         for name in set(list_namespaces()) & {dead, live}:
-            subprocess.run(["ip", "netns", "del", name], check=True)
+            subprocess.run(["ip", "netns", "del", name], check=True, timeout=30)
 
 
 def test_bad_arguments_are_rejected_before_anything_is_created() -> None:

@@ -40,7 +40,11 @@ def test_every_imported_distribution_is_declared() -> None:
     """Each distribution the shipped packages import is in `dependencies` or an extra: one
     that is only here because another package pulled it in fails a clean install."""
     done = subprocess.run(
-        [sys.executable, str(UNDECLARED)], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, str(UNDECLARED)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.stdout.strip().splitlines()[-1] == "undeclared imports: 0", done.stdout
     assert done.returncode == 0

@@ -7,10 +7,8 @@ from __future__ import annotations
 import io
 import json
 import os
-import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +16,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
-from test_cli import COORDINATOR, EDGE_AGENT, REPO, _spawn, _wait_for_text
+from test_cli import COORDINATOR, EDGE_AGENT, REPO
 
 from agent.report import AgentRound
 from coordinator.broker import EmbeddedBroker
@@ -26,6 +24,7 @@ from coordinator.dashboard import FleetState
 from coordinator.dashboard.metrics import registry_for
 from coordinator.fleet import FleetView, fleet_table
 from protocol import BrokerAddress, MqttTransport, messages, topics
+from tests.processes import Processes, interrupt, wait_for_text
 
 FLEET = "lab"
 
@@ -50,17 +49,14 @@ def presence(agent: str) -> tuple[str, bytes]:
 
 
 @pytest.fixture
-def serve(tmp_path: Path, unused_port: int) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+def serve(
+    tmp_path: Path, unused_port: int, processes: Processes
+) -> tuple[subprocess.Popen[bytes], Path]:
     log = tmp_path / "serve.log"
     command = [*COORDINATOR, "serve", "--port", str(unused_port), "--fleet", FLEET]
-    process = _spawn(command, log)
-    try:
-        _wait_for_text(log, "press Ctrl-C to stop")
-        yield process, log
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(10)
+    process = processes.spawn(command, log)
+    wait_for_text(log, "press Ctrl-C to stop", process=process)
+    return process, log
 
 
 def agent_connection(port: int, agent: str) -> MqttTransport:
@@ -86,7 +82,7 @@ def test_serve_logs_changes_not_rounds_and_stops_quietly(serve, unused_port: int
     try:
         agents["a1"].publish(topics.run(FLEET), messages.encode(run), retain=True)
         # Agents train only once the run reached them: statuses of its rounds follow it.
-        _wait_for_text(log, "lab: run r1: fedavg")
+        wait_for_text(log, "lab: run r1: fedavg")
         for round_ in range(6):
             for name, transport in agents.items():
                 state = "idle" if round_ == 0 else "training" if round_ < 5 else "done"
@@ -94,11 +90,10 @@ def test_serve_logs_changes_not_rounds_and_stops_quietly(serve, unused_port: int
                 transport.publish(topic, payload, retain=True)
         for name, transport in agents.items():
             transport.publish(*status(name, "idle"), retain=True)
-        _wait_for_text(log, "lab/a2: online, done round 5/5")
-        _wait_for_text(log, "lab/a2: online, idle\n")  # (its second idle)
+        wait_for_text(log, "lab/a2: online, done round 5/5")
+        wait_for_text(log, "lab/a2: online, idle\n")  # (its second idle)
         time.sleep(0.3)
-        process.send_signal(signal.SIGINT)  # the agents still connected: their wills fly
-        assert process.wait(10) == 0
+        assert interrupt(process) == 0  # the agents still connected: their wills fly
     finally:
         for transport in agents.values():
             transport.stop()
@@ -268,20 +263,22 @@ def test_the_dashboard_counts_each_run_from_zero() -> None:
 # ------------------------------------------------------------------ coordinator emulate
 
 
-def test_emulate_removes_its_temporary_folder_after_a_good_run(tmp_path: Path) -> None:
+def test_emulate_removes_its_temporary_folder_after_a_good_run(
+    tmp_path: Path, processes: Processes
+) -> None:
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     report = tmp_path / "report.json"
     command = [*COORDINATOR, "emulate", "--agents", "2", "--rounds", "1", "--report", str(report)]
-    result = subprocess.run(
+    emulate = processes.popen(  # a timeout ends its agents with it
         command,
-        cwd=REPO,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=50,
         env={**os.environ, "TMPDIR": str(scratch)},
     )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert f"logs in {scratch}/emulate-" in result.stdout
+    out, err = emulate.communicate(timeout=50)
+    assert emulate.returncode == 0, out + err
+    assert f"logs in {scratch}/emulate-" in out
     assert list(scratch.iterdir()) == [], "its agents' state and logs are gone"
     assert json.loads(report.read_text())["rounds"], "the report is kept"

@@ -39,7 +39,12 @@ def test_readme_first_command_on_an_externally_managed_python(tmp_path: Path) ->
     env["PATH"] = f"{system_bin}:{env['PATH']}"  # `python3` is Debian's
     env["PIP_NO_COMPILE"] = "0"  # pip reads it inverted: no .pyc written, torch in 10 s not 45
     done = subprocess.run(
-        ["bash", "-c", first.group(0)], cwd=checkout, env=env, capture_output=True, text=True
+        ["bash", "-c", first.group(0)],
+        cwd=checkout,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "setup: making the virtual environment .venv" in done.stdout
@@ -49,6 +54,6 @@ def test_readme_first_command_on_an_externally_managed_python(tmp_path: Path) ->
     assert (checkout / "plots" / "accuracy.png").is_file()
     system_packages = subprocess.run(
         [str(SYSTEM_PYTHON), "-c", "import importlib.util as u; print(u.find_spec('coordinator'))"],
-        capture_output=True, text=True, cwd=tmp_path,
+        capture_output=True, text=True, cwd=tmp_path, timeout=60,
     ).stdout  # fmt: skip
     assert system_packages.strip() == "None"  # the system Python was left alone

@@ -18,6 +18,7 @@ from agent.learning.strategies import TABLE
 from agent.runtime import model_message
 from coordinator.simulate import ExperimentConfig, Simulation, simulate
 from protocol import messages
+from tests.processes import Processes
 
 REPO = Path(__file__).resolve().parent.parent
 SUMMARY_KEYS = {
@@ -389,9 +390,11 @@ def test_the_cli_trains_in_workers(tmp_path: Path) -> None:
     assert refused.returncode == 2 and "--workers" in refused.stderr
 
 
-def test_a_worker_that_dies_ends_the_run_with_one_line(tmp_path: Path) -> None:
+def test_a_worker_that_dies_ends_the_run_with_one_line(
+    tmp_path: Path, processes: Processes
+) -> None:
     code = "from coordinator.cli import main; main(prog_name='coordinator')"
-    run = subprocess.Popen(
+    run = processes.popen(
         [sys.executable, "-c", code, "simulate", "--strategy", "dispfl", "--rounds", "500"]
         + ["--workers", "2", "--report", str(tmp_path / "r.json")],
         stdout=subprocess.PIPE,
@@ -399,18 +402,15 @@ def test_a_worker_that_dies_ends_the_run_with_one_line(tmp_path: Path) -> None:
         text=True,
         env={"PYTHONPATH": str(REPO), "COLUMNS": "120", "PATH": "/usr/bin:/bin"},
     )
-    try:
-        deadline = time.monotonic() + 60
-        workers: list[psutil.Process] = []
-        while len(workers) < 2 and time.monotonic() < deadline:  # spawn's tracker + 2 workers
-            children = psutil.Process(run.pid).children()
-            workers = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
-            time.sleep(0.2)
-        time.sleep(2)  # training
-        workers[0].kill()
-        _, err = run.communicate(timeout=60)
-    finally:
-        run.kill()
+    deadline = time.monotonic() + 60
+    workers: list[psutil.Process] = []
+    while len(workers) < 2 and time.monotonic() < deadline:  # spawn's tracker + 2 workers
+        children = psutil.Process(run.pid).children()
+        workers = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+        time.sleep(0.2)
+    time.sleep(2)  # training
+    workers[0].kill()
+    _, err = run.communicate(timeout=60)
     assert run.returncode == 1
     assert "a worker process died (out of memory?): run with fewer --workers" in err
     assert "Traceback" not in err

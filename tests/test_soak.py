@@ -26,10 +26,10 @@ from test_agent_service import write_data, write_run
 
 from agent.model_store import run_folder
 from agent.runtime import checkpoint
+from tests.processes import Processes
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
 COORDINATOR = [sys.executable, "-c", "from coordinator.cli import main; main()"]
 EDGE_AGENT = [sys.executable, "-c", "from agent.cli import main; main()"]
 DEVICES = ("d1", "d2", "d3")
@@ -72,17 +72,14 @@ def stable(value: Any) -> Any:
 class Gateway:
     """The processes of one site: serve, the devices and the runs, with their logs."""
 
-    def __init__(self, tmp: Path, port: int) -> None:
-        self.tmp, self.port = tmp, port
+    def __init__(self, processes: Processes, tmp: Path, port: int) -> None:
+        self.processes, self.tmp, self.port = processes, tmp, port
         self.broker = f"127.0.0.1:{port}"
         self.serve: subprocess.Popen[bytes] | None = None
         self.devices: dict[str, subprocess.Popen[bytes]] = {}
 
     def popen(self, argv: list[str], log: str) -> subprocess.Popen[bytes]:
-        with open(self.tmp / log, "ab") as out:
-            return subprocess.Popen(
-                argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
+        return self.processes.spawn(argv, self.tmp / log)
 
     def start_serve(self) -> None:
         argv = [*COORDINATOR, "serve", "--port", str(self.port), "--fleet", "home"]
@@ -119,18 +116,18 @@ class Gateway:
         return json.loads((self.tmp / report).read_text())
 
     def stop(self) -> None:
-        for process in [*self.devices.values(), self.serve]:
-            if process is not None and process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait(10)
+        """Kill every process of the site, the runs' included, with what they started."""
+        self.processes.close()
 
 
 def rounds_of(state: Path, run_id: str) -> list[int]:
     return list(checkpoint.read_records(run_folder(state, run_id) / "rounds.jsonl"))
 
 
-def test_a_fleet_lives_through_runs_and_restarts(tmp_path: Path, unused_port: int) -> None:
-    site = Gateway(tmp_path, unused_port)
+def test_a_fleet_lives_through_runs_and_restarts(
+    tmp_path: Path, unused_port: int, processes: Processes
+) -> None:
+    site = Gateway(processes, tmp_path, unused_port)
     for k, name in enumerate(DEVICES):
         write_data(tmp_path / f"{name}.npz", [k, k + 1, k + 2, k + 3], samples=150, seed=k)
     timeouts = {"round_timeout": 8, "vote_timeout": 8, "linger": 5, "join_timeout": 60}

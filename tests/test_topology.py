@@ -53,7 +53,13 @@ def test_random_neighbours_same_in_another_process():
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     out = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
     )
     assert json.loads(out.stdout) == [
         tp.everyone_neighbours(5, 3, ROSTER, 4),

@@ -218,7 +218,10 @@ def test_a_device_with_other_strategy_code_refuses_the_run(own: Path) -> None:
     assert config_from_dict(sent) == config, "the same code: accepted"
     (own / "strategy.py").write_text((own / "strategy.py").read_text() + "\n# edited\n")
     device = subprocess.run(
-        [sys.executable, "-c", DEVICE, json.dumps(sent)], capture_output=True, text=True
+        [sys.executable, "-c", DEVICE, json.dumps(sent)],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert device.returncode == 1 and "different code here" in device.stderr
     assert device.stderr.count("\n") == 1, device.stderr
@@ -232,4 +235,4 @@ def test_naming_a_strategy_loads_no_torch() -> None:
         "import sys, agent.learning.strategies as s, agent.options; "
         "s.strategy('fedavg'); assert 'torch' not in sys.modules"
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

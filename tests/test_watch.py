@@ -252,6 +252,16 @@ def test_watch_on_a_terminal_redraws_as_statuses_arrive(broker) -> None:
     assert screen.raw.rfind(b"\x1b[?25h") > screen.raw.rfind(b"\x1b[?25l"), "cursor shown again"
 
 
+def read_until(child: subprocess.Popen[bytes], lines: list[str], text: str) -> None:
+    """Read `child`'s output lines into `lines` until one holds `text`; its end first fails
+    the test (instead of reading empty lines forever)."""
+    assert child.stdout is not None
+    while not any(text in line for line in lines):
+        line = child.stdout.readline().decode()
+        assert line, f"the output ended ({child.poll()}) before {text!r}:\n{''.join(lines)}"
+        lines.append(line)
+
+
 def test_watch_off_a_terminal_prints_a_table_per_change(broker) -> None:
     address, publisher = broker
     publish(publisher, topics.presence(FLEET, "agent-000"), presence("agent-000"))
@@ -266,14 +276,11 @@ def test_watch_off_a_terminal_prints_a_table_per_change(broker) -> None:
     )
     try:
         lines: list[str] = []
-        assert child.stdout is not None
-        while not any("0.812" in line for line in lines):
-            lines.append(child.stdout.readline().decode())
+        read_until(child, lines, "0.812")
         publish(
             publisher, topics.status(FLEET, "agent-000"), status("agent-000", 2, accuracy=0.9042)
         )
-        while not any("0.904" in line for line in lines):
-            lines.append(child.stdout.readline().decode())
+        read_until(child, lines, "0.904")
         time.sleep(1.0)  # three intervals with nothing new: no more tables
         child.send_signal(signal.SIGINT)
         out, err = child.communicate(timeout=15)
