@@ -11,7 +11,6 @@ import http.client
 import json
 import logging
 import re
-import signal
 import subprocess
 import threading
 import time
@@ -19,7 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_cli import COORDINATOR, EDGE_AGENT, REPO, _spawn, _wait_for_text
+from processes import Processes, interrupt, wait_for_text
+from test_cli import COORDINATOR, EDGE_AGENT, REPO
 
 from coordinator.agent_logs import LOGS, LogKeeper, agents_logged, line_of
 from coordinator.broker import EmbeddedBroker
@@ -71,13 +71,6 @@ def dashboard_text(port: int, path: str) -> str:
         connection.close()
 
 
-def ended(processes: list[subprocess.Popen[bytes]]) -> None:
-    for process in processes:
-        if process.poll() is None:
-            process.kill()
-        process.wait(10)
-
-
 @pytest.fixture(scope="module")
 def fleet_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, int]]:
     """One run of two agents on a served fleet: (the runs folder, the dashboard's port),
@@ -91,16 +84,15 @@ def fleet_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, 
     port, web = free_port(), free_port()
     broker = f"127.0.0.1:{port}"
     serve_log = tmp / "serve.log"
-    started = [
-        _spawn(
+    started = Processes()
+    try:
+        serve = started.spawn(
             [*COORDINATOR, "serve", "--fleet", FLEET, "--port", str(port), "--http", str(web)],
             serve_log,
         )
-    ]
-    try:
-        _wait_for_text(serve_log, "dashboard on", timeout_s=30)
+        wait_for_text(serve_log, "dashboard on", process=serve)
         agents = [
-            _spawn(
+            started.spawn(
                 [
                     *EDGE_AGENT,
                     "-v",
@@ -122,7 +114,6 @@ def fleet_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, 
             )  # fmt: skip
             for name in ("pi-1", "pi-2")
         ]
-        started += agents
         runs = tmp / "runs"
         run = subprocess.run(
             [*COORDINATOR, "run", str(tmp / "run.toml"), "--broker", broker, "--fleet", FLEET,
@@ -134,7 +125,7 @@ def fleet_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, 
             assert agent.wait(30) == 0
         yield runs, web
     finally:
-        ended(started)
+        started.close()
 
 
 def lines_of(output: str) -> list[tuple[str, str]]:
@@ -224,7 +215,9 @@ def test_the_dashboard_links_each_agent_to_its_log(fleet_run: tuple[Path, int], 
         time.sleep(0.1)
 
 
-def test_logs_follow_prints_new_records_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
+def test_logs_follow_prints_new_records_and_stops_cleanly_on_ctrl_c(
+    tmp_path: Path, processes: Processes
+) -> None:
     """Through a rotation too: the keeper's files are tiny here."""
     runs = tmp_path / "runs"
     keeper = LogKeeper(FLEET, "run-1", ["pi-1"], runs / "run-1", None, max_file_bytes=600)
@@ -238,17 +231,13 @@ def test_logs_follow_prints_new_records_and_stops_cleanly_on_ctrl_c(tmp_path: Pa
 
     record("before the follow")
     output = tmp_path / "follow.log"
-    follow = _spawn([*COORDINATOR, "logs", "--follow", "--runs-dir", str(runs)], output)
-    try:
-        _wait_for_text(output, "pi-1: before the follow")
-        for k in range(4):
-            record(f"after the follow {k} " + "y" * 100)
-        _wait_for_text(output, "pi-1: after the follow 3")
-        assert (runs / "run-1" / LOGS / "pi-1.jsonl.1").exists(), "it rotated meanwhile"
-        follow.send_signal(signal.SIGINT)
-        assert follow.wait(20) == 0
-    finally:
-        ended([follow])
+    follow = processes.spawn([*COORDINATOR, "logs", "--follow", "--runs-dir", str(runs)], output)
+    wait_for_text(output, "pi-1: before the follow", process=follow)
+    for k in range(4):
+        record(f"after the follow {k} " + "y" * 100)
+    wait_for_text(output, "pi-1: after the follow 3", process=follow)
+    assert (runs / "run-1" / LOGS / "pi-1.jsonl.1").exists(), "it rotated meanwhile"
+    assert interrupt(follow) == 0
     said = output.read_text()
     assert "Traceback" not in said
     printed = [line for line in said.splitlines() if "pi-1: " in line]
