@@ -86,8 +86,8 @@ class FakeEmulation:
         self.fleet = "emu-test"
         self.key = None
 
-    def run(self, progress: Any = None) -> dict[str, Any]:
-        return self.report
+    def run(self, progress: Any = None, stop: Any = None) -> dict[str, Any]:
+        return {**self.report, "summary": {**self.report["summary"], "interrupted": False}}
 
 
 @pytest.mark.parametrize("dead", [True, False], ids=["an-agent-died", "all-finished"])
@@ -106,6 +106,7 @@ def test_emulate_exits_1_naming_the_dead_agent_after_writing_the_report(
         broker = f"127.0.0.1:{listener.getsockname()[1]}"
         args = ["emulate", "--broker", broker, "--workdir", str(tmp_path / "w")]
         result = CliRunner().invoke(cli.main, [*args, "--agents", "3", "--report", str(path)])
+    assert path.exists(), (result.output, result.exception)
     assert json.loads(path.read_text())["summary"]["failures"] == report["summary"]["failures"]
     if dead:
         assert result.exit_code == 1, result.output

@@ -35,6 +35,7 @@ from protocol.acl import fleet_grants
 from protocol.mqtt import MqttTransport, TransportOptions
 from protocol.signing import MemberKeys, add_key, connect_proof
 from tests.conftest import BrokerProcess, _require, _unused_port
+from tests.processes import Processes
 from tests.test_broker_acl import Client
 
 FLEET = "f1"
@@ -309,7 +310,7 @@ def test_logins_a_member_added_while_the_embedded_broker_runs_logs_in(
 @pytest.mark.slow
 @pytest.mark.mosquitto
 def test_a_coordinated_run_works_through_mosquitto_with_client_ids_tied(
-    tmp_path: Path, unused_port: int
+    tmp_path: Path, unused_port: int, processes: Processes
 ) -> None:
     """Agents on the device listener (one connection per login: the prober leaves before
     the member connects), the coordinator through the listener on 127.0.0.1 (local.toml)."""
@@ -332,7 +333,7 @@ def test_a_coordinated_run_works_through_mosquitto_with_client_ids_tied(
     run = write_run(tmp_path / "run.toml", strategy="fedavg", agents=2, rounds=2,
                     input_shape=[1, 40], classes=10)  # fmt: skip
     try:
-        fleet = agents(tmp_path, str(broker.address), ["--once"])
+        fleet = agents(processes, tmp_path, str(broker.address), ["--once"])
         conductor = [
             *COORDINATOR, "run", str(run), "--fleet", ACL_FLEET,
             "--config", str(folder / "members" / "gateway" / "local.toml"),
