@@ -141,6 +141,8 @@ class Site:
             "plots": str(self.tmp / "plots"),
         }
         argv = command(self.readme["run"], swaps, *self.broker_flags, *self.state)
+        if "--report" not in argv:  # the doc's run writes report.json, or report-N.json
+            argv += ["--report", str(report)]
         return self.lan.popen("gw", argv, log=self.tmp / f"{report.stem}.log")
 
     def joined(self, hosts: tuple[str, ...]) -> bool:

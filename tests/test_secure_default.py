@@ -178,6 +178,8 @@ def test_the_secure_path_of_deploy_md_admits_devices_and_runs_signed(
     )
     run_argv = site.swap(run, "gw")
     run_argv[run_argv.index("run.toml")] = str(run_file)
+    if "--report" not in run_argv:  # the doc's run writes report.json, or report-N.json
+        run_argv += ["--report", str(tmp_path / "report.json")]
     done = lan.run("gw", run_argv, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((tmp_path / "report.json").read_text())
