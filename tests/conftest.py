@@ -39,6 +39,37 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
+def _checkout_files() -> set[str]:
+    """What git would list as untracked in the checkout's top folder (ignored files aside:
+    a report.json written there is not ignored)."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--others", "--exclude-standard", "--directory"],
+        cwd=REPO, capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    return set(listed.stdout.split()) if listed.returncode == 0 else set()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_UNTRACKED] = _checkout_files()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the suite when its tests left files in the checkout (a run's report.json from a
+    command started in it without --report): they belong in the test's tmp_path. Checked
+    once, by the process that runs the session (xdist's workers each have one too)."""
+    if hasattr(session.config, "workerinput"):
+        return
+    left = sorted(_checkout_files() - session.config.stash.get(_UNTRACKED, set()))
+    if left:
+        session.config.get_terminal_writer().line(
+            f"the tests left files in the checkout: {', '.join(left)}", red=True
+        )
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_UNTRACKED = pytest.StashKey[set[str]]()
+
+
 @pytest.fixture(autouse=True, scope="session")
 def dataset_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """One dataset cache for the session (agent processes inherit it), not the user's."""
