@@ -548,7 +548,8 @@ def watch_run(
     final = wait_for_page(
         browser,
         lambda p: all(
-            f"saved {s['saved_rounds']} rounds" in p["stopped"].get(a, "")
+            f"saved {s['saved_rounds']} round{'' if s['saved_rounds'] == 1 else 's'} "
+            in p["stopped"].get(a, "")
             for a, s in stopped.items()
         ),
         "every early stop with its savings",

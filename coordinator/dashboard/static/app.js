@@ -84,7 +84,8 @@ function stoppedText(agent) {
 function savedText(saved) {
   if (!saved) return "";
   const energy = saved.energy_j == null ? "–" : si(saved.energy_j, "J");
-  return "saved " + (saved.rounds ?? "–") + " rounds · " + si(saved.flops, "FLOP") +
+  const rounds = saved.rounds === 1 ? "1 round" : (saved.rounds ?? "–") + " rounds";
+  return "saved " + rounds + " · " + si(saved.flops, "FLOP") +
     " · " + bytes(saved.bytes) + " · energy " + energy;
 }
 
