@@ -43,11 +43,11 @@ MAX_FILE_BYTES = 512 * 1024
 """An agent's log file rotates past this size: at most twice this per agent and run."""
 MAX_LINE_BYTES = 16 * 1024
 """More than any kept line: a record's message is cut to `fleet_logs.MAX_MESSAGE_CHARS`."""
-RECENT_RECORDS = 200
-"""Records of each agent the dashboard keeps (its latest run's)."""
-RECENT_AGENTS = 10_000
-"""Agents the dashboard keeps records of: an open broker's made-up senders must not grow it
-without end."""
+RECENT_RECORDS = 50
+"""Records of each agent the dashboard keeps (its latest run's; the run's files keep all)."""
+RECENT_AGENTS = 1_000
+"""Agents the dashboard keeps records of, as many as it shows (`dashboard.state.MAX_AGENTS`):
+an open broker's made-up senders must not grow it without end (at most about 85 MB)."""
 
 
 def verified(
@@ -60,16 +60,17 @@ def verified(
     return message.run_id, checked(message)
 
 
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-"""Control characters but newline and tab: a device's message must not drive the operator's
-terminal (escape sequences)."""
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+"""Control characters but newline and tab, and the marks that reorder text: a device's
+message must not drive the operator's terminal (escape sequences) nor disguise itself."""
 
 
 def line_of(row: dict[str, Any]) -> str:
     """One record as `coordinator logs` and the dashboard print it: time, agent, level and
     message, and how many records the agent left out before it."""
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(row.get("time", 0))))
-    text = _CONTROL.sub("?", str(row.get("message", "")))
+    # Its later lines indented: a message cannot pass for another agent's record.
+    text = _CONTROL.sub("?", str(row.get("message", ""))).replace("\n", "\n    ")
     if row.get("dropped"):
         text += f" [{row['dropped']} earlier records left out]"
     return f"{when} {row.get('level', '?'):<8} {row.get('agent', '?')}: {text}"

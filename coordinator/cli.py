@@ -468,7 +468,7 @@ def runs_dir_option(command: Callable) -> Callable:
         type=click.Path(file_okay=False),
         default=None,
         help=f"Where the gateway keeps its runs [default: STATE_DIR/{RUNS}, the gateway's "
-        "state folder's; an older version's ~/.edgefl/runs is moved there on first use].",
+        "state folder's; an older version's ~/.edgefl/runs moves into an existing one].",
     )(command)
 
 

@@ -128,6 +128,6 @@ def new(name: Path, template: str) -> None:
         f"cd {name}",
         "python split.py",
         "coordinator simulate --run run.toml",
-        "coordinator emulate --run run.toml --report emulate-report.json",
+        "coordinator emulate --run run.toml",
     ):
         console.print(escape(f"  {command}"), highlight=False)

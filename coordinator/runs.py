@@ -104,14 +104,15 @@ def runs_dir(
 ) -> Path:
     """The runs folder: `given` (--runs-dir), else $EDGEFL_RUNS_DIR, else `runs` in the
     gateway's state folder, where an older version's ~/.edgefl/runs is moved on first use
-    (`say` tells of it)."""
+    once that folder exists (`say` tells of it, or of where they still are)."""
     if given:
         return Path(given)
     if os.environ.get(RUNS_DIR_ENV):
         return Path(os.environ[RUNS_DIR_ENV])
-    base = gateway_folder(state_dir) / RUNS
+    folder = gateway_folder(state_dir)
+    base = folder / RUNS
     if LEGACY_RUNS_DIR.is_dir() and load_entries(LEGACY_RUNS_DIR):
-        if not base.exists():
+        if folder.is_dir() and not base.exists():  # a mistyped --state-dir moves nothing
             move_history(LEGACY_RUNS_DIR, base, say)
         elif say is not None:
             say(

@@ -47,6 +47,9 @@ INTERVAL_S = 10.0
 must not flood the broker nor the gateway's disk."""
 QUEUE_RECORDS = 100
 """Records waiting to be published at most; beyond it they are dropped and counted."""
+MAX_TIME_S = 1e10
+"""A record's time (Unix seconds) is at most this (year 2286): a forged one past it would
+break every reader's date formatting."""
 CLOSE_WAIT_S = 2.0
 """How long the end of a run waits for the records still queued to go out."""
 _CUT = " ... [cut]"
@@ -241,6 +244,8 @@ def checked(log: messages.Log) -> dict[str, Any]:
         raise ProtocolError(f"log record longer than {MAX_MESSAGE_CHARS} characters")
     if log.dropped < 0 or not log.run_id:
         raise ProtocolError("log record without a run, or with a negative count")
+    if not 0 <= log.time <= MAX_TIME_S:
+        raise ProtocolError(f"log record's time {log.time:.6g} is no time of this era")
     return {
         "time": log.time,
         "agent": log.sender,

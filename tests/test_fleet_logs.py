@@ -25,11 +25,13 @@ from coordinator.agent_logs import LOGS, LogKeeper, agents_logged, line_of
 from coordinator.broker import EmbeddedBroker
 from coordinator.ports import free_port
 from protocol import Identity, MqttTransport, messages, topics
+from protocol.errors import ProtocolError
 from protocol.fleet_logs import (
     MAX_MESSAGE_CHARS,
     RECORDS_PER_INTERVAL,
     FleetLogHandler,
     RateLimit,
+    checked,
 )
 from protocol.signing import FleetKey
 
@@ -397,6 +399,19 @@ def test_a_flood_never_blocks_the_agent_and_what_was_left_out_is_counted(
 def test_a_printed_record_says_what_was_left_out_and_never_drives_the_terminal() -> None:
     row = {"time": 0.0, "agent": "pi.1", "level": "ERROR", "message": "a\x1b[2Jb\tc", "dropped": 2}
     assert line_of(row).endswith("ERROR    pi.1: a?[2Jb\tc [2 earlier records left out]")
+    forged = {**row, "message": "ok\n2024-01-01 00:00:00 ERROR    pi-2: disk\u202efailing"}
+    lines = line_of(forged).splitlines()
+    assert lines[1].startswith("    2024-01-01 00:00:00 ERROR    pi-2: disk?failing"), "not pi-2"
+
+
+def test_a_record_from_no_era_is_refused_where_it_arrives() -> None:
+    """Its time would break every reader's date formatting (`coordinator logs`, /logs)."""
+    for when in (1e300, -1.0):
+        log = messages.Log(
+            fleet=FLEET, sender="pi-1", run_id="run-1", time=when, level="ERROR", message="m"
+        )
+        with pytest.raises(ProtocolError, match="no time of this era"):
+            checked(log)
 
 
 def test_agents_with_dots_in_their_ids_are_found(tmp_path: Path) -> None:

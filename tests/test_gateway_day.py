@@ -43,6 +43,10 @@ def test_runs_are_kept_in_the_gateway_state_folder(amqtt_broker, tmp_path: Path)
     env = gateway_env(home)
     legacy = home / ".edgefl" / "runs"
     save_entry(legacy, RunEntry("run-old", "lab", "fedavg", 3, "/a.toml", state="done"))
+    typo = listed_runs(tmp_path / "stat", env)  # a mistyped --state-dir: nothing moves
+    assert legacy.is_dir() and not (tmp_path / "stat").exists(), typo.stderr
+    assert f"runs of an older version are still in {legacy}" in " ".join(typo.stderr.split())
+    state.mkdir()  # the gateway's state folder (its keys, its broker's files)
     run_file = tmp_path / "run.toml"
     run_file.write_text("[run]\nagents = 2\nrounds = 1\n")
     log = tmp_path / "run.log"

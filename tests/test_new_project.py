@@ -156,7 +156,9 @@ def test_a_project_emulates_as_agent_processes(tmp_path: Path) -> None:
     _run(["python", "split.py", "--devices", "3"], project)
     small = ["--agents", "3", "--rounds", "2", "--agents-per-process", "3"]
     output = _run([*emulate, *small], project, timeout_s=240)
-    report_path = project / emulate[emulate.index("--report") + 1]
+    written = re.search(r"report written to (\S+)", " ".join(output.split()))
+    assert written and "--report" not in emulate, output  # run twice, it never replaces one
+    report_path = project / written.group(1)
     report = json.loads(report_path.read_text())
     assert len(report["rounds"]) == 2, output
     assert sorted(report["rounds"][-1]["agents"]) == ["agent-000", "agent-001", "agent-002"]
