@@ -237,3 +237,21 @@ def test_the_bar_counts_the_statuses_that_ended_the_run() -> None:
     conductor: Any = LastStatusesLate()
     assert wait_until_finished(conductor, 60, shown.append, gone_after_s=180) == []
     assert shown[-1] == 30
+
+
+def test_a_second_ctrl_c_interrupts_at_once() -> None:
+    """The first Ctrl-C asks the program to stop when it can (after start-up, after the
+    round); the second, from a person who cannot wait, interrupts at once."""
+    from protocol.cli import stop_on_signal
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        stop = stop_on_signal()
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.wait(5), "the first one is remembered"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the handler runs in the main thread at the next bytecode
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
