@@ -721,7 +721,7 @@ def run_command(
     resume: bool,
     fresh: bool,
     runs_dir: str | None,
-) -> None:
+) -> str:
     """Run RUN_FILE (TOML, table [run]) on the fleet's devices and write the report.
 
     Waits for the agents the run wants (online, idle, with data that fits), fixes the roster,
@@ -777,6 +777,7 @@ def run_command(
             raise click.ClickException(str(exc)) from None
     publish_report(report, report_path, plot_dir)
     say_how_it_ended(report)
+    return report_path  # where it went, for the Python API (`edgefl.run`)
 
 
 def say_how_it_ended(report: dict[str, Any]) -> None:

@@ -236,12 +236,13 @@ def _arguments(options: Mapping[str, Any]) -> list[str]:
     return args
 
 
-def _invoke(command: Any, args: list[str], prog: str, obj: Any = None) -> None:
-    """Run a click command in this thread; its one-line errors become `ConfigError`."""
+def _invoke(command: Any, args: list[str], prog: str, obj: Any = None) -> Any:
+    """Run a click command in this thread and return what it returns; its one-line errors
+    become `ConfigError`."""
     import click
 
     try:
-        command.main(args, prog_name=prog, obj=obj, standalone_mode=False)
+        return command.main(args, prog_name=prog, obj=obj, standalone_mode=False)
     except click.ClickException as exc:
         raise ConfigError(exc.format_message()) from None
 
@@ -264,19 +265,18 @@ def run_agent(*, broker: str, stop: threading.Event | None = None, **options: An
 def run(run_file: str | Path, *, report: str | Path | None = None, **options: Any) -> Report:
     """Run RUN_FILE on the fleet's devices, as ``coordinator run`` with `options` (its long
     options as keywords: ``broker="gateway:1883"``, ``fleet``, ``runs_dir``, ``force``...),
-    and return its report (also written to `report`; by default report.json, or the first
-    report-N.json not taken, as the command does). Call it from the main thread: like the
-    command, it stops cleanly on SIGINT or SIGTERM, and puts the previous handlers back after."""
+    and return its report (also written to `report`; by default where the command writes
+    it: report.json or the first report-N.json not taken, the interrupted run's own report
+    when going on with one). Call it from the main thread: like the command, it stops
+    cleanly on SIGINT or SIGTERM, and puts the previous handlers back after."""
     from coordinator.cli import main as coordinator
-    from coordinator.cli_shared import DEFAULT_REPORT, first_free
-
-    report = report if report is not None else first_free(Path(DEFAULT_REPORT))
 
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    args = ["run", str(run_file), "--report", str(report), *_arguments(options)]
+    named = [] if report is None else ["--report", str(report)]
+    args = ["run", str(run_file), *named, *_arguments(options)]
     try:
-        _invoke(coordinator, args, "coordinator")
+        written = _invoke(coordinator, args, "coordinator")
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
-    return Report.load(report)
+    return Report.load(written)

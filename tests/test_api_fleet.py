@@ -71,9 +71,10 @@ def test_agents_and_a_run_from_python(
         thread.start()
     handler = signal.getsignal(signal.SIGINT)
     try:
+        (tmp_path / "report.json").write_text("{}")  # an earlier run's: never replaced
+        monkeypatch.chdir(tmp_path)
         report = edgefl.run(
             tmp_path / "run.toml",
-            report=tmp_path / "report.json",
             broker=broker,
             fleet="api",
             runs_dir=tmp_path / "runs",
@@ -85,6 +86,8 @@ def test_agents_and_a_run_from_python(
     assert errors == []
     assert signal.getsignal(signal.SIGINT) == handler, "the caller's handler is back"
     assert report.metric == "accuracy"
+    assert report.config == edgefl.Report.load(tmp_path / "report-2.json").config, "where it went"
+    assert (tmp_path / "report.json").read_text() == "{}"
     assert [sorted(r["agents"]) for r in report.rounds] == [["d1", "d2"], ["d1", "d2"]]
     assert report.config["model_fingerprint"], "a device run with a user model carries it"
     assert (tmp_path / "d1" / "model.onnx").is_file()
