@@ -742,10 +742,10 @@ def run_command(
     from agent.runfile import load_run_file
 
     try:
-        load_run_file(run_file)  # a mistake in it at once, before the gateway's imports
+        checked = load_run_file(run_file)  # a mistake said before the gateway's imports
         from coordinator.gateway import Registry, RunFailed, conduct, load_for_run
 
-        runfile = load_for_run(run_file)
+        runfile = load_for_run(checked)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     fleet, base = gateway.fleet, runs_dir_of(runs_dir, gateway.state_dir, say)

@@ -22,7 +22,7 @@ from typing import Any
 from agent.experiment import DEFAULT_MIN_SAMPLES, ExperimentConfig, config_from_dict, config_to_dict
 from agent.learning.strategies import strategy
 from agent.own_data import misfit, parse_description
-from agent.runfile import RunFile, load_run_file, run_timeouts
+from agent.runfile import RunFile, run_timeouts
 from agent.runtime import new_run_id
 from agent.runtime.heap import settled_heap
 from agent.user_code import is_import_path, load_callable
@@ -256,12 +256,11 @@ class Registry:
     report_path: str = ""
 
 
-def load_for_run(path: str) -> RunFile:
-    """The run file, checked, with its model's code loaded where the coordinator builds the
-    model (its file and function exist): the model itself is built once the agents said
-    their data's shape, so a missing file would be said only after every agent was waited
-    for. ValueError with one line else."""
-    runfile = load_run_file(path)
+def load_for_run(runfile: RunFile) -> RunFile:
+    """The run file (`load_run_file`'s), with its model's code loaded where the coordinator
+    builds the model (its file and function exist): the model itself is built once the
+    agents said their data's shape, so a missing file would be said only after every agent
+    was waited for. ValueError with one line else."""
     config = runfile.outline()
     model = config.model
     # Only where this process builds the model: its fingerprint (devices' own data) or the

@@ -302,15 +302,16 @@ def test_coordinator_run_rejects_a_bad_run_file_in_one_line(
 def test_coordinator_run_loads_the_model_code_only_where_it_builds_the_model(
     tmp_path: Path, run: str, loaded: bool
 ) -> None:
+    from agent.runfile import load_run_file
     from coordinator.gateway import load_for_run
 
     path = tmp_path / "run.toml"
     path.write_text(f"[run]\nagents = 2\n{run}\nmodel = 'devicepkg.nets:build'\n")
     if not loaded:
-        assert load_for_run(str(path)).config(2).model == "devicepkg.nets:build"
+        assert load_for_run(load_run_file(path)).config(2).model == "devicepkg.nets:build"
         return
     with pytest.raises(ValueError, match="cannot import devicepkg.nets") as error:
-        load_for_run(str(path))
+        load_for_run(load_run_file(path))
     assert str(error.value).startswith(f"{path}: ")
 
 
