@@ -8,9 +8,9 @@ them (`coordinator.agent_logs`, `coordinator logs`).
 A device's log must never cost it its run, so the handler:
 - filters by level (`DEFAULT_LEVEL` unless told; a record below the process's own log level
   is never made at all);
-- takes only the records of this agent's own threads (the one that runs the run, its
-  connection's network and dispatcher threads): several agents may share a process
-  (`agent.host`, the Python API), each with its own handler;
+- takes only this agent's records, those `protocol.log_context` says are about it (its
+  run's thread, its connection's network and dispatcher threads): several agents may
+  share a process (`agent.host`, the Python API), each with its own handler;
 - is rate-limited (`RECORDS_PER_INTERVAL` per `INTERVAL_S`) and bounded (each message cut
   to `MAX_MESSAGE_CHARS`, at most `QUEUE_RECORDS` waiting), counting what it leaves out and
   saying so in the next record it sends (`Log.dropped`);
@@ -31,6 +31,7 @@ from typing import Any
 
 from protocol import messages, topics
 from protocol.errors import ProtocolError
+from protocol.log_context import agent_of
 from protocol.membership import Identity
 from protocol.transport import Transport
 
@@ -103,21 +104,20 @@ class FleetLogHandler(logging.Handler):
         self._topic = topics.log(identity.fleet, identity.sender)
         self._limit = limit or RateLimit()
         self._queue: queue.Queue[messages.Log | None] = queue.Queue(queue_records)
-        self._owner = threading.get_ident()
-        self._suffix = f"-{identity.fleet}-{identity.sender}"
         self._dropped = 0
         self._count_lock = threading.Lock()
         self._sender = threading.Thread(
-            target=self._publish_queued, name=f"fleet-log{self._suffix}", daemon=True
+            target=self._publish_queued,
+            name=f"fleet-log-{identity.fleet}-{identity.sender}",
+            daemon=True,
         )
         self._sender.start()
 
     def owns(self, record: logging.LogRecord) -> bool:
-        """Whether this agent made `record`: on the thread that attached the handler, or on
-        its connection's threads (named after its client id, `<fleet>-<agent>`)."""
-        if record.thread == self._sender.ident:
-            return False  # never recursive: what publishing logs stays here
-        return record.thread == self._owner or (record.threadName or "").endswith(self._suffix)
+        """Whether this agent made `record`: the agent its thread works for
+        (`protocol.log_context`), never this handler's own thread (what publishing logs
+        stays here: no recursion)."""
+        return record.thread != self._sender.ident and agent_of(record) == self._identity.sender
 
     def emit(self, record: logging.LogRecord) -> None:
         if not self.owns(record):

@@ -33,6 +33,7 @@ from protocol.fleet_logs import (
     RateLimit,
     checked,
 )
+from protocol.log_context import agent_scope, bound, process_name, set_process_name
 from protocol.signing import FleetKey
 
 pytestmark = pytest.mark.timeout(120)
@@ -330,13 +331,17 @@ def detach(handler: FleetLogHandler) -> None:
 
 @pytest.fixture
 def info_logging() -> Iterator[logging.Logger]:
+    """INFO and up, logged as agent pi-1's (its scope), in a process of other agents."""
     root = logging.getLogger()
-    level = root.level
+    level, name = root.level, process_name()
     root.setLevel(logging.INFO)
+    set_process_name("pytest")
     try:
-        yield logging.getLogger("agent.test")
+        with agent_scope("pi-1"):
+            yield logging.getLogger("agent.test")
     finally:
         root.setLevel(level)
+        set_process_name(name)
 
 
 def test_the_rate_limit_allows_a_burst_per_interval() -> None:
@@ -361,8 +366,8 @@ def test_the_handler_publishes_its_own_records_once_each_never_what_publishing_l
         elsewhere = threading.Thread(target=info_logging.warning, args=("another agent's",))
         elsewhere.start()
         elsewhere.join()
-        connection = threading.Thread(
-            target=info_logging.warning,
+        connection = threading.Thread(  # made in its scope, as the transport's threads are
+            target=bound(info_logging.warning),
             args=("on my connection",),
             name=f"mqtt-dispatch-{FLEET}-pi-1",
         )
