@@ -5,6 +5,7 @@ itself in headless Chromium during an emulated run with early stopping."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import http.client
 import json
@@ -474,6 +475,27 @@ def wait_for_page(browser: Chromium, ready: Any, what: str, limit_s: float) -> d
         time.sleep(0.1)
 
 
+@contextlib.contextmanager
+def served_emulation(
+    config: Any, port: int, options: EmulationOptions
+) -> Iterator[tuple[Emulation, FleetState, Dashboard]]:
+    """An emulation on an embedded broker at `port`, with a dashboard (on a port of its own)
+    that follows its fleet; the dashboard stops at the end."""
+    with EmbeddedBroker(port=port) as broker:
+        emulation = Emulation(config, broker.address, options)
+        state = FleetState(emulation.fleet)
+        dashboard = Dashboard(state, port=0)
+        with MqttTransport(broker.address) as transport:
+            transport.subscribe(topics.presence(emulation.fleet), state.feed)
+            transport.subscribe(topics.status(emulation.fleet), state.feed)
+            assert transport.wait_subscribed(10)
+            dashboard.start()
+            try:
+                yield emulation, state, dashboard
+            finally:
+                dashboard.stop()
+
+
 def scrape(url: str) -> dict[tuple[str, str], float]:
     body = request(url, "/metrics")[2].decode()
     return {
@@ -501,21 +523,9 @@ def test_the_page_follows_an_emulated_run_live(
     )
     artifacts = REPO / "test-artifacts" / "dashboard"
     artifacts.mkdir(parents=True, exist_ok=True)
-    with EmbeddedBroker(port=unused_port) as broker:
-        emulation = Emulation(
-            config, broker.address, EmulationOptions(workdir=tmp_path / "fleet", linger_s=10)
-        )
-        state = FleetState(emulation.fleet)
-        dashboard = Dashboard(state, port=0)
-        with MqttTransport(broker.address) as transport:
-            transport.subscribe(topics.presence(emulation.fleet), state.feed)
-            transport.subscribe(topics.status(emulation.fleet), state.feed)
-            assert transport.wait_subscribed(10)
-            dashboard.start()
-            try:
-                report = watch_run(chromium, dashboard, emulation, artifacts)
-            finally:
-                dashboard.stop()
+    options = EmulationOptions(workdir=tmp_path / "fleet", linger_s=10)
+    with served_emulation(config, unused_port, options) as (emulation, _state, dashboard):
+        report = watch_run(chromium, dashboard, emulation, artifacts)
     assert report["summary"]["failed_agents"] == {}
 
 

@@ -16,11 +16,9 @@ from typing import Any
 import pytest
 
 from agent.options import experiment_config
-from coordinator.broker import EmbeddedBroker
 from coordinator.dashboard import Dashboard, FleetState
 from coordinator.emulate import Emulation, EmulationOptions
-from protocol import MqttTransport, topics
-from tests.test_dashboard import Chromium
+from tests.test_dashboard import Chromium, served_emulation
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -99,21 +97,10 @@ def test_a_fedavg_run_opened_mid_run_shows_its_figures_at_once(
         | {"epochs": 1, "round_time_s": 0.01}
     )
     workdir = tmp_path / "fleet"
-    with EmbeddedBroker(port=unused_port) as broker:
-        options = EmulationOptions(workdir=workdir, linger_s=10, agents_per_process=3)
-        emulation = Emulation(config, broker.address, options)
-        state = FleetState(emulation.fleet)
-        dashboard = Dashboard(state, port=0)
-        with MqttTransport(broker.address) as transport:
-            transport.subscribe(topics.presence(emulation.fleet), state.feed)
-            transport.subscribe(topics.status(emulation.fleet), state.feed)
-            assert transport.wait_subscribed(10)
-            dashboard.start()
-            try:
-                loaded, later, reports = opened_mid_run(chromium, dashboard, emulation)
-                chromium.screenshot(tmp_path / "dashboard.png")
-            finally:
-                dashboard.stop()
+    options = EmulationOptions(workdir=workdir, linger_s=10, agents_per_process=3)
+    with served_emulation(config, unused_port, options) as (emulation, state, dashboard):
+        loaded, later, reports = opened_mid_run(chromium, dashboard, emulation)
+        chromium.screenshot(tmp_path / "dashboard.png")
     assert reports, "the emulated run did not finish"
     run_id = state.snapshot()["fleets"][0]["run_id"]
     # At its load, without any event: the fleet's rounds in the table and every chart.
