@@ -2,29 +2,14 @@
 dadpfl, dispfl, dfedavgm, local and a user's own, beside
 `agent.learning.central.base.CentralStrategy`.
 
-A decentralized round (`Learner.local_round`, ALGORITHMS.md 1) is these steps, composed:
-
-    initial_masks   an agent's first mask (1.1): the sparse strategies draw one, the dense
-                    ones train the whole model
-    aggregate       the model the round starts from, of the agent's and its neighbours' (the
-                    run's rule by default: eq. 7 over masks, or the mean, under
-                    `--aggregation` and `--clip`); the budget's reduction then cuts it
-    train           the round's local training from that start (the budget's reduced
-                    training by default)
-    after_training  what follows it: a sparse strategy scores the model for the pruning
-                    vote, may prune further and moves its mask with RigL; a dense one keeps
-                    what it trained
-    publish         what the agent makes available to its neighbours (its kept model, cut
-                    to the layers a window trained, by default)
-
-The learner checks the model is finite, refreshes its statistics and evaluates it between
-`after_training` and `publish`, the same for every strategy. Pure math, typed by the facts
-it reads (`agent.learning.facts`), so that this package never imports the learner that
-calls it; the runtime and the simulator take what `publish` gives to the wire, whatever
-its format.
-
-Which strategy is which, and the traits the rest of the code asks of it (sparse, prunes
-further, trains alone), is the table's (`agent.learning.strategies`).
+A round (`Learner.local_round`, ALGORITHMS.md 1) takes them in this order: `aggregate` (the
+start, which the budget's reduction then cuts), `train`, `after_training` (a sparse
+strategy's vote, further pruning and RigL), then, once the learner checked the model is
+finite, refreshed its statistics and evaluated it, `publish` (what goes to the neighbours,
+whatever the wire format); `initial_masks` is an agent's first mask (1.1). Pure math, typed
+by the facts it reads (`agent.learning.facts`), so that this package never imports the
+learner that calls it. Which strategy is which, and the traits the rest of the code asks of
+it (sparse, prunes further, trains alone), is the table's (`agent.learning.strategies`).
 """
 
 from __future__ import annotations
