@@ -1,7 +1,8 @@
 """A strategy the user brings (issue 47): named as a class by import path or file, in a run
 file, on the command line and in the Python API; its family, traits and preset read from the
 class; fingerprinted so a device with other code refuses the run; a decentralized one's own
-`aggregate` what its rounds start from; and the example in examples/own_strategy runs in
+`aggregate` what its rounds start from, its `train` how they train and its `publish` what
+they send; and the example in examples/own_strategy runs in
 simulate and as real agent processes with the same figures."""
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 import edgefl
 from agent.experiment import config_from_dict, config_to_dict
-from agent.learning import strategies
+from agent.learning import AgentState, Learner, preset, sparse, strategies
 from agent.learning.central import central_strategy
+from agent.learning.models import build_model, prunable_names
 from agent.options import experiment_config
 from agent.runfile import load_run_file
 from agent.user_code import load_callable
@@ -28,6 +31,10 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "own_strategy"
 SHORT = {"agents": 4, "rounds": 2}
 
 DECENTRAL = """
+import dataclasses
+
+import torch
+
 from agent.learning.decentral import DecentralizedStrategy
 from agent.learning.decentral.dispfl import DisPFL
 
@@ -47,6 +54,26 @@ class Masked(DisPFL):
 class OwnOnly(DecentralizedStrategy):
     def aggregate(self, learner, agent, inbox):
         return agent.weights
+
+
+class Unmasked(DisPFL):
+    def initial_masks(self, learner, agent_id):  # DisPFL's rounds from the dense model
+        return None
+
+
+class Damped(DecentralizedStrategy):
+    def train(self, learner, start):  # keeps half of each step: pulled back to its start
+        trained = super().train(learner, start)
+        halfway = {n: (w + start.weights[n]) / 2 for n, w in trained.weights.items()}
+        return dataclasses.replace(trained, weights=halfway)
+
+
+class Blurred(Damped):
+    def publish(self, learner, model, start):  # sends its model blurred, keeps it exact
+        draw = learner.generator("blur", start.agent.agent_id, start.round)
+        noise = {n: 0.05 * torch.randn(w.shape, generator=draw) for n, w in model.weights.items()}
+        blurred = {n: w + noise[n] for n, w in model.weights.items()}
+        return super().publish(learner, dataclasses.replace(model, weights=blurred), start)
 
 
 class Neither:
@@ -138,6 +165,49 @@ def test_a_users_aggregate_is_the_one_its_rounds_take(own: Path, tmp_path: Path)
     assert figures(averaged) != figures(simulated)
     emulated = edgefl.emulate(own_only, workdir=tmp_path / "fleet", agents_per_process=4)
     assert figures(emulated) == figures(simulated)
+
+
+def test_an_agents_first_masks_are_its_strategys(own: Path) -> None:
+    """A sparse strategy's agents start under masks it draws (DisPFL: ERK at the run's
+    density), a dense one's whole; a DisPFL whose `initial_masks` draws none starts from
+    the whole initial model."""
+
+    def first(strategy: str) -> tuple[Learner, AgentState]:
+        model = build_model("cnn1d", (1, 40), 10, seed=0)
+        learner = Learner(model, (1, 40), prunable_names(model), preset(strategy), seed=5)
+        return learner, learner.init_agent("a")
+
+    _, drawn = first("dispfl")
+    assert drawn.masks is not None
+    assert sparse.sparsity(drawn.masks) == pytest.approx(0.5, abs=0.01)
+    assert first("dfedavgm")[1].masks is None
+    learner, unmasked = first(f"{own}/decentral.py:Unmasked")
+    assert unmasked.masks is None
+    assert all(torch.equal(w, learner.initial[n]) for n, w in unmasked.weights.items())
+
+
+def test_a_users_training_and_what_it_sends_are_what_its_rounds_take(
+    own: Path, tmp_path: Path
+) -> None:
+    """A strategy whose `train` keeps half of each training step trains otherwise than the
+    contract from round 1 on. One that also blurs what it `publish`es keeps the same models
+    in round 1 (no agent waits for a neighbour's round-1 model: --max-wait 0), and others
+    from round 2 on, once its neighbours aggregate what it sent. Real agent processes give
+    the same figures: they train and send what the strategy says, not the contract."""
+    runs = {
+        name: edgefl.config(dataset="digits", strategy=spec, max_wait=0, **SHORT)
+        for name, spec in [
+            ("contract", "agent.learning.decentral:DecentralizedStrategy"),
+            ("damped", f"{own}/decentral.py:Damped"),
+            ("blurred", f"{own}/decentral.py:Blurred"),
+        ]
+    }
+    contract, damped, blurred = (figures(edgefl.simulate(c)) for c in runs.values())
+    assert damped[0] != contract[0], "the round trains as the strategy's train says"
+    assert blurred[0] == damped[0], "what an agent sends is not what it keeps"
+    assert blurred[1] != damped[1], "its neighbours aggregate what its publish sent"
+    emulated = edgefl.emulate(runs["blurred"], workdir=tmp_path / "fleet", agents_per_process=4)
+    assert figures(emulated) == blurred
 
 
 def test_a_file_resolves_beside_the_run_file_the_cwd_or_from_the_class(

@@ -8,7 +8,8 @@ same outputs (its new state and the model it publishes), which is what makes a n
 run reproduce a simulated one.
 
 What differs between the decentralized strategies (dadpfl, dispfl, dfedavgm, local, a
-user's: what they aggregate, what follows training) is theirs, in `agent.learning.decentral`;
+user's: their first mask, what they aggregate, how they train, what follows training and
+what they publish) is theirs, in `agent.learning.decentral`;
 the run's aggregation rule, their default, is `Learner.aggregate`; the centralized strategies'
 rounds (ALGORITHMS.md sections 2 to 4) live in `agent.learning.central`; which is which,
 with each one's traits, in the table `agent.learning.strategies`. Early stopping
@@ -37,13 +38,12 @@ from agent.learning import (
     strategies,
 )
 from agent.learning.config import STOP_LAMBDA, StrategyConfig
-from agent.learning.decentral.base import DecentralizedStrategy, Trained
+from agent.learning.decentral.base import DecentralizedStrategy, RoundStart
 from agent.learning.facts import LocalData as LocalData  # re-exported: imported from here too
 from agent.learning.kept import Judged, Kept, Shadow
 from agent.learning.models import flops_from_positions, output_positions
 from agent.learning.precision import FP32
 from agent.learning.prefix import Layer
-from agent.learning.reduced import reduced_training
 from agent.learning.reduction import NO_REDUCTION, Reduction
 from agent.learning.reductions.base import Start, started
 from agent.learning.sparse import Masks, State
@@ -118,21 +118,26 @@ def starting_point(
     learner: Learner,
     agent: AgentState,
     inbox: dict[str, Published],
+    data: LocalData,
     round_: int,
+    prune_now: bool,
     reduction: Reduction,
-) -> tuple[State, AgentState, Masks | None]:
+) -> tuple[AgentState, RoundStart]:
     """The round's start: the strategy's aggregate (`DecentralizedStrategy.aggregate`, the
     run's rule `Learner.aggregate` unless a user's strategy says otherwise), with each
     reduction kind's step before training (`ReductionKind.started`: pruned by magnitude to a
     density cap, the neurons that train drawn for an active fraction, the rest frozen).
-    Returns the start, the agent (with its capped masks) and the active masks (None:
-    everything trains)."""
+    Returns the agent (with its capped masks) and the round from there (its active masks
+    None: everything trains)."""
     draw = functools.partial(learner.generator, "active", agent.agent_id, round_)
     aggregate = learner.decentral.aggregate(learner, agent, inbox)
     begun = started(learner, Start(aggregate, agent.masks), reduction, draw)
     if begun.masks is not agent.masks:
         agent = dataclasses.replace(agent, masks=begun.masks)
-    return begun.weights, agent, begun.active
+    start = RoundStart(
+        agent, begun.weights, begun.masks, begun.active, reduction, data, round_, prune_now
+    )
+    return agent, start
 
 
 class Learner:
@@ -170,11 +175,6 @@ class Learner:
         self._shapes = {name: tuple(self.initial[name].shape) for name in prunable}
         self.channel_masks = self.sparse and config.mask_unit == "channel"
         """Masks keep whole channels (`agent.learning.channels`), the model trains narrow."""
-        self._densities = (
-            sparse.erk_densities(self._shapes, config.density)
-            if self.sparse and not self.channel_masks
-            else None
-        )
         if self.channel_masks:
             self.channel_plan  # noqa: B018 - a model it cannot cut is refused here, in one line
         self.sends_windows = (
@@ -213,18 +213,14 @@ class Learner:
         return torch.Generator().manual_seed(derive_seed(self.seed, purpose, agent_id, round_))
 
     def initial_masks(self, agent_id: str) -> Masks | None:
-        """The agent's ERK mask, drawn from (fleet seed, agent id) alone (1.1).
-
-        Any agent can therefore recompute any other agent's starting model w0 (.) m_j, so
-        round 1 needs no initial exchange of models.
-        """
-        if not self.sparse:
+        """The agent's first masks, its decentralized strategy's draw from (fleet seed, agent
+        id) alone (`DecentralizedStrategy.initial_masks`: ERK for the sparse ones, 1.1), so
+        that any agent can recompute any other agent's starting model w0 (.) m_j and round 1
+        needs no initial exchange of models. None: a dense model, as a centralized
+        strategy's participants start from."""
+        if self.traits.centralized:
             return None
-        generator = self.generator("mask", agent_id, 0)
-        if self.channel_masks:
-            return channels.random_masks(self.channel_plan, self.config.density, generator)
-        assert self._densities is not None
-        return sparse.random_masks(self._shapes, self._densities, generator)
+        return self.decentral.initial_masks(self, agent_id)
 
     def init_agent(self, agent_id: str) -> AgentState:
         masks = self.initial_masks(agent_id)
@@ -232,6 +228,8 @@ class Learner:
         return AgentState(agent_id, weights, masks, init_weights=weights)
 
     def published(self, state: AgentState, num_samples: int) -> Published:
+        """`state`'s model as a neighbour holds it: before round 1 the one every agent
+        derives; after a round, what its strategy's `publish` sends of."""
         return Published(state.weights, state.masks, num_samples)
 
     def published_part(self, model: Published, reduction: Reduction) -> Published:
@@ -349,7 +347,8 @@ class Learner:
 
     @functools.cached_property
     def decentral(self) -> DecentralizedStrategy:
-        """The decentralized strategy whose steps `local_round` takes (the table's class)."""
+        """The decentralized strategy whose steps `local_round` and `initial_masks` take (the
+        table's class)."""
         cls = strategies.implementation(self.config.strategy)
         if not issubclass(cls, DecentralizedStrategy):
             raise TypeError(f"{self.config.strategy} has no decentralized round")
@@ -364,8 +363,10 @@ class Learner:
         prune_now: bool,
         reduction: Reduction = NO_REDUCTION,
     ) -> RoundResult:
-        """One decentralized round of agent k: the strategy's aggregate (`decentral`), train,
-        the strategy's step after training (vote, prune, RigL), evaluate.
+        """One decentralized round of agent k, its strategy's steps (`decentral`) composed:
+        aggregate, the reduction's start, train, the step after training (vote, prune,
+        RigL), back to the model before the round if not finite, fresh statistics,
+        evaluate, publish.
 
         The order follows the paper's Algorithm 1: the vote scores the freshly trained model,
         further pruning (when `prune_now` and sparsity < s*) precedes the RigL update, and the
@@ -375,40 +376,29 @@ class Learner:
         before training; an active fraction trains that fraction of the neurons and freezes
         the rest; a window or a width trains part of the layers or a narrower sub-model.
         """
-        cfg = self.config
-        before = agent
-        start, agent, active = starting_point(self, agent, inbox, round_, reduction)
-        trained, flops = reduced_training(
-            self,
-            start,
-            agent.masks,
-            active,
-            reduction,
-            data,
-            round_,
-            self.generator("train", agent.agent_id, round_),
-        )
-        done = Trained(agent, trained.state, agent.masks, data, round_, prune_now)
-        step = self.decentral.after_training(self, done)
-        weights, masks, flops = step.weights, step.masks, flops + step.flops
-        if not robust.finite(weights):
-            return _recovered(self, before, data, round_, flops, trained.mean_loss)
-        weights = self.fresh_statistics(weights, data)
+        strategy, before = self.decentral, agent
+        agent, start = starting_point(self, agent, inbox, data, round_, prune_now, reduction)
+        trained = strategy.train(self, start)
+        step = strategy.after_training(self, start, trained)
+        flops = trained.flops + step.flops
+        if not robust.finite(step.weights):
+            return _recovered(self, before, start, flops, trained.train_loss)
+        weights = self.fresh_statistics(step.weights, data)
         divergence = None
-        if cfg.wire == "layers" and self.decentralized:
+        if self.config.wire == "layers" and self.decentralized:
             from agent.learning.ldf import divergences
 
-            divergence = divergences(weights, start, self.layer_groups)
+            divergence = divergences(weights, start.weights, self.layer_groups)
         loss, accuracy = self.evaluate_on(weights, data)
-        new_state = dataclasses.replace(
-            agent, weights=weights, masks=masks, distances=step.distances, round=round_
+        kept = dataclasses.replace(
+            agent, weights=weights, masks=step.masks, distances=step.distances, round=round_
         )
         return RoundResult(
-            state=new_state,
-            published=self.published_part(Published(weights, masks, len(data.y_train)), reduction),
+            state=kept,
+            published=strategy.publish(self, self.published(kept, len(data.y_train)), start),
             loss=loss,
             accuracy=accuracy,
-            train_loss=trained.mean_loss,
+            train_loss=trained.train_loss,
             train_flops=flops,
             vote=step.vote,
             score=None if step.score is None or not math.isfinite(step.score) else step.score,
@@ -437,21 +427,22 @@ class Learner:
 
 
 def _recovered(
-    learner: Learner,
-    before: AgentState,
-    data: LocalData,
-    round_: int,
-    flops: int,
-    train_loss: float,
+    learner: Learner, before: AgentState, start: RoundStart, flops: int, train_loss: float
 ) -> RoundResult:
     """A round whose model turned non-finite (a poisoned aggregate, a diverged step): the
-    agent goes back to its model before the round, keeps it and publishes it again,
-    rather than dropping out with a model nobody can use."""
+    agent goes back to its model before the round, keeps it and publishes it again (its
+    strategy's `publish`, uncut: no part of it trained), rather than dropping out with a
+    model nobody can use."""
+    data = start.data
     loss, accuracy = learner.evaluate_on(before.weights, data)
     layers = learner.config.wire == "layers" and learner.decentralized
+    kept = dataclasses.replace(before, round=start.round)
+    whole = dataclasses.replace(start, reduction=NO_REDUCTION)
     return RoundResult(
-        state=dataclasses.replace(before, round=round_),
-        published=Published(before.weights, before.masks, len(data.y_train)),
+        state=kept,
+        published=learner.decentral.publish(
+            learner, learner.published(kept, len(data.y_train)), whole
+        ),
         loss=loss,
         accuracy=accuracy,
         train_loss=train_loss if math.isfinite(train_loss) else loss,

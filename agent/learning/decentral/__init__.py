@@ -1,5 +1,6 @@
 """Decentralized strategies as small objects, a file per family, beside the centralized
-ones (`agent.learning.central`); `base.DecentralizedStrategy` is the contract:
+ones (`agent.learning.central`); `base.DecentralizedStrategy` is the contract (a round's
+first mask, aggregate, training, step after training and what it publishes):
 
     dadpfl     sparse, mask-based aggregation, RigL, further PQI pruning at the voted times
     dispfl     sparse, mask-based aggregation, RigL
@@ -11,6 +12,6 @@ The table of strategies (`agent.learning.strategies`) names each one's class and
 
 from __future__ import annotations
 
-from agent.learning.decentral.base import DecentralizedStrategy, MaskStep, Trained
+from agent.learning.decentral.base import DecentralizedStrategy, MaskStep, RoundStart, Trained
 
-__all__ = ["DecentralizedStrategy", "MaskStep", "Trained"]
+__all__ = ["DecentralizedStrategy", "MaskStep", "RoundStart", "Trained"]

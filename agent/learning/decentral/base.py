@@ -1,23 +1,23 @@
 """The contract of a decentralized strategy: the steps of a round that differ between
-dadpfl, dispfl, dfedavgm and local, beside `agent.learning.central.base.CentralStrategy`.
+dadpfl, dispfl, dfedavgm, local and a user's own, beside
+`agent.learning.central.base.CentralStrategy`.
 
-A decentralized round (`Learner.local_round`, ALGORITHMS.md 1) asks its strategy for two
-steps and composes the rest: the strategy's `aggregate` of what the neighbours sent (the
-run's rule by default: eq. 7 over masks, or the mean, under `--aggregation` and `--clip`),
-training cut to the device's budget, then the strategy's step after training
-(`after_training`): a sparse strategy scores the model for the pruning vote, may prune
-further, and moves its mask with RigL; a dense one keeps what it trained. Pure math, typed
+A round (`Learner.local_round`, ALGORITHMS.md 1) takes them in this order: `aggregate` (the
+start, which the budget's reduction then cuts), `train`, `after_training` (a sparse
+strategy's vote, further pruning and RigL), then, once the learner checked the model is
+finite, refreshed its statistics and evaluated it, `publish` (what goes to the neighbours,
+whatever the wire format); `initial_masks` is an agent's first mask (1.1). Pure math, typed
 by the facts it reads (`agent.learning.facts`), so that this package never imports the
-learner that calls it.
-
-Which strategy is which, and the traits the rest of the code asks of it (sparse, prunes
-further, trains alone), is the table's (`agent.learning.strategies`).
+learner that calls it. Which strategy is which, and the traits the rest of the code asks of
+it (sparse, prunes further, trains alone), is the table's (`agent.learning.strategies`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, TypeVar
+from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar
+
+from agent.learning.reduced import reduced_training
 
 if TYPE_CHECKING:
     from agent.learning.facts import (
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
         LocalData,
         MaskFacts,
     )
+    from agent.learning.reduction import Reduction
     from agent.learning.sparse import Masks, State
 
 _Own = TypeVar("_Own", bound="HeldModel")
@@ -35,18 +36,41 @@ _Sent = TypeVar("_Sent", bound="HeldModel")
 """The learner's type of a model a neighbour sent (`learner.Published`)."""
 
 
+class Publisher(Protocol[_Sent]):
+    """What a strategy's `publish` reads of a learner: the part of a model a round's
+    reduction leaves to send (`Learner.published_part`)."""
+
+    def published_part(self, model: _Sent, reduction: Reduction) -> _Sent: ...
+
+
 @dataclass(frozen=True)
-class Trained:
-    """What a round's training gave (`weights` under `masks`) and where the round stands:
-    the step after training's input."""
+class RoundStart:
+    """Where an agent's round stands once it aggregated and its budget cut the start: what
+    `train`, `after_training` and `publish` take."""
 
     agent: AgentFacts
     weights: State
+    """The start: the strategy's aggregate, as the reduction's step before training left it."""
     masks: Masks | None
+    """The agent's masks (capped by the reduction's density cap, if any)."""
+    active: Masks | None
+    """The entries that train when the reduction freezes the rest (None: all of them)."""
+    reduction: Reduction
+    """How the device's budget cuts the round (`agent.learning.reduction`)."""
     data: LocalData
     round: int
     prune_now: bool
     """Whether the pruning plan prunes this round."""
+
+
+@dataclass(frozen=True)
+class Trained:
+    """What a round's training gave: the weights (under the round's masks), the mean
+    training loss and the training FLOPs it cost."""
+
+    weights: State
+    train_loss: float
+    flops: int
 
 
 @dataclass(frozen=True)
@@ -67,15 +91,21 @@ class MaskStep:
 
 
 class DecentralizedStrategy:
-    """The contract: a dense strategy's steps, which aggregate by the run's rule and keep
-    what training gave; sparse ones override `after_training`
-    (`agent.learning.decentral.sparse`), and a user's strategy may override either."""
+    """The contract: a dense strategy's steps, which start from the whole model, aggregate
+    by the run's rule, train as the budget says, keep what training gave and publish it;
+    sparse ones draw masks and override `after_training` (`agent.learning.decentral.sparse`),
+    and a user's strategy may override any step."""
 
     name: ClassVar[str] = ""
     trains_own: ClassVar[bool] = True
     """Whether a round trains from the agent's own weights (in part), as
     `CentralStrategy.trains_own` says of the centralized ones: a decentralized agent always
     starts a round from its aggregate of its own model and its neighbours'."""
+
+    def initial_masks(self, learner: MaskFacts, agent_id: str) -> Masks | None:
+        """The agent's first masks, drawn from (fleet seed, agent id) alone, so that any
+        agent can recompute any other's starting model (1.1); None: the model is dense."""
+        return None
 
     def aggregate(
         self, learner: AggregationRule[_Own, _Sent], agent: _Own, inbox: dict[str, _Sent]
@@ -87,6 +117,31 @@ class DecentralizedStrategy:
         agent's masks stay its own, moved only after training."""
         return learner.aggregate(agent, inbox)
 
-    def after_training(self, learner: MaskFacts, trained: Trained) -> MaskStep:
+    def train(self, learner: MaskFacts, start: RoundStart) -> Trained:
+        """The round's local training from `start`: the budget's reduced training
+        (`reduced.reduced_training`: the whole model, its active entries, a window of
+        layers or a narrower sub-model) with the learner's SGD, its batch order drawn from
+        (seed, agent, round)."""
+        result, flops = reduced_training(
+            learner,
+            start.weights,
+            start.masks,
+            start.active,
+            start.reduction,
+            start.data,
+            start.round,
+            learner.generator("train", start.agent.agent_id, start.round),
+        )
+        return Trained(result.state, result.mean_loss, flops)
+
+    def after_training(self, learner: MaskFacts, start: RoundStart, trained: Trained) -> MaskStep:
         """The round's model once the strategy had its say on what training gave."""
-        return MaskStep(trained.weights, trained.masks, trained.agent.distances)
+        return MaskStep(trained.weights, start.masks, start.agent.distances)
+
+    def publish(self, learner: Publisher[_Sent], model: _Sent, start: RoundStart) -> _Sent:
+        """What the agent makes available to its neighbours after the round, of the `model`
+        it keeps (a `learner.Published`: weights, masks, sample count): the part of it the
+        round's reduction trained (`Learner.published_part`: with `--reduce prefix`, the
+        window's layers alone), the whole model otherwise. A round whose model turned
+        non-finite publishes the model from before it, uncut (its `start.reduction` is none)."""
+        return learner.published_part(model, start.reduction)

@@ -1,13 +1,14 @@
-"""The sparse strategies' step after training (dadpfl, dispfl): each agent's model lives
-under its own mask, which the round scores for pruning-time detection (1.7), may prune
-further (`SparseStrategy.prune`: only DA-DPFL does) and moves with RigL (1.6)."""
+"""The sparse strategies' steps (dadpfl, dispfl): each agent's model lives under its own
+mask, drawn by ERK (1.1, or over whole channels with `--mask-unit channel`), which each
+round scores for pruning-time detection (1.7), may prune further (`SparseStrategy.prune`:
+only DA-DPFL does) and moves with RigL (1.6)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from agent.learning import channels, pruning, rigl, sparse
-from agent.learning.decentral.base import DecentralizedStrategy, MaskStep, Trained
+from agent.learning.decentral.base import DecentralizedStrategy, MaskStep, RoundStart, Trained
 from agent.learning.training import dense_gradients
 
 if TYPE_CHECKING:
@@ -17,17 +18,28 @@ if TYPE_CHECKING:
 
 
 class SparseStrategy(DecentralizedStrategy):
-    """A strategy whose agents train sparse models: detection's vote, then `prune` (none
-    here), then RigL's mask update, in the order of the paper's Algorithm 1."""
+    """A strategy whose agents train sparse models, each under a mask of its own drawn at
+    the start; after training, detection's vote, then `prune` (none here), then RigL's mask
+    update, in the order of the paper's Algorithm 1."""
 
-    def after_training(self, learner: MaskFacts, trained: Trained) -> MaskStep:
-        agent, weights, masks = trained.agent, trained.weights, trained.masks
+    def initial_masks(self, learner: MaskFacts, agent_id: str) -> Masks | None:
+        """The agent's ERK mask at the run's density (1.1), or with channel masks its
+        channels drawn at that density (`channels.random_masks`)."""
+        generator = learner.generator("mask", agent_id, 0)
+        density = learner.config.density
+        if learner.channel_masks:
+            return channels.random_masks(learner.channel_plan, density, generator)
+        shapes = {name: tuple(learner.initial[name].shape) for name in learner.prunable}
+        return sparse.random_masks(shapes, sparse.erk_densities(shapes, density), generator)
+
+    def after_training(self, learner: MaskFacts, start: RoundStart, trained: Trained) -> MaskStep:
+        agent, weights, masks = start.agent, trained.weights, start.masks
         if masks is None:
             return MaskStep(weights, masks, agent.distances)
         distances, score, vote = detect(learner.config, learner.prunable, agent, weights)
-        weights, masks, pruned = self.prune(learner, weights, masks, trained.prune_now)
+        weights, masks, pruned = self.prune(learner, weights, masks, start.prune_now)
         weights, masks, flops = rigl_step(
-            learner, weights, masks, trained.data, agent.agent_id, trained.round
+            learner, weights, masks, start.data, agent.agent_id, start.round
         )
         return MaskStep(weights, masks, distances, flops, vote, score, pruned)
 
