@@ -508,10 +508,10 @@ class _RoundInbox:
         self, agents: list[str], layers: Mapping[str, list[str]] | None
     ) -> dict[str, Upload]:
         """Decode the `Update`s of `agents`; one that does not decode is left out."""
-        aggregator, intake, round_ = self.aggregator, self.aggregator.intake, self.round
+        aggregator, intake = self.aggregator, self.aggregator.intake
         uploads = {}
         for k in agents:
-            update = intake.updates[(round_, k)]
+            update = intake.updates[(self.round, k)]
             asked = None if layers is None else layers[k]
             try:
                 payload = decode_upload(
@@ -520,7 +520,7 @@ class _RoundInbox:
             except (ProtocolError, ValueError) as exc:
                 with intake.changed:
                     intake.rejected += 1
-                log.warning("round %d: rejected the upload of %s: %s", round_, k, exc)
+                log.warning("round %d: rejected the upload of %s: %s", self.round, k, exc)
                 continue
             uploads[k] = Upload(payload, update.num_samples)
         return uploads

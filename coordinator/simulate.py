@@ -255,14 +255,6 @@ class Simulation:
         samples = len(self.data[k].y_train)
         return FitJob(turn, self.states[k], turn.view(server, part), samples), download
 
-    def _evaluate(
-        self, strategy: CentralStrategy, server: ServerState, turn: Turn, fit: Fit
-    ) -> AgentRound:
-        """A participant's figures after its turn: those of the model it keeps (its own, the
-        global one or its local-only one: `judge`)."""
-        _, judged = judge(strategy, self.learner, fit, server, self.data[turn.agent])
-        return AgentRound.of_fit(turn, fit, judged, self.learner.traits.budgets)
-
     def _centralized(self, progress: ProgressCallback | None) -> list[dict[str, Any]]:
         """The rounds of `agent.learning.central`'s contract in one process: the server's
         steps (`central.server`: participants, downloads, `gather` from the participants'
@@ -314,8 +306,12 @@ class Simulation:
         fits: dict[str, Fit],
         traffic: dict[str, Traffic],
     ) -> None:
-        """Evaluate round t's participants and add the round to `rounds`."""
-        ran = {k: self._evaluate(strategy, server, jobs[k].turn, fit) for k, fit in fits.items()}
+        """Judge round t's participants (the model each keeps, against the server's state
+        after the round: `judge`) and add the round to `rounds`."""
+        ran = {}
+        for k, fit in fits.items():
+            _, judged = judge(strategy, self.learner, fit, server, self.data[k])
+            ran[k] = AgentRound.of_fit(jobs[k].turn, fit, judged, self.learner.traits.budgets)
         rounds.append(self._round_record(t, self.roster, ran, traffic))
 
     # ------------------------------------------------------------------------------- report

@@ -1,22 +1,15 @@
 """The participant's side of a centralized round, written once: its steps in their order, over
 tensors. The networked agent (`agent.runtime.centralized`) takes them with what came over MQTT,
-the simulator (`coordinator.simulate`) with what its server computed in the same process (its
-fits possibly in worker processes, its judging done while the next round trains): one round,
-two transports, as on the server's side (`central.server`), so that neither repeats a step or
-a rule of it. Nothing here waits, sends or decodes.
-
-Round t of participant k:
+the simulator (`coordinator.simulate`) in one process (its fits possibly in worker processes,
+its judging while the next round trains), as both take the server's (`central.server`).
+Nothing here waits, sends or decodes. Round t of participant k:
 
     begin       its p_k: its measured budget, else FedSPU's static tier (`Turn.of`)
     download    (the transport; FedSPU family) its part of the global model, asked for with p_k
-    train       from that part, else from the view of the server it holds (`Turn.view`): the
-                strategy's fit, its BatchNorm statistics refreshed, undone (and warned of) if
-                not finite, then its local-only model's round (`Turn.train`)
+    train       from that part, else from the view it holds (`Turn.view`, `Turn.train`)
     exchange    (the transport) its upload (FedLDF: its divergence vector, then the layers it
-                is asked for) and the round's broadcast applied to its view
-                (`CentralStrategy.receive`)
-    judge       the model it keeps, judged on its data beside that view (`judge`); the round's
-                record is `agent.report.AgentRound.of_fit`
+                is asked for); the round's broadcast applied to its view (`receive`)
+    judge       the model it keeps (`judge`); the round's record: `AgentRound.of_fit`
 """
 
 from __future__ import annotations
@@ -67,43 +60,30 @@ class Turn:
         view: ServerState,
     ) -> Fit:
         """Its whole local round, in one order wherever it runs (the networked agent, the
-        simulator, a worker process): the strategy's fit (`fit_round`), undone if not finite
-        (`checked_fit`, then `Fit.undone`), and only then its local-only model's round
-        (`settle_fit`), so an undone fit never undoes the local-only model's training."""
-        ctx = FitContext(state, data, view, self.round, self.p_k)
-        fit, undone = checked_fit(fit_round(strategy, learner, ctx), state, view)
+        simulator, a worker process): the strategy's fit (`CentralStrategy.fit`), its model's
+        BatchNorm statistics re-estimated for the weights it trained to
+        (`Learner.fresh_statistics`), undone if not finite (`checked_fit`, then `Fit.undone`),
+        and only then its local-only model's round (`fallback.advance`, by its measured
+        budget), so an undone fit never undoes the local-only model's training."""
+        fit = strategy.fit(learner, FitContext(state, data, view, self.round, self.p_k))
+        fresh = learner.fresh_statistics(fit.state.weights, data)
+        fit = dataclasses.replace(fit, state=dataclasses.replace(fit.state, weights=fresh))
+        fit, undone = checked_fit(fit, state, view)
         if undone:
             log.warning("round %d: model not finite; kept the model from before it", self.round)
-        fit = dataclasses.replace(fit, undone=undone)
-        return settle_fit(learner, fit, data, self.round, self.budget_p_k)
-
-
-def fit_round(strategy: CentralStrategy, learner: Learner, ctx: FitContext) -> Fit:
-    """The strategy's local round (`CentralStrategy.fit`), its model's own BatchNorm
-    statistics re-estimated for the weights it trained to (`Learner.fresh_statistics`)."""
-    fit = strategy.fit(learner, ctx)
-    fresh = learner.fresh_statistics(fit.state.weights, ctx.data)
-    return dataclasses.replace(fit, state=dataclasses.replace(fit.state, weights=fresh))
-
-
-def settle_fit(
-    learner: Learner, fit: Fit, data: LocalData, round_: int, budget_p_k: float | None
-) -> Fit:
-    """The fit with its local-only model's round (`fallback.advance`; `budget_p_k`: the
-    device's measured budget, None without)."""
-    state, flops = fallback.advance(learner, fit.state, data, round_, budget_p_k)
-    return dataclasses.replace(fit, state=state, fallback_flops=flops)
+        trained, flops = fallback.advance(learner, fit.state, data, self.round, self.budget_p_k)
+        return dataclasses.replace(fit, state=trained, fallback_flops=flops, undone=undone)
 
 
 def judge(
     strategy: CentralStrategy, learner: Learner, fit: Fit, view: ServerState, data: LocalData
 ) -> tuple[AgentState, Judged]:
     """What the participant keeps after its round `fit` (`fallback.judge`), with the FLOPs its
-    local-only model cost (`settle_fit`): the strategy's model first (its own under a
-    personalized strategy, else the global model it holds, `view`), then the other one it
-    holds (a strategy that broadcasts no global model leaves it only its own). The global
-    model is judged with BatchNorm statistics of the participant's own data re-estimated for
-    its weights (`Learner.fresh_statistics`)."""
+    local-only model cost: the strategy's model first (its own under a personalized strategy,
+    else the global model it holds, `view`), then the other one it holds (a strategy that
+    broadcasts no global model leaves it only its own). The global model is judged with
+    BatchNorm statistics of the participant's own data re-estimated for its weights
+    (`Learner.fresh_statistics`)."""
     agent = fit.state
     own = (agent.weights, agent.masks)
     if not strategy.broadcasts:
