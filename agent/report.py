@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.device.throttle import ENERGY_SOURCE
-from agent.learning import Judged, Masks, Reduction, RoundResult, sparse
+from agent.learning import Fit, Judged, Masks, Reduction, RoundResult, sparse
+from agent.learning.central.participant import Turn
 from agent.learning.tasks import Task
 
 COORDINATOR = "coordinator"
@@ -213,6 +214,26 @@ class AgentRound:
             energy_j=None if self.energy_j is None else 0.0,
             radio_energy_j=None if self.radio_energy_j is None else 0.0,
         )
+
+    @classmethod
+    def of_fit(
+        cls, turn: Turn, fit: Fit, judged: Judged, budgets: bool, **figures: Any
+    ) -> AgentRound:
+        """The record of a centralized participant's round, the simulator's and a device's
+        alike: the figures of the model it keeps (`judged`), its fit's training, the p_k of
+        its `turn` as `reported_p_k` gives it under a strategy that `budgets`; `figures`: what
+        only the caller knows (traffic, waiting, stragglers...)."""
+        return cls(
+            round=turn.round,
+            agent=turn.agent,
+            accuracy=judged.metric,
+            loss=judged.loss,
+            train_loss=fit.train_loss,
+            sparsity=reported_sparsity(fit.state.masks),
+            train_flops=fit.train_flops,
+            p_k=reported_p_k(turn.p_k, budgets),
+            **figures,
+        ).judged_as(judged)
 
     def as_dict(self) -> dict[str, Any]:
         """The record as the round log stores it."""

@@ -364,7 +364,7 @@ class Aggregator:
             and not (k in intake.offline and k in self._missed)
         ]
 
-    def _collect(
+    def collect(
         self,
         round_: int,
         store: dict[tuple[int, str], Any],
@@ -398,25 +398,7 @@ class Aggregator:
                     return got
                 self._changed.wait(min(remaining, 0.2))
 
-    def _uploads(
-        self, round_: int, agents: list[str], layers: Mapping[str, list[str]] | None
-    ) -> dict[str, Upload]:
-        """Decode the `Update`s of `agents`; one that does not decode is left out."""
-        uploads = {}
-        for k in agents:
-            update = self.intake.updates[(round_, k)]
-            asked = None if layers is None else layers[k]
-            try:
-                payload = decode_upload(self.strategy, self.learner, update.tensors, asked)
-            except (ProtocolError, ValueError) as exc:
-                with self._changed:
-                    self.intake.rejected += 1
-                log.warning("round %d: rejected the upload of %s: %s", round_, k, exc)
-                continue
-            uploads[k] = Upload(payload, update.num_samples)
-        return uploads
-
-    def _ask_layers(self, round_: int, requests: Mapping[str, list[str]]) -> None:
+    def ask_layers(self, round_: int, requests: Mapping[str, list[str]]) -> None:
         """Send each FedLDF participant picked for some layer its `Request` for them."""
         for k, layers in sorted(requests.items()):
             request = messages.Request(**self._header(round_), target=k, layers=layers)
@@ -495,8 +477,8 @@ class Aggregator:
 
 class _RoundInbox:
     """The aggregator's round `round_` as the server's inbox (`RoundInbox`): each kind of
-    message waited for among `candidates` (`Aggregator._collect`) and decoded; FedLDF's
-    requests sent before their layers are waited for."""
+    message waited for among `candidates` (`Aggregator.collect`) and decoded; FedLDF's
+    requests sent (`Aggregator.ask_layers`) before their layers are waited for."""
 
     def __init__(self, aggregator: Aggregator, round_: int, candidates: list[str]) -> None:
         self.aggregator, self.round, self.candidates = aggregator, round_, candidates
@@ -506,18 +488,39 @@ class _RoundInbox:
 
     def divergences(self) -> dict[str, dict[str, float]]:
         store = self.aggregator.intake.divergences
-        self.senders = self.aggregator._collect(self.round, store, self.candidates)
+        self.senders = self.aggregator.collect(self.round, store, self.candidates)
         return {k: store[(self.round, k)] for k in self.senders}
 
     def uploads(self, requests: Mapping[str, list[str]] | None) -> dict[str, Upload]:
         aggregator, round_, candidates = self.aggregator, self.round, self.candidates
         if requests is not None:
-            aggregator._ask_layers(round_, requests)
+            aggregator.ask_layers(round_, requests)
             candidates = sorted(requests)
-        delivered = aggregator._collect(
+        delivered = aggregator.collect(
             round_, aggregator.intake.updates, candidates, asked=requests is not None
         )
-        uploads = aggregator._uploads(round_, delivered, requests)
+        uploads = self._decoded(delivered, requests)
         if requests is None:
             self.senders = list(uploads)
+        return uploads
+
+    def _decoded(
+        self, agents: list[str], layers: Mapping[str, list[str]] | None
+    ) -> dict[str, Upload]:
+        """Decode the `Update`s of `agents`; one that does not decode is left out."""
+        aggregator, intake = self.aggregator, self.aggregator.intake
+        uploads = {}
+        for k in agents:
+            update = intake.updates[(self.round, k)]
+            asked = None if layers is None else layers[k]
+            try:
+                payload = decode_upload(
+                    aggregator.strategy, aggregator.learner, update.tensors, asked
+                )
+            except (ProtocolError, ValueError) as exc:
+                with intake.changed:
+                    intake.rejected += 1
+                log.warning("round %d: rejected the upload of %s: %s", self.round, k, exc)
+                continue
+            uploads[k] = Upload(payload, update.num_samples)
         return uploads

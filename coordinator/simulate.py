@@ -40,9 +40,7 @@ from agent.learning import (
     attacked_upload,
     backdoor,
     central_strategy,
-    judge_central,
     live,
-    participant_p_k,
     pruning,
     robust,
     robust_rules,
@@ -50,6 +48,7 @@ from agent.learning import (
     settle_votes,
     sparse,
 )
+from agent.learning.central.participant import Turn, judge
 from agent.learning.central.server import conclude, gather, participants
 from agent.learning.costs import CostTable
 from agent.learning.reduction import measured_kinds
@@ -61,7 +60,6 @@ from agent.report import (
     honest_summary,
     named_for_task,
     reported_p_k,
-    reported_sparsity,
     stopped_summary,
     summarize,
 )
@@ -249,47 +247,23 @@ class Simulation:
         self, strategy: CentralStrategy, server: ServerState, k: str, t: int
     ) -> tuple[FitJob, Payload | None]:
         """Participant k's fit to run, after its download (if the strategy has one)."""
-        budget_p_k = p_k_of(self.budgets, k)
-        p_k = participant_p_k(budget_p_k, self.roster, k)
-        view, download = server, None
+        turn = Turn.of(k, t, self.roster, p_k_of(self.budgets, k))
+        download, part = None, None
         if strategy.downloads:
-            download = strategy.download(self.learner, server, k, t, p_k)
-            view = ServerState(as_sent(download, self.config.learning.fp16).weights)
+            download = strategy.download(self.learner, server, k, t, turn.p_k)
+            part = as_sent(download, self.config.learning.fp16)
         samples = len(self.data[k].y_train)
-        return FitJob(k, self.states[k], view, p_k, samples, budget_p_k), download
-
-    def _checked(self, job: FitJob, fit: Fit, t: int) -> Fit:
-        """The participant's state after its fit (undone if not finite: `participant_fit`)."""
-        if fit.undone:
-            with agent_scope(job.agent):
-                log.warning("round %d: model not finite; kept its model from before", t)
-        self.states[job.agent] = fit.state
-        return fit
-
-    def _evaluate(
-        self, strategy: CentralStrategy, server: ServerState, job: FitJob, t: int, fit: Fit
-    ) -> AgentRound:
-        """A participant's figures after round t: those of the model it keeps (its own, the
-        global one or its local-only one: `judge_central`)."""
-        _, judged = judge_central(self.learner, strategy, fit, server, self.data[job.agent])
-        return AgentRound(
-            round=t,
-            agent=job.agent,
-            accuracy=judged.metric,
-            loss=judged.loss,
-            train_loss=fit.train_loss,
-            sparsity=reported_sparsity(fit.state.masks),
-            train_flops=fit.train_flops,
-            p_k=reported_p_k(job.p_k, self.learner.traits.budgets),
-        ).judged_as(judged)
+        return FitJob(turn, self.states[k], turn.view(server, part), samples), download
 
     def _centralized(self, progress: ProgressCallback | None) -> list[dict[str, Any]]:
         """The rounds of `agent.learning.central`'s contract in one process: the server's
         steps (`central.server`: participants, downloads, `gather` from the participants'
-        fits, `conclude`) as the aggregator takes them over MQTT, with what each message
-        would cost on the wire counted (`CentralTraffic`). A round's evaluation, which
-        nothing in the next round depends on (early stopping asks its own validation loss
-        at once), is done while the next round's fits train (`report_round`)."""
+        fits, `conclude`) as the aggregator takes them over MQTT, and the participants'
+        (`central.participant`: `Turn.of`, `Turn.train`, `judge`) as the networked agent
+        does, with what each message would cost on the wire counted (`CentralTraffic`). A
+        round's judging, which nothing in the next round depends on (early stopping asks its
+        own validation loss at once), is done while the next round's fits train
+        (`report_round`)."""
         cfg = self.config.learning
         strategy = central_strategy(cfg.strategy)
         server = strategy.init_server(self.learner)
@@ -304,8 +278,8 @@ class Simulation:
                 if download is not None:
                     downloads[k] = download
             fits: dict[str, Fit] = {}
-            for k, fit in self.training.fit(list(jobs.values()), t, report_round):
-                fits[k] = self._checked(jobs[k], fit, t)
+            for k, fit in self.training.fit(list(jobs.values()), report_round):
+                fits[k], self.states[k] = fit, fit.state
                 if progress:
                     progress(t, k)
             inbox = InProcessInbox(self, strategy, fits, t, server.weights)
@@ -332,8 +306,12 @@ class Simulation:
         fits: dict[str, Fit],
         traffic: dict[str, Traffic],
     ) -> None:
-        """Evaluate round t's participants and add the round to `rounds`."""
-        ran = {k: self._evaluate(strategy, server, jobs[k], t, fit) for k, fit in fits.items()}
+        """Judge round t's participants (the model each keeps, against the server's state
+        after the round: `judge`) and add the round to `rounds`."""
+        ran = {}
+        for k, fit in fits.items():
+            _, judged = judge(strategy, self.learner, fit, server, self.data[k])
+            ran[k] = AgentRound.of_fit(jobs[k].turn, fit, judged, self.learner.traits.budgets)
         rounds.append(self._round_record(t, self.roster, ran, traffic))
 
     # ------------------------------------------------------------------------------- report

@@ -11,7 +11,8 @@ receives), so they can train on several cores and give, bit for bit, what one pr
   with 5 neighbours.
 
 The simulator keeps everything else (inboxes, checks, aggregation, evaluation, early
-stopping, traffic) and its order; only `CentralStrategy.fit` and `train_round` move here.
+stopping, traffic) and its order; only a participant's `Turn.train` and a decentralized agent's
+`train_round` move here.
 
 Each worker is a fresh interpreter (`spawn`: forking a process that already ran torch and a
 progress thread is not safe) that builds the run's workload once from the config, as every
@@ -48,11 +49,10 @@ from agent.learning import (
     RoundResult,
     ServerState,
     central_strategy,
-    participant_fit,
     settle_round,
     train_round,
 )
-from agent.learning.central.base import FitContext
+from agent.learning.central.participant import Turn
 from agent.learning.costs import CostTable
 from agent.workload import build_workload
 from protocol.cli import log_settings, setup_logging
@@ -73,16 +73,14 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class FitJob:
-    """One participant's fit: its state before the round, its view of the server and p_k."""
+    """One participant's fit (`Turn.train`): its turn, its state before the round and the
+    view of the server it trains from."""
 
-    agent: str
+    turn: Turn
     state: AgentState
     view: ServerState
-    p_k: float
     samples: int
     """Its training samples: what its fit costs, to hand out the longest first."""
-    budget_p_k: float | None = None
-    """Its measured budget (None: it trains whole), which decides its local-only model."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +106,7 @@ class Training(Protocol):
     """Rounds worth having under way at once."""
 
     def fit(
-        self, jobs: Sequence[FitJob], round_: int, meanwhile: Callable[[], None]
+        self, jobs: Sequence[FitJob], meanwhile: Callable[[], None]
     ) -> Iterator[tuple[str, Fit]]:
         """Each job's fit, in the jobs' order, with `meanwhile` done here as they train."""
         ...
@@ -129,16 +127,15 @@ class InProcess:
         self.learner, self.data, self.strategy = learner, data, strategy
 
     def fit(
-        self, jobs: Sequence[FitJob], round_: int, meanwhile: Callable[[], None]
+        self, jobs: Sequence[FitJob], meanwhile: Callable[[], None]
     ) -> Iterator[tuple[str, Fit]]:
         meanwhile()
         assert self.strategy is not None  # a centralized run has one
         for job in jobs:
-            data = self.data[job.agent]
-            ctx = FitContext(job.state, data, job.view, round_, job.p_k)
-            with agent_scope(job.agent):  # the learner's lines are this agent's
-                fit = participant_fit(self.strategy, self.learner, ctx, job.budget_p_k)
-            yield job.agent, fit
+            k = job.turn.agent
+            with agent_scope(k):  # the learner's lines are this agent's
+                fit = job.turn.train(self.strategy, self.learner, job.state, self.data[k], job.view)
+            yield k, fit
 
     def local_round(self, job: RoundJob) -> Future[tuple[RoundResult, Reduction]]:
         done: Future[tuple[RoundResult, Reduction]] = Future()
@@ -224,9 +221,9 @@ def _dumps(obj: object) -> bytes:
     return buffer.getvalue()
 
 
-def _fit(job: bytes, round_: int) -> bytes:
+def _fit(job: bytes) -> bytes:
     """The fit of one pickled `FitJob`, pickled."""
-    ((_, fit),) = _WORKER[0].fit([pickle.loads(job)], round_, lambda: None)
+    ((_, fit),) = _WORKER[0].fit([pickle.loads(job)], lambda: None)
     return _dumps(fit)
 
 
@@ -251,16 +248,16 @@ class TrainingPool:
         )
 
     def fit(
-        self, jobs: Sequence[FitJob], round_: int, meanwhile: Callable[[], None]
+        self, jobs: Sequence[FitJob], meanwhile: Callable[[], None]
     ) -> Iterator[tuple[str, Fit]]:
         """Each job's fit, in the jobs' order; they train at once, the costliest first, while
         this process does `meanwhile`."""
         futures: dict[str, Future[bytes]] = {}
         for job in sorted(jobs, key=lambda j: j.samples, reverse=True):
-            futures[job.agent] = self._pool.submit(_fit, _dumps(job), round_)
+            futures[job.turn.agent] = self._pool.submit(_fit, _dumps(job))
         meanwhile()
         for job in jobs:
-            yield job.agent, pickle.loads(futures[job.agent].result())
+            yield job.turn.agent, pickle.loads(futures[job.turn.agent].result())
 
     def local_round(self, job: RoundJob) -> Future[tuple[RoundResult, Reduction]]:
         """The agent's round, started: its result and reduction when it is done."""

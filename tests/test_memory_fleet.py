@@ -1,8 +1,9 @@
 """A fleet in one process: the real agent runtime (`AgentRuntime`, its session, round driver
-and wire format) over in-memory transports sharing one `MemoryBroker`, no broker process.
-It learns exactly what `coordinator simulate` computes for the same configuration, as real
-agents over a real broker do (tests/test_emulate.py), also when every message reaches the
-handlers twice."""
+and wire format) over in-memory transports sharing one `MemoryBroker`, no broker process
+(under a centralized strategy with the coordinator's real `Aggregator` beside it). It learns
+exactly what `coordinator simulate` computes for the same configuration, as real agents over
+a real broker do (tests/test_emulate.py), also when every message reaches the handlers
+twice."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from agent.model_store import FINISHED_MARK, run_folder
 from agent.runtime import AgentRuntime, Run, Timeouts, checkpoint, new_run_id
 from agent.service import ROUND_LOG, AgentService, ServiceOptions
 from agent.workload import build_workload
+from coordinator.aggregator import Aggregator
 from coordinator.simulate import simulate
 from protocol import Identity, MemoryBroker, MemoryTransport, messages, topics
 
@@ -44,11 +46,15 @@ def config(**learning: Any) -> ExperimentConfig:
 
 
 def run_fleet(
-    cfg: ExperimentConfig, broker: MemoryBroker, tmp_path: Path, duplicates: bool
+    cfg: ExperimentConfig,
+    broker: MemoryBroker,
+    tmp_path: Path,
+    duplicates: bool,
+    run: Run | None = None,
 ) -> dict[tuple[int, str], dict[str, Any]]:
     """Every agent of ROSTER in a thread of its own, as `coordinator emulate` runs them in a
     host process (agent/host.py) but on transports in memory; returns their round records."""
-    run = Run(new_run_id(), ROSTER, cfg)
+    run = run or Run(new_run_id(), ROSTER, cfg)
     records: dict[tuple[int, str], dict[str, Any]] = {}
     transports = {me: MemoryTransport(broker, me, duplicates=duplicates) for me in ROSTER}
 
@@ -173,3 +179,54 @@ def test_agents_as_the_cli_runs_them_join_a_run_from_its_retained_message(tmp_pa
         for round_, row in checkpoint.read_records(folder / ROUND_LOG).items()
     }
     assert_learns_as_simulate(cfg, records)
+
+
+JUDGED = ("accuracy", "loss", "train_loss", "sparsity", "train_flops", "p_k", "kept")
+"""A participant's figures of its round (`AgentRound.of_fit`), beside its traffic."""
+
+
+@pytest.mark.parametrize(
+    "learning",
+    [{"strategy": "fedavg"}, {"strategy": "fedspu"}, {"strategy": "fedldf", "ldf_n": 1}],
+    ids=["fedavg", "fedspu-downloads", "fedldf-asks-layers"],
+)
+def test_a_centralized_fleet_in_memory_learns_what_simulate_computes(
+    tmp_path: Path, learning: dict[str, Any]
+) -> None:
+    """Participants' rounds as the agent runtime takes them, over the wire to the
+    coordinator's aggregator, give every figure of each round simulate reports: the
+    participant's side of a centralized round is written once (`central.participant`)."""
+    cfg = ExperimentConfig(
+        dataset="mnist1d",
+        agents=len(ROSTER),
+        partition="dirichlet:0.5",
+        seed=7,
+        learning=preset(learning.pop("strategy"), rounds=2, epochs=1, **learning),
+    )
+    broker = MemoryBroker()
+    run = Run(new_run_id(), ROSTER, cfg, aggregator="coordinator")
+    with MemoryTransport(broker, "coordinator") as transport:
+        aggregator = Aggregator(
+            fleet=FLEET,
+            run_id=run.run_id,
+            roster=list(ROSTER),
+            config=cfg,
+            transport=transport,
+            round_timeout_s=RUN_S,
+        )
+        aggregator.start()
+        thread = threading.Thread(target=aggregator.run)
+        thread.start()
+        try:
+            records = run_fleet(cfg, broker, tmp_path, False, run)
+        finally:
+            aggregator.stop.set()
+            thread.join(RUN_S)
+    assert aggregator.error is None
+    assert [r.participants for r in aggregator.records] == [list(ROSTER)] * 2
+    report = simulate(cfg)
+    want = {(r["round"], k): a for r in report["rounds"] for k, a in r["agents"].items()}
+    assert records.keys() == want.keys()
+    for key, row in records.items():
+        assert {f: row[f] for f in JUDGED} == pytest.approx({f: want[key][f] for f in JUDGED})
+        assert not row["stragglers"], key

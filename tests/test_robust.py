@@ -18,12 +18,11 @@ from agent.learning import (
     ServerState,
     central_strategy,
     checked_fit,
-    participant_fit,
     preset,
     robust,
     robust_rules,
 )
-from agent.learning.central import FitContext
+from agent.learning.central.participant import Turn
 from agent.options import experiment_config
 from coordinator.simulate import Simulation, simulate
 
@@ -280,17 +279,20 @@ def test_a_participant_whose_fit_is_not_finite_uploads_what_changes_nothing() ->
     assert fit.state.weights["w"].tolist() == [1.0, 1.0]
 
 
-def test_an_undone_fit_keeps_the_round_of_its_local_only_model() -> None:
+def test_an_undone_fit_keeps_the_round_of_its_local_only_model(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """A participant whose round comes out not finite (here: trained from a global model
-    that is not) keeps its model from before, and its local-only model, which never saw that
-    model, still trains: in the networked agent's order, which the simulator now shares
-    (`participant_fit`); it used to undo the local-only model's round with the fit's."""
+    that is not) keeps its model from before, says so, and its local-only model, which never
+    saw that model, still trains: in the networked agent's order, which the simulator shares
+    (`Turn.train`); it used to undo the local-only model's round with the fit's."""
     simulation = Simulation(_config("fedavg", attackers=0, fallback="local"))
     learner, me = simulation.learner, "agent-005"
     state = simulation.states[me]
     poisoned = ServerState({n: torch.full_like(t, math.nan) for n, t in state.weights.items()})
-    ctx = FitContext(state, simulation.data[me], poisoned, 1, 1.0)
-    fit = participant_fit(central_strategy("fedavg"), learner, ctx, None)
+    turn = Turn(me, 1, 1.0)
+    fit = turn.train(central_strategy("fedavg"), learner, state, simulation.data[me], poisoned)
+    assert "round 1: model not finite; kept the model from before it" in caplog.text
     assert fit.undone and fit.state.round == 1
     assert all(torch.equal(fit.state.weights[n], state.weights[n]) for n in state.weights)
     assert fit.state.shadow is not None and fit.fallback_flops > 0

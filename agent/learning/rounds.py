@@ -8,12 +8,11 @@ reads a clock; callers bring what arrived and these decide what it means.
 Decentralized rounds (ALGORITHMS.md 1.2-1.8): `RoundTopology` says whom agent k needs in round
 t (this round's models of its prior neighbours, last round's of the others), `live` which of
 them count once neighbours stopped early, `settle_votes` how a round's votes settle the
-pruning plan, `train_round` the budgeted local round. A centralized participant's round:
-`participant_p_k`, `participant_fit` (`fit_round`, `checked_fit`, `settle_fit`) and
-`judge_central` (the server's side, in its
-order: `agent.learning.central.server`). Under attack and faults: `attacked` and
-`attacked_upload` (what an attacker sends instead of its round's model), `checked_fit` and
-`checked_aggregate` (a non-finite model is never kept or sent: the round is undone).
+pruning plan, `train_round` the budgeted local round. A centralized round's steps, in their
+order, are `agent.learning.central.participant`'s and `agent.learning.central.server`'s. Under
+attack and faults: `attacked` and `attacked_upload` (what an attacker sends instead of its
+round's model), `checked_fit` and `checked_aggregate` (a non-finite model is never kept or
+sent: the round is undone).
 """
 
 from __future__ import annotations
@@ -25,18 +24,10 @@ from typing import cast
 import torch
 
 from agent.learning import fallback, ldf, pruning, robust, robust_rules, strategies, topology
-from agent.learning.central import (
-    Aggregate,
-    CentralStrategy,
-    Fit,
-    Payload,
-    ServerState,
-    static_tier,
-)
-from agent.learning.central.base import FitContext, Upload
+from agent.learning.central import Aggregate, CentralStrategy, Fit, Payload, ServerState
+from agent.learning.central.base import Upload
 from agent.learning.config import StrategyConfig
 from agent.learning.costs import CostTable
-from agent.learning.kept import FLEET, PERSONAL, Judged
 from agent.learning.learner import (
     AgentState,
     Learner,
@@ -156,62 +147,6 @@ def layers_to_fetch(
     Round-0 models are derivable (no vector: taken whole); a neighbour picked for no layer
     counts for none."""
     return ldf.select_layers(divergences, ldf_n) if divergences else {}
-
-
-def participant_p_k(budget_p_k: float | None, roster: Sequence[str], agent: str) -> float:
-    """What a centralized participant trains with: its measured budget, else FedSPU's static
-    tier by its place in the roster."""
-    return budget_p_k if budget_p_k is not None else static_tier(list(roster), agent)
-
-
-def fit_round(strategy: CentralStrategy, learner: Learner, ctx: FitContext) -> Fit:
-    """A centralized participant's local round (`CentralStrategy.fit`), its model's own
-    BatchNorm statistics re-estimated for the weights it trained to
-    (`Learner.fresh_statistics`). `settle_fit` trains its local-only model."""
-    fit = strategy.fit(learner, ctx)
-    fresh = learner.fresh_statistics(fit.state.weights, ctx.data)
-    return dataclasses.replace(fit, state=dataclasses.replace(fit.state, weights=fresh))
-
-
-def settle_fit(
-    learner: Learner, fit: Fit, data: LocalData, round_: int, budget_p_k: float | None
-) -> Fit:
-    """A centralized participant's fit with its local-only model's round
-    (`fallback.advance`; `budget_p_k`: the device's measured budget, None without)."""
-    state, flops = fallback.advance(learner, fit.state, data, round_, budget_p_k)
-    return dataclasses.replace(fit, state=state, fallback_flops=flops)
-
-
-def participant_fit(
-    strategy: CentralStrategy, learner: Learner, ctx: FitContext, budget_p_k: float | None
-) -> Fit:
-    """A centralized participant's whole round, in one order wherever it runs (the simulator,
-    a worker process, the networked agent): the strategy's fit (`fit_round`), undone if not
-    finite (`checked_fit`, then `Fit.undone`), and only then its local-only model's round
-    (`settle_fit`), so an undone fit never undoes the local-only model's training."""
-    fit, undone = checked_fit(fit_round(strategy, learner, ctx), ctx.state, ctx.view)
-    fit = dataclasses.replace(fit, undone=undone)
-    return settle_fit(learner, fit, ctx.data, ctx.round, budget_p_k)
-
-
-def judge_central(
-    learner: Learner, strategy: CentralStrategy, fit: Fit, view: ServerState, data: LocalData
-) -> tuple[AgentState, Judged]:
-    """What a centralized participant keeps after its round `fit` (`fallback.judge`), with
-    the FLOPs its local-only model cost (`settle_fit`): the strategy's model first (its own
-    under a personalized strategy, else the global model it holds, `view`), then the other
-    one it holds (a strategy that broadcasts no global model leaves it only its own). The
-    global model is judged with BatchNorm statistics of the participant's own data
-    re-estimated for its weights (`Learner.fresh_statistics`)."""
-    agent = fit.state
-    own = (agent.weights, agent.masks)
-    if not strategy.broadcasts:
-        held = {PERSONAL: own}
-    else:
-        fleet_weights = learner.own_statistics(view.weights, agent.weights)
-        fleet = (learner.fresh_statistics(fleet_weights, data), None)
-        held = {PERSONAL: own, FLEET: fleet} if strategy.personal else {FLEET: fleet, PERSONAL: own}
-    return fallback.judge(learner, agent, data, held, fit.fallback_flops)
 
 
 def attacked(

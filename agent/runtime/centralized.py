@@ -1,9 +1,9 @@
 """A participant's rounds in a centralized strategy, over MQTT with the coordinator.
 
-The math is `agent.learning.central`'s strategy and a participant's rules are
-`agent.learning.rounds`' (its p_k, the fit checked and settled, an attacker's upload, the model
-it keeps), which the simulator calls too; this module only moves their payloads. Round t of
-agent k:
+The math is `agent.learning.central`'s strategy and a participant's steps of a round in their
+order (`agent.learning.central.participant`: its p_k, the fit checked and settled, the model it
+keeps; an attacker's upload is `agent.learning.rounds`'), which the simulator calls too; this
+module only moves their payloads. Round t of agent k:
 
     FedSPU family   ask the aggregator for its part (`Request` with fraction = p_k), wait
                     for it on round/t/global/k
@@ -30,19 +30,9 @@ from typing import Any
 
 from agent.device import Budget
 from agent.experiment import attackers
-from agent.learning import (
-    Fit,
-    Payload,
-    ServerState,
-    Upload,
-    attacked_upload,
-    central_strategy,
-    judge_central,
-    participant_fit,
-    participant_p_k,
-)
-from agent.learning.central.base import FitContext
-from agent.report import AgentRound, reported_p_k
+from agent.learning import Fit, Payload, ServerState, Upload, attacked_upload, central_strategy
+from agent.learning.central.participant import Turn, judge
+from agent.report import AgentRound, reported_p_k, reported_sparsity
 from agent.runtime import codec
 from agent.runtime.codec import divergence_message, encode_state, values_sent
 from agent.runtime.session import Session
@@ -207,41 +197,37 @@ class CentralizedRounds:
     # ------------------------------------------------------------------ round
 
     def run_round(self, round_: int) -> AgentRound:
+        """Round `round_` in `central.participant`'s steps, with their messages."""
         s = self.session
         started = time.monotonic()
         self.values_sent = 0
         budget = s.budget()
-        p_k = participant_p_k(budget.p_k if budget else None, s.roster, s.me)
-        view = self.view
+        turn = Turn.of(s.me, round_, s.roster, budget.p_k if budget else None)
+        part = None
         if self.strategy.downloads:
-            self._ask(round_, p_k)
-            part = self._receive(round_, True, p_k)
+            self._ask(round_, turn.p_k)
+            part = self._receive(round_, True, turn.p_k)
             if part is None:
-                return self._missed_round(round_, p_k, budget)
-            view = ServerState(part.weights)
+                return self._missed_round(turn, budget)
         waited = time.monotonic() - started
         with compute_slot():
             compute_started = time.monotonic()
-            ctx = FitContext(s.state, s.data, view, round_, p_k)
-            fit = participant_fit(self.strategy, s.learner, ctx, budget.p_k if budget else None)
-        if fit.undone:
-            log.warning("round %d: model not finite; kept the model from before it", round_)
+            fit = turn.train(self.strategy, s.learner, s.state, s.data, turn.view(self.view, part))
         throttled = s.after_compute(compute_started, fit.train_flops + fit.fallback_flops)
-        stragglers = self._exchange(round_, p_k, fit)
-        s.state, judged = judge_central(s.learner, self.strategy, fit, self.view, s.data)
-        return self._record(
-            round_,
-            p_k,
-            budget,
-            (judged.loss, judged.metric),
-            train_loss=fit.train_loss,
+        stragglers = self._exchange(round_, turn.p_k, fit)
+        s.state, judged = judge(self.strategy, s.learner, fit, self.view, s.data)
+        return AgentRound.of_fit(
+            turn,
+            fit,
+            judged,
+            s.learner.traits.budgets,
+            limited_by=budget.limited_by if budget else "none",
             nonzeros_sent=self.values_sent,
-            train_flops=fit.train_flops,
             throttled_s=round(throttled, 3),
             stragglers=stragglers,
             wait_s=round(waited, 3),
             stopped=s.stops_after(fit.state.weights, fit.train_loss),
-        ).judged_as(judged)
+        )
 
     def _exchange(self, round_: int, p_k: float, fit: Fit) -> list[str]:
         """Upload the fit (FedLDF: its divergence vector, then the layers asked for) and
@@ -265,35 +251,22 @@ class CentralizedRounds:
         self.view = self.strategy.receive(self.view, broadcast)
         return []
 
-    def _record(
-        self,
-        round_: int,
-        p_k: float,
-        budget: Budget | None,
-        evaluated: tuple[float, float],
-        **figures: Any,
-    ) -> AgentRound:
-        """A round's record (`evaluated`: its loss and accuracy): no masks, votes or t* in a
-        centralized strategy."""
-        return AgentRound(
-            round=round_,
-            agent=self.session.me,
-            loss=evaluated[0],
-            accuracy=evaluated[1],
-            sparsity=0.0,
-            p_k=reported_p_k(p_k, self.session.learner.traits.budgets),
-            limited_by=budget.limited_by if budget else "none",
-            **figures,
-        )
-
-    def _missed_round(self, round_: int, p_k: float, budget: Budget | None) -> AgentRound:
+    def _missed_round(self, turn: Turn, budget: Budget | None) -> AgentRound:
         """A round without this agent's part of the global model: nothing to train from, so
         it trains nothing and keeps its model (training on a stale view would overwrite its
-        active part with old global values)."""
+        active part with old global values). It sent, trained, waited and slept for nothing,
+        and does not stop."""
         s = self.session
-        evaluated = s.learner.evaluate_on(s.state.weights, s.data)
-        s.state = dataclasses.replace(s.state, round=round_)
-        # It sent, trained, waited and slept for nothing, and does not stop.
-        return self._record(
-            round_, p_k, budget, evaluated, train_loss=None, stragglers=[self.aggregator]
+        loss, accuracy = s.learner.evaluate_on(s.state.weights, s.data)
+        s.state = dataclasses.replace(s.state, round=turn.round)
+        return AgentRound(
+            round=turn.round,
+            agent=turn.agent,
+            loss=loss,
+            accuracy=accuracy,
+            train_loss=None,
+            sparsity=reported_sparsity(s.state.masks),
+            p_k=reported_p_k(turn.p_k, s.learner.traits.budgets),
+            limited_by=budget.limited_by if budget else "none",
+            stragglers=[self.aggregator],
         )

@@ -2,7 +2,8 @@
 tensors. The simulator (`coordinator.simulate`) calls them with what its participants computed
 in the same process, the coordinator's aggregator (`coordinator.aggregator`) with what arrived
 over MQTT: one round protocol, two transports (Flower's model), so that neither repeats the
-order nor a rule of it. Nothing here waits, sends or decodes.
+order nor a rule of it (the participant's side: `central.participant`). Nothing here waits,
+sends or decodes.
 
 Round t:
 
