@@ -146,7 +146,7 @@ class Simulation:
                 **backdoor_summary(self),
             },
         }
-        return named_for_task(report, self.learner.task)
+        return named_for_task(report, self.learner.facts.task)
 
     # ------------------------------------------------------------------ decentralized rounds
 
@@ -155,7 +155,7 @@ class Simulation:
     ) -> None:
         """Early stopping (ALGORITHMS.md 2): record that k stops after round t, if it does;
         a round that `pruned` k's model restarts its rule's window."""
-        if self.early_stops[k].after(self.learner, weights, train_loss, self.data[k], pruned):
+        if self.early_stops[k].after(self.learner.facts, weights, train_loss, self.data[k], pruned):
             self.stopped[k] = t
 
     def _start_round(
@@ -411,7 +411,7 @@ def measured_costs(config: ExperimentConfig, workload: Workload) -> CostTable | 
     if cfg.reduce not in MEASURED_MODES or workload.learner.traits.centralized:
         return None
     data = workload.data[min(workload.data)]
-    return measure_costs(workload.learner, data, kinds=measured_kinds(cfg.reduce))
+    return measure_costs(workload.learner.facts, data, kinds=measured_kinds(cfg.reduce))
 
 
 def with_energy(profiles: dict[str, DeviceProfile], spent: AgentRound) -> AgentRound:
@@ -444,7 +444,7 @@ def backdoor_summary(run: Simulation) -> dict[str, Any]:
     otherwise."""
     if run.config.attack not in robust_rules.TRIGGER_ATTACKS:
         return {}
-    return backdoor.honest_summary(run.learner.model, run.states, run.data, run.attackers)
+    return backdoor.honest_summary(run.learner.facts.model, run.states, run.data, run.attackers)
 
 
 def simulate(

@@ -133,7 +133,7 @@ def train_round(
     reduction (`local_reduction`, by counted FLOPs or by the measured `costs`, within
     `memory_mb`) and then `Learner.local_round`."""
     reduction = local_reduction(
-        learner, p_k, state.masks, costs=costs, round_=round_, memory_mb=memory_mb
+        learner.facts, p_k, state.masks, costs=costs, round_=round_, memory_mb=memory_mb
     )
     result = learner.local_round(state, data, inbox, round_, prune_now, reduction=reduction)
     return result, reduction
@@ -167,9 +167,9 @@ def participant_p_k(budget_p_k: float | None, roster: Sequence[str], agent: str)
 def fit_round(strategy: CentralStrategy, learner: Learner, ctx: FitContext) -> Fit:
     """A centralized participant's local round (`CentralStrategy.fit`), its model's own
     BatchNorm statistics re-estimated for the weights it trained to
-    (`Learner.fresh_statistics`). `settle_fit` trains its local-only model."""
-    fit = strategy.fit(learner, ctx)
-    fresh = learner.fresh_statistics(fit.state.weights, ctx.data)
+    (`ModelFacts.fresh_statistics`). `settle_fit` trains its local-only model."""
+    fit = strategy.fit(learner.facts, ctx)
+    fresh = learner.facts.fresh_statistics(fit.state.weights, ctx.data)
     return dataclasses.replace(fit, state=dataclasses.replace(fit.state, weights=fresh))
 
 
@@ -202,14 +202,14 @@ def judge_central(
     under a personalized strategy, else the global model it holds, `view`), then the other
     one it holds (a strategy that broadcasts no global model leaves it only its own). The
     global model is judged with BatchNorm statistics of the participant's own data
-    re-estimated for its weights (`Learner.fresh_statistics`)."""
+    re-estimated for its weights (`ModelFacts.fresh_statistics`)."""
     agent = fit.state
     own = (agent.weights, agent.masks)
     if not strategy.broadcasts:
         held = {PERSONAL: own}
     else:
-        fleet_weights = learner.own_statistics(view.weights, agent.weights)
-        fleet = (learner.fresh_statistics(fleet_weights, data), None)
+        fleet_weights = learner.facts.own_statistics(view.weights, agent.weights)
+        fleet = (learner.facts.fresh_statistics(fleet_weights, data), None)
         held = {PERSONAL: own, FLEET: fleet} if strategy.personal else {FLEET: fleet, PERSONAL: own}
     return fallback.judge(learner, agent, data, held, fit.fallback_flops)
 
@@ -252,7 +252,7 @@ def attacked_payload(
     """An attacker's upload, poisoned (`robust.poison`, noise drawn from the fleet seed, the
     agent and the round); `reference` is the model it trained from (`inflate`, `ipm` and
     `replace` step from it), `colluders` what `alie` attackers pool."""
-    generator = learner.generator("attack", agent_id, round_)
+    generator = learner.facts.generator("attack", agent_id, round_)
     poisoned = robust.poison(
         payload.weights, payload.masks, attack, generator, reference, colluders
     )

@@ -7,8 +7,8 @@ run's rule by default: eq. 7 over masks, or the mean, under `--aggregation` and 
 training cut to the device's budget, then the strategy's step after training
 (`after_training`): a sparse strategy scores the model for the pruning vote, may prune
 further, and moves its mask with RigL; a dense one keeps what it trained. Pure math, typed
-by the facts it reads (`agent.learning.facts`), so that this package never imports the
-learner that calls it.
+by the facts it reads (`agent.learning.model_facts`, `agent.learning.facts`), so that this
+package never imports the learner that calls it.
 
 Which strategy is which, and the traits the rest of the code asks of it (sparse, prunes
 further, trains alone), is the table's (`agent.learning.strategies`).
@@ -20,13 +20,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 if TYPE_CHECKING:
-    from agent.learning.facts import (
-        AgentFacts,
-        AggregationRule,
-        HeldModel,
-        LocalData,
-        MaskFacts,
-    )
+    from agent.learning.facts import AgentFacts, AggregationRule, HeldModel, LocalData
+    from agent.learning.model_facts import ModelFacts
     from agent.learning.sparse import Masks, State
 
 _Own = TypeVar("_Own", bound="HeldModel")
@@ -87,6 +82,6 @@ class DecentralizedStrategy:
         agent's masks stay its own, moved only after training."""
         return learner.aggregate(agent, inbox)
 
-    def after_training(self, learner: MaskFacts, trained: Trained) -> MaskStep:
+    def after_training(self, learner: ModelFacts, trained: Trained) -> MaskStep:
         """The round's model once the strategy had its say on what training gave."""
         return MaskStep(trained.weights, trained.masks, trained.agent.distances)

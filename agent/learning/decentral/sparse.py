@@ -12,7 +12,8 @@ from agent.learning.training import dense_gradients
 
 if TYPE_CHECKING:
     from agent.learning.config import StrategyConfig
-    from agent.learning.facts import AgentFacts, LocalData, MaskFacts
+    from agent.learning.facts import AgentFacts, LocalData
+    from agent.learning.model_facts import ModelFacts
     from agent.learning.sparse import Masks, State
 
 
@@ -20,7 +21,7 @@ class SparseStrategy(DecentralizedStrategy):
     """A strategy whose agents train sparse models: detection's vote, then `prune` (none
     here), then RigL's mask update, in the order of the paper's Algorithm 1."""
 
-    def after_training(self, learner: MaskFacts, trained: Trained) -> MaskStep:
+    def after_training(self, learner: ModelFacts, trained: Trained) -> MaskStep:
         agent, weights, masks = trained.agent, trained.weights, trained.masks
         if masks is None:
             return MaskStep(weights, masks, agent.distances)
@@ -32,7 +33,7 @@ class SparseStrategy(DecentralizedStrategy):
         return MaskStep(weights, masks, distances, flops, vote, score, pruned)
 
     def prune(
-        self, learner: MaskFacts, weights: State, masks: Masks, prune_now: bool
+        self, learner: ModelFacts, weights: State, masks: Masks, prune_now: bool
     ) -> tuple[State, Masks, bool]:
         """The model pruned further this round, and whether it was: never here."""
         return weights, masks, False
@@ -51,7 +52,7 @@ def detect(
 
 
 def rigl_step(
-    learner: MaskFacts, weights: State, masks: Masks, data: LocalData, agent_id: str, round_: int
+    learner: ModelFacts, weights: State, masks: Masks, data: LocalData, agent_id: str, round_: int
 ) -> tuple[State, Masks, int]:
     """RigL's mask update (1.6) from dense gradients on local batches; returns the new
     weights and masks and the FLOPs the dense gradients cost. With channel masks, over
