@@ -253,7 +253,7 @@ class Simulation:
         p_k = participant_p_k(budget_p_k, self.roster, k)
         view, download = server, None
         if strategy.downloads:
-            download = strategy.download(self.learner, server, k, t, p_k)
+            download = strategy.download(self.learner.facts, server, k, t, p_k)
             view = ServerState(as_sent(download, self.config.learning.fp16).weights)
         samples = len(self.data[k].y_train)
         return FitJob(k, self.states[k], view, p_k, samples, budget_p_k), download
@@ -292,7 +292,7 @@ class Simulation:
         at once), is done while the next round's fits train (`report_round`)."""
         cfg = self.config.learning
         strategy = central_strategy(cfg.strategy)
-        server = strategy.init_server(self.learner)
+        server = strategy.init_server(self.learner.facts)
         wire = CentralTraffic(self.roster, cfg.fp16)
         rounds: list[dict[str, Any]] = []
         report_round: Callable[[], None] = lambda: None  # noqa: E731 (no round yet)
@@ -387,7 +387,9 @@ class InProcessInbox:
         payloads = {k: f.upload for k, f in fits.items()}
         if requests is not None:
             respond = self.strategy.respond
-            payloads = {k: respond(run.learner, f, requests.get(k, [])) for k, f in fits.items()}
+            payloads = {
+                k: respond(run.learner.facts, f, requests.get(k, [])) for k, f in fits.items()
+            }
         sent = {k: Upload(p, fits[k].num_samples) for k, p in payloads.items()}
         attack, pooled = run.config.attack, colluders(run, payloads)
         for k in set(run.attackers) & set(payloads):

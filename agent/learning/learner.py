@@ -161,22 +161,11 @@ class Learner:
         return self
 
     def initial_masks(self, agent_id: str) -> Masks | None:
-        """The agent's ERK mask, drawn from (fleet seed, agent id) alone (1.1).
-
-        Any agent can therefore recompute any other agent's starting model w0 (.) m_j, so
-        round 1 needs no initial exchange of models.
-        """
-        if not self.sparse:
-            return None
-        generator = self.generator("mask", agent_id, 0)
-        if self.channel_masks:
-            return channels.random_masks(self.channel_plan, self.config.density, generator)
-        assert self._densities is not None
-        return sparse.random_masks(self._shapes, self._densities, generator)
+        """The agent's ERK mask (`ModelFacts.initial_masks`)."""
+        return self.facts.initial_masks(agent_id)
 
     def init_agent(self, agent_id: str) -> AgentState:
-        masks = self.initial_masks(agent_id)
-        weights = sparse.apply_masks(self.initial, masks) if masks else dict(self.initial)
+        weights, masks = self.facts.initial_model(agent_id)
         return AgentState(agent_id, weights, masks, init_weights=weights)
 
     def published(self, state: AgentState, num_samples: int) -> Published:
@@ -189,7 +178,7 @@ class Learner:
         receiver aggregates each layer over those who sent it (`combine`)."""
         if reduction.window is None or not self.sends_windows:
             return model
-        trained = prefix.trained_names(self.forward_layers, reduction.window)
+        trained = prefix.trained_names(self.facts.forward_layers, reduction.window)
         return _restricted(model, [name for name in model.weights if name in trained])
 
     def layer_part(self, model: Published, layers: list[str]) -> Published:
@@ -243,27 +232,27 @@ class Learner:
         before = agent
         start, agent, active = starting_point(self, agent, inbox, round_, reduction)
         trained, flops = reduced_training(
-            self,
+            self.facts,
             start,
             agent.masks,
             active,
             reduction,
             data,
             round_,
-            self.generator("train", agent.agent_id, round_),
+            self.facts.generator("train", agent.agent_id, round_),
         )
         done = Trained(agent, trained.state, agent.masks, data, round_, prune_now)
-        step = self.decentral.after_training(self, done)
+        step = self.decentral.after_training(self.facts, done)
         weights, masks, flops = step.weights, step.masks, flops + step.flops
         if not robust.finite(weights):
             return _recovered(self, before, data, round_, flops, trained.mean_loss)
-        weights = self.fresh_statistics(weights, data)
+        weights = self.facts.fresh_statistics(weights, data)
         divergence = None
         if cfg.wire == "layers" and self.decentralized:
             from agent.learning.ldf import divergences
 
-            divergence = divergences(weights, start, self.layer_groups)
-        loss, accuracy = self.evaluate_on(weights, data)
+            divergence = divergences(weights, start, self.facts.layer_groups)
+        loss, accuracy = self.facts.evaluate_on(weights, data)
         new_state = dataclasses.replace(
             agent, weights=weights, masks=masks, distances=step.distances, round=round_
         )
@@ -292,7 +281,7 @@ def _recovered(
     """A round whose model turned non-finite (a poisoned aggregate, a diverged step): the
     agent goes back to its model before the round, keeps it and publishes it again,
     rather than dropping out with a model nobody can use."""
-    loss, accuracy = learner.evaluate_on(before.weights, data)
+    loss, accuracy = learner.facts.evaluate_on(before.weights, data)
     layers = learner.config.wire == "layers" and learner.decentralized
     return RoundResult(
         state=dataclasses.replace(before, round=round_),
@@ -304,7 +293,7 @@ def _recovered(
         vote=False if learner.sparse else None,  # a missing vote would count 0 as well
         score=None,
         pruned=False,
-        divergence=dict.fromkeys(learner.layer_groups, 0.0) if layers else None,
+        divergence=dict.fromkeys(learner.facts.layer_groups, 0.0) if layers else None,
         recovered=True,
     )
 
