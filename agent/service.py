@@ -501,7 +501,7 @@ class AgentService:
             state_dir=folder,
             timeouts=timeouts,
             key=key,
-            on_round=functools.partial(self.report_round, workload.learner.task.metric_name),
+            on_round=functools.partial(self.report_round, workload.learner.facts.task.metric_name),
             on_finish=lambda state: self.run_models.keep(run, workload, state),
             stop=self.stop,
             budget=budget,
@@ -601,8 +601,8 @@ class RunModels:
             self.say(f"{start} the seed: this device has no current model to start from")
             return None
         kept, weights, masks = saved
-        names = learner.prunable if learner.sparse else None
-        problem = weights_misfit(learner.initial, names, weights, masks)
+        names = learner.facts.prunable if learner.sparse else None
+        problem = weights_misfit(learner.facts.initial, names, weights, masks)
         if problem is not None:
             self.say(f"{start} the seed: the current model (run {kept.run_id}) {problem}")
             return None
@@ -624,8 +624,8 @@ class RunModels:
             model=workload.model_name,
             rounds=state.round,
             accuracy=None if accuracy is None else float(accuracy),
-            metric=workload.learner.task.metric_name,
-            higher_is_better=workload.learner.task.higher_is_better,
+            metric=workload.learner.facts.task.metric_name,
+            higher_is_better=workload.learner.facts.task.higher_is_better,
         )
         served = state.kept or Kept("", state.weights, state.masks, {}, "")
         with ONNX_EXPORT:
@@ -648,7 +648,7 @@ class RunModels:
         return export_onnx(
             model,
             weights,
-            workload.learner.input_shape,
+            workload.learner.facts.input_shape,
             path,
             metadata={
                 "agent": self.me,
@@ -709,7 +709,7 @@ def round_costs(
     if learner.traits.centralized or not (emulated or options.device or measured_mode):
         return None
     data = workload.data[agent_id]
-    table = cached_costs(options.state_dir, learner, data, measured_kinds(cfg.reduce), say)
+    table = cached_costs(options.state_dir, learner.facts, data, measured_kinds(cfg.reduce), say)
     return RoundCosts(
         table,
         samples=len(data.y_train),
@@ -753,7 +753,7 @@ def budget_source(
             readings[0],
             work,
             limits,
-            compute=workload.learner.device.type,
+            compute=workload.learner.facts.device.type,
             measured_dense_s=costs.dense_s if costs else None,
             measured_fixed_s=costs.fixed_s if costs else 0.0,
         )

@@ -290,8 +290,8 @@ def round_work(config: ExperimentConfig, learner: Learner, samples: int) -> Roun
     """A full dense local round of this run on `samples` samples, for the budget rule."""
     cfg = config.learning
     return RoundWork.for_model(
-        learner.model,
-        learner.input_shape,
+        learner.facts.model,
+        learner.facts.input_shape,
         samples=samples,
         epochs=cfg.epochs,
         batch_size=cfg.batch_size,

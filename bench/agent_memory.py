@@ -113,7 +113,7 @@ def model_and_data_bytes(config: ExperimentConfig, roster: list[str]) -> dict[st
     dataset = load_dataset(config.dataset, seed=config.seed)
     workload = build_workload(config, roster, agents=roster[:1])
     share = workload.data[roster[0]]
-    weights = sum(t.nbytes for t in workload.learner.initial.values())
+    weights = sum(t.nbytes for t in workload.learner.facts.initial.values())
     neighbours = config.learning.neighbours
     copies = 7 + 2 * neighbours + KEEP_OWN_ROUNDS
     return {

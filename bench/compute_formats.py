@@ -66,7 +66,7 @@ def all_formats(learner: Learner, precisions: tuple[str, ...]) -> list[str]:
     """Every format of `precisions` worth timing: each, and each channels-last for a model
     with 4-D weights (the only tensors channels-last lays out)."""
     formats = list(precisions)
-    if any(p.dim() == 4 for p in learner.model.parameters()):
+    if any(p.dim() == 4 for p in learner.facts.model.parameters()):
         formats += [CHANNELS_LAST if p == "fp32" else f"{CHANNELS_LAST}+{p}" for p in precisions]
     return formats
 
@@ -85,11 +85,11 @@ def build(name: str, device: torch.device) -> tuple[Learner, LocalData]:
 
 def _call_in(timing: _Calibration, name: str) -> float:
     """Seconds of one timed call in format `name` (the learner is left in fp32)."""
-    timing.learner.compute_format = ComputeFormat.parse(name)
+    timing.facts.compute_format = ComputeFormat.parse(name)
     try:
         return timing.call_s(NO_REDUCTION, None)
     finally:
-        timing.learner.compute_format = ComputeFormat.parse("fp32")
+        timing.facts.compute_format = ComputeFormat.parse("fp32")
 
 
 def interleaved(timing: _Calibration, name: str, repeats: int) -> tuple[float, float]:
@@ -108,14 +108,14 @@ def interleaved(timing: _Calibration, name: str, repeats: int) -> tuple[float, f
 
 def trained(learner: Learner, data: LocalData, name: str) -> tuple[dict[str, torch.Tensor], float]:
     """The weights and mean loss of the timed call's steps in format `name`."""
-    learner.compute_format = ComputeFormat.parse(name)
+    learner.facts.compute_format = ComputeFormat.parse(name)
     sgd = replace(learner.config.sgd, epochs=1, batch_size=BATCH)
     start = learner.init_agent("formats").weights
     generator = torch.Generator().manual_seed(0)
     result, _ = reduced_training(
-        learner, start, None, None, NO_REDUCTION, data, 0, generator, sgd=sgd
+        learner.facts, start, None, None, NO_REDUCTION, data, 0, generator, sgd=sgd
     )
-    learner.compute_format = ComputeFormat.parse("fp32")
+    learner.facts.compute_format = ComputeFormat.parse("fp32")
     return result.state, result.mean_loss
 
 
@@ -129,9 +129,9 @@ def measure_model(
     name: str, device: torch.device, precisions: tuple[str, ...], repeats: int, console: Console
 ) -> dict[str, Any]:
     learner, data = build(name, device)
-    steps = _steps(learner, data, BATCH)
+    steps = _steps(learner.facts, data, BATCH)
     data = _sample(data, steps * BATCH)
-    timing = _Calibration(learner, data, BATCH, steps)
+    timing = _Calibration(learner.facts, data, BATCH, steps)
     reference, reference_loss = trained(learner, data, "fp32")
     rows: dict[str, dict[str, Any]] = {}
     for fmt in all_formats(learner, precisions):
@@ -152,7 +152,7 @@ def measure_model(
             continue
         rows[fmt] = row
         console.print(f"{name} {fmt}: {seconds / fp32_s:.2f}x fp32")
-    candidates = candidate_formats(learner)
+    candidates = candidate_formats(learner.facts)
     times = {f: rows[f]["time_x"] for f in candidates if "time_x" in rows.get(f, {})}
     chosen = chosen_format(times) if times else "fp32"
     fastest = min((r for r in rows.values() if "time_x" in r), key=lambda r: r["time_x"])

@@ -263,7 +263,7 @@ def run_fleet(
     agents' peaks, what was sent (and when), the rounds' ends and the limits."""
     emulation = LimitedEmulation(config, broker, EmulationOptions(workdir=workdir, linger_s=20.0))
     workload = build_workload(config, emulation.roster, agents=emulation.roster[:1])
-    weights = workload.learner.initial
+    weights = workload.learner.facts.initial
     limits = run_limits(expected_shapes(weights), len(emulation.roster))
     target = Target(
         emulation.fleet, emulation.run_id, emulation.roster, config.learning.rounds, weights, limits

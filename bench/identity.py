@@ -148,14 +148,14 @@ def pinned_costs(path: Path, keep: bool) -> Iterator[None]:
     new measurement, so what it compares is the code, not the machine's load."""
     measure = simulate_module.measure_costs
 
-    def pinned(learner: Any, data: Any, **options: Any) -> CostTable:
+    def pinned(facts: Any, data: Any, **options: Any) -> CostTable:
         if keep or not path.is_file():
-            table = measure(learner, data, **options)
+            table = measure(facts, data, **options)
             if keep:
                 path.write_text(json.dumps(table.to_dict()))
             return table
         table = CostTable.from_dict(json.loads(path.read_text()))
-        learner.compute_format = ComputeFormat.parse(table.format)  # as measuring sets it
+        facts.compute_format = ComputeFormat.parse(table.format)  # as measuring sets it
         return table
 
     simulate_module.measure_costs = pinned

@@ -186,9 +186,9 @@ def _classes(sim: Any) -> int:
     import torch
 
     data = next(iter(sim.data.values()))
-    sim.learner.model.eval()
+    sim.learner.facts.model.eval()
     with torch.no_grad():
-        return int(sim.learner.model(data.x_test[:2]).shape[1])
+        return int(sim.learner.facts.model(data.x_test[:2]).shape[1])
 
 
 def _spread_and_chance(sim: Any, agent: str) -> dict[str, float]:
@@ -198,17 +198,21 @@ def _spread_and_chance(sim: Any, agent: str) -> dict[str, float]:
 
     data, learner = sim.data[agent], sim.learner
     values = per_sample_metric(
-        learner.model, sim.states[agent].weights, data.x_test, data.y_test, task=learner.task
+        learner.facts.model,
+        sim.states[agent].weights,
+        data.x_test,
+        data.y_test,
+        task=learner.facts.task,
     )
     n = len(data.y_test)
     se = float(values.std() / math.sqrt(n)) if values is not None and n > 1 else 0.0
-    if learner.task.kind == "classification":
+    if learner.facts.task.kind == "classification":
         majority = int(data.y_train.bincount().argmax())
         return {"se": se, "n_test": n, "constant": float((data.y_test == majority).double().mean())}
-    target = learner.task.target(data.x_train, data.y_train)
+    target = learner.facts.task.target(data.x_train, data.y_train)
     guess = target.float().mean(0, keepdim=True)
-    test = learner.task.target(data.x_test, data.y_test).float()
-    errors = learner.task.per_sample(guess.expand_as(test).reshape(len(test), -1), test)
+    test = learner.facts.task.target(data.x_test, data.y_test).float()
+    errors = learner.facts.task.per_sample(guess.expand_as(test).reshape(len(test), -1), test)
     chance = float(errors.mean()) if errors is not None else math.nan
     return {"se": se, "n_test": n, "chance": chance, "constant": chance}
 

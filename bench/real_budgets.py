@@ -182,13 +182,15 @@ def rule_reduction(
         return Reduction(density_cap=p_k, kind="prune"), masks, None
     if kind == "channels":
         assert start.masks is not None
-        cap = capped_density(learner, p_k, start.masks) or 1.0
-        masks = channels.prune_to_density(learner.channel_plan, start.weights, start.masks, cap)
+        cap = capped_density(learner.facts, p_k, start.masks) or 1.0
+        masks = channels.prune_to_density(
+            learner.facts.channel_plan, start.weights, start.masks, cap
+        )
         return Reduction(density_cap=cap, kind="prune"), masks, None
     if kind == "freeze":
         a = active_fraction(p_k)
         generator = torch.Generator().manual_seed(0)
-        active = active_masks(learner.freezing_plan, start.weights, a, generator)
+        active = active_masks(learner.facts.freezing_plan, start.weights, a, generator)
         return Reduction(active_fraction=a, kind="freeze"), None, active
     if kind == "checkpoint":
         return Reduction(checkpoint=True, kind="checkpoint"), None, None
@@ -203,7 +205,7 @@ def suffix_reduction(learner: Learner, table: CostTable, p_k: float) -> Reductio
     longest measured window that ends at the output and fits p_k, every round; the rule's
     rotating windows (`prefix`) also train layers near the input, at a higher cost in
     memory. Below every suffix's cost, the cheapest with fewer minibatches."""
-    layers = len(learner.forward_layers)
+    layers = len(learner.facts.forward_layers)
     suffixes = [r for r in table.of_kind("prefix") if r.window and r.window[1] == layers]
     fitting = [r for r in suffixes if table.fraction(r) <= p_k]
     if fitting:
@@ -258,7 +260,7 @@ def _call_s(learner: Learner, round_plan: Plan, data: LocalData, steps: int) -> 
     generator = torch.Generator().manual_seed(0)
     began = time.perf_counter()
     reduced_training(
-        learner,
+        learner.facts,
         start,
         round_plan.masks,
         round_plan.active,
@@ -299,7 +301,7 @@ def counted_mb(learner: Learner, round_plan: Plan, data: LocalData) -> float:
     meter = ActivationMeter()
     with meter.measuring():
         _call_s(learner, round_plan, data, 1)
-    return meter.megabytes + working_set_mb(learner, round_plan.reduction, round_plan.masks)
+    return meter.megabytes + working_set_mb(learner.facts, round_plan.reduction, round_plan.masks)
 
 
 def _spec(model: str, round_plan: Plan) -> dict[str, Any]:
@@ -355,7 +357,7 @@ def probe_rss(spec: dict[str, Any]) -> float:
             window=window, width=spec["width"], checkpoint=spec["checkpoint"], kind=kind
         )
         round_plan = Plan(kind, p_k, reduction, None, None, "", None, None)
-    _ = learner.forward_layers, learner.freezing_plan
+    _ = learner.facts.forward_layers, learner.facts.freezing_plan
     _call_s(learner, round_plan, data, 1)
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")
@@ -385,11 +387,11 @@ def measure_model(name: str, settings: Settings, console: Console) -> dict[str, 
     its own learner and table: channel masks, prune measured at several densities)."""
     learner, data = build(name)
     began = time.perf_counter()
-    table = measure_costs(learner, data)
+    table = measure_costs(learner.facts, data)
     calibration_s = time.perf_counter() - began
     console.print(f"{name}: calibrated in {calibration_s:.1f} s ({len(table.rows)} rows)")
     narrow, _ = build(name, "channel")
-    narrow_table = measure_costs(narrow, data, kinds=("prune",))
+    narrow_table = measure_costs(narrow.facts, data, kinds=("prune",))
     steps = math.ceil(settings.min_call_s / table.dense.step_s)
     steps = max(settings.min_steps, min(MAX_CALL_STEPS, steps))
     dense_mb = counted_mb(learner, DENSE, data)

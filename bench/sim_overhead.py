@@ -178,7 +178,7 @@ class BareFleet:
         self.params: dict[str, dict[str, torch.nn.Parameter]] = {}
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         for agent_id in self.roster:
-            model = copy.deepcopy(self.learner.model)
+            model = copy.deepcopy(self.learner.facts.model)
             model.load_state_dict(simulation.states[agent_id].weights)
             model.train()
             self.models[agent_id] = model
@@ -218,7 +218,7 @@ class BareFleet:
                     group["lr"] = lr
                 data = self.data[agent_id]
                 x, y = data.x_train, data.y_train
-                generator = self.learner.generator("train", agent_id, t)
+                generator = self.learner.facts.generator("train", agent_id, t)
                 for _ in range(self.sgd.epochs):
                     for batch in training._batches(len(y), self.sgd.batch_size, generator):
                         optimizer.zero_grad(set_to_none=True)
@@ -227,9 +227,9 @@ class BareFleet:
                         optimizer.step()
                         steps += 1
                 if rigl:
-                    generator = self.learner.generator("rigl", agent_id, t)
+                    generator = self.learner.facts.generator("rigl", agent_id, t)
                     batches = training._batches(len(y), self.sgd.batch_size, generator)
-                    weights = [self.params[agent_id][name] for name in self.learner.prunable]
+                    weights = [self.params[agent_id][name] for name in self.learner.facts.prunable]
                     for batch in batches[: cfg.rigl_batches]:
                         loss = F.cross_entropy(model(x[batch]), y[batch])
                         torch.autograd.grad(loss, weights)
@@ -306,7 +306,7 @@ def instrumented(recorder: Recorder, simulation: Simulation) -> Iterator[None]:
     patch(simulator.Simulation, "_round_record", "records")
     if hasattr(training, "load_weights"):  # a faster stand-in for load_state_dict, if any
         patch(training, "load_weights", "load_state_dict")
-    model = simulation.learner.model
+    model = simulation.learner.facts.model
     model.load_state_dict = recorder.wrap(model.load_state_dict, "load_state_dict")
 
     base_sgd, base_no_grad = torch.optim.SGD, torch.no_grad

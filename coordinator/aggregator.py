@@ -238,7 +238,7 @@ class Aggregator:
         self.stop = stop or threading.Event()
         self.learner = build_workload(config, self.roster, agents=[]).learner
         self.strategy = central_strategy(config.learning.strategy)
-        self.server = self.strategy.init_server(self.learner)
+        self.server = self.strategy.init_server(self.learner.facts)
         self.records: list[AggregatorRecord] = []
         self.intake = Intake(
             fleet=fleet,
@@ -246,7 +246,7 @@ class Aggregator:
             roster=self.roster,
             me=sender,
             key=key,
-            layer_groups=self.learner.layer_groups,
+            layer_groups=self.learner.facts.layer_groups,
             resend=self._resend,
         )
         self._changed = self.intake.changed
@@ -304,7 +304,7 @@ class Aggregator:
     def start(self) -> None:
         """Subscribe; call before the run is published so that no upload is missed. The
         transport's limits follow the run's model, as an agent's do."""
-        shapes = expected_shapes(self.learner.initial)
+        shapes = expected_shapes(self.learner.facts.initial)
         self.transport.set_limits(run_limits(shapes, len(self.roster)))
         self.intake.subscribe(self.transport)
 
@@ -342,7 +342,7 @@ class Aggregator:
     def _answer_downloads(self, round_: int) -> None:
         """Send each participant that asked (again) its part of this round's global model."""
         for agent, fraction in sorted(self.intake.due_downloads(round_).items()):
-            part = self.strategy.download(self.learner, self.server, agent, round_, fraction)
+            part = self.strategy.download(self.learner.facts, self.server, agent, round_, fraction)
             self._publish(
                 round_,
                 topics.global_model(self.fleet, round_, agent),
@@ -515,7 +515,7 @@ class _RoundInbox:
             asked = None if layers is None else layers[k]
             try:
                 payload = decode_upload(
-                    aggregator.strategy, aggregator.learner, update.tensors, asked
+                    aggregator.strategy, aggregator.learner.facts, update.tensors, asked
                 )
             except (ProtocolError, ValueError) as exc:
                 with intake.changed:

@@ -144,7 +144,7 @@ class Simulation:
                 **backdoor_summary(self),
             },
         }
-        return named_for_task(report, self.learner.task)
+        return named_for_task(report, self.learner.facts.task)
 
     # ------------------------------------------------------------------ decentralized rounds
 
@@ -153,7 +153,7 @@ class Simulation:
     ) -> None:
         """Early stopping (ALGORITHMS.md 2): record that k stops after round t, if it does;
         a round that `pruned` k's model restarts its rule's window."""
-        if self.early_stops[k].after(self.learner, weights, train_loss, self.data[k], pruned):
+        if self.early_stops[k].after(self.learner.facts, weights, train_loss, self.data[k], pruned):
             self.stopped[k] = t
 
     def _start_round(
@@ -250,7 +250,7 @@ class Simulation:
         turn = Turn.of(k, t, self.roster, p_k_of(self.budgets, k))
         download, part = None, None
         if strategy.downloads:
-            download = strategy.download(self.learner, server, k, t, turn.p_k)
+            download = strategy.download(self.learner.facts, server, k, t, turn.p_k)
             part = as_sent(download, self.config.learning.fp16)
         samples = len(self.data[k].y_train)
         return FitJob(turn, self.states[k], turn.view(server, part), samples), download
@@ -266,7 +266,7 @@ class Simulation:
         (`report_round`)."""
         cfg = self.config.learning
         strategy = central_strategy(cfg.strategy)
-        server = strategy.init_server(self.learner)
+        server = strategy.init_server(self.learner.facts)
         wire = CentralTraffic(self.roster, cfg.fp16)
         rounds: list[dict[str, Any]] = []
         report_round: Callable[[], None] = lambda: None  # noqa: E731 (no round yet)
@@ -365,7 +365,9 @@ class InProcessInbox:
         payloads = {k: f.upload for k, f in fits.items()}
         if requests is not None:
             respond = self.strategy.respond
-            payloads = {k: respond(run.learner, f, requests.get(k, [])) for k, f in fits.items()}
+            payloads = {
+                k: respond(run.learner.facts, f, requests.get(k, [])) for k, f in fits.items()
+            }
         sent = {k: Upload(p, fits[k].num_samples) for k, p in payloads.items()}
         attack, pooled = run.config.attack, colluders(run, payloads)
         for k in set(run.attackers) & set(payloads):
@@ -389,7 +391,7 @@ def measured_costs(config: ExperimentConfig, workload: Workload) -> CostTable | 
     if cfg.reduce not in MEASURED_MODES or workload.learner.traits.centralized:
         return None
     data = workload.data[min(workload.data)]
-    return measure_costs(workload.learner, data, kinds=measured_kinds(cfg.reduce))
+    return measure_costs(workload.learner.facts, data, kinds=measured_kinds(cfg.reduce))
 
 
 def with_energy(profiles: dict[str, DeviceProfile], spent: AgentRound) -> AgentRound:
@@ -422,7 +424,7 @@ def backdoor_summary(run: Simulation) -> dict[str, Any]:
     otherwise."""
     if run.config.attack not in robust_rules.TRIGGER_ATTACKS:
         return {}
-    return backdoor.honest_summary(run.learner.model, run.states, run.data, run.attackers)
+    return backdoor.honest_summary(run.learner.facts.model, run.states, run.data, run.attackers)
 
 
 def simulate(

@@ -46,7 +46,8 @@ from bench.support import environment, write_json
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 if TYPE_CHECKING:
-    from agent.learning import Learner, LocalData, State
+    from agent.learning import LocalData, State
+    from agent.learning.model_facts import ModelFacts
 
 STRATEGIES = ("fedspu", "fedavg-ft", "dadpfl")
 RUNS: dict[str, dict[str, Any]] = {
@@ -80,7 +81,7 @@ class Recorder(EarlyStop):
 
     def after(
         self,
-        learner: Learner,
+        learner: ModelFacts,
         weights: State,
         train_loss: float,
         data: LocalData,

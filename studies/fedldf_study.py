@@ -160,15 +160,15 @@ def run(dataset: str, seed: int, variant: Variant, threads: int = 1) -> dict[str
     roster = [f"agent-{k:03d}" for k in range(variant.agents)]
     work = build_workload(config, roster)
     learner, data, strategy = work.learner, work.data, FedLDF()
-    groups = learner.layer_groups
-    size = sum(t.numel() for t in learner.initial.values())
+    groups = learner.facts.layer_groups
+    size = sum(t.numel() for t in learner.facts.initial.values())
     layer_size = {
-        layer: sum(learner.initial[n].numel() for n in ns) for layer, ns in groups.items()
+        layer: sum(learner.facts.initial[n].numel() for n in ns) for layer, ns in groups.items()
     }
     batch = learner.config.batch_size
     steps = {k: math.ceil(len(d.y_train) / batch) * variant.epochs for k, d in data.items()}
     states = {k: learner.init_agent(k) for k in roster}
-    server = ServerState(dict(learner.initial))
+    server = ServerState(dict(learner.facts.initial))
     gen = torch.Generator().manual_seed(seed)
     sent = dense = 0
     count = {k: dict.fromkeys(groups, 0) for k in roster}
@@ -181,7 +181,8 @@ def run(dataset: str, seed: int, variant: Variant, threads: int = 1) -> dict[str
                 for j in torch.randperm(len(roster), generator=gen)[: variant.participants]
             )
         fits = {
-            k: strategy.fit(learner, FitContext(states[k], data[k], server, t, 1.0)) for k in ids
+            k: strategy.fit(learner.facts, FitContext(states[k], data[k], server, t, 1.0))
+            for k in ids
         }
         for k, fit in fits.items():
             states[k] = fit.state
@@ -198,7 +199,7 @@ def run(dataset: str, seed: int, variant: Variant, threads: int = 1) -> dict[str
             for layer in chosen[k]:
                 count[k][layer] += 1
         if t % CHECK == 0 or t == variant.rounds:
-            accs = [learner.evaluate_on(server.weights, data[k])[1] for k in roster]
+            accs = [learner.facts.evaluate_on(server.weights, data[k])[1] for k in roster]
             curve.append(sum(accs) / len(accs))
     return {
         "dataset": dataset,

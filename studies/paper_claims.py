@@ -322,21 +322,21 @@ def counting_rigl_flops() -> Iterator[list[int]]:
     """The training FLOPs the run spends on RigL's dense gradients (1.10), summed as the
     learner counts them: a cost further pruning reduces only in part (the weights' gradient
     stays dense). Yields a one-item list that holds the total when the block ends."""
-    from agent.learning import Learner
+    from agent.learning.model_facts import ModelFacts
 
-    original = Learner.dense_gradient_flops
+    original = ModelFacts.dense_gradient_flops
     total = [0]
 
-    def counted(self: Learner, masks: Any, samples: int) -> int:
+    def counted(self: ModelFacts, masks: Any, samples: int) -> int:
         flops = original(self, masks, samples)
         total[0] += flops
         return flops
 
-    Learner.dense_gradient_flops = counted  # type: ignore[method-assign]
+    ModelFacts.dense_gradient_flops = counted  # type: ignore[method-assign]
     try:
         yield total
     finally:
-        Learner.dense_gradient_flops = original  # type: ignore[method-assign]
+        ModelFacts.dense_gradient_flops = original  # type: ignore[method-assign]
 
 
 def _worker(strategy: str, args: argparse.Namespace, progress: Any, results: Any) -> None:

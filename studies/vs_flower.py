@@ -250,7 +250,7 @@ def flower_client(config: ExperimentConfig) -> Any:
         start = dict(msg.content.array_records["arrays"].to_torch_state_dict())
         round_ = int(str(msg.content.config_records["config"]["server-round"]))
         ctx = FitContext(learner.init_agent(k), data[k], ServerState(start), round_, 1.0)
-        fit = full_model_fit(learner, ctx)
+        fit = full_model_fit(learner.facts, ctx)
         content = RecordDict(
             {
                 "arrays": ArrayRecord(fit.upload.weights),
@@ -303,7 +303,7 @@ def flower_server(config: ExperimentConfig, ends: Ends, out: dict[str, Any]) -> 
 
     def evaluate(round_: int, arrays: ArrayRecord) -> MetricRecord:
         weights = dict(arrays.to_torch_state_dict())
-        accuracy = sum(learner.evaluate_on(weights, data[k])[1] for k in roster) / len(roster)
+        accuracy = sum(learner.facts.evaluate_on(weights, data[k])[1] for k in roster) / len(roster)
         if round_ > 0:
             ends[round_] = time.time()
             out["accuracy"] = accuracy
@@ -314,7 +314,7 @@ def flower_server(config: ExperimentConfig, ends: Ends, out: dict[str, Any]) -> 
         strategy = counting_fedavg(config.agents, transfers)
         strategy.start(
             grid=grid,
-            initial_arrays=ArrayRecord(dict(learner.initial)),
+            initial_arrays=ArrayRecord(dict(learner.facts.initial)),
             num_rounds=config.learning.rounds,
             evaluate_fn=evaluate,
         )

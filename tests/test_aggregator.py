@@ -93,7 +93,7 @@ def update(sender: str, weights: dict[str, torch.Tensor], num_samples: int = 10)
 
 def test_bad_uploads_are_left_out_and_the_round_goes_on(aggregator: Make) -> None:
     agg, transport = aggregator("fedavg", aggregation="mean")  # the lone upload, unclipped
-    initial = agg.learner.initial
+    initial = agg.learner.facts.initial
     good = {n: t + 1.0 for n, t in reversed(list(initial.items()))}  # the sender's own order
     wrong_shape = {**initial, next(iter(initial)): torch.zeros(3)}
     topic = topics.round_topic("f", 1, "update", "agent-000")
@@ -119,7 +119,7 @@ def test_bad_uploads_are_left_out_and_the_round_goes_on(aggregator: Make) -> Non
 
 def test_a_divergence_vector_that_does_not_cover_every_layer_is_refused(aggregator: Make) -> None:
     agg, _ = aggregator("fedldf", ldf_n=1)
-    layers = list(agg.learner.layer_groups)
+    layers = list(agg.learner.facts.layer_groups)
     for sender, names in (("agent-000", layers), ("agent-001", layers[:-1])):
         message = messages.Divergence(
             fleet="f", sender=sender, run_id="r", round=1, layers=names, values=[1.0] * len(names)

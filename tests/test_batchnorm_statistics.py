@@ -65,7 +65,7 @@ def test_a_personal_model_is_evaluated_with_its_own_fresh_statistics(
     sim, report, _ = run(strategy, monkeypatch)
     last = report["rounds"][-1]["agents"]
     for agent, state in sim.states.items():
-        loss, accuracy = reference_metric(sim.learner.model, state.weights, sim.data[agent])
+        loss, accuracy = reference_metric(sim.learner.facts.model, state.weights, sim.data[agent])
         assert last[agent]["accuracy"] == pytest.approx(accuracy, abs=1e-9), agent
         assert last[agent]["loss"] == pytest.approx(loss, rel=1e-4), agent
 
@@ -76,7 +76,7 @@ def test_the_global_model_is_evaluated_with_statistics_of_the_device_for_its_wei
     sim, report, server = run("fedavg", monkeypatch)
     last = report["rounds"][-1]["agents"]
     for agent in sim.states:
-        loss, accuracy = reference_metric(sim.learner.model, server.weights, sim.data[agent])
+        loss, accuracy = reference_metric(sim.learner.facts.model, server.weights, sim.data[agent])
         assert last[agent]["accuracy"] == pytest.approx(accuracy, abs=1e-9), agent
         assert last[agent]["loss"] == pytest.approx(loss, rel=1e-4), agent
 

@@ -132,10 +132,10 @@ def test_measured_modes_need_costs_and_the_flop_modes_keep_their_rule() -> None:
     learner = learner_for("mlp", (64,), strategy="dadpfl", reduce="prefix")
     masks = learner.init_agent("a").masks
     with pytest.raises(ValueError, match="--reduce prefix chooses by measured costs"):
-        local_reduction(learner, 0.5, masks)
-    assert local_reduction(learner, None, masks) == NO_REDUCTION
+        local_reduction(learner.facts, 0.5, masks)
+    assert local_reduction(learner.facts, None, masks) == NO_REDUCTION
     pruned = learner_for("mlp", (64,), strategy="dadpfl", reduce="prune")
-    chosen = local_reduction(pruned, 0.3, masks, costs=TABLE)
+    chosen = local_reduction(pruned.facts, 0.3, masks, costs=TABLE)
     assert chosen.kind == "prune" and chosen.density_cap is not None
 
 
@@ -167,13 +167,13 @@ def test_a_users_module_is_cut_where_its_data_flows() -> None:
 
 def test_a_window_trains_its_layers_and_leaves_the_others_bit_identical() -> None:
     learner = learner_for("cnn2d", (1, 8, 8))
-    layers = learner.forward_layers
+    layers = learner.facts.forward_layers
     window = windows(layers, 0.5)[-1]
     names = trained_names(layers, window)
     start = learner.init_agent("a").weights
     data = data_for((1, 8, 8))
     result = train_local(
-        learner.model,
+        learner.facts.model,
         start,
         None,
         data.x_train,
@@ -186,7 +186,7 @@ def test_a_window_trains_its_layers_and_leaves_the_others_bit_identical() -> Non
     for name, tensor in result.state.items():
         changed = not torch.equal(tensor, start[name])
         assert changed == (name in names and tensor.is_floating_point()), name
-    assert all(p.requires_grad for p in learner.model.parameters())
+    assert all(p.requires_grad for p in learner.facts.model.parameters())
 
 
 def test_fewer_minibatches_when_the_step_fraction_says_so() -> None:
@@ -194,7 +194,7 @@ def test_fewer_minibatches_when_the_step_fraction_says_so() -> None:
     data = data_for((64,))
     sgd = SGDConfig(batch_size=16, epochs=2)
     start = learner.init_agent("a").weights
-    args = (learner.model, start, None, data.x_train, data.y_train, sgd, 1)
+    args = (learner.facts.model, start, None, data.x_train, data.y_train, sgd, 1)
     whole = train_local(*args, torch.Generator().manual_seed(0))
     quarter = train_local(*args, torch.Generator().manual_seed(0), step_fraction=0.25)
     assert (whole.samples, quarter.samples) == (128, 32)
@@ -205,10 +205,17 @@ def test_a_narrower_model_trains_its_channels_only() -> None:
     start = learner.init_agent("a").weights
     data = data_for((1, 8, 8))
     trained, flops = reduced_training(
-        learner, start, None, None, Reduction(width=0.5), data, 1, torch.Generator().manual_seed(0)
+        learner.facts,
+        start,
+        None,
+        None,
+        Reduction(width=0.5),
+        data,
+        1,
+        torch.Generator().manual_seed(0),
     )
     dense, dense_flops = reduced_training(
-        learner, start, None, None, NO_REDUCTION, data, 1, torch.Generator().manual_seed(0)
+        learner.facts, start, None, None, NO_REDUCTION, data, 1, torch.Generator().manual_seed(0)
     )
     assert flops < 0.5 * dense_flops
     for name, tensor in trained.state.items():
@@ -220,7 +227,7 @@ def test_a_narrower_model_trains_its_channels_only() -> None:
 def test_calibration_measures_every_level_and_is_kept_in_the_state_folder(tmp_path) -> None:
     learner = learner_for("cnn2d", (1, 8, 8), strategy="dadpfl")
     data = data_for((1, 8, 8))
-    measured = cached_costs(tmp_path, learner, data, ("prune", "prefix", "width"))
+    measured = cached_costs(tmp_path, learner.facts, data, ("prune", "prefix", "width"))
     kinds = {row.kind for row in measured.rows}
     assert kinds == {"prune", "prefix", "width"}
     assert measured.dense.step_s > 0 and measured.dense.activation_mb > 0
@@ -231,12 +238,12 @@ def test_calibration_measures_every_level_and_is_kept_in_the_state_folder(tmp_pa
     assert CostTable.from_dict(kept[measured.key]) == measured
     # Read back, not measured again (another process: nothing in memory).
     calibration._MEASURED.clear()
-    assert cached_costs(tmp_path, learner, data, ("prune", "prefix", "width")) == measured
+    assert cached_costs(tmp_path, learner.facts, data, ("prune", "prefix", "width")) == measured
     assert not calibration._MEASURED
     # Another batch size is another key: measured and kept beside the first.
     other = dataclasses.replace(learner.config, batch_size=8)
-    learner.config = other
-    again = cached_costs(tmp_path, learner, data, ("prune", "prefix", "width"))
+    learner.facts.config = other
+    again = cached_costs(tmp_path, learner.facts, data, ("prune", "prefix", "width"))
     assert again.batch_size == 8
     assert len(json.loads((tmp_path / calibration.COSTS_FILE).read_text())) == 2
 
@@ -244,7 +251,7 @@ def test_calibration_measures_every_level_and_is_kept_in_the_state_folder(tmp_pa
 def test_an_unreadable_table_is_measured_again(tmp_path) -> None:
     learner = learner_for("mlp", (64,))
     (tmp_path / calibration.COSTS_FILE).write_text("{not json")
-    measured = cached_costs(tmp_path, learner, data_for((64,)), ("prefix",))
+    measured = cached_costs(tmp_path, learner.facts, data_for((64,)), ("prefix",))
     assert {row.kind for row in measured.rows} == {"prefix"}
     with pytest.raises(ValueError, match="cost table version"):
         CostTable.from_dict({**measured.to_dict(), "version": 99})
@@ -273,7 +280,7 @@ def test_a_round_is_predicted_from_its_measured_share() -> None:
 
 def test_measure_costs_covers_the_modes_reductions() -> None:
     learner = learner_for("mlp", (64,))
-    measured = measure_costs(learner, data_for((64,)), kinds=("freeze", "width"))
+    measured = measure_costs(learner.facts, data_for((64,)), kinds=("freeze", "width"))
     assert {row.kind for row in measured.rows} == {"freeze", "width"}
     assert "kinds freeze,width" in measured.key
 
@@ -337,7 +344,7 @@ def test_an_emulated_board_cut_to_its_budget_takes_its_round_time(profile) -> No
     from agent.device.budget import RoundWork
 
     work = RoundWork.for_model(
-        learner.model, (1, 8, 8), samples=400, epochs=5, batch_size=16, dense_grad_samples=16
+        learner.facts.model, (1, 8, 8), samples=400, epochs=5, batch_size=16, dense_grad_samples=16
     )
     dense_s = (work.fixed_flops + work.train_flops) / (board.peak_fp32_gflops * 0.1e9)
     limits = BudgetLimits(round_time_s=0.6 * dense_s)

@@ -36,15 +36,20 @@ def first_agent(name: str) -> tuple[Learner, channels.ChannelPlan, dict[str, Ten
     learner = learner_for(name)
     masks = learner.initial_masks("agent-1")
     assert masks is not None
-    return learner, learner.channel_plan, masks, sparse.apply_masks(learner.initial, masks)
+    return (
+        learner,
+        learner.facts.channel_plan,
+        masks,
+        sparse.apply_masks(learner.facts.initial, masks),
+    )
 
 
 def blocks_of(learner: Learner, masks: dict[str, Tensor]) -> list[int]:
-    return [int(k.sum()) for k in channels.kept_blocks(learner.channel_plan, masks)]
+    return [int(k.sum()) for k in channels.kept_blocks(learner.facts.channel_plan, masks)]
 
 
 def is_structured(learner: Learner, masks: dict[str, Tensor]) -> bool:
-    plan = learner.channel_plan
+    plan = learner.facts.channel_plan
     rebuilt = channels.masks_of(plan, channels.kept_blocks(plan, masks))
     return all(torch.equal(rebuilt[name], mask) for name, mask in masks.items())
 
@@ -52,26 +57,26 @@ def is_structured(learner: Learner, masks: dict[str, Tensor]) -> bool:
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_the_masked_model_computes_what_the_narrow_model_does(name: str) -> None:
     learner = learner_for(name)
-    plan = learner.channel_plan
+    plan = learner.facts.channel_plan
     masks = learner.initial_masks("agent-1")
     assert masks is not None and is_structured(learner, masks)
     assert 0.3 < 1 - sparse.sparsity(masks) <= 0.5
-    weights = sparse.apply_masks(learner.initial, masks)
+    weights = sparse.apply_masks(learner.facts.initial, masks)
     chosen = channels.selection(plan, masks)
-    narrow = width.narrow_model(learner.model, plan.width, chosen)
+    narrow = width.narrow_model(learner.facts.model, plan.width, chosen)
     narrow.load_state_dict(width.narrow_state(weights, plan.width, chosen))
     small = sum(p.numel() for p in narrow.parameters())
-    assert small < 0.75 * sum(p.numel() for p in learner.model.parameters())
-    learner.model.load_state_dict(weights)
+    assert small < 0.75 * sum(p.numel() for p in learner.facts.model.parameters())
+    learner.facts.model.load_state_dict(weights)
     x = torch.randn(5, *SHAPES[name])
-    learner.model.eval()
+    learner.facts.model.eval()
     narrow.eval()
-    torch.testing.assert_close(learner.model(x), narrow(x), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(learner.facts.model(x), narrow(x), atol=1e-5, rtol=1e-4)
     # the growth gradients' weights: dropped neurons fed at w0 change nothing downstream
-    revived = channels.revived(plan, weights, learner.initial, masks)
+    revived = channels.revived(plan, weights, learner.facts.initial, masks)
     assert any(not torch.equal(revived[n], weights[n]) for n in masks)
-    learner.model.load_state_dict(revived)
-    torch.testing.assert_close(learner.model(x), narrow(x), atol=1e-5, rtol=1e-4)
+    learner.facts.model.load_state_dict(revived)
+    torch.testing.assert_close(learner.facts.model(x), narrow(x), atol=1e-5, rtol=1e-4)
 
 
 def test_agents_draw_their_own_channels_from_the_fleet_seed() -> None:
@@ -86,12 +91,12 @@ def test_agents_draw_their_own_channels_from_the_fleet_seed() -> None:
 
 def test_rigl_swaps_whole_blocks_and_regrown_ones_start_afresh() -> None:
     learner = learner_for("mlp")
-    plan = learner.channel_plan
+    plan = learner.facts.channel_plan
     masks = learner.initial_masks("agent-1")
     assert masks is not None
     trained = {
         n: t * (1.5 if n in masks else 1.0) + 0.01
-        for n, t in sparse.apply_masks(learner.initial, masks).items()
+        for n, t in sparse.apply_masks(learner.facts.initial, masks).items()
     }
     weights = sparse.apply_masks(trained, masks)
     # the first hidden neuron kept is made the weakest: RigL drops it
@@ -100,7 +105,7 @@ def test_rigl_swaps_whole_blocks_and_regrown_ones_start_afresh() -> None:
     weights["net.1.weight"][weakest] = 1e-6
     grads = {n: torch.ones_like(weights[n]) for n in masks}
     new_weights, new_masks = channels.rigl_update(
-        plan, weights, masks, grads, learner.initial, alpha=0.15
+        plan, weights, masks, grads, learner.facts.initial, alpha=0.15
     )
     new_kept = channels.kept_blocks(plan, new_masks)
     assert is_structured(learner, new_masks)
@@ -111,14 +116,14 @@ def test_rigl_swaps_whole_blocks_and_regrown_ones_start_afresh() -> None:
     for name, mask in new_masks.items():
         assert not bool(new_weights[name][~mask].any())
         fresh = mask & ~masks[name]
-        assert torch.equal(new_weights[name][fresh], learner.initial[name][fresh])
+        assert torch.equal(new_weights[name][fresh], learner.facts.initial[name][fresh])
         stayed = mask & masks[name]
         assert torch.equal(new_weights[name][stayed], weights[name][stayed])
 
 
 def test_growth_prefers_the_neuron_whose_readers_have_the_largest_gradient() -> None:
     learner = learner_for("mlp")
-    plan = learner.channel_plan
+    plan = learner.facts.channel_plan
     masks = learner.initial_masks("agent-1")
     assert masks is not None
     kept = channels.kept_blocks(plan, masks)
@@ -127,7 +132,12 @@ def test_growth_prefers_the_neuron_whose_readers_have_the_largest_gradient() -> 
     grads = {n: torch.zeros_like(t) for n, t in masks.items()}
     grads["net.3.weight"][:, wanted] = 1.0  # the second layer reads the first's neurons
     _, new = channels.rigl_update(
-        plan, sparse.apply_masks(learner.initial, masks), masks, grads, learner.initial, 0.15
+        plan,
+        sparse.apply_masks(learner.facts.initial, masks),
+        masks,
+        grads,
+        learner.facts.initial,
+        0.15,
     )
     assert bool(channels.kept_blocks(plan, new)[0][wanted])
 
@@ -175,16 +185,23 @@ def test_a_round_trains_the_narrow_model_as_the_masked_one_would() -> None:
     learner = learner_for("cnn2d", epochs=1, batch_size=16)
     masks = learner.initial_masks("agent-1")
     assert masks is not None
-    start = sparse.apply_masks(learner.initial, masks)
+    start = sparse.apply_masks(learner.facts.initial, masks)
     x, y = torch.randn(48, 1, 8, 8), torch.randint(0, 10, (48,))
     data = LocalData(x, y, x[:4], y[:4], x[:4], y[:4])
     narrow, flops = reduced_training(
-        learner, start, masks, None, NO_REDUCTION, data, 0, torch.Generator().manual_seed(1)
+        learner.facts, start, masks, None, NO_REDUCTION, data, 0, torch.Generator().manual_seed(1)
     )
     dense = train_local(
-        learner.model, start, masks, x, y, learner.sgd, 0, torch.Generator().manual_seed(1)
+        learner.facts.model,
+        start,
+        masks,
+        x,
+        y,
+        learner.facts.sgd,
+        0,
+        torch.Generator().manual_seed(1),
     )
-    assert flops == 3 * learner.forward_flops(masks) * 48
+    assert flops == 3 * learner.facts.forward_flops(masks) * 48
     for name, mask in masks.items():
         assert not bool(narrow.state[name][~mask].any())
         torch.testing.assert_close(narrow.state[name][mask], dense.state[name][mask])
@@ -209,7 +226,9 @@ def test_a_simulated_fleet_keeps_its_masks_whole_and_its_budget_cap_real() -> No
 def test_calibration_measures_channel_masks_at_every_density() -> None:
     learner = learner_for("cnn2d", batch_size=16)
     x, y = torch.randn(32, 1, 8, 8), torch.randint(0, 10, (32,))
-    table = measure_costs(learner, LocalData(x, y, x[:2], y[:2], x[:2], y[:2]), kinds=("prune",))
+    table = measure_costs(
+        learner.facts, LocalData(x, y, x[:2], y[:2], x[:2], y[:2]), kinds=("prune",)
+    )
     rows = table.of_kind("prune")
     assert [r.level for r in rows] == [0.5, 0.35, 0.2, 0.1]
     memory = [r.cost.peak_mb for r in rows]
@@ -267,14 +286,14 @@ def test_a_device_serves_the_narrow_model_and_it_answers_as_the_masked_one(tmp_p
     learner = learner_for("cnn2d")
     masks = learner.initial_masks("agent-1")
     assert masks is not None
-    weights = sparse.apply_masks(learner.initial, masks)
+    weights = sparse.apply_masks(learner.facts.initial, masks)
     model, state = served_model(learner, weights, masks)
     assert sum(t.numel() for t in state.values()) < 0.7 * sum(t.numel() for t in weights.values())
     path = export_onnx(model, state, SHAPES["cnn2d"], tmp_path / "model.onnx")
     x = torch.randn(6, *SHAPES["cnn2d"])
-    learner.model.load_state_dict(weights)
-    learner.model.eval()
+    learner.facts.model.load_state_dict(weights)
+    learner.facts.model.eval()
     with torch.no_grad():
-        want = learner.model(x).numpy()
+        want = learner.facts.model(x).numpy()
     got = OnnxModel.load(path, threads=1).predict(x.numpy())
     assert abs(got - want).max() < 1e-4

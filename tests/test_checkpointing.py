@@ -107,7 +107,7 @@ def test_the_measured_modes_measure_checkpointing_too() -> None:
     learner = Learner(model, (1, 12, 12), prunable_names(model), cfg, seed=1)
     x, y = torch.randn(32, 1, 12, 12), torch.randint(0, 10, (32,))
     costs = measure_costs(
-        learner, LocalData(x, y, x[:2], y[:2], x[:2], y[:2]), kinds=("checkpoint",)
+        learner.facts, LocalData(x, y, x[:2], y[:2], x[:2], y[:2]), kinds=("checkpoint",)
     )
     (row,) = costs.of_kind("checkpoint")
     assert row.cost.activation_mb < 0.6 * costs.dense.activation_mb

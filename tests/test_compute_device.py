@@ -202,7 +202,7 @@ def _assert_identical(one: RoundResult, other: RoundResult) -> None:
 def test_training_on_the_cpu_device_is_bit_identical_to_the_default() -> None:
     default, data = _learner("dadpfl")
     on_cpu, _ = _learner("dadpfl")
-    assert on_cpu.to(resolve_device("cpu")) is on_cpu and on_cpu.device == torch.device("cpu")
+    assert on_cpu.to(resolve_device("cpu")) is on_cpu and on_cpu.facts.device == torch.device("cpu")
     for one, other in zip(_rounds(default, data), _rounds(on_cpu, data), strict=True):
         _assert_identical(one, other)
 
@@ -211,7 +211,7 @@ def test_the_adam_family_refuses_a_gpu_before_moving() -> None:
     learner, _ = _learner("fedadam")
     with pytest.raises(ValueError, match="strategy fedadam trains on the cpu only"):
         learner.to(torch.device("cuda"))
-    assert learner.device == torch.device("cpu")
+    assert learner.facts.device == torch.device("cpu")
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
@@ -222,7 +222,7 @@ def test_training_on_cuda_returns_cpu_tensors_close_to_the_cpu_run(
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     on_cpu, data = _learner("dadpfl")
     on_gpu, _ = _learner("dadpfl")
-    assert on_gpu.to(resolve_device("cuda")).device.type == "cuda"
+    assert on_gpu.to(resolve_device("cuda")).facts.device.type == "cuda"
     for cpu_round, gpu_round in zip(_rounds(on_cpu, data), _rounds(on_gpu, data), strict=True):
         state = gpu_round.state
         assert state.masks is not None
@@ -240,5 +240,7 @@ def test_training_on_cuda_returns_cpu_tensors_close_to_the_cpu_run(
     for name, tensor in expected.items():
         assert got[name].device.type == "cpu"
         torch.testing.assert_close(got[name], tensor, rtol=1e-3, atol=1e-4)
-    work = RoundWork.for_model(dense_gpu.model, INPUT, samples=40, epochs=1, batch_size=16)
-    assert work == RoundWork.for_model(dense.model, INPUT, samples=40, epochs=1, batch_size=16)
+    work = RoundWork.for_model(dense_gpu.facts.model, INPUT, samples=40, epochs=1, batch_size=16)
+    assert work == RoundWork.for_model(
+        dense.facts.model, INPUT, samples=40, epochs=1, batch_size=16
+    )

@@ -13,9 +13,9 @@ from torch import nn
 
 from agent.device import calibration
 from agent.device.calibration import cached_costs, candidate_formats, measure_costs
-from agent.learning import Learner
 from agent.learning.config import SGDConfig, StrategyConfig
 from agent.learning.learner import LocalData
+from agent.learning.model_facts import ModelFacts
 from agent.learning.models import build_model, prunable_names
 from agent.learning.precision import FP32, ComputeFormat, LossScale
 from agent.learning.training import train_local
@@ -23,10 +23,10 @@ from agent.learning.training import train_local
 SHAPE = (1, 12, 12)
 
 
-def learner() -> Learner:
+def model_facts() -> ModelFacts:
     model = build_model("cnn2d", SHAPE, 10, seed=1)
     config = StrategyConfig(strategy="dfedavgm", batch_size=16, epochs=1)
-    return Learner(model, SHAPE, prunable_names(model), config, seed=1)
+    return ModelFacts(model, SHAPE, prunable_names(model), config, seed=1)
 
 
 def data(n: int = 48) -> LocalData:
@@ -50,7 +50,7 @@ def test_an_unknown_format_is_refused(name: str) -> None:
 
 
 def train(compute: ComputeFormat) -> tuple[dict[str, torch.Tensor], float, nn.Module]:
-    lrn, local = learner(), data()
+    lrn, local = model_facts(), data()
     sgd = SGDConfig(batch_size=16, epochs=1)
     result = train_local(
         lrn.model,
@@ -101,11 +101,11 @@ def test_fp16_loss_scaling_skips_an_overflowed_step_and_unscales_the_others() ->
 
 
 def test_a_cpu_times_no_other_format() -> None:
-    assert candidate_formats(learner()) == ("fp32",)
+    assert candidate_formats(model_facts()) == ("fp32",)
 
 
 def test_the_fastest_measured_format_is_kept_with_the_table_and_trained_in(tmp_path) -> None:
-    measured = learner()
+    measured = model_facts()
     table = measure_costs(measured, data(), kinds=("width",), formats=("fp32", "channels-last"))
     assert table.format in ("fp32", "channels-last")
     assert measured.compute_format == ComputeFormat.parse(table.format)
@@ -114,11 +114,11 @@ def test_the_fastest_measured_format_is_kept_with_the_table_and_trained_in(tmp_p
 
     calibration._MEASURED[table.key] = forced
     try:
-        first = learner()
+        first = model_facts()
         cached_costs(tmp_path, first, data(), kinds=("width",))
     finally:
         calibration._MEASURED.pop(table.key)
-    fresh = learner()
+    fresh = model_facts()
     assert fresh.compute_format == FP32
     kept = cached_costs(tmp_path, fresh, data(), kinds=("width",))
     assert kept.format == "channels-last"

@@ -283,7 +283,7 @@ def assert_nothing_retained(address: BrokerAddress, topic_filter: str) -> None:
 def assert_onnx_models_match_torch(simulation: Simulation, workdir: Path) -> None:
     """Every agent exported the model it kept (its personalized or its local-only one, as
     the simulated agent chose); onnxruntime agrees with torch."""
-    model = simulation.learner.model
+    model = simulation.learner.facts.model
     for agent_id, state in simulation.states.items():
         exported = OnnxModel.load(workdir / agent_id / "model.onnx", threads=1)
         assert exported.metadata["agent"] == agent_id

@@ -41,7 +41,7 @@ def trained(learner: Learner, data: LocalData, rounds: int) -> dict[str, torch.T
 
 def test_the_best_model_on_validation_is_kept_and_the_local_one_unless_beaten() -> None:
     learner, data = small_learner()
-    good, untrained = trained(learner, data, 5), dict(learner.initial)
+    good, untrained = trained(learner, data, 5), dict(learner.facts.initial)
     kept = choose(learner, {"fleet": (untrained, None), "local": (good, None)}, data)
     assert kept.name == "local" and kept.weights is good
     assert kept.scores["local"] > kept.scores["fleet"]
@@ -67,7 +67,7 @@ def test_the_local_model_trains_every_round_and_says_what_it_cost() -> None:
     for round_ in range(1, 4):
         before = shadow.weights
         shadow, flops = train_shadow(learner, shadow, data, "a", round_)
-        assert flops == learner.train_flops(None, 2 * 96)
+        assert flops == learner.facts.train_flops(None, 2 * 96)
         assert not all(torch.equal(shadow.weights[k], before[k]) for k in before)
     assert shadow.rounds == 3
     blind = LocalData(
@@ -136,7 +136,7 @@ def test_a_device_whose_fleet_model_is_worse_keeps_its_own_and_serves_it(tmp_pat
         shadow = simulation.states[agent].shadow
         assert shadow is not None
         data = simulation.data[agent]
-        model = simulation.learner.model
+        model = simulation.learner.facts.model
         model.load_state_dict(shadow.weights)
         model.eval()
         with torch.no_grad():

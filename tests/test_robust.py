@@ -297,7 +297,7 @@ def test_an_undone_fit_keeps_the_round_of_its_local_only_model(
     assert all(torch.equal(fit.state.weights[n], state.weights[n]) for n in state.weights)
     assert fit.state.shadow is not None and fit.fallback_flops > 0
     moved = fit.state.shadow.weights  # from the fleet's initial weights, as `local` starts
-    assert any(not torch.equal(moved[n], learner.initial[n]) for n in moved)
+    assert any(not torch.equal(moved[n], learner.facts.initial[n]) for n in moved)
     assert robust.finite(moved)
 
 

@@ -125,7 +125,7 @@ def test_huge_and_nan_models_never_reach_an_honest_model(
 def _with(simulation: Simulation, aggregation: str, clip: str) -> Learner:
     """The fleet's learner with other `--aggregation` and `--clip`."""
     learner = copy.copy(simulation.learner)
-    learner.config = dataclasses.replace(learner.config, aggregation=aggregation, clip=clip)
+    learner.facts.config = dataclasses.replace(learner.config, aggregation=aggregation, clip=clip)
     return learner
 
 

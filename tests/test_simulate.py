@@ -83,7 +83,7 @@ def test_agents_see_this_rounds_prior_models_and_last_rounds_others() -> None:
             if round_ > 1:
                 assert inbox[j] is published[(round_ - 1, j)]
             else:
-                assert inbox[j].weights.keys() == simulation.learner.initial.keys()
+                assert inbox[j].weights.keys() == simulation.learner.facts.initial.keys()
     assert waited > 0, "the configuration should make some agents wait"
 
 

@@ -151,8 +151,8 @@ def reduction_at(p_k: float, mode: str):
     FLOP fraction c of a full round of its model."""
     learner = Simulation(config("dadpfl", reduce=mode)).learner
     masks = learner.init_agent("agent-000").masks
-    cost = learner.forward_flops(masks) / learner.dense_flops
-    return local_reduction(learner, p_k, masks), cost
+    cost = learner.facts.forward_flops(masks) / learner.facts.dense_flops
+    return local_reduction(learner.facts, p_k, masks), cost
 
 
 def test_reduce_prunes_or_freezes_to_the_budget() -> None:

@@ -29,7 +29,7 @@ def test_masked_sgd_keeps_pruned_weights_exactly_zero() -> None:
     agent = learner.init_agent("a")
     config = SGDConfig(lr=0.5, momentum=0.9, weight_decay=0.01, batch_size=8, epochs=2)
     result = train_local(
-        learner.model,
+        learner.facts.model,
         agent.weights,
         agent.masks,
         data.x_train,
@@ -75,7 +75,7 @@ def test_training_is_a_pure_function_of_its_inputs() -> None:
     agent = learner.init_agent("a")
     runs = [
         train_local(
-            learner.model,
+            learner.facts.model,
             agent.weights,
             agent.masks,
             data.x_train,
@@ -119,8 +119,8 @@ def test_a_round_publishes_an_exactly_masked_model_and_counts_its_flops() -> Non
     for name, mask in published.masks.items():
         assert torch.all(published.weights[name][~mask] == 0)
         assert int(mask.sum()) == int(agent.masks[name].sum()), "RigL keeps layer density"
-    sparse_per_sample = forward_flops(learner.model, INPUT, agent.masks)
-    rigl = (2 * sparse_per_sample + learner.dense_flops) * 16  # masked fwd and input grad
+    sparse_per_sample = forward_flops(learner.facts.model, INPUT, agent.masks)
+    rigl = (2 * sparse_per_sample + learner.facts.dense_flops) * 16  # masked fwd and input grad
     assert result.train_flops == 3 * sparse_per_sample * 32 + rigl
     assert result.state.round == 1 and len(result.state.distances) == 1
     assert result.score == 1.0 and result.vote is False
@@ -132,9 +132,9 @@ def test_rigls_flops_count_the_masks_its_gradient_ran_with_after_further_pruning
     result = learner.local_round(agent, data, {}, 1, prune_now=True)
     pruned = result.published.masks  # RigL keeps each layer's count, so its FLOPs too
     assert sparse.sparsity(pruned) > sparse.sparsity(agent.masks)
-    trained = forward_flops(learner.model, INPUT, agent.masks)
-    rigl = forward_flops(learner.model, INPUT, pruned)
-    assert result.train_flops == 3 * trained * 32 + (2 * rigl + learner.dense_flops) * 16
+    trained = forward_flops(learner.facts.model, INPUT, agent.masks)
+    rigl = forward_flops(learner.facts.model, INPUT, pruned)
+    assert result.train_flops == 3 * trained * 32 + (2 * rigl + learner.facts.dense_flops) * 16
 
 
 def test_dense_strategies_average_plainly_and_never_mask() -> None:
@@ -143,14 +143,14 @@ def test_dense_strategies_average_plainly_and_never_mask() -> None:
     assert agent.masks is None
     result = learner.local_round(agent, data, {}, 1, prune_now=False)
     assert result.published.masks is None and result.vote is None
-    assert result.train_flops == 3 * learner.dense_flops * 32
+    assert result.train_flops == 3 * learner.facts.dense_flops * 32
 
 
 def test_evaluate_reports_loss_and_accuracy() -> None:
     learner, data = _setup()
-    loss, accuracy = evaluate(learner.model, learner.initial, data.x_test, data.y_test)
+    loss, accuracy = evaluate(learner.facts.model, learner.facts.initial, data.x_test, data.y_test)
     assert loss > 0 and 0 <= accuracy <= 1
-    empty = evaluate(learner.model, learner.initial, data.x_test[:0], data.y_test[:0])
+    empty = evaluate(learner.facts.model, learner.facts.initial, data.x_test[:0], data.y_test[:0])
     assert all(value != value for value in empty), "no test data: NaN, not a made-up number"
 
 

@@ -597,7 +597,7 @@ def bn_states(learner: Learner) -> tuple[Any, dict[str, Published]]:
 @pytest.mark.parametrize("strategy", ["dadpfl", "dfedavgm"])
 def test_fedbn_keeps_each_devices_running_statistics(code: Path, strategy: str) -> None:
     learner = bn_learner(strategy, "local")
-    assert set(learner.local_keys) == {
+    assert set(learner.facts.local_keys) == {
         "2.running_mean",
         "2.running_var",
         "2.num_batches_tracked",
@@ -613,7 +613,7 @@ def test_fedbn_keeps_each_devices_running_statistics(code: Path, strategy: str) 
 @pytest.mark.parametrize("strategy", ["dadpfl", "dfedavgm"])
 def test_shared_batchnorm_averages_the_statistics_too(code: Path, strategy: str) -> None:
     learner = bn_learner(strategy, "shared")
-    assert learner.local_keys == ()
+    assert learner.facts.local_keys == ()
     agent, inbox = bn_states(learner)
     out = learner.aggregate(agent, inbox)
     assert torch.allclose(out["2.running_mean"], torch.full((16,), 2.0))

@@ -70,7 +70,7 @@ class Damped(DecentralizedStrategy):
 
 class Blurred(Damped):
     def publish(self, learner, model, start):  # sends its model blurred, keeps it exact
-        draw = learner.generator("blur", start.agent.agent_id, start.round)
+        draw = learner.facts.generator("blur", start.agent.agent_id, start.round)
         noise = {n: 0.05 * torch.randn(w.shape, generator=draw) for n, w in model.weights.items()}
         blurred = {n: w + noise[n] for n, w in model.weights.items()}
         return super().publish(learner, dataclasses.replace(model, weights=blurred), start)
@@ -183,7 +183,7 @@ def test_an_agents_first_masks_are_its_strategys(own: Path) -> None:
     assert first("dfedavgm")[1].masks is None
     learner, unmasked = first(f"{own}/decentral.py:Unmasked")
     assert unmasked.masks is None
-    assert all(torch.equal(w, learner.initial[n]) for n, w in unmasked.weights.items())
+    assert all(torch.equal(w, learner.facts.initial[n]) for n, w in unmasked.weights.items())
 
 
 def test_a_users_training_and_what_it_sends_are_what_its_rounds_take(

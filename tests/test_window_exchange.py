@@ -39,12 +39,12 @@ def round_with(learner: Learner, reduction: Reduction) -> Published:
 
 def test_a_window_round_publishes_its_layers_alone() -> None:
     learner = learner_for("prefix")
-    layers = learner.forward_layers
+    layers = learner.facts.forward_layers
     window = (len(layers) - 1, len(layers))
     published = round_with(learner, Reduction(window=window, kind="prefix"))
     assert set(published.weights) == set(layers[-1].tensors)
     whole = round_with(learner, NO_REDUCTION)
-    assert set(whole.weights) == set(learner.initial)
+    assert set(whole.weights) == set(learner.facts.initial)
     assert len(encode_state(published.weights)) < 0.5 * len(encode_state(whole.weights))
 
 
@@ -52,7 +52,7 @@ def test_modes_that_send_deltas_or_layers_keep_whole_models() -> None:
     for learner in (learner_for("prune"), learner_for("prefix", wire="delta")):
         window = (0, 1)
         published = round_with(learner, Reduction(window=window, kind="prefix"))
-        assert set(published.weights) == set(learner.initial)
+        assert set(published.weights) == set(learner.facts.initial)
 
 
 def test_a_part_counts_for_its_layers_and_is_screened_among_its_peers() -> None:
@@ -76,12 +76,12 @@ def test_a_part_counts_for_its_layers_and_is_screened_among_its_peers() -> None:
 
 
 def window_inbox(learner: Learner) -> Inbox:
-    layers = {layer.name: list(layer.tensors) for layer in learner.forward_layers}
+    layers = {layer.name: list(layer.tensors) for layer in learner.facts.forward_layers}
     expected = Expected(
         FLEET,
         RUN,
         frozenset({"a", "b"}),
-        expected_shapes(learner.initial),
+        expected_shapes(learner.facts.initial),
         window_layers=layers,
     )
     return Inbox(expected)
@@ -95,8 +95,8 @@ def payload(weights: dict[str, torch.Tensor]) -> bytes:
 
 def test_a_receiver_takes_a_model_in_whole_layers_only() -> None:
     learner = learner_for("prefix")
-    last = learner.forward_layers[-1]
-    part = {name: learner.initial[name] for name in last.tensors}
+    last = learner.facts.forward_layers[-1]
+    part = {name: learner.facts.initial[name] for name in last.tensors}
     box = window_inbox(learner)
     box.on_model(topics.round_topic(FLEET, 1, "model", "b"), payload(part))
     got = box.model(1, "b")
@@ -116,4 +116,4 @@ def test_the_wire_says_which_runs_send_windows() -> None:
 
     assert FullWire.expects(learner_for("prune"), "a") == {}
     layers = FullWire.expects(learner_for("auto"), "a")["window_layers"]
-    assert list(layers) == [layer.name for layer in learner_for("auto").forward_layers]
+    assert list(layers) == [layer.name for layer in learner_for("auto").facts.forward_layers]

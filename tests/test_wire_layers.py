@@ -50,17 +50,19 @@ def test_a_neighbour_counts_only_for_the_layers_it_sent(learner) -> None:
     b_model = learner.published(b, 1)
     b_model = Published(noisy, b_model.masks, 1)
     a_model = learner.published(a, 1)
-    layers = list(learner.layer_groups)
+    layers = list(learner.facts.layer_groups)
     picked = layers[:2]
     partial = learner.aggregate(me, {"a": a_model, "b": learner.layer_part(b_model, picked)})
     with_b = learner.aggregate(me, {"a": a_model, "b": b_model})
     without_b = learner.aggregate(me, {"a": a_model})
     assert list(partial) == list(me.weights)
-    for layer, names in learner.layer_groups.items():
+    for layer, names in learner.facts.layer_groups.items():
         want = with_b if layer in picked else without_b
         for name in names:
             assert torch.equal(partial[name], want[name]), name
-    assert any(not torch.equal(with_b[n], without_b[n]) for n in learner.layer_groups[picked[0]])
+    assert any(
+        not torch.equal(with_b[n], without_b[n]) for n in learner.facts.layer_groups[picked[0]]
+    )
 
 
 def test_with_n_at_least_the_neighbours_every_layer_comes_and_learning_equals_full() -> None:
@@ -198,7 +200,7 @@ def test_a_sender_that_announces_again_is_asked_again_for_its_layers_at_once(
     box.on_divergence(topic, divergence_payload(["conv", "fc"], [1.0, 2.0]))
     session = SimpleNamespace(
         inbox=box,
-        learner=SimpleNamespace(layer_groups=GROUPS),
+        learner=SimpleNamespace(facts=SimpleNamespace(layer_groups=GROUPS)),
         transport=transport,
         timeouts=SimpleNamespace(request_every_s=30.0),
         stop=threading.Event(),

@@ -40,7 +40,8 @@ from torch import nn
 from agent.files import DiskFullError, atomic_write
 from agent.learning import reductions
 from agent.learning.costs import Cost, CostTable, Row
-from agent.learning.learner import Learner, LocalData
+from agent.learning.facts import LocalData
+from agent.learning.model_facts import ModelFacts
 from agent.learning.precision import CHANNELS_LAST, ComputeFormat
 from agent.learning.reduced import reduced_training
 from agent.learning.reduction import NO_REDUCTION, Reduction
@@ -99,48 +100,48 @@ def _bytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def working_set_mb(learner: Learner, reduction: Reduction, masks: Masks | None = None) -> float:
+def working_set_mb(facts: ModelFacts, reduction: Reduction, masks: Masks | None = None) -> float:
     """Weights, gradients and momentum of the model a round with `reduction` (and `masks`)
     trains: the whole model's weights, and gradients for what trains as the first kind
     that cuts it says (a window's layers, the narrow model's entries: a width's or channel
     masks'; freezing's gradients are dense-shaped)."""
     from agent.learning import width
 
-    params = dict(learner.model.named_parameters())
+    params = dict(facts.model.named_parameters())
     weights = _bytes(params.values())
     grads = weights
-    names, narrow = _trained_part(learner, reduction, masks)
+    names, narrow = _trained_part(facts, reduction, masks)
     if names is not None:
         grads = _bytes(p for name, p in params.items() if name in names)
     if narrow is not None:
         held = width.held_masks({n: p.detach() for n, p in params.items()}, *narrow)
         weights = grads = sum(int(held[n].sum()) * p.element_size() for n, p in params.items())
-    copies = 2 if learner.config.momentum != 0 else 1
+    copies = 2 if facts.config.momentum != 0 else 1
     return (weights + copies * grads) / MIB
 
 
 def _trained_part(
-    learner: Learner, reduction: Reduction, masks: Masks | None
+    facts: ModelFacts, reduction: Reduction, masks: Masks | None
 ) -> tuple[set[str] | None, Narrow | None]:
     """What of the model a round with `reduction` trains, as the first kind in the table
     that cuts it says: the entries of the full model (None: all), or a narrower model."""
     for cut in reductions.kinds():
-        names = cut.trainable(learner, reduction)
-        narrow = cut.narrowed(learner, reduction, masks, 0)
+        names = cut.trainable(facts, reduction)
+        narrow = cut.narrowed(facts, reduction, masks, 0)
         if names is not None or narrow is not None:
             return names, narrow
     return None, None
 
 
-def table_key(learner: Learner, batch_size: int, kinds: Sequence[str] = ()) -> str:
+def table_key(facts: ModelFacts, batch_size: int, kinds: Sequence[str] = ()) -> str:
     """What a cost table holds for: the model's layout, the batch, threads, device, torch and
     processor. Another key measures again."""
-    layout = [(name, tuple(t.shape)) for name, t in learner.initial.items()]
-    model = hashlib.sha256(repr((type(learner.model).__name__, layout)).encode()).hexdigest()
+    layout = [(name, tuple(t.shape)) for name, t in facts.initial.items()]
+    model = hashlib.sha256(repr((type(facts.model).__name__, layout)).encode()).hexdigest()
     processor = platform.processor() or platform.machine()
     return (
-        f"model {model[:16]} input {learner.input_shape} batch {batch_size} "
-        f"threads {torch.get_num_threads()} device {learner.device} torch {torch.__version__} "
+        f"model {model[:16]} input {facts.input_shape} batch {batch_size} "
+        f"threads {torch.get_num_threads()} device {facts.device} torch {torch.__version__} "
         f"cpu {processor} x{os.cpu_count()} kinds {','.join(sorted(kinds))}"
     )
 
@@ -161,7 +162,7 @@ def _seeded() -> torch.Generator:
 class _Calibration:
     """Timed calls of `steps` minibatch steps on one sample, for every row of a table."""
 
-    learner: Learner
+    facts: ModelFacts
     data: LocalData
     batch: int
     steps: int
@@ -169,14 +170,14 @@ class _Calibration:
     def call_s(self, reduction: Reduction, masks: Any) -> float:
         """Seconds of one call of `steps` steps of `reduction` (per-round work included,
         spread over enough steps to weigh little)."""
-        learner = self.learner
-        sgd = replace(learner.sgd, epochs=1, batch_size=self.batch)
-        weights = learner.init_agent("calibration").weights
-        start = started(learner, Start(weights, masks), reduction, _seeded)
+        facts = self.facts
+        sgd = replace(facts.sgd, epochs=1, batch_size=self.batch)
+        weights, _ = facts.initial_model("calibration")
+        start = started(facts, Start(weights, masks), reduction, _seeded)
         generator = _seeded()
         began = time.perf_counter()
         reduced_training(
-            learner,
+            facts,
             start.weights,
             start.masks,
             start.active,
@@ -191,17 +192,17 @@ class _Calibration:
     def memory(self, reduction: Reduction, masks: Any) -> tuple[float, float, float]:
         """(seconds, fixed MiB, activation MiB) of one call of `reduction` (module
         docstring); the seconds include the meter's bookkeeping."""
-        learner = self.learner
-        cuda = learner.device.type == "cuda"
+        facts = self.facts
+        cuda = facts.device.type == "cuda"
         if cuda:
-            torch.cuda.reset_peak_memory_stats(learner.device)
+            torch.cuda.reset_peak_memory_stats(facts.device)
         meter = ActivationMeter()
         with meter.measuring():
             seconds = self.call_s(reduction, masks)
-        fixed = working_set_mb(learner, reduction, masks)
+        fixed = working_set_mb(facts, reduction, masks)
         activations = meter.megabytes
         if cuda:
-            activations = max(torch.cuda.max_memory_allocated(learner.device) / MIB - fixed, 0.0)
+            activations = max(torch.cuda.max_memory_allocated(facts.device) / MIB - fixed, 0.0)
         return seconds, fixed, activations
 
     def share(self, reduction: Reduction, masks: Any) -> tuple[float, float, float, float]:
@@ -219,39 +220,39 @@ class _Calibration:
 
 
 def _candidates(
-    learner: Learner, kinds: Sequence[str]
+    facts: ModelFacts, kinds: Sequence[str]
 ) -> list[tuple[str, float, Reduction, Masks | None]]:
-    """Every level of `kinds` this learner can train with, each kind's own
+    """Every level of `kinds` the model can train with, each kind's own
     (`agent.learning.reductions`): (kind, level, reduction, the masks a prune row trains
     with)."""
     return [
         (cut.name, row.level, row.reduction, row.masks)
         for cut in reductions.kinds()
         if cut.name in kinds
-        for row in cut.levels(learner)
+        for row in cut.levels(facts)
     ]
 
 
-def _steps(learner: Learner, data: LocalData, batch: int) -> int:
+def _steps(facts: ModelFacts, data: LocalData, batch: int) -> int:
     """How many steps a timed call takes: enough for MIN_TIMED_S of dense training, since a
     shorter call of a small model measures the clock's jitter and the per-round work."""
-    probe = _Calibration(learner, _sample(data, 2 * batch), batch, 2)
+    probe = _Calibration(facts, _sample(data, 2 * batch), batch, 2)
     probe.call_s(NO_REDUCTION, None)
     step_s = probe.call_s(NO_REDUCTION, None) / 2
     return int(min(MAX_STEPS, max(1, MIN_TIMED_S / max(step_s, 1e-6))))
 
 
-def candidate_formats(learner: Learner) -> tuple[str, ...]:
+def candidate_formats(facts: ModelFacts) -> tuple[str, ...]:
     """The step formats worth timing (`agent.learning.precision`): on a GPU fp32, fp16, bf16
     where the GPU has it, and each channels-last for a model with 4-D weights; elsewhere fp32
     alone (a CPU's autocast and channels-last rarely pay, and change the numbers)."""
-    if learner.device.type != "cuda":
+    if facts.device.type != "cuda":
         return ("fp32",)
     precisions = ["fp32", "fp16"]
     if torch.cuda.is_bf16_supported():
         precisions.append("bf16")
     formats = list(precisions)
-    if any(p.dim() == 4 for p in learner.model.parameters()):
+    if any(p.dim() == 4 for p in facts.model.parameters()):
         formats += [f"{CHANNELS_LAST}+{p}" if p != "fp32" else CHANNELS_LAST for p in precisions]
     return tuple(formats)
 
@@ -263,17 +264,17 @@ def chosen_format(times: Mapping[str, float]) -> str:
     return best if times[best] < FORMAT_GAIN * times.get("fp32", math.inf) else "fp32"
 
 
-def fastest_format(learner: Learner, timing: _Calibration, formats: Sequence[str]) -> str:
+def fastest_format(facts: ModelFacts, timing: _Calibration, formats: Sequence[str]) -> str:
     """Of `formats`, the one whose dense step is fastest, when it beats fp32 by FORMAT_GAIN;
     each timed after a warm-up call (cuDNN picks its kernels there), the fastest of REPEATS.
-    Leaves `learner` training in it."""
+    Leaves the model training in it."""
     times: dict[str, float] = {}
     for name in formats:
-        learner.compute_format = ComputeFormat.parse(name)
+        facts.compute_format = ComputeFormat.parse(name)
         timing.call_s(NO_REDUCTION, None)
         times[name] = min(timing.call_s(NO_REDUCTION, None) for _ in range(REPEATS))
     chosen = chosen_format(times)
-    learner.compute_format = ComputeFormat.parse(chosen)
+    facts.compute_format = ComputeFormat.parse(chosen)
     if len(formats) > 1:
         log.info(
             "step formats (s a call): %s; training in %s",
@@ -284,26 +285,26 @@ def fastest_format(learner: Learner, timing: _Calibration, formats: Sequence[str
 
 
 def measure_costs(
-    learner: Learner,
+    facts: ModelFacts,
     data: LocalData,
     batch_size: int | None = None,
     progress: Callable[[int, int], None] | None = None,
     kinds: Sequence[str] = KINDS,
     formats: Sequence[str] | None = None,
 ) -> CostTable:
-    """Time every level of the reduction `kinds` of `learner` on a few of `data`'s samples
+    """Time every level of the reduction `kinds` of `facts` on a few of `data`'s samples
     (module docstring), in the step format measured fastest of `formats` (by default
-    `candidate_formats`), which `learner` then trains in; `progress(done, total)` after
+    `candidate_formats`), which `facts` then trains in; `progress(done, total)` after
     each row."""
-    batch = batch_size or learner.config.batch_size
-    steps = _steps(learner, data, batch)
-    timing = _Calibration(learner, _sample(data, steps * batch), batch, steps)
+    batch = batch_size or facts.config.batch_size
+    steps = _steps(facts, data, batch)
+    timing = _Calibration(facts, _sample(data, steps * batch), batch, steps)
     step_format = "fp32"
     if formats is None:
-        formats = candidate_formats(learner)
+        formats = candidate_formats(facts)
     if list(formats) != ["fp32"]:
-        step_format = fastest_format(learner, timing, formats)
-    candidates = _candidates(learner, kinds)
+        step_format = fastest_format(facts, timing, formats)
+    candidates = _candidates(facts, kinds)
     dense_s: list[float] = []
     measured: dict[tuple[Reduction, float | None], tuple[float, float, float]] = {}
     for done, (_, level, reduction, row_masks) in enumerate(candidates, start=1):
@@ -323,19 +324,19 @@ def measure_costs(
     for kind, level, reduction, row_masks in candidates:
         share, fixed, activations = measured[(reduction, level if row_masks is not None else None)]
         rows.append(Row(kind, level, Cost(share * step_s, fixed, activations), reduction.window))
-    forward_s = _forward_s(learner, timing.data)
-    key = table_key(learner, batch, kinds)
+    forward_s = _forward_s(facts, timing.data)
+    key = table_key(facts, batch, kinds)
     return CostTable(key, batch, dense_cost, forward_s, tuple(rows), step_format)
 
 
 @torch.no_grad()
-def _forward_s(learner: Learner, data: LocalData) -> float:
+def _forward_s(facts: ModelFacts, data: LocalData) -> float:
     """Seconds per sample of an evaluation pass (the round's evaluation)."""
-    x = data.x_train.to(learner.device)
-    learner.model.eval()
-    learner.model(x[:8])
+    x = data.x_train.to(facts.device)
+    facts.model.eval()
+    facts.model(x[:8])
     began = time.perf_counter()
-    learner.model(x)
+    facts.model(x)
     return (time.perf_counter() - began) / len(x)
 
 
@@ -345,31 +346,31 @@ _MEASURED: dict[str, CostTable] = {}
 
 def cached_costs(
     folder: Path,
-    learner: Learner,
+    facts: ModelFacts,
     data: LocalData,
     kinds: Sequence[str] = KINDS,
     say: Callable[[str], None] = log.info,
 ) -> CostTable:
-    """The cost table for this learner from `folder`'s `costs.json`, measured and kept there
-    when missing, unreadable or measured for something else (another key). The learner
+    """The cost table for this model from `folder`'s `costs.json`, measured and kept there
+    when missing, unreadable or measured for something else (another key). The model
     trains in the step format the table was measured fastest in."""
     path = folder / COSTS_FILE
-    key = table_key(learner, learner.config.batch_size, kinds)
+    key = table_key(facts, facts.config.batch_size, kinds)
     tables: dict[str, Any] = {}
     with contextlib.suppress(OSError, ValueError):
         tables = dict(json.loads(path.read_text()))
     if key in tables:
         with contextlib.suppress(ValueError):
             kept = CostTable.from_dict(tables[key])
-            learner.compute_format = ComputeFormat.parse(kept.format)
+            facts.compute_format = ComputeFormat.parse(kept.format)
             return kept
     table = _MEASURED.get(key)
     if table is None:
         say("measuring this device's training costs (once per model and batch size)")
         began = time.perf_counter()
-        table = _MEASURED[key] = measure_costs(learner, data, kinds=kinds)
+        table = _MEASURED[key] = measure_costs(facts, data, kinds=kinds)
         say(f"costs measured in {time.perf_counter() - began:.1f} s: {len(table.rows)} levels")
-    learner.compute_format = ComputeFormat.parse(table.format)
+    facts.compute_format = ComputeFormat.parse(table.format)
     tables[key] = table.to_dict()
     text = json.dumps(tables, indent=1).encode()
     with contextlib.suppress(OSError, DiskFullError):  # a full disk costs a measurement next time

@@ -45,7 +45,8 @@ from agent.learning.config import DEFAULT_STOP_RULE, STOP_RULES
 
 if TYPE_CHECKING:
     from agent.learning.config import StrategyConfig
-    from agent.learning.facts import LocalData, StoppingLoss
+    from agent.learning.facts import LocalData
+    from agent.learning.model_facts import ModelFacts
     from agent.learning.sparse import State
 
 
@@ -142,7 +143,7 @@ class EarlyStop:
 
     def after(
         self,
-        learner: StoppingLoss,
+        learner: ModelFacts,
         weights: State,
         train_loss: float,
         data: LocalData,

@@ -1,12 +1,11 @@
-"""What the round's rules read of a learner and of an agent's data, as narrow types.
+"""What the round's rules read of an agent's data and of the models an agent holds, as
+narrow types.
 
-The budget's rule (`reduction`), the reduced training (`reduced`), the reduction kinds
-(`reductions`), early stopping (`early_stop`) and the decentralized strategies' steps
-(`decentral`) each read a few facts of the model a `learner.Learner` holds; the learner in
-turn builds on them. Typed by these protocols instead of by `Learner`, they need not import
-the learner module (no import cycle, even a type-only one), and each says exactly what it
-depends on. This module imports torch alone when it runs and, for type checking, only
-modules the learner itself builds on, never the learner.
+The model's facts are a concrete leaf (`model_facts.ModelFacts`); what is left here types
+what a decentralized strategy's steps (`decentral`) read of an agent's state, of the models
+it holds and of the learner's aggregation rule, which `learner` defines: typed by these
+protocols, the strategies need not import the learner module (no import cycle, even a
+type-only one). This module imports torch alone when it runs, never the learner.
 """
 
 from __future__ import annotations
@@ -17,16 +16,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 import torch
 
 if TYPE_CHECKING:
-    from torch import nn
-
-    from agent.learning.channels import ChannelPlan
-    from agent.learning.config import SGDConfig, StrategyConfig
-    from agent.learning.freezing import FreezingPlan
-    from agent.learning.precision import ComputeFormat
-    from agent.learning.prefix import Layer
     from agent.learning.sparse import Masks, State
-    from agent.learning.tasks import Task
-    from agent.learning.width import WidthPlan
 
 
 @dataclass(frozen=True)
@@ -42,54 +32,6 @@ class LocalData:
     y_val: torch.Tensor
 
 
-class ModelFacts(Protocol):
-    """What the budget's rule (`reduction.local_reduction`) and the FLOPs of frozen training
-    (`reduced.frozen_training_flops`) read of a model: the config and the FLOPs a mask leaves."""
-
-    @property
-    def config(self) -> StrategyConfig: ...
-
-    @property
-    def dense_flops(self) -> int:
-        """Forward FLOPs per sample of the dense model."""
-
-    def forward_flops(self, masks: Masks | None) -> int:
-        """Forward FLOPs per sample with `masks` (None: dense)."""
-
-    def flops_per_density(self, masks: Masks) -> float:
-        """FLOP fraction / parameter density of `masks`."""
-
-
-class TrainingFacts(ModelFacts, Protocol):
-    """What a round's reduced training (`reduced.reduced_training`) reads besides: the model
-    to train, how it trains, and the plans that cut it to a window or a width."""
-
-    @property
-    def model(self) -> nn.Module: ...
-
-    @property
-    def task(self) -> Task: ...
-
-    @property
-    def sgd(self) -> SGDConfig: ...
-
-    @property
-    def compute_format(self) -> ComputeFormat: ...
-
-    @property
-    def channel_masks(self) -> bool:
-        """Masks keep whole channels (`agent.learning.channels`)."""
-
-    @property
-    def channel_plan(self) -> ChannelPlan: ...
-
-    @property
-    def width_plan(self) -> WidthPlan: ...
-
-    @property
-    def forward_layers(self) -> tuple[Layer, ...]: ...
-
-
 class HeldModel(Protocol):
     """A model an agent holds: its own (before its first round, or its state since), or one
     a neighbour sent; its weights under its masks."""
@@ -99,43 +41,6 @@ class HeldModel(Protocol):
 
     @property
     def masks(self) -> Masks | None: ...
-
-
-class CalibrationFacts(TrainingFacts, Protocol):
-    """What a reduction kind's calibration levels (`reductions.base.ReductionKind.levels`)
-    read besides: whether the model is sparse, what freezing freezes, a first model."""
-
-    @property
-    def sparse(self) -> bool: ...
-
-    @property
-    def freezing_plan(self) -> FreezingPlan: ...
-
-    def init_agent(self, agent_id: str) -> HeldModel: ...
-
-
-class StoppingLoss(Protocol):
-    """What early stopping (`early_stop.EarlyStop`) asks of a model after each round."""
-
-    def stopping_loss(self, weights: State, train_loss: float, data: LocalData) -> float:
-        """L_t = 0.7 L_train + 0.3 L_val (ALGORITHMS.md 2)."""
-
-
-class MaskFacts(TrainingFacts, Protocol):
-    """What a decentralized strategy's step after training (`agent.learning.decentral`)
-    reads of a model besides: the prunable weights and the initial model they are measured
-    against, the generators of its draws and the FLOPs of RigL's dense gradients."""
-
-    @property
-    def prunable(self) -> list[str]: ...
-
-    @property
-    def initial(self) -> State: ...
-
-    def generator(self, purpose: str, agent_id: str, round_: int) -> torch.Generator: ...
-
-    def dense_gradient_flops(self, masks: Masks | None, samples: int) -> int:
-        """RigL's dense-gradient batches' FLOPs under `masks`."""
 
 
 class AgentFacts(Protocol):

@@ -54,15 +54,15 @@ def shadow_config(learner: Learner) -> SGDConfig:
     (`StrategyConfig.local_training` with the default optimizer and rates)."""
     cfg = learner.config
     if not learner.traits.adam:
-        return learner.sgd
+        return learner.facts.sgd
     plain = StrategyConfig(epochs=cfg.epochs, batch_size=cfg.batch_size)
-    return plain.local_training(learner.recurrent)
+    return plain.local_training(learner.facts.recurrent)
 
 
 def start_shadow(learner: Learner) -> Shadow:
     """The local model before round 1: the fleet's dense initial weights, as the `local`
     strategy starts."""
-    return Shadow(dict(learner.initial))
+    return Shadow(dict(learner.facts.initial))
 
 
 def train_shadow(
@@ -74,19 +74,19 @@ def train_shadow(
     if len(data.y_val) == 0:
         return shadow, 0
     trained = train_local(
-        learner.model,
+        learner.facts.model,
         shadow.weights,
         None,
         data.x_train,
         data.y_train,
         shadow_config(learner),
         round_,
-        learner.generator("train", agent_id, round_),
-        task=learner.task,
-        compute=learner.compute_format,
+        learner.facts.generator("train", agent_id, round_),
+        task=learner.facts.task,
+        compute=learner.facts.compute_format,
     )
-    shadow = Shadow(learner.fresh_statistics(trained.state, data), shadow.rounds + 1)
-    return shadow, learner.train_flops(None, trained.samples)
+    shadow = Shadow(learner.facts.fresh_statistics(trained.state, data), shadow.rounds + 1)
+    return shadow, learner.facts.train_flops(None, trained.samples)
 
 
 def choose(
@@ -112,7 +112,7 @@ def choose(
         best, held_back = LOCAL, f"; {best}'s lead is within the validation noise"
     weights, masks = candidates[best]
     others = ", ".join(f"{n} {scores[n]:.4g}" for n in names if n != best)
-    reason = f"validation {learner.task.metric_name} {scores[best]:.4g} against {others}"
+    reason = f"validation {learner.facts.task.metric_name} {scores[best]:.4g} against {others}"
     return Kept(best, weights, masks, scores, reason + held_back)
 
 
@@ -123,9 +123,9 @@ def beats_local(learner: Learner, weights: State, local: State, data: LocalData)
     validation samples a lead of a sample or two is noise, and keeping the fleet's model on
     it left 9 of 24 anomaly-detection devices worse than alone under FedAvg
     (bench/learning_quality.py). A custom metric without per-sample values: any lead."""
-    task = learner.task
-    ours = per_sample_metric(learner.model, weights, data.x_val, data.y_val, task=task)
-    theirs = per_sample_metric(learner.model, local, data.x_val, data.y_val, task=task)
+    task = learner.facts.task
+    ours = per_sample_metric(learner.facts.model, weights, data.x_val, data.y_val, task=task)
+    theirs = per_sample_metric(learner.facts.model, local, data.x_val, data.y_val, task=task)
     if ours is None or theirs is None:
         return True
     lead = (ours - theirs) * (1.0 if task.higher_is_better else -1.0)
@@ -141,8 +141,10 @@ def _rank(
     """How a model ranks on the validation split, lower first: its metric in the task's good
     direction, then its loss, then `order`; NaN (a diverged model) last. The metric itself
     comes last, for the record."""
-    loss, metric = evaluate(learner.model, weights, data.x_val, data.y_val, task=learner.task)
-    sign = 1.0 if learner.task.higher_is_better else -1.0
+    loss, metric = evaluate(
+        learner.facts.model, weights, data.x_val, data.y_val, task=learner.facts.task
+    )
+    sign = 1.0 if learner.facts.task.higher_is_better else -1.0
     finite_metric = metric if math.isfinite(metric) else -sign * math.inf
     return (-sign * finite_metric, loss if math.isfinite(loss) else math.inf, order, metric)
 
@@ -187,10 +189,10 @@ def judge(
     if agent.shadow is not None and mode == "local":
         candidates[LOCAL] = (agent.shadow.weights, None)
     kept = choose(learner, candidates, data)
-    strategy_loss, strategy_metric = tested or learner.evaluate_on(held[first][0], data)
+    strategy_loss, strategy_metric = tested or learner.facts.evaluate_on(held[first][0], data)
     loss, metric = strategy_loss, strategy_metric
     if kept.name != first:
-        loss, metric = learner.evaluate_on(kept.weights, data)
+        loss, metric = learner.facts.evaluate_on(kept.weights, data)
     judged = Judged(kept, loss, metric, strategy_loss, strategy_metric, fallback_flops)
     return dataclasses.replace(agent, kept=kept), judged
 

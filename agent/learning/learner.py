@@ -1,5 +1,5 @@
-"""The learner: what every round needs (a model to compute with, its shapes, the config),
-and one decentralized round, composed (`Learner.local_round`).
+"""The learner: what every round needs (the model's facts, `model_facts`, the config and
+the strategy), and one decentralized round, composed (`Learner.local_round`).
 
 A round's math (aggregate, train, vote, prune, update the mask) owns nothing of the runtime:
 it never waits, sends or sleeps. The in-process simulator and the networked agent both hand
@@ -20,46 +20,24 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import torch
 from torch import nn
 
-from agent.learning import (
-    channels,
-    prefix,
-    robust,
-    robust_rules,
-    sparse,
-    statistics,
-    strategies,
-)
-from agent.learning.config import STOP_LAMBDA, StrategyConfig
+from agent.learning import channels, prefix, robust, robust_rules, sparse, strategies
+from agent.learning.config import StrategyConfig
 from agent.learning.decentral.base import DecentralizedStrategy, RoundStart
 from agent.learning.facts import LocalData as LocalData  # re-exported: imported from here too
 from agent.learning.kept import Judged, Kept, Shadow
-from agent.learning.models import flops_from_positions, output_positions
-from agent.learning.precision import FP32
-from agent.learning.prefix import Layer
+from agent.learning.model_facts import ModelFacts
 from agent.learning.reduction import NO_REDUCTION, Reduction
 from agent.learning.reductions.base import Start, started
 from agent.learning.sparse import Masks, State
 from agent.learning.tasks import Task
-from agent.learning.training import (
-    CLASSIFICATION,
-    derive_seed,
-    evaluate,
-    model_device,
-)
-
-if TYPE_CHECKING:
-    from agent.learning.freezing import FreezingPlan
-    from agent.learning.width import WidthPlan
-
-log = logging.getLogger(__name__)
+from agent.learning.training import CLASSIFICATION
 
 
 @dataclass(frozen=True)
@@ -129,9 +107,9 @@ def starting_point(
     density cap, the neurons that train drawn for an active fraction, the rest frozen).
     Returns the agent (with its capped masks) and the round from there (its active masks
     None: everything trains)."""
-    draw = functools.partial(learner.generator, "active", agent.agent_id, round_)
+    draw = functools.partial(learner.facts.generator, "active", agent.agent_id, round_)
     aggregate = learner.decentral.aggregate(learner, agent, inbox)
-    begun = started(learner, Start(aggregate, agent.masks), reduction, draw)
+    begun = started(learner.facts, Start(aggregate, agent.masks), reduction, draw)
     if begun.masks is not agent.masks:
         agent = dataclasses.replace(agent, masks=begun.masks)
     start = RoundStart(
@@ -141,10 +119,11 @@ def starting_point(
 
 
 class Learner:
-    """The pieces every round needs: a model to compute with, its shapes and the config.
+    """What a decentralized round composes: the model's facts (`facts`), the config and the
+    strategy (its traits and its steps, `decentral`).
 
-    One `Learner` serves every agent of a simulation (the model module is only a compute
-    buffer: weights are loaded from the agent's state each time).
+    One `Learner` serves every agent of a simulation (its model is only a compute buffer:
+    weights are loaded from the agent's state each time).
     """
 
     def __init__(
@@ -156,61 +135,35 @@ class Learner:
         seed: int,
         task: Task = CLASSIFICATION,
     ) -> None:
-        self.model = model
-        self.task = task
-        self.input_shape = input_shape
-        self.prunable = prunable
-        self.config = config
-        self.seed = seed
-        self.initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        # Output positions per layer, read once: FLOPs under a mask need only the kept counts.
-        self._positions = output_positions(model, input_shape)
-        self._weight_shapes = {n: tuple(self.initial[n].shape) for n in self._positions}
-        self.dense_flops = flops_from_positions(self._positions, self._weight_shapes)
         self.traits = strategies.strategy(config.strategy)
         """What the strategy is (`agent.learning.strategies`): its family and traits."""
         self.sparse = self.traits.sparse
         self.prunes_further = self.traits.prunes_further
         self.decentralized = self.traits.decentralized
-        self._shapes = {name: tuple(self.initial[name].shape) for name in prunable}
-        self.channel_masks = self.sparse and config.mask_unit == "channel"
-        """Masks keep whole channels (`agent.learning.channels`), the model trains narrow."""
-        if self.channel_masks:
-            self.channel_plan  # noqa: B018 - a model it cannot cut is refused here, in one line
+        self.facts = ModelFacts(
+            model, input_shape, prunable, config, seed, task, sparse_masks=self.sparse
+        )
+        """The model's facts, which the rules a round takes read (`model_facts`)."""
         self.sends_windows = (
             self.decentralized and config.wire == "full" and config.reduce in ("prefix", "auto")
         )
         """A round that trained a window of layers publishes those layers alone
         (`published_part`), the others being what the agent already had from its aggregate."""
-        self.compute_format = FP32
-        """The training step's memory format and precision, as the device measured it
-        fastest (`agent.device.calibration`); plain fp32 unless a measurement says so."""
-        self.local_keys = local_statistics(model) if config.batchnorm == "local" else ()
-        """State entries that never take another device's values (`own_statistics`)."""
-        self.recurrent = any(isinstance(m, nn.RNNBase) for m in model.modules())
-        self.sgd = config.local_training(self.recurrent)  # recurrent: Adam (--optimizer auto)
 
     @property
-    def device(self) -> torch.device:
-        """The device the model computes on (`to`); weights and masks stay on the CPU."""
-        return model_device(self.model)
+    def config(self) -> StrategyConfig:
+        """The run's config: the one the model's facts hold, so that there is one."""
+        return self.facts.config
 
     def to(self, device: torch.device) -> Learner:
-        """Compute on `device` from now on: only the model moves. The weights, masks and data
-        a round takes and returns stay CPU tensors (`agent.learning.training` copies batches
-        in and results out), and the generators stay CPU ones, so batch order, masks and
-        active neurons are drawn as on the CPU. Returns the learner itself.
-        """
+        """Compute on `device` from now on (`ModelFacts.to`). Returns the learner itself."""
         if device.type != "cpu" and self.traits.adam:
             raise ValueError(
                 f"--device {device}: strategy {self.config.strategy} trains on the cpu only "
                 "(its Adam moments are kept there); use --device cpu"
             )
-        self.model.to(device)
+        self.facts.to(device)
         return self
-
-    def generator(self, purpose: str, agent_id: str, round_: int) -> torch.Generator:
-        return torch.Generator().manual_seed(derive_seed(self.seed, purpose, agent_id, round_))
 
     def initial_masks(self, agent_id: str) -> Masks | None:
         """The agent's first masks, its decentralized strategy's draw from (fleet seed, agent
@@ -220,11 +173,13 @@ class Learner:
         strategy's participants start from."""
         if self.traits.centralized:
             return None
-        return self.decentral.initial_masks(self, agent_id)
+        return self.decentral.initial_masks(self.facts, agent_id)
 
     def init_agent(self, agent_id: str) -> AgentState:
         masks = self.initial_masks(agent_id)
-        weights = sparse.apply_masks(self.initial, masks) if masks else dict(self.initial)
+        weights = (
+            sparse.apply_masks(self.facts.initial, masks) if masks else dict(self.facts.initial)
+        )
         return AgentState(agent_id, weights, masks, init_weights=weights)
 
     def published(self, state: AgentState, num_samples: int) -> Published:
@@ -239,68 +194,13 @@ class Learner:
         receiver aggregates each layer over those who sent it (`combine`)."""
         if reduction.window is None or not self.sends_windows:
             return model
-        trained = prefix.trained_names(self.forward_layers, reduction.window)
+        trained = prefix.trained_names(self.facts.forward_layers, reduction.window)
         return _restricted(model, [name for name in model.weights if name in trained])
-
-    def forward_flops(self, masks: Masks | None) -> int:
-        """Forward FLOPs per sample with the conv/linear weights of `masks` (other entries of
-        `masks`, such as biases, are ignored; None: dense)."""
-        if not masks:
-            return self.dense_flops
-        weights = {n: m for n, m in masks.items() if n in self._positions}
-        return flops_from_positions(self._positions, self._weight_shapes, weights)
-
-    def train_flops(self, masks: Masks | None, samples: int) -> int:
-        """3 x forward FLOPs of the (masked) model x samples: forward + backward (1.10)."""
-        return 3 * self.forward_flops(masks) * samples
-
-    def dense_gradient_flops(self, masks: Masks | None, samples: int) -> int:
-        """RigL's dense-gradient batches (1.10), counted as the RigL paper does (Evci et al.
-        2020, sec. 3: 2 f_S + f_D per sample): the forward pass and the gradient of the
-        inputs go through the masked model, like training's; only the weights' gradient is
-        dense."""
-        return (2 * self.forward_flops(masks) + self.dense_flops) * samples
-
-    def own_statistics(self, state: State, own: State) -> State:
-        """`state` with the agent's `own` BatchNorm running statistics (FedBN): a device's
-        statistics describe its own data's features, which differ from device to device in
-        the non-IID fleets this is for; averaged ones normalize every device with a mix
-        that fits none of them (Li et al. 2021, FedBN). The learned scale and shift are
-        averaged as usual. `state` itself when the model has none (or with --batchnorm
-        shared)."""
-        if not self.local_keys:
-            return state
-        return {name: own[name] if name in self.local_keys else t for name, t in state.items()}
-
-    def fresh_statistics(self, weights: State, data: LocalData) -> State:
-        """`weights` with its BatchNorm running statistics re-estimated from the device's
-        training data under these very weights (`statistics.refreshed`), as a model is
-        evaluated, kept and served; itself without BatchNorm or with --batchnorm shared."""
-        return statistics.refreshed(self.model, weights, data.x_train, self.local_keys)
-
-    @functools.cached_property
-    def freezing_plan(self) -> FreezingPlan:
-        """What FedSPU and `--reduce freeze` freeze in this model (`freezing.freezing_plan`),
-        inferred once: it traces the model and runs a forward pass, too much for every draw.
-        A model without neuron groups freezes whole layers, and says so here, once."""
-        from agent.learning.freezing import freezing_plan
-
-        plan = freezing_plan(self.model, self.input_shape)
-        if plan.note is not None:
-            log.warning("%s", plan.note)
-        return plan
-
-    @functools.cached_property
-    def layer_groups(self) -> dict[str, list[str]]:
-        """FedLDF's layers: each weight with its bias and norm parameters."""
-        from agent.learning.ldf import layer_groups
-
-        return layer_groups(self.model)
 
     def layer_part(self, model: Published, layers: list[str]) -> Published:
         """The tensors of FedLDF `layers` of a model, with their masks: what a neighbour sends
         when asked for those layers (`--wire layers`)."""
-        groups = self.layer_groups
+        groups = self.facts.layer_groups
         return _restricted(model, [name for layer in layers for name in groups[layer]])
 
     def aggregate(self, agent: AgentState, inbox: dict[str, Published]) -> State:
@@ -310,40 +210,11 @@ class Learner:
         round takes through its strategy (`DecentralizedStrategy.aggregate`, the default)."""
         if not inbox:
             return agent.weights
-        return self.own_statistics(self._combined(agent, inbox), agent.weights)
+        return self.facts.own_statistics(self._combined(agent, inbox), agent.weights)
 
     def _combined(self, agent: AgentState, inbox: dict[str, Published]) -> State:
         rule = robust_rules.parse_rule(self.config.aggregation)
         return combine(agent, inbox, rule, self.config.clip)
-
-    @functools.cached_property
-    def forward_layers(self) -> tuple[Layer, ...]:
-        """The layers a window trains (`agent.learning.prefix`), in forward order: read once
-        with a probe pass."""
-        return prefix.forward_layers(self.model, self.input_shape)
-
-    @functools.cached_property
-    def channel_plan(self) -> channels.ChannelPlan:
-        """The channels `--mask-unit channel` keeps or drops (`agent.learning.channels`),
-        traced once; ValueError in one line for a model with none to drop."""
-        from agent.learning.width import channel_classes
-
-        try:
-            classes = channel_classes(self.model, self.input_shape)
-            plan = channels.channel_plan(classes, self._shapes)
-        except ValueError as exc:
-            raise ValueError(f"--mask-unit channel: {exc}") from None
-        return plan
-
-    @functools.cached_property
-    def width_plan(self) -> WidthPlan:
-        """The channels a narrower sub-model keeps (`agent.learning.width`), traced once."""
-        from agent.learning.width import width_plan
-
-        plan = width_plan(self.model, self.input_shape)
-        if plan.note is not None:
-            log.warning("%s", plan.note)
-        return plan
 
     @functools.cached_property
     def decentral(self) -> DecentralizedStrategy:
@@ -376,20 +247,20 @@ class Learner:
         before training; an active fraction trains that fraction of the neurons and freezes
         the rest; a window or a width trains part of the layers or a narrower sub-model.
         """
-        strategy, before = self.decentral, agent
+        strategy, before, facts = self.decentral, agent, self.facts
         agent, start = starting_point(self, agent, inbox, data, round_, prune_now, reduction)
-        trained = strategy.train(self, start)
-        step = strategy.after_training(self, start, trained)
+        trained = strategy.train(facts, start)
+        step = strategy.after_training(facts, start, trained)
         flops = trained.flops + step.flops
         if not robust.finite(step.weights):
             return _recovered(self, before, start, flops, trained.train_loss)
-        weights = self.fresh_statistics(step.weights, data)
+        weights = facts.fresh_statistics(step.weights, data)
         divergence = None
         if self.config.wire == "layers" and self.decentralized:
             from agent.learning.ldf import divergences
 
-            divergence = divergences(weights, start.weights, self.layer_groups)
-        loss, accuracy = self.evaluate_on(weights, data)
+            divergence = divergences(weights, start.weights, facts.layer_groups)
+        loss, accuracy = facts.evaluate_on(weights, data)
         kept = dataclasses.replace(
             agent, weights=weights, masks=step.masks, distances=step.distances, round=round_
         )
@@ -406,25 +277,6 @@ class Learner:
             divergence=divergence,
         )
 
-    def flops_per_density(self, masks: Masks) -> float:
-        """FLOP fraction / parameter density of these masks (ERK keeps FLOP-heavy layers
-        denser), for `agent.learning.reduction.density_cap`."""
-        density = 1.0 - sparse.sparsity(masks)
-        flops = flops_from_positions(self._positions, self._weight_shapes, masks)
-        return flops / self.dense_flops / density
-
-    def stopping_loss(self, weights: State, train_loss: float, data: LocalData) -> float:
-        """L_t = 0.7 L_train + 0.3 L_val (ALGORITHMS.md 2): L_train this round's mean training
-        loss, L_val the trained model's loss on the validation split, in eval mode. An agent
-        stops once L_t exceeds its previous L (NaN, e.g. without a validation split, never)."""
-        val_loss, _ = evaluate(self.model, weights, data.x_val, data.y_val, task=self.task)
-        return STOP_LAMBDA * train_loss + (1.0 - STOP_LAMBDA) * val_loss
-
-    def evaluate_on(self, weights: State, data: LocalData) -> tuple[float, float]:
-        """(mean loss, metric) of `weights` on the agent's test split: the task's metric,
-        accuracy for classification."""
-        return evaluate(self.model, weights, data.x_test, data.y_test, task=self.task)
-
 
 def _recovered(
     learner: Learner, before: AgentState, start: RoundStart, flops: int, train_loss: float
@@ -434,7 +286,7 @@ def _recovered(
     strategy's `publish`, uncut: no part of it trained), rather than dropping out with a
     model nobody can use."""
     data = start.data
-    loss, accuracy = learner.evaluate_on(before.weights, data)
+    loss, accuracy = learner.facts.evaluate_on(before.weights, data)
     layers = learner.config.wire == "layers" and learner.decentralized
     kept = dataclasses.replace(before, round=start.round)
     whole = dataclasses.replace(start, reduction=NO_REDUCTION)
@@ -450,20 +302,8 @@ def _recovered(
         vote=False if learner.sparse else None,  # a missing vote would count 0 as well
         score=None,
         pruned=False,
-        divergence=dict.fromkeys(learner.layer_groups, 0.0) if layers else None,
+        divergence=dict.fromkeys(learner.facts.layer_groups, 0.0) if layers else None,
         recovered=True,
-    )
-
-
-def local_statistics(model: nn.Module) -> tuple[str, ...]:
-    """The state-dict names of the model's BatchNorm running statistics (running mean,
-    variance and batch count): what FedBN keeps on each device."""
-    return tuple(
-        f"{name}.{buffer}" if name else buffer
-        for name, module in model.named_modules()
-        if isinstance(module, nn.modules.batchnorm._BatchNorm)
-        for buffer, value in module.named_buffers(recurse=False)
-        if value is not None
     )
 
 
@@ -535,11 +375,12 @@ def served_model(learner: Learner, weights: State, masks: Masks | None) -> tuple
     """The model a device serves (exports to ONNX) and its weights: with channel masks the
     narrower model they leave, which computes the same outputs with fewer weights and FLOPs
     (`agent.learning.channels`); else the learner's model itself."""
-    if not learner.channel_masks or masks is None:
-        return learner.model, weights
+    facts = learner.facts
+    if not facts.channel_masks or masks is None:
+        return facts.model, weights
     from agent.learning import width
 
-    plan = learner.channel_plan
+    plan = facts.channel_plan
     chosen = channels.selection(plan, masks)
-    narrow = width.narrow_model(learner.model, plan.width, chosen)
+    narrow = width.narrow_model(facts.model, plan.width, chosen)
     return narrow, width.narrow_state(weights, plan.width, chosen)

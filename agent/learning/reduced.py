@@ -20,7 +20,8 @@ from agent.learning.reductions.base import ReducedRound, Start
 from agent.learning.sparse import Masks, State
 
 if TYPE_CHECKING:
-    from agent.learning.facts import LocalData, ModelFacts, TrainingFacts
+    from agent.learning.facts import LocalData
+    from agent.learning.model_facts import ModelFacts
     from agent.learning.training import TrainResult
 
 
@@ -34,7 +35,7 @@ def frozen_training_flops(learner: ModelFacts, masks: Masks | None, active: Mask
 
 
 def reduced_training(
-    learner: TrainingFacts,
+    learner: ModelFacts,
     start: State,
     masks: Masks | None,
     active: Masks | None,

@@ -31,7 +31,7 @@ from agent.learning.reductions import AUTO, MEASURED_KINDS, MEASURED_MODES
 from agent.learning.sparse import Masks
 
 if TYPE_CHECKING:
-    from agent.learning.facts import ModelFacts
+    from agent.learning.model_facts import ModelFacts
 
 MIN_ACTIVE = 0.05
 """The least fraction of the neurons `--reduce freeze` trains (`reductions.freeze`)."""

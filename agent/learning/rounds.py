@@ -124,7 +124,7 @@ def train_round(
     reduction (`local_reduction`, by counted FLOPs or by the measured `costs`, within
     `memory_mb`) and then `Learner.local_round`."""
     reduction = local_reduction(
-        learner, p_k, state.masks, costs=costs, round_=round_, memory_mb=memory_mb
+        learner.facts, p_k, state.masks, costs=costs, round_=round_, memory_mb=memory_mb
     )
     result = learner.local_round(state, data, inbox, round_, prune_now, reduction=reduction)
     return result, reduction
@@ -187,7 +187,7 @@ def attacked_payload(
     """An attacker's upload, poisoned (`robust.poison`, noise drawn from the fleet seed, the
     agent and the round); `reference` is the model it trained from (`inflate`, `ipm` and
     `replace` step from it), `colluders` what `alie` attackers pool."""
-    generator = learner.generator("attack", agent_id, round_)
+    generator = learner.facts.generator("attack", agent_id, round_)
     poisoned = robust.poison(
         payload.weights, payload.masks, attack, generator, reference, colluders
     )

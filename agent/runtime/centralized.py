@@ -59,7 +59,7 @@ class CentralizedRounds:
             raise ValueError(f"{session.cfg.strategy} is centralized: the run needs an aggregator")
         self.aggregator = session.run_info.aggregator
         self.strategy = central_strategy(session.cfg.strategy)
-        self.view = self.strategy.init_server(session.learner)
+        self.view = self.strategy.init_server(session.learner.facts)
         """This agent's copy of the server state: the last broadcast applied."""
         self.values_sent = 0
         """Values this round's uploads carried."""
@@ -170,7 +170,7 @@ class CentralizedRounds:
             if not answered and (request := inbox.layer_request(round_, s.me)):
                 answered = True
                 assert fit is not None
-                payload = self.strategy.respond(s.learner, fit, list(request.layers))
+                payload = self.strategy.respond(s.learner.facts, fit, list(request.layers))
                 self._send(round_, Upload(payload, fit.num_samples))
             wait = min(s.timeouts.request_every_s, deadline - time.monotonic())
             if wait <= 0:
@@ -182,7 +182,7 @@ class CentralizedRounds:
             if found is not None:
                 decode = codec.decode_download if addressed else codec.decode_broadcast
                 try:
-                    return decode(self.strategy, s.learner, found.tensors)
+                    return decode(self.strategy, s.learner.facts, found.tensors)
                 except ProtocolError as exc:
                     inbox.rejected += 1
                     log.warning("rejected the round %d global model: %s", round_, exc)
@@ -257,7 +257,7 @@ class CentralizedRounds:
         active part with old global values). It sent, trained, waited and slept for nothing,
         and does not stop."""
         s = self.session
-        loss, accuracy = s.learner.evaluate_on(s.state.weights, s.data)
+        loss, accuracy = s.learner.facts.evaluate_on(s.state.weights, s.data)
         s.state = dataclasses.replace(s.state, round=turn.round)
         return AgentRound(
             round=turn.round,

@@ -19,7 +19,7 @@ from protocol import DEFAULT_LIMITS, Limits, ProtocolError, decode_tensors, enco
 from protocol.signing import Signer
 
 if TYPE_CHECKING:
-    from agent.learning import Learner
+    from agent.learning.model_facts import ModelFacts
 
 Shapes = dict[str, tuple[tuple[int, ...], str]]
 """Tensor name -> (shape, wire dtype name), what `decode_state` checks a message against."""
@@ -145,39 +145,39 @@ def divergence_message(
 
 
 def decode_upload(
-    strategy: CentralStrategy, learner: Learner, data: bytes, layers: list[str] | None = None
+    strategy: CentralStrategy, facts: ModelFacts, data: bytes, layers: list[str] | None = None
 ) -> Payload:
     """A participant's upload (only `layers` of it, FedLDF) as the aggregator decodes it,
     validated; ProtocolError if malformed."""
-    return _decode_payload(strategy, learner, data, strategy.upload_layout(learner, layers))
+    return _decode_payload(strategy, facts, data, strategy.upload_layout(facts, layers))
 
 
-def decode_download(strategy: CentralStrategy, learner: Learner, data: bytes) -> Payload:
+def decode_download(strategy: CentralStrategy, facts: ModelFacts, data: bytes) -> Payload:
     """A participant's own part of the global model (the FedSPU family), validated."""
-    return _decode_payload(strategy, learner, data, strategy.upload_layout(learner))
+    return _decode_payload(strategy, facts, data, strategy.upload_layout(facts))
 
 
-def decode_broadcast(strategy: CentralStrategy, learner: Learner, data: bytes) -> Payload:
+def decode_broadcast(strategy: CentralStrategy, facts: ModelFacts, data: bytes) -> Payload:
     """A round's broadcast as a participant decodes it, validated."""
-    return _decode_payload(strategy, learner, data, strategy.broadcast_layout(learner))
+    return _decode_payload(strategy, facts, data, strategy.broadcast_layout(facts))
 
 
 def _decode_payload(
-    strategy: CentralStrategy, learner: Learner, data: bytes, layout: Layout | None
+    strategy: CentralStrategy, facts: ModelFacts, data: bytes, layout: Layout | None
 ) -> Payload:
     """A payload off the wire, validated; ProtocolError if it is not what `layout` (or, where
     it is None, the strategy's `check_payload`) says. Without a layout the decoder still
     refuses, before allocating, more values than three models' worth."""
-    size = sum(t.numel() for t in learner.initial.values())
+    size = sum(t.numel() for t in facts.initial.values())
     limits = dataclasses.replace(DEFAULT_LIMITS, max_total_elements=3 * size)
     shapes = None if layout is None else wire_shapes(layout)
     weights, masks = decode_state(data, shapes, limits=limits)
     if layout is None:
         try:
-            strategy.check_payload(learner, Payload(weights, masks or None))
+            strategy.check_payload(facts, Payload(weights, masks or None))
         except ValueError as exc:
             raise ProtocolError(str(exc)) from None
     # The model's order, whatever the sender's: aggregation sums in one fixed order.
-    order = {name: i for i, name in enumerate(strategy.payload_order(learner))}
+    order = {name: i for i, name in enumerate(strategy.payload_order(facts))}
     weights = dict(sorted(weights.items(), key=lambda item: order[item[0]]))
     return Payload(weights, masks or None)

@@ -257,7 +257,7 @@ class DecentralizedRounds:
             throttled_s=round(clock.throttled_s + settle_slept, 3),
             train_s=round(clock.train_s, 4),
             predicted_s=None if clock.predicted_s is None else round(clock.predicted_s, 4),
-            peak_memory_mb=round(meter.megabytes + working_set_mb(s.learner, reduction), 2),
+            peak_memory_mb=round(meter.megabytes + working_set_mb(s.learner.facts, reduction), 2),
             stragglers=stragglers,
             wait_s=round(waited, 3),
             t_star=self.plan.t_star,

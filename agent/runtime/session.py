@@ -249,7 +249,7 @@ def run_inbox(
     """The inbox of one agent's run, and the transport's limits set for it: what a message
     of this run can be at most follows from its model, so a hostile peer cannot make the
     agent buffer more than a few models' worth."""
-    shapes = expected_shapes(learner.initial)
+    shapes = expected_shapes(learner.facts.initial)
     limits = run_limits(shapes, len(run.roster))
     transport.set_limits(limits)
     expected = Expected(
@@ -446,7 +446,7 @@ class Session:
         if not self.early.enabled:
             return False
         with compute_slot():
-            return self.early.after(self.learner, weights, train_loss, self.data, restart)
+            return self.early.after(self.learner.facts, weights, train_loss, self.data, restart)
 
     # ------------------------------------------------------------------ rounds
 
@@ -511,7 +511,7 @@ class Session:
             "stopped" if record.stopped else "done" if final else "training",
             record.round,
             {k: row[k] for k in STATUS_FIGURES}
-            | {"metric": self.learner.task.metric_name, "strategy": self.cfg.strategy}
+            | {"metric": self.learner.facts.task.metric_name, "strategy": self.cfg.strategy}
             | saved
             | {"record": row}
             | ({"records": recent_records(self)} if final else {}),

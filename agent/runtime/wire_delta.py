@@ -36,7 +36,7 @@ class DeltaWire(WholeModels):
     @staticmethod
     def expects(learner: Learner, agent_id: str) -> dict[str, Any]:
         """The tensors of a delta message, for the inbox to check."""
-        shapes = expected_delta_shapes(learner.initial, learner.initial_masks(agent_id))
+        shapes = expected_delta_shapes(learner.facts.initial, learner.initial_masks(agent_id))
         return {"delta_shapes": shapes}
 
     def wanted(self, round_: int, ahead: Callable[[int], set[Need]]) -> set[str]:

@@ -18,7 +18,9 @@ class FullWire(WholeModels):
         if not learner.sends_windows:
             return {}
         return {
-            "window_layers": {layer.name: list(layer.tensors) for layer in learner.forward_layers}
+            "window_layers": {
+                layer.name: list(layer.tensors) for layer in learner.facts.forward_layers
+            }
         }
 
     def wanted(self, round_: int, ahead: Callable[[int], set[Need]]) -> set[str]:

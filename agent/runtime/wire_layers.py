@@ -40,7 +40,7 @@ class LayersWire:
     def __init__(self, session: Session) -> None:
         self.session = session
         self.on_announcement = session.inbox.on_divergence
-        self.layers = list(session.learner.layer_groups)
+        self.layers = list(session.learner.facts.layer_groups)
         self.kept: dict[int, Published] = {}
         """Our recent models, whose layers neighbours ask for."""
         self.server = LayerServer(self._publish_layers, LAYER_BATCH_S)
@@ -50,7 +50,7 @@ class LayersWire:
     @staticmethod
     def expects(learner: Learner, agent_id: str) -> dict[str, Any]:
         """The model's layers, for the inbox to check divergence vectors and layers."""
-        return {"layer_groups": learner.layer_groups}
+        return {"layer_groups": learner.facts.layer_groups}
 
     def wanted(self, round_: int, ahead: Callable[[int], set[Need]]) -> set[str]:
         return announced_topics(self.session, self.announcement, ahead(round_))

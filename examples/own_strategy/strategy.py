@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from agent.learning.central import Aggregate, FedAvg, Payload, ServerState, Upload
-from agent.learning.learner import Learner
+from agent.learning.model_facts import ModelFacts
 
 
 class FedAvgM(FedAvg):
@@ -36,7 +36,7 @@ class FedAvgM(FedAvg):
     learning rate is lower than FedAvg's."""
 
     def aggregate(
-        self, learner: Learner, server: ServerState, uploads: Mapping[str, Upload]
+        self, learner: ModelFacts, server: ServerState, uploads: Mapping[str, Upload]
     ) -> Aggregate:
         mean = super().aggregate(learner, server, uploads).server.weights
         moved = server.m or {}  # the global model's last move (`receive`)

@@ -29,7 +29,8 @@ from typing import ClassVar
 import torch
 
 from agent.learning import robust, robust_rules
-from agent.learning.learner import AgentState, Learner, LocalData
+from agent.learning.learner import AgentState, LocalData
+from agent.learning.model_facts import ModelFacts
 from agent.learning.sparse import Masks, State
 from agent.learning.training import TrainResult, train_local
 
@@ -75,9 +76,9 @@ class Fit:
 class FitContext:
     """What one participant's round trains from, gathered once by whoever runs it (the
     simulator, a worker process, the networked agent), so that every strategy's `fit` and
-    its helpers take the same one value rather than each repeating the list. The learner is
-    not in it: it is the run's, the same for every participant and round, and every other
-    method of the contract takes it apart too."""
+    its helpers take the same one value rather than each repeating the list. The model's
+    facts are not in it: they are the run's, the same for every participant and round, and
+    every other method of the contract takes them apart too."""
 
     state: AgentState
     """The participant's state before the round (its own model, its id)."""
@@ -149,33 +150,33 @@ class CentralStrategy(abc.ABC):
     broadcasts: ClassVar[bool] = True
     """Whether a round ends with a broadcast every participant applies (`receive`)."""
 
-    def init_server(self, learner: Learner) -> ServerState:
+    def init_server(self, learner: ModelFacts) -> ServerState:
         """The aggregator's state before round 1."""
         return ServerState(dict(learner.initial))
 
     def download(
-        self, learner: Learner, server: ServerState, agent_id: str, round_: int, p_k: float
+        self, learner: ModelFacts, server: ServerState, agent_id: str, round_: int, p_k: float
     ) -> Payload:
         """The part of the global model participant `agent_id` receives this round."""
         raise NotImplementedError(f"{self.name} broadcasts; participants download nothing")
 
     @abc.abstractmethod
-    def fit(self, learner: Learner, ctx: FitContext) -> Fit:
+    def fit(self, learner: ModelFacts, ctx: FitContext) -> Fit:
         """A participant's local round from its view of the server state (`ctx.view`)."""
 
     def select(
-        self, learner: Learner, divergences: Mapping[str, dict[str, float]]
+        self, learner: ModelFacts, divergences: Mapping[str, dict[str, float]]
     ) -> dict[str, list[str]]:
         """The layers to ask each participant for (only strategies that `asks_layers`)."""
         raise NotImplementedError(f"{self.name} asks for no layers")
 
-    def respond(self, learner: Learner, fit: Fit, layers: list[str]) -> Payload:
+    def respond(self, learner: ModelFacts, fit: Fit, layers: list[str]) -> Payload:
         """A participant's upload of the layers it was asked for."""
         raise NotImplementedError(f"{self.name} asks for no layers")
 
     @abc.abstractmethod
     def aggregate(
-        self, learner: Learner, server: ServerState, uploads: Mapping[str, Upload]
+        self, learner: ModelFacts, server: ServerState, uploads: Mapping[str, Upload]
     ) -> Aggregate:
         """The aggregator's new state from the uploads it received, and its broadcast."""
 
@@ -183,23 +184,23 @@ class CentralStrategy(abc.ABC):
         """A participant's view of the server state after this round's broadcast."""
         return ServerState(dict(broadcast.weights)) if broadcast.weights else view
 
-    def upload_layout(self, learner: Learner, layers: list[str] | None = None) -> Layout | None:
+    def upload_layout(self, learner: ModelFacts, layers: list[str] | None = None) -> Layout | None:
         """The tensors an upload (only `layers` of the model, when given) carries; None when
         some sizes are only known from the masks it carries (`check_payload`)."""
         names = learner.initial if layers is None else _layer_tensor_names(learner, layers)
         return {n: s for n, s in model_layout(learner.initial).items() if n in names}
 
-    def broadcast_layout(self, learner: Learner) -> Layout | None:
+    def broadcast_layout(self, learner: ModelFacts) -> Layout | None:
         """The tensors a broadcast (or a download) carries; None as for `upload_layout`."""
         return self.upload_layout(learner)
 
-    def check_payload(self, learner: Learner, payload: Payload) -> None:
+    def check_payload(self, learner: ModelFacts, payload: Payload) -> None:
         """Validate a payload decoded without a layout (where `upload_layout` or
         `broadcast_layout` is None); ValueError if malformed. A strategy whose payloads all
         have a layout accepts none without it."""
         raise ValueError(f"a {self.name} payload is checked against its layout")
 
-    def payload_order(self, learner: Learner) -> list[str]:
+    def payload_order(self, learner: ModelFacts) -> list[str]:
         """Every tensor name a payload of this strategy may carry, in the model's order."""
         return list(learner.initial)
 
@@ -209,7 +210,7 @@ def model_layout(weights: State) -> Layout:
     return {name: (tuple(t.shape), t.dtype) for name, t in weights.items()}
 
 
-def _layer_tensor_names(learner: Learner, layers: list[str]) -> set[str]:
+def _layer_tensor_names(learner: ModelFacts, layers: list[str]) -> set[str]:
     """The tensor names of FedLDF layers; ValueError for a layer the model does not have."""
     groups = learner.layer_groups
     unknown = [layer for layer in layers if layer not in groups]
@@ -219,7 +220,7 @@ def _layer_tensor_names(learner: Learner, layers: list[str]) -> set[str]:
 
 
 def clipped_uploads(
-    learner: Learner,
+    learner: ModelFacts,
     reference: State,
     states: Mapping[str, State],
     held: Mapping[str, Masks | None] | None = None,
@@ -245,7 +246,7 @@ def voted(
     return robust.sign_vote(reference, states, combined, held)
 
 
-def sample_weights(learner: Learner, uploads: Mapping[str, Upload]) -> dict[str, float]:
+def sample_weights(learner: ModelFacts, uploads: Mapping[str, Upload]) -> dict[str, float]:
     """Each upload's weight in the strategy's mean: its sample count under `--aggregation
     mean` (the strategies as published, undefended), 1 each under the default `screened`.
     A count is its sender's own claim: one member claiming the protocol's 10,000,000 samples
@@ -259,7 +260,7 @@ def sample_weights(learner: Learner, uploads: Mapping[str, Upload]) -> dict[str,
 
 
 def train_sgd(
-    learner: Learner,
+    learner: ModelFacts,
     ctx: FitContext,
     start: State,
     *,
@@ -267,7 +268,7 @@ def train_sgd(
     frozen: Masks | None = None,
 ) -> TrainResult:
     """The participant's local SGD from `start` (the same call for every SGD strategy), with
-    its own BatchNorm statistics (`Learner.own_statistics`)."""
+    its own BatchNorm statistics (`ModelFacts.own_statistics`)."""
     return train_local(
         learner.model,
         learner.own_statistics(start, ctx.state.weights),

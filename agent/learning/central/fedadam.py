@@ -35,7 +35,7 @@ from agent.learning.central.base import (
     model_layout,
     sample_weights,
 )
-from agent.learning.learner import Learner
+from agent.learning.model_facts import ModelFacts
 from agent.learning.sparse import Masks, State
 
 
@@ -45,14 +45,14 @@ class FedAdam(CentralStrategy):
     name = "fedadam"
     mode = adam.MODE_DENSE
 
-    def init_server(self, learner: Learner) -> ServerState:
+    def init_server(self, learner: ModelFacts) -> ServerState:
         """The initial model, and zero moments for its parameters (buffers, such as
         BatchNorm's running statistics, have none: they stay on each device)."""
         params = _parameters(learner.initial, learner)
         zeros = adam.zeros_like_state
         return ServerState(dict(learner.initial), zeros(params), zeros(params))
 
-    def fit(self, learner: Learner, ctx: FitContext) -> Fit:
+    def fit(self, learner: ModelFacts, ctx: FitContext) -> Fit:
         cfg, server = learner.config, ctx.view
         assert server.m is not None and server.v is not None
         result = adam.train_adam(
@@ -87,7 +87,7 @@ class FedAdam(CentralStrategy):
         return adam.MODE_DENSE if self.mode == adam.MODE_DENSE else adam.MODE_SSM
 
     def aggregate(
-        self, learner: Learner, server: ServerState, uploads: Mapping[str, Upload]
+        self, learner: ModelFacts, server: ServerState, uploads: Mapping[str, Upload]
     ) -> Aggregate:
         assert server.m is not None and server.v is not None
         weights = sample_weights(learner, uploads)
@@ -107,7 +107,7 @@ class FedAdam(CentralStrategy):
 
     def _combine(
         self,
-        learner: Learner,
+        learner: ModelFacts,
         server: ServerState,
         deltas: Mapping[str, State],
         weights: Mapping[str, float],
@@ -132,16 +132,16 @@ class FedAdam(CentralStrategy):
             adam.apply(view.weights, dw), adam.apply(view.m, dm), adam.apply(view.v, dv)
         )
 
-    def upload_layout(self, learner: Learner, layers: list[str] | None = None) -> Layout | None:
+    def upload_layout(self, learner: ModelFacts, layers: list[str] | None = None) -> Layout | None:
         return _moment_layout(learner) if self.mode != adam.MODE_SSM else None
 
-    def broadcast_layout(self, learner: Learner) -> Layout | None:
+    def broadcast_layout(self, learner: ModelFacts) -> Layout | None:
         return _moment_layout(learner) if self.broadcast_mode == adam.MODE_DENSE else None
 
-    def payload_order(self, learner: Learner) -> list[str]:
+    def payload_order(self, learner: ModelFacts) -> list[str]:
         return list(_moment_layout(learner))
 
-    def check_payload(self, learner: Learner, payload: Payload) -> None:
+    def check_payload(self, learner: ModelFacts, payload: Payload) -> None:
         """An SSM-layout payload: w:<name> in the model's shapes with a mask, m:/v:<name>
         value vectors as long as that mask's count."""
         masks = payload.masks or {}
@@ -171,14 +171,14 @@ class FedAdamSSM(FedAdam):
     mode = adam.MODE_SSM
 
 
-def _parameters(state: State, learner: Learner) -> State:
+def _parameters(state: State, learner: ModelFacts) -> State:
     """The model's parameters of `state`: what Adam's moments, the deltas and the payloads
     cover (a model's buffers, such as BatchNorm's running statistics, stay local)."""
     names = {name for name, _ in learner.model.named_parameters()}
     return {name: t for name, t in state.items() if name in names}
 
 
-def _moment_layout(learner: Learner) -> Layout:
+def _moment_layout(learner: ModelFacts) -> Layout:
     layout = model_layout(_parameters(learner.initial, learner))
     return {f"{p}:{n}": shape for p in "wmv" for n, shape in layout.items()}
 

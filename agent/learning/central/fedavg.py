@@ -22,10 +22,10 @@ from agent.learning.central.base import (
     train_sgd,
     voted,
 )
-from agent.learning.learner import Learner
+from agent.learning.model_facts import ModelFacts
 
 
-def full_model_fit(learner: Learner, ctx: FitContext) -> Fit:
+def full_model_fit(learner: ModelFacts, ctx: FitContext) -> Fit:
     """Local SGD from the global model, uploading the whole trained model (FedAvg's round,
     and FedLDF's before it chooses what to send)."""
     trained = train_sgd(learner, ctx, ctx.view.weights)
@@ -36,11 +36,11 @@ def full_model_fit(learner: Learner, ctx: FitContext) -> Fit:
 class FedAvg(CentralStrategy):
     name = "fedavg"
 
-    def fit(self, learner: Learner, ctx: FitContext) -> Fit:
+    def fit(self, learner: ModelFacts, ctx: FitContext) -> Fit:
         return full_model_fit(learner, ctx)
 
     def aggregate(
-        self, learner: Learner, server: ServerState, uploads: Mapping[str, Upload]
+        self, learner: ModelFacts, server: ServerState, uploads: Mapping[str, Upload]
     ) -> Aggregate:
         states, rule = clipped_uploads(
             learner, server.weights, {k: u.payload.weights for k, u in uploads.items()}

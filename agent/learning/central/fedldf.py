@@ -20,7 +20,7 @@ from agent.learning.central.base import (
     voted,
 )
 from agent.learning.central.fedavg import full_model_fit
-from agent.learning.learner import Learner
+from agent.learning.model_facts import ModelFacts
 
 
 class FedLDF(CentralStrategy):
@@ -29,7 +29,7 @@ class FedLDF(CentralStrategy):
     name = "fedldf"
     asks_layers = True
 
-    def fit(self, learner: Learner, ctx: FitContext) -> Fit:
+    def fit(self, learner: ModelFacts, ctx: FitContext) -> Fit:
         """FedAvg's local round, uploading nothing yet: only the per-layer divergence."""
         fit = full_model_fit(learner, ctx)
         groups = learner.layer_groups
@@ -40,15 +40,15 @@ class FedLDF(CentralStrategy):
         )
 
     def select(
-        self, learner: Learner, divergences: Mapping[str, dict[str, float]]
+        self, learner: ModelFacts, divergences: Mapping[str, dict[str, float]]
     ) -> dict[str, list[str]]:
         return ldf.select_layers(divergences, learner.config.ldf_n)
 
-    def respond(self, learner: Learner, fit: Fit, layers: list[str]) -> Payload:
+    def respond(self, learner: ModelFacts, fit: Fit, layers: list[str]) -> Payload:
         return Payload(ldf.partial_state(fit.state.weights, layers, learner.layer_groups))
 
     def aggregate(
-        self, learner: Learner, server: ServerState, uploads: Mapping[str, Upload]
+        self, learner: ModelFacts, server: ServerState, uploads: Mapping[str, Upload]
     ) -> Aggregate:
         states, rule = clipped_uploads(
             learner,

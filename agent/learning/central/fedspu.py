@@ -26,7 +26,7 @@ from agent.learning.central.base import (
     train_sgd,
     voted,
 )
-from agent.learning.learner import Learner
+from agent.learning.model_facts import ModelFacts
 from agent.learning.reduced import frozen_training_flops
 from agent.learning.reduction import active_fraction
 from agent.learning.sparse import Masks
@@ -55,7 +55,7 @@ class ActivePart(CentralStrategy):
         """The fraction of the neurons active at a participant with budget p_k."""
 
     def active(
-        self, learner: Learner, server: ServerState, agent_id: str, round_: int, p_k: float
+        self, learner: ModelFacts, server: ServerState, agent_id: str, round_: int, p_k: float
     ) -> Masks:
         """This round's active neurons of a participant with budget p_k, drawn from its seed
         (the aggregator draws the same for its download as the participant for its fit)."""
@@ -66,23 +66,23 @@ class ActivePart(CentralStrategy):
 
     @abc.abstractmethod
     def train_active(
-        self, learner: Learner, ctx: FitContext, active: Masks
+        self, learner: ModelFacts, ctx: FitContext, active: Masks
     ) -> tuple[TrainResult, int]:
         """The local training of a participant's round, and its FLOPs per sample."""
 
-    def fit(self, learner: Learner, ctx: FitContext) -> Fit:
+    def fit(self, learner: ModelFacts, ctx: FitContext) -> Fit:
         active = self.active(learner, ctx.view, ctx.agent_id, ctx.round, ctx.p_k)
         trained, flops = self.train_active(learner, ctx, active)
         upload = Payload(trained.state, active)
         return ctx.fitted(trained.state, upload, trained.mean_loss, flops * trained.samples)
 
     def download(
-        self, learner: Learner, server: ServerState, agent_id: str, round_: int, p_k: float
+        self, learner: ModelFacts, server: ServerState, agent_id: str, round_: int, p_k: float
     ) -> Payload:
         return Payload(server.weights, self.active(learner, server, agent_id, round_, p_k))
 
     def aggregate(
-        self, learner: Learner, server: ServerState, uploads: Mapping[str, Upload]
+        self, learner: ModelFacts, server: ServerState, uploads: Mapping[str, Upload]
     ) -> Aggregate:
         held = {k: _all_masks(u.payload) for k, u in uploads.items()}
         states, rule = clipped_uploads(
@@ -120,7 +120,7 @@ class FedSPU(ActivePart):
         return active_fraction(p_k)
 
     def train_active(
-        self, learner: Learner, ctx: FitContext, active: Masks
+        self, learner: ModelFacts, ctx: FitContext, active: Masks
     ) -> tuple[TrainResult, int]:
         """Train the agent's own model with the global active part, the rest frozen (which
         still runs forward and passes gradients back)."""
@@ -142,7 +142,7 @@ class FedDropout(ActivePart):
         return p_k
 
     def train_active(
-        self, learner: Learner, ctx: FitContext, active: Masks
+        self, learner: ModelFacts, ctx: FitContext, active: Masks
     ) -> tuple[TrainResult, int]:
         """Train the global model's sub-model of the active neurons alone."""
         start = freezing.submodel(ctx.view.weights, active)

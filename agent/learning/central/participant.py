@@ -65,8 +65,8 @@ class Turn:
         (`Learner.fresh_statistics`), undone if not finite (`checked_fit`, then `Fit.undone`),
         and only then its local-only model's round (`fallback.advance`, by its measured
         budget), so an undone fit never undoes the local-only model's training."""
-        fit = strategy.fit(learner, FitContext(state, data, view, self.round, self.p_k))
-        fresh = learner.fresh_statistics(fit.state.weights, data)
+        fit = strategy.fit(learner.facts, FitContext(state, data, view, self.round, self.p_k))
+        fresh = learner.facts.fresh_statistics(fit.state.weights, data)
         fit = dataclasses.replace(fit, state=dataclasses.replace(fit.state, weights=fresh))
         fit, undone = checked_fit(fit, state, view)
         if undone:
@@ -89,7 +89,7 @@ def judge(
     if not strategy.broadcasts:
         held = {PERSONAL: own}
     else:
-        fleet_weights = learner.own_statistics(view.weights, agent.weights)
-        fleet = (learner.fresh_statistics(fleet_weights, data), None)
+        fleet_weights = learner.facts.own_statistics(view.weights, agent.weights)
+        fleet = (learner.facts.fresh_statistics(fleet_weights, data), None)
         held = {PERSONAL: own, FLEET: fleet} if strategy.personal else {FLEET: fleet, PERSONAL: own}
     return fallback.judge(learner, agent, data, held, fit.fallback_flops)

@@ -47,7 +47,7 @@ def layer_requests(
 ) -> dict[str, list[str]]:
     """FedLDF's requests from the divergence vectors that arrived (`CentralStrategy.select`):
     a participant asked for no layer gets no request."""
-    selected = strategy.select(learner, divergences)
+    selected = strategy.select(learner.facts, divergences)
     return {k: layers for k, layers in selected.items() if layers}
 
 
@@ -91,7 +91,7 @@ def conclude(
     if not uploads:
         return Aggregate(server, Payload({})), server
     aggregate, undone = checked_aggregate(
-        strategy, server, strategy.aggregate(learner, server, uploads)
+        strategy, server, strategy.aggregate(learner.facts, server, uploads)
     )
     if undone:
         log.warning("round %d: aggregate not finite; the server kept its model", round_)

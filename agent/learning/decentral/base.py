@@ -7,9 +7,10 @@ start, which the budget's reduction then cuts), `train`, `after_training` (a spa
 strategy's vote, further pruning and RigL), then, once the learner checked the model is
 finite, refreshed its statistics and evaluated it, `publish` (what goes to the neighbours,
 whatever the wire format); `initial_masks` is an agent's first mask (1.1). Pure math, typed
-by the facts it reads (`agent.learning.facts`), so that this package never imports the
-learner that calls it. Which strategy is which, and the traits the rest of the code asks of
-it (sparse, prunes further, trains alone), is the table's (`agent.learning.strategies`).
+by the facts it reads (`agent.learning.model_facts`, `agent.learning.facts`), so that this
+package never imports the learner that calls it. Which strategy is which, and the traits
+the rest of the code asks of it (sparse, prunes further, trains alone), is the table's
+(`agent.learning.strategies`).
 """
 
 from __future__ import annotations
@@ -20,13 +21,8 @@ from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar
 from agent.learning.reduced import reduced_training
 
 if TYPE_CHECKING:
-    from agent.learning.facts import (
-        AgentFacts,
-        AggregationRule,
-        HeldModel,
-        LocalData,
-        MaskFacts,
-    )
+    from agent.learning.facts import AgentFacts, AggregationRule, HeldModel, LocalData
+    from agent.learning.model_facts import ModelFacts
     from agent.learning.reduction import Reduction
     from agent.learning.sparse import Masks, State
 
@@ -38,7 +34,11 @@ _Sent = TypeVar("_Sent", bound="HeldModel")
 
 class Publisher(Protocol[_Sent]):
     """What a strategy's `publish` reads of a learner: the part of a model a round's
-    reduction leaves to send (`Learner.published_part`)."""
+    reduction leaves to send (`Learner.published_part`), and the model's facts, as the
+    other steps take them (its generators, say, for what it draws)."""
+
+    @property
+    def facts(self) -> ModelFacts: ...
 
     def published_part(self, model: _Sent, reduction: Reduction) -> _Sent: ...
 
@@ -102,7 +102,7 @@ class DecentralizedStrategy:
     `CentralStrategy.trains_own` says of the centralized ones: a decentralized agent always
     starts a round from its aggregate of its own model and its neighbours'."""
 
-    def initial_masks(self, learner: MaskFacts, agent_id: str) -> Masks | None:
+    def initial_masks(self, learner: ModelFacts, agent_id: str) -> Masks | None:
         """The agent's first masks, drawn from (fleet seed, agent id) alone, so that any
         agent can recompute any other's starting model (1.1); None: the model is dense."""
         return None
@@ -117,7 +117,7 @@ class DecentralizedStrategy:
         agent's masks stay its own, moved only after training."""
         return learner.aggregate(agent, inbox)
 
-    def train(self, learner: MaskFacts, start: RoundStart) -> Trained:
+    def train(self, learner: ModelFacts, start: RoundStart) -> Trained:
         """The round's local training from `start`: the budget's reduced training
         (`reduced.reduced_training`: the whole model, its active entries, a window of
         layers or a narrower sub-model) with the learner's SGD, its batch order drawn from
@@ -134,7 +134,7 @@ class DecentralizedStrategy:
         )
         return Trained(result.state, result.mean_loss, flops)
 
-    def after_training(self, learner: MaskFacts, start: RoundStart, trained: Trained) -> MaskStep:
+    def after_training(self, learner: ModelFacts, start: RoundStart, trained: Trained) -> MaskStep:
         """The round's model once the strategy had its say on what training gave."""
         return MaskStep(trained.weights, start.masks, start.agent.distances)
 

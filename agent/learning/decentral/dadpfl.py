@@ -10,7 +10,7 @@ from agent.learning.decentral.sparse import SparseStrategy
 
 if TYPE_CHECKING:
     from agent.learning.config import StrategyConfig
-    from agent.learning.facts import MaskFacts
+    from agent.learning.model_facts import ModelFacts
     from agent.learning.sparse import Masks, State
 
 
@@ -21,7 +21,7 @@ class DADPFL(SparseStrategy):
     name = "dadpfl"
 
     def prune(
-        self, learner: MaskFacts, weights: State, masks: Masks, prune_now: bool
+        self, learner: ModelFacts, weights: State, masks: Masks, prune_now: bool
     ) -> tuple[State, Masks, bool]:
         """PQI further pruning when the plan prunes this round and the model is still
         denser than s*."""

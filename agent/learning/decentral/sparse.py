@@ -13,7 +13,8 @@ from agent.learning.training import dense_gradients
 
 if TYPE_CHECKING:
     from agent.learning.config import StrategyConfig
-    from agent.learning.facts import AgentFacts, LocalData, MaskFacts
+    from agent.learning.facts import AgentFacts, LocalData
+    from agent.learning.model_facts import ModelFacts
     from agent.learning.sparse import Masks, State
 
 
@@ -22,17 +23,12 @@ class SparseStrategy(DecentralizedStrategy):
     the start; after training, detection's vote, then `prune` (none here), then RigL's mask
     update, in the order of the paper's Algorithm 1."""
 
-    def initial_masks(self, learner: MaskFacts, agent_id: str) -> Masks | None:
+    def initial_masks(self, learner: ModelFacts, agent_id: str) -> Masks | None:
         """The agent's ERK mask at the run's density (1.1), or with channel masks its
-        channels drawn at that density (`channels.random_masks`)."""
-        generator = learner.generator("mask", agent_id, 0)
-        density = learner.config.density
-        if learner.channel_masks:
-            return channels.random_masks(learner.channel_plan, density, generator)
-        shapes = {name: tuple(learner.initial[name].shape) for name in learner.prunable}
-        return sparse.random_masks(shapes, sparse.erk_densities(shapes, density), generator)
+        channels drawn at that density (`ModelFacts.drawn_masks`)."""
+        return learner.drawn_masks(agent_id)
 
-    def after_training(self, learner: MaskFacts, start: RoundStart, trained: Trained) -> MaskStep:
+    def after_training(self, learner: ModelFacts, start: RoundStart, trained: Trained) -> MaskStep:
         agent, weights, masks = start.agent, trained.weights, start.masks
         if masks is None:
             return MaskStep(weights, masks, agent.distances)
@@ -44,7 +40,7 @@ class SparseStrategy(DecentralizedStrategy):
         return MaskStep(weights, masks, distances, flops, vote, score, pruned)
 
     def prune(
-        self, learner: MaskFacts, weights: State, masks: Masks, prune_now: bool
+        self, learner: ModelFacts, weights: State, masks: Masks, prune_now: bool
     ) -> tuple[State, Masks, bool]:
         """The model pruned further this round, and whether it was: never here."""
         return weights, masks, False
@@ -63,7 +59,7 @@ def detect(
 
 
 def rigl_step(
-    learner: MaskFacts, weights: State, masks: Masks, data: LocalData, agent_id: str, round_: int
+    learner: ModelFacts, weights: State, masks: Masks, data: LocalData, agent_id: str, round_: int
 ) -> tuple[State, Masks, int]:
     """RigL's mask update (1.6) from dense gradients on local batches; returns the new
     weights and masks and the FLOPs the dense gradients cost. With channel masks, over

@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 
     from agent.learning.config import SGDConfig
     from agent.learning.costs import CostTable, Row
-    from agent.learning.facts import CalibrationFacts, LocalData, ModelFacts, TrainingFacts
+    from agent.learning.facts import LocalData
+    from agent.learning.model_facts import ModelFacts
     from agent.learning.sparse import Masks, State
     from agent.learning.width import Selection, WidthPlan
 
@@ -76,7 +77,7 @@ class ReductionKind:
     """It trains a narrower model in place of the full one, so it takes the round before
     the kinds that cut the full model's training (`agent.learning.reduced`)."""
 
-    def levels(self, learner: CalibrationFacts) -> list[Level]:
+    def levels(self, learner: ModelFacts) -> list[Level]:
         """The levels of this kind a calibration measures for `learner` (none where the
         model cannot be cut this way)."""
         return []
@@ -106,34 +107,32 @@ class ReductionKind:
         cost table (None: a whole round, whose share is 1)."""
         return None
 
-    def started(
-        self, learner: CalibrationFacts, start: Start, reduction: Reduction, draw: Draw
-    ) -> Start:
+    def started(self, learner: ModelFacts, start: Start, reduction: Reduction, draw: Draw) -> Start:
         """The round's start with this kind's step before training (a density cap, the
         neurons that train, drawn from `draw()`); each kind in the table's order takes the
         start the one before it left."""
         return start
 
-    def trains(self, learner: TrainingFacts, job: ReducedRound) -> bool:
+    def trains(self, learner: ModelFacts, job: ReducedRound) -> bool:
         """Whether this kind's training (`train`) takes the round."""
         return False
 
-    def trainable(self, learner: TrainingFacts, reduction: Reduction) -> set[str] | None:
+    def trainable(self, learner: ModelFacts, reduction: Reduction) -> set[str] | None:
         """The state entries the full model's training updates (None: all of them)."""
         return None
 
     def narrowed(
-        self, learner: TrainingFacts, reduction: Reduction, masks: Masks | None, round_: int
+        self, learner: ModelFacts, reduction: Reduction, masks: Masks | None, round_: int
     ) -> Narrow | None:
         """The narrower model this kind trains in round `round_` in place of the full one
         (None: the full one)."""
         return None
 
-    def per_sample_flops(self, learner: TrainingFacts, job: ReducedRound) -> int:
+    def per_sample_flops(self, learner: ModelFacts, job: ReducedRound) -> int:
         """Counted training FLOPs per sample (ALGORITHMS.md 1.10): forward and backward."""
         return 3 * learner.forward_flops(job.start.masks)
 
-    def train(self, learner: TrainingFacts, job: ReducedRound) -> tuple[TrainResult, int]:
+    def train(self, learner: ModelFacts, job: ReducedRound) -> tuple[TrainResult, int]:
         """The round's training and its counted FLOPs: the kind's narrower model, or the
         full model's `trainable` entries (the `active` neurons' weights alone when some
         are frozen)."""
@@ -161,7 +160,7 @@ class ReductionKind:
 
 
 def narrow_training(
-    learner: TrainingFacts, plan: WidthPlan, selection: Selection, job: ReducedRound
+    learner: ModelFacts, plan: WidthPlan, selection: Selection, job: ReducedRound
 ) -> tuple[TrainResult, int]:
     """The `selection` of channels as a narrower model, trained, and written back into the
     full model; the other entries keep the start's values. Width reduction's rolling
@@ -196,7 +195,7 @@ def narrow_training(
     return dataclasses.replace(trained, state=state), flops
 
 
-def started(learner: CalibrationFacts, start: Start, reduction: Reduction, draw: Draw) -> Start:
+def started(learner: ModelFacts, start: Start, reduction: Reduction, draw: Draw) -> Start:
     """`start` with every kind's step before training (`ReductionKind.started`), in the
     table's order: the round's start, and the start a calibration times."""
     for cut in kinds():

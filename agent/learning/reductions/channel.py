@@ -11,7 +11,7 @@ from agent.learning import channels
 from agent.learning.reductions.base import ReducedRound, ReductionKind
 
 if TYPE_CHECKING:
-    from agent.learning.facts import TrainingFacts
+    from agent.learning.model_facts import ModelFacts
     from agent.learning.reduction import Reduction
     from agent.learning.reductions.base import Narrow
     from agent.learning.sparse import Masks
@@ -21,11 +21,11 @@ class Channel(ReductionKind):
     name: ClassVar[str] = "channel"
     narrows: ClassVar[bool] = True
 
-    def trains(self, learner: TrainingFacts, job: ReducedRound) -> bool:
+    def trains(self, learner: ModelFacts, job: ReducedRound) -> bool:
         return learner.channel_masks and job.start.masks is not None
 
     def narrowed(
-        self, learner: TrainingFacts, reduction: Reduction, masks: Masks | None, round_: int
+        self, learner: ModelFacts, reduction: Reduction, masks: Masks | None, round_: int
     ) -> Narrow | None:
         """The channels the masks keep (`channels.selection`)."""
         if not learner.channel_masks or masks is None:

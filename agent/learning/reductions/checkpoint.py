@@ -13,13 +13,13 @@ from agent.learning.reduction import Reduction
 from agent.learning.reductions.base import Level, ReductionKind
 
 if TYPE_CHECKING:
-    from agent.learning.facts import CalibrationFacts
+    from agent.learning.model_facts import ModelFacts
 
 
 class Checkpoint(ReductionKind):
     name: ClassVar[str] = "checkpoint"
 
-    def levels(self, learner: CalibrationFacts) -> list[Level]:
+    def levels(self, learner: ModelFacts) -> list[Level]:
         """The dense model checkpointed, where it has blocks to checkpoint."""
         if not checkpointing.blocks(learner.model):
             return []

@@ -18,7 +18,7 @@ from agent.learning.reductions.base import Level, ReducedRound, ReductionKind, S
 
 if TYPE_CHECKING:
     from agent.learning.costs import Row
-    from agent.learning.facts import CalibrationFacts, ModelFacts, TrainingFacts
+    from agent.learning.model_facts import ModelFacts
     from agent.learning.reductions.base import Draw
     from agent.learning.sparse import Masks
 
@@ -29,7 +29,7 @@ LEVELS = (0.8, 0.5, 0.35, 0.2, 0.05)
 class Freeze(ReductionKind):
     name: ClassVar[str] = "freeze"
 
-    def levels(self, learner: CalibrationFacts) -> list[Level]:
+    def levels(self, learner: ModelFacts) -> list[Level]:
         """Every active fraction of `LEVELS`, for a model with something to freeze."""
         plan = learner.freezing_plan
         if not (plan.groups or plan.layers):
@@ -57,9 +57,7 @@ class Freeze(ReductionKind):
     def level(self, reduction: Reduction) -> float | None:
         return reduction.active_fraction
 
-    def started(
-        self, learner: CalibrationFacts, start: Start, reduction: Reduction, draw: Draw
-    ) -> Start:
+    def started(self, learner: ModelFacts, start: Start, reduction: Reduction, draw: Draw) -> Start:
         """The neurons that train this round, drawn (`freezing.active_masks`)."""
         if reduction.active_fraction is None:
             return start
@@ -69,9 +67,9 @@ class Freeze(ReductionKind):
         active = active_masks(plan, start.weights, reduction.active_fraction, draw())
         return dataclasses.replace(start, active=active)
 
-    def trains(self, learner: TrainingFacts, job: ReducedRound) -> bool:
+    def trains(self, learner: ModelFacts, job: ReducedRound) -> bool:
         return job.start.active is not None
 
-    def per_sample_flops(self, learner: TrainingFacts, job: ReducedRound) -> int:
+    def per_sample_flops(self, learner: ModelFacts, job: ReducedRound) -> int:
         assert job.start.active is not None
         return frozen_training_flops(learner, job.start.masks, job.start.active)

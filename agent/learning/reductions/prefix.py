@@ -16,7 +16,7 @@ from agent.learning.reductions.base import Level, ReducedRound, ReductionKind
 
 if TYPE_CHECKING:
     from agent.learning.costs import CostTable, Row
-    from agent.learning.facts import CalibrationFacts, TrainingFacts
+    from agent.learning.model_facts import ModelFacts
 
 LEVELS = (0.5, 0.3, 0.15)
 """The windows' sizes a calibration measures, as fractions of the forward FLOPs."""
@@ -25,7 +25,7 @@ LEVELS = (0.5, 0.3, 0.15)
 class Prefix(ReductionKind):
     name: ClassVar[str] = "prefix"
 
-    def levels(self, learner: CalibrationFacts) -> list[Level]:
+    def levels(self, learner: ModelFacts) -> list[Level]:
         """Every window of every level of `LEVELS` (`prefix.windows`)."""
         return [
             Level(level, Reduction(window=window))
@@ -47,15 +47,15 @@ class Prefix(ReductionKind):
         window = prefix.round_window([row.window for row in fitting if row.window], round_)
         return lambda row: row.window == window
 
-    def trains(self, learner: TrainingFacts, job: ReducedRound) -> bool:
+    def trains(self, learner: ModelFacts, job: ReducedRound) -> bool:
         return job.reduction.window is not None
 
-    def trainable(self, learner: TrainingFacts, reduction: Reduction) -> set[str] | None:
+    def trainable(self, learner: ModelFacts, reduction: Reduction) -> set[str] | None:
         if reduction.window is None:
             return None
         return prefix.trained_names(learner.forward_layers, reduction.window)
 
-    def per_sample_flops(self, learner: TrainingFacts, job: ReducedRound) -> int:
+    def per_sample_flops(self, learner: ModelFacts, job: ReducedRound) -> int:
         assert job.reduction.window is not None
         return prefix.window_flops(learner.forward_layers, job.reduction.window)
 

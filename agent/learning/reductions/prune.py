@@ -18,7 +18,7 @@ from agent.learning.reductions.base import Level, ReductionKind, Start
 
 if TYPE_CHECKING:
     from agent.learning.costs import Row
-    from agent.learning.facts import CalibrationFacts, ModelFacts
+    from agent.learning.model_facts import ModelFacts
     from agent.learning.reductions.base import Draw
     from agent.learning.sparse import Masks
 
@@ -29,13 +29,12 @@ LEVELS = (0.35, 0.2, 0.1)
 class Prune(ReductionKind):
     name: ClassVar[str] = "prune"
 
-    def levels(self, learner: CalibrationFacts) -> list[Level]:
+    def levels(self, learner: ModelFacts) -> list[Level]:
         """The densities a prune row is measured at, with masks of each (module docstring);
         none for a dense strategy."""
         if not learner.sparse:
             return []
-        agent = learner.init_agent("calibration")
-        masks = agent.masks
+        weights, masks = learner.initial_model("calibration")
         assert masks is not None
         density = learner.config.density
         if not learner.channel_masks:
@@ -43,7 +42,7 @@ class Prune(ReductionKind):
         densities = [density, *(d for d in LEVELS if d < density)]
         plan = learner.channel_plan
         return [
-            Level(d, NO_REDUCTION, channels.prune_to_density(plan, agent.weights, masks, d))
+            Level(d, NO_REDUCTION, channels.prune_to_density(plan, weights, masks, d))
             for d in densities
         ]
 
@@ -57,9 +56,7 @@ class Prune(ReductionKind):
     def level(self, reduction: Reduction) -> float | None:
         return reduction.density_cap
 
-    def started(
-        self, learner: CalibrationFacts, start: Start, reduction: Reduction, draw: Draw
-    ) -> Start:
+    def started(self, learner: ModelFacts, start: Start, reduction: Reduction, draw: Draw) -> Start:
         """The sparse model pruned by magnitude to the density cap, when there is one."""
         cap = reduction.density_cap
         if start.masks is None or cap is None:

@@ -11,7 +11,7 @@ from agent.learning.reductions.base import Level, ReducedRound, ReductionKind
 
 if TYPE_CHECKING:
     from agent.learning.costs import Row
-    from agent.learning.facts import CalibrationFacts, TrainingFacts
+    from agent.learning.model_facts import ModelFacts
     from agent.learning.reductions.base import Narrow
     from agent.learning.sparse import Masks
 
@@ -25,7 +25,7 @@ class Width(ReductionKind):
     name: ClassVar[str] = "width"
     narrows: ClassVar[bool] = True
 
-    def levels(self, learner: CalibrationFacts) -> list[Level]:
+    def levels(self, learner: ModelFacts) -> list[Level]:
         """Every width of `LEVELS`, for a model with channels to narrow (one it cannot cut
         says why in the log)."""
         try:
@@ -38,11 +38,11 @@ class Width(ReductionKind):
     def of_row(self, row: Row) -> Reduction:
         return Reduction(width=row.level)
 
-    def trains(self, learner: TrainingFacts, job: ReducedRound) -> bool:
+    def trains(self, learner: ModelFacts, job: ReducedRound) -> bool:
         return job.reduction.width is not None
 
     def narrowed(
-        self, learner: TrainingFacts, reduction: Reduction, masks: Masks | None, round_: int
+        self, learner: ModelFacts, reduction: Reduction, masks: Masks | None, round_: int
     ) -> Narrow | None:
         """This round's rolling window of channels (`width.rolling_selection`)."""
         if reduction.width is None:
