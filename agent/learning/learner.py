@@ -44,7 +44,7 @@ from agent.learning.models import flops_from_positions, output_positions
 from agent.learning.precision import FP32
 from agent.learning.prefix import Layer
 from agent.learning.reduced import reduced_training
-from agent.learning.reduction import NO_REDUCTION, Reduction
+from agent.learning.reduction import NO_REDUCTION, Reduction, sends_parts
 from agent.learning.reductions.base import Start, started
 from agent.learning.sparse import Masks, State
 from agent.learning.tasks import Task
@@ -178,7 +178,7 @@ class Learner:
         if self.channel_masks:
             self.channel_plan  # noqa: B018 - a model it cannot cut is refused here, in one line
         self.sends_windows = (
-            self.decentralized and config.wire == "full" and config.reduce in ("prefix", "auto")
+            self.decentralized and config.wire == "full" and sends_parts(config.reduce)
         )
         """A round that trained a window of layers publishes those layers alone
         (`published_part`), the others being what the agent already had from its aggregate."""
@@ -235,14 +235,13 @@ class Learner:
         return Published(state.weights, state.masks, num_samples)
 
     def published_part(self, model: Published, reduction: Reduction) -> Published:
-        """What a round publishes: with a window of layers trained (and `sends_windows`),
-        those layers alone: the rest is the aggregate of what the agent received, which its
-        neighbours need not receive back (TinyTL's trained suffix, on the wire too). A
+        """What a round publishes: with `sends_windows`, what its kind says it publishes
+        (`ReductionKind.published`: a window's layers alone), else the whole model. A
         receiver aggregates each layer over those who sent it (`combine`)."""
-        if reduction.window is None or not self.sends_windows:
+        names = reduction.published(self) if self.sends_windows else None
+        if names is None:
             return model
-        trained = prefix.trained_names(self.forward_layers, reduction.window)
-        return _restricted(model, [name for name in model.weights if name in trained])
+        return _restricted(model, [name for name in model.weights if name in names])
 
     def forward_flops(self, masks: Masks | None) -> int:
         """Forward FLOPs per sample with the conv/linear weights of `masks` (other entries of
