@@ -6,7 +6,8 @@ import pytest
 
 from agent.learning import CENTRALIZED, StopWatch, preset
 from agent.learning.central import STATIC_TIERS, static_tier
-from agent.learning.reduction import MIN_ACTIVE, Reduction, local_reduction
+from agent.learning.reduction import Reduction, local_reduction
+from agent.learning.reductions.freeze import MIN_ACTIVE
 from coordinator.simulate import ExperimentConfig, Simulation, simulate
 
 AGENTS = 5

@@ -26,14 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 from agent.learning import reductions
 from agent.learning.costs import CostTable, Row
-from agent.learning.reductions import AUTO, CHECKPOINT, MEASURED_KINDS, MEASURED_MODES, NONE
+from agent.learning.reductions import AUTO, CHECKPOINT, KINDS, MEASURED_KINDS, MEASURED_MODES, NONE
 from agent.learning.sparse import Masks
 
 if TYPE_CHECKING:
     from agent.learning.facts import ModelFacts, TrainingFacts
-
-MIN_ACTIVE = 0.05
-"""The least fraction of the neurons `--reduce freeze` trains (`reductions.freeze`)."""
 
 
 def measured_kinds(mode: str) -> tuple[str, ...]:
@@ -47,9 +44,7 @@ def measured_kinds(mode: str) -> tuple[str, ...]:
 def sends_parts(mode: str) -> bool:
     """Whether a round under `--reduce mode` may publish only what it trained (a kind of
     `measured_kinds(mode)` that `sends_part`s, such as a window of layers)."""
-    return any(
-        k in reductions.KINDS and reductions.KINDS[k].sends_part for k in measured_kinds(mode)
-    )
+    return any(KINDS[k].sends_part for k in measured_kinds(mode) if k in KINDS)
 
 
 def capped_density(learner: ModelFacts, p_k: float | None, masks: Masks | None) -> float | None:

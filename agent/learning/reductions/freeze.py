@@ -13,7 +13,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from agent.learning.reduced import frozen_training_flops
-from agent.learning.reduction import MIN_ACTIVE, NO_REDUCTION, Reduction
+from agent.learning.reduction import NO_REDUCTION, Reduction
 from agent.learning.reductions.base import Level, ReducedRound, ReductionKind, Start
 
 if TYPE_CHECKING:
@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 LEVELS = (0.8, 0.5, 0.35, 0.2, 0.05)
 """The active fractions a calibration measures."""
+MIN_ACTIVE = 0.05
+"""The least fraction of the neurons it trains."""
 
 
 class Freeze(ReductionKind):
