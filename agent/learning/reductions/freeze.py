@@ -59,7 +59,7 @@ class Freeze(ReductionKind):
         self, learner: CalibrationFacts, start: Start, reduction: Reduction, draw: Draw
     ) -> Start:
         """The neurons that train this round, drawn (`freezing.active_masks`)."""
-        fraction = self.level(reduction)
+        fraction = self.setting(reduction)
         if fraction is None:
             return start
         from agent.learning.freezing import active_masks

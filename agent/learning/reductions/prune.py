@@ -57,7 +57,7 @@ class Prune(ReductionKind):
         self, learner: CalibrationFacts, start: Start, reduction: Reduction, draw: Draw
     ) -> Start:
         """The sparse model pruned by magnitude to the density cap, when there is one."""
-        cap = self.level(reduction)
+        cap = self.setting(reduction)
         if start.masks is None or cap is None:
             return start
         if learner.channel_masks:
