@@ -24,7 +24,8 @@ from agent.learning.reductions.base import Level, ReductionKind
 
 
 class Head(ReductionKind):
-    """Train only the last `setting` fraction of the layers (at least one), and publish it."""
+    """Train only the last `setting` fraction of the layers (at least one); its row says a
+    round publishes what it trained."""
 
     name: ClassVar[str] = "head"
 
@@ -38,9 +39,6 @@ class Head(ReductionKind):
         layers = learner.forward_layers
         count = max(1, math.floor(fraction * len(layers)))
         return {name for layer in layers[-count:] for name in layer.tensors}
-
-    def published(self, learner: TrainingFacts, reduction: Reduction) -> set[str] | None:
-        return self.trainable(learner, reduction)
 
 
 @pytest.fixture

@@ -236,7 +236,7 @@ class Learner:
 
     def published_part(self, model: Published, reduction: Reduction) -> Published:
         """What a round publishes: with `sends_windows`, what its kind says it publishes
-        (`ReductionKind.published`: a window's layers alone), else the whole model. A
+        (`Reduction.published`: a window's layers alone), else the whole model. A
         receiver aggregates each layer over those who sent it (`combine`)."""
         names = reduction.published(self) if self.sends_windows else None
         if names is None:

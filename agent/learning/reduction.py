@@ -90,9 +90,11 @@ class Reduction:
         return reductions.kind(self.kind).figures(self)
 
     def published(self, learner: TrainingFacts) -> set[str] | None:
-        """The state entries a round cut this way publishes (`ReductionKind.published`;
-        None: the whole model)."""
-        return reductions.kind(self.kind).published(learner, self)
+        """The state entries a round cut this way publishes: what it trained, for a kind
+        that `sends_part` (None: the whole model)."""
+        if not KINDS[self.kind].sends_part:
+            return None
+        return reductions.kind(self.kind).trainable(learner, self)
 
 
 NO_REDUCTION = Reduction()

@@ -41,7 +41,7 @@ class Kind:
     calibrated: bool = True
     """The calibration measures rows of it (`agent.device.calibration`)."""
     sends_part: bool = False
-    """A round it cuts publishes only what it trained (`ReductionKind.published`) where the
+    """A round it cuts publishes only what it trained (`ReductionKind.trainable`) where the
     wire sends whole models: the rest is what the agent had from its neighbours."""
     channel_masks: bool = False
     """Its mode budgets a model with channel masks (`--mask-unit channel`), whose cut then

@@ -127,11 +127,6 @@ class ReductionKind:
         """The round record's fields (`agent.report.AgentRound`) this kind fills."""
         return {}
 
-    def published(self, learner: TrainingFacts, reduction: Reduction) -> set[str] | None:
-        """The state entries a round cut this way publishes, where its table row says it
-        `sends_part` and the wire sends whole models (None: the whole model)."""
-        return None
-
     def started(
         self, learner: CalibrationFacts, start: Start, reduction: Reduction, draw: Draw
     ) -> Start:

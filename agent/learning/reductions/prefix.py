@@ -2,7 +2,10 @@
 without a backward pass (`agent.learning.prefix`), by the device's measured costs.
 
 Its levels are windows of about a fraction of the forward FLOPs each; the rule takes, of a
-level's windows that fit p_k, this round's in turn (`reduction.measured_reduction`).
+level's windows that fit p_k, this round's in turn (`reduction.measured_reduction`). A round
+publishes its window's layers alone (its row's `sends_part`): the rest is the aggregate of
+what the agent received, which its neighbours need not receive back (TinyTL's trained
+suffix, on the wire too).
 """
 
 from __future__ import annotations
@@ -57,12 +60,6 @@ class Prefix(ReductionKind):
         if window is None:
             return None
         return prefix.trained_names(learner.forward_layers, window)
-
-    def published(self, learner: TrainingFacts, reduction: Reduction) -> set[str] | None:
-        """The window's layers alone: the rest is the aggregate of what the agent received,
-        which its neighbours need not receive back (TinyTL's trained suffix, on the wire
-        too); a receiver aggregates each layer over those who sent it."""
-        return self.trainable(learner, reduction)
 
     def per_sample_flops(self, learner: TrainingFacts, job: ReducedRound) -> int:
         window = self.setting(job.reduction)
