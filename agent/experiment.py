@@ -30,6 +30,7 @@ from agent.learning.config import (
 )
 from agent.learning.config import default_model as default_dataset_model
 from agent.learning.early_stop import StopRule
+from agent.learning.reductions import CHANNEL_MODES
 from agent.learning.strategies import LOCAL, TABLE, fingerprint, names, strategy
 from protocol.limits import MAX_MEMBERS, MAX_ROUNDS, WEEK_S
 
@@ -344,10 +345,11 @@ def check_mask_unit(cfg: StrategyConfig) -> None:
         raise ValueError(
             f"--mask-unit channel is for the sparse strategies {sparse}, not {cfg.strategy}"
         )
-    if cfg.mask_unit == "channel" and cfg.reduce != "prune":
+    if cfg.mask_unit == "channel" and cfg.reduce not in CHANNEL_MODES:
         raise ValueError(
-            f"--mask-unit channel cuts a budgeted round by its density cap (--reduce prune), "
-            f"which saves real time with channel masks; got --reduce {cfg.reduce}"
+            f"--mask-unit channel cuts a budgeted round by its density cap (--reduce "
+            f"{' or '.join(CHANNEL_MODES)}), which saves real time with channel masks; "
+            f"got --reduce {cfg.reduce}"
         )
 
 

@@ -100,7 +100,9 @@ class AgentRound:
     limited_by: str = "none"
     """What set p_k on a device (time, energy, battery, memory), or none."""
     density_cap: float | None = None
+    """The density a pruned round was capped to (`ReductionKind.figures`: prune's)."""
     active_fraction: float | None = None
+    """The fraction of the neurons a frozen round trained (freeze's)."""
     throttled_s: float = 0.0
     """Seconds an emulated device slept to run at its profile's speed."""
     stragglers: list[str] = field(default_factory=list)
@@ -118,7 +120,7 @@ class AgentRound:
     energy_source: str | None = None
     """How the energy figures were obtained ("modelled" from the profile), None without."""
     reduction: str = "none"
-    """What the budget made the round do (`agent.learning.reduction.Reduction.kind`)."""
+    """What the budget made the round do (`agent.learning.reduction.Reduction.label`)."""
     reduction_why: str = ""
     """The choice of a measured reduction and why (empty under the FLOP rules)."""
     train_s: float | None = None
@@ -180,10 +182,9 @@ class AgentRound:
             vote=result.vote,
             score=result.score,
             pruned=result.pruned,
-            density_cap=reduction.density_cap,
-            active_fraction=reduction.active_fraction,
-            reduction=reduction.kind,
+            reduction=reduction.label,
             reduction_why=reduction.why,
+            **reduction.figures(),
             **figures,
         ).judged_as(result.judged)
 

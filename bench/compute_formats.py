@@ -109,7 +109,7 @@ def interleaved(timing: _Calibration, name: str, repeats: int) -> tuple[float, f
 def trained(learner: Learner, data: LocalData, name: str) -> tuple[dict[str, torch.Tensor], float]:
     """The weights and mean loss of the timed call's steps in format `name`."""
     learner.facts.compute_format = ComputeFormat.parse(name)
-    sgd = replace(learner.config.sgd, epochs=1, batch_size=BATCH)
+    sgd = replace(learner.facts.sgd, epochs=1, batch_size=BATCH)
     start = learner.init_agent("formats").weights
     generator = torch.Generator().manual_seed(0)
     result, _ = reduced_training(

@@ -145,13 +145,13 @@ def rotation(table: CostTable, p_k: float) -> list[dict[str, Any]]:
     turns: list[dict[str, Any]] = []
     for round_ in range(len(table.rows)):
         reduction = measured_reduction(table, ("prefix",), p_k, round_, None, BATCH)
-        if turns and list(reduction.window or ()) == turns[0]["window"]:
+        if turns and list(reduction.setting or ()) == turns[0]["window"]:
             break
         row = _table_row(table, "prefix", reduction, 0.0)
         memory = None if row is None else table.memory_fraction(row)
         turns.append(
             {
-                "window": list(reduction.window or ()),
+                "window": list(reduction.setting or ()),
                 "predicted_time_x": reduction.predicted,
                 "predicted_memory_x": memory,
             }
@@ -164,7 +164,7 @@ def _table_row(table: CostTable, kind: str, reduction: Reduction, level: float) 
     has one, at the initial density: the agent's only figure for any cap)."""
     rows = table.of_kind("prefix" if kind == "suffix" else kind)
     if kind in ("prefix", "suffix"):
-        return next((row for row in rows if row.window == reduction.window), None)
+        return next((row for row in rows if row.window == reduction.setting), None)
     if kind in ("prune", "checkpoint"):
         return rows[0] if rows else None
     return next((row for row in rows if math.isclose(row.level, level)), None)
@@ -179,21 +179,21 @@ def rule_reduction(
     if kind == "prune":
         assert start.masks is not None
         masks = rigl.prune_to_density(start.weights, start.masks, p_k)
-        return Reduction(density_cap=p_k, kind="prune"), masks, None
+        return Reduction("prune", p_k), masks, None
     if kind == "channels":
         assert start.masks is not None
         cap = capped_density(learner.facts, p_k, start.masks) or 1.0
         masks = channels.prune_to_density(
             learner.facts.channel_plan, start.weights, start.masks, cap
         )
-        return Reduction(density_cap=cap, kind="prune"), masks, None
+        return Reduction("prune", cap), masks, None
     if kind == "freeze":
         a = active_fraction(p_k)
         generator = torch.Generator().manual_seed(0)
         active = active_masks(learner.facts.freezing_plan, start.weights, a, generator)
-        return Reduction(active_fraction=a, kind="freeze"), None, active
+        return Reduction("freeze", a), None, active
     if kind == "checkpoint":
-        return Reduction(checkpoint=True, kind="checkpoint"), None, None
+        return Reduction("checkpoint", checkpoint=True), None, None
     assert table is not None
     if kind == "suffix":
         return suffix_reduction(learner, table, p_k), None, None
@@ -210,10 +210,10 @@ def suffix_reduction(learner: Learner, table: CostTable, p_k: float) -> Reductio
     fitting = [r for r in suffixes if table.fraction(r) <= p_k]
     if fitting:
         row = min(fitting, key=lambda r: (r.window or (0, 0))[0])
-        return Reduction(window=row.window, kind="prefix", predicted=table.fraction(row))
+        return Reduction("prefix", row.window, predicted=table.fraction(row))
     row = min(suffixes, key=table.fraction)
     steps = p_k / table.fraction(row)
-    return Reduction(window=row.window, step_fraction=steps, kind="prefix+steps", predicted=p_k)
+    return Reduction("prefix", row.window, step_fraction=steps, predicted=p_k)
 
 
 def plan(learner: Learner, table: CostTable, kind: str, p_k: float) -> Plan:
@@ -223,7 +223,7 @@ def plan(learner: Learner, table: CostTable, kind: str, p_k: float) -> Plan:
     if kind == "prune":
         level, label, time_share = p_k, f"density {p_k:.2f}", table.interpolated("prune", p_k)
     elif kind == "channels":
-        level = reduction.density_cap or 1.0
+        level = reduction.setting or 1.0
         label = f"channel density {level:.2f}"
         time_share = table.interpolated("prune", level)
         memory = table.interpolated("prune", level, table.memory_fraction)
@@ -233,12 +233,12 @@ def plan(learner: Learner, table: CostTable, kind: str, p_k: float) -> Plan:
         row = _table_row(table, kind, reduction, level)
         time_share = None if row is None else table.fraction(row)
     elif kind == "freeze":
-        level = reduction.active_fraction or 1.0
+        level = reduction.setting or 1.0
         label, time_share = f"active {level:.2f}", table.interpolated("freeze", level)
     else:
         time_share = reduction.predicted
-        level = reduction.width if kind == "width" and reduction.width else 0.0
-        label = f"width {level:.2f}" if kind == "width" else f"layers {reduction.window}"
+        level = reduction.setting if kind == "width" and reduction.setting else 0.0
+        label = f"width {level:.2f}" if kind == "width" else f"layers {reduction.setting}"
     row = _table_row(table, kind, reduction, level)
     if row is not None and kind in ("prefix", "suffix"):
         label = f"{row.level:.2f} of flops, " + label
@@ -310,8 +310,8 @@ def _spec(model: str, round_plan: Plan) -> dict[str, Any]:
         "model": model,
         "kind": round_plan.kind,
         "p_k": round_plan.p_k,
-        "window": reduction.window,
-        "width": reduction.width,
+        "reduction": reduction.kind,
+        "setting": reduction.setting,
         "checkpoint": reduction.checkpoint,
     }
 
@@ -352,10 +352,9 @@ def probe_rss(spec: dict[str, Any]) -> float:
         reduction, masks, active = rule_reduction(learner, None, kind, p_k)
         round_plan = Plan(kind, p_k, reduction, masks, active, "", None, None)
     else:
-        window = None if spec["window"] is None else (spec["window"][0], spec["window"][1])
-        reduction = Reduction(
-            window=window, width=spec["width"], checkpoint=spec["checkpoint"], kind=kind
-        )
+        setting = spec["setting"]  # a window comes back from JSON as a list
+        setting = tuple(setting) if isinstance(setting, list) else setting
+        reduction = Reduction(spec["reduction"], setting, checkpoint=spec["checkpoint"])
         round_plan = Plan(kind, p_k, reduction, None, None, "", None, None)
     _ = learner.facts.forward_layers, learner.facts.freezing_plan
     _call_s(learner, round_plan, data, 1)

@@ -69,19 +69,19 @@ KINDS = ("freeze", "prefix", "width")
 def test_auto_takes_the_least_costly_kind_that_fits_at_its_highest_level() -> None:
     # Freezing fits 0.9 (at active 0.5): it is tried first.
     chosen = measured_reduction(TABLE, KINDS, 0.9, 0, None, 16)
-    assert (chosen.kind, chosen.active_fraction, chosen.predicted) == ("freeze", 0.5, 0.85)
+    assert (chosen.label, chosen.setting, chosen.predicted) == ("freeze", 0.5, 0.85)
     # At 0.5 freezing does not fit; the widest prefix window that fits does (level 0.5).
     chosen = measured_reduction(TABLE, KINDS, 0.5, 0, None, 16)
-    assert (chosen.kind, chosen.window, chosen.predicted) == ("prefix", (2, 4), 0.45)
+    assert (chosen.label, chosen.setting, chosen.predicted) == ("prefix", (2, 4), 0.45)
     assert "freeze (cheapest 0.80) do not fit" in chosen.why
     # At 0.32 only one window of level 0.25 fits; at 0.2 width 0.25 is the only option.
-    assert measured_reduction(TABLE, KINDS, 0.32, 0, None, 16).window == (3, 4)
+    assert measured_reduction(TABLE, KINDS, 0.32, 0, None, 16).setting == (3, 4)
     chosen = measured_reduction(TABLE, KINDS, 0.2, 0, None, 16)
-    assert (chosen.kind, chosen.width) == ("width", 0.25)
+    assert (chosen.label, chosen.setting) == ("width", 0.25)
 
 
 def test_prefix_windows_take_turns_among_those_that_fit() -> None:
-    fitting = {measured_reduction(TABLE, ("prefix",), 0.36, r, None, 16).window for r in range(4)}
+    fitting = {measured_reduction(TABLE, ("prefix",), 0.36, r, None, 16).setting for r in range(4)}
     assert fitting == {(2, 3), (3, 4)}
     assert round_window([(0, 1), (1, 2)], 3) == (1, 2)
 
@@ -98,15 +98,15 @@ def test_prefix_takes_the_level_whose_windows_train_the_most_layers() -> None:
             ("prefix", 0.25, 0.3, 20.0, (3, 4)),
         ]
     )
-    chosen = {measured_reduction(wider, ("prefix",), 0.46, r, None, 16).window for r in range(3)}
+    chosen = {measured_reduction(wider, ("prefix",), 0.46, r, None, 16).setting for r in range(3)}
     assert chosen == {(1, 2), (2, 3), (3, 4)}
     # With equal coverage the larger windows win.
-    assert measured_reduction(TABLE, ("prefix",), 0.46, 0, None, 16).window == (2, 4)
+    assert measured_reduction(TABLE, ("prefix",), 0.46, 0, None, 16).setting == (2, 4)
 
 
 def test_below_every_floor_the_round_trains_fewer_minibatches() -> None:
     chosen = measured_reduction(TABLE, KINDS, 0.05, 0, None, 16)
-    assert chosen.kind == "width+steps" and chosen.width == 0.25
+    assert chosen.label == "width+steps" and chosen.setting == 0.25
     assert chosen.step_fraction == pytest.approx(0.5)
     assert chosen.predicted == pytest.approx(0.05)
     assert "below every floor" in chosen.why
@@ -115,14 +115,14 @@ def test_below_every_floor_the_round_trains_fewer_minibatches() -> None:
 def test_memory_picks_a_smaller_batch_or_a_leaner_reduction() -> None:
     # 40 MiB: the prefix window (10 + 30 MiB at batch 16) fits as it is.
     chosen = measured_reduction(TABLE, ("prefix",), 0.5, 0, 40.0, 16)
-    assert chosen.window == (2, 4) and chosen.batch_size is None
+    assert chosen.setting == (2, 4) and chosen.batch_size is None
     # 25 MiB: it trains at batch 8 (10 + 30 x 8/16 = 25 MiB).
     chosen = measured_reduction(TABLE, ("prefix",), 0.5, 0, 25.0, 16)
-    assert chosen.window == (2, 4) and chosen.batch_size == 8
+    assert chosen.setting == (2, 4) and chosen.batch_size == 8
     assert "batch 8 to fit the memory" in chosen.why
     # A dense round that fits the time but not the memory is reduced too.
     chosen = measured_reduction(TABLE, ("width",), 1.0, 0, 60.0, 16)
-    assert chosen.kind == "width" and chosen.width == 0.5
+    assert chosen.label == "width" and chosen.setting == 0.5
     assert measured_reduction(TABLE, KINDS, 1.0, 0, 500.0, 16) == Reduction(
         why="a dense round fits the budget"
     )
@@ -136,7 +136,7 @@ def test_measured_modes_need_costs_and_the_flop_modes_keep_their_rule() -> None:
     assert local_reduction(learner.facts, None, masks) == NO_REDUCTION
     pruned = learner_for("mlp", (64,), strategy="dadpfl", reduce="prune")
     chosen = local_reduction(pruned.facts, 0.3, masks, costs=TABLE)
-    assert chosen.kind == "prune" and chosen.density_cap is not None
+    assert chosen.label == "prune" and chosen.setting is not None
 
 
 def test_windows_cover_the_layers_in_forward_order() -> None:
@@ -209,7 +209,7 @@ def test_a_narrower_model_trains_its_channels_only() -> None:
         start,
         None,
         None,
-        Reduction(width=0.5),
+        Reduction("width", 0.5),
         data,
         1,
         torch.Generator().manual_seed(0),

@@ -92,11 +92,13 @@ def test_the_rule_checkpoints_rather_than_shrinks_the_batch_when_the_time_allows
     assert "checkpointed" in chosen.why
     # at p_k 0.5 the narrower model fits the time; checkpointed it fits 30 MiB at batch 16
     narrow = measured_reduction(table(1.2), kinds, 0.7, 0, 30.0, 16)
-    assert (narrow.width, narrow.checkpoint, narrow.batch_size) == (0.5, True, None)
+    assert narrow.label == "width"
+    assert (narrow.setting, narrow.checkpoint, narrow.batch_size) == (0.5, True, None)
     assert narrow.predicted == pytest.approx(0.6)
     # when checkpointing's extra time does not fit p_k, a smaller batch does it
     smaller = measured_reduction(table(1.2), kinds, 0.55, 0, 30.0, 16)
-    assert (smaller.width, smaller.checkpoint, smaller.batch_size) == (0.5, False, 8)
+    assert smaller.label == "width"
+    assert (smaller.setting, smaller.checkpoint, smaller.batch_size) == (0.5, False, 8)
 
 
 def test_the_measured_modes_measure_checkpointing_too() -> None:

@@ -181,9 +181,9 @@ def _rounds(learner: Learner, data: LocalData) -> list[RoundResult]:
     further pruning and RigL, then frozen neurons (sparse strategies)."""
     a, b = learner.init_agent("a"), learner.init_agent("b")
     inbox = {"b": learner.published(b, 12)}
-    first = learner.local_round(a, data, inbox, 1, True, Reduction(density_cap=0.3))
+    first = learner.local_round(a, data, inbox, 1, True, Reduction("prune", 0.3))
     second = learner.local_round(first.state, data, {"b": first.published}, 2, True)
-    third = learner.local_round(second.state, data, {}, 3, False, Reduction(active_fraction=0.5))
+    third = learner.local_round(second.state, data, {}, 3, False, Reduction("freeze", 0.5))
     return [first, second, third]
 
 

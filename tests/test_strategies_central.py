@@ -6,7 +6,8 @@ import pytest
 
 from agent.learning import CENTRALIZED, StopWatch, preset
 from agent.learning.central import STATIC_TIERS, static_tier
-from agent.learning.reduction import MIN_ACTIVE, Reduction, local_reduction
+from agent.learning.reduction import Reduction, local_reduction
+from agent.learning.reductions.freeze import MIN_ACTIVE
 from coordinator.simulate import ExperimentConfig, Simulation, simulate
 
 AGENTS = 5
@@ -159,17 +160,18 @@ def test_reduce_prunes_or_freezes_to_the_budget() -> None:
     (_, cost) = reduction_at(1.0, "prune")
     affordable, short, shorter = cost * 1.01, cost * 0.9, cost * 0.75
     assert reduction_at(affordable, "freeze")[0] == Reduction()
-    assert reduction_at(affordable, "prune")[0].density_cap >= 0.5  # a cap that prunes nothing
+    assert reduction_at(affordable, "prune")[0].setting >= 0.5  # a cap that prunes nothing
     pruned, _ = reduction_at(short, "prune")
-    assert pruned.density_cap is not None and pruned.density_cap < 0.5
-    assert pruned.active_fraction is None
+    assert pruned.kind == "prune" and pruned.setting < 0.5
+    assert pruned.figures() == {"density_cap": pruned.setting}  # the round's record
     # Freezing a fraction a costs c (2 + a) / 3: a = 3 x 0.9 - 2 = 0.7 here.
     frozen, _ = reduction_at(short, "freeze")
-    assert frozen.density_cap is None and frozen.active_fraction == pytest.approx(0.7)
+    assert frozen.kind == "freeze" and frozen.setting == pytest.approx(0.7)
+    assert frozen.figures() == {"active_fraction": frozen.setting}
     # At 0.75 c only a = 0.25 can train.
-    assert reduction_at(shorter, "freeze")[0].active_fraction == pytest.approx(0.25)
+    assert reduction_at(shorter, "freeze")[0].setting == pytest.approx(0.25)
     # Below 2/3 c freezing cannot meet the budget at all: it trains the minimum.
-    assert reduction_at(cost * 0.5, "freeze")[0].active_fraction == MIN_ACTIVE
+    assert reduction_at(cost * 0.5, "freeze")[0].setting == MIN_ACTIVE
 
 
 def test_freezing_trains_fewer_flops_and_keeps_the_density() -> None:

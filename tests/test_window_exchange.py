@@ -41,7 +41,7 @@ def test_a_window_round_publishes_its_layers_alone() -> None:
     learner = learner_for("prefix")
     layers = learner.facts.forward_layers
     window = (len(layers) - 1, len(layers))
-    published = round_with(learner, Reduction(window=window, kind="prefix"))
+    published = round_with(learner, Reduction("prefix", window))
     assert set(published.weights) == set(layers[-1].tensors)
     whole = round_with(learner, NO_REDUCTION)
     assert set(whole.weights) == set(learner.facts.initial)
@@ -51,7 +51,7 @@ def test_a_window_round_publishes_its_layers_alone() -> None:
 def test_modes_that_send_deltas_or_layers_keep_whole_models() -> None:
     for learner in (learner_for("prune"), learner_for("prefix", wire="delta")):
         window = (0, 1)
-        published = round_with(learner, Reduction(window=window, kind="prefix"))
+        published = round_with(learner, Reduction("prefix", window))
         assert set(published.weights) == set(learner.facts.initial)
 
 

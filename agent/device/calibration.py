@@ -39,7 +39,7 @@ from torch import nn
 
 from agent.files import DiskFullError, atomic_write
 from agent.learning import reductions
-from agent.learning.costs import Cost, CostTable, Row
+from agent.learning.costs import Cost, CostTable
 from agent.learning.facts import LocalData
 from agent.learning.model_facts import ModelFacts
 from agent.learning.precision import CHANNELS_LAST, ComputeFormat
@@ -50,7 +50,7 @@ from agent.learning.sparse import Masks
 from agent.learning.training import round_steps
 
 if TYPE_CHECKING:
-    from agent.learning.reductions.base import Narrow
+    from agent.learning.reductions.base import Level, Narrow, ReductionKind
 
 log = logging.getLogger(__name__)
 
@@ -219,18 +219,21 @@ class _Calibration:
         return min(reduced) / min(dense), min(dense), fixed, activations
 
 
-def _candidates(
-    facts: ModelFacts, kinds: Sequence[str]
-) -> list[tuple[str, float, Reduction, Masks | None]]:
+def _candidates(facts: ModelFacts, kinds: Sequence[str]) -> list[tuple[ReductionKind, Level]]:
     """Every level of `kinds` the model can train with, each kind's own
-    (`agent.learning.reductions`): (kind, level, reduction, the masks a prune row trains
-    with)."""
+    (`agent.learning.reductions`), with its kind."""
     return [
-        (cut.name, row.level, row.reduction, row.masks)
+        (cut, level)
         for cut in reductions.kinds()
         if cut.name in kinds
-        for row in cut.levels(facts)
+        for level in cut.levels(facts)
     ]
+
+
+def _measured(level: Level) -> tuple[Reduction, float | None]:
+    """What a level is timed once for: its reduction (a window may recur at several
+    levels), and for a prune row its level (they differ by their masks alone)."""
+    return level.reduction, level.level if level.masks is not None else None
 
 
 def _steps(facts: ModelFacts, data: LocalData, batch: int) -> int:
@@ -307,23 +310,21 @@ def measure_costs(
     candidates = _candidates(facts, kinds)
     dense_s: list[float] = []
     measured: dict[tuple[Reduction, float | None], tuple[float, float, float]] = {}
-    for done, (_, level, reduction, row_masks) in enumerate(candidates, start=1):
+    for done, (_, level) in enumerate(candidates, start=1):
         if progress is not None:
             progress(done, len(candidates))
-        # a window may recur at several levels; prune rows differ by their masks' level
-        pair = (reduction, level if row_masks is not None else None)
-        if pair not in measured:
-            share, dense_call_s, fixed, activations = timing.share(reduction, row_masks)
+        if _measured(level) not in measured:
+            share, dense_call_s, fixed, activations = timing.share(level.reduction, level.masks)
             dense_s.append(dense_call_s)
-            measured[pair] = (share, fixed, activations)
+            measured[_measured(level)] = (share, fixed, activations)
     if not dense_s:
         dense_s.append(timing.call_s(NO_REDUCTION, None))
     step_s = statistics.median(dense_s) / steps
     dense_cost = Cost(step_s, *timing.memory(NO_REDUCTION, None)[1:])
     rows = []
-    for kind, level, reduction, row_masks in candidates:
-        share, fixed, activations = measured[(reduction, level if row_masks is not None else None)]
-        rows.append(Row(kind, level, Cost(share * step_s, fixed, activations), reduction.window))
+    for cut, level in candidates:
+        share, fixed, activations = measured[_measured(level)]
+        rows.append(cut.row(level, Cost(share * step_s, fixed, activations)))
     forward_s = _forward_s(facts, timing.data)
     key = table_key(facts, batch, kinds)
     return CostTable(key, batch, dense_cost, forward_s, tuple(rows), step_format)

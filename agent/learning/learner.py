@@ -27,13 +27,13 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from agent.learning import channels, prefix, robust, robust_rules, sparse, strategies
+from agent.learning import channels, robust, robust_rules, sparse, strategies
 from agent.learning.config import StrategyConfig
 from agent.learning.decentral.base import DecentralizedStrategy, RoundStart
 from agent.learning.facts import LocalData as LocalData  # re-exported: imported from here too
 from agent.learning.kept import Judged, Kept, Shadow
 from agent.learning.model_facts import ModelFacts
-from agent.learning.reduction import NO_REDUCTION, Reduction
+from agent.learning.reduction import NO_REDUCTION, Reduction, sends_parts
 from agent.learning.reductions.base import Start, started
 from agent.learning.sparse import Masks, State
 from agent.learning.tasks import Task
@@ -145,7 +145,7 @@ class Learner:
         )
         """The model's facts, which the rules a round takes read (`model_facts`)."""
         self.sends_windows = (
-            self.decentralized and config.wire == "full" and config.reduce in ("prefix", "auto")
+            self.decentralized and config.wire == "full" and sends_parts(config.reduce)
         )
         """A round that trained a window of layers publishes those layers alone
         (`published_part`), the others being what the agent already had from its aggregate."""
@@ -188,14 +188,13 @@ class Learner:
         return Published(state.weights, state.masks, num_samples)
 
     def published_part(self, model: Published, reduction: Reduction) -> Published:
-        """What a round publishes: with a window of layers trained (and `sends_windows`),
-        those layers alone: the rest is the aggregate of what the agent received, which its
-        neighbours need not receive back (TinyTL's trained suffix, on the wire too). A
+        """What a round publishes: with `sends_windows`, what its kind says it publishes
+        (`Reduction.published`: a window's layers alone), else the whole model. A
         receiver aggregates each layer over those who sent it (`combine`)."""
-        if reduction.window is None or not self.sends_windows:
+        names = reduction.published(self.facts) if self.sends_windows else None
+        if names is None:
             return model
-        trained = prefix.trained_names(self.facts.forward_layers, reduction.window)
-        return _restricted(model, [name for name in model.weights if name in trained])
+        return _restricted(model, [name for name in model.weights if name in names])
 
     def layer_part(self, model: Published, layers: list[str]) -> Published:
         """The tensors of FedLDF `layers` of a model, with their masks: what a neighbour sends

@@ -22,19 +22,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from agent.learning import reductions
 from agent.learning.costs import CostTable, Row
-from agent.learning.prefix import Window
-from agent.learning.reductions import AUTO, MEASURED_KINDS, MEASURED_MODES
+from agent.learning.reductions import AUTO, CHECKPOINT, KINDS, MEASURED_KINDS, MEASURED_MODES, NONE
 from agent.learning.sparse import Masks
 
 if TYPE_CHECKING:
     from agent.learning.model_facts import ModelFacts
-
-MIN_ACTIVE = 0.05
-"""The least fraction of the neurons `--reduce freeze` trains (`reductions.freeze`)."""
 
 
 def measured_kinds(mode: str) -> tuple[str, ...]:
@@ -42,7 +38,13 @@ def measured_kinds(mode: str) -> tuple[str, ...]:
     or the mode's own kind (prune and freeze for their prediction); with checkpointing for
     the modes that choose by measurement (what fits the memory at the configured batch)."""
     kinds = MEASURED_KINDS if mode == AUTO else (mode,)
-    return (*kinds, "checkpoint") if mode in MEASURED_MODES else kinds
+    return (*kinds, CHECKPOINT) if mode in MEASURED_MODES else kinds
+
+
+def sends_parts(mode: str) -> bool:
+    """Whether a round under `--reduce mode` may publish only what it trained (a kind of
+    `measured_kinds(mode)` that `sends_part`s, such as a window of layers)."""
+    return any(KINDS[k].sends_part for k in measured_kinds(mode) if k in KINDS)
 
 
 def capped_density(learner: ModelFacts, p_k: float | None, masks: Masks | None) -> float | None:
@@ -54,16 +56,17 @@ def capped_density(learner: ModelFacts, p_k: float | None, masks: Masks | None) 
 
 @dataclass(frozen=True)
 class Reduction:
-    """How an agent cuts this round to its budget, and why (ALGORITHMS.md 5)."""
+    """How an agent cuts this round to its budget, and why (ALGORITHMS.md 5): the kind that
+    cuts it, that kind's own setting, and what any kind may add (fewer steps, a smaller
+    batch, checkpointed blocks)."""
 
-    density_cap: float | None = None
-    """Prune the aggregated model to this density first (DA-DPFL's way)."""
-    active_fraction: float | None = None
-    """Train only this fraction of the neurons, freezing the rest (FedSPU's way)."""
-    window: Window | None = None
-    """Train only these layers (`agent.learning.prefix`), the others frozen."""
-    width: float | None = None
-    """Train a sub-model of this fraction of every hidden channel (`agent.learning.width`)."""
+    kind: str = NONE
+    """The kind that cuts the round (`agent.learning.reductions`), whose `setting` it is:
+    none, prune, freeze, prefix, width, checkpoint (the dense model checkpointed)."""
+    setting: Any = None
+    """The kind's own parameter, which only its class reads (`ReductionKind.setting`):
+    prune's density cap, freeze's active fraction, prefix's window of layers, width's
+    fraction of every hidden channel."""
     step_fraction: float | None = None
     """Train only this fraction of the round's minibatches: the last resort."""
     batch_size: int | None = None
@@ -71,13 +74,27 @@ class Reduction:
     checkpoint: bool = False
     """Checkpoint the model's blocks (`agent.learning.checkpointing`): the configured batch
     in less memory, for more time."""
-    kind: str = "none"
-    """What the round does: none, prune, freeze, prefix, width, checkpoint (the dense model
-    checkpointed; with steps: + fewer steps)."""
     predicted: float | None = None
     """The measured share of a dense round's time this reduction takes (None unmeasured)."""
     why: str = ""
     """One line for the status: what was chosen and what it was chosen over."""
+
+    @property
+    def label(self) -> str:
+        """What the round did, for its record and status: the kind, with "+steps" when it
+        trains fewer minibatches."""
+        return self.kind + ("+steps" if self.step_fraction is not None else "")
+
+    def figures(self) -> dict[str, Any]:
+        """The round record's fields its kind fills (`ReductionKind.figures`)."""
+        return reductions.kind(self.kind).figures(self)
+
+    def published(self, learner: ModelFacts) -> set[str] | None:
+        """The state entries a round cut this way publishes: what it trained, for a kind
+        that `sends_part` (None: the whole model)."""
+        if not KINDS[self.kind].sends_part:
+            return None
+        return reductions.kind(self.kind).trainable(learner, self)
 
 
 NO_REDUCTION = Reduction()
@@ -145,7 +162,7 @@ class _Option:
 def _checkpointed(row: Row, costs: CostTable) -> Row | None:
     """`row` with its blocks checkpointed, by the factors the table measured on the dense
     model (time up, activations down); None when it measured none."""
-    measured = costs.of_kind("checkpoint")
+    measured = costs.of_kind(CHECKPOINT)
     if not measured:
         return None
     cost = measured[0].cost
@@ -226,7 +243,7 @@ def measured_reduction(
     if p_k >= 1.0 and dense_fits == batch:
         return Reduction(why="a dense round fits the budget")
     passed: list[str] = []
-    whole = [o for o in _options(costs, "none", p_k, round_, memory_mb, batch) if o.checkpoint]
+    whole = [o for o in _options(costs, NONE, p_k, round_, memory_mb, batch) if o.checkpoint]
     if whole and whole[0].share <= p_k:
         return _as_reduction(whole[0], p_k, passed, step_fraction=None)
     for kind in kinds:
@@ -243,22 +260,21 @@ def measured_reduction(
 
 
 def _dense_row(costs: CostTable) -> Row:
-    return Row("none", 1.0, costs.dense)
+    return Row(NONE, 1.0, costs.dense)
 
 
 def _rows(costs: CostTable, kind: str) -> list[Row]:
     """The table's rows of `kind`; "none" is the dense model's."""
-    return [_dense_row(costs)] if kind == "none" else costs.of_kind(kind)
+    return [_dense_row(costs)] if kind == NONE else costs.of_kind(kind)
 
 
 def _as_reduction(
     option: _Option, p_k: float, passed: list[str], step_fraction: float | None
 ) -> Reduction:
     row = option.row
-    level = reductions.kind(option.kind).of_row(row)
     share = option.share if step_fraction is None else option.share * step_fraction
-    kind = "checkpoint" if option.kind == "none" else option.kind
-    named = "dense, checkpointed," if option.kind == "none" else f"{kind} {row.level:.2f}"
+    kind = CHECKPOINT if option.kind == NONE else option.kind
+    named = "dense, checkpointed," if option.kind == NONE else f"{kind} {row.level:.2f}"
     why = f"{named} takes {option.share:.2f} of a dense round (p_k {p_k:.2f})"
     if passed:
         why += "; " + ", ".join(passed) + " do not fit"
@@ -266,14 +282,13 @@ def _as_reduction(
         why += f"; below every floor: {step_fraction:.2f} of the minibatches"
     if option.batch_size is not None:
         why += f"; batch {option.batch_size} to fit the memory"
-    if option.checkpoint and option.kind != "none":
+    if option.checkpoint and option.kind != NONE:
         why += "; blocks checkpointed to fit the memory"
     return replace(
-        level,
+        reductions.kind(kind).of_row(row),
         step_fraction=step_fraction,
         batch_size=option.batch_size,
         checkpoint=option.checkpoint,
-        kind=kind + ("+steps" if step_fraction is not None else ""),
         predicted=share,
         why=why,
     )

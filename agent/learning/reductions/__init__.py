@@ -6,8 +6,9 @@ Plain data without torch, so that `--help`, option parsing and config checks rea
 levels, its FLOP rule, its training) is named by its import path and loaded only when a
 round, a rule or a calibration needs it (`kind`), as `agent.learning.strategies` does for
 strategies. The names the config, the rule and the calibration read (`REDUCE_MODES`,
-`MODES_HELP`, `MEASURED_KINDS`, `MEASURED_MODES`, `CALIBRATED`) are derived from this
-table, never kept beside it: a new reduction is a file and a row here.
+`MODES_HELP`, `MEASURED_KINDS`, `MEASURED_MODES`, `CHANNEL_MODES`, `CALIBRATED`) are
+derived from this table, never kept beside it: a new reduction is a file and a row here,
+its own parameter carried in `Reduction.setting`, which only its class reads.
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ class Kind:
     """Its place among `--reduce auto`'s choices (None: auto never takes it)."""
     calibrated: bool = True
     """The calibration measures rows of it (`agent.device.calibration`)."""
+    sends_part: bool = False
+    """A round it cuts publishes only what it trained (`ReductionKind.trainable`) where the
+    wire sends whole models: the rest is what the agent had from its neighbours."""
+    channel_masks: bool = False
+    """Its mode budgets a model with channel masks (`--mask-unit channel`), whose cut then
+    saves real time (`agent.learning.channels`)."""
 
 
 TABLE: tuple[Kind, ...] = (
@@ -48,6 +55,7 @@ TABLE: tuple[Kind, ...] = (
         "agent.learning.reductions.prune:Prune",
         mode=True,
         summary="cap a sparse model's density: a FLOP and byte budget, the paper's",
+        channel_masks=True,
     ),
     Kind(
         "freeze",
@@ -63,6 +71,7 @@ TABLE: tuple[Kind, ...] = (
         summary="train a window of layers",
         measured=True,
         auto=2,
+        sends_part=True,
     ),
     Kind(
         "width",
@@ -79,6 +88,10 @@ TABLE: tuple[Kind, ...] = (
 NONE = "none"
 """The round trained whole, which no kind cuts: `base.ReductionKind` itself, whose cost is
 the table's dense row."""
+
+CHECKPOINT = "checkpoint"
+"""Checkpointing the model's blocks, which the measured rule adds to any kind whose round
+does not fit the memory at the configured batch (`reduction.measured_reduction`)."""
 
 AUTO = "auto"
 """The mode that takes, of `MEASURED_KINDS`, the first that fits."""
@@ -107,6 +120,9 @@ MODES_HELP = (
     + f" or {AUTO} (of {', '.join(_AUTO[:-1])} and {_AUTO[-1]}, what fits by measured cost)."
 )
 """`--reduce`'s help: every mode with what it does."""
+
+CHANNEL_MODES = tuple(k.name for k in TABLE if k.mode and k.channel_masks)
+"""The `--reduce` modes that budget a model with channel masks."""
 
 CALIBRATED = tuple(k.name for k in TABLE if k.calibrated)
 """Every kind a cost table can hold rows of: what a calibration measures by default."""

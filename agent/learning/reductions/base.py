@@ -1,9 +1,10 @@
 """What a reduction kind gives (ALGORITHMS.md 5): the levels a calibration measures, the
-round's `Reduction` for a measured level or by the FLOP rule, and how the reduced round
-trains. One class per kind, each in a file of its own, listed in the torch-free table of
-`agent.learning.reductions`; the rule (`agent.learning.reduction`), the training
-(`agent.learning.reduced`) and the calibration (`agent.device.calibration`) ask the kinds
-instead of naming them.
+round's `Reduction` for a measured level or by the FLOP rule (its own parameter in
+`Reduction.setting`, which only it reads), how the reduced round trains, and what it
+records and publishes. One class per kind, each in a file of its own, listed in the
+torch-free table of `agent.learning.reductions`; the rule (`agent.learning.reduction`), the
+training (`agent.learning.reduced`), the calibration (`agent.device.calibration`), the
+round's record and what it publishes ask the kinds instead of naming them.
 
 The base class is itself the round trained whole (kind "none"): every layer of the full
 model, its counted FLOPs those of a dense step (3 F), every level of it fit to train.
@@ -14,9 +15,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from agent.learning.reduction import NO_REDUCTION, Reduction
+from agent.learning.costs import Row
+from agent.learning.reduction import Reduction
 from agent.learning.reductions import kinds
 from agent.learning.training import TrainResult, train_local
 
@@ -24,7 +26,7 @@ if TYPE_CHECKING:
     import torch
 
     from agent.learning.config import SGDConfig
-    from agent.learning.costs import CostTable, Row
+    from agent.learning.costs import Cost, CostTable
     from agent.learning.facts import LocalData
     from agent.learning.model_facts import ModelFacts
     from agent.learning.sparse import Masks, State
@@ -77,6 +79,15 @@ class ReductionKind:
     """It trains a narrower model in place of the full one, so it takes the round before
     the kinds that cut the full model's training (`agent.learning.reduced`)."""
 
+    def setting(self, reduction: Reduction) -> Any:
+        """This kind's own parameter in `reduction` (`Reduction.setting`); None when
+        another kind cuts the round."""
+        return reduction.setting if reduction.kind == self.name else None
+
+    def at(self, setting: Any, **shared: Any) -> Reduction:
+        """A round cut by this kind at `setting` (with `shared`: what any kind may add)."""
+        return Reduction(self.name, setting, **shared)
+
     def levels(self, learner: ModelFacts) -> list[Level]:
         """The levels of this kind a calibration measures for `learner` (none where the
         model cannot be cut this way)."""
@@ -84,8 +95,13 @@ class ReductionKind:
 
     def of_row(self, row: Row) -> Reduction:
         """The round's reduction at a cost table's row of this kind, chosen by the measured
-        rule (`reduction.measured_reduction`, which adds the batch, steps and reason)."""
-        return NO_REDUCTION
+        rule (`reduction.measured_reduction`, which adds the batch, steps and reason): by
+        default, at the row's level."""
+        return self.at(row.level)
+
+    def row(self, level: Level, cost: Cost) -> Row:
+        """The cost table's row of a measured `level` (the inverse of `of_row`)."""
+        return Row(self.name, level.level, cost)
 
     def ranked(self, costs: CostTable, levels: list[float], p_k: float) -> list[float]:
         """The measured `levels` of this kind, highest first, in the order the measured rule
@@ -104,8 +120,13 @@ class ReductionKind:
 
     def level(self, reduction: Reduction) -> float | None:
         """The level `reduction` trains this kind at, to read its measured share off the
-        cost table (None: a whole round, whose share is 1)."""
-        return None
+        cost table (None: a whole round, whose share is 1): a FLOP rule's setting."""
+        level: float | None = self.setting(reduction)
+        return level
+
+    def figures(self, reduction: Reduction) -> dict[str, Any]:
+        """The round record's fields (`agent.report.AgentRound`) this kind fills."""
+        return {}
 
     def started(self, learner: ModelFacts, start: Start, reduction: Reduction, draw: Draw) -> Start:
         """The round's start with this kind's step before training (a density cap, the
@@ -114,8 +135,8 @@ class ReductionKind:
         return start
 
     def trains(self, learner: ModelFacts, job: ReducedRound) -> bool:
-        """Whether this kind's training (`train`) takes the round."""
-        return False
+        """Whether this kind's training (`train`) takes the round: when it cuts it."""
+        return self.setting(job.reduction) is not None
 
     def trainable(self, learner: ModelFacts, reduction: Reduction) -> set[str] | None:
         """The state entries the full model's training updates (None: all of them)."""

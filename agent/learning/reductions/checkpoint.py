@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, ClassVar
 
 from agent.learning import checkpointing
-from agent.learning.reduction import Reduction
 from agent.learning.reductions.base import Level, ReductionKind
 
 if TYPE_CHECKING:
@@ -23,4 +22,4 @@ class Checkpoint(ReductionKind):
         """The dense model checkpointed, where it has blocks to checkpoint."""
         if not checkpointing.blocks(learner.model):
             return []
-        return [Level(1.0, Reduction(checkpoint=True))]
+        return [Level(1.0, self.at(1.0, checkpoint=True))]

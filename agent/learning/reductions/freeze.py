@@ -10,20 +10,21 @@ are drawn each round (`learner.starting_point`).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from agent.learning.reduced import frozen_training_flops
-from agent.learning.reduction import MIN_ACTIVE, NO_REDUCTION, Reduction
+from agent.learning.reduction import NO_REDUCTION, Reduction
 from agent.learning.reductions.base import Level, ReducedRound, ReductionKind, Start
 
 if TYPE_CHECKING:
-    from agent.learning.costs import Row
     from agent.learning.model_facts import ModelFacts
     from agent.learning.reductions.base import Draw
     from agent.learning.sparse import Masks
 
 LEVELS = (0.8, 0.5, 0.35, 0.2, 0.05)
 """The active fractions a calibration measures."""
+MIN_ACTIVE = 0.05
+"""The least fraction of the neurons it trains."""
 
 
 class Freeze(ReductionKind):
@@ -34,10 +35,7 @@ class Freeze(ReductionKind):
         plan = learner.freezing_plan
         if not (plan.groups or plan.layers):
             return []
-        return [Level(a, Reduction(active_fraction=a)) for a in LEVELS]
-
-    def of_row(self, row: Row) -> Reduction:
-        return Reduction(active_fraction=row.level)
+        return [Level(a, self.at(a)) for a in LEVELS]
 
     def by_flops(self, learner: ModelFacts, p_k: float, masks: Masks) -> Reduction:
         """The active fraction a whose round costs p_k of a dense one by counted FLOPs.
@@ -52,19 +50,20 @@ class Freeze(ReductionKind):
         active = 3.0 * p_k / cost - 2.0
         if active >= 1.0:
             return NO_REDUCTION
-        return Reduction(active_fraction=max(active, MIN_ACTIVE), kind="freeze")
+        return self.at(max(active, MIN_ACTIVE))
 
-    def level(self, reduction: Reduction) -> float | None:
-        return reduction.active_fraction
+    def figures(self, reduction: Reduction) -> dict[str, Any]:
+        return {"active_fraction": self.setting(reduction)}
 
     def started(self, learner: ModelFacts, start: Start, reduction: Reduction, draw: Draw) -> Start:
         """The neurons that train this round, drawn (`freezing.active_masks`)."""
-        if reduction.active_fraction is None:
+        fraction = self.setting(reduction)
+        if fraction is None:
             return start
         from agent.learning.freezing import active_masks
 
         plan = learner.freezing_plan
-        active = active_masks(plan, start.weights, reduction.active_fraction, draw())
+        active = active_masks(plan, start.weights, fraction, draw())
         return dataclasses.replace(start, active=active)
 
     def trains(self, learner: ModelFacts, job: ReducedRound) -> bool:

@@ -2,7 +2,10 @@
 without a backward pass (`agent.learning.prefix`), by the device's measured costs.
 
 Its levels are windows of about a fraction of the forward FLOPs each; the rule takes, of a
-level's windows that fit p_k, this round's in turn (`reduction.measured_reduction`).
+level's windows that fit p_k, this round's in turn (`reduction.measured_reduction`). A round
+publishes its window's layers alone (its row's `sends_part`): the rest is the aggregate of
+what the agent received, which its neighbours need not receive back (TinyTL's trained
+suffix, on the wire too).
 """
 
 from __future__ import annotations
@@ -11,12 +14,13 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 from agent.learning import prefix
-from agent.learning.reduction import Reduction
+from agent.learning.costs import Row
 from agent.learning.reductions.base import Level, ReducedRound, ReductionKind
 
 if TYPE_CHECKING:
-    from agent.learning.costs import CostTable, Row
+    from agent.learning.costs import Cost, CostTable
     from agent.learning.model_facts import ModelFacts
+    from agent.learning.reduction import Reduction
 
 LEVELS = (0.5, 0.3, 0.15)
 """The windows' sizes a calibration measures, as fractions of the forward FLOPs."""
@@ -28,13 +32,17 @@ class Prefix(ReductionKind):
     def levels(self, learner: ModelFacts) -> list[Level]:
         """Every window of every level of `LEVELS` (`prefix.windows`)."""
         return [
-            Level(level, Reduction(window=window))
+            Level(level, self.at(window))
             for level in LEVELS
             for window in prefix.windows(learner.forward_layers, level)
         ]
 
     def of_row(self, row: Row) -> Reduction:
-        return Reduction(window=row.window)
+        """The row's window (its level is the windows' size)."""
+        return self.at(row.window)
+
+    def row(self, level: Level, cost: Cost) -> Row:
+        return Row(self.name, level.level, cost, self.setting(level.reduction))
 
     def ranked(self, costs: CostTable, levels: list[float], p_k: float) -> list[float]:
         """The level whose windows that fit p_k train the most layers between them first
@@ -47,17 +55,16 @@ class Prefix(ReductionKind):
         window = prefix.round_window([row.window for row in fitting if row.window], round_)
         return lambda row: row.window == window
 
-    def trains(self, learner: ModelFacts, job: ReducedRound) -> bool:
-        return job.reduction.window is not None
-
     def trainable(self, learner: ModelFacts, reduction: Reduction) -> set[str] | None:
-        if reduction.window is None:
+        window = self.setting(reduction)
+        if window is None:
             return None
-        return prefix.trained_names(learner.forward_layers, reduction.window)
+        return prefix.trained_names(learner.forward_layers, window)
 
     def per_sample_flops(self, learner: ModelFacts, job: ReducedRound) -> int:
-        assert job.reduction.window is not None
-        return prefix.window_flops(learner.forward_layers, job.reduction.window)
+        window = self.setting(job.reduction)
+        assert window is not None
+        return prefix.window_flops(learner.forward_layers, window)
 
 
 def _covered(costs: CostTable, level: float, p_k: float) -> int:

@@ -10,14 +10,13 @@ narrower model to train (`channel`), measured at the `LEVELS` below it too.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from agent.learning import channels, rigl, sparse
 from agent.learning.reduction import NO_REDUCTION, Reduction, capped_density
 from agent.learning.reductions.base import Level, ReductionKind, Start
 
 if TYPE_CHECKING:
-    from agent.learning.costs import Row
     from agent.learning.model_facts import ModelFacts
     from agent.learning.reductions.base import Draw
     from agent.learning.sparse import Masks
@@ -46,19 +45,16 @@ class Prune(ReductionKind):
             for d in densities
         ]
 
-    def of_row(self, row: Row) -> Reduction:
-        return Reduction(density_cap=row.level)
-
     def by_flops(self, learner: ModelFacts, p_k: float, masks: Masks) -> Reduction:
         """The highest density p_k affords the sparse model (`reduction.density_cap`)."""
-        return Reduction(density_cap=capped_density(learner, p_k, masks), kind="prune")
+        return self.at(capped_density(learner, p_k, masks))
 
-    def level(self, reduction: Reduction) -> float | None:
-        return reduction.density_cap
+    def figures(self, reduction: Reduction) -> dict[str, Any]:
+        return {"density_cap": self.setting(reduction)}
 
     def started(self, learner: ModelFacts, start: Start, reduction: Reduction, draw: Draw) -> Start:
         """The sparse model pruned by magnitude to the density cap, when there is one."""
-        cap = reduction.density_cap
+        cap = self.setting(reduction)
         if start.masks is None or cap is None:
             return start
         if learner.channel_masks:

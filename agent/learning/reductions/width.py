@@ -6,12 +6,11 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, ClassVar
 
-from agent.learning.reduction import Reduction
-from agent.learning.reductions.base import Level, ReducedRound, ReductionKind
+from agent.learning.reductions.base import Level, ReductionKind
 
 if TYPE_CHECKING:
-    from agent.learning.costs import Row
     from agent.learning.model_facts import ModelFacts
+    from agent.learning.reduction import Reduction
     from agent.learning.reductions.base import Narrow
     from agent.learning.sparse import Masks
 
@@ -30,24 +29,19 @@ class Width(ReductionKind):
         says why in the log)."""
         try:
             if learner.width_plan.classes:
-                return [Level(w, Reduction(width=w)) for w in LEVELS]
+                return [Level(w, self.at(w)) for w in LEVELS]
         except ValueError as exc:
             log.info("width reduction unavailable for this model: %s", exc)
         return []
-
-    def of_row(self, row: Row) -> Reduction:
-        return Reduction(width=row.level)
-
-    def trains(self, learner: ModelFacts, job: ReducedRound) -> bool:
-        return job.reduction.width is not None
 
     def narrowed(
         self, learner: ModelFacts, reduction: Reduction, masks: Masks | None, round_: int
     ) -> Narrow | None:
         """This round's rolling window of channels (`width.rolling_selection`)."""
-        if reduction.width is None:
+        fraction = self.setting(reduction)
+        if fraction is None:
             return None
         from agent.learning.width import rolling_selection
 
         plan = learner.width_plan
-        return plan, rolling_selection(plan, reduction.width, round_)
+        return plan, rolling_selection(plan, fraction, round_)
