@@ -67,16 +67,17 @@ class Fit:
     divergence: dict[str, float] | None = None
     """FedLDF: per-layer divergence, sent before any tensor."""
     fallback_flops: int = 0
-    """Training FLOPs of the participant's local-only model this round (`fit_round`)."""
+    """Training FLOPs of the participant's local-only model this round (`Turn.train`)."""
     undone: bool = False
     """The round's model was not finite and was undone (`rounds.checked_fit`)."""
 
 
 @dataclass(frozen=True)
 class FitContext:
-    """What one participant's round trains from, gathered once by whoever runs it (the
-    simulator, a worker process, the networked agent), so that every strategy's `fit` and
-    its helpers take the same one value rather than each repeating the list. The model's
+    """What one participant's round trains from, gathered once (`central.participant.Turn.train`,
+    wherever the round runs: the simulator, a worker process, the networked agent), so that
+    every strategy's `fit` and its helpers take the same one value rather than each repeating
+    the list. The model's
     facts are not in it: they are the run's, the same for every participant and round, and
     every other method of the contract takes them apart too."""
 
