@@ -13,7 +13,9 @@ returns, so:
 
 * setup: the dataset, the partition, the model and every agent's state, before round 1;
 * round 1: the first round's CPU per agent (what a fleet pays once, e.g. the first draws);
-* steady: rounds 2..R's CPU per agent-round, the figure the target compares.
+* steady: rounds 2..R's CPU per agent-round, the figure the target compares;
+* topology: of that, what the round's reuse order, neighbour draws and prior/posterior
+  splits cost per agent-round, timed alone after the run (the part that grows with K).
 
 The fleet shares mnist1d's samples, so an agent's data, and its training, shrink as the fleet
 grows: a steady figure that rises with the fleet is the simulator's own per-round work
@@ -70,7 +72,25 @@ def one_run(agents: int, seed: int, rounds: int) -> dict[str, Any]:
         "setup_cpu_s": marks[0] - start,
         "round_cpu_s": [b - a for a, b in zip(marks, marks[1:], strict=False)],
         "mean_accuracy": report["summary"]["mean_accuracy"],
+        "draw_cpu_s": draw_cpu_s(agents, seed, rounds),
     }
+
+
+def draw_cpu_s(agents: int, seed: int, rounds: int) -> float:
+    """CPU seconds of the run's topology alone: every round's reuse order, everyone's
+    neighbour draw and prior/posterior split, as the simulator's round asks for them."""
+    from agent.learning import preset
+    from agent.learning.rounds import RoundTopology
+
+    cfg = preset("dadpfl", rounds=rounds)
+    roster = [f"agent-{i:04d}" for i in range(agents)]
+    start = time.process_time()
+    for t in range(1, rounds + 1):
+        topology = RoundTopology(seed, t, roster, cfg)
+        for k in topology.order:
+            topology.needs(k)
+            topology.prior_posterior(k)
+    return time.process_time() - start
 
 
 def measure(agents: int, seed: int, rounds: int) -> dict[str, Any]:
@@ -99,6 +119,9 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "first_round_ms_per_agent": first,
                 "steady_ms_per_agent_round": steady,
                 "first_round_s": [r["round_cpu_s"][0] for r in mine],
+                "draw_ms_per_agent_round": [
+                    r["draw_cpu_s"] / r["rounds"] / agents * 1e3 for r in mine
+                ],
             }
         )
     base = statistics.mean(rows[0]["steady_ms_per_agent_round"])
@@ -117,6 +140,7 @@ def print_table(rows: list[dict[str, Any]], seeds_run: list[int]) -> None:
     for header in ("agents", "setup s", "round 1 s", "round 1 ms/agent", "steady ms/agent-round"):
         table.add_column(header, justify="right")
     table.add_column(f"vs smallest (target <= {TARGET})", justify="right")
+    table.add_column("of which topology ms", justify="right")
     for row in rows:
         table.add_row(
             f"{row['agents']:,}",
@@ -125,6 +149,7 @@ def print_table(rows: list[dict[str, Any]], seeds_run: list[int]) -> None:
             span(row["first_round_ms_per_agent"]),
             span(row["steady_ms_per_agent_round"]),
             f"{row['steady_vs_smallest']:.2f}",
+            span(row["draw_ms_per_agent_round"], 2),
         )
     Console(width=120).print(table)
 
