@@ -106,7 +106,8 @@ def main() -> None:
             f"{row['ratio']:.2f}",
         )
     Console(width=120).print(table)
-    write_json(args.out, {"environment": environment(), "args": vars(args), "rows": rows})
+    given = {key: str(value) if key == "out" else value for key, value in vars(args).items()}
+    write_json(args.out, {"environment": environment(), "args": given, "rows": rows})
     print(f"wrote {args.out}")
 
 
