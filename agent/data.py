@@ -1143,7 +1143,7 @@ def partition(
     if num_agents * min_samples > len(pool):
         raise ValueError(
             f"{num_agents} agents x {min_samples} samples need more than the "
-            f"{len(pool)} samples of the train pool"
+            f"{len(pool)} samples of the train pool; use fewer agents or a lower --min-samples"
         )
     shares = _deal(dataset, pool, num_agents, kind, value, min_samples, rng)
     smallest = min(range(num_agents), key=lambda k: len(shares[k]))
@@ -1151,7 +1151,7 @@ def partition(
         raise ValueError(
             f"partition {spec!r} gives agent {smallest} only "
             f"{len(shares[smallest])} samples (< min_samples={min_samples}); "
-            f"use fewer agents"
+            f"use fewer agents or a lower --min-samples"
         )
 
     agents = []

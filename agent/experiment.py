@@ -225,8 +225,10 @@ class ExperimentConfig:
     targets: int = run_param(
         1, "Target values per sample under dataset 'device' with task regression."
     )
-    min_samples: int = run_param(
-        DEFAULT_MIN_SAMPLES, "Fewest samples an agent's own data may hold to join a run."
+    min_samples: int = param(
+        DEFAULT_MIN_SAMPLES,
+        "Fewest samples (train + validation) an agent holds: the partition gives every agent at "
+        "least this many; under dataset 'device', fewest an agent's own data may hold to join.",
     )
     attackers: int = param(
         0,

@@ -77,7 +77,7 @@ _TIMEOUT_KEYS = {
     "linger": "linger_s",
     "join_timeout": "join_s",
 }
-_DEVICE_ONLY = ("input_shape", "classes", "targets", "min_samples")
+_DEVICE_ONLY = ("input_shape", "classes", "targets")
 _VALUE_CHOICES: dict[str, tuple[str, ...]] = {
     **_CHOICES,
     "model": MODEL_NAMES,

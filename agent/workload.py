@@ -98,6 +98,7 @@ def partitioned(config: ExperimentConfig) -> Partitioned:
         config.partition,
         config.task,
         config.test_size,
+        config.min_samples,
     )
 
     def make() -> Partitioned:
@@ -105,7 +106,12 @@ def partitioned(config: ExperimentConfig) -> Partitioned:
             datasets.load_dataset(config.dataset, seed=config.seed), config.task
         )
         parts = datasets.partition(
-            dataset, config.agents, config.partition, seed=config.seed, test_size=config.test_size
+            dataset,
+            config.agents,
+            config.partition,
+            seed=config.seed,
+            test_size=config.test_size,
+            min_samples=config.min_samples,
         )
         return dataset, parts
 

@@ -152,16 +152,32 @@ class ModelWire(LocalWire):
 
 class FullWire(ModelWire):
     """`--wire full`: each agent publishes its whole sparse model once a round; a receiver
-    takes this round's from its prior neighbours and last round's from the others."""
+    takes this round's from its prior neighbours and last round's from the others.
+
+    A receiver is charged a model message once: a neighbour's round-t model that it took
+    in round t (a prior neighbour) and uses again in round t + 1 (a posterior one there)
+    came in once, as a networked agent, subscribed to that model's topic for both rounds,
+    receives it once."""
 
     def __init__(self, roster: Sequence[str], stopped: Mapping[str, int], fp16: bool) -> None:
         super().__init__(roster, stopped, fp16)
         self.previous_size = dict.fromkeys(self.roster, 0)  # round-0 models: never sent
+        self.held: set[tuple[str, str]] = set()
+        """(receiver, sender) of this round's models delivered: held for the next round."""
+        self.previous_held: set[tuple[str, str]] = set()
+
+    def begin(self, round_: int) -> None:
+        super().begin(round_)
+        self.held = set()
 
     def receive(self, agent: str, topology: RoundTopology, inbox: Models) -> Models:
         prior, _ = topology.prior_posterior(agent)
         for j in inbox:
-            self.traffic[agent].received += self.size[j] if j in prior else self.previous_size[j]
+            if j in prior:
+                self.held.add((agent, j))
+                self.traffic[agent].received += self.size[j]
+            elif (agent, j) not in self.previous_held:
+                self.traffic[agent].received += self.previous_size[j]
         return inbox
 
     def publish(
@@ -171,7 +187,7 @@ class FullWire(ModelWire):
         return as_received(result.published, self.fp16)
 
     def end(self, round_: int) -> dict[str, Traffic]:
-        self.previous_size = self.size
+        self.previous_size, self.previous_held = self.size, self.held
         return self.traffic
 
 

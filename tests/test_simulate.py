@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 import firmware_profiles
-from agent.learning import Published, preset, topology
+from agent.learning import Published, RoundTopology, preset, topology
 from agent.learning.strategies import TABLE
 from agent.runtime import model_message
 from coordinator.simulate import ExperimentConfig, Simulation, simulate
@@ -113,6 +113,35 @@ def test_traffic_is_the_size_of_the_real_messages() -> None:
     kept = sum(int(m.sum()) for m in state.masks.values())
     dense = sum(w.numel() for n, w in state.weights.items() if n not in state.masks)
     assert second["agent-000"]["nonzeros_sent"] == kept + dense
+
+
+def test_a_model_used_in_two_rounds_is_received_once() -> None:
+    # A prior neighbour's round-t model is a posterior one's in round t + 1: a networked
+    # agent keeps it (it is subscribed to it for both rounds), so it comes in once.
+    cfg = small("dadpfl", rounds=3, max_wait=3)
+    report = Simulation(cfg).run()
+    roster = report["config"]["roster"]
+    ballot = messages.Vote(fleet="sim", sender=roster[0], vote=True, score=0.0)
+    vote = len(messages.encode(ballot))
+    everyone = messages.bitmap(roster, roster)
+    tally = messages.Tally(fleet="sim", sender="sim", done=everyone, voted=everyone, yes=everyone)
+    size = {
+        (r["round"], k): a["bytes_sent"] - (vote if a["vote"] is not None else 0)
+        for r in report["rounds"]
+        for k, a in r["agents"].items()
+    }
+    used_twice = 0
+    for k in roster:
+        needs: set[tuple[int, str]] = set()
+        for t in range(1, cfg.learning.rounds + 1):
+            topology = RoundTopology(cfg.seed, t, roster, cfg.learning)
+            used_twice += len(needs & topology.needs(k))
+            needs |= {(r, j) for r, j in topology.needs(k) if r >= 1}
+        received = sum(r["agents"][k]["bytes_received"] for r in report["rounds"])
+        voted = sum(r["agents"][k]["vote"] is not None for r in report["rounds"])
+        tallies = voted * len(messages.encode(tally))
+        assert received == sum(size[need] for need in needs) + tallies, k
+    assert used_twice, "the case must reuse a model in the next round"
 
 
 def test_further_pruning_starts_after_the_vote_and_stops_at_the_target() -> None:

@@ -45,6 +45,29 @@ def test_draws_follow_the_documented_hash():
     assert tp.reuse_order(1234, 7, ROSTER) == sorted(ROSTER, key=lambda a: key("reuse", a))
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.text(min_size=1, max_size=6), min_size=2, max_size=12, unique=True),
+    st.integers(0, 2**31),
+    st.data(),
+)
+def test_the_shared_draw_is_the_documented_hash_for_any_ids(roster, seed, data):
+    # Ids with quotes, backslashes, non-ASCII: the draw that reuses each id's JSON and one
+    # hash state per agent gives the definition's sets for every agent, byte for byte.
+    ordered = sorted(roster)
+    m = data.draw(st.integers(0, len(roster) - 1))
+    draw = tp.NeighbourDraw(seed, 3, roster)
+    prefix = json.dumps(["neighbours", seed, 3, ordered])
+
+    def key(*ids: str) -> bytes:
+        return hashlib.sha256((prefix + json.dumps(list(ids))).encode()).digest()
+
+    for agent in roster:
+        others = [a for a in ordered if a != agent]
+        expected = sorted(sorted(others, key=lambda j, k=agent: key(k, j))[:m])
+        assert draw(agent, m) == expected
+
+
 def test_random_neighbours_same_in_another_process():
     code = (
         "import json; from agent.learning.topology import everyone_neighbours, reuse_order; "

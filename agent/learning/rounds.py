@@ -53,27 +53,38 @@ class RoundTopology:
         self.order = topology.reuse_order(seed, round_, roster)
         self._seed, self._roster, self._cfg = seed, list(roster), cfg
         self._neighbours: dict[str, list[str]] = {}
+        self._split: dict[str, tuple[list[str], list[str]]] = {}
+        self._positions = topology.positions(self.order)
+        self._draw: topology.NeighbourDraw | None = None
 
     def neighbours(self, agent: str) -> list[str]:
         """`agent`'s neighbour set G_k^t, sorted by id; under a strategy whose agents train
         `alone` (local) nobody has any."""
         if agent not in self._neighbours:
-            cfg = self._cfg
-            kind = cast(topology.Topology, cfg.topology)  # validated by ExperimentConfig
-            self._neighbours[agent] = (
-                []
-                if strategies.strategy(cfg.strategy).alone
-                else topology.neighbours(
-                    self._seed, self.round, self._roster, agent, cfg.neighbours, kind
-                )
-            )
+            self._neighbours[agent] = self._drawn(agent)
         return self._neighbours[agent]
+
+    def _drawn(self, agent: str) -> list[str]:
+        cfg = self._cfg
+        if strategies.strategy(cfg.strategy).alone:
+            return []
+        if cfg.topology != "random":
+            kind = cast(topology.Topology, cfg.topology)  # validated by ExperimentConfig
+            return topology.neighbours(
+                self._seed, self.round, self._roster, agent, cfg.neighbours, kind
+            )
+        if self._draw is None:  # shared by every agent's draw of the round
+            self._draw = topology.NeighbourDraw(self._seed, self.round, self._roster)
+        return self._draw(agent, cfg.neighbours)
 
     def prior_posterior(self, agent: str) -> tuple[list[str], list[str]]:
         """The neighbours whose round-t models `agent` waits for, and the others (their
         round t-1 models), each in reuse order."""
-        neighbours = self.neighbours(agent)
-        return topology.prior_posterior(self.order, neighbours, agent, self._cfg.max_wait)
+        if agent not in self._split:
+            self._split[agent] = topology.prior_posterior(
+                self._positions, self.neighbours(agent), agent, self._cfg.max_wait
+            )
+        return self._split[agent]
 
     def needs(self, agent: str) -> set[Need]:
         """(round, sender) of every model `agent`'s round aggregates."""
