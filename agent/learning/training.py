@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from agent.learning.checkpointing import checkpointed
-from agent.learning.config import SGDConfig
+from agent.learning.config import SampleDP, SGDConfig
 from agent.learning.exact_freezing import active_block_gradients
 from agent.learning.precision import FP32, ComputeFormat, LossScale
 from agent.learning.sparse import Masks, State, apply_masks_
@@ -35,6 +35,8 @@ class TrainResult:
     state: State
     mean_loss: float
     samples: int
+    dp_steps: int = 0
+    """DP-SGD steps taken (`agent.learning.privacy`), which the device's accountant counts."""
 
 
 def derive_seed(*parts: object) -> int:
@@ -260,19 +262,90 @@ def train_local(
     if step_fraction is not None:
         steps = round_steps(len(y), config.batch_size, config.epochs, step_fraction)
     active = {name: mask for name, (_, mask, _) in kept.items()}
-    with (
-        _only_trainable(model, trainable),
-        active_block_gradients(model, active),
-        compute.laid_out(model),
-        checkpointed(model) if checkpoint else contextlib.nullcontext(),
-    ):
-        mean_loss, samples = minibatch_epochs(
-            model, x, y, config.epochs, config.batch_size, generator, step, task, steps, compute
-        )
+    if config.privacy is not None:
+        entries = {n: mask for n, (_, mask) in masked.items()}
+        for name, mask in active.items():
+            if name in params:
+                entries[name] = entries[name] & mask if name in entries else mask
+        weights = {n: m.to(params[n].dtype) for n, m in entries.items()}
+        private = PrivateBatches(config.privacy, weights)
+        with _only_trainable(model, trainable), compute.laid_out(model):
+            mean_loss, samples = minibatch_epochs(
+                model,
+                x,
+                y,
+                config.epochs,
+                config.batch_size,
+                generator,
+                step,
+                task,
+                steps,
+                private=private,
+            )
+        dp_steps = round_steps(len(y), config.batch_size, config.epochs, step_fraction)
+    else:
+        with (
+            _only_trainable(model, trainable),
+            active_block_gradients(model, active),
+            compute.laid_out(model),
+            checkpointed(model) if checkpoint else contextlib.nullcontext(),
+        ):
+            mean_loss, samples = minibatch_epochs(
+                model, x, y, config.epochs, config.batch_size, generator, step, task, steps, compute
+            )
+        dp_steps = 0
     new_state = cpu_state(model)
     if masks:
         apply_masks_(new_state, masks)
-    return TrainResult(new_state, mean_loss, samples)
+    return TrainResult(new_state, mean_loss, samples, dp_steps)
+
+
+@dataclass(frozen=True)
+class PrivateBatches:
+    """DP-SGD in `minibatch_epochs` (`agent.learning.privacy`): its settings, and the entries
+    that train (name -> 0/1 mask; absent: all of it), outside which no sample's gradient
+    counts towards its clipped norm and no noise goes."""
+
+    dp: SampleDP
+    entries: dict[str, torch.Tensor]
+
+
+def _private_epochs(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    steps: int,
+    batch_size: int,
+    generator: torch.Generator,
+    step: Callable[[], None],
+    task: Task,
+    private: PrivateBatches,
+) -> tuple[float, int]:
+    """`minibatch_epochs` under DP-SGD: `steps` Poisson-sampled batches (each sample in with
+    probability q = B / n), each step's gradient `privacy.private_gradients_`'s (plain fp32:
+    a compute format's autocast and loss scale, exact freezing's and checkpointing's hooks
+    do not apply to per-sample gradients). An empty batch still steps, on noise alone."""
+    from agent.learning import privacy
+
+    privacy.check_private_model(model)
+    device = model_device(model)
+    n = len(y)
+    rate = privacy.sample_rate(batch_size, n)
+    losses, samples = [], 0
+    entries = {name: mask.to(device) for name, mask in private.entries.items()}
+    for batch in privacy.poisson_batches(n, rate, steps, generator):
+        model.zero_grad(set_to_none=True)
+        inputs = x[batch].to(device)
+        targets = task.target(inputs, y[batch].to(device))
+        loss = privacy.private_gradients_(
+            model, inputs, targets, task, private.dp, rate * n, generator, entries
+        )
+        with torch.no_grad():
+            step()
+        if len(batch):
+            losses.append(loss)
+        samples += len(batch)
+    return sum(losses) / max(len(losses), 1), samples
 
 
 def minibatch_epochs(
@@ -286,12 +359,18 @@ def minibatch_epochs(
     task: Task = CLASSIFICATION,
     max_steps: int | None = None,
     compute: ComputeFormat = FP32,
+    private: PrivateBatches | None = None,
 ) -> tuple[float, int]:
     """`epochs` passes of minibatches of the task's loss in `_batches` order, calling `step` (in
     no_grad) after each backward; returns (mean batch loss, samples seen). The loop every
     local optimizer shares, so SGD and Adam see the same batches for the same generator.
     `max_steps` ends the loop early (the batch order stays that of the full round); `compute`
-    lays out and autocasts each step (a step whose fp16 gradients overflowed is skipped)."""
+    lays out and autocasts each step (a step whose fp16 gradients overflowed is skipped).
+    `private`: DP-SGD's steps instead, as many as the round's minibatches (`_private_epochs`)."""
+    if private is not None:
+        total = round_steps(len(y), batch_size, epochs)
+        count = total if max_steps is None else min(total, max_steps)
+        return _private_epochs(model, x, y, count, batch_size, generator, step, task, private)
     total_loss, steps, samples = 0.0, 0, 0
     device = model_device(model)
     scale = LossScale(compute)
