@@ -262,42 +262,43 @@ def train_local(
     if step_fraction is not None:
         steps = round_steps(len(y), config.batch_size, config.epochs, step_fraction)
     active = {name: mask for name, (_, mask, _) in kept.items()}
+    private = None
     if config.privacy is not None:
-        entries = {n: mask for n, (_, mask) in masked.items()}
-        for name, mask in active.items():
-            if name in params:
-                entries[name] = entries[name] & mask if name in entries else mask
-        weights = {n: m.to(params[n].dtype) for n, m in entries.items()}
-        private = PrivateBatches(config.privacy, weights)
-        with _only_trainable(model, trainable), compute.laid_out(model):
-            mean_loss, samples = minibatch_epochs(
-                model,
-                x,
-                y,
-                config.epochs,
-                config.batch_size,
-                generator,
-                step,
-                task,
-                steps,
-                private=private,
-            )
+        private = PrivateBatches.of(config.privacy, params, masked, active)
+    with _stepping(model, trainable, active, compute, checkpoint, private is not None):
+        mean_loss, samples = minibatch_epochs(
+            model, x, y, config.epochs, config.batch_size, generator, step, task, steps, compute,
+            private,
+        )  # fmt: skip
+    dp_steps = 0
+    if private is not None:
         dp_steps = round_steps(len(y), config.batch_size, config.epochs, step_fraction)
-    else:
-        with (
-            _only_trainable(model, trainable),
-            active_block_gradients(model, active),
-            compute.laid_out(model),
-            checkpointed(model) if checkpoint else contextlib.nullcontext(),
-        ):
-            mean_loss, samples = minibatch_epochs(
-                model, x, y, config.epochs, config.batch_size, generator, step, task, steps, compute
-            )
-        dp_steps = 0
     new_state = cpu_state(model)
     if masks:
         apply_masks_(new_state, masks)
     return TrainResult(new_state, mean_loss, samples, dp_steps)
+
+
+@contextlib.contextmanager
+def _stepping(
+    model: nn.Module,
+    trainable: set[str] | None,
+    active: Masks,
+    compute: ComputeFormat,
+    checkpoint: bool,
+    private: bool,
+) -> Iterator[None]:
+    """What `train_local`'s steps run within: only the `trainable` tensors requiring
+    gradients, the compute format's layout and, but under DP-SGD (whose per-sample gradients
+    take no backward hooks), exact freezing's block gradients and checkpointed blocks."""
+    with contextlib.ExitStack() as stack:  # in this order, as before DP-SGD came
+        stack.enter_context(_only_trainable(model, trainable))
+        if not private:
+            stack.enter_context(active_block_gradients(model, active))
+        stack.enter_context(compute.laid_out(model))
+        if checkpoint and not private:
+            stack.enter_context(checkpointed(model))
+        yield
 
 
 @dataclass(frozen=True)
@@ -308,6 +309,22 @@ class PrivateBatches:
 
     dp: SampleDP
     entries: dict[str, torch.Tensor]
+
+    @classmethod
+    def of(
+        cls,
+        dp: SampleDP,
+        params: dict[str, nn.Parameter],
+        masked: dict[str, tuple[nn.Parameter, torch.Tensor]],
+        active: Masks,
+    ) -> PrivateBatches:
+        """The entries that train: a sparse mask's kept ones (`masked`), of those FedSPU's
+        `active` ones, as 0/1 in each parameter's dtype."""
+        entries = {name: mask for name, (_, mask) in masked.items()}
+        for name, mask in active.items():
+            if name in params:
+                entries[name] = entries[name] & mask if name in entries else mask
+        return cls(dp, {n: m.to(params[n].dtype) for n, m in entries.items()})
 
 
 def _private_epochs(

@@ -339,10 +339,8 @@ class Session:
         """This agent's own starting model, when it did not start from the seed."""
         self.early = EarlyStop.of(self.cfg)
         self.stopped_round: int | None = None
-        self.stop_reason = ""
-        """Why the agent stopped, when its privacy budget was spent (`--max-epsilon`)."""
-        samples = {agent_id: len(self.data.y_train)}
-        privacy.check_run(self.cfg, self.learner.facts.model, samples)
+        self.stop_reason = ""  # why it stopped, when its privacy budget was spent
+        privacy.check_run(self.cfg, self.learner.facts.model, {agent_id: len(self.data.y_train)})
         self.meter = TrafficMeter(transport)
         self._trained_s = 0.0
         """Seconds the round's computation took on this host (a real board's energy)."""
