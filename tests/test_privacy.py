@@ -232,3 +232,19 @@ def test_max_epsilon_stops_devices_before_they_pass_it_in_emulate_as_in_simulate
     assert epsilons(emulated) == pytest.approx(epsilons(simulated), rel=1e-12)
     assert accuracies(emulated) == pytest.approx(accuracies(simulated), abs=1e-6)
     assert emulated["summary"]["stopped"].keys() == simulated["summary"]["stopped"].keys()
+
+
+def test_a_status_keeps_a_plausible_epsilon_and_the_fleet_table_shows_it() -> None:
+    from coordinator.fleet import AgentEntry, fleet_table
+    from coordinator.status_figures import checked
+
+    reason = "privacy budget spent: epsilon 7.9 at delta 1e-05"
+    figures, problems = checked({"epsilon": 7.9, "stop_reason": reason}, 3)
+    assert figures == {"epsilon": 7.9, "stop_reason": reason} and problems == []
+    figures, problems = checked({"epsilon": -1.0}, 3)
+    assert "epsilon" not in figures and problems[0][0] == "epsilon"
+    entry = AgentEntry(fleet="f", agent="a", metrics={"epsilon": 7.9})
+    columns = [c.header for c in fleet_table([entry]).columns]
+    assert "epsilon" in columns
+    plain = AgentEntry(fleet="f", agent="a", metrics={})
+    assert "epsilon" not in [c.header for c in fleet_table([plain]).columns]
