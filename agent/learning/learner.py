@@ -257,7 +257,8 @@ class Learner:
         trained = strategy.train(facts, start)
         step = strategy.after_training(facts, start, trained)
         flops = trained.flops + step.flops
-        before = dataclasses.replace(before, dp_steps=before.dp_steps + trained.dp_steps)
+        spent = before.dp_steps + trained.dp_steps + step.dp_steps
+        before = dataclasses.replace(before, dp_steps=spent)
         if not robust.finite(step.weights):
             return _recovered(self, before, start, flops, trained.train_loss)
         weights = facts.fresh_statistics(step.weights, data)

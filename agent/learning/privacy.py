@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from agent.learning import strategies
 from agent.learning.config import StrategyConfig
 
 if TYPE_CHECKING:
@@ -40,9 +41,12 @@ sampling rates and many steps)."""
 
 def round_steps_of(config: StrategyConfig, samples: int) -> int:
     """A full round's DP steps for a device with `samples` training samples: as many as the
-    plain round's minibatches (`training.round_steps`), each a Poisson-sampled batch."""
+    plain round's minibatches (`training.round_steps`), each a Poisson-sampled batch, and a
+    sparse strategy's RigL batches (`--rigl-batches`), whose dense gradients read the data
+    too."""
     batch = max(min(config.batch_size, samples), 1)
-    return config.epochs * -(-samples // batch)
+    rigl = config.rigl_batches if strategies.strategy(config.strategy).sparse else 0
+    return config.epochs * -(-samples // batch) + rigl
 
 
 @dataclass(frozen=True)
@@ -260,15 +264,37 @@ def private_gradients_(
     generator: torch.Generator,
     entries: Mapping[str, torch.Tensor] | None = None,
 ) -> float:
-    """Set each trainable parameter's `.grad` to DP-SGD's gradient of the batch: every
-    sample's gradient (zero outside `entries`, name -> mask of the entries that train: a
-    sparse mask, FedSPU's active neurons) clipped to norm `dp.clip` over all of them, summed,
-    Gaussian noise of standard deviation `dp.noise` x `dp.clip` added (zero outside
-    `entries` too), divided by `expected_batch`. The noise is drawn from `generator` on the
-    CPU, so every process draws the same. Returns the batch's mean loss (nan when empty)."""
+    """Set each trainable parameter's `.grad` to DP-SGD's gradient of the batch
+    (`private_mean` over the parameters that require gradients). Returns the batch's mean
+    loss (nan when empty)."""
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    means, mean_loss = private_mean(
+        model, inputs, targets, task, dp, expected_batch, generator, trained, entries
+    )
+    for name, param in trained.items():
+        param.grad = means[name].to(param.dtype)
+    return mean_loss
+
+
+def private_mean(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    task: Task,
+    dp: SampleDP,
+    expected_batch: float,
+    generator: torch.Generator,
+    trained: Mapping[str, torch.Tensor],
+    entries: Mapping[str, torch.Tensor] | None = None,
+) -> tuple[dict[str, torch.Tensor], float]:
+    """DP-SGD's gradient of the batch for the `trained` parameters: every sample's gradient
+    (zero outside `entries`, name -> mask of the entries that train: a sparse mask, FedSPU's
+    active neurons) clipped to norm `dp.clip` over all of them, summed, Gaussian noise of
+    standard deviation `dp.noise` x `dp.clip` added (zero outside `entries` too), divided by
+    `expected_batch`. The noise is drawn from `generator` on the CPU, so every process draws
+    the same. Returns it and the batch's mean loss (nan when empty)."""
     import torch
 
-    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
     entries = entries or {}
     if len(inputs):
         grads, losses = per_sample_gradients(model, inputs, targets, task, trained)
@@ -281,10 +307,11 @@ def private_gradients_(
     else:
         summed = {n: torch.zeros_like(p) for n, p in trained.items()}
         mean_loss = math.nan
+    means = {}
     for name, param in trained.items():
         noise = torch.normal(0.0, dp.noise * dp.clip, param.shape, generator=generator)
         noisy = summed[name] + noise.to(param.device)
         if name in entries:
             noisy = noisy * entries[name]
-        param.grad = (noisy / expected_batch).to(param.dtype)
-    return mean_loss
+        means[name] = noisy / expected_batch
+    return means, mean_loss

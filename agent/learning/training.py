@@ -479,6 +479,7 @@ def dense_gradients(
     num_batches: int,
     generator: torch.Generator,
     task: Task = CLASSIFICATION,
+    privacy: SampleDP | None = None,
 ) -> tuple[dict[str, torch.Tensor], int]:
     """The task loss's gradient of the named (masked) weights as if they were dense, for RigL.
 
@@ -486,7 +487,10 @@ def dense_gradients(
     statistics as in training: the running statistics may describe other weights (those of
     the round's last minibatches, or an aggregate's), the batch's always describe these.
     Mean over `num_batches` local batches (ALGORITHMS.md 1.6). Returns the gradients (on the
-    CPU) and the number of samples used, for FLOP accounting.
+    CPU) and the number of samples used, for FLOP accounting. With `privacy` (`--dp sample`),
+    DP-SGD's gradients of `num_batches` Poisson-sampled batches: RigL's regrowth reads local
+    data too, and the mask it moves is published with the model, so these are DP steps the
+    accountant counts (`privacy.round_steps_of`).
     """
     load_weights(model, state)
     model.eval()
@@ -495,6 +499,11 @@ def dense_gradients(
             module.train()  # the buffer model's statistics move; the next load resets them
     device = model_device(model)
     params = dict(model.named_parameters())
+    if privacy is not None:
+        return _private_dense_gradients(
+            model, {n: params[n] for n in names}, x, y, batch_size, num_batches, generator,
+            task, privacy,
+        )  # fmt: skip
     wanted = [params[name] for name in names]
     batches = _batches(len(y), batch_size, generator)[:num_batches]
     total: list[torch.Tensor] = []
@@ -508,3 +517,33 @@ def dense_gradients(
         total = list(grads) if not total else [a + b for a, b in zip(total, grads, strict=True)]
     on_cpu = {name: g.to("cpu") for name, g in zip(names, total, strict=True)}
     return on_cpu, sum(len(b) for b in batches)
+
+
+def _private_dense_gradients(
+    model: nn.Module,
+    wanted: dict[str, nn.Parameter],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    batch_size: int,
+    num_batches: int,
+    generator: torch.Generator,
+    task: Task,
+    dp: SampleDP,
+) -> tuple[dict[str, torch.Tensor], int]:
+    """`dense_gradients` under DP-SGD: the mean over `num_batches` Poisson-sampled batches of
+    `privacy.private_mean` over the `wanted` weights, whole (their masks do not apply)."""
+    from agent.learning import privacy
+
+    device = model_device(model)
+    rate = privacy.sample_rate(batch_size, len(y))
+    total = {name: torch.zeros_like(p) for name, p in wanted.items()}
+    samples = 0
+    for batch in privacy.poisson_batches(len(y), rate, num_batches, generator):
+        inputs = x[batch].to(device)
+        targets = task.target(inputs, y[batch].to(device))
+        means, _ = privacy.private_mean(
+            model, inputs, targets, task, dp, rate * len(y), generator, wanted
+        )
+        total = {name: total[name] + means[name] / num_batches for name in total}
+        samples += len(batch)
+    return {name: g.detach().to("cpu") for name, g in total.items()}, samples

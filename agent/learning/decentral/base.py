@@ -90,6 +90,9 @@ class MaskStep:
     score: float | None = None
     pruned: bool = False
     """Whether the step pruned the model further."""
+    dp_steps: int = 0
+    """DP-SGD steps the step took (RigL's dense gradients under `--dp sample`), which the
+    accountant counts."""
 
 
 class DecentralizedStrategy:
