@@ -25,16 +25,16 @@ seed, mean [min, max]; CPU shared with other work):
 
     strategy  epsilon  sigma  accuracy        vs plain (pts)
     dadpfl    plain           0.984 +- 0.009
-    dadpfl          1   6.22  0.490 +- 0.046  -49.4 [-55.5, -44.9]
-    dadpfl          4   2.01  0.731 +- 0.012  -25.3 [-27.5, -23.4]
-    dadpfl          8   1.27  0.835 +- 0.014  -14.9 [-16.2, -12.6]
+    dadpfl          1   6.69  0.507 +- 0.066  -47.7 [-55.4, -40.5]
+    dadpfl          4   2.13  0.717 +- 0.014  -26.8 [-28.2, -24.5]
+    dadpfl          8   1.34  0.804 +- 0.006  -18.1 [-19.2, -16.5]
     fedavg    plain           0.928 +- 0.022
     fedavg          1   9.17  0.294 +- 0.018  -63.4 [-66.8, -59.8]
     fedavg          4   2.81  0.686 +- 0.031  -24.3 [-30.4, -20.7]
     fedavg          8   1.69  0.811 +- 0.016  -11.8 [-16.0, -8.9]
 
-    DP step / plain step: mlp 14.0, cnn1d 14.5, cnn2d 13.9, alexnet 38.0, vgg11 7.3,
-    resnet18 3.4, a GRU (per-sample loop: vmap refuses it) 43.2
+    DP step / plain step: mlp 9.3, cnn1d 4.9, cnn2d 4.4, alexnet 40.5, vgg11 5.5,
+    resnet18 4.0, a GRU (per-sample loop: vmap refuses it) 24.1
 
 The target, within 5 points at epsilon 8, is not met (docs/privacy.md says why).
 """
