@@ -18,6 +18,8 @@ from agent.learning.config import (
     DECENTRALIZED,
     DETECTION_SCALES,
     DISTANCES,
+    DP_MODES,
+    DP_SAMPLE,
     FALLBACKS,
     MASK_UNITS,
     MODEL_NAMES,
@@ -32,6 +34,7 @@ from agent.learning.config import default_model as default_dataset_model
 from agent.learning.early_stop import StopRule
 from agent.learning.reductions import CHANNEL_MODES
 from agent.learning.strategies import LOCAL, TABLE, fingerprint, names, strategy
+from protocol import extras
 from protocol.limits import MAX_MEMBERS, MAX_ROUNDS, WEEK_S
 
 if TYPE_CHECKING:
@@ -137,6 +140,10 @@ RANGES: dict[str, Range] = {
     "ssm_fraction": FRACTION,
     "ldf_n": count(1, MAX_AGENTS),
     "delta_fraction": FRACTION,
+    "dp_noise": Range(0, 1e6, open_low=True),
+    "dp_clip": Range(0, 1e9, open_low=True),
+    "dp_delta": Range(0, 1, open_low=True, open_high=True),
+    "max_epsilon": Range(0, 1e9, open_low=True),
 }
 """The range of every numeric option of ExperimentConfig and StrategyConfig (a test checks
 that none is left out): a typo (epochs = 1e9, lr = -1e300, nan) is refused before a run
@@ -333,6 +340,23 @@ class ExperimentConfig:
             profile_names(self.profiles)
         check_robustness(self)
         check_model_keeping(self)
+        check_privacy(self.learning)
+
+
+def check_privacy(cfg: StrategyConfig) -> None:
+    """`--dp`: sample-level DP-SGD, or off; client-level DP is refused until it is built.
+    Its settings without `--dp sample` are refused by their flag scopes (`agent.options`)."""
+    if cfg.dp not in DP_MODES:
+        raise ValueError(f"--dp must be one of {', '.join(DP_MODES)}, got {cfg.dp!r}")
+    if cfg.dp == "client":
+        raise ValueError(
+            "--dp client (client-level DP at the aggregator) is not built yet; "
+            "--dp sample trains with DP-SGD on each device"
+        )
+    if cfg.dp == "off" and cfg.max_epsilon is not None:
+        raise ValueError("--max-epsilon needs --dp sample: without DP there is no epsilon")
+    if cfg.dp == DP_SAMPLE:
+        extras.require(extras.PRIVACY_EXTRA, extras.ACCOUNTANT, "--dp sample")
 
 
 def check_mask_unit(cfg: StrategyConfig) -> None:

@@ -21,6 +21,8 @@ from agent.learning.config import (
     DEFAULT_STOP_RULE,
     DETECTION_SCALES,
     DISTANCES,
+    DP_MODES,
+    DP_SAMPLE,
     FALLBACKS,
     MASK_UNITS,
     METRIC_GOALS,
@@ -56,6 +58,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "batchnorm": BATCHNORM_MODES,
     "task": TASKS,
     "metric_goal": METRIC_GOALS,
+    "dp": DP_MODES,
 }
 
 
@@ -195,6 +198,10 @@ FLAG_SCOPES: tuple[tuple[str, Callable[[str, dict[str, Any]], bool], str], ...] 
         *SCOPES,
         Scope(
             "delta_fraction", "runs with --wire delta", lambda given: given.get("wire") == "delta"
+        ),
+        *(
+            Scope(option, "runs with --dp sample", lambda given: given.get("dp") == DP_SAMPLE)
+            for option in ("dp_noise", "dp_clip", "dp_delta", "max_epsilon")
         ),
         Scope("stop_rule", "runs with --early-stop", lambda given: bool(given.get("early_stop"))),
         Scope(

@@ -41,6 +41,8 @@ REPORTED = (
     "kept",
     "strategy_accuracy",
     "fallback_flops",
+    "epsilon",
+    "stop_reason",
 )
 """The per-agent figures of a report's round, simulate's and emulate's alike."""
 NETWORKED = (
@@ -141,6 +143,12 @@ class AgentRound:
     fallback_flops: int = 0
     """Training FLOPs of the agent's local-only model this round (`--fallback local`),
     apart from `train_flops`, the strategy's."""
+    epsilon: float | None = None
+    """The agent's epsilon at `--dp-delta` over every DP-SGD step of the run so far (`--dp
+    sample`, `agent.learning.privacy`); None without DP."""
+    stop_reason: str = ""
+    """Why the agent stopped after this round, when not early stopping's rule: its privacy
+    budget spent (`--max-epsilon`)."""
 
     def judged_as(self, judged: Judged | None) -> AgentRound:
         """This record with what the agent kept (`fallback.judge`): the kept model's figures
@@ -182,6 +190,7 @@ class AgentRound:
             vote=result.vote,
             score=result.score,
             pruned=result.pruned,
+            epsilon=result.epsilon,
             reduction=reduction.label,
             reduction_why=reduction.why,
             **reduction.figures(),
@@ -233,6 +242,7 @@ class AgentRound:
             sparsity=reported_sparsity(fit.state.masks),
             train_flops=fit.train_flops,
             p_k=reported_p_k(turn.p_k, budgets),
+            epsilon=fit.epsilon,
             **figures,
         ).judged_as(judged)
 
@@ -287,13 +297,15 @@ def _total(figures: Iterable[float | None]) -> float | None:
 def stopped_summary(
     rounds: list[dict[str, Any]], stopped: Mapping[str, int], limit: int
 ) -> dict[str, dict[str, Any]]:
-    """Per agent stopped early: when, and what it saved (`early_stop_savings`)."""
-    return {
-        agent_id: early_stop_savings(
-            [r["agents"][agent_id] for r in rounds[:round_]], round_, limit
-        )
-        for agent_id, round_ in sorted(stopped.items())
-    }
+    """Per agent stopped early: when, what it saved (`early_stop_savings`), and why when not
+    by early stopping's rule (its privacy budget spent)."""
+    summary = {}
+    for agent_id, round_ in sorted(stopped.items()):
+        records = [r["agents"][agent_id] for r in rounds[:round_]]
+        summary[agent_id] = early_stop_savings(records, round_, limit)
+        if records and records[-1].get("stop_reason"):
+            summary[agent_id]["reason"] = records[-1]["stop_reason"]
+    return summary
 
 
 def summarize(rounds: list[dict[str, Any]], t_star: int | None, wall: float) -> dict[str, Any]:
@@ -332,7 +344,22 @@ def summarize(rounds: list[dict[str, Any]], t_star: int | None, wall: float) -> 
         "agents_reported": len(final),
         "t_star": t_star,
         **energy_summary(rounds),
+        **privacy_summary(rounds),
     }
+
+
+def privacy_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Under `--dp sample`: the largest epsilon any agent reached (the fleet's guarantee is
+    its weakest member's) and each agent's latest; nothing without DP, so a plain run's
+    summary is unchanged."""
+    latest: dict[str, float] = {}
+    for record in rounds:
+        for k, a in record["agents"].items():
+            if a.get("epsilon") is not None:
+                latest[k] = a["epsilon"]
+    if not latest:
+        return {}
+    return {"max_epsilon": max(latest.values()), "epsilon_by_agent": latest}
 
 
 def energy_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:

@@ -274,9 +274,24 @@ def summary_table(report: dict) -> Table:
                 f"{sum(s['saved_bytes'] for s in stopped.values()):,} bytes saved",
             )
         )
+    rows += privacy_rows(summary, config)
     for name, value in rows:
         table.add_row(name, value)
     return table
+
+
+def privacy_rows(summary: dict, config: dict) -> list[tuple[str, str]]:
+    """Under `--dp sample`: the largest epsilon an agent reached (the fleet's guarantee is its
+    weakest member's) at the run's delta, and how many stopped on their privacy budget."""
+    if summary.get("max_epsilon") is None:
+        return []
+    learning = config["learning"]
+    rows = [(f"max epsilon (delta {learning['dp_delta']:g})", f"{summary['max_epsilon']:.3g}")]
+    spent = [s for s in (summary.get("stopped") or {}).values() if s.get("reason")]
+    if spent:
+        limit = learning.get("max_epsilon")
+        rows.append(("stopped on privacy budget", f"{len(spent)} agents (max epsilon {limit:g})"))
+    return rows
 
 
 def pruning_rows(summary: dict, config: dict) -> list[tuple[str, str]]:

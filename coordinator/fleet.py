@@ -416,6 +416,7 @@ COLUMNS: dict[str, Cell] = {
     "sent": lambda e: describe_bytes(e, "bytes_sent"),
     "received": lambda e: describe_bytes(e, "bytes_received"),
     "energy": lambda e: describe_number(e, "energy_j", "{:.1f} J"),
+    "epsilon": lambda e: describe_number(e, "epsilon", "{:.2f}"),
     "stragglers": describe_stragglers,
     "quarantined": lambda e: describe_stragglers(e, name="quarantined"),
     "profile": lambda e: e.profile,
@@ -432,6 +433,7 @@ WRAP_FLOOR = 13
 
 LEFT_OUT_FIRST = (
     "profile",
+    "epsilon",
     "kept",
     "energy",
     "stragglers",
@@ -466,6 +468,7 @@ def fleet_table(
         "train s": not any(figure(e, "train_s") is not None for e in entries),
         "reduction": all(reduction_of(e) in ("", "none") for e in entries),
         "kept": not any(kept_of(e) for e in entries),
+        "epsilon": not any(figure(e, "epsilon") is not None for e in entries),
     }
     names = [name for name in COLUMNS if not hidden.get(name, False)]
     left_out: list[str] = []

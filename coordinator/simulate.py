@@ -41,6 +41,7 @@ from agent.learning import (
     backdoor,
     central_strategy,
     live,
+    privacy,
     pruning,
     robust,
     robust_rules,
@@ -108,7 +109,11 @@ class Simulation:
         self.plan = pruning.PruningPlan(cfg.rounds, cfg.schedule_b, cfg.schedule_c)
         self.early_stops = {k: EarlyStop.of(cfg) for k in self.roster}
         self.stopped: dict[str, int] = {}
-        """Agent -> the round after which it stopped (early stopping)."""
+        """Agent -> the round after which it stopped (early stopping, its privacy budget)."""
+        self.stop_reasons: dict[str, str] = {}
+        """Agent -> why it stopped, when its privacy budget was spent (`--max-epsilon`)."""
+        samples = {k: len(self.data[k].y_train) for k in self.roster}
+        privacy.check_run(cfg, self.learner.facts.model, samples)
         self.last: dict[str, AgentRound] = {}
         """Each agent's latest round, which a stopped agent's later rounds repeat."""
         self.attackers = attackers(config, self.roster)
@@ -152,7 +157,13 @@ class Simulation:
         self, k: str, t: int, weights: sparse.State, train_loss: float, pruned: bool = False
     ) -> None:
         """Early stopping (ALGORITHMS.md 2): record that k stops after round t, if it does;
-        a round that `pruned` k's model restarts its rule's window."""
+        a round that `pruned` k's model restarts its rule's window. Under `--max-epsilon`, k
+        stops too once its next round would pass it (`privacy.budget_spent`)."""
+        samples = len(self.data[k].y_train)
+        spent = privacy.budget_spent(self.config.learning, samples, self.states[k].dp_steps)
+        if spent is not None:
+            self.stopped[k], self.stop_reasons[k] = t, spent
+            return
         if self.early_stops[k].after(self.learner.facts, weights, train_loss, self.data[k], pruned):
             self.stopped[k] = t
 
@@ -332,6 +343,7 @@ class Simulation:
                     bytes_received=spent.received,
                     nonzeros_sent=spent.nonzeros_sent,
                     stopped=k in self.stopped,
+                    stop_reason=self.stop_reasons.get(k, ""),
                 ),
             )
             agents[k] = self.last[k].report_entry()

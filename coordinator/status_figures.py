@@ -48,6 +48,9 @@ measured-over-predicted ratio (a Prometheus gauge) astronomical."""
 MAX_MAGNITUDE = 1e12
 """A loss, a vote score or a metric other than accuracy (mae, reconstruction error, a run's
 own) of larger magnitude is no result a model gives."""
+MAX_EPSILON = 1e9
+"""A privacy loss epsilon beyond a billion is no accountant's figure (one past a few dozen
+already protects nothing)."""
 MAX_UNIX_S = 1e10
 """A time stamp beyond the year 2286 is none."""
 LABEL_CHARS = 64
@@ -163,6 +166,7 @@ ROUND_FIGURES: dict[str, Check] = {
     "peak_memory_mb": number_in(0, MAX_MIB),
     "finished_at": number_in(0, MAX_UNIX_S),
     "t_star": ROUND,
+    "epsilon": number_in(0, MAX_EPSILON),
     "vote": flag,
     "pruned": flag,
     "stopped": flag,
@@ -174,6 +178,7 @@ ROUND_FIGURES: dict[str, Check] = {
     "energy_source": label,
     "reduction_why": reason,
     "kept_why": reason,
+    "stop_reason": reason,
     "stragglers": member_names,
     "quarantined": member_names,
 }

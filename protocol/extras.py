@@ -17,9 +17,12 @@ GATEWAY_EXTRA = "gateway"
 """`coordinator serve` and `run`: embedded broker, dashboard, /metrics, plots."""
 LAB_EXTRA = "lab"
 """`coordinator simulate` and `emulate`: built-in datasets, plots, embedded broker."""
+PRIVACY_EXTRA = "privacy"
+"""`--dp sample`: the privacy accountant (dp-accounting), on every device of such a run."""
 
 DISTRIBUTIONS = {
     "amqtt": "amqtt",
+    "dp_accounting": "dp-accounting",
     "matplotlib": "matplotlib",
     "mnist1d": "mnist1d",
     "prometheus_client": "prometheus-client",
@@ -32,6 +35,7 @@ DISTRIBUTIONS = {
 EMBEDDED_BROKER = ("amqtt",)
 DASHBOARD = ("starlette", "uvicorn", "prometheus_client")
 PLOTS = ("matplotlib",)
+ACCOUNTANT = ("dp_accounting",)
 DATASETS = {"digits": ("sklearn",), "mnist1d": ("mnist1d",)}
 """The modules of each feature an extra provides; a built-in dataset by its name."""
 

@@ -26,9 +26,16 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from agent.learning.config import SampleDP
 from agent.learning.sparse import Masks, State, aggregate_weighted, apply_masks
 from agent.learning.tasks import Task
-from agent.learning.training import CLASSIFICATION, load_weights, minibatch_epochs
+from agent.learning.training import (
+    CLASSIFICATION,
+    PrivateBatches,
+    load_weights,
+    minibatch_epochs,
+    round_steps,
+)
 
 MODE_SSM = "ssm"  # FedAdam-SSM: one top-k mask of |dW| sparsifies dW, dM and dV
 MODE_TOP = "top"  # FedAdam-Top: each delta sparsified by its own top-k mask
@@ -46,6 +53,8 @@ class AdamConfig:
     eps: float = 1e-6
     batch_size: int = 128
     epochs: int = 5
+    privacy: SampleDP | None = None
+    """Sample-level DP-SGD's clipping and noise under the Adam step (`--dp sample`)."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,8 @@ class AdamResult:
     v: State
     mean_loss: float
     samples: int
+    dp_steps: int = 0
+    """DP steps taken, which the device's accountant counts."""
 
 
 class SparseDelta(NamedTuple):
@@ -118,9 +129,13 @@ def train_adam(
         generator,
         lambda: _adam_step_(params, new_m, new_v, config),
         task,
+        private=None if config.privacy is None else PrivateBatches(config.privacy, {}),
     )
     new_weights = {k: t.detach().clone() for k, t in model.state_dict().items()}
-    return AdamResult(new_weights, new_m, new_v, mean_loss, samples)
+    dp_steps = 0
+    if config.privacy is not None:
+        dp_steps = round_steps(len(y), config.batch_size, config.epochs)
+    return AdamResult(new_weights, new_m, new_v, mean_loss, samples, dp_steps)
 
 
 def deltas(new: Mapping[str, torch.Tensor], old: Mapping[str, torch.Tensor]) -> State:

@@ -109,10 +109,28 @@ BATCHNORM_MODES = ("local", "shared")
 """Where BatchNorm running statistics live: on each device (FedBN) or in the aggregate."""
 
 
+DP_MODES = ("off", "sample", "client")
+"""Differential privacy (`agent.learning.privacy`): none, sample-level DP-SGD on each device,
+or client-level DP at the aggregator (not built yet: refused by the config's checks)."""
+DP_SAMPLE = "sample"
+
+
+@dataclass(frozen=True)
+class SampleDP:
+    """DP-SGD's two settings for a device's training step (`agent.learning.privacy`): each
+    sample's gradient clipped to norm `clip` (C), Gaussian noise of standard deviation
+    `noise` x C (sigma C) added to their sum. The batches are Poisson-sampled while it is on,
+    as the accountant assumes."""
+
+    noise: float
+    clip: float
+
+
 @dataclass(frozen=True)
 class SGDConfig:
     """Local SGD of ALGORITHMS.md 1.5: lr 0.1 x 0.998^t, weight decay 5e-4, no momentum; or
-    Adam (`optimizer`), and the gradient's norm clipped to `clip_norm` (0: never)."""
+    Adam (`optimizer`), and the gradient's norm clipped to `clip_norm` (0: never); DP-SGD's
+    per-sample clipping and noise with `privacy`."""
 
     lr: float = 0.1
     lr_decay: float = 0.998
@@ -122,6 +140,8 @@ class SGDConfig:
     epochs: int = 5
     optimizer: str = "sgd"
     clip_norm: float = 0.0
+    privacy: SampleDP | None = None
+    """Sample-level DP-SGD (`agent.learning.privacy`), or None: plain minibatches."""
 
     def lr_at(self, round_: int) -> float:
         return self.lr * self.lr_decay**round_
@@ -269,6 +289,22 @@ class StrategyConfig:
         "clipped to 2x it), a norm bound, or default (auto, but off with --aggregation mean).",
     )
 
+    dp: str = param(
+        "off",
+        "Differential privacy: off, or sample (DP-SGD on each device: every sample's gradient "
+        "clipped to --dp-clip and Gaussian noise of --dp-noise x --dp-clip added, batches "
+        "Poisson-sampled, epsilon at --dp-delta tracked by an accountant; docs/privacy.md). "
+        "client (client-level DP) is not built yet.",
+    )
+    dp_noise: float = param(1.0, "DP-SGD noise multiplier sigma (with --dp sample).")
+    dp_clip: float = param(1.0, "DP-SGD per-sample gradient clip norm C (with --dp sample).")
+    dp_delta: float = param(1e-5, "DP delta the reported epsilon is at (with --dp sample).")
+    max_epsilon: float | None = param(
+        None,
+        "With --dp sample: a device whose next round would take its epsilon past this stops "
+        "and shares nothing more (none: no limit).",
+    )
+
     def __post_init__(self) -> None:
         # `--clip default` is resolved here, once, so that every reader sees off or auto
         object.__setattr__(self, "clip", robust_rules.default_clip(self.aggregation, self.clip))
@@ -298,7 +334,15 @@ class StrategyConfig:
             epochs=self.epochs,
             optimizer=optimizer,
             clip_norm=self.clip_norm,
+            privacy=self.sample_dp,
         )
+
+    @property
+    def sample_dp(self) -> SampleDP | None:
+        """DP-SGD's settings with `--dp sample`, else None."""
+        if self.dp != DP_SAMPLE:
+            return None
+        return SampleDP(noise=self.dp_noise, clip=self.dp_clip)
 
 
 def preset(name: str, **overrides: Any) -> StrategyConfig:

@@ -51,10 +51,12 @@ if TYPE_CHECKING:
 def shadow_config(learner: Learner) -> SGDConfig:
     """How the local model trains: as the strategy's agents train, alone; for the FedAdam
     family, whose learning rate is its own Adam's, as the SGD strategies' agents train
-    (`StrategyConfig.local_training` with the default optimizer and rates)."""
+    (`StrategyConfig.local_training` with the default optimizer and rates). Never under
+    DP-SGD (`--dp sample`): this model is never sent, so it spends none of the device's
+    privacy budget, and it is what the device would have alone (docs/privacy.md)."""
     cfg = learner.config
     if not learner.traits.adam:
-        return learner.facts.sgd
+        return dataclasses.replace(learner.facts.sgd, privacy=None)
     plain = StrategyConfig(epochs=cfg.epochs, batch_size=cfg.batch_size)
     return plain.local_training(learner.facts.recurrent)
 

@@ -33,6 +33,7 @@ from agent.learning.decentral.base import DecentralizedStrategy, RoundStart
 from agent.learning.facts import LocalData as LocalData  # re-exported: imported from here too
 from agent.learning.kept import Judged, Kept, Shadow
 from agent.learning.model_facts import ModelFacts
+from agent.learning.privacy import Accountant
 from agent.learning.reduction import NO_REDUCTION, Reduction, sends_parts
 from agent.learning.reductions.base import Start, started
 from agent.learning.sparse import Masks, State
@@ -59,6 +60,9 @@ class AgentState:
     init_weights: State
     distances: list[float] = field(default_factory=list)
     round: int = 0
+    dp_steps: int = 0
+    """The DP-SGD steps its training took in the run so far (`--dp sample`): what its
+    accountant composes (`privacy.Accountant`)."""
     shadow: Shadow | None = None
     """The device's local-only model (`--fallback local`), trained beside the strategy's."""
     kept: Kept | None = None
@@ -87,6 +91,8 @@ class RoundResult:
     """The round's model turned non-finite: the agent kept its model from before the round."""
     judged: Judged | None = None
     """What the agent kept after the round and why, and the strategy's model's figures."""
+    epsilon: float | None = None
+    """Its epsilon after the round under `--dp sample` (`privacy.Accountant`), else None."""
 
 
 _Model = TypeVar("_Model", AgentState, Published)
@@ -251,6 +257,8 @@ class Learner:
         trained = strategy.train(facts, start)
         step = strategy.after_training(facts, start, trained)
         flops = trained.flops + step.flops
+        spent = before.dp_steps + trained.dp_steps + step.dp_steps
+        before = dataclasses.replace(before, dp_steps=spent)
         if not robust.finite(step.weights):
             return _recovered(self, before, start, flops, trained.train_loss)
         weights = facts.fresh_statistics(step.weights, data)
@@ -261,7 +269,12 @@ class Learner:
             divergence = divergences(weights, start.weights, facts.layer_groups)
         loss, accuracy = facts.evaluate_on(weights, data)
         kept = dataclasses.replace(
-            agent, weights=weights, masks=step.masks, distances=step.distances, round=round_
+            agent,
+            weights=weights,
+            masks=step.masks,
+            distances=step.distances,
+            round=round_,
+            dp_steps=before.dp_steps,
         )
         return RoundResult(
             state=kept,
@@ -274,7 +287,14 @@ class Learner:
             score=None if step.score is None or not math.isfinite(step.score) else step.score,
             pruned=step.pruned,
             divergence=divergence,
+            epsilon=self.epsilon(kept, len(data.y_train)),
         )
+
+    def epsilon(self, agent: AgentState, samples: int) -> float | None:
+        """The agent's epsilon so far at `--dp-delta` (`privacy.Accountant`, over every DP
+        step it took), for a device of `samples` training samples; None without `--dp`."""
+        accountant = Accountant.of(self.config, samples)
+        return None if accountant is None else accountant.epsilon(agent.dp_steps)
 
 
 def _recovered(
@@ -303,6 +323,7 @@ def _recovered(
         pruned=False,
         divergence=dict.fromkeys(learner.facts.layer_groups, 0.0) if layers else None,
         recovered=True,
+        epsilon=learner.epsilon(kept, len(data.y_train)),
     )
 
 

@@ -51,9 +51,12 @@ def reduced_training(
     whose training applies trains it, those that narrow the model first (a width, then
     channel masks), then in the table's order; none: the whole model (kind "none"). The
     simulator, the agents and the calibration (`agent.device.calibration`, with its own
-    `sgd` settings) all train through here."""
+    `sgd` settings) all train through here. Under DP-SGD (`--dp sample`) the batch stays the
+    configured one (`privacy`: what the accountant counts)."""
     sgd = sgd or learner.sgd
-    if reduction.batch_size is not None:
+    # Not under DP-SGD: its accountant counts a round's steps at the configured batch's
+    # sampling rate, and `--max-epsilon` foresees at most a full round of them.
+    if reduction.batch_size is not None and sgd.privacy is None:
         sgd = dataclasses.replace(sgd, batch_size=reduction.batch_size)
     job = ReducedRound(Start(start, masks, active), reduction, data, round_, generator, sgd)
     ordered = sorted(kinds(), key=lambda cut: not cut.narrows)

@@ -243,7 +243,9 @@ def checked_fit(fit: Fit, before: AgentState, view: ServerState) -> tuple[Fit, b
         return fit, False
     undone = dataclasses.replace(
         fit,
-        state=dataclasses.replace(before, round=fit.state.round),
+        state=dataclasses.replace(
+            before, round=fit.state.round, dp_steps=fit.state.dp_steps
+        ),  # its DP steps were taken all the same
         upload=_neutral(fit.upload, view.weights),
         divergence=None if fit.divergence is None else dict.fromkeys(fit.divergence, 0.0),
     )

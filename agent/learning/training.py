@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from agent.learning.checkpointing import checkpointed
-from agent.learning.config import SGDConfig
+from agent.learning.config import SampleDP, SGDConfig
 from agent.learning.exact_freezing import active_block_gradients
 from agent.learning.precision import FP32, ComputeFormat, LossScale
 from agent.learning.sparse import Masks, State, apply_masks_
@@ -35,6 +35,8 @@ class TrainResult:
     state: State
     mean_loss: float
     samples: int
+    dp_steps: int = 0
+    """DP-SGD steps taken (`agent.learning.privacy`), which the device's accountant counts."""
 
 
 def derive_seed(*parts: object) -> int:
@@ -260,19 +262,107 @@ def train_local(
     if step_fraction is not None:
         steps = round_steps(len(y), config.batch_size, config.epochs, step_fraction)
     active = {name: mask for name, (_, mask, _) in kept.items()}
-    with (
-        _only_trainable(model, trainable),
-        active_block_gradients(model, active),
-        compute.laid_out(model),
-        checkpointed(model) if checkpoint else contextlib.nullcontext(),
-    ):
+    private = None
+    if config.privacy is not None:
+        private = PrivateBatches.of(config.privacy, params, masked, active)
+    with _stepping(model, trainable, active, compute, checkpoint, private is not None):
         mean_loss, samples = minibatch_epochs(
-            model, x, y, config.epochs, config.batch_size, generator, step, task, steps, compute
-        )
+            model, x, y, config.epochs, config.batch_size, generator, step, task, steps, compute,
+            private,
+        )  # fmt: skip
+    dp_steps = 0
+    if private is not None:
+        dp_steps = round_steps(len(y), config.batch_size, config.epochs, step_fraction)
     new_state = cpu_state(model)
     if masks:
         apply_masks_(new_state, masks)
-    return TrainResult(new_state, mean_loss, samples)
+    return TrainResult(new_state, mean_loss, samples, dp_steps)
+
+
+@contextlib.contextmanager
+def _stepping(
+    model: nn.Module,
+    trainable: set[str] | None,
+    active: Masks,
+    compute: ComputeFormat,
+    checkpoint: bool,
+    private: bool,
+) -> Iterator[None]:
+    """What `train_local`'s steps run within: only the `trainable` tensors requiring
+    gradients, the compute format's layout and, but under DP-SGD (whose per-sample gradients
+    take no backward hooks), exact freezing's block gradients and checkpointed blocks."""
+    with contextlib.ExitStack() as stack:  # in this order, as before DP-SGD came
+        stack.enter_context(_only_trainable(model, trainable))
+        if not private:
+            stack.enter_context(active_block_gradients(model, active))
+        stack.enter_context(compute.laid_out(model))
+        if checkpoint and not private:
+            stack.enter_context(checkpointed(model))
+        yield
+
+
+@dataclass(frozen=True)
+class PrivateBatches:
+    """DP-SGD in `minibatch_epochs` (`agent.learning.privacy`): its settings, and the entries
+    that train (name -> 0/1 mask; absent: all of it), outside which no sample's gradient
+    counts towards its clipped norm and no noise goes."""
+
+    dp: SampleDP
+    entries: dict[str, torch.Tensor]
+
+    @classmethod
+    def of(
+        cls,
+        dp: SampleDP,
+        params: dict[str, nn.Parameter],
+        masked: dict[str, tuple[nn.Parameter, torch.Tensor]],
+        active: Masks,
+    ) -> PrivateBatches:
+        """The entries that train: a sparse mask's kept ones (`masked`), of those FedSPU's
+        `active` ones, as 0/1 in each parameter's dtype."""
+        entries = {name: mask for name, (_, mask) in masked.items()}
+        for name, mask in active.items():
+            if name in params:
+                entries[name] = entries[name] & mask if name in entries else mask
+        return cls(dp, {n: m.to(params[n].dtype) for n, m in entries.items()})
+
+
+def _private_epochs(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    steps: int,
+    batch_size: int,
+    generator: torch.Generator,
+    step: Callable[[], None],
+    task: Task,
+    private: PrivateBatches,
+) -> tuple[float, int]:
+    """`minibatch_epochs` under DP-SGD: `steps` Poisson-sampled batches (each sample in with
+    probability q = B / n), each step's gradient `privacy.private_gradients_`'s (plain fp32:
+    a compute format's autocast and loss scale, exact freezing's and checkpointing's hooks
+    do not apply to per-sample gradients). An empty batch still steps, on noise alone."""
+    from agent.learning import privacy
+
+    privacy.check_private_model(model)
+    device = model_device(model)
+    n = len(y)
+    rate = privacy.sample_rate(batch_size, n)
+    losses, samples = [], 0
+    entries = {name: mask.to(device) for name, mask in private.entries.items()}
+    for batch in privacy.poisson_batches(n, rate, steps, generator):
+        model.zero_grad(set_to_none=True)
+        inputs = x[batch].to(device)
+        targets = task.target(inputs, y[batch].to(device))
+        loss = privacy.private_gradients_(
+            model, inputs, targets, task, private.dp, rate * n, generator, entries
+        )
+        with torch.no_grad():
+            step()
+        if len(batch):
+            losses.append(loss)
+        samples += len(batch)
+    return sum(losses) / max(len(losses), 1), samples
 
 
 def minibatch_epochs(
@@ -286,12 +376,18 @@ def minibatch_epochs(
     task: Task = CLASSIFICATION,
     max_steps: int | None = None,
     compute: ComputeFormat = FP32,
+    private: PrivateBatches | None = None,
 ) -> tuple[float, int]:
     """`epochs` passes of minibatches of the task's loss in `_batches` order, calling `step` (in
     no_grad) after each backward; returns (mean batch loss, samples seen). The loop every
     local optimizer shares, so SGD and Adam see the same batches for the same generator.
     `max_steps` ends the loop early (the batch order stays that of the full round); `compute`
-    lays out and autocasts each step (a step whose fp16 gradients overflowed is skipped)."""
+    lays out and autocasts each step (a step whose fp16 gradients overflowed is skipped).
+    `private`: DP-SGD's steps instead, as many as the round's minibatches (`_private_epochs`)."""
+    if private is not None:
+        total = round_steps(len(y), batch_size, epochs)
+        count = total if max_steps is None else min(total, max_steps)
+        return _private_epochs(model, x, y, count, batch_size, generator, step, task, private)
     total_loss, steps, samples = 0.0, 0, 0
     device = model_device(model)
     scale = LossScale(compute)
@@ -383,6 +479,7 @@ def dense_gradients(
     num_batches: int,
     generator: torch.Generator,
     task: Task = CLASSIFICATION,
+    privacy: SampleDP | None = None,
 ) -> tuple[dict[str, torch.Tensor], int]:
     """The task loss's gradient of the named (masked) weights as if they were dense, for RigL.
 
@@ -390,7 +487,10 @@ def dense_gradients(
     statistics as in training: the running statistics may describe other weights (those of
     the round's last minibatches, or an aggregate's), the batch's always describe these.
     Mean over `num_batches` local batches (ALGORITHMS.md 1.6). Returns the gradients (on the
-    CPU) and the number of samples used, for FLOP accounting.
+    CPU) and the number of samples used, for FLOP accounting. With `privacy` (`--dp sample`),
+    DP-SGD's gradients of `num_batches` Poisson-sampled batches: RigL's regrowth reads local
+    data too, and the mask it moves is published with the model, so these are DP steps the
+    accountant counts (`privacy.round_steps_of`).
     """
     load_weights(model, state)
     model.eval()
@@ -399,6 +499,11 @@ def dense_gradients(
             module.train()  # the buffer model's statistics move; the next load resets them
     device = model_device(model)
     params = dict(model.named_parameters())
+    if privacy is not None:
+        return _private_dense_gradients(
+            model, {n: params[n] for n in names}, x, y, batch_size, num_batches, generator,
+            task, privacy,
+        )  # fmt: skip
     wanted = [params[name] for name in names]
     batches = _batches(len(y), batch_size, generator)[:num_batches]
     total: list[torch.Tensor] = []
@@ -412,3 +517,33 @@ def dense_gradients(
         total = list(grads) if not total else [a + b for a, b in zip(total, grads, strict=True)]
     on_cpu = {name: g.to("cpu") for name, g in zip(names, total, strict=True)}
     return on_cpu, sum(len(b) for b in batches)
+
+
+def _private_dense_gradients(
+    model: nn.Module,
+    wanted: dict[str, nn.Parameter],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    batch_size: int,
+    num_batches: int,
+    generator: torch.Generator,
+    task: Task,
+    dp: SampleDP,
+) -> tuple[dict[str, torch.Tensor], int]:
+    """`dense_gradients` under DP-SGD: the mean over `num_batches` Poisson-sampled batches of
+    `privacy.private_mean` over the `wanted` weights, whole (their masks do not apply)."""
+    from agent.learning import privacy
+
+    device = model_device(model)
+    rate = privacy.sample_rate(batch_size, len(y))
+    total = {name: torch.zeros_like(p) for name, p in wanted.items()}
+    samples = 0
+    for batch in privacy.poisson_batches(len(y), rate, num_batches, generator):
+        inputs = x[batch].to(device)
+        targets = task.target(inputs, y[batch].to(device))
+        means, _ = privacy.private_mean(
+            model, inputs, targets, task, dp, rate * len(y), generator, wanted
+        )
+        total = {name: total[name] + means[name] / num_batches for name in total}
+        samples += len(batch)
+    return {name: g.detach().to("cpu") for name, g in total.items()}, samples

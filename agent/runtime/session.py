@@ -28,7 +28,7 @@ from agent.device.budget import RoundWork
 from agent.device.calibration import RoundCosts
 from agent.device.throttle import ENERGY_SOURCE
 from agent.experiment import ExperimentConfig
-from agent.learning import AgentState, EarlyStop, Learner, Masks, Published, State
+from agent.learning import AgentState, EarlyStop, Learner, Masks, Published, State, privacy
 from agent.learning.reduction import Reduction
 from agent.report import AgentRound
 from agent.runtime.codec import expected_shapes
@@ -60,6 +60,8 @@ STATUS_FIGURES = (
     "train_s",
     "predicted_s",
     "peak_memory_mb",
+    "epsilon",
+    "stop_reason",
 )
 """The round figures a status shows (with `metric`, the name of the figure under
 "accuracy": the task's metric, and the run's `strategy`); it also carries the whole round
@@ -337,6 +339,8 @@ class Session:
         """This agent's own starting model, when it did not start from the seed."""
         self.early = EarlyStop.of(self.cfg)
         self.stopped_round: int | None = None
+        self.stop_reason = ""  # why it stopped, when its privacy budget was spent
+        privacy.check_run(self.cfg, self.learner.facts.model, {agent_id: len(self.data.y_train)})
         self.meter = TrafficMeter(transport)
         self._trained_s = 0.0
         """Seconds the round's computation took on this host (a real board's energy)."""
@@ -442,7 +446,13 @@ class Session:
     def stops_after(self, weights: State, train_loss: float, restart: bool = False) -> bool:
         """Whether early stopping stops the agent after a round that ended with `weights`
         (`EarlyStop.after`): computation, so in a compute slot (`workload.compute_slot`)
-        when it is on; off, no wait for a slot (it held the round's record and status back)."""
+        when it is on; off, no wait for a slot (it held the round's record and status back).
+        Under `--max-epsilon`, it stops, and shares nothing more, once its next round would
+        take its epsilon past it (`privacy.budget_spent`: the reason is its `stop_reason`)."""
+        spent = privacy.budget_spent(self.cfg, len(self.data.y_train), self.state.dp_steps)
+        if spent is not None:
+            self.stop_reason = spent
+            return True
         if not self.early.enabled:
             return False
         with compute_slot():
@@ -468,7 +478,7 @@ class Session:
                     break
                 self.finish_round(driver, driver.run_round(round_))
             if self.stopped_round is not None:
-                reason = self.early.rule.reason
+                reason = self.stop_reason or self.early.rule.reason
                 log.info("stopped early after round %d: %s", self.stopped_round, reason)
             if self.finished and self.on_finish:
                 self.on_finish(self.state)
@@ -500,6 +510,8 @@ class Session:
             record.energy_source = ENERGY_SOURCE
         self._trained_s = 0.0
         record.quarantined = sorted(self.inbox.quarantine.members())
+        if record.stopped:
+            record.stop_reason = self.stop_reason
         row = record.as_dict()
         persist(self, driver, record.round, row)
         saved: dict[str, Any] = {}

@@ -77,6 +77,11 @@ ROUND_COST_GAUGES: tuple[tuple[str, str, Callable[[Mapping[str, Any]], float | N
         peak_memory_bytes,
     ),
     (
+        "epsilon",
+        "The agent's privacy loss epsilon so far at the run's delta (--dp sample).",
+        lambda row: row.get("epsilon"),
+    ),
+    (
         "prediction_error_ratio",
         "(measured - predicted) / predicted seconds of the agent's latest local training.",
         prediction_error,

@@ -38,9 +38,10 @@ TOTALS = ("bytes_sent", "bytes_received", "train_flops", "energy_j")
 """Figures summed over every round received of the agent's latest run: the run's totals
 (Prometheus counters, which start again at zero with each run, as a restarted process's
 do)."""
-ROUND_COST = ("train_s", "predicted_s", "peak_memory_mb")
+ROUND_COST = ("train_s", "predicted_s", "peak_memory_mb", "epsilon")
 """The latest round's measured training seconds (by the device's clock), the seconds its
-cost table predicted and its peak training memory [MiB]."""
+cost table predicted, its peak training memory [MiB] and its privacy loss so far (epsilon,
+under `--dp sample`)."""
 _KINDS = ("presence", "status")
 
 

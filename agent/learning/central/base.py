@@ -70,6 +70,8 @@ class Fit:
     """Training FLOPs of the participant's local-only model this round (`Turn.train`)."""
     undone: bool = False
     """The round's model was not finite and was undone (`rounds.checked_fit`)."""
+    epsilon: float | None = None
+    """The participant's epsilon after the round under `--dp sample` (`Turn.train`)."""
 
 
 @dataclass(frozen=True)
@@ -98,11 +100,18 @@ class FitContext:
         """The participant's id: with the round, what seeds its draws."""
         return self.state.agent_id
 
-    def fitted(self, weights: State, upload: Payload, train_loss: float, flops: int) -> Fit:
+    def fitted(
+        self, weights: State, upload: Payload, train_loss: float, flops: int, dp_steps: int = 0
+    ) -> Fit:
         """The participant's `Fit` once it trained to `weights`: the figures every strategy
-        reports alike (its state at this round, its sample count)."""
+        reports alike (its state at this round, its sample count); `dp_steps`: the DP-SGD
+        steps its training took (`TrainResult.dp_steps`), added to what its accountant
+        counts (a strategy that trains under `--dp sample` must pass them)."""
+        steps = self.state.dp_steps + dp_steps
         return Fit(
-            state=dataclasses.replace(self.state, weights=weights, round=self.round),
+            state=dataclasses.replace(
+                self.state, weights=weights, round=self.round, dp_steps=steps
+            ),
             upload=upload,
             num_samples=len(self.data.y_train),
             train_loss=train_loss,

@@ -66,6 +66,7 @@ class FedAdam(CentralStrategy):
                 lr=adam.AdamConfig.lr if cfg.lr is None else cfg.lr,
                 epochs=cfg.epochs,
                 batch_size=cfg.batch_size,
+                privacy=cfg.sample_dp,
             ),
             learner.generator("train", ctx.agent_id, ctx.round),
             learner.task,
@@ -79,7 +80,7 @@ class FedAdam(CentralStrategy):
         )
         upload = _moment_payload((dw, w_mask), (dm, m_mask), (dv, v_mask), self.mode)
         flops = learner.train_flops(None, result.samples)
-        return ctx.fitted(result.weights, upload, result.mean_loss, flops)
+        return ctx.fitted(result.weights, upload, result.mean_loss, flops, result.dp_steps)
 
     @property
     def broadcast_mode(self) -> str:

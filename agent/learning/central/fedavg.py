@@ -30,7 +30,9 @@ def full_model_fit(learner: ModelFacts, ctx: FitContext) -> Fit:
     and FedLDF's before it chooses what to send)."""
     trained = train_sgd(learner, ctx, ctx.view.weights)
     flops = learner.train_flops(None, trained.samples)
-    return ctx.fitted(trained.state, Payload(trained.state), trained.mean_loss, flops)
+    return ctx.fitted(
+        trained.state, Payload(trained.state), trained.mean_loss, flops, trained.dp_steps
+    )
 
 
 class FedAvg(CentralStrategy):

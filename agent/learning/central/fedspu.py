@@ -74,7 +74,9 @@ class ActivePart(CentralStrategy):
         active = self.active(learner, ctx.view, ctx.agent_id, ctx.round, ctx.p_k)
         trained, flops = self.train_active(learner, ctx, active)
         upload = Payload(trained.state, active)
-        return ctx.fitted(trained.state, upload, trained.mean_loss, flops * trained.samples)
+        return ctx.fitted(
+            trained.state, upload, trained.mean_loss, flops * trained.samples, trained.dp_steps
+        )
 
     def download(
         self, learner: ModelFacts, server: ServerState, agent_id: str, round_: int, p_k: float

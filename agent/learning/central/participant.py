@@ -64,7 +64,8 @@ class Turn:
         BatchNorm statistics re-estimated for the weights it trained to
         (`Learner.fresh_statistics`), undone if not finite (`checked_fit`, then `Fit.undone`),
         and only then its local-only model's round (`fallback.advance`, by its measured
-        budget), so an undone fit never undoes the local-only model's training."""
+        budget), so an undone fit never undoes the local-only model's training; its epsilon
+        so far (`Learner.epsilon`) under `--dp sample`."""
         fit = strategy.fit(learner.facts, FitContext(state, data, view, self.round, self.p_k))
         fresh = learner.facts.fresh_statistics(fit.state.weights, data)
         fit = dataclasses.replace(fit, state=dataclasses.replace(fit.state, weights=fresh))
@@ -72,7 +73,10 @@ class Turn:
         if undone:
             log.warning("round %d: model not finite; kept the model from before it", self.round)
         trained, flops = fallback.advance(learner, fit.state, data, self.round, self.budget_p_k)
-        return dataclasses.replace(fit, state=trained, fallback_flops=flops, undone=undone)
+        epsilon = learner.epsilon(trained, len(data.y_train))
+        return dataclasses.replace(
+            fit, state=trained, fallback_flops=flops, undone=undone, epsilon=epsilon
+        )
 
 
 def judge(

@@ -71,6 +71,8 @@ class Trained:
     weights: State
     train_loss: float
     flops: int
+    dp_steps: int = 0
+    """DP-SGD steps the training took (`TrainResult.dp_steps`), which the accountant counts."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,9 @@ class MaskStep:
     score: float | None = None
     pruned: bool = False
     """Whether the step pruned the model further."""
+    dp_steps: int = 0
+    """DP-SGD steps the step took (RigL's dense gradients under `--dp sample`), which the
+    accountant counts."""
 
 
 class DecentralizedStrategy:
@@ -132,7 +137,7 @@ class DecentralizedStrategy:
             start.round,
             learner.generator("train", start.agent.agent_id, start.round),
         )
-        return Trained(result.state, result.mean_loss, flops)
+        return Trained(result.state, result.mean_loss, flops, result.dp_steps)
 
     def after_training(self, learner: ModelFacts, start: RoundStart, trained: Trained) -> MaskStep:
         """The round's model once the strategy had its say on what training gave."""

@@ -37,7 +37,8 @@ class SparseStrategy(DecentralizedStrategy):
         weights, masks, flops = rigl_step(
             learner, weights, masks, start.data, agent.agent_id, start.round
         )
-        return MaskStep(weights, masks, distances, flops, vote, score, pruned)
+        dp_steps = learner.config.rigl_batches if learner.sgd.privacy is not None else 0
+        return MaskStep(weights, masks, distances, flops, vote, score, pruned, dp_steps)
 
     def prune(
         self, learner: ModelFacts, weights: State, masks: Masks, prune_now: bool
@@ -76,6 +77,7 @@ def rigl_step(
         cfg.rigl_batches,
         learner.generator("rigl", agent_id, round_),
         learner.task,
+        learner.sgd.privacy,
     )
     flops = learner.dense_gradient_flops(masks, grad_samples)
     alpha = rigl.rigl_alpha(round_, cfg.rounds, cfg.rigl_a)
