@@ -72,6 +72,12 @@ def without(monkeypatch: pytest.MonkeyPatch):
             "coordinator emulate --http (the dashboard and /metrics) needs the gateway extra "
             f"(prometheus-client not installed): {GATEWAY}",
         ),
+        (
+            ["ray"],
+            ["simulate", "--backend", "ray"],
+            "--backend ray needs the ray extra (ray not installed): "
+            "pip install 'edgefl-fleet[ray]'",
+        ),
     ],
 )
 def test_a_missing_extra_is_one_line_before_anything_starts(

@@ -1,0 +1,198 @@
+"""`coordinator simulate --backend ray`: agents' rounds as Ray tasks across a cluster's nodes.
+
+The same seam as the home-made pool (`coordinator.training_pool.Training`): the simulator
+keeps its loops, its order and its report, and only a participant's fit and a decentralized
+agent's local round move out, as a Ray task each. A task depends only on its job (the
+agent's state, its inbox or view of the server, the round) and on the run's workload, which
+every worker process builds once from the config, as a pool worker does; so a task that Ray
+runs again on another node after its node died (`max_retries`) gives the same result, and a
+run gives the same report, bit for bit, as the local backend.
+
+Where things live: the run's config and roster are put in Ray's object store once and each
+worker process keeps the workload built from them (`_training_of`: one run at a time); an
+agent's state travels with its job and comes back with its result, since the simulator's
+own round rules (early stopping, attacks, judging, the report) read it between rounds.
+Jobs and results travel as pickles whose tensors are numpy arrays (`training_pool.dumps`).
+
+Ray is the `ray` extra, never a device's: it is imported only here, when a run asks for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import threading
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from agent.experiment import ExperimentConfig
+from agent.learning import Fit, Reduction, RoundResult
+from coordinator.training_pool import (
+    FitJob,
+    InProcess,
+    LoggingAs,
+    RoundJob,
+    dumps,
+    logging_here,
+    worker_training,
+)
+from protocol.extras import require
+
+__all__ = ["BACKENDS", "RAY_EXTRA", "ClusterError", "RayTraining", "require_ray"]
+
+BACKENDS = ("local", "ray")
+"""Where `simulate` trains agents: this machine (in process or `--workers`), or Ray."""
+
+RAY_EXTRA = "ray"
+"""`coordinator simulate --backend ray`: Ray, on the machine that runs simulate and on
+every node of its cluster."""
+
+TASK_RETRIES = 3
+"""How often Ray runs an agent's task again after its worker or node died."""
+
+LOOPBACK = ("127.0.0.1", "localhost")
+
+
+class ClusterError(RuntimeError):
+    """An agent's training was lost on the cluster (its retries spent, the cluster gone)."""
+
+
+def require_ray() -> None:
+    """One line naming the extra when Ray is not installed (exit 2), before anything starts."""
+    require(RAY_EXTRA, ("ray",), "--backend ray")
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What a worker builds the run's workload from, put in the object store once."""
+
+    id: str
+    config: ExperimentConfig
+    roster: list[str]
+    logging_as: LoggingAs
+
+
+_WORKER: dict[str, InProcess] = {}
+"""A worker process's training for the run it last served (by `_Run.id`)."""
+
+
+def _training_of(run: _Run) -> InProcess:
+    """This worker's training for `run`, built on its first task (a worker that served
+    another run before drops that one's)."""
+    if run.id not in _WORKER:
+        _WORKER.clear()
+        _WORKER[run.id] = worker_training(run.config, run.roster, run.logging_as)
+    return _WORKER[run.id]
+
+
+def _node() -> str:
+    import ray
+
+    return str(ray.get_runtime_context().get_node_id())
+
+
+def _fit_task(run: _Run, job: bytes) -> tuple[bytes, str]:
+    """The fit of one pickled `FitJob`, pickled, and the node that trained it."""
+    ((_, fit),) = _training_of(run).fit([pickle.loads(job)], lambda: None)
+    return dumps(fit), _node()
+
+
+def _round_task(run: _Run, job: bytes) -> tuple[bytes, str]:
+    """The round of one pickled `RoundJob` (its result and reduction), pickled, and the node
+    that trained it."""
+    return dumps(_training_of(run).local_round(pickle.loads(job)).result()), _node()
+
+
+class RayTraining:
+    """Agents' rounds as Ray tasks: on the cluster at `address`, else on a Ray started here
+    with `workers` CPUs (1: all of them) and stopped by `close`. A Ray this process had
+    already started (`ray.init`) is used as it is and left running."""
+
+    def __init__(
+        self, config: ExperimentConfig, roster: list[str], workers: int, address: str | None
+    ) -> None:
+        require_ray()
+        import ray
+
+        self._ray = ray
+        self._started = not ray.is_initialized()
+        if self._started:
+            _connect(address, workers)
+        self.slots = int(ray.cluster_resources().get("CPU", 1)) + 1
+        """One more than the cluster's CPUs, so that none waits for the simulator."""
+        self.nodes: Counter[str] = Counter()
+        """Tasks finished on each node (by Ray node id): where the agents trained."""
+        self._lock = threading.Lock()
+        remote = ray.remote(max_retries=TASK_RETRIES, scheduling_strategy="SPREAD")
+        self._fit, self._round = remote(_fit_task), remote(_round_task)
+        self._run = ray.put(_Run(uuid.uuid4().hex, config, roster, logging_here()))
+
+    def fit(
+        self, jobs: Sequence[FitJob], meanwhile: Callable[[], None]
+    ) -> Iterator[tuple[str, Fit]]:
+        """Each job's fit, in the jobs' order; they train at once across the cluster, the
+        costliest first, while this process does `meanwhile`."""
+        refs = {}
+        for job in sorted(jobs, key=lambda j: j.samples, reverse=True):
+            refs[job.turn.agent] = self._fit.remote(self._run, dumps(job))
+        meanwhile()
+        for job in jobs:
+            yield job.turn.agent, self._result(refs[job.turn.agent])
+
+    def local_round(self, job: RoundJob) -> Future[tuple[RoundResult, Reduction]]:
+        """The agent's round, started: its result and reduction when it is done."""
+        done: Future[tuple[RoundResult, Reduction]] = Future()
+        ref = self._round.remote(self._run, dumps(job))
+
+        def unpickle(_: Future[Any]) -> None:
+            try:
+                done.set_result(self._result(ref))
+            except BaseException as exc:  # the task's error, raised where the result is taken
+                done.set_exception(exc)
+
+        ref.future().add_done_callback(unpickle)
+        return done
+
+    def _result(self, ref: Any) -> Any:
+        """A task's result, its node counted; the task's own error as it was raised there,
+        and a lost task as a `ClusterError`."""
+        errors = self._ray.exceptions
+        try:
+            pickled, node = self._ray.get(ref)
+        except errors.RayTaskError as exc:
+            raise exc.as_instanceof_cause() from None
+        except errors.RayError as exc:
+            raise ClusterError(f"an agent's training was lost on the Ray cluster: {exc}") from None
+        with self._lock:
+            self.nodes[node] += 1
+        return pickle.loads(pickled)
+
+    def close(self) -> None:
+        if self._started:
+            self._ray.shutdown()
+
+    def __enter__(self) -> RayTraining:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _connect(address: str | None, workers: int) -> None:
+    """Join the cluster at `address`, or start a Ray here (on loopback only) with `workers`
+    CPUs (1: all of them)."""
+    import ray
+
+    options: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.WARNING}
+    if address is None:
+        options["num_cpus"] = workers if workers > 1 else None
+    if address is None or address.rpartition(":")[0] in LOOPBACK:
+        options["_node_ip_address"] = "127.0.0.1"
+    try:
+        ray.init(address=address or "local", **options)
+    except (ConnectionError, RuntimeError) as exc:
+        raise ConnectionError(f"could not join the Ray cluster at {address}: {exc}") from None
