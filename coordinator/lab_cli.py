@@ -112,7 +112,7 @@ def simulate(
         f"{config.agents} agents, {cfg.rounds} rounds, partition {config.partition}, "
         f"seed {config.seed}"
         + (f", {workers} workers" if workers > 1 else "")
-        + (f", on Ray at {ray_address or 'a Ray started here'}" if backend == "ray" else "")
+        + ray_where(backend, ray_address)
     )
     with Progress(
         TextColumn("{task.description}"),
@@ -136,6 +136,13 @@ def simulate(
         except (ClusterError, ConnectionError) as exc:
             raise click.ClickException(str(exc)) from None
     publish_report(report, report_path, plot_dir)
+
+
+def ray_where(backend: str, address: str | None) -> str:
+    """Where the agents train, for simulate's first line: nothing for this machine."""
+    if backend != "ray":
+        return ""
+    return f", on the Ray cluster at {address}" if address else ", on a Ray started here"
 
 
 def lab_experiment(run_file: str | None, values: dict[str, object]) -> ExperimentConfig:

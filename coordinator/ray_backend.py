@@ -15,6 +15,9 @@ own round rules (early stopping, attacks, judging, the report) read it between r
 Jobs and results travel as pickles whose tensors are numpy arrays (`training_pool.dumps`).
 
 Ray is the `ray` extra, never a device's: it is imported only here, when a run asks for it.
+Ray 2.60 listens on every interface of each node, a Ray started here included (it turns a
+loopback node address into the machine's reachable one), and guards its ports with its token
+authentication (on by default: docs/scaling.md).
 """
 
 from __future__ import annotations
@@ -53,9 +56,6 @@ every node of its cluster."""
 
 TASK_RETRIES = 3
 """How often Ray runs an agent's task again after its worker or node died."""
-
-LOOPBACK = ("127.0.0.1", "localhost")
-
 
 class ClusterError(RuntimeError):
     """An agent's training was lost on the cluster (its retries spent, the cluster gone)."""
@@ -183,15 +183,12 @@ class RayTraining:
 
 
 def _connect(address: str | None, workers: int) -> None:
-    """Join the cluster at `address`, or start a Ray here (on loopback only) with `workers`
-    CPUs (1: all of them)."""
+    """Join the cluster at `address`, or start a Ray here with `workers` CPUs (1: all)."""
     import ray
 
     options: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.WARNING}
     if address is None:
         options["num_cpus"] = workers if workers > 1 else None
-    if address is None or address.rpartition(":")[0] in LOOPBACK:
-        options["_node_ip_address"] = "127.0.0.1"
     try:
         ray.init(address=address or "local", **options)
     except (ConnectionError, RuntimeError) as exc:

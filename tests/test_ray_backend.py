@@ -1,70 +1,51 @@
-"""`coordinator simulate --backend ray` on a Ray started in this process: the same report, bit
-for bit, as the local backend, and the flags' one-line mistakes.
+"""`coordinator simulate --backend ray` on a Ray the run starts itself: the same report, bit
+for bit, as the local backend, every agent-round trained on Ray; and the flags' one-line
+mistakes. The two-node cluster is tests/test_ray_cluster.py.
 
-Ray takes seconds to start, so one Ray (`local_ray`, two CPUs on loopback, its files in a
-temporary folder removed at the end) serves the module. The two-node cluster is
-tests/test_ray_cluster.py.
+Ray takes seconds to start, so one program (`tests.ray_runs`, in a network namespace of its
+own: Ray listens on every interface) runs both strategies for the module (`on_ray`).
 """
 
 from __future__ import annotations
 
-import shutil
+import json
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from coordinator.cli import main
-from coordinator.simulate import Simulation, simulate
-from tests.test_simulate import FEDAVG_EVERY_AGENT_STOPS, small, without_wall_time
+from coordinator.simulate import simulate
+from tests.netns import Lan, skip_unless_netns
+from tests.ray_runs import CONFIGS, command, ray_env, trained
+from tests.test_simulate import without_wall_time
 
-ray = pytest.importorskip("ray")
+pytest.importorskip("ray")
 
 
 @pytest.fixture(scope="module")
-def local_ray() -> Iterator[None]:
-    """A Ray of two CPUs on 127.0.0.1 for the module, its temporary files removed after (a
-    short path: Ray's sockets live there and a socket's path has at most 107 bytes)."""
-    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
-    ray.init(
-        num_cpus=2,
-        _node_ip_address="127.0.0.1",
-        include_dashboard=False,
-        _temp_dir=temp,
-        logging_level="WARNING",
-    )
-    try:
-        yield
-    finally:
-        ray.shutdown()
-        shutil.rmtree(temp, ignore_errors=True)
+def on_ray(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """Each of `CONFIGS` run with `--backend ray` and no address: on a Ray of two CPUs
+    that the run starts and stops, in a namespace whose only network is its own."""
+    skip_unless_netns()
+    folder = tmp_path_factory.mktemp("ray")
+    out, log = folder / "runs.json", folder / "driver.log"
+    with tempfile.TemporaryDirectory(prefix="ray-", dir="/tmp") as temp, Lan(["sim"]) as lan:
+        driver = lan.popen("sim", command(out, list(CONFIGS)), env=ray_env(Path(temp)), log=log)
+        status = driver.wait(timeout=240)  # a hang: the Lan ends the driver and its Ray
+    assert status == 0, log.read_text()[-3000:]
+    yield json.loads(out.read_text())
 
 
-@pytest.mark.parametrize(
-    ("strategy", "learning"),
-    [
-        ("dadpfl", {}),  # reuse order: agents start once their prior neighbours published
-        ("fedavg", FEDAVG_EVERY_AGENT_STOPS),  # a round's fits all at once; agents stop
-    ],
-)
-def test_ray_tasks_give_the_local_report_bit_for_bit(
-    local_ray: None, strategy: str, learning: dict
-) -> None:
-    config = small(strategy, **learning)
-    on_ray = Simulation(config, backend="ray")
-    report = on_ray.run()
-    assert without_wall_time(report) == without_wall_time(simulate(config))
-    assert sum(on_ray.training.nodes.values()) == trained(report)  # every round ran on Ray
-
-
-def trained(report: dict) -> int:
-    """The agent-rounds a report's agents trained: all but those of agents stopped before."""
-    rounds = report["rounds"]
-    before = [{k: False for k in rounds[0]["agents"]}] + [
-        {k: a["stopped"] for k, a in r["agents"].items()} for r in rounds
-    ]
-    return sum(not stopped for r in before[: len(rounds)] for stopped in r.values())
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_ray_tasks_give_the_local_report_bit_for_bit(on_ray: dict, name: str) -> None:
+    run = on_ray[name]
+    local = json.loads(json.dumps(simulate(CONFIGS[name]())))  # as the report reads back
+    assert without_wall_time(run["report"]) == without_wall_time(local)
+    assert sum(run["nodes"].values()) == trained(run["report"])  # every round ran on Ray
 
 
 def test_backend_flags_mistakes_are_one_line() -> None:
