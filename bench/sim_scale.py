@@ -90,11 +90,12 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
-def spread(values: list[float]) -> str:
+def spread(values: list[float], digits: int = 3) -> str:
     """Mean, and the range over seeds."""
     if len(values) == 1:
-        return f"{values[0]:.3f}"
-    return f"{statistics.mean(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+        return f"{values[0]:.{digits}f}"
+    low, high = min(values), max(values)
+    return f"{statistics.mean(values):.{digits}f} ({low:.{digits}f}-{high:.{digits}f})"
 
 
 def table(rows: list[dict[str, Any]], title: str) -> Table:
@@ -118,8 +119,8 @@ def table(rows: list[dict[str, Any]], title: str) -> Table:
             backend,
             spread([r["steady_round_s"] for r in runs]),
             f"{ratio:.2f}x",
-            spread([r["peak_mb"] for r in runs]),
-            spread([r["mb_per_agent"] for r in runs]),
+            spread([r["peak_mb"] for r in runs], 0),
+            spread([r["mb_per_agent"] for r in runs], 2),
             "yes" if all(r["identical"] for r in runs) else "NO",
         )
     return out

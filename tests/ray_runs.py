@@ -27,7 +27,8 @@ from tests.test_simulate import FEDAVG_EVERY_AGENT_STOPS, small
 
 CONFIGS: dict[str, Callable[[], ExperimentConfig]] = {
     "dadpfl": lambda: small("dadpfl"),  # reuse order: agents wait for prior neighbours
-    "fedavg": lambda: small("fedavg", **FEDAVG_EVERY_AGENT_STOPS),  # fits at once; agents stop
+    # a round's fits at once, 12 in 8 batches (`BATCHES_PER_CPU` x 2 CPUs); agents stop early
+    "fedavg": lambda: small("fedavg", agents=12, **FEDAVG_EVERY_AGENT_STOPS),
 }
 """The runs a test asks for, by name: the driver and the test build the same config."""
 
