@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import socket
 import threading
 import uuid
 from collections import Counter
@@ -58,6 +59,9 @@ BATCHES_PER_CPU = 4
 """A centralized round's fits go out in about this many tasks per CPU of the cluster: a
 task per fit costs Ray more than a short fit (1,000 agents of 16 samples: 1.8x the local
 backend's round), and a few batches per CPU still even out uneven ones."""
+
+CONNECT_TIMEOUT_S = 10.0
+"""How long `--ray-address` may take to accept a connection before the run gives up."""
 
 TASK_RETRIES = 3
 """How often Ray runs an agent's task again after its worker or node died."""
@@ -204,7 +208,24 @@ def _connect(address: str | None, workers: int) -> None:
     options: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.WARNING}
     if address is None:
         options["num_cpus"] = workers if workers > 1 else None
+    else:
+        _answers(address)
     try:
         ray.init(address=address or "local", **options)
     except (ConnectionError, RuntimeError) as exc:
         raise ConnectionError(f"could not join the Ray cluster at {address}: {exc}") from None
+
+
+def _answers(address: str) -> None:
+    """A HOST:PORT where nothing listens is one line at once: Ray itself would retry for
+    minutes, logging each attempt. Ray's other forms (`auto`, `ray://...`) are its own."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or "/" in host:
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        raise ConnectionError(
+            f"no Ray cluster answers at {address} ({exc.strerror or exc}): start its head "
+            f"there with `ray start --head --port {port}`"
+        ) from None

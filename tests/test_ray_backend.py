@@ -17,6 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from coordinator.cli import main
+from coordinator.ports import free_port
 from coordinator.simulate import simulate
 from tests.netns import Lan, skip_unless_netns
 from tests.ray_runs import CONFIGS, command, ray_env, trained
@@ -55,3 +56,13 @@ def test_backend_flags_mistakes_are_one_line() -> None:
     assert "--ray-address needs --backend ray" in address_alone.output
     unknown = runner.invoke(main, ["simulate", "--backend", "spark"])
     assert unknown.exit_code == 2 and "'spark' is not one of 'local', 'ray'" in unknown.output
+
+
+def test_an_address_where_no_ray_answers_is_one_line(tmp_path: Path) -> None:
+    """At once, not after Ray's minutes of retries; nothing of Ray starts."""
+    nobody = f"127.0.0.1:{free_port()}"
+    run = ["simulate", "--agents", "2", "--rounds", "1", "--report", str(tmp_path / "r.json")]
+    result = CliRunner().invoke(main, [*run, "--backend", "ray", "--ray-address", nobody])
+    assert result.exit_code == 1
+    assert f"Error: no Ray cluster answers at {nobody} (Connection refused)" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "r.json").exists()

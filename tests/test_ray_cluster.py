@@ -8,7 +8,7 @@ with the numbers of the local backend.
 
 A node is `ray start --block` in a process group of its own: killing the group kills the
 node's raylet, object store and workers. The head checks its nodes' health every half second,
-so a killed node is declared dead in about 2 s rather than Ray's default half minute.
+so a killed node is declared dead in about 2 s rather than Ray's default tens of seconds.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ HEALTH_CHECKS = {
     "RAY_health_check_timeout_ms": "500",
     "RAY_health_check_failure_threshold": "3",
 }
-"""The head's checks of its nodes: a dead node known in about 2 s (Ray's default: 30)."""
+"""The head's checks of its nodes: a dead node known in about 2 s."""
 
 
 @dataclass
