@@ -12,7 +12,8 @@ Where things live: the run's config and roster are put in Ray's object store onc
 worker process keeps the workload built from them (`_training_of`: one run at a time); an
 agent's state travels with its job and comes back with its result, since the simulator's
 own round rules (early stopping, attacks, judging, the report) read it between rounds.
-Jobs and results travel as pickles whose tensors are numpy arrays (`training_pool.dumps`).
+Jobs and results travel as pickles whose tensors are numpy arrays, a pruned model's as its
+nonzero weights and a bit mask (`training_pool.dumps(sparse=True)`).
 
 Ray is the `ray` extra, never a device's: it is imported only here, when a run asks for it.
 Ray 2.60 listens on every interface of each node, a Ray started here included (it turns a
@@ -108,13 +109,15 @@ def _node() -> str:
 def _fit_task(run: _Run, jobs: bytes) -> tuple[bytes, str]:
     """The fits of a pickled list of `FitJob`s (agent -> fit), pickled, and the node that
     trained them."""
-    return dumps(dict(_training_of(run).fit(pickle.loads(jobs), lambda: None))), _node()
+    fits = dict(_training_of(run).fit(pickle.loads(jobs), lambda: None))
+    return dumps(fits, sparse=True), _node()
 
 
 def _round_task(run: _Run, job: bytes) -> tuple[bytes, str]:
     """The round of one pickled `RoundJob` (its result and reduction), pickled, and the node
     that trained it."""
-    return dumps(_training_of(run).local_round(pickle.loads(job)).result()), _node()
+    result = _training_of(run).local_round(pickle.loads(job)).result()
+    return dumps(result, sparse=True), _node()
 
 
 class RayTraining:
@@ -151,7 +154,7 @@ class RayTraining:
         costliest = sorted(jobs, key=lambda j: j.samples, reverse=True)
         count = min(len(jobs), BATCHES_PER_CPU * self.cpus)
         batches = [costliest[i::count] for i in range(count)]
-        refs = [self._fit.remote(self._run, dumps(batch)) for batch in batches]
+        refs = [self._fit.remote(self._run, dumps(batch, sparse=True)) for batch in batches]
         batch_of = {job.turn.agent: i for i, batch in enumerate(batches) for job in batch}
         meanwhile()
         fits: dict[str, Fit] = {}
@@ -165,7 +168,7 @@ class RayTraining:
     def local_round(self, job: RoundJob) -> Future[tuple[RoundResult, Reduction]]:
         """The agent's round, started: its result and reduction when it is done."""
         done: Future[tuple[RoundResult, Reduction]] = Future()
-        ref = self._round.remote(self._run, dumps(job))
+        ref = self._round.remote(self._run, dumps(job, sparse=True))
 
         def unpickle(_: Future[Any]) -> None:
             try:

@@ -34,6 +34,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+import numpy as np
 import torch
 
 from agent.device import Budget
@@ -226,19 +227,51 @@ def _start(config: ExperimentConfig, roster: list[str], logging_as: LoggingAs) -
     _WORKER[:] = [worker_training(config, roster, logging_as)]
 
 
+SPARSE_BELOW = 0.75
+"""With `dumps(sparse=True)`, a tensor whose share of nonzero elements is below this travels
+as those elements and a bit mask of where they are (a pruned model at density 0.5: 53% of
+its dense bytes); at or above it, dense."""
+
+
 class _Pickler(pickle.Pickler):
-    """The standard pickler, with CPU tensors as numpy arrays."""
+    """The standard pickler, with CPU tensors as numpy arrays (sparse ones, if `sparse`, as
+    their nonzero elements: `_sparse`)."""
+
+    def __init__(self, file: io.BytesIO, sparse: bool) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.sparse = sparse
 
     def reducer_override(self, obj: Any) -> Any:
         if type(obj) is torch.Tensor and not obj.requires_grad and obj.dtype != torch.bfloat16:
-            return torch.from_numpy, (obj.numpy(),)
+            array = obj.numpy()
+            return (self.sparse and _sparse(array)) or (torch.from_numpy, (array,))
         return NotImplemented
 
 
-def dumps(obj: object) -> bytes:
-    """`obj` pickled, its CPU tensors as numpy arrays (`pickle.loads` reads it back)."""
+def _sparse(array: np.ndarray) -> tuple[Any, tuple[Any, ...]] | None:
+    """How to pickle `array` as its nonzero elements, or None when it is not sparse enough.
+    Nonzero by bits, not by value: a -0.0 is kept, so the copy is the same bit for bit."""
+    if array.size < 64 or array.itemsize not in (1, 2, 4, 8):
+        return None
+    flat = array.reshape(-1)
+    present = flat.view(f"u{array.itemsize}") != 0
+    if present.mean() >= SPARSE_BELOW:
+        return None
+    return _from_sparse, (array.shape, np.packbits(present), flat[present])
+
+
+def _from_sparse(shape: tuple[int, ...], bits: np.ndarray, values: np.ndarray) -> torch.Tensor:
+    """The tensor `_sparse` pickled: zeros, and `values` where `bits` are set."""
+    flat = np.zeros(int(np.prod(shape)), dtype=values.dtype)
+    flat[np.unpackbits(bits, count=flat.size).astype(bool)] = values
+    return torch.from_numpy(flat.reshape(shape))
+
+
+def dumps(obj: object, sparse: bool = False) -> bytes:
+    """`obj` pickled, its CPU tensors as numpy arrays, the sparse ones as their nonzero
+    elements if `sparse` (`pickle.loads` reads it back, bit for bit)."""
     buffer = io.BytesIO()
-    _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    _Pickler(buffer, sparse).dump(obj)
     return buffer.getvalue()
 
 
