@@ -1,8 +1,9 @@
 """`coordinator simulate --backend ray`: agents' rounds as Ray tasks across a cluster's nodes.
 
 The same seam as the home-made pool (`coordinator.training_pool.Training`): the simulator
-keeps its loops, its order and its report, and only a participant's fit and a decentralized
-agent's local round move out, as a Ray task each. A task depends only on its job (the
+keeps its loops, its order and its report, and only the participants' fits (a few batches a
+CPU, `BATCHES_PER_CPU`) and the decentralized agents' local rounds (a task each, started as
+`when_ready` says) move out, as Ray tasks. A task depends only on its job (the
 agent's state, its inbox or view of the server, the round) and on the run's workload, which
 every worker process builds once from the config, as a pool worker does; so a task that Ray
 runs again on another node after its node died (`max_retries`) gives the same result, and a
