@@ -13,8 +13,8 @@ Where things live: the run's config and roster are put in Ray's object store onc
 worker process keeps the workload built from them (`_training_of`: one run at a time); an
 agent's state travels with its job and comes back with its result, since the simulator's
 own round rules (early stopping, attacks, judging, the report) read it between rounds.
-Jobs and results travel as pickles whose tensors are numpy arrays, a pruned model's as its
-nonzero weights and a bit mask (`training_pool.dumps(sparse=True)`).
+Jobs and results travel as pickles whose tensors are numpy arrays; on a cluster, a pruned
+model's as its nonzero weights and a bit mask (`RayTraining.sparse`).
 
 Ray is the `ray` extra, never a device's: it is imported only here, when a run asks for it.
 Ray 2.60 listens on every interface of each node, a Ray started here included (it turns a
@@ -86,6 +86,8 @@ class _Run:
     config: ExperimentConfig
     roster: list[str]
     logging_as: LoggingAs
+    sparse: bool
+    """Whether results travel sparse (`RayTraining.sparse`)."""
 
 
 _WORKER: dict[str, InProcess] = {}
@@ -111,14 +113,14 @@ def _fit_task(run: _Run, jobs: bytes) -> tuple[bytes, str]:
     """The fits of a pickled list of `FitJob`s (agent -> fit), pickled, and the node that
     trained them."""
     fits = dict(_training_of(run).fit(pickle.loads(jobs), lambda: None))
-    return dumps(fits, sparse=True), _node()
+    return dumps(fits, run.sparse), _node()
 
 
 def _round_task(run: _Run, job: bytes) -> tuple[bytes, str]:
     """The round of one pickled `RoundJob` (its result and reduction), pickled, and the node
     that trained it."""
     result = _training_of(run).local_round(pickle.loads(job)).result()
-    return dumps(result, sparse=True), _node()
+    return dumps(result, run.sparse), _node()
 
 
 class RayTraining:
@@ -144,7 +146,12 @@ class RayTraining:
         self._lock = threading.Lock()
         remote = ray.remote(max_retries=TASK_RETRIES, scheduling_strategy="SPREAD")
         self._fit, self._round = remote(_fit_task), remote(_round_task)
-        self._run = ray.put(_Run(uuid.uuid4().hex, config, roster, logging_here()))
+        self.sparse = address is not None or sum(n["Alive"] for n in ray.nodes()) > 1
+        """Whether models travel as their nonzero weights and a bit mask: on a cluster, where
+        a job may cross the network (about half the bytes at density 0.5, for about 2 ms more
+        CPU an agent's round); not on a Ray started here, whose object store is memory."""
+        run = _Run(uuid.uuid4().hex, config, roster, logging_here(), self.sparse)
+        self._run = ray.put(run)
 
     def fit(
         self, jobs: Sequence[FitJob], meanwhile: Callable[[], None]
@@ -155,7 +162,7 @@ class RayTraining:
         costliest = sorted(jobs, key=lambda j: j.samples, reverse=True)
         count = min(len(jobs), BATCHES_PER_CPU * self.cpus)
         batches = [costliest[i::count] for i in range(count)]
-        refs = [self._fit.remote(self._run, dumps(batch, sparse=True)) for batch in batches]
+        refs = [self._fit.remote(self._run, dumps(batch, self.sparse)) for batch in batches]
         batch_of = {job.turn.agent: i for i, batch in enumerate(batches) for job in batch}
         meanwhile()
         fits: dict[str, Fit] = {}
@@ -169,7 +176,7 @@ class RayTraining:
     def local_round(self, job: RoundJob) -> Future[tuple[RoundResult, Reduction]]:
         """The agent's round, started: its result and reduction when it is done."""
         done: Future[tuple[RoundResult, Reduction]] = Future()
-        ref = self._round.remote(self._run, dumps(job, sparse=True))
+        ref = self._round.remote(self._run, dumps(job, self.sparse))
 
         def unpickle(_: Future[Any]) -> None:
             try:

@@ -18,6 +18,7 @@ import os
 import secrets
 import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -83,13 +84,32 @@ def run(name: str, address: str | None, lose: int | None) -> dict:
     return {"report": report, "nodes": nodes, "before_loss": before_loss}
 
 
+def wait_for_nodes(address: str, count: int, timeout_s: float = 120.0) -> None:
+    """Until the cluster at `address` has `count` live nodes: a node whose `ray start` said
+    it runs may not have joined the head yet, and tasks spread only over the nodes there."""
+    import ray
+
+    ray.init(address=address, logging_level="WARNING")
+    try:
+        deadline = time.monotonic() + timeout_s
+        while sum(n["Alive"] for n in ray.nodes()) < count:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the cluster at {address} has not {count} nodes")
+            time.sleep(0.2)
+    finally:
+        ray.shutdown()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m tests.ray_runs")
     parser.add_argument("out", type=Path)
     parser.add_argument("names", nargs="+", choices=sorted(CONFIGS))
     parser.add_argument("--address", help="the cluster's head (none: start a Ray here)")
     parser.add_argument("--lose", type=int, help="a process group to kill in round 2")
+    parser.add_argument("--nodes", type=int, default=1, help="wait for this many nodes")
     args = parser.parse_args()
+    if args.address:
+        wait_for_nodes(args.address, args.nodes)
     runs = {name: run(name, args.address, args.lose) for name in args.names}
     args.out.write_text(json.dumps(runs))
 

@@ -94,7 +94,7 @@ def test_agents_train_on_both_nodes_and_a_lost_node_changes_no_number(
     cluster: Cluster, tmp_path: Path
 ) -> None:
     out, log = tmp_path / "run.json", tmp_path / "driver.log"
-    options = ["--address", cluster.address, "--lose", str(cluster.second.pid)]
+    options = ["--address", cluster.address, "--nodes", "2", "--lose", str(cluster.second.pid)]
     driver = cluster.lan.popen("head", command(out, ["dadpfl"], *options), env=cluster.env, log=log)
     assert driver.wait(timeout=240) == 0, log.read_text()[-3000:]
     run = json.loads(out.read_text())["dadpfl"]
