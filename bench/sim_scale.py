@@ -15,8 +15,7 @@ wall time aside). The dataset is FedProx's synthetic set with 100 groups (20,000
 mnist1d's 4,000 training samples cannot give 1,000 agents their minimum (issue 50 point 5).
 
 Measured here (2 cores shared with other jobs, seeds 1 and 2): docs/scaling.md, "Simulating on
-a Ray cluster" (bench/results/sim_scale.json, and sim_scale_fedavg.json for FedAvg since its
-fits go to Ray in batches).
+a Ray cluster" (bench/results/sim_scale.json).
 
 Ray listens on every interface of the machine it runs on; run this inside a network
 namespace whose only network is its own, e.g.
