@@ -68,7 +68,22 @@ def lab_run_option(command: Callable) -> Callable:
     show_default=True,
     help="Train agents in this many processes at once (one a core; the report is "
     "identical). Each takes about a second to start: worth it for runs longer than a few "
-    "seconds.",
+    "seconds. With --backend ray and no --ray-address: the CPUs of the Ray started here "
+    "(1: all).",
+)
+@click.option(
+    "--backend",
+    type=click.Choice(["local", "ray"]),
+    default="local",
+    show_default=True,
+    help="Where agents train: this machine, or Ray tasks across a Ray cluster's nodes (the "
+    "ray extra; the report is identical).",
+)
+@click.option(
+    "--ray-address",
+    metavar="HOST:PORT",
+    help="The Ray cluster's head (ray start --head) for --backend ray [default: start a "
+    "Ray on this machine, stopped at the end].",
 )
 def simulate(
     report_path: str | None,
@@ -76,23 +91,28 @@ def simulate(
     plot_dir: str | None,
     run_file: str | None,
     workers: int,
+    backend: str,
+    ray_address: str | None,
     **values: object,
 ) -> None:
     """Run a whole fleet in one process (no network) and write the JSON report."""
     require_extra(LAB_EXTRA, "coordinator simulate", plot_dir=plot_dir)
     report_path = report_target(report_path, force)
     config = lab_experiment(run_file, values)
+    from coordinator.ray_backend import ClusterError
     from coordinator.simulate import Simulation  # torch: after the config's one-line checks
 
     try:
-        simulation = Simulation(config, workers)
+        simulation = Simulation(config, workers, backend, ray_address)
     except (ValueError, OSError) as exc:
         raise ConfigError(str(exc)) from None
     cfg = config.learning
     console.print(
         f"simulating [bold]{cfg.strategy}[/] on {config.dataset} ({simulation.model_name}), "
         f"{config.agents} agents, {cfg.rounds} rounds, partition {config.partition}, "
-        f"seed {config.seed}" + (f", {workers} workers" if workers > 1 else "")
+        f"seed {config.seed}"
+        + (f", {workers} workers" if workers > 1 else "")
+        + ray_where(backend, ray_address)
     )
     with Progress(
         TextColumn("{task.description}"),
@@ -113,7 +133,16 @@ def simulate(
             raise click.ClickException(
                 "a worker process died (out of memory?): run with fewer --workers"
             ) from None
+        except (ClusterError, ConnectionError) as exc:
+            raise click.ClickException(str(exc)) from None
     publish_report(report, report_path, plot_dir)
+
+
+def ray_where(backend: str, address: str | None) -> str:
+    """Where the agents train, for simulate's first line: nothing for this machine."""
+    if backend != "ray":
+        return ""
+    return f", on the Ray cluster at {address}" if address else ", on a Ray started here"
 
 
 def lab_experiment(run_file: str | None, values: dict[str, object]) -> ExperimentConfig:

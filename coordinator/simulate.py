@@ -10,6 +10,7 @@ encoded messages an agent would send (`coordinator.traffic`, one model per wire 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -65,6 +66,7 @@ from agent.report import (
     summarize,
 )
 from agent.workload import Workload, build_workload, nominal_budgets
+from coordinator.ray_backend import BACKENDS, RayTraining, require_ray
 from coordinator.traffic import CentralTraffic, LocalWire, wire_traffic
 from coordinator.training_pool import (
     FitJob,
@@ -90,10 +92,22 @@ ProgressCallback = Callable[[int, str], None]
 class Simulation:
     """One run: builds the fleet, runs the rounds, and collects the report."""
 
-    def __init__(self, config: ExperimentConfig, workers: int = 1) -> None:
+    def __init__(
+        self,
+        config: ExperimentConfig,
+        workers: int = 1,
+        backend: str = "local",
+        ray_address: str | None = None,
+    ) -> None:
         config.validate()
         if workers < 1:
             raise ValueError(f"--workers must be >= 1, got {workers}")
+        if backend not in BACKENDS:
+            raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        if ray_address is not None and backend != "ray":
+            raise ValueError("--ray-address needs --backend ray")
+        if backend == "ray":
+            require_ray()
         self.config = config
         cfg = config.learning
         self.roster = [f"agent-{k:03d}" for k in range(config.agents)]
@@ -119,7 +133,11 @@ class Simulation:
         self.attackers = attackers(config, self.roster)
         """The agents that send poisoned models (`--attackers`)."""
         self.workers = workers
-        """Processes that train agents' rounds at once (`TrainingPool`); 1: all here."""
+        """Processes that train agents' rounds at once (`TrainingPool`); 1: all here. With
+        the Ray backend and no address: the CPUs of the Ray started here (1: all)."""
+        self.backend, self.ray_address = backend, ray_address
+        """Where the agents train: `local` (here or the pool) or `ray` (`RayTraining`, on
+        the cluster at `ray_address`, else on a Ray started here)."""
         strategy = central_strategy(cfg.strategy) if self.centralized else None
         self.training: Training = InProcess(self.learner, self.data, strategy)
         """Where the agents train: here, or (while a run with workers runs) a pool."""
@@ -133,7 +151,7 @@ class Simulation:
         started = time.perf_counter()
         cfg = self.config.learning
         run_rounds = self._centralized if self.centralized else self._decentralized
-        with training_on(self.workers, self.training, self.config, self.roster) as self.training:
+        with self._training() as self.training:
             rounds = run_rounds(progress)
         report = {
             "config": {
@@ -150,6 +168,12 @@ class Simulation:
             },
         }
         return named_for_task(report, self.learner.facts.task)
+
+    def _training(self) -> contextlib.AbstractContextManager[Training]:
+        """Where this run's agents train, for the run (see `backend`)."""
+        if self.backend == "ray":
+            return RayTraining(self.config, self.roster, self.workers, self.ray_address)
+        return training_on(self.workers, self.training, self.config, self.roster)
 
     # ------------------------------------------------------------------ decentralized rounds
 
@@ -440,8 +464,12 @@ def backdoor_summary(run: Simulation) -> dict[str, Any]:
 
 
 def simulate(
-    config: ExperimentConfig, progress: ProgressCallback | None = None, workers: int = 1
+    config: ExperimentConfig,
+    progress: ProgressCallback | None = None,
+    workers: int = 1,
+    backend: str = "local",
+    ray_address: str | None = None,
 ) -> dict[str, Any]:
     """Run one simulated experiment and return its report (config, rounds, summary); its
-    agents train in `workers` processes (the same report)."""
-    return Simulation(config, workers).run(progress)
+    agents train in `workers` processes, or on Ray (`backend`; the same report)."""
+    return Simulation(config, workers, backend, ray_address).run(progress)

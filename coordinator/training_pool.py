@@ -18,7 +18,7 @@ Each worker is a fresh interpreter (`spawn`: forking a process that already ran 
 progress thread is not safe) that builds the run's workload once from the config, as every
 emulated agent does. Jobs go out one agent at a time (a centralized round's the most samples
 first, so the workers finish together however unevenly the data is split); their tensors
-travel as numpy arrays (`_dumps`), about 10 times faster than torch's own pickling of small
+travel as numpy arrays (`dumps`), about 10 times faster than torch's own pickling of small
 tensors.
 """
 
@@ -34,6 +34,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+import numpy as np
 import torch
 
 from agent.device import Budget
@@ -62,10 +63,14 @@ __all__ = [
     "FitJob",
     "InProcess",
     "RoundJob",
+    "LoggingAs",
     "Training",
     "TrainingPool",
+    "dumps",
+    "logging_here",
     "training_on",
     "when_ready",
+    "worker_training",
 ]
 
 T = TypeVar("T")
@@ -193,43 +198,92 @@ _WORKER: list[InProcess] = []
 """A worker process's own `InProcess`: the run's learner, data and central strategy."""
 
 
-def _start(config: ExperimentConfig, roster: list[str], logging_as: tuple[int, str, str]) -> None:
-    """A worker's initializer: the run's workload, as the simulator built it, and its
-    logging as the simulator's (verbosity, format, program name), so that its lines are in
-    the one format with the agent they are about."""
+LoggingAs = tuple[int, str, str]
+"""The simulator's logging (verbosity, format, program name), which its workers take on."""
+
+
+def logging_here() -> LoggingAs:
+    """This process's logging, for workers to take on (`worker_training`)."""
+    return (*log_settings(), process_name())
+
+
+def worker_training(
+    config: ExperimentConfig, roster: list[str], logging_as: LoggingAs
+) -> InProcess:
+    """A worker's training: the run's workload, as the simulator built it, and its logging as
+    the simulator's, so that its lines are in the one format with the agent they are about.
+    The pool's workers and the Ray backend's (`coordinator.ray_backend`) both start so."""
     verbose, fmt, program = logging_as
     setup_logging(verbose, fmt)
     set_process_name(program)
     workload = build_workload(config, roster)
     learner = workload.learner
     strategy = central_strategy(learner.config.strategy) if learner.traits.centralized else None
-    _WORKER[:] = [InProcess(learner, workload.data, strategy)]
+    return InProcess(learner, workload.data, strategy)
+
+
+def _start(config: ExperimentConfig, roster: list[str], logging_as: LoggingAs) -> None:
+    """A pool worker's initializer: its `worker_training`."""
+    _WORKER[:] = [worker_training(config, roster, logging_as)]
+
+
+SPARSE_BELOW = 0.75
+"""With `dumps(sparse=True)`, a tensor whose share of nonzero elements is below this travels
+as those elements and a bit mask of where they are (a pruned model at density 0.5: 53% of
+its dense bytes); at or above it, dense."""
 
 
 class _Pickler(pickle.Pickler):
-    """The standard pickler, with CPU tensors as numpy arrays."""
+    """The standard pickler, with CPU tensors as numpy arrays (sparse ones, if `sparse`, as
+    their nonzero elements: `_sparse`)."""
+
+    def __init__(self, file: io.BytesIO, sparse: bool) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.sparse = sparse
 
     def reducer_override(self, obj: Any) -> Any:
         if type(obj) is torch.Tensor and not obj.requires_grad and obj.dtype != torch.bfloat16:
-            return torch.from_numpy, (obj.numpy(),)
+            array = obj.numpy()
+            return (self.sparse and _sparse(array)) or (torch.from_numpy, (array,))
         return NotImplemented
 
 
-def _dumps(obj: object) -> bytes:
+def _sparse(array: np.ndarray) -> tuple[Any, tuple[Any, ...]] | None:
+    """How to pickle `array` as its nonzero elements, or None when it is not sparse enough.
+    Nonzero by bits, not by value: a -0.0 is kept, so the copy is the same bit for bit."""
+    if array.size < 64 or array.itemsize not in (1, 2, 4, 8):
+        return None
+    flat = array.reshape(-1)
+    present = flat.view(f"u{array.itemsize}") != 0
+    if present.mean() >= SPARSE_BELOW:
+        return None
+    return _from_sparse, (array.shape, np.packbits(present), flat[present])
+
+
+def _from_sparse(shape: tuple[int, ...], bits: np.ndarray, values: np.ndarray) -> torch.Tensor:
+    """The tensor `_sparse` pickled: zeros, and `values` where `bits` are set."""
+    flat = np.zeros(int(np.prod(shape)), dtype=values.dtype)
+    flat[np.unpackbits(bits, count=flat.size).astype(bool)] = values
+    return torch.from_numpy(flat.reshape(shape))
+
+
+def dumps(obj: object, sparse: bool = False) -> bytes:
+    """`obj` pickled, its CPU tensors as numpy arrays, the sparse ones as their nonzero
+    elements if `sparse` (`pickle.loads` reads it back, bit for bit)."""
     buffer = io.BytesIO()
-    _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    _Pickler(buffer, sparse).dump(obj)
     return buffer.getvalue()
 
 
 def _fit(job: bytes) -> bytes:
     """The fit of one pickled `FitJob`, pickled."""
     ((_, fit),) = _WORKER[0].fit([pickle.loads(job)], lambda: None)
-    return _dumps(fit)
+    return dumps(fit)
 
 
 def _local_round(job: bytes) -> bytes:
     """The round of one pickled `RoundJob` (its result and reduction), pickled."""
-    return _dumps(_WORKER[0].local_round(pickle.loads(job)).result())
+    return dumps(_WORKER[0].local_round(pickle.loads(job)).result())
 
 
 class TrainingPool:
@@ -244,7 +298,7 @@ class TrainingPool:
             max_workers=workers,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=_start,
-            initargs=(config, roster, (*log_settings(), process_name())),
+            initargs=(config, roster, logging_here()),
         )
 
     def fit(
@@ -254,7 +308,7 @@ class TrainingPool:
         this process does `meanwhile`."""
         futures: dict[str, Future[bytes]] = {}
         for job in sorted(jobs, key=lambda j: j.samples, reverse=True):
-            futures[job.turn.agent] = self._pool.submit(_fit, _dumps(job))
+            futures[job.turn.agent] = self._pool.submit(_fit, dumps(job))
         meanwhile()
         for job in jobs:
             yield job.turn.agent, pickle.loads(futures[job.turn.agent].result())
@@ -269,7 +323,7 @@ class TrainingPool:
             except BaseException as exc:  # the worker's error, raised where the result is taken
                 done.set_exception(exc)
 
-        self._pool.submit(_local_round, _dumps(job)).add_done_callback(unpickle)
+        self._pool.submit(_local_round, dumps(job)).add_done_callback(unpickle)
         return done
 
     def close(self) -> None:

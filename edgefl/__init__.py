@@ -176,17 +176,27 @@ def _log_as_the_commands() -> None:
 
 
 def simulate(
-    config: Config, *, workers: int = 1, progress: Callable[[int, str], None] | None = None
+    config: Config,
+    *,
+    workers: int = 1,
+    backend: str = "local",
+    ray_address: str | None = None,
+    progress: Callable[[int, str], None] | None = None,
 ) -> Report:
     """Run the whole fleet in this process (no network); `progress(round, agent)` after each
-    agent's round. The agents train in `workers` processes (the same report)."""
+    agent's round. The agents train in `workers` processes, or with `backend="ray"` as Ray
+    tasks on the cluster at `ray_address` (none: a Ray started here with `workers` CPUs, 1:
+    all); the same report either way."""
     from coordinator.simulate import Simulation
+    from protocol.extras import MissingExtra
 
     _log_as_the_commands()
     try:
-        simulation = Simulation(config, workers)
+        simulation = Simulation(config, workers, backend, ray_address)
     except (ValueError, OSError) as exc:
         raise ConfigError(str(exc)) from None
+    except MissingExtra as exc:  # --backend ray without Ray: the same line as the command's
+        raise ConfigError(exc.message) from None
     return Report.of(simulation.run(progress))
 
 

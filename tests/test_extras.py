@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+import edgefl
 from agent.data import load_dataset
 from coordinator.cli import main
 from protocol import extras
@@ -72,6 +73,12 @@ def without(monkeypatch: pytest.MonkeyPatch):
             "coordinator emulate --http (the dashboard and /metrics) needs the gateway extra "
             f"(prometheus-client not installed): {GATEWAY}",
         ),
+        (
+            ["ray"],
+            ["simulate", "--backend", "ray"],
+            "--backend ray needs the ray extra (ray not installed): "
+            "pip install 'edgefl-fleet[ray]'",
+        ),
     ],
 )
 def test_a_missing_extra_is_one_line_before_anything_starts(
@@ -100,3 +107,12 @@ def test_a_built_in_dataset_loaded_without_its_extra(without) -> None:
     without(["mnist1d"])
     with pytest.raises(extras.MissingExtra, match=r"mnist1d dataset needs the lab extra"):
         load_dataset("mnist1d", seed=1)
+
+
+def test_the_api_refuses_a_backend_it_cannot_use_in_one_sentence(without) -> None:
+    config = edgefl.config(agents=2, rounds=1)
+    with pytest.raises(edgefl.ConfigError, match=r"^--backend must be one of local, ray"):
+        edgefl.simulate(config, backend="spark")
+    without(["ray"])
+    with pytest.raises(edgefl.ConfigError, match=r"needs the ray extra .*edgefl-fleet\[ray\]"):
+        edgefl.simulate(config, backend="ray")
