@@ -169,6 +169,7 @@ def test_an_agent_without_early_stopping_records_its_round_while_others_compute(
     """Early stopping off: `stops_after` computes nothing, so it must not wait for the
     process's compute slot (held here by another agent's training until the test ends)."""
     from agent import workload
+    from agent.learning.config import StrategyConfig
     from agent.learning.early_stop import EarlyStop, StopRule
     from agent.runtime.session import Session
 
@@ -185,7 +186,12 @@ def test_an_agent_without_early_stopping_records_its_round_while_others_compute(
     other.start()
     training.wait(5)
     answers: list[bool] = []
-    agent = SimpleNamespace(early=EarlyStop(False, StopRule("progress", 20, 0.1)))
+    agent = SimpleNamespace(
+        early=EarlyStop(False, StopRule("progress", 20, 0.1)),
+        cfg=StrategyConfig(),  # no --max-epsilon: its privacy budget never stops it
+        data=SimpleNamespace(y_train=[0] * 10),
+        state=SimpleNamespace(dp_steps=0),
+    )
     recording = threading.Thread(target=lambda: answers.append(Session.stops_after(agent, {}, 1.0)))
     recording.start()
     recording.join(5)

@@ -22,7 +22,10 @@ from coordinator.emulate import Emulation, EmulationOptions
 from coordinator.simulate import Simulation
 from protocol import BrokerAddress
 
-TOO_MANY_AGENTS = "300 agents x 10 samples need more than the 1438 samples of the train pool"
+TOO_MANY_AGENTS = (
+    "300 agents x 10 samples need more than the 1438 samples of the train pool; "
+    "use fewer agents or a lower --min-samples"
+)
 
 RULES = [
     pytest.param(["--dataset", "digits", "--agents", "300"], TOO_MANY_AGENTS, id="samples"),

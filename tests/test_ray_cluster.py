@@ -95,10 +95,10 @@ def test_agents_train_on_both_nodes_and_a_lost_node_changes_no_number(
 ) -> None:
     out, log = tmp_path / "run.json", tmp_path / "driver.log"
     options = ["--address", cluster.address, "--nodes", "2", "--lose", str(cluster.second.pid)]
-    driver = cluster.lan.popen("head", command(out, ["dadpfl"], *options), env=cluster.env, log=log)
+    driver = cluster.lan.popen("head", command(out, ["fedavg"], *options), env=cluster.env, log=log)
     assert driver.wait(timeout=240) == 0, log.read_text()[-3000:]
-    run = json.loads(out.read_text())["dadpfl"]
-    local = json.loads(json.dumps(simulate(CONFIGS["dadpfl"]())))  # as the report reads back
+    run = json.loads(out.read_text())["fedavg"]
+    local = json.loads(json.dumps(simulate(CONFIGS["fedavg"]())))  # as the report reads back
     assert without_wall_time(run["report"]) == without_wall_time(local)
     before, after = run["before_loss"], run["nodes"]
     assert len(before) == 2  # both nodes trained agents in round 1
