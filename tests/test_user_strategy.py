@@ -47,6 +47,10 @@ class Budgeted(DecentralizedStrategy):
     budgets = True
 
 
+class SaysSparse(DecentralizedStrategy):
+    sparse = True
+
+
 class Masked(DisPFL):
     prunes_further = True
 
@@ -135,6 +139,12 @@ def test_the_record_is_read_from_the_class(own: Path) -> None:
     # a class of a contract's does not, unless it says so.
     assert (masked.budgets, fedavgm.budgets, plain.budgets) == (True, False, False)
     assert strategies.strategy(f"{own}/decentral.py:Budgeted").budgets
+
+
+def test_a_sparse_strategy_that_draws_no_masks_is_refused_in_one_line(own: Path) -> None:
+    with pytest.raises(edgefl.ConfigError, match="SaysSparse says sparse but draws no masks") as e:
+        edgefl.config(dataset="digits", strategy=f"{own}/decentral.py:SaysSparse")
+    assert "\n" not in str(e.value)
 
 
 def test_a_decentralized_strategy_of_the_users_trains(own: Path) -> None:

@@ -250,7 +250,22 @@ def user_strategy(spec: str) -> UserStrategy:
         adam=trait("adam"),
         budgets=trait("budgets"),
     )
+    if own.decentralized and own.sparse and not _draws_masks(cls):
+        raise ValueError(
+            f"strategy {spec!r}: {cls.__name__} says sparse but draws no masks: derive it from "
+            "agent.learning.decentral.sparse.SparseStrategy, as DisPFL does, or give it an "
+            "initial_masks that draws them"
+        )
     return UserStrategy(own, cls, source_fingerprint(cls))
+
+
+def _draws_masks(cls: type) -> bool:
+    """Whether a decentralized class has a first mask of its own: anything but the contract's
+    `initial_masks`, which draws none (a sparse trait without masks would train dense)."""
+    contract = next(
+        base for base in cls.__mro__ if f"{base.__module__}.{base.__qualname__}" in CONTRACTS
+    )
+    return getattr(cls, "initial_masks", None) is not getattr(contract, "initial_masks", None)
 
 
 def fingerprint(name: str) -> str:
