@@ -39,6 +39,7 @@ from torch import nn
 
 from agent.files import DiskFullError, atomic_write
 from agent.learning import reductions
+from agent.learning.config import round_steps
 from agent.learning.costs import Cost, CostTable
 from agent.learning.facts import LocalData
 from agent.learning.model_facts import ModelFacts
@@ -47,7 +48,6 @@ from agent.learning.reduced import reduced_training
 from agent.learning.reduction import NO_REDUCTION, Reduction
 from agent.learning.reductions.base import Start, started
 from agent.learning.sparse import Masks
-from agent.learning.training import round_steps
 
 if TYPE_CHECKING:
     from agent.learning.reductions.base import Level, Narrow, ReductionKind

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from agent.learning.config import SampleDP
+from agent.learning.config import SampleDP, round_steps
 from agent.learning.sparse import Masks, State, aggregate_weighted, apply_masks
 from agent.learning.tasks import Task
 from agent.learning.training import (
@@ -34,7 +34,6 @@ from agent.learning.training import (
     PrivateBatches,
     load_weights,
     minibatch_epochs,
-    round_steps,
 )
 
 MODE_SSM = "ssm"  # FedAdam-SSM: one top-k mask of |dW| sparsifies dW, dM and dV

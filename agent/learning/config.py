@@ -361,3 +361,13 @@ def preset(name: str, **overrides: Any) -> StrategyConfig:
             flag = "--" + key.replace("_", "-")
             raise ValueError(f"{name} fixes {flag} to {value}; got {overrides[key]}")
     return StrategyConfig(**{**defaults, **overrides, **fixed, "strategy": name})
+
+
+def round_steps(
+    samples: int, batch_size: int, epochs: int, step_fraction: float | None = None
+) -> int:
+    """The minibatch steps of a round of `epochs` over `samples` in batches of `batch_size`
+    (the last one short, as `training` splits them), or `step_fraction` of them (at least
+    one). Torch-free, so the privacy accountant counts a round's steps without torch."""
+    steps = epochs * -(-samples // max(min(batch_size, samples), 1))
+    return steps if step_fraction is None else max(1, int(step_fraction * steps))

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from agent.learning import strategies
-from agent.learning.config import StrategyConfig
+from agent.learning.config import StrategyConfig, round_steps
 
 if TYPE_CHECKING:
     import torch
@@ -42,12 +42,11 @@ at a small device's sampling rates (q of 0.3 to 0.6) and log a warning each time
 
 def round_steps_of(config: StrategyConfig, samples: int) -> int:
     """A full round's DP steps for a device with `samples` training samples: as many as the
-    plain round's minibatches (`training.round_steps`), each a Poisson-sampled batch, and a
+    plain round's minibatches (`config.round_steps`), each a Poisson-sampled batch, and a
     sparse strategy's RigL batches (`--rigl-batches`), whose dense gradients read the data
     too."""
-    batch = max(min(config.batch_size, samples), 1)
     rigl = config.rigl_batches if strategies.strategy(config.strategy).sparse else 0
-    return config.epochs * -(-samples // batch) + rigl
+    return round_steps(samples, config.batch_size, config.epochs) + rigl
 
 
 @dataclass(frozen=True)

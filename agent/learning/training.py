@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from agent.learning.checkpointing import checkpointed
-from agent.learning.config import SampleDP, SGDConfig
+from agent.learning.config import SampleDP, SGDConfig, round_steps
 from agent.learning.exact_freezing import active_block_gradients
 from agent.learning.precision import FP32, ComputeFormat, LossScale
 from agent.learning.sparse import Masks, State, apply_masks_
@@ -187,15 +187,6 @@ def _only_trainable(model: nn.Module, trainable: set[str] | None) -> Iterator[No
         with torch.no_grad():
             for buffer, start in buffers:
                 buffer.copy_(start)
-
-
-def round_steps(
-    samples: int, batch_size: int, epochs: int, step_fraction: float | None = None
-) -> int:
-    """The minibatch steps of a round of `epochs` over `samples` in batches of `batch_size`
-    (the last one short, as `_batches` splits), or `step_fraction` of them (at least one)."""
-    steps = epochs * -(-samples // max(min(batch_size, samples), 1))
-    return steps if step_fraction is None else max(1, int(step_fraction * steps))
 
 
 def train_local(
