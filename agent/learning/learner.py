@@ -183,9 +183,7 @@ class Learner:
 
     def init_agent(self, agent_id: str) -> AgentState:
         masks = self.initial_masks(agent_id)
-        weights = (
-            sparse.apply_masks(self.facts.initial, masks) if masks else dict(self.facts.initial)
-        )
+        weights = self.facts.initial_under(masks)
         return AgentState(agent_id, weights, masks, init_weights=weights)
 
     def published(self, state: AgentState, num_samples: int) -> Published:

@@ -116,8 +116,12 @@ class ModelFacts:
         """A first model's weights and masks, w0 (.) m_k, as an agent of the run's strategy
         starts (masked when it trains sparse models): what calibration measures."""
         masks = self.drawn_masks(agent_id) if self.sparse else None
-        weights = sparse.apply_masks(self.initial, masks) if masks else dict(self.initial)
-        return weights, masks
+        return self.initial_under(masks), masks
+
+    def initial_under(self, masks: Masks | None) -> State:
+        """The initial weights under `masks`, w0 (.) m (None: all of them): the model an
+        agent with those first masks starts from, which any agent can recompute (1.1)."""
+        return sparse.apply_masks(self.initial, masks) if masks else dict(self.initial)
 
     def forward_flops(self, masks: Masks | None) -> int:
         """Forward FLOPs per sample with the conv/linear weights of `masks` (other entries of
