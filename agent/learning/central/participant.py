@@ -62,7 +62,7 @@ class Turn:
         """Its whole local round, in one order wherever it runs (the networked agent, the
         simulator, a worker process): the strategy's fit (`CentralStrategy.fit`), its model's
         BatchNorm statistics re-estimated for the weights it trained to
-        (`Learner.fresh_statistics`), undone if not finite (`checked_fit`, then `Fit.undone`),
+        (`ModelFacts.fresh_statistics`), undone if not finite (`checked_fit`, then `Fit.undone`),
         and only then its local-only model's round (`fallback.advance`, by its measured
         budget), so an undone fit never undoes the local-only model's training; its epsilon
         so far (`Learner.epsilon`) under `--dp sample`."""
@@ -87,7 +87,7 @@ def judge(
     else the global model it holds, `view`), then the other one it holds (a strategy that
     broadcasts no global model leaves it only its own). The global model is judged with
     BatchNorm statistics of the participant's own data re-estimated for its weights
-    (`Learner.fresh_statistics`)."""
+    (`ModelFacts.fresh_statistics`)."""
     agent = fit.state
     own = (agent.weights, agent.masks)
     if not strategy.broadcasts:
