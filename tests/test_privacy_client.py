@@ -6,7 +6,9 @@ processes over a real broker."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -228,3 +230,70 @@ def test_the_release_guard_stops_the_aggregator_at_the_limit() -> None:
     line = privacy.released(cfg.learning, 3)
     assert line == f"privacy spent: epsilon {library_epsilon(1.1, 3, 1e-5):.3g} at delta 1e-05"
     assert not math.isnan(library_epsilon(1.1, 3, 1e-5))
+
+
+# ------------------------------------------------------------------------- the dashboard
+
+DASHBOARD_PAGE = """JSON.stringify({
+  cards: [...document.querySelectorAll("#summary .card")].map((c) => c.textContent),
+  epsilon: [...document.querySelectorAll("#fleet tbody [data-field=epsilon]")]
+    .map((td) => td.textContent),
+})"""
+
+
+def dp_fleet(dp: str, epsilons: dict[str, float | None]) -> Any:
+    """A dashboard's fleet state fed each agent's status after round 2 of a `--dp` run."""
+    from coordinator.dashboard import FleetState
+    from protocol import messages, topics
+    from tests.test_dashboard import FLEET, RUN, presence, record
+
+    state = FleetState(FLEET)
+    for agent, epsilon in epsilons.items():
+        state.feed(*presence(agent))
+        data = record(agent, 2, 0.8, epsilon=epsilon).as_dict()
+        metrics = {"accuracy": 0.8, "epsilon": epsilon, "strategy": "fedavg", "dp": dp}
+        message = messages.Status(
+            fleet=FLEET, sender=agent, run_id=RUN, round=2, state="training",
+            metrics=metrics | {"record": data},
+        )  # fmt: skip
+        state.feed(topics.status(FLEET, agent), messages.encode(message))
+    return state
+
+
+def test_the_fleet_summary_carries_the_runs_epsilon_and_whose_it_is() -> None:
+    client = dp_fleet("client", {"a": 2.5, "b": 2.5})
+    (fleet,) = client.snapshot(series=False)["fleets"]
+    assert (fleet["epsilon"], fleet["dp"]) == (2.5, "client")
+    sample = dp_fleet("sample", {"a": 1.25, "b": 3.75})
+    (fleet,) = sample.snapshot(series=False)["fleets"]
+    assert (fleet["epsilon"], fleet["dp"]) == (3.75, "sample"), "the weakest device's"
+    (plain,) = dp_fleet("", {"a": None}).snapshot(series=False)["fleets"]
+    assert "epsilon" not in plain
+
+
+@pytest.mark.parametrize(
+    "dp, epsilons, card",
+    [
+        ("client", {"a": 2.5, "b": 2.5}, "2.5ε, client-level (the run's)"),
+        ("sample", {"a": 1.25, "b": 3.75}, "3.75max ε, sample-level (per device)"),
+    ],
+)
+def test_the_dashboard_page_shows_epsilon(
+    chromium: Any, dp: str, epsilons: dict[str, float], card: str
+) -> None:
+    from coordinator.dashboard import Dashboard
+
+    served = Dashboard(dp_fleet(dp, epsilons), port=0)
+    served.start()
+    try:
+        chromium.call("Page.navigate", url=served.url)
+        page: dict[str, Any] = {}
+        for _ in range(200):
+            page = json.loads(chromium.evaluate(DASHBOARD_PAGE) or "{}")
+            if page and page["epsilon"]:
+                break
+            time.sleep(0.05)
+    finally:
+        served.stop()
+    assert card in page["cards"], page
+    assert page["epsilon"] == [f"{e:g}" for e in epsilons.values()], page
