@@ -138,7 +138,7 @@ def test_the_sum_gets_noise_of_sigma_times_the_clip_and_the_shares_sum_to_it() -
 
 
 def test_the_aggregate_is_the_unweighted_mean_of_the_clipped_updates_plus_noise_over_n() -> None:
-    learner, _ = _learner("fedavg", dp="client", dp_clip=1.0, dp_noise=0.7)
+    learner, _ = _learner("fedavg", dp="client", dp_clip=1e6, dp_noise=0.7 / 1e6)
     strategy = central_strategy("fedavg")
     server = strategy.init_server(learner.facts)
     g = torch.Generator().manual_seed(3)
@@ -154,13 +154,27 @@ def test_the_aggregate_is_the_unweighted_mean_of_the_clipped_updates_plus_noise_
         n: sum(u.payload.weights[n] for u in uploads.values()) / 3 for n in server.weights
     }  # unweighted: the claimed sample counts change nothing
     noise = client_dp.gaussian(
-        server.weights, 0.7, learner.facts.generator(client_dp.NOISE_PURPOSE, "aggregator", 4)
+        server.weights,
+        0.7 / 1e6 * 1e6,
+        learner.facts.generator(client_dp.NOISE_PURPOSE, "aggregator", 4),
     )
     for name, got in aggregate.server.weights.items():
         assert torch.allclose(got, mean[name] + noise[name] / 3, atol=1e-5), name
         assert torch.equal(aggregate.broadcast.weights[name], got)
     first = next(iter(mean))
     assert not torch.allclose(aggregate.server.weights[first], mean[first], atol=1e-2)
+
+
+def test_the_aggregator_clips_an_update_that_skipped_the_devices_clip() -> None:
+    learner, _ = _learner("fedavg", dp="client", dp_clip=0.5, dp_noise=1e-9)
+    strategy = central_strategy("fedavg")
+    server = strategy.init_server(learner.facts)
+    honest = {n: t + 1e-3 for n, t in server.weights.items()}
+    wild = {n: t + 1e3 for n, t in server.weights.items()}
+    uploads = {"honest": Upload(Payload(honest), 10), "wild": Upload(Payload(wild), 10)}
+    aggregate = client_dp.aggregate(strategy, learner.facts, server, uploads, 1)
+    moved = client_dp.update_norm(Payload(aggregate.server.weights), server.weights)
+    assert moved <= (0.5 + client_dp.update_norm(Payload(honest), server.weights)) / 2 + 1e-6
 
 
 # ----------------------------------------------------------------- the accountant, a run

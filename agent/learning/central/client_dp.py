@@ -156,10 +156,17 @@ def aggregate(
     uploads: Mapping[str, Upload],
     round_: int,
 ) -> Aggregate:
-    """The aggregator's round: the strategy's `aggregate`, noised under `--dp client`
-    (`noised_aggregate`). With secure aggregation the devices add the noise
-    (`noise_share`) and this adds none."""
-    combined = strategy.aggregate(facts, server, uploads)
+    """The aggregator's round: the strategy's `aggregate`, and under `--dp client` of the
+    uploads clipped again around the server's model (an honest device's update is within
+    the clip already; one that skipped it moves the mean no more than the others), noised
+    (`noised_aggregate`). With secure aggregation the aggregator sees no single update to
+    clip, the devices add the noise (`noise_share`) and this adds none."""
     if facts.config.dp != DP_CLIENT:
-        return combined
-    return noised_aggregate(facts, server, combined, uploads, round_)
+        return strategy.aggregate(facts, server, uploads)
+    clip = facts.config.dp_clip
+    bounded = {
+        k: dataclasses.replace(u, payload=clip_update(u.payload, server.weights, clip))
+        for k, u in uploads.items()
+    }
+    combined = strategy.aggregate(facts, server, bounded)
+    return noised_aggregate(facts, server, combined, bounded, round_)
