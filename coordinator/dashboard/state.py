@@ -41,7 +41,7 @@ do)."""
 ROUND_COST = ("train_s", "predicted_s", "peak_memory_mb", "epsilon")
 """The latest round's measured training seconds (by the device's clock), the seconds its
 cost table predicted, its peak training memory [MiB] and its privacy loss so far (epsilon,
-under `--dp sample`)."""
+under `--dp sample` or `--dp client`)."""
 _KINDS = ("presence", "status")
 
 

@@ -118,7 +118,9 @@ def noise_share(
     """One device's share of the round's noise under secure aggregation: N(0, sigma^2 C^2 / n)
     for `expected` (n) participants, added to its clipped update before masking, so that the
     n shares sum to the N(0, sigma^2 C^2) the aggregator would add (fewer participants than
-    expected leave less noise: n should be the fewest a round may close with)."""
+    expected leave less noise: n should be the fewest a round may close with). `generator`
+    must be the device's secret (seeded from `secrets`, not the fleet seed): a share the
+    aggregator could draw again, it could subtract."""
     return gaussian(like, noise * clip / math.sqrt(max(expected, 1)), generator)
 
 
