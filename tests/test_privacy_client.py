@@ -214,11 +214,12 @@ def test_bad_client_dp_flags_get_one_line(flags: list[str], error: str) -> None:
 # ---------------------------------------------------------- real processes, real broker
 
 
+@pytest.mark.parametrize("strategy", ["fedavg", "fedspu"])
 def test_max_epsilon_ends_the_run_before_a_release_passes_it_in_emulate_as_in_simulate(
-    amqtt_broker, tmp_path: Path
+    amqtt_broker, tmp_path: Path, strategy: str
 ) -> None:
     limit = (library_epsilon(1.1, 2, 1e-5) + library_epsilon(1.1, 3, 1e-5)) / 2
-    cfg = config(rounds=5, max_epsilon=limit)
+    cfg = config(strategy, rounds=5, max_epsilon=limit)
     simulated = simulate(cfg)
     opts = EmulationOptions(workdir=tmp_path / "fleet", linger_s=20.0, agents_per_process=ROSTER)
     emulated = Emulation(cfg, amqtt_broker.address, opts).run()
