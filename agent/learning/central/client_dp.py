@@ -97,7 +97,7 @@ def clipped_fit(config: StrategyConfig, fit: Fit, view: ServerState) -> Fit:
 
 def gaussian(like: State, std: float, generator: torch.Generator) -> State:
     """Independent N(0, std^2) noise shaped as each floating tensor of `like` (in its order),
-    drawn on the CPU from `generator`, so every process draws the same."""
+    drawn in fp32 on the CPU from `generator`, so every process draws the same."""
     return {
         n: torch.normal(0.0, std, t.shape, generator=generator).to(t.dtype)
         for n, t in like.items()
@@ -124,6 +124,24 @@ def noise_share(
     return gaussian(like, noise * clip / math.sqrt(max(expected, 1)), generator)
 
 
+def update_sums(
+    reference: State, uploads: Mapping[str, Upload]
+) -> tuple[State, dict[str, torch.Tensor]]:
+    """The sum of the uploads' updates (each minus `reference`, in float64, over the entries
+    it carries) per floating tensor, and per entry how many uploads carried it."""
+    sums: State = {}
+    counts: dict[str, torch.Tensor] = {}
+    for upload in uploads.values():
+        carried = held(upload.payload)
+        for name, t in upload.payload.weights.items():
+            if not torch.is_floating_point(t):
+                continue
+            diff = (t.double() - reference[name].double()) * carried[name]
+            sums[name] = sums[name] + diff if name in sums else diff
+            counts[name] = counts.get(name, torch.zeros(t.shape)) + carried[name]
+    return {n: sums[n] for n in reference if n in sums}, counts
+
+
 def noised_aggregate(
     facts: ModelFacts,
     server: ServerState,
@@ -131,22 +149,19 @@ def noised_aggregate(
     uploads: Mapping[str, Upload],
     round_: int,
 ) -> Aggregate:
-    """The strategy's `aggregate` (the unweighted mean of the clipped uploads, per entry over
-    the participants that carried it) with the noise of `noised_sum` added to the sum before
-    the division: (sum + z) / count = mean + z / count, per entry that anyone carried (the
-    rest keeps the server's value). Its broadcast, when it has one, is the noised model."""
-    counts: dict[str, torch.Tensor] = {}
-    for upload in uploads.values():
-        for name, mask in held(upload.payload).items():
-            counts[name] = counts.get(name, torch.zeros(mask.shape)) + mask
+    """The strategy's `aggregate` of the clipped `uploads` with each entry anyone carried
+    replaced by the server's value plus the noised sum of the updates (`noised_sum`) over
+    the count that carried it: the unweighted mean, noised before the division (the
+    strategy's own mean under `--aggregation screened`, `--clip off`). The rest (entries
+    nobody carried, integer tensors) is the strategy's; so is the broadcast's form."""
+    sums, counts = update_sums(server.weights, uploads)
     generator = facts.generator(NOISE_PURPOSE, "aggregator", round_)
-    noise = gaussian(server.weights, facts.config.dp_noise * facts.config.dp_clip, generator)
+    noised = noised_sum(sums, facts.config.dp_noise, facts.config.dp_clip, generator)
     weights = dict(aggregate.server.weights)
-    for name, z in noise.items():
-        if name in counts:
-            count = counts[name]
-            step = torch.where(count > 0, z / count.clamp(min=1), torch.zeros_like(z))
-            weights[name] = weights[name] + step.to(weights[name].dtype)
+    for name, total in noised.items():
+        count, reference = counts[name], server.weights[name]
+        mean = reference.double() + total / count.clamp(min=1)
+        weights[name] = torch.where(count > 0, mean, weights[name].double()).to(reference.dtype)
     broadcast = Payload(weights) if aggregate.broadcast.weights else aggregate.broadcast
     return Aggregate(dataclasses.replace(aggregate.server, weights=weights), broadcast)
 
