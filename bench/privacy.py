@@ -41,6 +41,14 @@ seed, mean [min, max]; CPU shared with other work):
     resnet18 4.0, a GRU (per-sample loop: vmap refuses it) 24.1
 
 The target, within 5 points at epsilon 8, is not met (docs/privacy.md says why).
+
+Client-level (`--client`, FedAvg, 50 agents, 24 rounds, clip 0.1; seeds 1-3):
+
+    epsilon  sigma  accuracy        vs plain (pts)
+    plain           0.886 +- 0.053
+          1  19.82  0.199 +- 0.036  -68.6 [-74.1, -58.4]
+          4   5.67  0.544 +- 0.076  -34.2 [-38.1, -29.3]
+          8   3.13  0.674 +- 0.031  -21.1 [-27.0, -11.8]
 """
 
 from __future__ import annotations
