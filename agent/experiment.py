@@ -18,8 +18,8 @@ from agent.learning.config import (
     DECENTRALIZED,
     DETECTION_SCALES,
     DISTANCES,
+    DP_CLIENT,
     DP_MODES,
-    DP_SAMPLE,
     FALLBACKS,
     MASK_UNITS,
     MODEL_NAMES,
@@ -344,19 +344,53 @@ class ExperimentConfig:
 
 
 def check_privacy(cfg: StrategyConfig) -> None:
-    """`--dp`: sample-level DP-SGD, or off; client-level DP is refused until it is built.
-    Its settings without `--dp sample` are refused by their flag scopes (`agent.options`)."""
+    """`--dp`: sample-level DP-SGD, client-level DP (`check_client_dp`), or off. Its settings
+    without `--dp` are refused by their flag scopes (`agent.options`)."""
     if cfg.dp not in DP_MODES:
         raise ValueError(f"--dp must be one of {', '.join(DP_MODES)}, got {cfg.dp!r}")
-    if cfg.dp == "client":
-        raise ValueError(
-            "--dp client (client-level DP at the aggregator) is not built yet; "
-            "--dp sample trains with DP-SGD on each device"
-        )
     if cfg.dp == "off" and cfg.max_epsilon is not None:
-        raise ValueError("--max-epsilon needs --dp sample: without DP there is no epsilon")
-    if cfg.dp == DP_SAMPLE:
-        extras.require(extras.PRIVACY_EXTRA, extras.ACCOUNTANT, "--dp sample")
+        raise ValueError(
+            "--max-epsilon needs --dp sample or client: without DP there is no epsilon"
+        )
+    if cfg.dp == DP_CLIENT:
+        check_client_dp(cfg)
+    if cfg.dp != "off":
+        extras.require(extras.PRIVACY_EXTRA, extras.ACCOUNTANT, f"--dp {cfg.dp}")
+
+
+CLIENT_DP_REFUSALS = {
+    "decentralized": "has no aggregator to add the noise (--dp sample protects each "
+    "device's records from its neighbours)",
+    "adam": "uploads Adam's moments too, whose noised second moment would go negative",
+    "other": "does not upload models trained from the server's alone (FedLDF sends each "
+    "device's per-layer divergence in the clear and picks layers by it)",
+}
+"""Why `--dp client` does not apply to a strategy, by its kind (`check_client_dp`)."""
+
+
+def check_client_dp(cfg: StrategyConfig) -> None:
+    """`--dp client` (`agent.learning.central.client_dp`): a strategy whose uploads are models
+    trained from the server's, averaged unweighted and unscreened (a sample-count weight or a
+    robust rule would unbound one device's sway over the aggregate, which the noise is sized
+    to), sent at full precision (fp16 rounding would move a clipped update past its bound)."""
+    record = strategy(cfg.strategy)
+    if not record.client_dp:
+        kind = "other"
+        if not record.centralized:
+            kind = "decentralized"
+        elif record.adam:
+            kind = "adam"
+        supported = ", ".join(s.name for s in TABLE if s.client_dp)
+        raise ValueError(
+            f"--dp client is for {supported}: {cfg.strategy} {CLIENT_DP_REFUSALS[kind]}"
+        )
+    if cfg.aggregation != robust_rules.SCREENED or cfg.clip != robust_rules.CLIP_OFF:
+        raise ValueError(
+            "--dp client averages the clipped updates unweighted: leave --aggregation and "
+            f"--clip at their defaults (got --aggregation {cfg.aggregation} --clip {cfg.clip})"
+        )
+    if cfg.fp16:
+        raise ValueError("--dp client sends updates at full precision: drop --fp16")
 
 
 def check_mask_unit(cfg: StrategyConfig) -> None:

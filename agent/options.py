@@ -21,6 +21,7 @@ from agent.learning.config import (
     DEFAULT_STOP_RULE,
     DETECTION_SCALES,
     DISTANCES,
+    DP_CLIENT,
     DP_MODES,
     DP_SAMPLE,
     FALLBACKS,
@@ -200,7 +201,11 @@ FLAG_SCOPES: tuple[tuple[str, Callable[[str, dict[str, Any]], bool], str], ...] 
             "delta_fraction", "runs with --wire delta", lambda given: given.get("wire") == "delta"
         ),
         *(
-            Scope(option, "runs with --dp sample", lambda given: given.get("dp") == DP_SAMPLE)
+            Scope(
+                option,
+                "runs with --dp sample or client",
+                lambda given: given.get("dp") in (DP_SAMPLE, DP_CLIENT),
+            )
             for option in ("dp_noise", "dp_clip", "dp_delta", "max_epsilon")
         ),
         Scope("stop_rule", "runs with --early-stop", lambda given: bool(given.get("early_stop"))),

@@ -144,8 +144,9 @@ class AgentRound:
     """Training FLOPs of the agent's local-only model this round (`--fallback local`),
     apart from `train_flops`, the strategy's."""
     epsilon: float | None = None
-    """The agent's epsilon at `--dp-delta` over every DP-SGD step of the run so far (`--dp
-    sample`, `agent.learning.privacy`); None without DP."""
+    """The agent's epsilon at `--dp-delta` over every DP step of the run so far (`--dp
+    sample`: its DP-SGD steps; `--dp client`: the rounds it uploaded in, each a noised
+    release; `agent.learning.privacy`); None without DP."""
     stop_reason: str = ""
     """Why the agent stopped after this round, when not early stopping's rule: its privacy
     budget spent (`--max-epsilon`)."""
@@ -349,9 +350,9 @@ def summarize(rounds: list[dict[str, Any]], t_star: int | None, wall: float) -> 
 
 
 def privacy_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """Under `--dp sample`: the largest epsilon any agent reached (the fleet's guarantee is
-    its weakest member's) and each agent's latest; nothing without DP, so a plain run's
-    summary is unchanged."""
+    """Under `--dp`: the largest epsilon any agent reached (under `--dp sample` the fleet's
+    guarantee is its weakest member's; under `--dp client` it is the run's) and each agent's
+    latest; nothing without DP, so a plain run's summary is unchanged."""
     latest: dict[str, float] = {}
     for record in rounds:
         for k, a in record["agents"].items():

@@ -37,6 +37,7 @@ from agent.learning import (
     Upload,
     central_strategy,
     ldf,
+    privacy,
     running,
 )
 from agent.learning.central.server import conclude, gather, participants
@@ -442,7 +443,7 @@ class Aggregator:
         stopped = self.intake.stopped
         with self._changed:
             candidates = participants(self.roster, round_, stopped)
-        if not candidates:
+        if not candidates or self._budget_spent(round_):
             return False
         record = AggregatorRecord(round_, [], [])
         self.records.append(record)
@@ -459,6 +460,22 @@ class Aggregator:
             record.traffic.received += received
         return True
 
+    def _budget_spent(self, round_: int) -> bool:
+        """Under `--dp client` with `--max-epsilon`: whether round `round_`'s release would
+        take the run's epsilon past it (`privacy.release_spent`), said in the log."""
+        spent = privacy.release_spent(self.config.learning, round_)
+        if spent is not None:
+            log.warning("round %d not released: %s", round_, spent)
+        return spent is not None
+
+    def _log_round(self, round_: int) -> None:
+        """The round's line in the log, with the run's privacy loss under `--dp client`."""
+        participants = len(self.records[-1].participants)
+        log.info("round %d aggregated from %d participants", round_, participants)
+        spent = privacy.released(self.config.learning, round_)
+        if spent is not None:
+            log.info("round %d: %s", round_, spent)
+
     def run(self) -> None:
         """Every round of the run, until everyone stopped early or `stop` is set (handlers
         keep re-sending kept broadcasts on request while the transport is up). An error is
@@ -468,8 +485,7 @@ class Aggregator:
                 if self.stop.is_set() or not self.run_round(round_):
                     break
                 self._save(round_)
-                participants = len(self.records[-1].participants)
-                log.info("round %d aggregated from %d participants", round_, participants)
+                self._log_round(round_)
         except Exception as exc:
             log.exception("aggregation failed")
             self.error = exc

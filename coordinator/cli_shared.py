@@ -281,8 +281,9 @@ def summary_table(report: dict) -> Table:
 
 
 def privacy_rows(summary: dict, config: dict) -> list[tuple[str, str]]:
-    """Under `--dp sample`: the largest epsilon an agent reached (the fleet's guarantee is its
-    weakest member's) at the run's delta, and how many stopped on their privacy budget."""
+    """Under `--dp`: the largest epsilon an agent reached (the fleet's guarantee is its
+    weakest member's; under `--dp client` the run's) at the run's delta, and how many
+    stopped on their privacy budget."""
     if summary.get("max_epsilon") is None:
         return []
     learning = config["learning"]

@@ -175,6 +175,7 @@ ROUND_FIGURES: dict[str, Check] = {
     "kept": label,
     "metric": label,
     "strategy": strategy_name,
+    "dp": label,
     "energy_source": label,
     "reduction_why": reason,
     "kept_why": reason,

@@ -183,7 +183,6 @@ def test_a_plain_run_reports_no_epsilon() -> None:
 @pytest.mark.parametrize(
     "flags, error",
     [
-        (["--dp", "client"], "--dp client (client-level DP at the aggregator) is not built yet"),
         (["--dp-noise", "2"], "--dp-noise has no effect here: it applies to runs with --dp"),
         (["--dp", "sample", "--dp-delta", "1"], "--dp-delta must be in (0, 1), got 1.0"),
         (["--dp", "sample", "--dp-clip", "0"], "--dp-clip must be in (0, 1e+09], got 0.0"),

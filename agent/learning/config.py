@@ -111,8 +111,9 @@ BATCHNORM_MODES = ("local", "shared")
 
 DP_MODES = ("off", "sample", "client")
 """Differential privacy (`agent.learning.privacy`): none, sample-level DP-SGD on each device,
-or client-level DP at the aggregator (not built yet: refused by the config's checks)."""
+or client-level DP of a centralized round (`agent.learning.central.client_dp`)."""
 DP_SAMPLE = "sample"
+DP_CLIENT = "client"
 
 
 @dataclass(frozen=True)
@@ -293,21 +294,30 @@ class StrategyConfig:
         "off",
         "Differential privacy: off, or sample (DP-SGD on each device: every sample's gradient "
         "clipped to --dp-clip and Gaussian noise of --dp-noise x --dp-clip added, batches "
-        "Poisson-sampled, epsilon at --dp-delta tracked by an accountant; docs/privacy.md). "
-        "client (client-level DP) is not built yet.",
+        "Poisson-sampled, epsilon at --dp-delta tracked by an accountant; docs/privacy.md), "
+        "or client (centralized strategies: each device's update clipped to --dp-clip, "
+        "Gaussian noise of --dp-noise x --dp-clip added to their sum at the aggregator).",
     )
-    dp_noise: float = param(1.0, "DP-SGD noise multiplier sigma (with --dp sample).")
-    dp_clip: float = param(1.0, "DP-SGD per-sample gradient clip norm C (with --dp sample).")
-    dp_delta: float = param(1e-5, "DP delta the reported epsilon is at (with --dp sample).")
+    dp_noise: float = param(1.0, "DP noise multiplier sigma (with --dp sample or client).")
+    dp_clip: float = param(
+        1.0,
+        "DP clip norm C: of each sample's gradient (--dp sample) or each device's update "
+        "(--dp client).",
+    )
+    dp_delta: float = param(1e-5, "DP delta the reported epsilon is at (with --dp).")
     max_epsilon: float | None = param(
         None,
-        "With --dp sample: a device whose next round would take its epsilon past this stops "
+        "With --dp: a device whose next round would take its epsilon past this stops "
         "and shares nothing more (none: no limit).",
     )
 
     def __post_init__(self) -> None:
-        # `--clip default` is resolved here, once, so that every reader sees off or auto
-        object.__setattr__(self, "clip", robust_rules.default_clip(self.aggregation, self.clip))
+        # `--clip default` is resolved here, once, so that every reader sees off or auto;
+        # under --dp client it is off: the device's clip to --dp-clip bounds every update
+        clip = self.clip
+        if self.dp == DP_CLIENT and clip == robust_rules.CLIP_DEFAULT:
+            clip = robust_rules.CLIP_OFF
+        object.__setattr__(self, "clip", robust_rules.default_clip(self.aggregation, clip))
 
     @property
     def pruning_threshold(self) -> float:

@@ -10,7 +10,10 @@ batch with probability q = B / n, `poisson_batches`), which is the sampling the 
 assumes (a Poisson-sampled Gaussian event per step).
 
 The accountant is Google's dp-accounting (the RDP accountant, composed over every DP step a
-device took in the run so far), never written here: `Accountant.epsilon`. Training code calls
+device took in the run so far), never written here: `Accountant.epsilon`. Under client-level
+DP (`--dp client`, `agent.learning.central.client_dp`) a device's DP step is a round it
+uploaded in: one Gaussian event of the aggregator's noise, at sampling rate 1 (every running
+agent takes part in every round). Training code calls
 `private_gradients_`; the learner and the reports call `Accountant` (torch-free, dp-accounting
 imported when first asked).
 """
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from agent.learning import strategies
-from agent.learning.config import StrategyConfig, round_steps
+from agent.learning.config import DP_CLIENT, StrategyConfig, round_steps
 
 if TYPE_CHECKING:
     import torch
@@ -44,7 +47,9 @@ def round_steps_of(config: StrategyConfig, samples: int) -> int:
     """A full round's DP steps for a device with `samples` training samples: as many as the
     plain round's minibatches (`config.round_steps`), each a Poisson-sampled batch, and a
     sparse strategy's RigL batches (`--rigl-batches`), whose dense gradients read the data
-    too."""
+    too; under `--dp client`, one (the round's noised aggregate)."""
+    if config.dp == DP_CLIENT:
+        return 1
     rigl = config.rigl_batches if strategies.strategy(config.strategy).sparse else 0
     return round_steps(samples, config.batch_size, config.epochs) + rigl
 
@@ -61,7 +66,10 @@ class Accountant:
     @classmethod
     def of(cls, config: StrategyConfig, samples: int) -> Accountant | None:
         """The accountant of a device with `samples` training samples under `config`; None
-        without `--dp sample`."""
+        without `--dp`. Under `--dp client` its steps are rounds, each with every running
+        agent taking part (sampling rate 1)."""
+        if config.dp == DP_CLIENT:
+            return cls(config.dp_noise, 1.0, config.dp_delta)
         if config.sample_dp is None:
             return None
         return cls(config.dp_noise, sample_rate(config.batch_size, samples), config.dp_delta)
@@ -93,25 +101,57 @@ def budget_spent(config: StrategyConfig, samples: int, steps: int) -> str | None
     return None
 
 
+def release_spent(config: StrategyConfig, round_: int) -> str | None:
+    """Under `--dp client` with `--max-epsilon`: why the aggregator releases no round
+    `round_` (its `round_`-th noised aggregate would take the run's epsilon past the limit),
+    in the words a device that stops says it; None while it may go on. The devices stop
+    themselves at the same round (`budget_spent`); this holds the aggregator to it too."""
+    if config.dp != DP_CLIENT or config.max_epsilon is None:
+        return None
+    accountant = Accountant(config.dp_noise, 1.0, config.dp_delta)
+    return accountant.spent(round_ - 1) if accountant.passes(round_, config.max_epsilon) else None
+
+
+def released(config: StrategyConfig, rounds: int) -> str | None:
+    """Under `--dp client`: the run's privacy loss after `rounds` noised aggregates, as the
+    aggregator logs it each round ("privacy spent: epsilon X at delta Y"); None otherwise."""
+    if config.dp != DP_CLIENT:
+        return None
+    epsilon = Accountant(config.dp_noise, 1.0, config.dp_delta).epsilon(rounds)
+    return f"privacy spent: epsilon {epsilon:.3g} at delta {config.dp_delta:g}"
+
+
 def check_run(config: StrategyConfig, model: nn.Module, samples: Mapping[str, int]) -> None:
-    """ValueError (one line) for a `--dp sample` run that cannot go as asked: a model DP-SGD
-    cannot train (`check_private_model`), or a device (agent -> its training samples) whose
-    first round alone would pass `--max-epsilon`, so that it could share nothing at all."""
-    if config.sample_dp is None:
+    """ValueError (one line) for a `--dp` run that cannot go as asked: a model it cannot
+    train privately (`check_private_model`), or a device (agent -> its training samples)
+    whose first round alone would pass `--max-epsilon`, so that it could share nothing."""
+    if config.dp == "off":
         return
-    check_private_model(model)
+    check_private_model(model, config.dp)
     limit = config.max_epsilon
     if limit is None:
         return
     for agent, n in samples.items():
-        rate = sample_rate(config.batch_size, n)
-        first = _epsilon(config.dp_noise, rate, round_steps_of(config, n), config.dp_delta)
+        accountant = Accountant.of(config, n)
+        assert accountant is not None
+        first = accountant.epsilon(round_steps_of(config, n))
         if first > limit:
-            raise ValueError(
-                f"--max-epsilon {limit:g} is below one round's epsilon "
-                f"{first:.3g} for {agent} ({n} samples, --dp-noise {config.dp_noise:g}): "
-                "raise --dp-noise or --max-epsilon, or train fewer epochs"
-            )
+            raise ValueError(_below_one_round(config, agent, n, first))
+
+
+def _below_one_round(config: StrategyConfig, agent: str, samples: int, first: float) -> str:
+    """Why a `--max-epsilon` below one round's epsilon `first` is refused, with what to change."""
+    limit, noise = config.max_epsilon, config.dp_noise
+    if config.dp == DP_CLIENT:
+        return (
+            f"--max-epsilon {limit:g} is below one round's epsilon {first:.3g} "
+            f"(--dp-noise {noise:g}): raise --dp-noise or --max-epsilon"
+        )
+    return (
+        f"--max-epsilon {limit:g} is below one round's epsilon "
+        f"{first:.3g} for {agent} ({samples} samples, --dp-noise {noise:g}): "
+        "raise --dp-noise or --max-epsilon, or train fewer epochs"
+    )
 
 
 def sample_rate(batch_size: int, samples: int) -> float:
@@ -173,17 +213,19 @@ _LOOPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 """Models vmap could not take: their per-sample gradients come from a loop."""
 
 
-def check_private_model(model: nn.Module) -> None:
-    """A model DP-SGD can train: none whose forward mixes the samples of a batch. BatchNorm
+def check_private_model(model: nn.Module, mode: str = "sample") -> None:
+    """A model DP can train: none whose forward mixes the samples of a batch. BatchNorm
     normalizes each sample with its batch's statistics (and keeps running ones), so a
     sample's gradient would depend on the others and the bound would not hold (Opacus
-    refuses it too); GroupNorm or LayerNorm instead (the bundled models use GroupNorm)."""
+    refuses it too); under `--dp client` its running statistics and their integer count
+    would travel beside the clipped update. GroupNorm or LayerNorm instead (the bundled
+    models use GroupNorm)."""
     from torch import nn
 
     for name, module in model.named_modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             raise ValueError(
-                f"--dp sample cannot train {name or 'the model'} ({type(module).__name__}): "
+                f"--dp {mode} cannot train {name or 'the model'} ({type(module).__name__}): "
                 "BatchNorm mixes a batch's samples; use GroupNorm or LayerNorm"
             )
 

@@ -61,6 +61,10 @@ class Strategy:
     """Its rounds are cut to the agent's budget p_k: a sparse model's density or a share of
     its neurons (`--reduce`), or FedSPU's active fraction. The others train the full model
     whatever a device affords, so their records, logs and screens carry no p_k."""
+    client_dp: bool = False
+    """`--dp client` applies: it uploads models (or parts of them) trained from the server's,
+    which each device clips around the server's and the aggregator averages unweighted, with
+    noise (`agent.learning.central.client_dp`)."""
 
     @property
     def centralized(self) -> bool:
@@ -117,15 +121,31 @@ TABLE: tuple[Strategy, ...] = (
         options=_DECENTRAL,
     ),
     Strategy("local", LOCAL, "agent.learning.decentral.local:Local", options=_SGD),
-    Strategy("fedavg", CENTRAL, "agent.learning.central.fedavg:FedAvg", options=_SGD),
-    Strategy("fedavg-ft", CENTRAL, "agent.learning.central.fedavg:FedAvgFineTuned", options=_SGD),
-    Strategy("fedspu", CENTRAL, "agent.learning.central.fedspu:FedSPU", options=_SGD, budgets=True),
+    Strategy(
+        "fedavg", CENTRAL, "agent.learning.central.fedavg:FedAvg", options=_SGD, client_dp=True
+    ),
+    Strategy(
+        "fedavg-ft",
+        CENTRAL,
+        "agent.learning.central.fedavg:FedAvgFineTuned",
+        options=_SGD,
+        client_dp=True,
+    ),
+    Strategy(
+        "fedspu",
+        CENTRAL,
+        "agent.learning.central.fedspu:FedSPU",
+        options=_SGD,
+        budgets=True,
+        client_dp=True,
+    ),
     Strategy(
         "feddrop",
         CENTRAL,
         "agent.learning.central.fedspu:FedDropout",
         options=_SGD,
         budgets=True,
+        client_dp=True,
     ),
     Strategy(
         "fedadam", CENTRAL, "agent.learning.central.fedadam:FedAdam", defaults=_ADAM, adam=True

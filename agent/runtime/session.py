@@ -524,6 +524,7 @@ class Session:
             record.round,
             {k: row[k] for k in STATUS_FIGURES}
             | {"metric": self.learner.facts.task.metric_name, "strategy": self.cfg.strategy}
+            | ({"dp": self.cfg.dp} if self.cfg.dp != "off" else {})
             | saved
             | {"record": row}
             | ({"records": recent_records(self)} if final else {}),

@@ -78,7 +78,7 @@ ROUND_COST_GAUGES: tuple[tuple[str, str, Callable[[Mapping[str, Any]], float | N
     ),
     (
         "epsilon",
-        "The agent's privacy loss epsilon so far at the run's delta (--dp sample).",
+        "The agent's privacy loss epsilon so far at the run's delta (--dp sample or client).",
         lambda row: row.get("epsilon"),
     ),
     (

@@ -41,7 +41,7 @@ do)."""
 ROUND_COST = ("train_s", "predicted_s", "peak_memory_mb", "epsilon")
 """The latest round's measured training seconds (by the device's clock), the seconds its
 cost table predicted, its peak training memory [MiB] and its privacy loss so far (epsilon,
-under `--dp sample`)."""
+under `--dp sample` or `--dp client`)."""
 _KINDS = ("presence", "status")
 
 
@@ -264,6 +264,8 @@ def agent_row(entry: AgentEntry, series: AgentSeries | None, with_series: bool) 
         "kept_why": text(figure("kept_why")),
         # What "accuracy" holds: the run task's metric (mae, reconstruction_error, ...).
         "metric": text(figure("metric"), 64) or "accuracy",
+        # The run's DP mode (sample, client), which says whose epsilon `epsilon` is.
+        "dp": text(figure("dp"), 16),
         "limited_by": text(figure("limited_by"), 64),
         "bytes_sent": series.totals["bytes_sent"],
         "bytes_received": series.totals["bytes_received"],
@@ -289,8 +291,9 @@ def most_said(rows: list[dict[str, Any]], name: str) -> str:
 
 def fleet_summaries(agents: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per fleet: agents known, online and stopped, the furthest round, the run and strategy
-    most of its agents are in, and the mean of the metric most of them report (a member
-    naming another metric is left out of the mean: an mae is no accuracy)."""
+    most of its agents are in, the mean of the metric most of them report (a member
+    naming another metric is left out of the mean: an mae is no accuracy) and its epsilon
+    (`fleet_epsilon`)."""
     summaries = []
     for fleet in sorted({row["fleet"] for row in agents}):
         rows = [row for row in agents if row["fleet"] == fleet]
@@ -312,6 +315,16 @@ def fleet_summaries(agents: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "metric": metric,
                 "run_id": most_said(rows, "run_id"),
                 "strategy": most_said(rows, "strategy"),
+                **fleet_epsilon(rows),
             }
         )
     return summaries
+
+
+def fleet_epsilon(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The fleet's privacy loss so far: the largest epsilon its members report (under `--dp
+    sample` each device's own, and the fleet's guarantee is its weakest member's; under
+    `--dp client` the run's, which every participant reports alike) and the DP mode most
+    of them say; nothing without DP."""
+    reported = [row["epsilon"] for row in rows if row["epsilon"] is not None]
+    return {"epsilon": max(reported), "dp": most_said(rows, "dp")} if reported else {}

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from agent.learning import fallback
+from agent.learning.central import client_dp
 from agent.learning.central.base import CentralStrategy, Fit, FitContext, Payload, ServerState
 from agent.learning.central.fedspu import static_tier
 from agent.learning.kept import FLEET, PERSONAL, Judged
@@ -65,13 +66,15 @@ class Turn:
         (`ModelFacts.fresh_statistics`), undone if not finite (`checked_fit`, then `Fit.undone`),
         and only then its local-only model's round (`fallback.advance`, by its measured
         budget), so an undone fit never undoes the local-only model's training; its epsilon
-        so far (`Learner.epsilon`) under `--dp sample`."""
+        so far (`Learner.epsilon`) under `--dp`. Under `--dp client` its upload is clipped
+        around `view` (`client_dp.clipped_fit`)."""
         fit = strategy.fit(learner.facts, FitContext(state, data, view, self.round, self.p_k))
         fresh = learner.facts.fresh_statistics(fit.state.weights, data)
         fit = dataclasses.replace(fit, state=dataclasses.replace(fit.state, weights=fresh))
         fit, undone = checked_fit(fit, state, view)
         if undone:
             log.warning("round %d: model not finite; kept the model from before it", self.round)
+        fit = client_dp.clipped_fit(learner.config, fit, view)
         trained, flops = fallback.advance(learner, fit.state, data, self.round, self.budget_p_k)
         epsilon = learner.epsilon(trained, len(data.y_train))
         return dataclasses.replace(

@@ -22,6 +22,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
+from agent.learning.central import client_dp
 from agent.learning.central.base import (
     Aggregate,
     CentralStrategy,
@@ -87,11 +88,12 @@ def conclude(
 ) -> tuple[Aggregate, ServerState]:
     """The round's aggregate of what arrived, and the server state after it. A non-finite
     aggregate is undone (`checked_aggregate`: the server keeps its model and broadcasts what
-    changes nothing). With no upload nothing changes and the broadcast is empty."""
+    changes nothing). With no upload nothing changes and the broadcast is empty. Under
+    `--dp client` the aggregate is noised (`client_dp.aggregate`)."""
     if not uploads:
         return Aggregate(server, Payload({})), server
     aggregate, undone = checked_aggregate(
-        strategy, server, strategy.aggregate(learner.facts, server, uploads)
+        strategy, server, client_dp.aggregate(strategy, learner.facts, server, uploads, round_)
     )
     if undone:
         log.warning("round %d: aggregate not finite; the server kept its model", round_)

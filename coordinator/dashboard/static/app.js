@@ -105,6 +105,9 @@ function renderSummary(snapshot) {
       card(String(fleet.round), "round" + suffix),
       card(figure(fleet.mean_accuracy, fleet.metric), "mean " + fleet.metric + suffix),
       card(String(fleet.stopped), "stopped early" + suffix));
+    if (fleet.epsilon != null) {
+      box.append(card(epsilonText(fleet.epsilon), epsilonLabel(fleet) + suffix));
+    }
   }
   const names = snapshot.fleets.map((f) => f.fleet);
   document.getElementById("fleet-name").textContent =
@@ -113,6 +116,14 @@ function renderSummary(snapshot) {
     .filter((f) => f.run_id || f.strategy)
     .map((f) => (names.length > 1 ? f.fleet + ": " : "") + runText(f))
     .join("; ");
+}
+
+function epsilonText(v) { return v == null ? "–" : Number(v.toPrecision(3)).toString(); }
+
+// Whose privacy loss the fleet's epsilon is: the run's (client-level DP, every participant
+// alike) or its weakest device's (sample-level DP, each device its own).
+function epsilonLabel(fleet) {
+  return fleet.dp === "client" ? "ε, client-level (the run's)" : "max ε, sample-level (per device)";
 }
 
 // Which run the page shows, and its strategy: "run run-0003 · fedavg".
@@ -186,6 +197,7 @@ function row(agent, index, multi) {
     cell("bytes_sent", bytes(agent.bytes_sent), "num"),
     cell("bytes_received", bytes(agent.bytes_received), "num"),
     cell("energy", si(agent.energy_total_j, "J"), "num"),
+    cell("epsilon", epsilonText(agent.epsilon), "num"),
     cell("stragglers", agent.stragglers.length ? agent.stragglers.join(", ") : "–"),
     cell("quarantined", agent.quarantined.length ? agent.quarantined.join(", ") : "–"));
   return tr;
