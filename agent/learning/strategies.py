@@ -61,6 +61,9 @@ class Strategy:
     """Its rounds are cut to the agent's budget p_k: a sparse model's density or a share of
     its neurons (`--reduce`), or FedSPU's active fraction. The others train the full model
     whatever a device affords, so their records, logs and screens carry no p_k."""
+    secure_sum: bool = False
+    """`--secure-aggregation` applies: its round is a weighted mean of whole uploaded models,
+    which the coordinator can take from their masked sum alone (`protocol.secagg`)."""
 
     @property
     def centralized(self) -> bool:
@@ -117,8 +120,16 @@ TABLE: tuple[Strategy, ...] = (
         options=_DECENTRAL,
     ),
     Strategy("local", LOCAL, "agent.learning.decentral.local:Local", options=_SGD),
-    Strategy("fedavg", CENTRAL, "agent.learning.central.fedavg:FedAvg", options=_SGD),
-    Strategy("fedavg-ft", CENTRAL, "agent.learning.central.fedavg:FedAvgFineTuned", options=_SGD),
+    Strategy(
+        "fedavg", CENTRAL, "agent.learning.central.fedavg:FedAvg", options=_SGD, secure_sum=True
+    ),
+    Strategy(
+        "fedavg-ft",
+        CENTRAL,
+        "agent.learning.central.fedavg:FedAvgFineTuned",
+        options=_SGD,
+        secure_sum=True,
+    ),
     Strategy("fedspu", CENTRAL, "agent.learning.central.fedspu:FedSPU", options=_SGD, budgets=True),
     Strategy(
         "feddrop",
