@@ -38,6 +38,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from cryptography.exceptions import InvalidTag
@@ -67,7 +68,7 @@ class SecAggError(ValueError):
     """A round that cannot go on: too few members left, or a malformed or forged message."""
 
 
-def _shamir() -> type:
+def _shamir() -> Any:
     """pycryptodome's Shamir, imported when a round first shares (the `secagg` extra)."""
     from Crypto.Protocol.SecretSharing import Shamir
 

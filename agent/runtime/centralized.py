@@ -32,9 +32,11 @@ from agent.device import Budget
 from agent.experiment import attackers
 from agent.learning import Fit, Payload, ServerState, Upload, attacked_upload, central_strategy
 from agent.learning.central.participant import Turn, judge
+from agent.learning.central.secure import flat_change, summed_names
 from agent.report import AgentRound, reported_p_k, reported_sparsity
 from agent.runtime import codec
 from agent.runtime.codec import divergence_message, encode_state, values_sent
+from agent.runtime.secure_rounds import SecureSteps
 from agent.runtime.session import Session
 from agent.workload import compute_slot
 from protocol import ProtocolError, messages, topics
@@ -74,6 +76,11 @@ class CentralizedRounds:
         self._uploaded_to: tuple[float | None, int] = (None, 0)
         """The birth of the aggregator those uploads went to, and this transport's
         connection count then (`transport.connects`)."""
+        self.secure: SecureSteps | None = None
+        """`--secure-aggregation`: this agent's masked uploads and their steps."""
+        if session.cfg.secure_aggregation:
+            patience = GLOBAL_PATIENCE_ROUNDS * session.timeouts.round_s
+            self.secure = SecureSteps(session, self.aggregator, patience)
 
     # ------------------------------------------------------------------ wiring
 
@@ -85,6 +92,8 @@ class CentralizedRounds:
             topics.round_topic(s.fleet, "+", "request", self.aggregator, to=s.me),
             inbox.on_aggregator_request,
         )
+        if self.secure is not None:
+            self.secure.subscribe()
 
     def prepare_start(self) -> None:
         """Nothing per round: the subscriptions cover every round."""
@@ -209,6 +218,8 @@ class CentralizedRounds:
             part = self._receive(round_, True, turn.p_k)
             if part is None:
                 return self._missed_round(turn, budget)
+        if self.secure is not None:
+            self.secure.advertise(round_, len(s.data.y_train))
         waited = time.monotonic() - started
         with compute_slot():
             compute_started = time.monotonic()
@@ -234,7 +245,11 @@ class CentralizedRounds:
         apply the round's broadcast to the view; returns the stragglers (the aggregator, if
         its broadcast never came)."""
         s = self.session
-        if fit.upload.weights:
+        if self.secure is not None:
+            names = summed_names(self.strategy, s.learner.facts)
+            change = flat_change(names, fit.upload, self.view)
+            self.values_sent += self.secure.upload(round_, change)
+        elif fit.upload.weights:
             self._send(round_, Upload(fit.upload, fit.num_samples))
         if fit.divergence is not None:
             self._upload(
