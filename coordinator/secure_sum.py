@@ -144,10 +144,6 @@ class SecureRound:
     def _steps(self) -> tuple[list[str], dict[str, Upload]]:
         agg, round_ = self.aggregator, self.round
         advertised = self._collect("keys", self.candidates, asked=False)
-        if len(advertised) < 2:
-            raise secagg.SecAggError(
-                f"{len(advertised)} participant(s) advertised keys; a secure sum needs two"
-            )
         keys = {k: self.stores["keys"][(round_, k)] for k in advertised}
         adverts = {
             k: secagg.Advert(m.cipher_key, m.mask_key, m.num_samples) for k, m in keys.items()

@@ -440,7 +440,11 @@ class SecureInProcessInbox:
         names = summed_names(self.strategy, self.run.learner.facts)
         vectors = {k: flat_change(names, f.upload, self.server) for k, f in self.fits.items()}
         weights = {k: f.num_samples for k, f in self.fits.items()}
-        summed = secagg.sum_in_process(secagg.Context("simulate", self.round), vectors, weights)
+        try:
+            summed = secagg.sum_in_process(secagg.Context("simulate", self.round), vectors, weights)
+        except secagg.SecAggError as exc:
+            log.warning("round %d: no secure sum: %s", self.round, exc)
+            return {}
         if summed.clipped:
             log.warning(
                 "round %d: %d changes clipped to the secure sum's range", self.round, summed.clipped

@@ -55,6 +55,8 @@ CLIP_RANGE = 8.0
 SCALE = 2**27
 """Fixed-point scale: CLIP_RANGE * SCALE = 2^30 leaves 2^30 for the rounding of up to 2^31
 summands before the sum would wrap."""
+MIN_MEMBERS = 2
+"""The fewest members a sum is taken over: the sum of one member is its vector."""
 DROPOUT = 0.3
 """The share of U1 that may drop at any step while the round still completes (`threshold`)."""
 _SEED_BYTES = 16
@@ -273,6 +275,10 @@ class Server:
 
     def __post_init__(self) -> None:
         check_adverts(self.adverts)
+        if len(self.adverts) < MIN_MEMBERS:
+            raise SecAggError(
+                f"{len(self.adverts)} member(s) advertised keys; a secure sum needs {MIN_MEMBERS}"
+            )
         self.threshold = threshold(len(self.adverts))
 
     def relay(self, sent: Mapping[str, Mapping[str, bytes]]) -> dict[str, dict[str, bytes]]:
