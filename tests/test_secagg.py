@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
+import edgefl
 from protocol import secagg
 from protocol.secagg import Client, Context, SecAggError, Server, sum_in_process
 
@@ -115,3 +118,29 @@ def test_a_member_reveals_once_and_never_both_secrets_of_one_member() -> None:
     assert len(first["a03"]) == 16  # a03 dropped: its mask-key seed's share
     with pytest.raises(SecAggError):
         clients["a00"].reveal(sorted(values))  # now claiming a03 survived: refused
+
+
+@pytest.mark.parametrize(
+    ("options", "refusal"),
+    [
+        ({"strategy": "dispfl"}, "is for the centralized strategies .* each neighbour receives"),
+        ({"strategy": "fedspu"}, "built for fedavg and fedavg-ft, .* fedspu's uploads"),
+        ({"strategy": "fedavg"}, "needs --aggregation mean and no --clip"),
+        ({"strategy": "fedavg", "aggregation": "mean", "clip": "auto"}, "no --clip"),
+    ],
+)
+def test_where_secure_aggregation_cannot_run_it_is_refused_in_one_line(
+    options: dict, refusal: str
+) -> None:
+    with pytest.raises(edgefl.ConfigError, match=refusal) as refused:
+        edgefl.config(secure_aggregation=True, **options)
+    assert "\n" not in str(refused.value)
+
+
+def test_a_run_file_asks_for_secure_aggregation(tmp_path: Path) -> None:
+    run_file = tmp_path / "run.toml"
+    run_file.write_text(
+        '[run]\ndataset = "digits"\nagents = 3\nstrategy = "fedavg"\n'
+        'aggregation = "mean"\nsecure_aggregation = true\n'
+    )
+    assert edgefl.config(run_file).learning.secure_aggregation
