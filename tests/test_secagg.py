@@ -144,3 +144,14 @@ def test_a_run_file_asks_for_secure_aggregation(tmp_path: Path) -> None:
         'aggregation = "mean"\nsecure_aggregation = true\n'
     )
     assert edgefl.config(run_file).learning.secure_aggregation
+
+
+def test_reconstruction_with_shared_coefficients_is_pycryptodomes() -> None:
+    from Crypto.Protocol.SecretSharing import Shamir
+
+    for n in (3, 10, 31):
+        t = secagg.threshold(n)
+        for _ in range(3):
+            secret = bytes(np.random.default_rng(n).integers(0, 256, 16, dtype=np.uint8))
+            shares = Shamir.split(t, n, secret)[n - t :]
+            assert secagg.combine(shares) == Shamir.combine(shares) == secret
