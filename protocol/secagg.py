@@ -206,6 +206,12 @@ class Client:
         check_adverts(adverts)
         if self.me not in adverts:
             raise SecAggError(f"the key list leaves out {self.me}")
+        mine = self.advert(adverts[self.me].weight)
+        if (mine.cipher_key, mine.mask_key) != (
+            adverts[self.me].cipher_key,
+            adverts[self.me].mask_key,
+        ):
+            raise SecAggError("the key list holds other keys of this member (it restarted?)")
         self.adverts = dict(adverts)
         n, shamir = len(adverts), _shamir()
         t = threshold(n)

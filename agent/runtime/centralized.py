@@ -10,6 +10,9 @@ module only moves their payloads. Round t of agent k:
     all             fit; publish the `Update` (FedLDF: only the `Divergence` vector)
     FedLDF          answer the aggregator's `Request` for layers with an `Update` of them
     broadcasting    wait for round/t/global, apply it to the view of the server state
+    secure          (`--secure-aggregation`) its keys at the round's start, and in place of the
+                    `Update` its masked change and the steps around it
+                    (`agent.runtime.secure_rounds`)
 
 A message that does not come is asked for again every `request_every_s`; when the
 aggregator was born again since this round's uploads went out (`coordinator run` restarted

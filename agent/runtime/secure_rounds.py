@@ -71,10 +71,15 @@ class SecureSteps:
             self.changed.notify_all()
 
     def _wait(self, round_: int, kind: str) -> Any:
+        """The aggregator's `kind` of `round_`; None after the patience, or once the round's
+        broadcast is out (the aggregator gave up on the secure sum)."""
         deadline = time.monotonic() + self.patience_s
+        inbox = self.session.inbox
         with self.changed:
             while (round_, kind) not in self.received and not self.session.stop.is_set():
                 left = deadline - time.monotonic()
+                if inbox.wait_global(round_, False, 0.0) is not None:
+                    return None
                 if left <= 0:
                     log.warning(
                         "round %d: no secure-aggregation %s from %s; left out of the sum",
