@@ -152,6 +152,7 @@ class SecureRound:
         signed = [self.intake.signed_keys[(round_, k)] for k in advertised]
         listed = messages.KeyList(**agg.header(round_), keys=signed)
         self._publish("keylist", listed)
+        log.debug("round %d: key list of %d sent", round_, len(advertised))
         shared = self._collect("shares", advertised, asked=False)
         sent = {k: self._shares_of(k) for k in shared}
         for member, sealed in server.relay(sent).items():
@@ -162,15 +163,18 @@ class SecureRound:
                 sealed=list(sealed.values()),
             )
             self._publish("shares", relay, to=member)
+        log.debug("round %d: shares of %d relayed", round_, len(server.sharers))
         length = vector_length(agg.strategy, agg.learner.facts)
         uploaded = self._collect("masked", server.sharers, asked=True)
         masked = {k: v for k in uploaded if (v := self._vector(k, length)) is not None}
         self._publish(
             "survivors", messages.Survivors(**agg.header(round_), survivors=sorted(masked))
         )
+        log.debug("round %d: %d masked changes in, survivors sent", round_, len(masked))
         revealed = self._collect("reveal", sorted(masked), asked=True)
         reveals = {k: self._reveal_of(k) for k in revealed}
         total, u3 = server.unmask(masked, reveals)
+        log.debug("round %d: the sum of %d unmasked", round_, len(u3))
         mean = secagg.survivor_mean(total, adverts, u3)
         names = summed_names(agg.strategy, agg.learner.facts)
         weight = sum(adverts[k].weight for k in u3)

@@ -130,6 +130,7 @@ class SecureSteps:
             if relayed is None:
                 return 0
             client.receive_shares(dict(zip(relayed.peers, relayed.sealed, strict=True)))
+            log.debug("round %d: shares of %d members in", round_, len(relayed.peers))
             masked, clipped = client.masked(change)
             if clipped:
                 log.warning(
@@ -138,6 +139,7 @@ class SecureSteps:
             s = self.session
             body = messages.Masked(**s.header(round_), values=masked.astype("<u4").tobytes())
             self._publish(round_, "masked", body, throttled=True)
+            log.debug("round %d: masked change sent", round_)
             survivors = self._wait(round_, "survivors")
             if survivors is None or s.me not in survivors.survivors:
                 return masked.size
@@ -179,4 +181,5 @@ class SecureSteps:
             sealed=list(sealed.values()),
         )
         self._publish(round_, "shares", out, to=self.aggregator)
+        log.debug("round %d: key list of %d members in, shares sent", round_, len(adverts))
         return True
