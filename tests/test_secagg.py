@@ -155,3 +155,18 @@ def test_reconstruction_with_shared_coefficients_is_pycryptodomes() -> None:
             secret = bytes(np.random.default_rng(n).integers(0, 256, 16, dtype=np.uint8))
             shares = Shamir.split(t, n, secret)[n - t :]
             assert secagg.combine(shares) == Shamir.combine(shares) == secret
+
+
+def test_the_broker_lets_each_member_send_only_its_own_secure_aggregation_steps() -> None:
+    from protocol import acl, topics
+
+    grants = {g.user: g for g in acl.fleet_grants("lab", ["pi-1", "pi-2"], "coordinator")}
+    agent, coordinator = grants["pi-1"], grants["coordinator"]
+    for kind in ("keys", "masked", "reveal"):
+        assert agent.may_publish(topics.round_topic("lab", 3, kind, "pi-1"))
+        assert not agent.may_publish(topics.round_topic("lab", 3, kind, "pi-2"))
+    assert agent.may_publish(topics.round_topic("lab", 3, "shares", "pi-1", to="coordinator"))
+    assert not agent.may_publish(topics.round_topic("lab", 3, "keylist", "coordinator"))
+    for kind in ("keylist", "survivors"):
+        assert coordinator.may_publish(topics.round_topic("lab", 3, kind, "coordinator"))
+    assert coordinator.may_publish(topics.round_topic("lab", 3, "shares", "coordinator", to="pi-1"))
