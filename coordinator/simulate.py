@@ -51,7 +51,13 @@ from agent.learning import (
     sparse,
 )
 from agent.learning.central.participant import Turn, judge
-from agent.learning.central.secure import SUM, flat_change, summed_names, summed_upload
+from agent.learning.central.secure import (
+    SUM,
+    flat_change,
+    summed_names,
+    summed_upload,
+    vector_length,
+)
 from agent.learning.central.server import RoundInbox, conclude, gather, participants
 from agent.learning.costs import CostTable
 from agent.learning.reduction import measured_kinds
@@ -68,6 +74,7 @@ from agent.report import (
 )
 from agent.workload import Workload, build_workload, nominal_budgets
 from coordinator.ray_backend import BACKENDS, RayTraining, require_ray
+from coordinator.secure_traffic import secure_round
 from coordinator.traffic import CentralTraffic, LocalWire, wire_traffic
 from coordinator.training_pool import (
     FitJob,
@@ -324,9 +331,13 @@ class Simulation:
                 inbox = SecureInProcessInbox(self, strategy, fits, t, server)
             requests, uploads = gather(strategy, self.learner, inbox)
             aggregate, server = conclude(strategy, self.learner, server, uploads, t, cfg.fp16)
-            if cfg.secure_aggregation:  # each sent as many values as a plain upload carries
-                uploads = {k: Upload(f.upload, f.num_samples) for k, f in fits.items()}
+            if cfg.secure_aggregation:  # its messages instead of the uploads (`secure_round`)
+                uploads = {k: Upload(Payload({}), f.num_samples) for k, f in fits.items()}
             traffic = wire.round(t, fits, uploads, downloads, requests, aggregate)
+            if cfg.secure_aggregation:
+                summed = sorted(fits) if aggregate.broadcast.weights else []
+                length = vector_length(strategy, self.learner.facts)
+                secure_round(t, sorted(fits), summed, length, traffic)
             for k, fit in fits.items():
                 self._early_stop(k, t, fit.state.weights, fit.train_loss)
             report_round = functools.partial(

@@ -42,6 +42,10 @@ def figures(report: dict, what: str) -> dict[tuple[int, str], float]:
     return {(r["round"], k): a[what] for r in report["rounds"] for k, a in r["agents"].items()}
 
 
+def run_bytes(report: dict, agent: str, key: str) -> int:
+    return sum(r["agents"][agent][key] for r in report["rounds"])
+
+
 def test_a_secure_run_gives_the_plain_numbers_and_the_coordinator_no_model(
     amqtt_broker, tmp_path: Path
 ) -> None:
@@ -63,8 +67,16 @@ def test_a_secure_run_gives_the_plain_numbers_and_the_coordinator_no_model(
     # The masks cancel exactly in the ring: the same sums as the one-process secure run...
     secure = simulate(cfg)
     assert figures(emulated, "loss") == pytest.approx(figures(secure, "loss"), abs=1e-6)
-    # ...and the plain run's within quantization (its error, ~1e-8 a weight, moves no figure).
+    # Simulate counts the secure messages as the agents send them (keys, shares, the masked
+    # change, the reveal); emulate's transports count their statuses and real names beside.
     plain = simulate(config(secure=False))
+    for agent in secure["rounds"][0]["agents"]:
+        for key, extra in (("bytes_sent", 1_500), ("bytes_received", 1_000)):
+            got, want = run_bytes(emulated, agent, key), run_bytes(secure, agent, key)
+            assert want <= got <= want + extra * cfg.learning.rounds, (agent, key, got, want)
+            assert want > run_bytes(plain, agent, key)  # keys, shares and reveals besides
+    assert figures(emulated, "nonzeros_sent") == figures(secure, "nonzeros_sent")
+    # ...and the plain run's within quantization (its error, ~1e-8 a weight, moves no figure).
     for what in ("loss", "strategy_accuracy"):
         assert figures(emulated, what) == pytest.approx(figures(plain, what), abs=1e-4)
     # Every upload the coordinator received is noise: no weight of the model near its value.
