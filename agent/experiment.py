@@ -341,6 +341,7 @@ class ExperimentConfig:
         check_robustness(self)
         check_model_keeping(self)
         check_privacy(self.learning)
+        check_secure_aggregation(self)
 
 
 def check_privacy(cfg: StrategyConfig) -> None:
@@ -373,6 +374,11 @@ def check_client_dp(cfg: StrategyConfig) -> None:
     trained from the server's, averaged unweighted and unscreened (a sample-count weight or a
     robust rule would unbound one device's sway over the aggregate, which the noise is sized
     to), sent at full precision (fp16 rounding would move a clipped update past its bound)."""
+    if cfg.secure_aggregation:
+        raise ValueError(
+            "--dp client with --secure-aggregation is not built yet: use one of them "
+            "(docs/privacy.md, 'Secure aggregation with client-level DP')"
+        )
     record = strategy(cfg.strategy)
     if not record.client_dp:
         kind = "other"
@@ -443,6 +449,35 @@ def check_robustness(config: ExperimentConfig) -> None:
         raise ValueError(
             f"--attack must be one of {', '.join(robust_rules.ATTACKS)}, got {config.attack!r}"
         )
+
+
+def check_secure_aggregation(config: ExperimentConfig) -> None:
+    """`--secure-aggregation`: where the coordinator can take a round from the masked sum
+    alone (one clear sentence for where it cannot), and its extra installed."""
+    cfg = config.learning
+    if not cfg.secure_aggregation:
+        return
+    record = strategy(cfg.strategy)
+    built = " and ".join(s.name for s in TABLE if s.secure_sum)
+    if not record.centralized:
+        raise ValueError(
+            f"--secure-aggregation is for the centralized strategies ({built}): a "
+            f"{cfg.strategy} agent averages its neighbours' models itself, so each neighbour "
+            "receives its model (docs/privacy.md)"
+        )
+    if not record.secure_sum:
+        raise ValueError(
+            f"--secure-aggregation is built for {built}, whose devices upload whole models; "
+            f"{cfg.strategy}'s uploads (parts of the model, or Adam's moments) are not yet"
+        )
+    if cfg.aggregation != "mean" or cfg.clip != robust_rules.CLIP_OFF:
+        raise ValueError(
+            "--secure-aggregation needs --aggregation mean and no --clip: the coordinator "
+            "learns only the sum, so it cannot screen, clip or vote on single models"
+        )
+    if config.attackers:
+        raise ValueError("--attackers (research) does not run with --secure-aggregation yet")
+    extras.require(extras.SECAGG_EXTRA, extras.SHAMIR, "--secure-aggregation")
 
 
 def check_model_keeping(config: ExperimentConfig) -> None:

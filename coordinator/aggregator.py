@@ -45,6 +45,7 @@ from agent.report import Traffic
 from agent.runtime import checkpoint, decode_upload, encode_state, expected_shapes, values_sent
 from agent.runtime.inbox import ROUNDS_AHEAD
 from agent.workload import build_workload
+from coordinator.secure_sum import SecureIntake, SecureRound
 from protocol import ProtocolError, Transport, messages, topics
 from protocol.limits import DEFAULT_LIMITS, run_limits
 from protocol.logs import RejectionLog, claimed_sender
@@ -101,6 +102,8 @@ class Intake:
         """The round being aggregated: messages further ahead than ROUNDS_AHEAD are dropped
         unread (a forged far-future update would otherwise be kept for the whole run)."""
         self._rejections = RejectionLog(log)
+        self.on_close: list[Callable[[int], None]] = []
+        """Other stores' `close_round`, called with it under `changed`."""
 
     def subscribe(self, transport: Transport) -> None:
         subscribe = transport.subscribe
@@ -110,7 +113,7 @@ class Intake:
         subscribe(topics.status(self.fleet), self.on_status)
         subscribe(topics.presence(self.fleet), self.on_presence)
 
-    def _decode(self, topic: str, payload: bytes, kind: str) -> Any:
+    def decode(self, topic: str, payload: bytes, kind: str) -> Any:
         """A round message of this run from a roster agent, matching its topic; else None."""
         try:
             message = messages.decode_on_topic(topic, payload, kind, self.fleet, self.key)
@@ -129,7 +132,7 @@ class Intake:
         return message
 
     def on_update(self, topic: str, payload: bytes) -> None:
-        message = self._decode(topic, payload, "update")
+        message = self.decode(topic, payload, "update")
         if isinstance(message, messages.Update):
             problem = DEFAULT_LIMITS.samples_problem(message.num_samples)
             if problem is not None:
@@ -140,7 +143,7 @@ class Intake:
                 self.changed.notify_all()
 
     def on_divergence(self, topic: str, payload: bytes) -> None:
-        message = self._decode(topic, payload, "divergence")
+        message = self.decode(topic, payload, "divergence")
         if isinstance(message, messages.Divergence):
             try:
                 vector = ldf.checked_divergences(message.layers, message.values, self.layer_groups)
@@ -152,7 +155,7 @@ class Intake:
                 self.changed.notify_all()
 
     def on_request(self, topic: str, payload: bytes) -> None:
-        message = self._decode(topic, payload, "request")
+        message = self.decode(topic, payload, "request")
         if not isinstance(message, messages.Request) or message.target != self.me:
             return
         if message.fraction > 0:  # a download: answered by the round loop
@@ -171,7 +174,7 @@ class Intake:
         self._rejections.reject(kind, sender, topic, reason)
 
     def on_status(self, topic: str, payload: bytes) -> None:
-        message = self._decode(topic, payload, "status")
+        message = self.decode(topic, payload, "status")
         if isinstance(message, messages.Status) and message.stopped:
             with self.changed:
                 self.stopped[message.sender] = message.round
@@ -206,6 +209,8 @@ class Intake:
             for store in (self.updates, self.divergences, self.asks, self.answered):
                 for key in [k for k in store if k[0] < round_]:
                     del store[key]
+            for forget in self.on_close:
+                forget(round_)
             return self.received.pop(round_, 0)
 
 
@@ -251,6 +256,11 @@ class Aggregator:
             resend=self._resend,
         )
         self._changed = self.intake.changed
+        self.secure_intake: SecureIntake | None = None
+        """`--secure-aggregation`: its messages (`coordinator.secure_sum`)."""
+        if config.learning.secure_aggregation:
+            self.secure_intake = SecureIntake(self.intake)
+            self.intake.on_close.append(self.secure_intake.close_round)
         self._globals: dict[int, bytes] = {}
         self._missed: set[str] = set()
         """Who did not deliver in the last round."""
@@ -308,13 +318,15 @@ class Aggregator:
         shapes = expected_shapes(self.learner.facts.initial)
         self.transport.set_limits(run_limits(shapes, len(self.roster)))
         self.intake.subscribe(self.transport)
+        if self.secure_intake is not None:
+            self.secure_intake.subscribe(self.transport)
 
     # ------------------------------------------------------------------ sending
 
-    def _header(self, round_: int) -> dict[str, Any]:
+    def header(self, round_: int) -> dict[str, Any]:
         return {"fleet": self.fleet, "sender": self.me, "run_id": self.run_id, "round": round_}
 
-    def _publish(self, round_: int, topic: str, data: bytes, nonzeros: int = 0) -> None:
+    def publish(self, round_: int, topic: str, data: bytes, nonzeros: int = 0) -> None:
         self.transport.publish(topic, data)
         with self._changed:
             record = self._record(round_)
@@ -333,18 +345,18 @@ class Aggregator:
         with self._changed:
             data = self._globals.get(round_)
         if data is not None:
-            self._publish(round_, topics.global_model(self.fleet, round_), data)
+            self.publish(round_, topics.global_model(self.fleet, round_), data)
 
     def _global_message(self, round_: int, payload: Payload, to: list[str]) -> bytes:
         body = encode_state(payload.weights, payload.masks, fp16=self.config.learning.fp16)
-        message = messages.Global(**self._header(round_), tensors=body, participants=to)
+        message = messages.Global(**self.header(round_), tensors=body, participants=to)
         return messages.encode(message, key=self.key)
 
     def _answer_downloads(self, round_: int) -> None:
         """Send each participant that asked (again) its part of this round's global model."""
         for agent, fraction in sorted(self.intake.due_downloads(round_).items()):
             part = self.strategy.download(self.learner.facts, self.server, agent, round_, fraction)
-            self._publish(
+            self.publish(
                 round_,
                 topics.global_model(self.fleet, round_, agent),
                 self._global_message(round_, part, [agent]),
@@ -353,7 +365,7 @@ class Aggregator:
 
     # ------------------------------------------------------------------ rounds
 
-    def _expected(self, round_: int, candidates: list[str]) -> list[str]:
+    def expected(self, round_: int, candidates: list[str]) -> list[str]:
         """Of `candidates`, those to wait for: not stopped early, and not offline after
         missing the last round (an agent that just crashed may be back within the timeout;
         one that stays gone costs one timeout, not one per round)."""
@@ -389,7 +401,7 @@ class Aggregator:
                 got = [k for k in candidates if (round_, k) in store]
                 if got and deadline == math.inf:
                     deadline = time.monotonic() + self.round_timeout_s
-                waiting = set(self._expected(round_, candidates)) - set(got)
+                waiting = set(self.expected(round_, candidates)) - set(got)
                 remaining = deadline - time.monotonic()
                 if not waiting or remaining <= 0 or self.stop.is_set():
                     if waiting:
@@ -402,9 +414,9 @@ class Aggregator:
     def ask_layers(self, round_: int, requests: Mapping[str, list[str]]) -> None:
         """Send each FedLDF participant picked for some layer its `Request` for them."""
         for k, layers in sorted(requests.items()):
-            request = messages.Request(**self._header(round_), target=k, layers=layers)
+            request = messages.Request(**self.header(round_), target=k, layers=layers)
             topic = topics.round_topic(self.fleet, round_, "request", self.me, to=k)
-            self._publish(round_, topic, messages.encode(request, key=self.key))
+            self.publish(round_, topic, messages.encode(request, key=self.key))
 
     def _gather(
         self, round_: int, candidates: list[str]
@@ -412,13 +424,16 @@ class Aggregator:
         """This round's participants (who uploaded, or under FedLDF who sent a divergence
         vector), their decoded uploads, and who was asked for layers but sent none that
         decodes (FedLDF)."""
+        if self.secure_intake is not None:
+            senders, uploads = SecureRound(self, round_, candidates).gather()
+            return senders, uploads, set()
         inbox = _RoundInbox(self, round_, candidates)
         requests, uploads = gather(self.strategy, self.learner, inbox)
         return inbox.senders, uploads, set(requests) - set(uploads)
 
-    def _conclude(self, round_: int, uploads: dict[str, Upload]) -> None:
+    def _conclude(self, round_: int, uploads: dict[str, Upload], senders: list[str]) -> None:
         """Aggregate what arrived (`conclude`) and, for a broadcast strategy, publish (and
-        keep) the broadcast: empty when nothing arrived."""
+        keep) the broadcast, naming who it is from (`senders`): empty when nothing arrived."""
         fp16 = self.config.learning.fp16
         aggregate, self.server = conclude(
             self.strategy, self.learner, self.server, uploads, round_, fp16
@@ -426,12 +441,12 @@ class Aggregator:
         if not self.strategy.broadcasts:
             return
         broadcast = aggregate.broadcast
-        data = self._global_message(round_, broadcast, sorted(uploads))
+        data = self._global_message(round_, broadcast, sorted(senders) if uploads else [])
         with self._changed:
             self._globals[round_] = data
             for r in [r for r in self._globals if r <= round_ - KEEP_GLOBALS]:
                 del self._globals[r]
-        self._publish(
+        self.publish(
             round_,
             topics.global_model(self.fleet, round_),
             data,
@@ -454,7 +469,7 @@ class Aggregator:
         record.participants = sorted(senders)
         record.stragglers = sorted((set(candidates) - set(senders) - stopped_now) | missing)
         self._missed = set(record.stragglers)
-        self._conclude(round_, uploads)
+        self._conclude(round_, uploads, senders)
         received = self.intake.close_round(round_)
         with self._changed:
             record.traffic.received += received

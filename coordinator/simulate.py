@@ -51,7 +51,14 @@ from agent.learning import (
     sparse,
 )
 from agent.learning.central.participant import Turn, judge
-from agent.learning.central.server import conclude, gather, participants
+from agent.learning.central.secure import (
+    SUM,
+    flat_change,
+    summed_names,
+    summed_upload,
+    vector_length,
+)
+from agent.learning.central.server import RoundInbox, conclude, gather, participants
 from agent.learning.costs import CostTable
 from agent.learning.reduction import measured_kinds
 from agent.learning.reductions import MEASURED_MODES
@@ -67,6 +74,7 @@ from agent.report import (
 )
 from agent.workload import Workload, build_workload, nominal_budgets
 from coordinator.ray_backend import BACKENDS, RayTraining, require_ray
+from coordinator.secure_traffic import secure_round
 from coordinator.traffic import CentralTraffic, LocalWire, wire_traffic
 from coordinator.training_pool import (
     FitJob,
@@ -76,6 +84,7 @@ from coordinator.training_pool import (
     training_on,
     when_ready,
 )
+from protocol import secagg
 from protocol.log_context import agent_scope
 
 if TYPE_CHECKING:
@@ -317,10 +326,18 @@ class Simulation:
                 fits[k], self.states[k] = fit, fit.state
                 if progress:
                     progress(t, k)
-            inbox = InProcessInbox(self, strategy, fits, t, server.weights)
+            inbox: RoundInbox = InProcessInbox(self, strategy, fits, t, server.weights)
+            if cfg.secure_aggregation:
+                inbox = SecureInProcessInbox(self, strategy, fits, t, server)
             requests, uploads = gather(strategy, self.learner, inbox)
             aggregate, server = conclude(strategy, self.learner, server, uploads, t, cfg.fp16)
+            if cfg.secure_aggregation:  # its messages instead of the uploads (`secure_round`)
+                uploads = {k: Upload(Payload({}), f.num_samples) for k, f in fits.items()}
             traffic = wire.round(t, fits, uploads, downloads, requests, aggregate)
+            if cfg.secure_aggregation:
+                summed = sorted(fits) if aggregate.broadcast.weights else []
+                length = vector_length(strategy, self.learner.facts)
+                secure_round(t, sorted(fits), summed, length, traffic)
             for k, fit in fits.items():
                 self._early_stop(k, t, fit.state.weights, fit.train_loss)
             report_round = functools.partial(
@@ -412,6 +429,39 @@ class InProcessInbox:
             )
         fp16 = run.config.learning.fp16
         return {k: Upload(as_sent(u.payload, fp16), u.num_samples) for k, u in sent.items()}
+
+
+@dataclass(frozen=True)
+class SecureInProcessInbox:
+    """A simulated round under `--secure-aggregation` as the server's inbox: the
+    participants' changes masked, summed and unmasked by `protocol.secagg`'s steps in one
+    process (`sum_in_process`, the steps the agents and the aggregator take over MQTT), the
+    round's one upload their weighted mean (`central.secure`)."""
+
+    run: Simulation
+    strategy: CentralStrategy
+    fits: dict[str, Fit]
+    round: int
+    server: ServerState
+
+    def divergences(self) -> dict[str, dict[str, float]]:
+        return {}
+
+    def uploads(self, requests: Mapping[str, list[str]] | None) -> dict[str, Upload]:
+        names = summed_names(self.strategy, self.run.learner.facts)
+        vectors = {k: flat_change(names, f.upload, self.server) for k, f in self.fits.items()}
+        weights = {k: f.num_samples for k, f in self.fits.items()}
+        try:
+            summed = secagg.sum_in_process(secagg.Context("simulate", self.round), vectors, weights)
+        except secagg.SecAggError as exc:
+            log.warning("round %d: no secure sum: %s", self.round, exc)
+            return {}
+        if summed.clipped:
+            log.warning(
+                "round %d: %d changes clipped to the secure sum's range", self.round, summed.clipped
+            )
+        total = sum(weights[k] for k in summed.survivors)
+        return {SUM: summed_upload(names, self.server, summed.mean, total)}
 
 
 def p_k_of(budgets: dict[str, Budget], k: str) -> float | None:

@@ -47,7 +47,11 @@ def member_topics(fleet: str, member: str) -> list[str]:
     ]
     # Kinds one by one: `round/+/+/<id>` would also match `round/<t>/global/<id>`, the
     # coordinator's message to that member.
-    kinds = [kind for kind in topics.ROUND_KINDS if kind not in topics.ADDRESSED_KINDS]
+    kinds = [
+        kind
+        for kind in topics.ROUND_KINDS + topics.SECAGG_KINDS
+        if kind not in topics.ADDRESSED_KINDS
+    ]
     own += [topics.round_topic(fleet, "+", kind, member) for kind in kinds]
     own += [topics.round_topic(fleet, "+", kind, member, to="+") for kind in topics.ADDRESSED_KINDS]
     own.append(topics.layer(fleet, "+", member, "+"))

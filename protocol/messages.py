@@ -52,6 +52,12 @@ class MessageType(str, Enum):
     TALLY = "tally"
     ABSENT = "absent"
     LOG = "log"
+    KEYS = "keys"
+    KEY_LIST = "keylist"
+    SHARES = "shares"
+    MASKED = "masked"
+    SURVIVORS = "survivors"
+    REVEAL = "reveal"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -205,6 +211,64 @@ class Global(Message):
     participants: list[str] = dataclasses.field(default_factory=list)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Keys(Message):
+    """Secure aggregation (`protocol.secagg`), a participant's first step of a round: its
+    two X25519 public keys (raw, 32 bytes: one to encrypt shares, one to agree on masks) and
+    its sample count, the weight of its vector in the sum."""
+
+    TYPE = MessageType.KEYS
+    cipher_key: bytes
+    mask_key: bytes
+    num_samples: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KeyList(Message):
+    """The aggregator's list of the round's `Keys` (U1), each as its sender encoded and
+    signed it, so that in a signed fleet the aggregator cannot substitute a key."""
+
+    TYPE = MessageType.KEY_LIST
+    keys: list[bytes]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Shares(Message):
+    """Secret shares, each encrypted for one member: a participant's to the aggregator
+    (`peers`: their holders), or relayed by it to `target` (`peers`: who shared them)."""
+
+    TYPE = MessageType.SHARES
+    target: str
+    peers: list[str]
+    sealed: list[bytes]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Masked(Message):
+    """A participant's masked vector: little-endian uint32 ring elements."""
+
+    TYPE = MessageType.MASKED
+    values: bytes
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Survivors(Message):
+    """The aggregator's list of who uploaded a masked vector this round (U3)."""
+
+    TYPE = MessageType.SURVIVORS
+    survivors: list[str]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Reveal(Message):
+    """A survivor's shares that unmask the sum: one per `owners` member (of its self-mask
+    seed if it survived, else of its mask-key seed)."""
+
+    TYPE = MessageType.REVEAL
+    owners: list[str]
+    shares: list[bytes]
+
+
 def _default(field: dataclasses.Field) -> Any:
     if field.default is not dataclasses.MISSING:
         return field.default
@@ -280,6 +344,12 @@ MESSAGE_CLASSES: dict[str, type[Message]] = {
         Tally,
         Absent,
         Log,
+        Keys,
+        KeyList,
+        Shares,
+        Masked,
+        Survivors,
+        Reveal,
     )
 }
 
@@ -381,7 +451,7 @@ def decode_on_topic(
         or message.fleet != fleet
         or message.sender != fields.get("agent")
         or fields.get("round", str(message.round)) != str(message.round)
-        or (isinstance(message, Request) and fields.get("to") != message.target)
+        or (isinstance(message, (Request, Shares)) and fields.get("to") != message.target)
     ):
         raise ProtocolError(f"{kind} message does not match its topic")
     return message
@@ -469,6 +539,10 @@ def _check_fields(message: Message) -> None:
             )
     if isinstance(message, Divergence) and len(message.layers) != len(message.values):
         raise ProtocolError("divergence has a different number of layers and values")
+    if isinstance(message, Shares) and len(message.peers) != len(message.sealed):
+        raise ProtocolError("shares has a different number of peers and shares")
+    if isinstance(message, Reveal) and len(message.owners) != len(message.shares):
+        raise ProtocolError("reveal has a different number of owners and shares")
     if message.round < 0:
         raise ProtocolError(f"round must be >= 0, got {message.round}")
 

@@ -14,7 +14,11 @@ fl/v1/<fleet>/announce/<agent>            the coordinator asks a live agent to p
                                           presence and status again (`coordinator forget`)
 fl/v1/<fleet>/round/<t>/<kind>/<agent>    model, vote, divergence, update, tally (the
                                           keeper's, retained)
+fl/v1/<fleet>/round/<t>/<kind>/<agent>    secure aggregation: keys, keylist, masked,
+                                          survivors, reveal (`protocol.secagg`)
 fl/v1/<fleet>/round/<t>/request/<agent>/<to>  a request, addressed to its target alone
+fl/v1/<fleet>/round/<t>/shares/<agent>/<to>   encrypted secret shares, to the aggregator
+                                              or relayed by it to their holder
 fl/v1/<fleet>/round/<t>/resend/<agent>/<to>   what <agent> published after round t, sent
                                               again to the one peer that asked for it
 fl/v1/<fleet>/round/<t>/model/<agent>/<i>     layer i of a model (`--wire layers`: only the
@@ -31,7 +35,10 @@ from protocol.errors import ProtocolError
 
 PREFIX = "fl/v1"
 ROUND_KINDS = ("model", "vote", "divergence", "request", "update", "tally")
-ADDRESSED_KINDS = ("request", "resend")
+SECAGG_KINDS = ("keys", "keylist", "masked", "survivors", "reveal")
+"""Secure aggregation's round messages (`protocol.secagg`): a participant's keys, masked
+vector and reveal; the aggregator's key list and survivors (`shares` are addressed)."""
+ADDRESSED_KINDS = ("request", "resend", "shares")
 """Round messages addressed to one agent (`round_topic`'s `to`): only their target needs them."""
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 _INDEX = re.compile(r"^(0|[1-9][0-9]{0,3})$")
@@ -104,7 +111,7 @@ def round_topic(
     and re-sends always are: only their target needs them)."""
     if (to is not None) != (kind in ADDRESSED_KINDS):
         raise ValueError(f"{', '.join(ADDRESSED_KINDS)} and only they are addressed to one agent")
-    if kind not in ROUND_KINDS + ADDRESSED_KINDS:
+    if kind not in ROUND_KINDS + SECAGG_KINDS + ADDRESSED_KINDS:
         raise ValueError(f"unknown round message kind {kind!r}; expected one of {ROUND_KINDS}")
     who = agent if agent == "+" else check_name(agent, "agent")
     topic = f"{fleet_root(fleet)}/round/{round_}/{kind}/{who}"
@@ -140,7 +147,7 @@ def parse(topic: str) -> tuple[str, str, dict[str, str]]:
         return fleet, "global", {"round": rest[1]}
     if rest[0] == "round" and len(rest) == 4 and rest[2] == "global":
         return fleet, "global", {"round": rest[1], "to": rest[3]}
-    if rest[0] == "round" and len(rest) == 4 and rest[2] in ROUND_KINDS:
+    if rest[0] == "round" and len(rest) == 4 and rest[2] in ROUND_KINDS + SECAGG_KINDS:
         return fleet, rest[2], {"round": rest[1], "agent": rest[3]}
     if rest[0] == "round" and len(rest) == 5 and rest[2] in ADDRESSED_KINDS:
         return fleet, rest[2], {"round": rest[1], "agent": rest[3], "to": rest[4]}

@@ -66,7 +66,21 @@ EXAMPLES: list[m.Message] = [
         logger="agent.runtime",
         dropped=3,
     ),
-]
+    m.Keys(
+        fleet="lab", sender="pi-1", run_id="r1", round=2, cipher_key=b"c" * 32,
+        mask_key=b"m" * 32, num_samples=120,
+    ),
+    m.KeyList(fleet="lab", sender="coordinator", run_id="r1", round=2, keys=[b"k1", b"k2"]),
+    m.Shares(
+        fleet="lab", sender="pi-1", run_id="r1", round=2, target="coordinator",
+        peers=["pi-1", "pi-2"], sealed=[b"s" * 76, b"t" * 76],
+    ),
+    m.Masked(fleet="lab", sender="pi-1", run_id="r1", round=2, values=b"\x01\x00\x00\x00"),
+    m.Survivors(fleet="lab", sender="coordinator", run_id="r1", round=2, survivors=["pi-1"]),
+    m.Reveal(
+        fleet="lab", sender="pi-1", run_id="r1", round=2, owners=["pi-1"], shares=[b"r" * 16]
+    ),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("message", EXAMPLES, ids=lambda x: type(x).__name__)
@@ -79,6 +93,14 @@ def test_every_message_type_round_trips(message: m.Message, key: FleetKey | None
 
 def test_every_message_type_has_an_example() -> None:
     assert {type(x) for x in EXAMPLES} == set(m.MESSAGE_CLASSES.values())
+
+
+def test_secure_aggregation_lists_of_different_lengths_are_refused() -> None:
+    header = {"fleet": "lab", "sender": "pi-1", "run_id": "r1", "round": 2}
+    with pytest.raises(ProtocolError, match="peers and shares"):
+        m.encode(m.Shares(**header, target="coordinator", peers=["a", "b"], sealed=[b"x"]))
+    with pytest.raises(ProtocolError, match="owners and shares"):
+        m.encode(m.Reveal(**header, owners=["a"], shares=[]))
 
 
 def test_small_messages_stay_small() -> None:

@@ -289,6 +289,12 @@ class StrategyConfig:
         "the received models, or beyond the own model's norm, are screened out, the rest "
         "clipped to 2x it), a norm bound, or default (auto, but off with --aggregation mean).",
     )
+    secure_aggregation: bool = param(
+        False,
+        "Secure aggregation (fedavg, fedavg-ft, with --aggregation mean): each device uploads "
+        "its update masked so that the coordinator learns only the fleet's weighted sum, "
+        "and the round survives 30% of the devices dropping (docs/privacy.md).",
+    )
 
     dp: str = param(
         "off",

@@ -65,6 +65,9 @@ class Strategy:
     """`--dp client` applies: it uploads models (or parts of them) trained from the server's,
     which each device clips around the server's and the aggregator averages unweighted, with
     noise (`agent.learning.central.client_dp`)."""
+    secure_sum: bool = False
+    """`--secure-aggregation` applies: its round is a weighted mean of whole uploaded models,
+    which the coordinator can take from their masked sum alone (`protocol.secagg`)."""
 
     @property
     def centralized(self) -> bool:
@@ -122,7 +125,12 @@ TABLE: tuple[Strategy, ...] = (
     ),
     Strategy("local", LOCAL, "agent.learning.decentral.local:Local", options=_SGD),
     Strategy(
-        "fedavg", CENTRAL, "agent.learning.central.fedavg:FedAvg", options=_SGD, client_dp=True
+        "fedavg",
+        CENTRAL,
+        "agent.learning.central.fedavg:FedAvg",
+        options=_SGD,
+        client_dp=True,
+        secure_sum=True,
     ),
     Strategy(
         "fedavg-ft",
@@ -130,6 +138,7 @@ TABLE: tuple[Strategy, ...] = (
         "agent.learning.central.fedavg:FedAvgFineTuned",
         options=_SGD,
         client_dp=True,
+        secure_sum=True,
     ),
     Strategy(
         "fedspu",

@@ -10,6 +10,9 @@ module only moves their payloads. Round t of agent k:
     all             fit; publish the `Update` (FedLDF: only the `Divergence` vector)
     FedLDF          answer the aggregator's `Request` for layers with an `Update` of them
     broadcasting    wait for round/t/global, apply it to the view of the server state
+    secure          (`--secure-aggregation`) its keys at the round's start, and in place of the
+                    `Update` its masked change and the steps around it
+                    (`agent.runtime.secure_rounds`)
 
 A message that does not come is asked for again every `request_every_s`; when the
 aggregator was born again since this round's uploads went out (`coordinator run` restarted
@@ -32,9 +35,11 @@ from agent.device import Budget
 from agent.experiment import attackers
 from agent.learning import Fit, Payload, ServerState, Upload, attacked_upload, central_strategy
 from agent.learning.central.participant import Turn, judge
+from agent.learning.central.secure import flat_change, summed_names
 from agent.report import AgentRound, reported_p_k, reported_sparsity
 from agent.runtime import codec
 from agent.runtime.codec import divergence_message, encode_state, values_sent
+from agent.runtime.secure_rounds import SecureSteps
 from agent.runtime.session import Session
 from agent.workload import compute_slot
 from protocol import ProtocolError, messages, topics
@@ -74,6 +79,11 @@ class CentralizedRounds:
         self._uploaded_to: tuple[float | None, int] = (None, 0)
         """The birth of the aggregator those uploads went to, and this transport's
         connection count then (`transport.connects`)."""
+        self.secure: SecureSteps | None = None
+        """`--secure-aggregation`: this agent's masked uploads and their steps."""
+        if session.cfg.secure_aggregation:
+            patience = GLOBAL_PATIENCE_ROUNDS * session.timeouts.round_s
+            self.secure = SecureSteps(session, self.aggregator, patience)
 
     # ------------------------------------------------------------------ wiring
 
@@ -85,6 +95,8 @@ class CentralizedRounds:
             topics.round_topic(s.fleet, "+", "request", self.aggregator, to=s.me),
             inbox.on_aggregator_request,
         )
+        if self.secure is not None:
+            self.secure.subscribe()
 
     def prepare_start(self) -> None:
         """Nothing per round: the subscriptions cover every round."""
@@ -209,6 +221,8 @@ class CentralizedRounds:
             part = self._receive(round_, True, turn.p_k)
             if part is None:
                 return self._missed_round(turn, budget)
+        if self.secure is not None:
+            self.secure.advertise(round_, len(s.data.y_train))
         waited = time.monotonic() - started
         with compute_slot():
             compute_started = time.monotonic()
@@ -234,7 +248,11 @@ class CentralizedRounds:
         apply the round's broadcast to the view; returns the stragglers (the aggregator, if
         its broadcast never came)."""
         s = self.session
-        if fit.upload.weights:
+        if self.secure is not None:
+            names = summed_names(self.strategy, s.learner.facts)
+            change = flat_change(names, fit.upload, self.view)
+            self.values_sent += self.secure.upload(round_, change)
+        elif fit.upload.weights:
             self._send(round_, Upload(fit.upload, fit.num_samples))
         if fit.divergence is not None:
             self._upload(

@@ -1,0 +1,60 @@
+"""A centralized round under secure aggregation (`--secure-aggregation`), the math around the
+cryptography: what a participant's upload becomes before it is masked, and what the
+coordinator's unmasked sum becomes before the strategy aggregates it. The masking itself is
+`protocol.secagg`'s, which the runtime (`agent.runtime.secure_rounds`,
+`coordinator.secure_sum`) and the simulator call; this module imports none of it.
+
+A participant sends the change of its uploaded model from the view it trained from (the
+round's global model), flattened over the model's floating tensors in payload order: a
+change is small and bounded where weights need not be, so it quantizes finely
+(`protocol.secagg.CLIP_RANGE`). The coordinator adds the weighted mean change to its own
+model (the same view, as its participants hold it) and hands the strategy that one model as
+the round's only upload: for a weighted mean of whole models (`Strategy.secure_sum`) the
+mean of one upload is itself. Integer entries (BatchNorm's batch counters) are not summed:
+the server keeps its own, where the plain round copies the first participant's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from agent.learning.central.base import CentralStrategy, Payload, ServerState, Upload
+from agent.learning.model_facts import ModelFacts
+
+SUM = "secure-sum"
+"""The key of the round's one upload, the unmasked mean, in what the strategy aggregates."""
+
+
+def summed_names(strategy: CentralStrategy, facts: ModelFacts) -> list[str]:
+    """The tensors whose changes are summed: the floating ones, in payload order."""
+    initial = facts.initial
+    return [n for n in strategy.payload_order(facts) if torch.is_floating_point(initial[n])]
+
+
+def vector_length(strategy: CentralStrategy, facts: ModelFacts) -> int:
+    """How many values a masked upload carries."""
+    return sum(facts.initial[n].numel() for n in summed_names(strategy, facts))
+
+
+def flat_change(names: list[str], upload: Payload, view: ServerState) -> np.ndarray:
+    """A participant's upload as the vector it masks: each tensor's change from `view`."""
+    parts = [(upload.weights[n].double() - view.weights[n].double()).flatten() for n in names]
+    return torch.cat(parts).numpy() if parts else np.zeros(0)
+
+
+def summed_upload(
+    names: list[str], server: ServerState, mean_change: np.ndarray, weight: int
+) -> Upload:
+    """The round's one upload from the weighted mean change of the survivors' models, with
+    their total sample count."""
+    weights = dict(server.weights)
+    at = 0
+    for n in names:
+        base = server.weights[n]
+        change = torch.from_numpy(mean_change[at : at + base.numel()]).view(base.shape)
+        weights[n] = (base.double() + change).to(base.dtype)
+        at += base.numel()
+    if at != mean_change.size:
+        raise ValueError(f"the secure sum has {mean_change.size} values; the model {at}")
+    return Upload(Payload(weights), weight)

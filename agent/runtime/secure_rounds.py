@@ -1,0 +1,185 @@
+"""A participant's secure-aggregation steps of a centralized round (`--secure-aggregation`),
+over the transport: the messages and waits around `protocol.secagg.Client`, whose
+cryptography they move, and `agent.learning.central.secure`, which makes the vector masked.
+`agent.runtime.centralized` calls them in place of the plain upload. Round t of agent k:
+
+    advertise   at the round's start, before training: its keys and sample count on
+                round/t/keys/k
+    share       (after training) the aggregator's key list U1 on round/t/keylist/<aggregator>,
+                each key checked as its sender signed it; its encrypted shares to the
+                aggregator on round/t/shares/k/<aggregator>
+    mask        the shares U2 sent it, relayed on round/t/shares/<aggregator>/k; its masked
+                change on round/t/masked/k
+    unmask      the survivors U3 on round/t/survivors/<aggregator>; its reveal on
+                round/t/reveal/k
+
+Nothing is sent twice: a step that does not come within the broadcast's patience leaves
+this agent out of the round's sum (the others' sum survives it), and it still waits for
+the broadcast. Handlers only validate and store.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from protocol import ProtocolError, messages, secagg, topics
+from protocol.logs import claimed_sender
+
+if TYPE_CHECKING:
+    from agent.runtime.session import Session
+
+log = logging.getLogger(__name__)
+
+
+class SecureSteps:
+    """One participant's secure-aggregation messages, for every round of its run."""
+
+    def __init__(self, session: Session, aggregator: str, patience_s: float) -> None:
+        self.session = session
+        self.aggregator = aggregator
+        self.patience_s = patience_s
+        self.changed = threading.Condition()
+        self.received: dict[tuple[int, str], messages.Message] = {}
+        """(round, kind) -> the aggregator's key list, relayed shares or survivors."""
+        self.clients: dict[int, secagg.Client] = {}
+
+    def subscribe(self) -> None:
+        s, me, agg = self.session, self.session.me, self.aggregator
+        s.transport.subscribe(topics.round_topic(s.fleet, "+", "keylist", agg), self._on_message)
+        s.transport.subscribe(
+            topics.round_topic(s.fleet, "+", "shares", agg, to=me), self._on_message
+        )
+        s.transport.subscribe(topics.round_topic(s.fleet, "+", "survivors", agg), self._on_message)
+
+    def _on_message(self, topic: str, payload: bytes) -> None:
+        s = self.session
+        kind = topics.parse(topic)[1]
+        try:
+            message = messages.decode_on_topic(topic, payload, kind, s.fleet, s.key)
+        except ProtocolError as exc:
+            s.inbox.reject(kind, claimed_sender(topic), topic, exc)
+            return
+        if message.run_id != s.run_info.run_id or message.round not in self.clients:
+            return
+        with self.changed:
+            self.received.setdefault((message.round, kind), message)
+            self.changed.notify_all()
+
+    def _wait(self, round_: int, kind: str) -> Any:
+        """The aggregator's `kind` of `round_`; None after the patience, or once the round's
+        broadcast is out (the aggregator gave up on the secure sum)."""
+        deadline = time.monotonic() + self.patience_s
+        inbox = self.session.inbox
+        with self.changed:
+            while (round_, kind) not in self.received and not self.session.stop.is_set():
+                left = deadline - time.monotonic()
+                if inbox.wait_global(round_, False, 0.0) is not None:
+                    return None
+                if left <= 0:
+                    log.warning(
+                        "round %d: no secure-aggregation %s from %s; left out of the sum",
+                        round_,
+                        kind,
+                        self.aggregator,
+                    )
+                    return None
+                self.changed.wait(min(left, 0.5))
+            return self.received.get((round_, kind))
+
+    def _publish(
+        self,
+        round_: int,
+        kind: str,
+        message: messages.Message,
+        to: str | None = None,
+        throttled: bool = False,
+    ) -> None:
+        s = self.session
+        data = messages.encode(message, key=s.key)
+        topic = s.topic(round_, kind, s.me, to=to)
+        (s.send if throttled else s.transport.publish)(topic, data)
+
+    def advertise(self, round_: int, num_samples: int) -> None:
+        """The round's keys, before training, so the key list is ready when training ends."""
+        s = self.session
+        client = secagg.Client(s.me, secagg.Context(s.run_info.run_id, round_))
+        self.clients = {round_: client}
+        with self.changed:
+            self.received = {k: v for k, v in self.received.items() if k[0] >= round_}
+        advert = client.advert(num_samples)
+        keys = messages.Keys(
+            **s.header(round_),
+            cipher_key=advert.cipher_key,
+            mask_key=advert.mask_key,
+            num_samples=num_samples,
+        )
+        self._publish(round_, "keys", keys)
+
+    def upload(self, round_: int, change: np.ndarray) -> int:
+        """Share, upload the masked `change`, reveal: the values sent (0: left out)."""
+        client = self.clients.get(round_)
+        try:
+            if client is None or not self._share(round_, client):
+                return 0
+            relayed = self._wait(round_, "shares")
+            if relayed is None:
+                return 0
+            client.receive_shares(dict(zip(relayed.peers, relayed.sealed, strict=True)))
+            log.debug("round %d: shares of %d members in", round_, len(relayed.peers))
+            masked, clipped = client.masked(change)
+            if clipped:
+                log.warning(
+                    "round %d: %d changes clipped to the secure sum's range", round_, clipped
+                )
+            s = self.session
+            body = messages.Masked(**s.header(round_), values=masked.astype("<u4").tobytes())
+            self._publish(round_, "masked", body, throttled=True)
+            log.debug("round %d: masked change sent", round_)
+            survivors = self._wait(round_, "survivors")
+            if survivors is None or s.me not in survivors.survivors:
+                return masked.size
+            shares = client.reveal(survivors.survivors)
+            reveal = messages.Reveal(
+                **s.header(round_), owners=list(shares), shares=list(shares.values())
+            )
+            self._publish(round_, "reveal", reveal)
+            return masked.size
+        except secagg.SecAggError as exc:
+            log.warning("round %d: secure aggregation without this agent: %s", round_, exc)
+            return 0
+
+    def _share(self, round_: int, client: secagg.Client) -> bool:
+        """The key list checked, and this agent's shares sent; False if it never came."""
+        listed = self._wait(round_, "keylist")
+        if listed is None:
+            return False
+        s = self.session
+        adverts = {}
+        for data in listed.keys:
+            try:
+                keys = messages.decode(data, key=s.key)
+            except ProtocolError as exc:
+                raise secagg.SecAggError(f"a key in the key list: {exc}") from None
+            if (
+                not isinstance(keys, messages.Keys)
+                or keys.run_id != s.run_info.run_id
+                or keys.round != round_
+                or keys.sender not in s.roster
+            ):
+                raise secagg.SecAggError("the key list holds a key of another round or member")
+            adverts[keys.sender] = secagg.Advert(keys.cipher_key, keys.mask_key, keys.num_samples)
+        sealed = client.shares(adverts)
+        out = messages.Shares(
+            **s.header(round_),
+            target=self.aggregator,
+            peers=list(sealed),
+            sealed=list(sealed.values()),
+        )
+        self._publish(round_, "shares", out, to=self.aggregator)
+        log.debug("round %d: key list of %d members in, shares sent", round_, len(adverts))
+        return True

@@ -1,0 +1,228 @@
+"""The aggregator's secure-aggregation steps of a centralized round (`--secure-aggregation`):
+the messages and waits around `protocol.secagg.Server`, so that the coordinator learns the
+round's weighted sum and no participant's model. `coordinator.aggregator` takes the round's
+uploads from here instead of its `Update`s. Round t (the agents' side:
+`agent.runtime.secure_rounds`):
+
+    keys       collect the participants' `Keys` (U1: who advertised); publish the `KeyList`
+    shares     collect each member's encrypted `Shares` (U2: who shared with all of U1);
+               relay to each member of U1 the shares addressed to it
+    masked     collect the `Masked` vectors (U3: who uploaded); publish the `Survivors`
+    unmask     collect the survivors' `Reveal`s; the sum of U3, unmasked, becomes the
+               round's one upload (`agent.learning.central.secure`)
+
+Each wait ends when every member still expected delivered (one whose presence says it is
+offline, or that stopped early, is not waited for), or a round timeout after the first
+delivery (keys, shares) or after the step began (masked, reveal). A round whose cohort shrank
+below the threshold, or whose unmasking failed, has no upload: the server keeps its model.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import threading
+import time
+from typing import Any, Protocol
+
+import numpy as np
+
+from agent.learning import CentralStrategy, Learner, ServerState, Upload
+from agent.learning.central.secure import SUM, summed_names, summed_upload, vector_length
+from protocol import Transport, messages, secagg, topics
+from protocol.limits import DEFAULT_LIMITS
+from protocol.signing import Signer
+
+log = logging.getLogger(__name__)
+
+KINDS = {
+    "keys": messages.Keys,
+    "shares": messages.Shares,
+    "masked": messages.Masked,
+    "reveal": messages.Reveal,
+}
+"""What a participant sends, by topic kind."""
+
+
+class Intake(Protocol):
+    """What the secure steps use of the aggregator's handlers (`coordinator.aggregator`)."""
+
+    fleet: str
+    me: str
+    changed: threading.Condition
+    offline: set[str]
+
+    def decode(self, topic: str, payload: bytes, kind: str) -> Any: ...
+
+    def reject(self, kind: str, sender: str, topic: str, reason: object) -> None: ...
+
+
+class Aggregator(Protocol):
+    """What the secure steps use of the aggregator (`coordinator.aggregator.Aggregator`)."""
+
+    fleet: str
+    run_id: str
+    me: str
+    key: Signer | None
+    learner: Learner
+    strategy: CentralStrategy
+    server: ServerState
+    stop: threading.Event
+    round_timeout_s: float
+    secure_intake: SecureIntake | None
+
+    @property
+    def intake(self) -> Intake: ...
+
+    def header(self, round_: int) -> dict[str, Any]: ...
+
+    def publish(self, round_: int, topic: str, data: bytes, nonzeros: int = 0) -> None: ...
+
+    def expected(self, round_: int, candidates: list[str]) -> list[str]: ...
+
+
+class SecureIntake:
+    """The aggregator's handlers for secure aggregation: validated and stored by round and
+    sender under the `Intake`'s lock, as its own handlers store updates."""
+
+    def __init__(self, intake: Intake) -> None:
+        self.intake = intake
+        self.stores: dict[str, dict[tuple[int, str], Any]] = {kind: {} for kind in KINDS}
+        self.signed_keys: dict[tuple[int, str], bytes] = {}
+        """Each `Keys` message as it arrived, signature and all."""
+
+    def subscribe(self, transport: Transport) -> None:
+        fleet = self.intake.fleet
+        for kind in KINDS:
+            to = self.intake.me if kind in topics.ADDRESSED_KINDS else None
+            topic = topics.round_topic(fleet, "+", kind, to=to)
+            transport.subscribe(topic, functools.partial(self._on_message, kind))
+
+    def _on_message(self, kind: str, topic: str, payload: bytes) -> None:
+        message: messages.Message | None = self.intake.decode(topic, payload, kind)
+        if message is None or not isinstance(message, KINDS[kind]):
+            return
+        if isinstance(message, messages.Keys):
+            problem = DEFAULT_LIMITS.samples_problem(message.num_samples)
+            if problem is not None:
+                self.intake.reject(kind, message.sender, topic, problem)
+                return
+        key = (message.round, message.sender)
+        with self.intake.changed:
+            self.stores[kind].setdefault(key, message)
+            if isinstance(message, messages.Keys):  # the key list carries it as signed
+                self.signed_keys.setdefault(key, payload)
+            self.intake.changed.notify_all()
+
+    def close_round(self, round_: int) -> None:
+        """Forget what earlier rounds left behind (under the intake's lock)."""
+        for store in [*self.stores.values(), self.signed_keys]:
+            for key in [k for k in store if k[0] < round_]:
+                del store[key]
+
+
+class SecureRound:
+    """One round's secure sum, over the aggregator's transport."""
+
+    def __init__(self, aggregator: Aggregator, round_: int, candidates: list[str]) -> None:
+        self.aggregator, self.round, self.candidates = aggregator, round_, candidates
+        assert aggregator.secure_intake is not None
+        self.intake = aggregator.secure_intake
+        self.stores = self.intake.stores
+        self.context = secagg.Context(aggregator.run_id, round_)
+
+    def gather(self) -> tuple[list[str], dict[str, Upload]]:
+        """The survivors whose vectors the sum holds, and the round's one upload (none if the
+        round could not complete)."""
+        try:
+            return self._steps()
+        except secagg.SecAggError as exc:
+            log.warning("round %d: no secure sum: %s", self.round, exc)
+            return [], {}
+
+    def _steps(self) -> tuple[list[str], dict[str, Upload]]:
+        agg, round_ = self.aggregator, self.round
+        advertised = self._collect("keys", self.candidates, asked=False)
+        keys = {k: self.stores["keys"][(round_, k)] for k in advertised}
+        adverts = {
+            k: secagg.Advert(m.cipher_key, m.mask_key, m.num_samples) for k, m in keys.items()
+        }
+        server = secagg.Server(self.context, adverts)
+        signed = [self.intake.signed_keys[(round_, k)] for k in advertised]
+        listed = messages.KeyList(**agg.header(round_), keys=signed)
+        self._publish("keylist", listed)
+        log.debug("round %d: key list of %d sent", round_, len(advertised))
+        shared = self._collect("shares", advertised, asked=False)
+        sent = {k: self._shares_of(k) for k in shared}
+        for member, sealed in server.relay(sent).items():
+            relay = messages.Shares(
+                **agg.header(round_),
+                target=member,
+                peers=list(sealed),
+                sealed=list(sealed.values()),
+            )
+            self._publish("shares", relay, to=member)
+        log.debug("round %d: shares of %d relayed", round_, len(server.sharers))
+        length = vector_length(agg.strategy, agg.learner.facts)
+        uploaded = self._collect("masked", server.sharers, asked=True)
+        masked = {k: v for k in uploaded if (v := self._vector(k, length)) is not None}
+        self._publish(
+            "survivors", messages.Survivors(**agg.header(round_), survivors=sorted(masked))
+        )
+        log.debug("round %d: %d masked changes in, survivors sent", round_, len(masked))
+        revealed = self._collect("reveal", sorted(masked), asked=True)
+        reveals = {k: self._reveal_of(k) for k in revealed}
+        total, u3 = server.unmask(masked, reveals)
+        log.debug("round %d: the sum of %d unmasked", round_, len(u3))
+        mean = secagg.survivor_mean(total, adverts, u3)
+        names = summed_names(agg.strategy, agg.learner.facts)
+        weight = sum(adverts[k].weight for k in u3)
+        return u3, {SUM: summed_upload(names, agg.server, mean, weight)}
+
+    def _shares_of(self, agent: str) -> dict[str, bytes]:
+        message = self.stores["shares"][(self.round, agent)]
+        return dict(zip(message.peers, message.sealed, strict=True))
+
+    def _reveal_of(self, agent: str) -> dict[str, bytes]:
+        message = self.stores["reveal"][(self.round, agent)]
+        return dict(zip(message.owners, message.shares, strict=True))
+
+    def _vector(self, agent: str, length: int) -> np.ndarray | None:
+        values = self.stores["masked"][(self.round, agent)].values
+        if len(values) != 4 * length:
+            self.aggregator.intake.reject(
+                "masked", agent, "", f"{len(values)} bytes, not {4 * length}"
+            )
+            return None
+        return np.frombuffer(values, dtype="<u4").astype(np.uint32)
+
+    def _publish(self, kind: str, message: messages.Message, to: str | None = None) -> None:
+        agg = self.aggregator
+        topic = topics.round_topic(agg.fleet, self.round, kind, agg.me, to=to)
+        agg.publish(self.round, topic, messages.encode(message, key=agg.key))
+
+    def _collect(self, kind: str, cohort: list[str], *, asked: bool) -> list[str]:
+        """Wait for `kind` from every member of `cohort` still expected (not offline, not
+        stopped); the timeout runs from the first delivery, or from now when `asked`."""
+        agg, store = self.aggregator, self.stores[kind]
+        intake = agg.intake
+        deadline = time.monotonic() + agg.round_timeout_s if asked else math.inf
+        with intake.changed:
+            while True:
+                got = [k for k in cohort if (self.round, k) in store]
+                if got and deadline == math.inf:
+                    deadline = time.monotonic() + agg.round_timeout_s
+                expected = set(agg.expected(self.round, cohort)) - intake.offline
+                waiting = expected - set(got)
+                remaining = deadline - time.monotonic()
+                if not waiting or remaining <= 0 or agg.stop.is_set():
+                    if waiting:
+                        log.warning(
+                            "round %d: no secure-aggregation %s from %s",
+                            self.round,
+                            kind,
+                            ", ".join(sorted(waiting)),
+                        )
+                    return got
+                intake.changed.wait(min(remaining, 0.2))

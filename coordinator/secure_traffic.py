@@ -1,0 +1,73 @@
+"""What a simulated round under `--secure-aggregation` would put on the wire, counted as the
+agents and the aggregator send it (`agent.runtime.secure_rounds`, `coordinator.secure_sum`),
+in place of the plain round's `Update`s: so that simulate's byte figures are emulate's, as
+`coordinator.traffic` keeps them for the plain rounds. Each message is built at its real size
+(keys, ciphertexts and shares of their fixed lengths) and encoded, as the plain uploads are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from agent.report import COORDINATOR, Traffic
+from coordinator.traffic import FLEET, RUN_ID
+from protocol import messages
+
+KEY_BYTES = 32
+"""A raw X25519 public key."""
+SEALED_BYTES = 12 + 48 + 16
+"""A pair of shares for one holder: AES-GCM's nonce, the holder's index and two shares, tag."""
+SHARE_BYTES = 16
+"""One revealed Shamir share."""
+
+
+def _size(message: messages.Message) -> int:
+    return len(messages.encode(message))
+
+
+def secure_round(
+    round_: int,
+    members: Sequence[str],
+    survivors: Sequence[str],
+    length: int,
+    traffic: dict[str, Traffic],
+) -> None:
+    """Add round `round_`'s secure-aggregation messages to `traffic`: every member's keys and
+    shares, the survivors' masked vectors (`length` values) and reveals, the aggregator's key
+    list, relays and survivors list."""
+    header: dict[str, Any] = {"fleet": FLEET, "run_id": RUN_ID, "round": round_}
+    coordinator = traffic[COORDINATOR]
+    keys = {
+        k: messages.encode(
+            messages.Keys(**header, sender=k, cipher_key=b"\0" * KEY_BYTES,
+                          mask_key=b"\0" * KEY_BYTES, num_samples=1)
+        )
+        for k in members
+    }  # fmt: skip
+    listed = _size(messages.KeyList(**header, sender=COORDINATOR, keys=list(keys.values())))
+    survived = _size(messages.Survivors(**header, sender=COORDINATOR, survivors=list(survivors)))
+    sealed = [b"\0" * SEALED_BYTES] * len(members)
+    coordinator.sent += listed + survived
+    for k in members:
+        shares = messages.Shares(
+            **header, sender=k, target=COORDINATOR, peers=list(members), sealed=sealed
+        )
+        relay = messages.Shares(
+            **header, sender=COORDINATOR, target=k, peers=list(members), sealed=sealed
+        )
+        up = len(keys[k]) + _size(shares)
+        if k in survivors:
+            masked = messages.Masked(**header, sender=k, values=b"\0" * (4 * length))
+            reveal = messages.Reveal(
+                **header,
+                sender=k,
+                owners=list(members),
+                shares=[b"\0" * SHARE_BYTES] * len(members),
+            )
+            up += _size(masked) + _size(reveal)
+            traffic[k].nonzeros_sent += length
+        traffic[k].sent += up
+        traffic[k].received += listed + _size(relay) + survived
+        coordinator.received += up
+        coordinator.sent += _size(relay)

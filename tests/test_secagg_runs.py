@@ -1,0 +1,137 @@
+"""Secure aggregation on real processes and a real broker (`--secure-aggregation`): the
+fleet's numbers are the plain run's within quantization, no upload the coordinator receives
+decodes to a device's model, and a round survives 30% of its devices dropping mid-round."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from agent.experiment import ExperimentConfig
+from agent.learning import preset
+from coordinator.emulate import Emulation, EmulationOptions, HostedProcess
+from coordinator.simulate import simulate
+from protocol import MqttTransport, TransportOptions, messages, secagg, topics
+from protocol.tensors import decode_tensors
+
+pytestmark = pytest.mark.timeout(600)
+AGENTS = 4
+
+
+def config(secure: bool = True, rounds: int = 2, agents: int = AGENTS) -> ExperimentConfig:
+    return ExperimentConfig(
+        dataset="mnist1d",
+        agents=agents,
+        partition="dirichlet:0.5",
+        seed=3,
+        round_time_s=0.01,
+        learning=preset(
+            "fedavg", rounds=rounds, epochs=1, aggregation="mean", secure_aggregation=secure
+        ),
+    )
+
+
+def options(tmp_path: Path, **overrides: object) -> EmulationOptions:
+    return EmulationOptions(workdir=tmp_path / "fleet", linger_s=20.0, **overrides)
+
+
+def figures(report: dict, what: str) -> dict[tuple[int, str], float]:
+    return {(r["round"], k): a[what] for r in report["rounds"] for k, a in r["agents"].items()}
+
+
+def run_bytes(report: dict, agent: str, key: str) -> int:
+    return sum(r["agents"][agent][key] for r in report["rounds"])
+
+
+def test_a_secure_run_gives_the_plain_numbers_and_the_coordinator_no_model(
+    amqtt_broker, tmp_path: Path
+) -> None:
+    cfg = config()
+    uploads: list[tuple[str, bytes]] = []
+    emulation = Emulation(cfg, amqtt_broker.address, options(tmp_path))
+    spy = MqttTransport(amqtt_broker.address, TransportOptions(client_id="spy"))
+    spy.subscribe(
+        topics.round_topic(emulation.fleet, "+", "masked"), lambda t, p: uploads.append((t, p))
+    )
+    spy.start()
+    try:
+        assert spy.wait_subscribed(20.0)
+        emulated = emulation.run()
+    finally:
+        spy.stop()
+    assert emulated["summary"]["failed_agents"] == {}
+    assert emulated["summary"]["stragglers"] == []
+    # The masks cancel exactly in the ring: the same sums as the one-process secure run...
+    secure = simulate(cfg)
+    assert figures(emulated, "loss") == pytest.approx(figures(secure, "loss"), abs=1e-6)
+    # Simulate counts the secure messages as the agents send them (keys, shares, the masked
+    # change, the reveal); emulate's transports count their statuses and real names beside.
+    plain = simulate(config(secure=False))
+    for agent in secure["rounds"][0]["agents"]:
+        for key, extra in (("bytes_sent", 1_500), ("bytes_received", 1_000)):
+            got, want = run_bytes(emulated, agent, key), run_bytes(secure, agent, key)
+            assert want <= got <= want + extra * cfg.learning.rounds, (agent, key, got, want)
+            assert want > run_bytes(plain, agent, key)  # keys, shares and reveals besides
+    assert figures(emulated, "nonzeros_sent") == figures(secure, "nonzeros_sent")
+    # ...and the plain run's within quantization (its error, ~1e-8 a weight, moves no figure).
+    for what in ("loss", "strategy_accuracy"):
+        assert figures(emulated, what) == pytest.approx(figures(plain, what), abs=1e-4)
+    # Every upload the coordinator received is noise: no weight of the model near its value.
+    assert len(uploads) == AGENTS * cfg.learning.rounds
+    for topic, payload in uploads:
+        message = messages.decode(payload)
+        assert isinstance(message, messages.Masked), topic
+        decoded = secagg.dequantize(np.frombuffer(message.values, dtype="<u4"))
+        assert np.abs(decoded).mean() > 1.0  # a change of a model is ~1e-2; this is ~4
+
+
+def test_a_round_survives_30_percent_of_its_devices_dropping_mid_round(
+    amqtt_broker, tmp_path: Path
+) -> None:
+    """Of ten agents, two crash once they sent their shares (before they upload: their pairwise
+    masks are removed with their mask keys, rebuilt from the others' shares) and one once it
+    uploaded (before it reveals: its self mask is rebuilt): round 2 completes without them."""
+    cfg = config(rounds=3, agents=10)
+    emulation = Emulation(cfg, amqtt_broker.address, options(tmp_path, agents_per_process=5))
+    when = {"agent-001": "shares", "agent-006": "shares", "agent-003": "masked"}
+    killed: list[str] = []
+    globals_: dict[int, dict[str, np.ndarray]] = {}
+
+    def on_message(topic: str, payload: bytes) -> None:
+        _, kind, fields = topics.parse(topic)
+        if kind == "global":
+            message = messages.decode(payload)
+            assert isinstance(message, messages.Global)
+            decoded = decode_tensors(message.tensors)
+            globals_[message.round] = {n: t.values for n, t in decoded.items()}
+            return
+        agent = fields["agent"]
+        if fields["round"] == "2" and when.get(agent) == kind and agent not in killed:
+            killed.append(agent)
+            host = emulation.processes[agent]
+            assert isinstance(host, HostedProcess)
+            host.host.kill_agent(agent)
+
+    spy = MqttTransport(amqtt_broker.address, TransportOptions(client_id="spy"))
+    spy.subscribe(topics.round_topic(emulation.fleet, "+", "shares", "+", to="+"), on_message)
+    spy.subscribe(topics.round_topic(emulation.fleet, "+", "masked"), on_message)
+    spy.subscribe(topics.global_model(emulation.fleet, "+"), on_message)
+    spy.start()
+    try:
+        assert spy.wait_subscribed(20.0)
+        report = emulation.run()
+    finally:
+        spy.stop()
+    assert sorted(killed) == sorted(when)
+    assert report["summary"]["failed_agents"] == dict.fromkeys(sorted(when), -signal.SIGKILL)
+    roster = [f"agent-{k:03d}" for k in range(10)]
+    participants = [r["participants"] for r in report["rounds"]]
+    assert participants[0] == roster
+    assert participants[1] == [k for k in roster if when.get(k) != "shares"]
+    assert participants[2] == [k for k in roster if k not in when]
+    # Round 2's aggregate is a model, not masks left over: one round's step from round 1's.
+    step = max(np.abs(globals_[2][n] - globals_[1][n]).max() for n in globals_[1])
+    assert 0 < step < 1.0
