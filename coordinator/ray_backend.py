@@ -29,6 +29,7 @@ import pickle
 import socket
 import threading
 import uuid
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
@@ -120,15 +121,26 @@ def _node() -> str:
     return str(ray.get_runtime_context().get_node_id())
 
 
-def _resolved(jobs: bytes, states: tuple[bytes, ...]) -> list[Any]:
-    """The pickled jobs, each with its state: a `Stored` one's is `states[ref]` (Ray has
-    fetched the object the job named, `RayTraining._shipped`)."""
-    return [
-        replace(job, state=pickle.loads(states[job.state.ref]))
-        if isinstance(job.state, Stored)
-        else job
-        for job in pickle.loads(jobs)
-    ]
+def _resolved(jobs: bytes, objects: tuple[bytes, ...]) -> list[Any]:
+    """The pickled jobs, each with its state and (a `RoundJob`) its inbox, where a `Stored`
+    one is `objects[ref]`, which Ray fetched for the task (`RayTraining._shipped`); an
+    object several jobs name is read once."""
+    loaded: dict[int, Any] = {}
+
+    def load(held: Any) -> Any:
+        if not isinstance(held, Stored):
+            return held
+        if held.ref not in loaded:
+            loaded[held.ref] = pickle.loads(objects[held.ref])
+        return loaded[held.ref]
+
+    resolved = []
+    for job in pickle.loads(jobs):
+        job = replace(job, state=load(job.state))
+        if isinstance(job, RoundJob):
+            job = replace(job, inbox={j: load(model) for j, model in job.inbox.items()})
+        resolved.append(job)
+    return resolved
 
 
 def _fit_task(run: _Run, jobs: bytes, *states: bytes) -> tuple[bytes, str]:
@@ -218,8 +230,12 @@ class RayTraining:
         """Decentralized rounds under way at once (`ROUNDS_PER_CPU`)."""
         self._queued: list[tuple[RoundJob, Future[tuple[RoundResult, Reduction]]]] = []
         self._states: RayStates | None = None
+        self._put: dict[int, Any] = {}
+        """Received models in the object store, by the id of the simulator's object."""
         self.nodes: Counter[str] = Counter()
         """The agents' rounds each node trained (by Ray node id)."""
+        self.tasks = 0
+        """The Ray tasks this run sent (a task trains a batch of agents' rounds)."""
         self._lock = threading.Lock()
         remote = ray.remote(max_retries=TASK_RETRIES, scheduling_strategy="SPREAD")
         self._fit, self._round = remote(_fit_task), remote(_round_task)
@@ -231,22 +247,47 @@ class RayTraining:
         self._run = ray.put(run)
 
     def keep(self, states: StateStore) -> StateStore:
-        """The agents' states from now on in Ray's object store (`RayStates`)."""
+        """On a cluster, the agents' states from now on in Ray's object store (`RayStates`),
+        so that the simulator's own memory holds a reference per agent and the round's
+        fits; on a Ray started here, where the object store is this machine's memory too,
+        they stay in the simulator and travel with each job (a reference each cost 1.3 ms
+        of CPU more an agent-round at 1,000 FedAvg agents, and more memory: docs/scaling.md)."""
+        if not self.sparse:
+            return states
         self._states = RayStates(self._ray, states, self.sparse)
         return self._states
 
     def _shipped(self, jobs: Sequence[FitJob] | Sequence[RoundJob]) -> tuple[bytes, list[Any]]:
-        """`jobs` pickled, with the references of the states they name (`Stored`) taken out
-        as the task's own arguments, which Ray fetches before the task runs."""
+        """`jobs` pickled, with the objects they name by reference (`Stored`: states kept in
+        the store; a `RoundJob`'s received models, put there once each, `_put_once`) as
+        the task's own arguments, each once, which Ray fetches before the task runs."""
         refs: list[Any] = []
-        shipped = []
+        index: dict[Any, int] = {}
+
+        def named(held: Any) -> Stored:
+            ref = held.ref if isinstance(held, Stored) else self._put_once(held)
+            if ref not in index:
+                index[ref] = len(refs)
+                refs.append(ref)
+            return Stored(index[ref])
+
+        shipped: list[Any] = []
         for job in jobs:
-            if isinstance(job.state, Stored):
-                shipped.append(replace(job, state=Stored(len(refs))))
-                refs.append(job.state.ref)
-            else:
-                shipped.append(job)
+            state = named(job.state) if isinstance(job.state, Stored) else job.state
+            job = replace(job, state=state)
+            if isinstance(job, RoundJob):
+                job = replace(job, inbox={j: named(model) for j, model in job.inbox.items()})
+            shipped.append(job)
         return dumps(shipped, self.sparse), refs
+
+    def _put_once(self, model: Any) -> Any:
+        """A received model in the object store, put once while the simulator holds it (a
+        model goes to each of an agent's receivers: about M jobs a round)."""
+        key = id(model)
+        if key not in self._put:
+            self._put[key] = self._ray.put(dumps(model, self.sparse))
+            weakref.finalize(model, self._put.pop, key, None)
+        return self._put[key]
 
     def fit(
         self, jobs: Sequence[FitJob], meanwhile: Callable[[], None]
@@ -270,6 +311,7 @@ class RayTraining:
 
     def _args(self, jobs: Sequence[FitJob] | Sequence[RoundJob]) -> list[Any]:
         """A task's arguments after the run's: the pickled jobs, then their states' refs."""
+        self.tasks += 1
         pickled, states = self._shipped(jobs)
         return [pickled, *states]
 

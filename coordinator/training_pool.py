@@ -106,11 +106,12 @@ class States(dict[str, AgentState], StateStore):
         return self[k]
 
 
-def own(state: AgentState | Stored) -> AgentState:
-    """A job's state, which a backend that keeps states by reference has put in place."""
-    if isinstance(state, Stored):
-        raise TypeError("a job's state was not resolved where it trains")
-    return state
+def own(held: T | Stored) -> T:
+    """A job's state or received model, which a backend that ships them by reference has
+    put in place where the job trains."""
+    if isinstance(held, Stored):
+        raise TypeError("a job's input was not resolved where it trains")
+    return held
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,8 @@ class RoundJob:
 
     agent: str
     state: AgentState | Stored
-    inbox: dict[str, Published]
+    inbox: Mapping[str, Published | Stored]
+    """The models it received (or references to them: `Stored`)."""
     round: int
     prune_now: bool
     budget: Budget | None
@@ -209,7 +211,7 @@ class InProcess(Local):
                 self.learner,
                 own(job.state),
                 data,
-                job.inbox,
+                {j: own(model) for j, model in job.inbox.items()},
                 job.round,
                 job.prune_now,
                 p_k,
