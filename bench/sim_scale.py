@@ -1,13 +1,15 @@
 """`coordinator simulate` at 100, 1,000 and 10,000 agents, side by side with Flower: seconds
 and CPU seconds per round, and memory, for the local backend (one process), `--backend ray`
-(a Ray of 2 CPUs that the run starts) and Flower's Ray simulation of the same FedAvg task.
+(a Ray of 2 CPUs that the run starts), `--ray-address` of a Ray head of 2 CPUs started
+here (`cluster`: agents' states in Ray's object store, models sparse, as on a cluster) and
+Flower's Ray simulation of the same FedAvg task.
 
     python -m bench.sim_scale [--quick] [--agents 100,1000,10000]
-        [--strategies fedavg,dadpfl] [--engines local,ray,flower] [--seeds 1,2]
+        [--strategies fedavg,dadpfl] [--engines local,ray,cluster,flower] [--seeds 1,2]
         [--rounds 3] [--big-rounds 2] [--epochs 1] [--timeout 900]
         [--out bench/results/sim_scale.json]
 
-`--quick`: 100 and 1,000 agents, seed 1, a few minutes.
+`--quick`: 100 and 1,000 agents, seed 1, 2 rounds: a few minutes on an idle machine.
 
 The task: FedProx's synthetic set with a group of 200 samples per 10 agents (so every agent
 holds about 20 samples at every fleet size, and an agent-round costs the same), our MLP,
@@ -44,16 +46,19 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import hashlib
 import json
 import os
 import pathlib
 import resource
+import signal
 import statistics
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import psutil
@@ -63,13 +68,16 @@ from rich.table import Table
 from bench.support import environment, seeds, steady_round_s, write_json
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-ENGINES = ("local", "ray", "flower")
+ENGINES = ("local", "ray", "cluster", "flower")
+BACKEND = {"local": "local", "ray": "ray", "cluster": "ray"}
+"""An engine's `simulate --backend` (`cluster`: `--ray-address` of a head started here)."""
+HEAD_STARTED = "This command will now block forever"
 FLOWER_PYTHON = os.environ.get("FLOWER_PYTHON", "/tmp/flwr-venv/bin/python")
 """The Python of Flower's environment (`bench/flower_sim.py` says how to make it)."""
 NEIGHBOURS = 5
 AGENTS_PER_GROUP = 10
 """Agents per synthetic group of 200 samples: about 20 samples an agent at every size."""
-QUICK = {"agents": "100,1000", "seeds": [1]}
+QUICK = {"agents": "100,1000", "seeds": [1], "rounds": 2}
 
 
 def config_of(spec: dict[str, Any]) -> Any:
@@ -99,7 +107,8 @@ def one(spec: dict[str, Any]) -> dict[str, Any]:
 
     started = time.time()
     workers = 2 if spec["engine"] == "ray" else 1  # a Ray of 2 CPUs; locally, one process
-    report = Simulation(config_of(spec), workers, spec["engine"]).run(progress)
+    backend, address = BACKEND[spec["engine"]], spec.get("address")
+    report = Simulation(config_of(spec), workers, backend, address).run(progress)
     report["summary"]["wall_seconds"] = None
     return {
         "ends": {str(t): end for t, end in ends.items()},
@@ -118,9 +127,9 @@ class TreeWatch(threading.Thread):
     """A process and its descendants, sampled every `period_s`: their CPU seconds (a process
     that ended keeps its last sample) with the time, and the peak of their summed PSS."""
 
-    def __init__(self, pid: int, period_s: float = 0.25) -> None:
+    def __init__(self, pids: list[int], period_s: float = 0.25) -> None:
         super().__init__(daemon=True)
-        self.root, self.period_s = psutil.Process(pid), period_s
+        self.roots, self.period_s = [psutil.Process(pid) for pid in pids], period_s
         self.cpu: dict[int, float] = {}
         self.samples: list[tuple[float, float]] = []
         self.peak_pss_mb = 0.0
@@ -128,10 +137,10 @@ class TreeWatch(threading.Thread):
 
     def sample(self) -> None:
         pss = 0.0
-        try:
-            tree = [self.root, *self.root.children(recursive=True)]
-        except psutil.Error:
-            tree = []
+        tree = []
+        for root in self.roots:
+            with contextlib.suppress(psutil.Error):
+                tree += [root, *root.children(recursive=True)]
         for process in tree:
             try:
                 times = process.cpu_times()
@@ -156,9 +165,43 @@ class TreeWatch(threading.Thread):
         return c0 + (c1 - c0) * (when - t0) / (t1 - t0) if t1 > t0 else c1
 
 
+@contextlib.contextmanager
+def ray_head() -> Iterator[tuple[str, int]]:
+    """A Ray head of 2 CPUs on this machine (`ray start --head --block`, its own process
+    group, ended at the end): its address and pid."""
+    from coordinator.ports import free_port
+
+    port = free_port()
+    ray = str(pathlib.Path(sys.executable).with_name("ray"))
+    command = [ray, "start", "--head", "--port", str(port), "--num-cpus", "2", "--block"]
+    command += ["--include-dashboard", "false", "--node-ip-address", "127.0.0.1"]
+    head = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        assert head.stdout is not None
+        for line in head.stdout:
+            if HEAD_STARTED in line:
+                break
+        else:
+            raise RuntimeError("the Ray head did not start")
+        yield f"127.0.0.1:{port}", head.pid
+    finally:
+        os.killpg(head.pid, signal.SIGKILL)
+        head.wait()
+
+
 def run_one(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    """`spec` run as a program of its own, watched: its figures (those of the rounds it
-    finished, if it passed `timeout_s`)."""
+    """`spec` run as a program of its own, watched (with the head it joins, for `cluster`):
+    its figures (those of the rounds it finished, if it passed `timeout_s`)."""
+    if spec["engine"] != "cluster":
+        return run_watched(spec, timeout_s, [])
+    with ray_head() as (address, head):
+        return {**run_watched({**spec, "address": address}, timeout_s, [head]), "address": None}
+
+
+def run_watched(spec: dict[str, Any], timeout_s: float, others: list[int]) -> dict[str, Any]:
+    """`spec` run as a program of its own, its process tree (and `others`') watched."""
     python, module = sys.executable, "bench.sim_scale"
     if spec["engine"] == "flower":
         python, module = FLOWER_PYTHON, "bench.flower_sim"
@@ -167,7 +210,7 @@ def run_one(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     child = subprocess.Popen(
         [*command, json.dumps(spec)], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True
     )
-    watch = TreeWatch(child.pid)
+    watch = TreeWatch([child.pid, *others])
     watch.start()
     try:
         out, _ = child.communicate(timeout=timeout_s)
@@ -272,6 +315,41 @@ def table(rows: list[dict[str, Any]], title: str) -> Table:
     return out
 
 
+def mean_of(rows: list[dict[str, Any]], key: str, **cell: Any) -> float | None:
+    """The mean of `key` over the finished runs of one cell (None: none)."""
+    values = [r[key] for r in rows if all(r[k] == v for k, v in cell.items()) and r.get(key)]
+    return statistics.mean(values) if values else None
+
+
+def checks(rows: list[dict[str, Any]]) -> list[str]:
+    """Issue 50's targets, as far as these rows measure them: Ray within 1.3x of local,
+    edgefl's s / round at most 0.5x Flower's at 1,000 agents, DA-DPFL's CPU per
+    agent-round at the largest fleet within 1.2x of the smallest's."""
+    lines, sizes = [], sorted({r["agents"] for r in rows})
+    for agents in sizes:
+        for strategy in ("fedavg", "dadpfl"):
+            cell = {"agents": agents, "strategy": strategy}
+            for key, what in (("steady_round_s", "s / round"), ("steady_cpu_round_s", "CPU")):
+                local = mean_of(rows, key, engine="local", **cell)
+                for engine in ("ray", "cluster"):
+                    mine = mean_of(rows, key, engine=engine, **cell)
+                    if local and mine:
+                        lines.append(
+                            f"{agents} {strategy} {engine}/local {what}: {mine / local:.2f}x"
+                        )
+            flower = mean_of(rows, "steady_round_s", engine="flower", **cell)
+            for engine in ("local", "ray") if flower else ():
+                mine = mean_of(rows, "steady_round_s", engine=engine, **cell)
+                if mine:
+                    ratio_ = mine / flower
+                    lines.append(f"{agents} {strategy} {engine}/flower s / round: {ratio_:.2f}x")
+    small, large = (mean_of(rows, "cpu_ms_per_agent_round", engine="local", strategy="dadpfl",
+                            agents=a) for a in (sizes[0], sizes[-1]))  # fmt: skip
+    if small and large and sizes[-1] > sizes[0]:
+        lines.append(f"dadpfl CPU per agent-round {sizes[-1]}/{sizes[0]}: {large / small:.2f}x")
+    return lines
+
+
 def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
     """The runs, interleaved: for each size and seed, each strategy on each engine."""
     specs = []
@@ -289,7 +367,7 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="100 and 1,000 agents, seed 1")
+    parser.add_argument("--quick", action="store_true", help="100, 1,000 agents; seed 1; 2 rounds")
     parser.add_argument("--agents", default="100,1000,10000")
     parser.add_argument("--strategies", default="fedavg,dadpfl")
     parser.add_argument("--engines", default=",".join(ENGINES))
@@ -317,9 +395,13 @@ def main(argv: list[str] | None = None) -> int:
         row["identical"] = all(r.get("digest") == row.get("digest") for r in same)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    Console(width=200).print(table(rows, "simulate at scale: synthetic, ~20 samples an agent"))
+    console = Console(width=200)
+    console.print(table(rows, "simulate at scale: synthetic, ~20 samples an agent"))
+    verdicts = checks(rows)
+    console.print("\n".join(verdicts))
     config = {k: v for k, v in vars(args).items() if k not in ("out", "one")}
-    write_json(args.out, {"config": config, "rows": rows, "machine": environment()})
+    result = {"config": config, "rows": rows, "checks": verdicts, "machine": environment()}
+    write_json(args.out, result)
     return 0 if all(r["identical"] for r in rows) else 1
 
 
