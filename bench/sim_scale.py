@@ -284,6 +284,13 @@ COLUMNS = (
 )  # fmt: skip
 
 
+def same(runs: list[dict[str, Any]]) -> str:
+    """Whether the runs' reports equal the other engines' of their cell (-: no report)."""
+    if any(r["identical"] is False for r in runs):
+        return "NO"
+    return "yes" if any(r["identical"] for r in runs) else "-"
+
+
 def table(rows: list[dict[str, Any]], title: str) -> Table:
     """One line per (agents, strategy, engine): the figures over the seeds."""
     out = Table(title=title)
@@ -310,11 +317,7 @@ def table(rows: list[dict[str, Any]], title: str) -> Table:
             spread([r["first_round_s"] for r in runs if r.get("first_round_s")], 1),
             spread([r["driver_mb_per_agent"] for r in runs if "driver_mb_per_agent" in r], 3),
             spread([r["tree_peak_mb"] for r in runs if r.get("tree_peak_mb")], 0),
-            "NO"
-            if any(r["identical"] is False for r in runs)
-            else "yes"
-            if runs[0]["identical"]
-            else "-",
+            same(runs),
         )
     return out
 
