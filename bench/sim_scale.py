@@ -24,8 +24,10 @@ fraction, so Flower's runs with `fraction_train` 1.0 too), DA-DPFL with M = 5 ne
   included) over the same rounds: on a machine shared with other work, what the round
   cost; and per agent-round (ms), the figure issue 50 compares across fleet sizes.
 * driver MB / agent: the run's own process (the simulator, Flower's server): its peak RSS
-  less its RSS before the fleet was built, per agent. Tree MB: the peak of the tree's
-  proportional set size (PSS: shared pages, Ray's object store among them, counted once).
+  less its RSS before the fleet was built, per agent; its RSS counts the pages of Ray's
+  object store (shared memory) it wrote or read, so driver anon MB is its peak of private
+  memory (RssAnon) alone. Tree MB: the peak of the tree's proportional set size (PSS:
+  shared pages, Ray's object store among them, counted once).
 * identical: the local and Ray reports of one (agents, strategy, seed) are the same, wall
   time aside.
 
@@ -133,6 +135,9 @@ class TreeWatch(threading.Thread):
         self.cpu: dict[int, float] = {}
         self.samples: list[tuple[float, float]] = []
         self.peak_pss_mb = 0.0
+        self.peak_anon_mb = 0.0
+        """The first root's peak of private memory (RssAnon: its heap, not the shared
+        pages of Ray's object store that RSS counts once it touched them)."""
         self.done = threading.Event()
 
     def sample(self) -> None:
@@ -150,6 +155,10 @@ class TreeWatch(threading.Thread):
             self.cpu[process.pid] = times.user + times.system
         self.samples.append((time.time(), sum(self.cpu.values())))
         self.peak_pss_mb = max(self.peak_pss_mb, pss / 2**20)
+        with contextlib.suppress(OSError):
+            status = pathlib.Path(f"/proc/{self.roots[0].pid}/status").read_text()
+            anon = next(line for line in status.splitlines() if line.startswith("RssAnon:"))
+            self.peak_anon_mb = max(self.peak_anon_mb, int(anon.split()[1]) / 1024)
 
     def run(self) -> None:
         while not self.done.is_set():
@@ -254,6 +263,7 @@ def figures(
         "cpu_ms_per_agent_round": steady_cpu and 1000 * steady_cpu / spec["agents"],
         "driver_mb_per_agent": driver_mb / spec["agents"],
         "tree_peak_mb": watch.peak_pss_mb,
+        "driver_anon_peak_mb": watch.peak_anon_mb,
         "first_round_s": ends[min(ends)] - result["started"] if ends else None,
     }
 
@@ -280,7 +290,7 @@ def ratio(runs: list[dict[str, Any]], base: list[dict[str, Any]], key: str) -> s
 COLUMNS = (
     "agents", "strategy", "engine", "s / round", "vs local", "vs flower", "CPU s / round",
     "CPU vs local", "CPU ms / agent-round", "first round s", "driver MB / agent",
-    "tree peak MB", "identical",
+    "driver anon MB", "tree peak MB", "identical",
 )  # fmt: skip
 
 
@@ -316,6 +326,7 @@ def table(rows: list[dict[str, Any]], title: str) -> Table:
             spread([r["cpu_ms_per_agent_round"] for r in done], 2),
             spread([r["first_round_s"] for r in runs if r.get("first_round_s")], 1),
             spread([r["driver_mb_per_agent"] for r in runs if "driver_mb_per_agent" in r], 3),
+            spread([r["driver_anon_peak_mb"] for r in runs if r.get("driver_anon_peak_mb")], 0),
             spread([r["tree_peak_mb"] for r in runs if r.get("tree_peak_mb")], 0),
             same(runs),
         )
