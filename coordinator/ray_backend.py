@@ -2,19 +2,24 @@
 
 The same seam as the home-made pool (`coordinator.training_pool.Training`): the simulator
 keeps its loops, its order and its report, and only the participants' fits (a few batches a
-CPU, `BATCHES_PER_CPU`) and the decentralized agents' local rounds (a task each, started as
-`when_ready` says) move out, as Ray tasks. A task depends only on its job (the
-agent's state, its inbox or view of the server, the round) and on the run's workload, which
-every worker process builds once from the config, as a pool worker does; so a task that Ray
-runs again on another node after its node died (`max_retries`) gives the same result, and a
-run gives the same report, bit for bit, as the local backend.
+CPU, `BATCHES_PER_CPU`) and the decentralized agents' local rounds (in tasks of about
+`AGENTS_PER_TASK`, each agent started as `when_ready` says) move out, as Ray tasks. A task
+depends only on its jobs (each agent's state, its inbox or view of the server, the round)
+and on the run's workload, which every worker process builds once from the config, as a
+pool worker does; so a task that Ray runs again on another node after its node died
+(`max_retries`) gives the same results, and a run gives the same report, bit for bit, as
+the local backend.
 
 Where things live: the run's config and roster are put in Ray's object store once and each
-worker process keeps the workload built from them (`_training_of`: one run at a time); an
-agent's state travels with its job and comes back with its result, since the simulator's
-own round rules (early stopping, attacks, judging, the report) read it between rounds.
-Jobs and results travel as pickles whose tensors are numpy arrays; on a cluster, a pruned
-model's as its nonzero weights and a bit mask (`RayTraining.sparse`).
+worker process keeps the workload built from them (`_training_of`: one run at a time). On a
+cluster an agent's state waits between rounds in the object store, the simulator holding a
+reference (`RayStates`), and a job names it, which Ray fetches to the node that trains it;
+on a Ray started here it travels with its job (`RayTraining.keep` says why). Either way it
+comes back with the agent's result, since the simulator's own round rules (early stopping,
+attacks, judging, the report) read it. A model that several agents receive is put in the
+object store once a round and named by their jobs (`RayTraining._put_once`). Jobs and
+results travel as pickles whose tensors are numpy arrays; on a cluster, a pruned model's as
+its nonzero weights and a bit mask (`RayTraining.sparse`).
 
 Ray is the `ray` extra, never a device's: it is imported only here, when a run asks for it.
 Ray 2.60 listens on every interface of each node, a Ray started here included (it turns a
@@ -363,6 +368,7 @@ class RayTraining:
     def close(self) -> None:
         if self._states is not None:
             self._states.close()
+        self._put.clear()
         if self._started:
             self._ray.shutdown()
 
