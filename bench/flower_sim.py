@@ -8,9 +8,12 @@ own (flwr 1.42: Ray 2.55.1) and its typer pin conflicts with the gateway extra's
 is never installed next to edgefl. Set it up once:
 
     python3 -m venv /tmp/flwr-venv
-    /tmp/flwr-venv/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+    /tmp/flwr-venv/bin/pip install torch==2.13.0   # the CPU build, as scripts/setup.sh pins it
     /tmp/flwr-venv/bin/pip install 'flwr[simulation]==1.42.0'
-    /tmp/flwr-venv/bin/pip install -e .          # edgefl's base install, no extras
+    /tmp/flwr-venv/bin/pip install -e .            # edgefl's base install, no extras
+
+(`pip install -e .` puts edgefl's base dependencies there; the bench runs this tree's code
+through PYTHONPATH all the same.)
 
 The task is the one the simulator runs for the same spec (`bench.sim_scale.config_of`): our
 model, our data split, our FedAvg participant's local SGD (`studies.vs_flower.run_flower`:
