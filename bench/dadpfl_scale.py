@@ -1,6 +1,10 @@
 """DA-DPFL's simulator cost per agent-round as the fleet grows. Target: the CPU time per
 agent-round at the largest fleet within 1.2x of the smallest's.
 
+mnist1d's 4,000 training samples stop at about 1,000 agents (min_samples 3); the figure at
+10,000 agents, on a synthetic set that gives every agent the same 20 samples at every size,
+is `bench.sim_scale`'s CPU ms / agent-round (docs/scaling.md).
+
     python -m bench.dadpfl_scale [--agents 100,300,1000] [--seeds 1,2] [--rounds 3]
         [--out bench/results/dadpfl_scale.json]
 

@@ -80,6 +80,8 @@ from coordinator.training_pool import (
     FitJob,
     InProcess,
     RoundJob,
+    States,
+    StateStore,
     Training,
     training_on,
     when_ready,
@@ -128,7 +130,11 @@ class Simulation:
         self.costs = measured_costs(config, workload) if self.budgets else None
         self.profiles = agent_profiles(config, self.roster)
         """Each agent's board, whose model gives its energy (none without --profiles)."""
-        self.states = {agent_id: self.learner.init_agent(agent_id) for agent_id in self.roster}
+        self.states: StateStore = States(
+            {agent_id: self.learner.init_agent(agent_id) for agent_id in self.roster}
+        )
+        """Each agent's state between rounds: held here, or, with the Ray backend while the
+        run runs, in Ray's object store (`RayTraining.keep`)."""
         self.plan = pruning.PruningPlan(cfg.rounds, cfg.schedule_b, cfg.schedule_c)
         self.early_stops = {k: EarlyStop.of(cfg) for k in self.roster}
         self.stopped: dict[str, int] = {}
@@ -161,7 +167,9 @@ class Simulation:
         cfg = self.config.learning
         run_rounds = self._centralized if self.centralized else self._decentralized
         with self._training() as self.training:
+            self.states = self.training.keep(self.states)
             rounds = run_rounds(progress)
+            backdoor = backdoor_summary(self)
         report = {
             "config": {
                 **dataclasses.asdict(self.config),
@@ -173,7 +181,7 @@ class Simulation:
                 **summarize(rounds, self.plan.t_star, time.perf_counter() - started),
                 "stopped": stopped_summary(rounds, self.stopped, cfg.rounds),
                 **honest_summary(rounds, self.attackers),
-                **backdoor_summary(self),
+                **backdoor,
             },
         }
         return named_for_task(report, self.learner.facts.task)
@@ -187,17 +195,18 @@ class Simulation:
     # ------------------------------------------------------------------ decentralized rounds
 
     def _early_stop(
-        self, k: str, t: int, weights: sparse.State, train_loss: float, pruned: bool = False
+        self, k: str, t: int, state: AgentState, train_loss: float, pruned: bool = False
     ) -> None:
         """Early stopping (ALGORITHMS.md 2): record that k stops after round t, if it does;
         a round that `pruned` k's model restarts its rule's window. Under `--max-epsilon`, k
         stops too once its next round would pass it (`privacy.budget_spent`)."""
         samples = len(self.data[k].y_train)
-        spent = privacy.budget_spent(self.config.learning, samples, self.states[k].dp_steps)
+        spent = privacy.budget_spent(self.config.learning, samples, state.dp_steps)
         if spent is not None:
             self.stopped[k], self.stop_reasons[k] = t, spent
             return
-        if self.early_stops[k].after(self.learner.facts, weights, train_loss, self.data[k], pruned):
+        stops = self.early_stops[k].after
+        if stops(self.learner.facts, state.weights, train_loss, self.data[k], pruned):
             self.stopped[k] = t
 
     def _start_round(
@@ -205,7 +214,8 @@ class Simulation:
     ) -> Future[tuple[RoundResult, Reduction]]:
         """Agent k's local round on `inbox`, cut to its budget, started."""
         t, prune_now = topology.round, self.plan.is_pruning_round(topology.round)
-        job = RoundJob(k, self.states[k], inbox, t, prune_now, self.budgets.get(k), self.costs)
+        state = self.states.held(k)
+        job = RoundJob(k, state, inbox, t, prune_now, self.budgets.get(k), self.costs)
         return self.training.local_round(job)
 
     def _finish_round(
@@ -213,11 +223,12 @@ class Simulation:
     ) -> tuple[RoundResult, AgentRound]:
         """Keep agent k's round: its state, early stopping, figures; what it sends (poisoned
         if it is an attacker)."""
-        before, self.states[k] = self.states[k].weights, result.state
+        before = self.states[k].weights if k in self.attackers else {}
+        self.states[k] = result.state
         if result.recovered:
             with agent_scope(k):
                 log.warning("round %d: model not finite; kept its model from before", t)
-        self._early_stop(k, t, result.state.weights, result.train_loss, result.pruned)
+        self._early_stop(k, t, result.state, result.train_loss, result.pruned)
         p_k = reported_p_k(p_k_of(self.budgets, k), self.learner.traits.budgets)
         record = AgentRound.of_result(t, k, result, reduction, p_k)
         if k in self.attackers:
@@ -282,7 +293,8 @@ class Simulation:
             return self._start_round(k, topology, wire.receive(k, topology, inbox))
 
         waits_for = {k: set(topology.prior_posterior(k)[0]) - current.keys() for k in order}
-        for k, (result, reduction) in when_ready(order, waits_for, start, self.training.slots):
+        slots, started = self.training.slots, self.training.started
+        for k, (result, reduction) in when_ready(order, waits_for, start, slots, started):
             yield k, *self._finish_round(k, topology.round, result, reduction)
 
     # -------------------------------------------------------------------- centralized rounds
@@ -297,7 +309,7 @@ class Simulation:
             download = strategy.download(self.learner.facts, server, k, t, turn.p_k)
             part = as_sent(download, self.config.learning.fp16)
         samples = len(self.data[k].y_train)
-        return FitJob(turn, self.states[k], turn.view(server, part), samples), download
+        return FitJob(turn, self.states.held(k), turn.view(server, part), samples), download
 
     def _centralized(self, progress: ProgressCallback | None) -> list[dict[str, Any]]:
         """The rounds of `agent.learning.central`'s contract in one process: the server's
@@ -339,7 +351,7 @@ class Simulation:
                 length = vector_length(strategy, self.learner.facts)
                 secure_round(t, sorted(fits), summed, length, traffic)
             for k, fit in fits.items():
-                self._early_stop(k, t, fit.state.weights, fit.train_loss)
+                self._early_stop(k, t, fit.state, fit.train_loss)
             report_round = functools.partial(
                 self._report_round, rounds, t, strategy, server, jobs, fits, traffic
             )

@@ -29,7 +29,8 @@ import heapq
 import io
 import multiprocessing
 import pickle
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from abc import abstractmethod
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -64,6 +65,9 @@ __all__ = [
     "InProcess",
     "RoundJob",
     "LoggingAs",
+    "StateStore",
+    "States",
+    "Stored",
     "Training",
     "TrainingPool",
     "dumps",
@@ -77,12 +81,46 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True)
+class Stored:
+    """An agent's state that the backend keeps (`coordinator.ray_backend.RayStates`: Ray's
+    object store), by reference: what a job carries in its place, so that the simulator
+    need not hold every agent's state between rounds."""
+
+    ref: Any
+
+
+class StateStore(MutableMapping[str, AgentState]):
+    """The agents' states between rounds, as the simulator reads and writes them: held here
+    (`States`) or by the backend (`coordinator.ray_backend.RayStates`), which a job then
+    names by reference (`held`)."""
+
+    @abstractmethod
+    def held(self, k: str) -> AgentState | Stored:
+        """What agent k's next job carries: its state, or a reference to it."""
+
+
+class States(dict[str, AgentState], StateStore):
+    """The agents' states held in this process: a job carries the state itself."""
+
+    def held(self, k: str) -> AgentState | Stored:
+        return self[k]
+
+
+def own(held: T | Stored) -> T:
+    """A job's state or received model, which a backend that ships them by reference has
+    put in place where the job trains."""
+    if isinstance(held, Stored):
+        raise TypeError("a job's input was not resolved where it trains")
+    return held
+
+
+@dataclass(frozen=True)
 class FitJob:
-    """One participant's fit (`Turn.train`): its turn, its state before the round and the
-    view of the server it trains from."""
+    """One participant's fit (`Turn.train`): its turn, its state before the round (or a
+    reference to it: `Stored`) and the view of the server it trains from."""
 
     turn: Turn
-    state: AgentState
+    state: AgentState | Stored
     view: ServerState
     samples: int
     """Its training samples: what its fit costs, to hand out the longest first."""
@@ -93,8 +131,9 @@ class RoundJob:
     """One decentralized agent's local round (`train_round`'s inputs but its data)."""
 
     agent: str
-    state: AgentState
-    inbox: dict[str, Published]
+    state: AgentState | Stored
+    inbox: Mapping[str, Published | Stored]
+    """The models it received (or references to them: `Stored`)."""
     round: int
     prune_now: bool
     budget: Budget | None
@@ -117,11 +156,31 @@ class Training(Protocol):
         ...
 
     def local_round(self, job: RoundJob) -> Future[tuple[RoundResult, Reduction]]:
-        """The agent's round, started: its result and reduction when it is done."""
+        """The agent's round, started (or, on a backend that batches, queued until
+        `started`): its result and reduction when it is done."""
+        ...
+
+    def started(self) -> None:
+        """The rounds `local_round` queued are all asked for: send them off."""
+        ...
+
+    def keep(self, states: StateStore) -> StateStore:
+        """Where the agents' states stay between this run's rounds, from `states` on."""
         ...
 
 
-class InProcess:
+class Local:
+    """What the backends on this machine share: states stay in the simulator's process,
+    and a round starts as soon as it is asked for."""
+
+    def started(self) -> None:
+        return None
+
+    def keep(self, states: StateStore) -> StateStore:
+        return states
+
+
+class InProcess(Local):
     """Training here, one agent after the other."""
 
     slots = 1
@@ -139,7 +198,8 @@ class InProcess:
         for job in jobs:
             k = job.turn.agent
             with agent_scope(k):  # the learner's lines are this agent's
-                fit = job.turn.train(self.strategy, self.learner, job.state, self.data[k], job.view)
+                state, data = own(job.state), self.data[k]
+                fit = job.turn.train(self.strategy, self.learner, state, data, job.view)
             yield k, fit
 
     def local_round(self, job: RoundJob) -> Future[tuple[RoundResult, Reduction]]:
@@ -149,9 +209,9 @@ class InProcess:
         with agent_scope(job.agent):  # the learner's lines are this agent's
             result, reduction = train_round(
                 self.learner,
-                job.state,
+                own(job.state),
                 data,
-                job.inbox,
+                {j: own(model) for j, model in job.inbox.items()},
                 job.round,
                 job.prune_now,
                 p_k,
@@ -167,10 +227,12 @@ def when_ready(
     waits_for: Mapping[str, set[str]],
     start: Callable[[str], Future[T]],
     slots: int,
+    started: Callable[[], None] = lambda: None,
 ) -> Iterator[tuple[str, T]]:
     """Start each of `order` once everything it `waits_for` has been yielded (the caller acts
     on each before asking for the next), at most `slots` at once, the earliest in `order`
-    first; yield each as it finishes (those that finish together in `order`). With one slot
+    first, and call `started` after each wave of starts (a backend that batches sends them
+    then); yield each as it finishes (those that finish together in `order`). With one slot
     that is `order` itself."""
     position = {k: i for i, k in enumerate(order)}
     waiting = {k: set(waits_for.get(k, ())) for k in order}
@@ -184,6 +246,7 @@ def when_ready(
         while ready and len(under_way) < slots:
             k = order[heapq.heappop(ready)]
             under_way[start(k)] = k
+        started()
         finished, _ = wait(under_way, return_when=FIRST_COMPLETED)
         for future in sorted(finished, key=lambda f: position[under_way[f]]):
             k = under_way.pop(future)
@@ -286,7 +349,7 @@ def _local_round(job: bytes) -> bytes:
     return dumps(_WORKER[0].local_round(pickle.loads(job)).result())
 
 
-class TrainingPool:
+class TrainingPool(Local):
     """`workers` processes that train agents' rounds; `close` (or `with`) stops them."""
 
     def __init__(self, config: ExperimentConfig, roster: list[str], workers: int) -> None:

@@ -22,7 +22,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from coordinator.ray_backend import RayTraining
 from coordinator.simulate import ExperimentConfig, Simulation
+from coordinator.training_pool import Stored
 from tests.processes import REPO
 from tests.test_simulate import FEDAVG_EVERY_AGENT_STOPS, small
 
@@ -64,24 +66,37 @@ def trained(report: dict) -> int:
 
 
 def run(name: str, address: str | None, lose: int | None) -> dict:
-    """The named run on Ray: its report, the tasks each node trained, and (with `lose`, a
-    process group killed after round 1's last agent, before round 2 starts) those each had
-    trained before. Ray takes a while to see a node die, so it still sends some of round 2's
-    tasks to a lost node, and they must run again elsewhere."""
+    """The named run on Ray: its report, the agent-rounds each node trained, the Ray tasks
+    the run sent, how many agents' states the simulator held only by reference (`Stored`)
+    once round 1 was done, and (with `lose`, a process group killed after round 1's last
+    agent, before round 2 starts) the agent-rounds each node had trained before. Ray takes a
+    while to see a node die, so it still sends some of round 2's tasks to a lost node, and
+    they must run again elsewhere."""
     config = CONFIGS[name]()
     simulation = Simulation(config, WORKERS, "ray", address)
     before_loss: dict[str, int] = {}
     done: list[str] = []
+    stored: list[int] = []
 
     def progress(round_: int, agent: str) -> None:
         done.append(agent)
-        if lose and round_ == 1 and len(done) == config.agents:
-            before_loss.update(simulation.training.nodes)
-            os.killpg(lose, signal.SIGKILL)
+        if round_ == 1 and len(done) == config.agents:
+            held = [simulation.states.held(k) for k in simulation.roster]
+            stored.append(sum(isinstance(state, Stored) for state in held))
+            if lose:
+                before_loss.update(simulation.training.nodes)
+                os.killpg(lose, signal.SIGKILL)
 
     report = simulation.run(progress)
-    nodes = dict(simulation.training.nodes)
-    return {"report": report, "nodes": nodes, "before_loss": before_loss}
+    training = simulation.training
+    assert isinstance(training, RayTraining)
+    return {
+        "report": report,
+        "nodes": dict(training.nodes),
+        "tasks": training.tasks,
+        "stored_after_round_1": stored[0],
+        "before_loss": before_loss,
+    }
 
 
 def wait_for_nodes(address: str, count: int, timeout_s: float = 120.0) -> None:
@@ -105,12 +120,14 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("names", nargs="+", choices=sorted(CONFIGS))
     parser.add_argument("--address", help="the cluster's head (none: start a Ray here)")
-    parser.add_argument("--lose", type=int, help="a process group to kill in round 2")
+    parser.add_argument("--lose", type=int, help="a process group to kill in the first run")
     parser.add_argument("--nodes", type=int, default=1, help="wait for this many nodes")
     args = parser.parse_args()
     if args.address:
         wait_for_nodes(args.address, args.nodes)
-    runs = {name: run(name, args.address, args.lose) for name in args.names}
+    runs = {}
+    for i, name in enumerate(args.names):  # a lost node is lost in the first run
+        runs[name] = run(name, args.address, args.lose if i == 0 else None)
     args.out.write_text(json.dumps(runs))
 
 

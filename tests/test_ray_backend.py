@@ -49,6 +49,16 @@ def test_ray_tasks_give_the_local_report_bit_for_bit(on_ray: dict, name: str) ->
     assert sum(run["nodes"].values()) == trained(run["report"])  # every round ran on Ray
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_agents_rounds_go_out_several_to_a_task(on_ray: dict, name: str) -> None:
+    """DA-DPFL's rounds too; on a Ray started here, agents' states travel with their jobs
+    (on a cluster they stay in Ray's object store: tests/test_ray_cluster.py)."""
+    run = on_ray[name]
+    assert run["tasks"] < trained(run["report"])
+    assert run["stored_after_round_1"] == 0
+
+
 def test_backend_flags_mistakes_are_one_line() -> None:
     runner = CliRunner()
     address_alone = runner.invoke(main, ["simulate", "--ray-address", "127.0.0.1:6379"])

@@ -4,7 +4,8 @@ and a second node (`ray start`, one CPU each) on two hosts of an emulated LAN
 and temporary folders of their own. The run's agents train on both nodes; the second node is
 killed after round 1, before Ray can know (it sends round 2's tasks to both nodes), and the
 run completes, the tasks the lost node was sent run again on the head (Ray's task retries),
-with the numbers of the local backend.
+with the numbers of the local backend; agents' states stay in Ray's object store between
+rounds (the simulator holds references), DA-DPFL's too (a second run, on the head alone).
 
 A node is `ray start --block` in a process group of its own: killing the group kills the
 node's raylet, object store and workers. The head checks its nodes' health every half second,
@@ -95,13 +96,17 @@ def test_agents_train_on_both_nodes_and_a_lost_node_changes_no_number(
 ) -> None:
     out, log = tmp_path / "run.json", tmp_path / "driver.log"
     options = ["--address", cluster.address, "--nodes", "2", "--lose", str(cluster.second.pid)]
-    driver = cluster.lan.popen("head", command(out, ["fedavg"], *options), env=cluster.env, log=log)
+    names = ["fedavg", "dadpfl"]  # the second node is lost in the first
+    driver = cluster.lan.popen("head", command(out, names, *options), env=cluster.env, log=log)
     assert driver.wait(timeout=240) == 0, log.read_text()[-3000:]
-    run = json.loads(out.read_text())["fedavg"]
-    local = json.loads(json.dumps(simulate(CONFIGS["fedavg"]())))  # as the report reads back
-    assert without_wall_time(run["report"]) == without_wall_time(local)
-    before, after = run["before_loss"], run["nodes"]
+    runs = json.loads(out.read_text())
+    for name in names:
+        local = json.loads(json.dumps(simulate(CONFIGS[name]())))  # as the report reads back
+        assert without_wall_time(runs[name]["report"]) == without_wall_time(local)
+        assert sum(runs[name]["nodes"].values()) == trained(local)  # every agent-round, once
+        # between rounds the simulator held every agent's state by reference only
+        assert runs[name]["stored_after_round_1"] == CONFIGS[name]().agents
+    before, after = runs["fedavg"]["before_loss"], runs["fedavg"]["nodes"]
     assert len(before) == 2  # both nodes trained agents in round 1
     assert cluster.second.poll() is not None  # the second node was lost mid-run
     assert sorted(after[node] > before[node] for node in before) == [False, True]  # the head
-    assert sum(after.values()) == trained(run["report"])  # every agent-round, once
