@@ -100,6 +100,18 @@ ProgressCallback = Callable[[int, str], None]
 """Called with (round, agent) after each agent's round."""
 
 
+def check_backend(workers: int, backend: str, ray_address: str | None) -> None:
+    """Where a simulation trains its agents: one clear sentence for a bad choice."""
+    if workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {workers}")
+    if backend not in BACKENDS:
+        raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if ray_address is not None and backend != "ray":
+        raise ValueError("--ray-address needs --backend ray")
+    if backend == "ray":
+        require_ray()
+
+
 class Simulation:
     """One run: builds the fleet, runs the rounds, and collects the report."""
 
@@ -111,14 +123,7 @@ class Simulation:
         ray_address: str | None = None,
     ) -> None:
         config.validate()
-        if workers < 1:
-            raise ValueError(f"--workers must be >= 1, got {workers}")
-        if backend not in BACKENDS:
-            raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-        if ray_address is not None and backend != "ray":
-            raise ValueError("--ray-address needs --backend ray")
-        if backend == "ray":
-            require_ray()
+        check_backend(workers, backend, ray_address)
         self.config = config
         cfg = config.learning
         self.roster = [f"agent-{k:03d}" for k in range(config.agents)]
