@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from typing import Any
 
 from agent.learning import Published, apply_delta
@@ -213,6 +213,17 @@ class Inbox(FleetMail):
         """The layers of `sender`'s round model that are here, by layer."""
         with self._changed:
             return {k[2]: p for k, p in self._layers.items() if k[:2] == (round_, sender)}
+
+    def held(
+        self, rounds: Container[int]
+    ) -> tuple[dict[tuple[int, str], Published], dict[tuple[int, str], dict[str, float]]]:
+        """The models and the divergence vectors of `rounds` that are here, by (round,
+        sender), in one look: a checkpoint's, every round (asking for each roster member
+        would take the lock twice per member and round)."""
+        with self._changed:
+            models = {key: p for key, p in self._models.items() if key[0] in rounds}
+            vectors = {key: v for key, v in self._divergences.items() if key[0] in rounds}
+        return models, vectors
 
     def divergence(self, round_: int, sender: str) -> dict[str, float] | None:
         with self._changed:
