@@ -444,8 +444,7 @@ class _FleetBroker(Broker):
         broadcast = await self._broadcast_queue.get()
         topic = broadcast["topic"]
         for a_filter, subscriptions in self._subscriptions.items():
-            # amqtt's `_matches` is a filter's own topic for one without wildcards: asked of
-            # every filter of the table for every message, the call was most of the cost.
+            # No call of amqtt's `_matches` (most of the cost) for a filter without wildcards.
             wild = "+" in a_filter or "#" in a_filter
             if a_filter != topic and (not wild or not self._matches(topic, a_filter)):
                 continue
@@ -481,22 +480,29 @@ class _FleetBroker(Broker):
         (another fleet's presence, a run). A subscription (SUBSCRIBE) is registered before
         this is called, so a session's own filters pass.
         """
-        topic_filter, qos = subscription
-        holders = self._subscriptions.get(topic_filter, [])
+        holders = self._subscriptions.get(subscription[0], [])
         if not any(held.client_id == session.client_id for held, _qos in holders):
             return
-        if "+" in topic_filter or "#" in topic_filter:
+        if "+" in subscription[0] or "#" in subscription[0]:
             await super()._publish_retained_messages_for_subscription(subscription, session)
-            return
-        # Without wildcards only its own topic matches: amqtt's walk of every retained
-        # message, a debug line built for each, was most of the cost of a SUBSCRIBE.
-        retained = self._retained_messages.get(topic_filter)
-        handler = self._get_handler(session)
-        if retained is not None and handler:
-            publish = handler.mqtt_publish(
-                retained.topic, retained.data, min(qos, retained.qos or qos), retain=True
-            )
-            await asyncio.wait([asyncio.Task(publish)])
+        else:
+            await _send_retained_of(self, subscription, session)
+
+
+async def _send_retained_of(
+    broker: Broker, subscription: tuple[str, int], session: Session
+) -> None:
+    """amqtt's sending of the retained messages a new subscription matches, for a filter
+    without wildcards: only its own topic's. amqtt walks every retained message, a debug
+    line built for each, which was most of the cost of a SUBSCRIBE."""
+    topic, qos = subscription
+    retained = broker._retained_messages.get(topic)
+    handler = broker._get_handler(session)
+    if retained is not None and handler:
+        publish = handler.mqtt_publish(
+            retained.topic, retained.data, min(qos, retained.qos or qos), retain=True
+        )
+        await asyncio.wait([asyncio.Task(publish)])
 
 
 class FleetGuardPlugin(BaseAuthPlugin, BaseTopicPlugin):

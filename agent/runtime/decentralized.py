@@ -40,6 +40,7 @@ from agent.report import AgentRound, reported_p_k
 from agent.runtime import checkpoint
 from agent.runtime.asking import Asking
 from agent.runtime.codec import all_finite, values_sent
+from agent.runtime.inbox import held_models
 from agent.runtime.session import RoundClock, Session
 from agent.runtime.wire import Have, Wait, Wire
 from agent.workload import compute_slot
@@ -316,7 +317,7 @@ class DecentralizedRounds:
     def held(self, round_: int) -> dict[str, dict[str, Any]]:
         """Peers' models to keep across a restart: this round's and next round's."""
         s = self.session
-        models, vectors = s.inbox.held((round_, round_ + 1))
+        models, vectors = held_models(s.inbox, (round_, round_ + 1))
         roster = set(s.roster)
         held: dict[str, dict[str, Any]] = {}
         for r, j in sorted(key for key in models.keys() | vectors.keys() if key[1] in roster):

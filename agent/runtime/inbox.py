@@ -34,7 +34,7 @@ from protocol import ProtocolError, messages, topics
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.logs import claimed_sender
 
-__all__ = ["ROUNDS_AHEAD", "Expected", "Inbox"]
+__all__ = ["ROUNDS_AHEAD", "Expected", "Inbox", "held_models"]
 
 ROUNDS_AHEAD = 4
 """Rounds past the one being run whose messages are kept: the round driver subscribes to the
@@ -213,17 +213,6 @@ class Inbox(FleetMail):
         """The layers of `sender`'s round model that are here, by layer."""
         with self._changed:
             return {k[2]: p for k, p in self._layers.items() if k[:2] == (round_, sender)}
-
-    def held(
-        self, rounds: Container[int]
-    ) -> tuple[dict[tuple[int, str], Published], dict[tuple[int, str], dict[str, float]]]:
-        """The models and the divergence vectors of `rounds` that are here, by (round,
-        sender), in one look: a checkpoint's, every round (asking for each roster member
-        would take the lock twice per member and round)."""
-        with self._changed:
-            models = {key: p for key, p in self._models.items() if key[0] in rounds}
-            vectors = {key: v for key, v in self._divergences.items() if key[0] in rounds}
-        return models, vectors
 
     def divergence(self, round_: int, sender: str) -> dict[str, float] | None:
         with self._changed:
@@ -423,3 +412,15 @@ def check_whole_layers(weights: State, layers: Mapping[str, list[str]]) -> None:
         held = [name in weights for name in tensors]
         if any(held) and not all(held):
             raise ProtocolError(f"layer {layer!r} only in part")
+
+
+def held_models(
+    inbox: Inbox, rounds: Container[int]
+) -> tuple[dict[tuple[int, str], Published], dict[tuple[int, str], dict[str, float]]]:
+    """The models and the divergence vectors of `rounds` in `inbox`, by (round, sender), in
+    one look: what a checkpoint keeps, every round (asking for each roster member took the
+    lock twice per member and round)."""
+    with inbox._changed:
+        models = {key: p for key, p in inbox._models.items() if key[0] in rounds}
+        vectors = {key: v for key, v in inbox._divergences.items() if key[0] in rounds}
+    return models, vectors
