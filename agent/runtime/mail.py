@@ -181,9 +181,8 @@ class FleetMail:
         voted = messages.members(message.voted, roster)
         yes = messages.members(message.yes, roster)
         with self._changed:  # re-entrant: the votes go in before the round counts as tallied
-            votes = self._votes.setdefault(message.round, {})
-            for agent in sorted(voted):  # `record_votes`, with one wake-up for all of them
-                votes.setdefault(agent, agent in yes)
+            for agent in sorted(voted):
+                self.record_votes(agent, {message.round: agent in yes})
             if message.round == 0:
                 self.ready |= done
             for agent in done:
