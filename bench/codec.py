@@ -8,13 +8,18 @@ fast as encode. Speeds are the best of `--repeat` runs; the spread line repeats 
 
     python -m bench.codec [--out bench/results/codec.json] [--repeat N] [--seeds N]
 
-Measured here at density 0.5, fp32, over 5 seeds (bench/results/codec.json and, before the
-decoder scattered a slice at a time, codec-before.json): encode 3.74-3.93 GB/s, decode
-2.86-3.74 (0.73-0.97x encode; before 1.92-3.92, 0.50-1.00x). Decode's spread is the
-allocator's: its output (the dense values and the mask, 2.4x what encode writes) comes from
-fresh pages whenever glibc gave the last call's memory back to the kernel (10,788 page faults
-a decode, about half its CPU). With glibc told to keep it (MALLOC_TRIM_THRESHOLD_=268435456
-MALLOC_MMAP_THRESHOLD_=67108864) both versions decode at 3.5-3.8 GB/s, 0.94-1.00x encode.
+Measured here at density 0.5, fp32, over 5 seeds, two runs interleaved with the code before
+(session 33, a machine at load 30; bench/results/codec.json, codec-s33-before.json): encode
+3.43-3.62 GB/s, decode 2.99-3.17 (0.86-0.91x encode; before 2.26-3.62, 0.64-0.96x). The
+decoder now writes a message into one buffer per dtype and one for its masks, a bitmap
+unpacked and scattered a slice at a time: 174-685 page faults a decode, where per-tensor
+outputs faulted 5,000-13,000 in whenever glibc had given the last decode's memory back (about
+half its CPU). What is left is the kernel zeroing those fresh pages, which encode's smaller
+output (reused heap) does not pay: decode >= encode is not met on these seeds. In the table
+(one model, all densities) decode is 0.95-2.0x encode (before 0.60-1.26x). Bundled models,
+decode/encode over the two runs' 5 seeds (before: the same measure, seed 0, two runs):
+resnet18 0.81-0.91 (0.43-0.63), vgg11 0.79-0.94 (0.88-0.95), alexnet 1.10-1.64 (1.16-1.62),
+mlp 0.88-0.99 (0.97), cnn2d 1.09-1.16 (1.20-1.22), cnn1d 1.13-1.16 (1.13-1.25).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import platform
 import sys
 import time
 from collections import Counter
+from functools import partial
 
 # One thread for numpy's and BLAS's pools: set before numpy loads, which is why numpy and
 # protocol (which imports it) are imported inside the functions below.
@@ -171,6 +177,67 @@ def speed_spread(shapes: dict[str, tuple[int, ...]], seeds: int, repeat: int) ->
     return rows
 
 
+BUNDLED_INPUTS = {
+    "mlp": (1, 28, 28),
+    "cnn1d": (1, 40),
+    "cnn2d": (1, 28, 28),
+    "resnet18": (3, 32, 32),
+    "vgg11": (3, 32, 32),
+    "alexnet": (3, 32, 32),
+}
+"""The bundled models (agent/learning/models.py) and the input shapes they are built for."""
+
+
+def bundled_rows(seeds: int, repeat: int) -> list[dict]:
+    """Each bundled model (10 classes) with density-0.5 masks on its prunable tensors, what
+    agents send: encode and decode speeds (best of `repeat`) for each of `seeds` masks."""
+    import numpy as np
+
+    from agent.learning.models import build_model, prunable_names
+    from protocol import decode_tensors, encode_tensors
+
+    rows = []
+    for name, shape in BUNDLED_INPUTS.items():
+        model = build_model(name, shape, 10, seed=0)
+        state = {key: value.detach().numpy() for key, value in model.state_dict().items()}
+        prunable = set(prunable_names(model))
+        dense_bytes = sum(array.nbytes for array in state.values())
+        # Small models take microseconds: more calls, so that the best one is a fair one.
+        calls = max(repeat, int(2e8 / dense_bytes) // 10)
+        for seed in range(seeds):
+            rng = np.random.default_rng(seed)
+            masks = {
+                k: rng.random(a.shape) < SPEED_DENSITY for k, a in state.items() if k in prunable
+            }
+            encoded = encode_tensors(state, masks)
+            encode_s = best_seconds(partial(encode_tensors, state, masks), calls)
+            decode_s = best_seconds(partial(decode_tensors, encoded), calls)
+            rows.append(
+                {
+                    "model": name,
+                    "seed": seed,
+                    "dense_bytes": dense_bytes,
+                    "encode_mb_s": dense_bytes / encode_s / 1e6,
+                    "decode_mb_s": dense_bytes / decode_s / 1e6,
+                    "decode_over_encode": encode_s / decode_s,
+                }
+            )
+    return rows
+
+
+def print_bundled(rows: list[dict]) -> None:
+    by_model: dict[str, list[dict]] = {}
+    for row in rows:
+        by_model.setdefault(row["model"], []).append(row)
+    print(f"bundled models, density {SPEED_DENSITY:g} on prunable tensors, over seeds:")
+    for name, group in by_model.items():
+        print(
+            f"  {name:9s} {group[0]['dense_bytes'] / 1e6:7.2f} MB  encode "
+            f"{_span(group, 'encode_mb_s')} GB/s  decode {_span(group, 'decode_mb_s')} GB/s  "
+            f"decode/encode {_span(group, 'decode_over_encode', 1)}"
+        )
+
+
 def _span(rows: list[dict], key: str, scale: float = 1e3) -> str:
     values = [row[key] / scale for row in rows]
     return f"{min(values):.2f}-{max(values):.2f}"
@@ -198,6 +265,8 @@ def main() -> None:
         f"{_span(spread, 'encode_mb_s')} GB/s, decode {_span(spread, 'decode_mb_s')} GB/s, "
         f"decode/encode {_span(spread, 'decode_over_encode', 1)}"
     )
+    bundled = bundled_rows(args.seeds, args.repeat)
+    print_bundled(bundled)
     result = {
         "model": {
             "tensors": len(model),
@@ -213,6 +282,7 @@ def main() -> None:
         },
         "rows": rows,
         "speed_over_seeds": spread,
+        "bundled_models": bundled,
         "all_targets_met": all(row["targets_met"] for row in rows + spread),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

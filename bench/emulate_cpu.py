@@ -10,6 +10,14 @@ two runs' CPU over the difference of their rounds: start-up (processes, imports,
 cancels out. CPU is this process's and its finished children's (the agents' processes and,
 with the embedded broker, the broker in this process). Both must give the same per-agent
 accuracies.
+
+Session 33, before and after its speed-ups (bench/results/emulate_cpu.json and
+emulate_cpu-s33-before.json), `--rounds 2,6`, two interleaved pairs on a quiet machine:
+DA-DPFL 3.34-3.89 s of CPU per round, 1.93-2.35x simulate (before 4.10-4.14 s, 2.25-2.54x);
+FedAvg 2.12-2.34 s, 1.63-1.83x (before 2.08-2.10 s, 1.59-1.70x). Simulate's round is 1.3 s
+(FedAvg) and 1.7-1.8 s (DA-DPFL) here. Difference runs of a few rounds are noisy: on a
+machine at load 30 the same pairs gave DA-DPFL 3.0-4.1 s against 4.9-6.0 and ratios of
+0.8-2.0 whichever the code.
 """
 
 from __future__ import annotations

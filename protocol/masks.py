@@ -152,23 +152,39 @@ class MaskPlan:
     bits: np.ndarray | None = None
     positions: np.ndarray | None = None
 
-    def expand(self) -> np.ndarray:
-        """The flat bool mask (``size`` bytes)."""
-        if self.kind == MaskKind.FULL:
-            return np.ones(self.size, dtype=bool)
-        if self.kind == MaskKind.EMPTY:
-            return np.zeros(self.size, dtype=bool)
-        if self.kind == MaskKind.BITMAP:
+    def expand(self, out: np.ndarray | None = None) -> np.ndarray:
+        """The flat bool mask (``size`` bytes), written into ``out`` when given (a flat bool
+        array of ``size`` elements: the decoder's slice of one buffer for a message's masks)."""
+        mask = np.empty(self.size, dtype=bool) if out is None else out
+        if self.kind in (MaskKind.FULL, MaskKind.EMPTY):
+            mask.fill(self.kind == MaskKind.FULL)
+        elif self.kind == MaskKind.BITMAP:
             assert self.bits is not None  # decode_mask gives every bitmap its bits
-            return np.unpackbits(self.bits, count=self.size, bitorder="little").view(bool)
-        assert self.positions is not None  # and every Elias-Fano kind its positions
-        if self.kind == MaskKind.EF_RUNS:
-            lengths = np.diff(self.positions, prepend=0, append=self.size)
-            return np.repeat(np.arange(lengths.size) % 2 == 1, lengths)
-        dense = self.kind == MaskKind.EF_DROPPED
-        mask = np.full(self.size, dense, dtype=bool)
-        mask[self.positions] = not dense
+            _unpack_into(self.bits, mask)
+        else:
+            assert self.positions is not None  # and every Elias-Fano kind its positions
+            if self.kind == MaskKind.EF_RUNS:
+                lengths = np.diff(self.positions, prepend=0, append=self.size)
+                mask[...] = np.repeat(np.arange(lengths.size) % 2 == 1, lengths)
+            else:
+                dense = self.kind == MaskKind.EF_DROPPED
+                mask.fill(dense)
+                mask[self.positions] = not dense
         return mask
+
+
+_UNPACK_SLICE = 1 << 17
+"""Bits `_unpack_into` unpacks at a time (a multiple of 8)."""
+
+
+def _unpack_into(bits: np.ndarray, out: np.ndarray) -> None:
+    """``out[:] = unpackbits(bits)`` a slice at a time: each slice's unpacked bytes are a small
+    buffer the allocator reuses, where the whole mask's would be a fresh ``size``-byte one
+    whose pages fault in (and then a second copy into ``out``)."""
+    for begin in range(0, out.size, _UNPACK_SLICE):
+        end = min(begin + _UNPACK_SLICE, out.size)
+        chunk = bits[begin // 8 : (end + 7) // 8]
+        out[begin:end] = np.unpackbits(chunk, count=end - begin, bitorder="little").view(bool)
 
 
 def decode_mask(obj: object, size: int) -> MaskPlan:

@@ -28,8 +28,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
-import paho.mqtt.client as paho
-
+from protocol import topics
 from protocol.chunking import Reassembler, fits_one_frame, split
 from protocol.errors import ProtocolError
 from protocol.limits import Limits
@@ -73,7 +72,7 @@ class MemoryBroker:
     def send_retained(self, transport: MemoryTransport, topic_filter: str) -> None:
         """The retained messages `topic_filter` matches, to `transport`; caller holds lock."""
         for topic, frame in self._retained.items():
-            if paho.topic_matches_sub(topic_filter, topic):
+            if topics.matches(topic_filter, topic):
                 transport.receive(topic, frame)
 
 
@@ -250,9 +249,7 @@ class MemoryTransport:
     def receive(self, topic: str, frame: bytes) -> None:
         """A frame the broker routes here, under its lock (MqttTransport's `_on_message`):
         only what a subscription matches; whole messages go to the dispatcher."""
-        handlers = [
-            h for f, hs in self._subs.items() if paho.topic_matches_sub(f, topic) for h in hs
-        ]
+        handlers = [h for f, hs in self._subs.items() if topics.matches(f, topic) for h in hs]
         if not handlers:
             return
         self._count("received_frames")

@@ -47,6 +47,7 @@ from typing import Any
 import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 
+from protocol import topics
 from protocol.chunking import DEFAULT_CHUNK_SIZE, Reassembler, fits_one_frame, split
 from protocol.errors import ProtocolError
 from protocol.limits import DEFAULT_LIMITS, Limits
@@ -392,10 +393,7 @@ class _SubscriptionTable:
     def handlers_for(self, topic: str) -> list[Handler]:
         with self._cond:
             return [
-                h
-                for f, sub in self._subs.items()
-                if paho.topic_matches_sub(f, topic)
-                for h in sub.handlers
+                h for f, sub in self._subs.items() if topics.matches(f, topic) for h in sub.handlers
             ]
 
     def connected(self) -> None:

@@ -192,7 +192,7 @@ def decode_tensors(
         missing = sorted(set(expected) - names)[:8]
         raise ProtocolError(f"missing expected tensors {missing}")
     try:
-        return {plan.name: _build(plan) for plan in plans}
+        return _build(plans)
     except MemoryError:  # within limits, but more than this device has
         raise ProtocolError("not enough memory for the declared tensors") from None
 
@@ -279,24 +279,60 @@ def _parse(
     return _Plan(name, dtype, shape, plan, values)
 
 
-def _build(plan: _Plan) -> DecodedTensor:
-    mask_plan, values, shape = plan.mask, plan.values, plan.shape
+def _build(plans: list[_Plan]) -> dict[str, DecodedTensor]:
+    """Every tensor's dense values as a slice of one zeroed buffer per dtype, and every sent
+    mask as a slice of one bool buffer: a message's output is a few large allocations, not
+    two per tensor. Per-tensor arrays came from the heap top, which glibc hands back to the
+    kernel once a decoded model is freed, so the next decode faulted every page in again
+    (about half its CPU); a large buffer is numpy's own (huge-page backed where the kernel
+    allows) and faults in a few pages. A tensor the caller keeps keeps its whole buffer."""
+    sizes = [math.prod(plan.shape) for plan in plans]
+    totals: dict[np.dtype, int] = {}
+    for plan, size in zip(plans, sizes, strict=True):
+        totals[plan.dtype] = totals.get(plan.dtype, 0) + size
+    buffers = {dtype: np.zeros(total, dtype=dtype) for dtype, total in totals.items()}
+    sent = sum(size for plan, size in zip(plans, sizes, strict=True) if plan.mask is not None)
+    mask_buffer = np.empty(sent, dtype=bool)  # every mask writes all of its slice
+    offsets = dict.fromkeys(totals, 0)
+    mask_offset = 0
+    decoded = {}
+    for plan, size in zip(plans, sizes, strict=True):
+        start = offsets[plan.dtype]
+        offsets[plan.dtype] = start + size
+        dense = buffers[plan.dtype][start : start + size]
+        mask = None
+        if plan.mask is not None:
+            mask = mask_buffer[mask_offset : mask_offset + size]
+            mask_offset += size
+        _fill(plan, dense, mask)
+        shaped = None if mask is None else mask.reshape(plan.shape)
+        decoded[plan.name] = DecodedTensor(dense.reshape(plan.shape), shaped)
+    return decoded
+
+
+def _fill(plan: _Plan, dense: np.ndarray, mask: np.ndarray | None) -> None:
+    """Write one tensor's dense values (flat, zeroed) and its mask (flat, any content) from
+    its received record."""
+    mask_plan, values = plan.mask, plan.values
     if mask_plan is None or mask_plan.kind == MaskKind.FULL:
-        dense = values.astype(plan.dtype)
-        mask = None if mask_plan is None else np.ones(shape, dtype=bool)
-        return DecodedTensor(dense.reshape(shape), mask)
-    dense = np.zeros(mask_plan.size, dtype=plan.dtype)
+        dense[...] = values
+        if mask is not None:
+            mask.fill(True)
+        return
+    assert mask is not None  # a sent mask always has its slice
     if mask_plan.kind == MaskKind.EF_KEPT:
         dense[mask_plan.positions] = values
-        mask = np.zeros(mask_plan.size, dtype=bool)
+        mask.fill(False)
         mask[mask_plan.positions] = True
+    elif mask_plan.kind == MaskKind.BITMAP and mask_plan.kept < _DENSE * mask_plan.size:
+        assert mask_plan.bits is not None  # decode_mask gives every bitmap its bits
+        _unpack_scatter(mask_plan.bits, mask, dense, values)
     else:
-        mask = mask_plan.expand()
+        mask_plan.expand(out=mask)
         if mask_plan.kept >= _DENSE * mask_plan.size:
             dense[mask] = values
         elif mask_plan.kept:
             _scatter(dense, mask, values)
-    return DecodedTensor(dense.reshape(shape), mask.reshape(shape))
 
 
 def _scatter(dense: np.ndarray, mask: np.ndarray, values: np.ndarray) -> None:
@@ -308,5 +344,23 @@ def _scatter(dense: np.ndarray, mask: np.ndarray, values: np.ndarray) -> None:
     for begin in range(0, mask.size, _SCATTER_SLICE):
         end = begin + _SCATTER_SLICE
         positions = mask[begin:end].nonzero()[0]
+        dense[begin:end][positions] = values[start : start + positions.size]
+        start += positions.size
+
+
+def _unpack_scatter(
+    bits: np.ndarray, mask: np.ndarray, dense: np.ndarray, values: np.ndarray
+) -> None:
+    """A bitmap's mask and values in one pass, a slice at a time (`_scatter`'s reasons): each
+    slice is unpacked into ``mask`` and scattered into ``dense`` while it is in the cache,
+    where unpacking the whole mask and then scattering read it back from memory."""
+    start = 0
+    for begin in range(0, mask.size, _SCATTER_SLICE):
+        end = min(begin + _SCATTER_SLICE, mask.size)
+        unpacked = np.unpackbits(
+            bits[begin // 8 : (end + 7) // 8], count=end - begin, bitorder="little"
+        ).view(bool)
+        mask[begin:end] = unpacked
+        positions = unpacked.nonzero()[0]
         dense[begin:end][positions] = values[start : start + positions.size]
         start += positions.size

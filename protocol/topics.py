@@ -29,6 +29,7 @@ fl/v1/<fleet>/round/<t>/global/<agent>    one participant's own part of it (FedS
 
 from __future__ import annotations
 
+import functools
 import re
 
 from protocol.errors import ProtocolError
@@ -154,3 +155,24 @@ def parse(topic: str) -> tuple[str, str, dict[str, str]]:
     if rest[0] == "round" and len(rest) == 5 and rest[2] == "model" and _INDEX.match(rest[4]):
         return fleet, "model", {"round": rest[1], "agent": rest[3], "layer": rest[4]}
     raise ProtocolError(f"unknown fleet topic: {topic!r}")
+
+
+def matches(topic_filter: str, topic: str) -> bool:
+    """Whether `topic` matches `topic_filter` (`+` one level, `#` the rest, neither at the
+    first level of a `$` topic): what paho's `topic_matches_sub` answers, which builds a
+    matcher object on every call. A transport asks it for each subscription of each
+    delivery, dozens of times a message, so both split forms are cached."""
+    levels, parts = _levels(topic_filter), _levels(topic)
+    if topic.startswith("$") and levels[0] in ("+", "#"):
+        return False
+    for index, level in enumerate(levels):
+        if level == "#":
+            return True
+        if index >= len(parts) or (level != "+" and level != parts[index]):
+            return False
+    return len(levels) == len(parts)
+
+
+@functools.lru_cache(maxsize=4096)
+def _levels(name: str) -> tuple[str, ...]:
+    return tuple(name.split("/"))

@@ -79,6 +79,44 @@ def test_round_trip_is_exact(model, fp16):
             assert got.mask.dtype == np.bool_ and np.array_equal(got.mask, mask)
 
 
+def test_large_tensors_of_every_mask_kind_decode_exactly_and_independently():
+    """The decoder writes every tensor of a message into shared buffers, a bitmap a slice at
+    a time: tensors past a slice (sizes not a multiple of 8) decode exactly, and each
+    decoded tensor is the caller's own (writing to one changes no other)."""
+    rng = np.random.default_rng(5)
+    size = 300_001  # more than two of the decoder's slices, a partial byte at the end
+    runs = np.cumsum(rng.random(size) < 0.001) % 2 == 1
+    masks = {
+        "bitmap": rng.random(size) < 0.5,
+        "kept": rng.random(size) < 0.02,
+        "dropped": rng.random(size) < 0.98,
+        "runs": runs,
+        "full": np.ones(size, dtype=bool),
+        "empty": np.zeros(size, dtype=bool),
+    }
+    tensors = {name: rng.standard_normal(size).astype(np.float32) for name in masks}
+    tensors |= {"ints": rng.integers(-9, 9, size=(7, 3)), "dense": np.arange(5.0)}
+    decoded = decode_tensors(encode_tensors(tensors, masks))
+    kinds = {encode_mask(mask).kind.name for mask in masks.values()}
+    assert kinds == {"BITMAP", "EF_KEPT", "EF_DROPPED", "EF_RUNS", "FULL", "EMPTY"}
+    for name, array in tensors.items():
+        want = _expected(array, masks.get(name), False)
+        assert decoded[name].values.tobytes() == want.tobytes(), name
+        if name in masks:
+            assert np.array_equal(decoded[name].mask, masks[name]), name
+    before = {
+        name: (t.values.copy(), None if t.mask is None else t.mask.copy())
+        for name, t in decoded.items()
+    }
+    first = decoded["bitmap"]
+    first.values[...] = 7
+    first.mask[...] = False
+    del before["bitmap"]
+    for name, (values, mask) in before.items():
+        assert np.array_equal(decoded[name].values, values), name
+        assert mask is None or np.array_equal(decoded[name].mask, mask), name
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.integers(0, 3000).flatmap(lambda size: masks_for((size,))))
 def test_mask_encoding_round_trips_and_is_smallest(mask):

@@ -40,6 +40,7 @@ from agent.report import AgentRound, reported_p_k
 from agent.runtime import checkpoint
 from agent.runtime.asking import Asking
 from agent.runtime.codec import all_finite, values_sent
+from agent.runtime.inbox import held_models
 from agent.runtime.session import RoundClock, Session
 from agent.runtime.wire import Have, Wait, Wire
 from agent.workload import compute_slot
@@ -316,17 +317,18 @@ class DecentralizedRounds:
     def held(self, round_: int) -> dict[str, dict[str, Any]]:
         """Peers' models to keep across a restart: this round's and next round's."""
         s = self.session
-        keys = {(r, j) for r in (round_, round_ + 1) for j in s.roster}
+        models, vectors = held_models(s.inbox, (round_, round_ + 1))
+        roster = set(s.roster)
         held: dict[str, dict[str, Any]] = {}
-        for r, j in sorted(keys):
-            if (p := s.inbox.model(r, j)) is not None:
+        for r, j in sorted(key for key in models.keys() | vectors.keys() if key[1] in roster):
+            if (p := models.get((r, j))) is not None:
                 held[f"{r}|{j}"] = checkpoint.saved_model(p)
-            elif (vector := s.inbox.divergence(r, j)) is not None:  # --wire layers
+            else:  # --wire layers
                 layers = {
                     layer: checkpoint.saved_model(p)
                     for layer, p in s.inbox.held_layers(r, j).items()
                 }
-                held[f"{r}|{j}"] = {"divergence": vector, "layers": layers}
+                held[f"{r}|{j}"] = {"divergence": vectors[(r, j)], "layers": layers}
         return held
 
     def restore(self, saved: dict[str, Any]) -> None:

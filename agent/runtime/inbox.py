@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from typing import Any
 
 from agent.learning import Published, apply_delta
@@ -34,7 +34,7 @@ from protocol import ProtocolError, messages, topics
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.logs import claimed_sender
 
-__all__ = ["ROUNDS_AHEAD", "Expected", "Inbox"]
+__all__ = ["ROUNDS_AHEAD", "Expected", "Inbox", "held_models"]
 
 ROUNDS_AHEAD = 4
 """Rounds past the one being run whose messages are kept: the round driver subscribes to the
@@ -412,3 +412,15 @@ def check_whole_layers(weights: State, layers: Mapping[str, list[str]]) -> None:
         held = [name in weights for name in tensors]
         if any(held) and not all(held):
             raise ProtocolError(f"layer {layer!r} only in part")
+
+
+def held_models(
+    inbox: Inbox, rounds: Container[int]
+) -> tuple[dict[tuple[int, str], Published], dict[tuple[int, str], dict[str, float]]]:
+    """The models and the divergence vectors of `rounds` in `inbox`, by (round, sender), in
+    one look: what a checkpoint keeps, every round (asking for each roster member took the
+    lock twice per member and round)."""
+    with inbox._changed:
+        models = {key: p for key, p in inbox._models.items() if key[0] in rounds}
+        vectors = {key: v for key, v in inbox._divergences.items() if key[0] in rounds}
+    return models, vectors
