@@ -41,7 +41,13 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from agent.learning.config import DEFAULT_STOP_RULE, STOP_RULES
+from agent.learning.config import (
+    DEFAULT_STOP_RULE,
+    SCALED_DELTA,
+    SCALED_LEAST,
+    SCALED_SHARE,
+    STOP_RULES,
+)
 
 if TYPE_CHECKING:
     from agent.learning.config import StrategyConfig
@@ -53,7 +59,8 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class StopRule:
     """How an agent decides to stop: the rule, its patience (`paper`: consecutive rises of L;
-    `progress`: the window of rounds) and `progress`'s fraction delta."""
+    `progress`, `scaled`: the window of rounds) and their fraction delta (`scaled` is
+    `progress` with its window a share of the run and its own delta)."""
 
     name: str = DEFAULT_STOP_RULE
     patience: int = STOP_RULES[DEFAULT_STOP_RULE]
@@ -61,8 +68,9 @@ class StopRule:
 
     @classmethod
     def of(cls, cfg: StrategyConfig) -> StopRule:
-        """The rule `cfg` configures (`--stop-patience` 0: the rule's default), or a one-line
-        ValueError naming the option that is wrong."""
+        """The rule `cfg` configures (`--stop-patience` 0: the rule's default; `scaled`'s is
+        a third of the run's rounds, at least 5), or a one-line ValueError naming the option
+        that is wrong."""
         if cfg.stop_rule not in STOP_RULES:
             raise ValueError(
                 f"--stop-rule must be one of {', '.join(STOP_RULES)}, got {cfg.stop_rule}"
@@ -73,6 +81,9 @@ class StopRule:
             )
         if not 0 <= cfg.stop_delta < 1:
             raise ValueError(f"--stop-delta must be in [0, 1), got {cfg.stop_delta}")
+        if cfg.stop_rule == "scaled":
+            window = max(SCALED_LEAST, round(SCALED_SHARE * cfg.rounds))
+            return cls("scaled", cfg.stop_patience or window, SCALED_DELTA)
         patience = cfg.stop_patience or STOP_RULES[cfg.stop_rule]
         return cls(cfg.stop_rule, patience, cfg.stop_delta)
 
@@ -105,7 +116,8 @@ class StopWatch:
         restart: bool = False,
     ) -> tuple[StopWatch, bool]:
         """The state after a round with loss `loss`, and whether the agent stops under `rule`
-        (a StopRule's fields; `paper` unless told, the watch's only rule before `progress`).
+        (a StopRule's fields; `paper` unless told, the watch's only rule before `progress`;
+        `scaled` decides as `progress`, on the window and delta its StopRule carries).
         A NaN L (no validation split) is never a rise, and `progress` skips it, so an agent
         without a validation split never stops. `restart` (a round that pruned the model:
         the L before it belongs to another model) starts `progress` anew from this round's
