@@ -358,22 +358,21 @@ def oracle(cell: Mapping[str, Any], tolerance: float = 0.5) -> tuple[float, floa
     return 0.0, 0.0, 0.0
 
 
-def replay_main(recorded: Mapping[str, Any], cells: list[tuple[str, str, int]]) -> int:
-    chosen = [c for c in cells if "|".join(map(str, c)) in recorded]
+def replay_main(recorded: Mapping[str, Any], cells: list[tuple[str, str, int]], shown: str) -> int:
+    """Every candidate rule (those whose name contains `shown`, per cell) and the oracle on
+    the recorded cells among `cells`, printed and written to early_stopping-replay.json."""
+    chosen = [recorded[key] for key in ("|".join(map(str, c)) for c in cells) if key in recorded]
     results = {}
     for name, rule in CANDIDATES.items():
-        pairs = {}
-        for c in chosen:
-            base = recorded["|".join(map(str, c))]
-            pairs[c] = compared(base, replayed(base, rule))
+        pairs = {
+            (base["task"], base["strategy"], base["seed"]): compared(base, replayed(base, rule))
+            for base in chosen
+        }
         results[name] = table(_by_cell(pairs))
-        print_table(name, results[name], detail=False)
-    pairs = {}
-    for c in chosen:
-        base = recorded["|".join(map(str, c))]
-        pairs[c] = oracle(base)
+        print_table(name, results[name], detail=bool(shown) and shown in name)
+    pairs = {(base["task"], base["strategy"], base["seed"]): oracle(base) for base in chosen}
     results["oracle"] = table(_by_cell(pairs))
-    print_table("oracle: every agent at once", results["oracle"], detail=True)
+    print_table("oracle: every agent at once", results["oracle"], detail=bool(shown))
     write_json(
         _path("replay"), {"environment": environment(), "cells": len(chosen), "rules": results}
     )
@@ -419,7 +418,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seeds", default=",".join(map(str, SEEDS)))
     parser.add_argument("--rounds", type=int, default=0, help="run length (0: the task's)")
     parser.add_argument("--workers", type=int, default=1)
-    parser.add_argument("--rule", default="", help="measure: the --stop-rule to run")
+    parser.add_argument(
+        "--rule", default="", help="measure: the --stop-rule to run; replay: rules shown per cell"
+    )
     parser.add_argument("--patience", type=int, default=0, help="measure: --stop-patience")
     parser.add_argument("--label", default="", help="result file suffix")
     parser.add_argument("--base", default="", help="the label of the recorded runs")
@@ -431,7 +432,7 @@ def main(argv: list[str]) -> int:
     cells = [(t, s, int(seed)) for t in tasks for s in strategies for seed in args.seeds.split(",")]
     settings: dict[str, Any] = {"rounds": args.rounds} if args.rounds else {}
     if args.mode == "replay":
-        return replay_main(_load(args.base)["cells"], cells)
+        return replay_main(_load(args.base)["cells"], cells, args.rule)
     if args.mode == "table":
         compare_main(_load(args.base)["cells"], _load(args.label)["cells"], args.label)
         return 0
