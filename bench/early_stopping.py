@@ -5,7 +5,9 @@ same runs without early stopping.
     python -m bench.early_stopping record --workers 2       # runs without early stopping,
                                                             # each agent's figures per round
     python -m bench.early_stopping replay                   # every candidate rule on them
-    python -m bench.early_stopping measure --rule plateau   # real runs with the rule
+    python -m bench.early_stopping measure --rule scaled --label scaled   # real runs with
+                                                            # a --stop-rule, against them
+    python -m bench.early_stopping table --label scaled     # that comparison again
 
 `record` runs each cell (task, strategy, seed) without early stopping and keeps, per agent
 and round, what a stop rule can read (training loss, validation loss and metric of the
@@ -19,7 +21,9 @@ neighbours' inboxes), so it screens rules; `measure` runs the chosen one for rea
 Per (task, strategy), over the seeds: cut (agent-rounds not trained over all) and change
 (fleet mean of the final metric against the run without, in the good direction; for an
 error metric in points of the error of predicting the mean, like the grid's tolerance),
-mean and spread over seeds. Writes bench/results/early_stopping[-LABEL].json.
+mean and spread over seeds. Writes bench/results/early_stopping[-LABEL].json (the recorded
+runs, about 5 MB with their per-round figures: not committed), early_stopping-replay.json
+and early_stopping-LABEL-against.json. The figures are in agent/learning/early_stop.py.
 """
 
 from __future__ import annotations
