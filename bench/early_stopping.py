@@ -49,9 +49,9 @@ SEEDS = (1, 2, 3)
 def _config(task: str, strategy: str, seed: int, settings: Mapping[str, Any]) -> Any:
     import edgefl
 
-    spec = dict(TASKS[task])
+    spec = {**TASKS[task], **settings}  # --rounds replaces the task's
     run_file = spec.pop("run_file", None)
-    return edgefl.config(run_file, **spec, strategy=strategy, seed=seed, **settings)
+    return edgefl.config(run_file, **spec, strategy=strategy, seed=seed)
 
 
 def run_cell(
@@ -362,9 +362,12 @@ def oracle(cell: Mapping[str, Any], tolerance: float = 0.5) -> tuple[float, floa
     return 0.0, 0.0, 0.0
 
 
-def replay_main(recorded: Mapping[str, Any], cells: list[tuple[str, str, int]], shown: str) -> int:
+def replay_main(
+    recorded: Mapping[str, Any], cells: list[tuple[str, str, int]], shown: str, label: str
+) -> int:
     """Every candidate rule (those whose name contains `shown`, per cell) and the oracle on
-    the recorded cells among `cells`, printed and written to early_stopping-replay.json."""
+    the recorded cells among `cells`, printed and written to early_stopping-replay[-LABEL].json
+    (`label`: the recording's)."""
     chosen = [recorded[key] for key in ("|".join(map(str, c)) for c in cells) if key in recorded]
     results = {}
     for name, rule in CANDIDATES.items():
@@ -378,7 +381,8 @@ def replay_main(recorded: Mapping[str, Any], cells: list[tuple[str, str, int]], 
     results["oracle"] = table(_by_cell(pairs))
     print_table("oracle: every agent at once", results["oracle"], detail=bool(shown))
     write_json(
-        _path("replay"), {"environment": environment(), "cells": len(chosen), "rules": results}
+        _path("-".join(filter(None, ("replay", label)))),
+        {"environment": environment(), "cells": len(chosen), "rules": results},
     )
     return 0
 
@@ -436,7 +440,7 @@ def main(argv: list[str]) -> int:
     cells = [(t, s, int(seed)) for t in tasks for s in strategies for seed in args.seeds.split(",")]
     settings: dict[str, Any] = {"rounds": args.rounds} if args.rounds else {}
     if args.mode == "replay":
-        return replay_main(_load(args.base)["cells"], cells, args.rule)
+        return replay_main(_load(args.base)["cells"], cells, args.rule, args.base)
     if args.mode == "table":
         compare_main(_load(args.base)["cells"], _load(args.label)["cells"], args.label)
         return 0
