@@ -100,7 +100,7 @@ def test_early_stop_defaults_to_the_measured_rule() -> None:
 @pytest.mark.parametrize(
     ("over", "message"),
     [
-        ({"stop_rule": "never"}, "--stop-rule must be one of progress, paper, got never"),
+        ({"stop_rule": "never"}, "--stop-rule must be one of progress, paper, scaled, got never"),
         ({"stop_patience": -1}, "--stop-patience must be >= 0"),
         ({"stop_delta": 1.0}, "--stop-delta must be in [0, 1), got 1.0"),
         ({"stop_delta": -0.1}, "--stop-delta must be in [0, 1), got -0.1"),

@@ -21,9 +21,12 @@ order (`agent.learning.strategies`, which says what each is): for help texts and
 STOP_LAMBDA = 0.7
 
 
-STOP_RULES = {"progress": 20, "paper": 1}
+STOP_RULES = {"progress": 20, "paper": 1, "scaled": 0}
 """Each early-stopping rule (`agent.learning.early_stop`) and its patience when
-`--stop-patience` is 0."""
+`--stop-patience` is 0 (`scaled`: 0, a share of the run's rounds, `SCALED_SHARE`)."""
+SCALED_SHARE, SCALED_LEAST, SCALED_DELTA = 1 / 3, 5, 0.05
+"""The `scaled` rule: `progress` over a window of a third of the run's rounds (at least 5)
+with delta 0.05, the best trade-off measured on 30-40-round runs (bench/early_stopping.py)."""
 DEFAULT_STOP_RULE = "progress"
 """The rule of `--early-stop` without `--stop-rule`: the one measured best."""
 
@@ -245,13 +248,16 @@ class StrategyConfig:
         DEFAULT_STOP_RULE,
         "Early stopping rule: progress (stop once the last --stop-patience rounds improved the "
         "best L by at most --stop-delta of its improvement since round 1; measured best, "
-        "studies/early_stopping.py) or paper (stop after --stop-patience consecutive rises of "
+        "studies/early_stopping.py), scaled (progress over the last third of the run's "
+        "rounds, at least 5, with delta 0.05: more cut on 30-60-round runs, "
+        "bench/early_stopping.py) or paper (stop after --stop-patience consecutive rises of "
         "L, the FedSPU paper's rule with patience 1).",
     )
     stop_patience: int = param(
         0,
-        "Early stopping: progress: the window of rounds (0: 20); paper: the consecutive rises "
-        "of L that stop an agent (0: 1).",
+        "Early stopping: progress: the window of rounds (0: 20); scaled: the window (0: a "
+        "third of --rounds, at least 5); paper: the consecutive rises of L that stop an "
+        "agent (0: 1).",
     )
     stop_delta: float = param(
         0.1,

@@ -1,0 +1,92 @@
+"""The `scaled` early-stopping rule (agent/learning/early_stop.py; measured in
+bench/early_stopping.py): `progress` over a window that is a third of the run, so that one
+rule fits a 30-round and a 60-round run; it stops a fleet that levelled off and not one
+still learning, and emulated agents stop where simulated ones do."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import pytest
+
+from agent.experiment import ExperimentConfig
+from agent.learning import StopRule, StopWatch, preset
+from agent.learning.config import SCALED_DELTA
+from coordinator.emulate import Emulation
+from coordinator.simulate import Simulation
+from tests.test_emulate import assert_same_learning, options
+
+
+@pytest.mark.parametrize(("rounds", "window"), [(8, 5), (15, 5), (30, 10), (40, 13), (60, 20)])
+def test_the_window_is_a_third_of_the_run(rounds: int, window: int) -> None:
+    rule = StopRule.of(preset("fedavg", early_stop=True, stop_rule="scaled", rounds=rounds))
+    assert (rule.name, rule.patience, rule.delta) == ("scaled", window, SCALED_DELTA)
+    given = preset("fedavg", early_stop=True, stop_rule="scaled", rounds=60, stop_patience=4)
+    assert StopRule.of(given).patience == 4  # --stop-patience still sets the window
+
+
+def test_scaled_decides_as_progress_with_its_window() -> None:
+    losses = [10.0, 6.0, 5.0, 4.8, 4.7, 4.65, 4.62, 4.6, 4.59, 4.58, 4.575, 4.57]
+
+    def stops_after(rule: StopRule) -> int | None:
+        watch = StopWatch()
+        for round_, loss in enumerate(losses, start=1):
+            watch, stops = watch.after(loss, rule.patience, rule.name, rule.delta)
+            if stops:
+                return round_
+        return None
+
+    # Window 5, delta 0.05: after round 8 the best fell 5.0 -> 4.6 in five rounds, more
+    # than 0.05 x (10 - 4.6) = 0.27; after round 9, 4.8 -> 4.59 is 0.21, less.
+    scaled = StopRule.of(preset("fedavg", early_stop=True, stop_rule="scaled", rounds=15))
+    assert stops_after(scaled) == 9
+    assert stops_after(StopRule("progress", 5, SCALED_DELTA)) == 9
+    assert stops_after(StopRule("progress", 20, 0.1)) is None  # the default's window: never
+
+
+def shifted(lr: float, rounds: int = 15) -> ExperimentConfig:
+    """Four devices of FedProx's synthetic task with their own feature shift under FedAvg:
+    at lr 0.1 the fleet levels off within ten rounds; at 0.003 it still learns at 15."""
+    learning = preset("fedavg", rounds=rounds, epochs=1, lr=lr, early_stop=True, stop_rule="scaled")
+    return ExperimentConfig(
+        dataset="synthetic:0.5,1",
+        agents=4,
+        partition="natural",
+        seed=7,
+        threads=1,
+        round_time_s=0.01,
+        learning=learning,
+    )
+
+
+def fleet_losses(report: dict) -> list[float]:
+    """The fleet's mean training loss per round."""
+    return [
+        statistics.fmean(a["train_loss"] for a in r["agents"].values()) for r in report["rounds"]
+    ]
+
+
+def test_scaled_stops_a_levelled_fleet_and_not_one_still_learning() -> None:
+    levelled = Simulation(shifted(0.1))
+    report = levelled.run()
+    assert set(levelled.stopped) == set(levelled.roster), "every device levelled off"
+    assert max(levelled.stopped.values()) < 15, "and stopped before the run's end"
+    assert report["summary"]["stopped"].keys() == set(levelled.roster)
+
+    learning = Simulation(shifted(0.003))
+    losses = fleet_losses(learning.run())
+    assert losses[-1] < losses[-6] - 0.05 * (losses[0] - losses[-1]), "it still learns"
+    assert learning.stopped == {}, "a fleet still learning trains to the end"
+
+
+@pytest.mark.timeout(600)
+def test_emulated_agents_stop_where_simulated_ones_do(amqtt_broker, tmp_path: Path) -> None:
+    cfg = shifted(0.1, rounds=12)  # window 5: the devices stop after rounds 10-11
+    emulated = Emulation(cfg, amqtt_broker.address, options(tmp_path)).run()
+    assert emulated["summary"]["failed_agents"] == {}
+    simulated = Simulation(cfg).run()
+    assert_same_learning(emulated, simulated)
+    stopped = {a: s["round"] for a, s in simulated["summary"]["stopped"].items()}
+    assert stopped, "the case must exercise early stopping"
+    assert {a: s["round"] for a, s in emulated["summary"]["stopped"].items()} == stopped
