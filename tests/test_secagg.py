@@ -125,7 +125,7 @@ def test_a_member_reveals_once_and_never_both_secrets_of_one_member() -> None:
     [
         ({"strategy": "dispfl"}, "is for the centralized strategies .* each neighbour receives"),
         ({"strategy": "fedspu"}, "built for fedavg and fedavg-ft, .* fedspu's uploads"),
-        ({"strategy": "fedavg"}, "needs --aggregation mean and no --clip"),
+        ({"strategy": "fedavg", "aggregation": "median"}, "needs --aggregation mean and no"),
         ({"strategy": "fedavg", "aggregation": "mean", "clip": "auto"}, "no --clip"),
     ],
 )
@@ -135,6 +135,13 @@ def test_where_secure_aggregation_cannot_run_it_is_refused_in_one_line(
     with pytest.raises(edgefl.ConfigError, match=refusal) as refused:
         edgefl.config(secure_aggregation=True, **options)
     assert "\n" not in str(refused.value)
+
+
+def test_secure_aggregation_takes_the_plain_mean_by_default() -> None:
+    learning = edgefl.config(strategy="fedavg", secure_aggregation=True).learning
+    assert (learning.aggregation, learning.clip) == ("mean", "off")
+    plain = edgefl.config(strategy="fedavg").learning
+    assert (plain.aggregation, plain.clip) == ("screened", "auto")
 
 
 def test_a_run_file_asks_for_secure_aggregation(tmp_path: Path) -> None:

@@ -297,7 +297,8 @@ class StrategyConfig:
     )
     secure_aggregation: bool = param(
         False,
-        "Secure aggregation (fedavg, fedavg-ft, with --aggregation mean): each device uploads "
+        "Secure aggregation (fedavg, fedavg-ft; the default --aggregation becomes the plain "
+        "mean, as the coordinator sees no single model to screen): each device uploads "
         "its update masked so that the coordinator learns only the fleet's weighted sum, "
         "and the round survives 30% of the devices dropping (docs/privacy.md).",
     )
@@ -326,9 +327,17 @@ class StrategyConfig:
     def __post_init__(self) -> None:
         # `--clip default` is resolved here, once, so that every reader sees off or auto;
         # under --dp client it is off: the device's clip to --dp-clip bounds every update
+        # the default screened mean is the plain mean under --secure-aggregation: the
+        # coordinator learns only the sum, so it has no single model to screen
         clip = self.clip
         if self.dp == DP_CLIENT and clip == robust_rules.CLIP_DEFAULT:
             clip = robust_rules.CLIP_OFF
+        if (
+            self.secure_aggregation
+            and self.aggregation == robust_rules.SCREENED
+            and clip == robust_rules.CLIP_DEFAULT
+        ):
+            object.__setattr__(self, "aggregation", "mean")
         object.__setattr__(self, "clip", robust_rules.default_clip(self.aggregation, clip))
 
     @property
