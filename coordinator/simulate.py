@@ -343,9 +343,11 @@ class Simulation:
                 fits[k], self.states[k] = fit, fit.state
                 if progress:
                     progress(t, k)
-            inbox: RoundInbox = InProcessInbox(self, strategy, fits, t, server.weights)
-            if cfg.secure_aggregation:
-                inbox = SecureInProcessInbox(self, strategy, fits, t, server)
+            inbox: RoundInbox = (
+                SecureInProcessInbox(self, strategy, fits, t, server)
+                if cfg.secure_aggregation
+                else InProcessInbox(self, strategy, fits, t, server.weights)
+            )
             requests, uploads = gather(strategy, self.learner, inbox)
             aggregate, server = conclude(strategy, self.learner, server, uploads, t, cfg.fp16)
             if cfg.secure_aggregation:  # its messages instead of the uploads (`secure_round`)

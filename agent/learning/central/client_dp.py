@@ -176,8 +176,9 @@ def aggregate(
     """The aggregator's round: the strategy's `aggregate`, and under `--dp client` of the
     uploads clipped again around the server's model (an honest device's update is within
     the clip already; one that skipped it moves the mean no more than the others), noised
-    (`noised_aggregate`). With secure aggregation the aggregator sees no single update to
-    clip, the devices add the noise (`noise_share`) and this adds none."""
+    (`noised_aggregate`). With secure aggregation the aggregator would see no single update
+    to clip and the devices would add the noise (`noise_share`); that combination is refused
+    for now (`agent.experiment.check_client_dp`)."""
     if facts.config.dp != DP_CLIENT:
         return strategy.aggregate(facts, server, uploads)
     clip = facts.config.dp_clip
