@@ -69,10 +69,16 @@ class Accountant:
         without `--dp`. Under `--dp client` its steps are rounds, each with every running
         agent taking part (sampling rate 1)."""
         if config.dp == DP_CLIENT:
-            return cls(config.dp_noise, 1.0, config.dp_delta)
+            return cls.of_rounds(config)
         if config.sample_dp is None:
             return None
         return cls(config.dp_noise, sample_rate(config.batch_size, samples), config.dp_delta)
+
+    @classmethod
+    def of_rounds(cls, config: StrategyConfig) -> Accountant:
+        """The accountant of a `--dp client` run: a step is a round's noised aggregate, with
+        every running agent taking part (sampling rate 1)."""
+        return cls(config.dp_noise, 1.0, config.dp_delta)
 
     def epsilon(self, steps: int) -> float:
         """Epsilon at `delta` after `steps` DP steps (the RDP accountant of dp-accounting over
@@ -108,7 +114,7 @@ def release_spent(config: StrategyConfig, round_: int) -> str | None:
     themselves at the same round (`budget_spent`); this holds the aggregator to it too."""
     if config.dp != DP_CLIENT or config.max_epsilon is None:
         return None
-    accountant = Accountant(config.dp_noise, 1.0, config.dp_delta)
+    accountant = Accountant.of_rounds(config)
     return accountant.spent(round_ - 1) if accountant.passes(round_, config.max_epsilon) else None
 
 
@@ -117,7 +123,7 @@ def released(config: StrategyConfig, rounds: int) -> str | None:
     aggregator logs it each round ("privacy spent: epsilon X at delta Y"); None otherwise."""
     if config.dp != DP_CLIENT:
         return None
-    epsilon = Accountant(config.dp_noise, 1.0, config.dp_delta).epsilon(rounds)
+    epsilon = Accountant.of_rounds(config).epsilon(rounds)
     return f"privacy spent: epsilon {epsilon:.3g} at delta {config.dp_delta:g}"
 
 
