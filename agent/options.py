@@ -37,6 +37,7 @@ from agent.learning.config import (
     preset,
 )
 from agent.learning.robust_rules import ATTACKS
+from agent.learning.staleness import STALENESS_WEIGHTS
 from agent.learning.strategies import SCOPES, Scope, fingerprint
 from agent.learning.strategies import strategy as strategy_record
 from agent.learning.topology import TOPOLOGIES
@@ -60,6 +61,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "task": TASKS,
     "metric_goal": METRIC_GOALS,
     "dp": DP_MODES,
+    "staleness_weight": STALENESS_WEIGHTS,
 }
 
 
@@ -207,6 +209,14 @@ FLAG_SCOPES: tuple[tuple[str, Callable[[str, dict[str, Any]], bool], str], ...] 
                 lambda given: given.get("dp") in (DP_SAMPLE, DP_CLIENT),
             )
             for option in ("dp_noise", "dp_clip", "dp_delta", "max_epsilon")
+        ),
+        *(
+            Scope(
+                option,
+                "runs with --asynchronous (and fedbuff)",
+                lambda given: bool(given.get("asynchronous")),
+            )
+            for option in ("staleness_weight", "max_staleness")
         ),
         Scope("stop_rule", "runs with --early-stop", lambda given: bool(given.get("early_stop"))),
         Scope(

@@ -112,6 +112,10 @@ class AgentRound:
     """Senders this agent stopped listening to for the run after their invalid models
     (agent/runtime/quarantine.py)."""
     wait_s: float = 0.0
+    staleness: float | None = None
+    """Asynchronous rounds: how many rounds stale what this round took in was, on average
+    (the neighbours' models it aggregated; under FedBuff its own update when the aggregator
+    applied it); None in a synchronous round (`agent.learning.staleness`)."""
     t_star: int | None = None
     finished_at: float | None = None
     energy_j: float | None = None

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from agent.learning import reductions, robust_rules, strategies
+from agent.learning.staleness import STALENESS_WEIGHTS
 
 DECENTRALIZED = strategies.names(strategies.DECENTRAL)
 CENTRALIZED = strategies.names(strategies.CENTRAL)
@@ -322,6 +323,24 @@ class StrategyConfig:
         None,
         "With --dp: a device whose next round would take its epsilon past this stops "
         "and shares nothing more (none: no limit).",
+    )
+
+    asynchronous: bool = param(
+        False,
+        "Asynchronous rounds (dadpfl, dispfl, dfedavgm): an agent never waits for a neighbour; "
+        "it aggregates the freshest model each neighbour has published, weighted by its "
+        "staleness (--staleness-weight), and ignores one more than --max-staleness rounds old.",
+    )
+    staleness_weight: str = param(
+        STALENESS_WEIGHTS[0],
+        "How much a model or update s rounds stale counts (asynchronous rounds, fedbuff): "
+        "polynomial ((1+s)^-0.5, FedBuff's), constant (1) or hinge (1 up to 4 rounds, then "
+        "1/(10(s-4)+1)).",
+    )
+    max_staleness: int = param(
+        5,
+        "Asynchronous rounds, fedbuff: a model or update more than this many rounds stale is "
+        "ignored (bounded staleness).",
     )
 
     def __post_init__(self) -> None:
