@@ -9,6 +9,7 @@ import io
 import json
 import math
 import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -333,3 +334,19 @@ def test_the_dashboard_page_shows_a_staleness_column(chromium: Any) -> None:
     finally:
         served.stop()
     assert cells == ["2.0", "–"]
+
+
+def test_simulate_writes_the_given_target_in_its_report(tmp_path: Path) -> None:
+    """simulate's records have no time stamps until its virtual clock stamps them: the
+    target is there, and no time."""
+    path = tmp_path / "report.json"
+    flags = ["--dataset", "digits", "--agents", "2", "--rounds", "2", "--strategy", "fedavg"]
+    result = CliRunner().invoke(
+        coordinator, ["simulate", *flags, "--target-accuracy", "0.5", "--report", str(path)]
+    )
+    assert result.exit_code == 0, result.output
+    reach = json.loads(path.read_text())["summary"]["time_to_target"]
+    assert (reach["target"], reach["given"], reach["timed"], reach["seconds"]) == (
+        0.5, True, False, None,
+    )  # fmt: skip
+    assert "time to" not in result.output
