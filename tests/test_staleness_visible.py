@@ -350,3 +350,14 @@ def test_simulate_writes_the_given_target_in_its_report(tmp_path: Path) -> None:
         0.5, True, False, None,
     )  # fmt: skip
     assert "time to" not in result.output
+
+
+def test_the_agents_round_line_says_its_staleness_only_when_it_has_one() -> None:
+    from agent.service import AgentService
+
+    said: list[str] = []
+    agent = SimpleNamespace(say=said.append)
+    for staleness in (1.5, None):
+        row = record("a", 3, 0.5, staleness=staleness).as_dict()
+        AgentService.report_round(agent, "accuracy", row)  # type: ignore[arg-type]
+    assert said[0].endswith(", staleness 1.50") and "staleness" not in said[1], said
