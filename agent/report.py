@@ -43,8 +43,11 @@ REPORTED = (
     "fallback_flops",
     "epsilon",
     "stop_reason",
+    "staleness",
+    "finished_at",
 )
-"""The per-agent figures of a report's round, simulate's and emulate's alike."""
+"""The per-agent figures of a report's round, simulate's and emulate's alike (`finished_at`:
+emulate's Unix seconds, None in simulate until its virtual clock stamps it)."""
 NETWORKED = (
     "stragglers",
     "quarantined",
@@ -209,7 +212,7 @@ class AgentRound:
 
     def idle(self, round_: int) -> AgentRound:
         """This agent's record in a later round after it stopped: its figures stay, it spends
-        nothing."""
+        nothing and takes nothing in (no staleness)."""
         return dataclasses.replace(
             self,
             round=round_,
@@ -226,6 +229,7 @@ class AgentRound:
             wait_s=0.0,
             throttled_s=0.0,
             stopped=True,
+            staleness=None,
             energy_j=None if self.energy_j is None else 0.0,
             radio_energy_j=None if self.radio_energy_j is None else 0.0,
         )
@@ -350,6 +354,31 @@ def summarize(rounds: list[dict[str, Any]], t_star: int | None, wall: float) -> 
         "t_star": t_star,
         **energy_summary(rounds),
         **privacy_summary(rounds),
+        **staleness_summary(rounds),
+    }
+
+
+def staleness_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Under asynchronous rounds: how stale what the agents took in was, over the run and
+    per agent (mean and max of its rounds' `staleness`); nothing when no round has one, so a
+    synchronous run's summary is unchanged."""
+    by_agent: dict[str, list[float]] = {}
+    for record in rounds:
+        for k, a in record["agents"].items():
+            if a.get("staleness") is not None:
+                by_agent.setdefault(k, []).append(a["staleness"])
+    if not by_agent:
+        return {}
+    every = [s for figures in by_agent.values() for s in figures]
+    return {
+        "staleness": {
+            "mean": sum(every) / len(every),
+            "max": max(every),
+            "by_agent": {
+                k: {"mean": sum(figures) / len(figures), "max": max(figures)}
+                for k, figures in sorted(by_agent.items())
+            },
+        }
     }
 
 

@@ -547,6 +547,7 @@ class AgentService:
             f"round {record['round']}: {metric} {record['accuracy']:.4f}, {budget}"
             f"sparsity {record['sparsity']:.3f}, waited {record['wait_s']:.2f}s"
             + (f", stragglers {record['stragglers']}" if record["stragglers"] else "")
+            + (f", staleness {stale:.2f}" if (stale := record.get("staleness")) is not None else "")
         )
 
     def mark_ended(

@@ -23,6 +23,7 @@ from coordinator.broker_config import (
 )
 from coordinator.cli_shared import (
     agent_rounds,
+    check_target,
     console,
     http_options,
     publish_report,
@@ -718,6 +719,7 @@ def run_command(
     report_path: str | None,
     force: bool,
     plot_dir: str | None,
+    target_accuracy: float | None,
     resume: bool,
     fresh: bool,
     runs_dir: str | None,
@@ -748,6 +750,8 @@ def run_command(
         runfile = load_for_run(checked)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    values = runfile.values
+    check_target(target_accuracy, values.get("task", "classification"), values.get("metric", ""))
     fleet, base = gateway.fleet, runs_dir_of(runs_dir, gateway.state_dir, say)
     interrupted = resumable(base, run_file, fleet)
     own = interrupted.report if interrupted is not None and not fresh else None
@@ -775,7 +779,7 @@ def run_command(
             raise click.ClickException(with_broker_hint(str(exc), own_broker, broker)) from None
         except (ValueError, RuntimeError) as exc:
             raise click.ClickException(str(exc)) from None
-    publish_report(report, report_path, plot_dir)
+    publish_report(report, report_path, plot_dir, target_accuracy)
     say_how_it_ended(report)
     return report_path  # where it went, for the Python API (`edgefl.run`)
 

@@ -168,8 +168,16 @@ def dashboard(
 
 
 def report_options(command: Callable) -> Callable:
-    """--report, --force and --plot, shared by simulate, emulate and run (they write one
-    schema)."""
+    """--report, --force, --plot and --target-accuracy, shared by simulate, emulate and run
+    (they write one schema)."""
+    command = click.option(
+        "--target-accuracy",
+        type=click.FloatRange(-MAX_TARGET, MAX_TARGET),
+        default=None,
+        help="The report's summary says when (seconds since the run's start) the fleet's "
+        "mean accuracy (the run's metric) first reached this [default: the run's final "
+        "fleet accuracy less half a point]. The report's alone: the run is the same.",
+    )(command)
     command = click.option(
         "--plot",
         "plot_dir",
@@ -193,6 +201,8 @@ def report_options(command: Callable) -> Callable:
 
 
 DEFAULT_REPORT = "report.json"
+MAX_TARGET = 1e12
+"""The largest --target-accuracy in magnitude: any metric a model gives (an mae too)."""
 
 
 class Interrupted(click.ClickException):
@@ -227,8 +237,25 @@ def first_free(path: Path) -> str:
     return str(candidate)
 
 
-def publish_report(report: dict, report_path: str, plot_dir: str | None) -> None:
-    """Write the report atomically (a crash never leaves half of one), show it, plot it."""
+def check_target(target: float | None, task: str, metric: str) -> None:
+    """--target-accuracy of a run whose metric is accuracy (a classification task without a
+    --metric of its own) is a share: one line for 80 meant as 80 %."""
+    accuracy = task == "classification" and not metric
+    if target is not None and accuracy and not 0 <= target <= 1:
+        raise ConfigError(
+            f"--target-accuracy is a share of 1 for accuracy (0.8 for 80 %), got {target:g}"
+        )
+
+
+def publish_report(
+    report: dict, report_path: str, plot_dir: str | None, target: float | None = None
+) -> None:
+    """Write the report atomically (a crash never leaves half of one), show it, plot it;
+    with a `target` (--target-accuracy), its time to target is to that one."""
+    if target is not None:
+        from agent.time_to_target import with_time_to_target
+
+        with_time_to_target(report, target)
     atomic_write(Path(report_path), lambda f: f.write(json.dumps(report, indent=1).encode()))
     if report["rounds"]:
         console.print(summary_table(report))
@@ -275,9 +302,31 @@ def summary_table(report: dict) -> Table:
             )
         )
     rows += privacy_rows(summary, config)
+    rows += asynchronous_rows(summary, metric, higher_is_better)
     for name, value in rows:
         table.add_row(name, value)
     return table
+
+
+def asynchronous_rows(summary: dict, metric: str, higher: bool) -> list[tuple[str, str]]:
+    """When the fleet first reached the target (`agent.time_to_target`), where the report
+    has time stamps to say it; and, under asynchronous rounds, how stale what the agents
+    took in was (mean and max over the run)."""
+    rows = []
+    reach = summary.get("time_to_target") or {}
+    if reach.get("timed"):
+        sign = ">=" if higher else "<="
+        which = "" if reach["given"] else ", the final one's"
+        name = f"time to mean {metric} {sign} {reach['target']:.4f}{which}"
+        seconds = reach["seconds"]
+        shown = "not reached" if seconds is None else f"{seconds:.1f} s (round {reach['round']})"
+        rows.append((name, shown))
+    staleness = summary.get("staleness")
+    if staleness:
+        rows.append(
+            ("staleness (mean / max rounds)", f"{staleness['mean']:.2f} / {staleness['max']:g}")
+        )
+    return rows
 
 
 def privacy_rows(summary: dict, config: dict) -> list[tuple[str, str]]:

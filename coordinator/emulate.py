@@ -29,6 +29,7 @@ from agent.experiment import ExperimentConfig, check_networked, profile_names
 from agent.model_store import run_folder
 from agent.runtime import checkpoint, new_run_id
 from agent.runtime.heap import settled_heap
+from agent.time_to_target import with_time_to_target
 from agent.workload import build_workload
 from coordinator.broker_config import COORDINATOR
 from coordinator.conductor import Conductor, assemble_report
@@ -325,7 +326,7 @@ class Emulation:
         """Run the fleet to its end, or until `stop` is set (Ctrl-C): then the agents still
         running are ended and the report covers the rounds their logs hold, its summary's
         `interrupted` true."""
-        started = time.perf_counter()
+        started, started_at = time.perf_counter(), time.time()
         identity = Identity(self.fleet, COORDINATOR, role="coordinator", key=self.key)
         transport = connect(
             self.broker, identity, TransportOptions(limits=FOLLOWER_LIMITS), probe_s=0
@@ -357,7 +358,7 @@ class Emulation:
             self.conductor.close()
             leave(transport, identity)
         interrupted = stop is not None and stop.is_set()
-        report = self.report(time.perf_counter() - started, interrupted)
+        report = self.report(time.perf_counter() - started, interrupted, started_at)
         if progress:  # the rounds the agents logged: their last statuses may be in flight
             progress(self.rounds_logged())
         return report
@@ -394,10 +395,12 @@ class Emulation:
             for records in self.logs().values()
         )
 
-    def report(self, wall: float, interrupted: bool = False) -> dict[str, Any]:
-        """The simulate report schema, assembled from the agents' round logs. Interrupted,
-        an agent ended by a signal (Ctrl-C reaches the agents too, and this process ends
-        the rest) did not fail."""
+    def report(
+        self, wall: float, interrupted: bool = False, started_at: float | None = None
+    ) -> dict[str, Any]:
+        """The simulate report schema, assembled from the agents' round logs; its time to
+        target counted from `started_at` (Unix seconds). Interrupted, an agent ended by a
+        signal (Ctrl-C reaches the agents too, and this process ends the rest) did not fail."""
         logs = self.logs()
         codes = {
             a: c
@@ -416,6 +419,7 @@ class Emulation:
         )
         report["summary"]["failed_agents"] = codes
         report["summary"]["interrupted"] = interrupted
+        with_time_to_target(report, None, started_at)
         return {
             "config": {
                 **dataclasses.asdict(self.config),

@@ -29,6 +29,7 @@ from coordinator.status_figures import (
     checked,
     header_problem,
     presence_problems,
+    status_metrics,
 )
 from protocol import ProtocolError, messages, topics
 from protocol.limits import MAX_MEMBERS
@@ -114,7 +115,7 @@ class FleetView:
             apply_presence(entry, message)
         elif isinstance(message, messages.Status):
             entry.state, entry.round, entry.stopped = message.state, message.round, message.stopped
-            figures, problems = checked(message.metrics, message.round)
+            figures, problems = checked(status_metrics(message), message.round)
             TOLD.tell(fleet, message.sender, problems, "ignored")
             entry.metrics, entry.run_id = figures, message.run_id
         return entry
@@ -417,6 +418,7 @@ COLUMNS: dict[str, Cell] = {
     "received": lambda e: describe_bytes(e, "bytes_received"),
     "energy": lambda e: describe_number(e, "energy_j", "{:.1f} J"),
     "epsilon": lambda e: describe_number(e, "epsilon", "{:.2f}"),
+    "staleness": lambda e: describe_number(e, "staleness", "{:.1f}"),
     "stragglers": describe_stragglers,
     "quarantined": lambda e: describe_stragglers(e, name="quarantined"),
     "profile": lambda e: e.profile,
@@ -434,6 +436,7 @@ WRAP_FLOOR = 13
 LEFT_OUT_FIRST = (
     "profile",
     "epsilon",
+    "staleness",
     "kept",
     "energy",
     "stragglers",
@@ -458,8 +461,9 @@ def fleet_table(
 
     A single fleet goes in the title rather than a column, the quarantined column shows
     only when some agent quarantined someone, "train s" (measured/predicted) only when some
-    agent measures its training and "reduction" only when some agent's budget reduced its
-    round (not all "none"). To fit `width`, columns are left out
+    agent measures its training, "reduction" only when some agent's budget reduced its
+    round (not all "none"), and epsilon and staleness only when some agent reports one
+    (`--dp`; asynchronous rounds). To fit `width`, columns are left out
     (`LEFT_OUT_FIRST`; the caption says which) rather than folded letter by letter.
     """
     hidden = {
@@ -469,6 +473,7 @@ def fleet_table(
         "reduction": all(reduction_of(e) in ("", "none") for e in entries),
         "kept": not any(kept_of(e) for e in entries),
         "epsilon": not any(figure(e, "epsilon") is not None for e in entries),
+        "staleness": not any(figure(e, "staleness") is not None for e in entries),
     }
     names = [name for name in COLUMNS if not hidden.get(name, False)]
     left_out: list[str] = []

@@ -25,6 +25,7 @@ from agent.own_data import misfit, parse_description
 from agent.runfile import RunFile, run_timeouts
 from agent.runtime import new_run_id
 from agent.runtime.heap import settled_heap
+from agent.time_to_target import with_time_to_target
 from agent.user_code import is_import_path, load_callable
 from agent.workload import fingerprinted
 from coordinator.conductor import Conductor, Resumed, assemble_report, wait_until_finished
@@ -431,6 +432,7 @@ def report_of(
     report["summary"]["cancelled"] = conductor.cancelled
     if conductor.cancelled:
         report["summary"]["cancelled_after"] = conductor.ended_rounds()
+    with_time_to_target(report, None, entry.started)
     return {
         "config": {
             **dataclasses.asdict(config),

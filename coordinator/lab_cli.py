@@ -26,6 +26,7 @@ from agent.runfile import check_files, lab_config
 from coordinator.cli_shared import (
     Interrupted,
     agent_rounds,
+    check_target,
     console,
     dashboard,
     http_options,
@@ -89,6 +90,7 @@ def simulate(
     report_path: str | None,
     force: bool,
     plot_dir: str | None,
+    target_accuracy: float | None,
     run_file: str | None,
     workers: int,
     backend: str,
@@ -99,6 +101,7 @@ def simulate(
     require_extra(LAB_EXTRA, "coordinator simulate", plot_dir=plot_dir)
     report_path = report_target(report_path, force)
     config = lab_experiment(run_file, values)
+    check_target(target_accuracy, config.task, config.metric)
     from coordinator.ray_backend import ClusterError
     from coordinator.simulate import Simulation  # torch: after the config's one-line checks
 
@@ -135,7 +138,7 @@ def simulate(
             ) from None
         except (ClusterError, ConnectionError) as exc:
             raise click.ClickException(str(exc)) from None
-    publish_report(report, report_path, plot_dir)
+    publish_report(report, report_path, plot_dir, target_accuracy)
 
 
 def ray_where(backend: str, address: str | None) -> str:
@@ -234,6 +237,7 @@ def emulate(
     report_path: str | None,
     force: bool,
     plot_dir: str | None,
+    target_accuracy: float | None,
     run_file: str | None,
     **values: object,
 ) -> None:
@@ -247,6 +251,7 @@ def emulate(
     if key_file and agent_keys:
         raise click.UsageError("give --key-file (one fleet key) or --agent-keys, not both")
     config = lab_experiment(run_file, values)
+    check_target(target_accuracy, config.task, config.metric)
     from coordinator.emulate import Emulation, EmulationOptions, auto_agents_per_process
 
     broker, embedded = emulation_broker(brokers)
@@ -293,7 +298,7 @@ def emulate(
     finally:
         if embedded is not None:
             embedded.stop()
-    publish_report(report, report_path, plot_dir)
+    publish_report(report, report_path, plot_dir, target_accuracy)
     say_how_emulation_ended(report, folder)
     if not workdir:
         remove_scratch(folder, report_path, plot_dir)

@@ -72,6 +72,7 @@ from agent.report import (
     stopped_summary,
     summarize,
 )
+from agent.time_to_target import with_time_to_target
 from agent.workload import Workload, build_workload, nominal_budgets
 from coordinator.ray_backend import BACKENDS, RayTraining, require_ray
 from coordinator.secure_traffic import secure_round
@@ -189,7 +190,7 @@ class Simulation:
                 **backdoor,
             },
         }
-        return named_for_task(report, self.learner.facts.task)
+        return with_time_to_target(named_for_task(report, self.learner.facts.task), None, 0.0)
 
     def _training(self) -> contextlib.AbstractContextManager[Training]:
         """Where this run's agents train, for the run (see `backend`)."""

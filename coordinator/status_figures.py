@@ -167,6 +167,7 @@ ROUND_FIGURES: dict[str, Check] = {
     "finished_at": number_in(0, MAX_UNIX_S),
     "t_star": ROUND,
     "epsilon": number_in(0, MAX_EPSILON),
+    "staleness": number_in(0, MAX_ROUNDS),
     "vote": flag,
     "pruned": flag,
     "stopped": flag,
@@ -330,6 +331,14 @@ def incomplete(record: Mapping[str, Any]) -> str | None:
     if "train_loss" not in record:
         missing.append("train_loss")
     return f"lacks {', '.join(sorted(set(missing)))}" if missing else None
+
+
+def status_metrics(status: Status) -> dict[str, Any]:
+    """A status's metrics with its typed round figure among them (`staleness`, when it has
+    one), so that every reader takes the latest round's figures from one map."""
+    if status.staleness is None:
+        return status.metrics
+    return {**status.metrics, "staleness": status.staleness}
 
 
 def header_problem(status: Status) -> tuple[str, str] | None:

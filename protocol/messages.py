@@ -116,6 +116,11 @@ class Status(Message):
     state: str
     metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
     stopped: bool = False
+    staleness: float | None = None
+    """How many rounds stale, on average, what the agent's latest asynchronous round took
+    in was; None (left out on the wire, as every optional field at its default) for a
+    synchronous round, so such a status is the bytes it was before the field came and any
+    build decodes it. A build from before the field refuses a status that carries it."""
 
 
 FINAL_STATES = ("done", "stopped", "rejected", "failed", "cancelled")

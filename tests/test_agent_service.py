@@ -186,13 +186,14 @@ def run_admitted(
     identity: Path,
     admitted: Path,
     agents: list[subprocess.Popen],
+    *flags: str,
 ) -> subprocess.CompletedProcess[str]:
-    """`coordinator run` with the admission list, its report in tmp/report.json; the agents
-    are stopped after it."""
+    """`coordinator run` with the admission list (and `flags`), its report in
+    tmp/report.json; the agents are stopped after it."""
     try:
         return subprocess.run(
             [*COORDINATOR, "run", str(run_file), "--broker", broker, "--admitted", str(admitted),
-             "--identity", str(identity), "--report", str(tmp / "report.json")],
+             "--identity", str(identity), "--report", str(tmp / "report.json"), *flags],
             cwd=REPO, capture_output=True, text=True, timeout=180,
         )  # fmt: skip
     finally:
@@ -214,11 +215,15 @@ def test_coordinator_run_admits_by_key_and_agents_take_runs_only_from_it(
     agents = start_trusting(processes, tmp_path, broker, ["pi-a", "pi-b", "pi-0"])
     run_file = write_run(tmp_path / "run.toml", strategy="fedavg", agents=2, rounds=2,
                          join_timeout=60)  # fmt: skip
-    result = run_admitted(tmp_path, broker, run_file, identity, admitted, agents)
+    target = ("--target-accuracy", "0")
+    result = run_admitted(tmp_path, broker, run_file, identity, admitted, agents, *target)
     assert result.returncode == 0, result.stderr
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["config"]["roster"] == ["pi-a", "pi-b"]
     assert [len(r["agents"]) for r in report["rounds"]] == [2, 2]
+    reach = report["summary"]["time_to_target"]  # from the run's start, on the devices' clocks
+    assert (reach["target"], reach["given"], reach["round"]) == (0, True, 1), reach
+    assert 0 < reach["seconds"] < report["summary"]["wall_seconds"] + 60, reach
     assert "not admitted" in result.stderr, "the stranger's messages were rejected"
     assert not (tmp_path / "pi-0" / "runs").exists()
 

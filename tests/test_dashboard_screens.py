@@ -2,7 +2,8 @@
 data at once (the page carries the fleet as served, and asks for it while its event stream
 gets nothing through), the run and its strategy in the header, the sparsity axis 0 % to
 100 % with its labels whole when every sparsity is 0, and no p_k for a strategy that budgets
-nothing, there, in the agents' log lines and in the report."""
+nothing, there, in the agents' log lines and in the report; no staleness in synchronous
+rounds, and the report's time to its final accuracy on the agents' clock."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ PAGE = """(() => {
     run: document.getElementById("run").textContent,
     rounds: cells("round").map(Number),
     p_k: cells("p_k"),
+    staleness: cells("staleness"),
     points: Object.fromEntries(Object.entries(plotted).map(([id, chart]) =>
       [id, chart.plot.data.slice(1).map((s) => s.filter((v) => v != null).length)])),
     axis,
@@ -109,6 +111,7 @@ def test_a_fedavg_run_opened_mid_run_shows_its_figures_at_once(
     assert len(loaded["points"]) == 4
     assert loaded["run"] == f"run {run_id} · fedavg"
     assert loaded["p_k"] == ["–"] * 3, "FedAvg trains the full model: no p_k"
+    assert loaded["staleness"] == ["–"] * 3, "synchronous rounds: no staleness"
     axis = loaded["axis"]
     assert (axis["min"], axis["max"]) == (0, 1) and axis["fits"], axis
     assert axis["labels"][0] == "0 %" and axis["labels"][-1] == "100 %", axis
@@ -116,6 +119,11 @@ def test_a_fedavg_run_opened_mid_run_shows_its_figures_at_once(
     assert later["rounds"] == [5, 5, 5] and later["badge"].startswith("polling"), later
     entries = [a for r in reports[0]["rounds"] for a in r["agents"].values()]
     assert entries and all(entry["p_k"] is None for entry in entries)
+    assert all(entry["staleness"] is None for entry in entries)
+    summary = reports[0]["summary"]
+    reach = summary["time_to_target"]  # the agents' wall clock: the final accuracy's
+    assert "staleness" not in summary and reach["timed"] and not reach["given"], reach
+    assert 0 < reach["seconds"] <= summary["wall_seconds"] and 1 <= reach["round"] <= 5, reach
     for log in sorted(workdir.glob("agent-*.log")):
         lines = [line for line in log.read_text().splitlines() if ": accuracy " in line]
         assert lines and not any("p_k" in line for line in lines), log

@@ -130,6 +130,8 @@ def telemetry_json(status: messages.Status, at: float) -> bytes:
         "time": at,
         "metrics": {k: v for k, v in status.metrics.items() if k not in REPORT_ONLY},
     }
+    if status.staleness is not None:
+        document["staleness"] = status.staleness
     return json.dumps(finite_or_none(document), allow_nan=False).encode()
 
 
@@ -423,8 +425,8 @@ class Session:
     def status(
         self, state: str, round_: int, metrics: dict[str, Any], votes: Mapping[int, bool]
     ) -> None:
-        """Publish the retained status; it carries the vote history, a restarted agent's way
-        to learn the votes it missed."""
+        """Publish the retained status: the vote history (a restarted agent's way to learn
+        the votes it missed), and the staleness of the round record among its `metrics`."""
         history = "".join("1" if votes.get(r) else "0" for r in range(1, round_ + 1))
         message = messages.Status(
             **self.header(round_),
@@ -433,6 +435,7 @@ class Session:
                 {**metrics, "votes": history if self.learner.prunes_further else ""}
             ),
             stopped=self.stopped_round is not None,
+            staleness=finite_or_none((metrics.get("record") or {}).get("staleness")),
         )
         self.transport.publish(
             topics.status(self.fleet, self.me),

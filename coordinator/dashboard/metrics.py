@@ -82,14 +82,19 @@ ROUND_COST_GAUGES: tuple[tuple[str, str, Callable[[Mapping[str, Any]], float | N
         lambda row: row.get("epsilon"),
     ),
     (
+        "staleness_rounds",
+        "Rounds stale, on average, what the agent's latest asynchronous round took in was.",
+        lambda row: row.get("staleness"),
+    ),
+    (
         "prediction_error_ratio",
         "(measured - predicted) / predicted seconds of the agent's latest local training.",
         prediction_error,
     ),
 )
-"""(metric name after edgefl_agent_, help, value of a row or None) of the round-cost gauges,
-each given only for agents whose latest status has its figures (`.get`: a row of an older
-dashboard state may lack them)."""
+"""(metric name after edgefl_agent_, help, value of a row or None) of the latest round's
+gauges (its cost, privacy loss and staleness), each given only for agents whose latest
+status has its figures (`.get`: a row of an older dashboard state may lack them)."""
 FLEET_GAUGES = (
     ("agents", "agents", "Agents the dashboard knows in the fleet."),
     ("online", "agents_online", "Agents online."),

@@ -257,6 +257,9 @@ def agent_row(entry: AgentEntry, series: AgentSeries | None, with_series: bool) 
         # The round's measured cost against the cost table's prediction (None from an
         # agent that does not measure it) and what its budget made it do.
         **{name: number(figure(name)) for name in ROUND_COST},
+        # How many rounds stale what its latest asynchronous round took in was, on average
+        # (None: a synchronous round).
+        "staleness": number(figure("staleness")),
         "reduction": text(figure("reduction"), 64),
         "reduction_why": text(figure("reduction_why")),
         # Which of its models the agent keeps and serves (personal, fleet, local) and why.

@@ -198,6 +198,7 @@ function row(agent, index, multi) {
     cell("bytes_received", bytes(agent.bytes_received), "num"),
     cell("energy", si(agent.energy_total_j, "J"), "num"),
     cell("epsilon", epsilonText(agent.epsilon), "num"),
+    cell("staleness", agent.staleness == null ? "–" : agent.staleness.toFixed(1), "num"),
     cell("stragglers", agent.stragglers.length ? agent.stragglers.join(", ") : "–"),
     cell("quarantined", agent.quarantined.length ? agent.quarantined.join(", ") : "–"));
   return tr;
