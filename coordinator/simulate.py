@@ -73,6 +73,7 @@ from agent.report import (
     summarize,
 )
 from agent.workload import Workload, build_workload, nominal_budgets
+from coordinator.async_rounds import AsynchronousRun
 from coordinator.ray_backend import BACKENDS, RayTraining, require_ray
 from coordinator.secure_traffic import secure_round
 from coordinator.traffic import CentralTraffic, LocalWire, wire_traffic
@@ -223,7 +224,7 @@ class Simulation:
         job = RoundJob(k, state, inbox, t, prune_now, self.budgets.get(k), self.costs)
         return self.training.local_round(job)
 
-    def _finish_round(
+    def finish_round(
         self, k: str, t: int, result: RoundResult, reduction: Reduction
     ) -> tuple[RoundResult, AgentRound]:
         """Keep agent k's round: its state, early stopping, figures; what it sends (poisoned
@@ -251,8 +252,12 @@ class Simulation:
 
     def _decentralized(self, progress: ProgressCallback | None) -> list[dict[str, Any]]:
         """The rounds of ALGORITHMS.md 1: each agent, in reuse order, aggregates what it
-        receives, trains and publishes; then the votes settle the pruning plan."""
+        receives, trains and publishes; then the votes settle the pruning plan. Asynchronous
+        rounds (`--asynchronous`) run in the order of a virtual clock instead
+        (`coordinator.async_rounds`)."""
         cfg = self.config.learning
+        if cfg.asynchronous:
+            return AsynchronousRun(self).rounds(progress)
         wire = wire_traffic(cfg, self.roster, self.stopped, self.learner)
         previous = {
             k: self.learner.published(s, len(self.data[k].y_train)) for k, s in self.states.items()
@@ -272,7 +277,7 @@ class Simulation:
                 if progress:
                     progress(t, k)
             self._vote(t, ran, wire)
-            rounds.append(self._round_record(t, topology.order, ran, wire.end(t)))
+            rounds.append(self.round_record(t, topology.order, ran, wire.end(t)))
             previous = current
             if len(self.stopped) == len(self.roster):
                 break
@@ -300,7 +305,7 @@ class Simulation:
         waits_for = {k: set(topology.prior_posterior(k)[0]) - current.keys() for k in order}
         slots, started = self.training.slots, self.training.started
         for k, (result, reduction) in when_ready(order, waits_for, start, slots, started):
-            yield k, *self._finish_round(k, topology.round, result, reduction)
+            yield k, *self.finish_round(k, topology.round, result, reduction)
 
     # -------------------------------------------------------------------- centralized rounds
 
@@ -383,11 +388,11 @@ class Simulation:
         for k, fit in fits.items():
             _, judged = judge(strategy, self.learner, fit, server, self.data[k])
             ran[k] = AgentRound.of_fit(jobs[k].turn, fit, judged, self.learner.traits.budgets)
-        rounds.append(self._round_record(t, self.roster, ran, traffic))
+        rounds.append(self.round_record(t, self.roster, ran, traffic))
 
     # ------------------------------------------------------------------------------- report
 
-    def _round_record(
+    def round_record(
         self, t: int, order: list[str], ran: dict[str, AgentRound], traffic: dict[str, Traffic]
     ) -> dict[str, Any]:
         """The report's round t: every agent's figures (one that stopped early repeats its
@@ -402,7 +407,7 @@ class Simulation:
                     bytes_sent=spent.sent,
                     bytes_received=spent.received,
                     nonzeros_sent=spent.nonzeros_sent,
-                    stopped=k in self.stopped,
+                    stopped=self.stopped.get(k, t + 1) <= t,
                     stop_reason=self.stop_reasons.get(k, ""),
                 ),
             )
