@@ -5,6 +5,10 @@ event-driven order on the virtual clock."""
 from __future__ import annotations
 
 import dataclasses
+import signal
+import threading
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -13,6 +17,8 @@ from agent.learning import Published, preset, robust_rules, sparse
 from agent.learning.asynchronous import freshest
 from agent.learning.learner import AgentState, combine
 from agent.learning.staleness import staleness_weight
+from agent.runtime import checkpoint
+from coordinator.emulate import Emulation, EmulationOptions
 from coordinator.simulate import ExperimentConfig, simulate
 
 MEAN = robust_rules.parse_rule("mean")
@@ -143,3 +149,52 @@ def test_a_slow_board_is_taken_late_and_the_fast_ones_do_not_wait_for_it() -> No
     assert max(ends.values()) > 2 * min(ends.values())  # nobody waited for the slowest
     staleness = [a.get("staleness") for r in report["rounds"] for a in r["agents"].values()]
     assert max(s for s in staleness if s is not None) > 1
+
+
+ROUNDS = 10
+
+
+def test_a_fleet_that_never_waits_over_a_real_broker(amqtt_broker, tmp_path: Path) -> None:
+    """Four agent processes, DA-DPFL --asynchronous: agent-003 is stopped (SIGSTOP) after its
+    first round and agent-002 killed (SIGKILL) after its second; the other two get to round
+    5 while agent-003 sleeps (a synchronous round would wait the 300 s round timeout), and
+    after SIGCONT agent-003 catches up and every live agent finishes. The others' records
+    show agent-003 left out past --max-staleness or taken stale, and the dead one left out."""
+    learning = preset(
+        "dadpfl", rounds=ROUNDS, neighbours=3, epochs=1, asynchronous=True, max_staleness=2
+    )
+    config = ExperimentConfig(dataset="digits", agents=4, seed=2, learning=learning)
+    options = EmulationOptions(workdir=tmp_path / "fleet", round_timeout_s=300.0, linger_s=2.0)
+    emulation = Emulation(config, amqtt_broker.address, options)
+    result: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: result.update(report=emulation.run()), daemon=True)
+    sleeper, dead = emulation.processes, ["agent-003", "agent-002"]
+    thread.start()
+    try:
+        wait_for_round(emulation, thread, "agent-003", 1)
+        sleeper["agent-003"].send_signal(signal.SIGSTOP)
+        wait_for_round(emulation, thread, "agent-002", 2)
+        sleeper["agent-002"].send_signal(signal.SIGKILL)
+        for awake in ("agent-000", "agent-001"):
+            wait_for_round(emulation, thread, awake, 5)
+        assert max(checkpoint.read_records(emulation.round_log("agent-003"))) == 1
+    finally:
+        sleeper["agent-003"].send_signal(signal.SIGCONT)
+    thread.join(240)
+    assert not thread.is_alive(), "the run did not end"
+    report = result["report"]
+    assert report["summary"]["failures"].keys() == {dead[1]}
+    for agent in ("agent-000", "agent-001", "agent-003"):  # agent-003 caught up
+        assert max(checkpoint.read_records(emulation.round_log(agent))) == ROUNDS
+    awake = [r["agents"][k] for r in report["rounds"][2:] for k in ("agent-000", "agent-001")]
+    assert any(dead[0] in a["stragglers"] for a in awake)  # too stale: left out
+    assert any(dead[1] in a["stragglers"] for a in awake)  # gone: left out
+    assert any(a.get("staleness", 0) > 0 for a in awake)  # taken late
+
+
+def wait_for_round(emulation: Emulation, thread: threading.Thread, agent: str, round_: int):
+    """Wait until `agent` logged round `round_` (while the run goes on)."""
+    path = emulation.round_log(agent)
+    while round_ not in checkpoint.read_records(path):
+        assert thread.is_alive(), f"the run ended before {agent} logged round {round_}"
+        thread.join(0.05)

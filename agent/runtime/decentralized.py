@@ -9,11 +9,18 @@ a straggler: the agent asks for the model again while it waits, then falls back 
 model it holds and records it. A neighbour whose presence says offline (after it took part
 in this run) is a straggler at once, without the wait, until its presence says online again.
 How models travel is the `--wire` object's (`wire_full`, `wire_delta`, `wire_layers`).
+Asynchronous rounds (`--asynchronous`, `--wire full`) never wait: a round takes the freshest
+model of each neighbour held, weighted by its staleness (`agent.runtime.asynchronous`).
 
 Pruning needs the fleet's votes (1.7-1.8). The first further pruning is at t_1 = 2 t* + b, so
 deciding whether round t prunes needs only the tallies of rounds <= t / 2: the agent waits
 for those (missing votes count 0 after the vote timeout), which keeps the fleet loosely
-coupled instead of adding a barrier every round.
+coupled instead of adding a barrier every round. Asynchronously the agent does not wait for
+them either: it settles a tally from the votes that came (a missing vote counts 0, as after
+the vote timeout). A member behind by more than t / 2 rounds thus counts as a no, which can
+only put the fleet's pruning time t* later, never earlier, and agents that settle a tally
+with different votes at hand may differ in t* (by the rounds their views differ); the
+half-round lag leaves a member that keeps up within t / 2 rounds time to vote.
 """
 
 from __future__ import annotations
@@ -36,9 +43,11 @@ from agent.learning import (
     settle_votes,
     train_round,
 )
+from agent.learning.asynchronous import Freshest
 from agent.report import AgentRound, reported_p_k
 from agent.runtime import checkpoint
 from agent.runtime.asking import Asking
+from agent.runtime.asynchronous import freshest_held, stale_window
 from agent.runtime.codec import all_finite, values_sent
 from agent.runtime.inbox import held_models
 from agent.runtime.session import RoundClock, Session
@@ -99,6 +108,10 @@ class DecentralizedRounds:
             wanted |= {need for need in self.live(self.needs(upcoming)) if need[0] >= 1}
         return wanted
 
+    def stale_ahead(self, round_: int) -> set[Need]:
+        """`ahead`, with each need's `--max-staleness` rounds before it (`stale_window`)."""
+        return stale_window(self.ahead(round_), self.session.cfg.max_staleness)
+
     # ------------------------------------------------------------------ wiring
 
     def subscribe(self) -> None:
@@ -113,8 +126,10 @@ class DecentralizedRounds:
 
     def subscribe_ahead(self, round_: int) -> None:
         """Subscribe to the models of the next few rounds before anyone publishes them (with
-        --wire delta to every peer's models: deltas build on each other)."""
-        wanted = self.wire.wanted(round_, self.ahead)
+        --wire delta to every peer's models: deltas build on each other; asynchronously to
+        the `--max-staleness` rounds before them too: `stale_window`)."""
+        ahead = self.stale_ahead if self.session.cfg.asynchronous else self.ahead
+        wanted = self.wire.wanted(round_, ahead)
         for topic in sorted(wanted - self.subscribed):
             self.session.transport.subscribe(topic, self.wire.on_announcement)
         for topic in self.subscribed - wanted:
@@ -200,9 +215,10 @@ class DecentralizedRounds:
         s = self.session
         if not s.learner.prunes_further:
             return False
+        wait_s = 0.0 if s.cfg.asynchronous else s.timeouts.vote_s
         while self.settled_round < round_ // 2:
             r = self.settled_round + 1
-            votes = s.inbox.wait_votes(r, s.roster, s.timeouts.vote_s)
+            votes = s.inbox.wait_votes(r, s.roster, wait_s)
             settle_votes(self.plan, r, votes, s.roster, s.inbox.stopped_agents(), s.cfg.delta_v)
             self.settled_round = r
         return self.plan.is_pruning_round(round_)
@@ -211,10 +227,7 @@ class DecentralizedRounds:
         s = self.session
         started = time.monotonic()
         self.subscribe_ahead(round_)
-        needs = self.needs(round_)
-        inbox, stragglers = self.wire.gather(
-            round_, needs, time.monotonic() + s.timeouts.round_s, self
-        )
+        inbox, stragglers, chosen = self.gather(round_)
         waited = time.monotonic() - started
         prune_now = self.prune_now(round_)
         budget = s.budget()
@@ -233,6 +246,7 @@ class DecentralizedRounds:
                     p_k,
                     s.costs.table if s.costs else None,
                     budget.allowed_mb if budget else None,
+                    None if chosen is None else chosen.weights,
                 )
         if s.costs is not None:
             clock = s.after_reduced_compute(compute_started, reduction)
@@ -261,9 +275,23 @@ class DecentralizedRounds:
             peak_memory_mb=round(meter.megabytes + working_set_mb(s.learner.facts, reduction), 2),
             stragglers=stragglers,
             wait_s=round(waited, 3),
+            staleness=None if chosen is None else chosen.staleness,
             t_star=self.plan.t_star,
             stopped=stops,
         )
+
+    def gather(self, round_: int) -> tuple[dict[str, Published], list[str], Freshest | None]:
+        """The round's inbox and stragglers: the wire format's, waiting up to the round
+        timeout; asynchronously, at once, what is held (`freshest_held`: its stragglers the
+        neighbours left out as too stale) and what was taken of whom."""
+        s, needs = self.session, self.needs(round_)
+        if not s.cfg.asynchronous:
+            deadline = time.monotonic() + s.timeouts.round_s
+            return *self.wire.gather(round_, needs, deadline, self), None
+        inbox, chosen = freshest_held(s, self.live(needs))
+        for sender in chosen.ignored:
+            log.info("round %d: nothing of %s within --max-staleness: left out", round_, sender)
+        return inbox, chosen.ignored, chosen
 
     def publish(self, round_: int, result: RoundResult, poisoned: bool = False) -> int:
         """Publish the round's announcement (once for all receivers) and the vote; returns
