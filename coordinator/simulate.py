@@ -6,6 +6,8 @@ round's reuse order, so an agent's prior neighbours have already published this 
 when it runs, and everyone else's model is last round's. The rules of a round are
 `agent.learning.rounds`, which the networked agent calls too; traffic is the size of the real
 encoded messages an agent would send (`coordinator.traffic`, one model per wire format).
+Asynchronous decentralized rounds (`--asynchronous`) run in the order of a virtual clock
+instead (`coordinator.async_rounds`).
 """
 
 from __future__ import annotations
@@ -99,6 +101,8 @@ log = logging.getLogger(__name__)
 
 ProgressCallback = Callable[[int, str], None]
 """Called with (round, agent) after each agent's round."""
+RoundsRunner = Callable[[ProgressCallback | None], list[dict[str, Any]]]
+"""A way of running a simulation's rounds, which reports progress to the callback."""
 
 
 def check_backend(workers: int, backend: str, ray_address: str | None) -> None:
@@ -171,7 +175,7 @@ class Simulation:
     def run(self, progress: ProgressCallback | None = None) -> dict[str, Any]:
         started = time.perf_counter()
         cfg = self.config.learning
-        run_rounds = self._centralized if self.centralized else self._decentralized
+        run_rounds = rounds_runner(self)
         with self._training() as self.training:
             self.states = self.training.keep(self.states)
             rounds = run_rounds(progress)
@@ -252,12 +256,8 @@ class Simulation:
 
     def _decentralized(self, progress: ProgressCallback | None) -> list[dict[str, Any]]:
         """The rounds of ALGORITHMS.md 1: each agent, in reuse order, aggregates what it
-        receives, trains and publishes; then the votes settle the pruning plan. Asynchronous
-        rounds (`--asynchronous`) run in the order of a virtual clock instead
-        (`coordinator.async_rounds`)."""
+        receives, trains and publishes; then the votes settle the pruning plan."""
         cfg = self.config.learning
-        if cfg.asynchronous:
-            return AsynchronousRun(self).rounds(progress)
         wire = wire_traffic(cfg, self.roster, self.stopped, self.learner)
         previous = {
             k: self.learner.published(s, len(self.data[k].y_train)) for k, s in self.states.items()
@@ -486,6 +486,17 @@ class SecureInProcessInbox:
             )
         total = sum(weights[k] for k in summed.survivors)
         return {SUM: summed_upload(names, self.server, summed.mean, total)}
+
+
+def rounds_runner(run: Simulation) -> RoundsRunner:
+    """How `run` runs its rounds: centralized, decentralized in reuse order, or asynchronous
+    decentralized ones (`--asynchronous`) in the order of a virtual clock
+    (`coordinator.async_rounds`)."""
+    if run.centralized:
+        return run._centralized
+    if run.config.learning.asynchronous:
+        return AsynchronousRun(run).rounds
+    return run._decentralized
 
 
 def p_k_of(budgets: dict[str, Budget], k: str) -> float | None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from agent.device.calibration import ActivationMeter, working_set_mb
@@ -108,10 +109,6 @@ class DecentralizedRounds:
             wanted |= {need for need in self.live(self.needs(upcoming)) if need[0] >= 1}
         return wanted
 
-    def stale_ahead(self, round_: int) -> set[Need]:
-        """`ahead`, with each need's `--max-staleness` rounds before it (`stale_window`)."""
-        return stale_window(self.ahead(round_), self.session.cfg.max_staleness)
-
     # ------------------------------------------------------------------ wiring
 
     def subscribe(self) -> None:
@@ -126,10 +123,8 @@ class DecentralizedRounds:
 
     def subscribe_ahead(self, round_: int) -> None:
         """Subscribe to the models of the next few rounds before anyone publishes them (with
-        --wire delta to every peer's models: deltas build on each other; asynchronously to
-        the `--max-staleness` rounds before them too: `stale_window`)."""
-        ahead = self.stale_ahead if self.session.cfg.asynchronous else self.ahead
-        wanted = self.wire.wanted(round_, ahead)
+        --wire delta to every peer's models: deltas build on each other; see `listened`)."""
+        wanted = self.wire.wanted(round_, listened(self))
         for topic in sorted(wanted - self.subscribed):
             self.session.transport.subscribe(topic, self.wire.on_announcement)
         for topic in self.subscribed - wanted:
@@ -215,10 +210,9 @@ class DecentralizedRounds:
         s = self.session
         if not s.learner.prunes_further:
             return False
-        wait_s = 0.0 if s.cfg.asynchronous else s.timeouts.vote_s
         while self.settled_round < round_ // 2:
             r = self.settled_round + 1
-            votes = s.inbox.wait_votes(r, s.roster, wait_s)
+            votes = s.inbox.wait_votes(r, s.roster, vote_wait_s(s))
             settle_votes(self.plan, r, votes, s.roster, s.inbox.stopped_agents(), s.cfg.delta_v)
             self.settled_round = r
         return self.plan.is_pruning_round(round_)
@@ -227,7 +221,7 @@ class DecentralizedRounds:
         s = self.session
         started = time.monotonic()
         self.subscribe_ahead(round_)
-        inbox, stragglers, chosen = self.gather(round_)
+        inbox, stragglers, chosen = gathered(self, round_)
         waited = time.monotonic() - started
         prune_now = self.prune_now(round_)
         budget = s.budget()
@@ -279,19 +273,6 @@ class DecentralizedRounds:
             t_star=self.plan.t_star,
             stopped=stops,
         )
-
-    def gather(self, round_: int) -> tuple[dict[str, Published], list[str], Freshest | None]:
-        """The round's inbox and stragglers: the wire format's, waiting up to the round
-        timeout; asynchronously, at once, what is held (`freshest_held`: its stragglers the
-        neighbours left out as too stale) and what was taken of whom."""
-        s, needs = self.session, self.needs(round_)
-        if not s.cfg.asynchronous:
-            deadline = time.monotonic() + s.timeouts.round_s
-            return *self.wire.gather(round_, needs, deadline, self), None
-        inbox, chosen = freshest_held(s, self.live(needs))
-        for sender in chosen.ignored:
-            log.info("round %d: nothing of %s within --max-staleness: left out", round_, sender)
-        return inbox, chosen.ignored, chosen
 
     def publish(self, round_: int, result: RoundResult, poisoned: bool = False) -> int:
         """Publish the round's announcement (once for all receivers) and the vote; returns
@@ -380,6 +361,38 @@ class DecentralizedRounds:
         self.plan._last_round = saved["settled_round"]
         self.settled_round = saved["settled_round"]
         self.wire.restore(saved)
+
+
+def gathered(
+    rounds: DecentralizedRounds, round_: int
+) -> tuple[dict[str, Published], list[str], Freshest | None]:
+    """Round `round_`'s inbox and stragglers: the wire format's, waiting up to the round
+    timeout; asynchronously, at once, what is held (`freshest_held`: its stragglers the
+    neighbours left out as too stale) and what was taken of whom."""
+    s, needs = rounds.session, rounds.needs(round_)
+    if not s.cfg.asynchronous:
+        deadline = time.monotonic() + s.timeouts.round_s
+        return *rounds.wire.gather(round_, needs, deadline, rounds), None
+    inbox, chosen = freshest_held(s, rounds.live(needs))
+    for sender in chosen.ignored:
+        log.info("round %d: nothing of %s within --max-staleness: left out", round_, sender)
+    return inbox, chosen.ignored, chosen
+
+
+def listened(rounds: DecentralizedRounds) -> Callable[[int], set[Need]]:
+    """The needs whose models an agent listens for from a round on: those of the next few
+    rounds (`DecentralizedRounds.ahead`); asynchronously with each need's `--max-staleness`
+    rounds before it too (`stale_window`), which a neighbour that is behind publishes late."""
+    if not rounds.session.cfg.asynchronous:
+        return rounds.ahead
+    stale = rounds.session.cfg.max_staleness
+    return lambda round_: stale_window(rounds.ahead(round_), stale)
+
+
+def vote_wait_s(session: Session) -> float:
+    """How long to wait for a round's votes before settling its tally: the vote timeout, or
+    asynchronously not at all (a missing vote counts 0)."""
+    return 0.0 if session.cfg.asynchronous else session.timeouts.vote_s
 
 
 def settled(session: Session, result: RoundResult, p_k: float | None) -> tuple[RoundResult, float]:
