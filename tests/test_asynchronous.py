@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -152,12 +153,13 @@ def test_a_slow_board_is_taken_late_and_the_fast_ones_do_not_wait_for_it() -> No
 
 
 ROUNDS = 10
+WAIT_BOUND_S = 120.0
 
 
 def test_a_fleet_that_never_waits_over_a_real_broker(amqtt_broker, tmp_path: Path) -> None:
     """Four agent processes, DA-DPFL --asynchronous: agent-003 is stopped (SIGSTOP) after its
-    first round and agent-002 killed (SIGKILL) after its second; the other two get to round
-    5 while agent-003 sleeps (a synchronous round would wait the 300 s round timeout), and
+    first round and agent-002 killed (SIGKILL) after its second; the other two get 4 rounds
+    further while agent-003 sleeps (a synchronous round would wait the 300 s round timeout), and
     after SIGCONT agent-003 catches up and every live agent finishes. The others' records
     show agent-003 left out past --max-staleness or taken stale, and the dead one left out."""
     learning = preset(
@@ -167,20 +169,27 @@ def test_a_fleet_that_never_waits_over_a_real_broker(amqtt_broker, tmp_path: Pat
     options = EmulationOptions(workdir=tmp_path / "fleet", round_timeout_s=300.0, linger_s=2.0)
     emulation = Emulation(config, amqtt_broker.address, options)
     result: dict[str, Any] = {}
-    thread = threading.Thread(target=lambda: result.update(report=emulation.run()), daemon=True)
+    stop = threading.Event()  # set on a failure: the run ends its agents
+    thread = threading.Thread(
+        target=lambda: result.update(report=emulation.run(stop=stop)), daemon=True
+    )
     sleeper, dead = emulation.processes, ["agent-003", "agent-002"]
     thread.start()
     try:
         wait_for_round(emulation, thread, "agent-003", 1)
         sleeper["agent-003"].send_signal(signal.SIGSTOP)
+        asleep = max(checkpoint.read_records(emulation.round_log("agent-003")))
         wait_for_round(emulation, thread, "agent-002", 2)
         sleeper["agent-002"].send_signal(signal.SIGKILL)
-        for awake in ("agent-000", "agent-001"):
-            wait_for_round(emulation, thread, awake, 5)
-        assert max(checkpoint.read_records(emulation.round_log("agent-003"))) == 1
+        for awake in ("agent-000", "agent-001"):  # its models are > 2 rounds stale by then
+            wait_for_round(emulation, thread, awake, asleep + 4)
+        assert max(checkpoint.read_records(emulation.round_log("agent-003"))) == asleep
+    except BaseException:
+        stop.set()
+        raise
     finally:
         sleeper["agent-003"].send_signal(signal.SIGCONT)
-    thread.join(240)
+        thread.join(240)
     assert not thread.is_alive(), "the run did not end"
     report = result["report"]
     assert report["summary"]["failures"].keys() == {dead[1]}
@@ -193,8 +202,11 @@ def test_a_fleet_that_never_waits_over_a_real_broker(amqtt_broker, tmp_path: Pat
 
 
 def wait_for_round(emulation: Emulation, thread: threading.Thread, agent: str, round_: int):
-    """Wait until `agent` logged round `round_` (while the run goes on)."""
+    """Wait until `agent` logged round `round_` (while the run goes on), for at most
+    `WAIT_BOUND_S`: far less than the round timeout a synchronous agent would wait out."""
     path = emulation.round_log(agent)
+    deadline = time.monotonic() + WAIT_BOUND_S
     while round_ not in checkpoint.read_records(path):
         assert thread.is_alive(), f"the run ended before {agent} logged round {round_}"
+        assert time.monotonic() < deadline, f"{agent} did not log round {round_}: it waited"
         thread.join(0.05)
