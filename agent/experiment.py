@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from agent.data import PYTHON_SOURCE
 from agent.learning import robust_rules
+from agent.learning.asynchronous import ASYNCHRONOUS_STRATEGIES
 from agent.learning.config import (
     BATCHNORM_MODES,
     DECENTRALIZED,
@@ -33,6 +34,7 @@ from agent.learning.config import (
 from agent.learning.config import default_model as default_dataset_model
 from agent.learning.early_stop import StopRule
 from agent.learning.reductions import CHANNEL_MODES
+from agent.learning.staleness import STALENESS_WEIGHTS
 from agent.learning.strategies import LOCAL, TABLE, fingerprint, names, strategy
 from protocol import extras
 from protocol.limits import MAX_MEMBERS, MAX_ROUNDS, WEEK_S
@@ -342,6 +344,7 @@ class ExperimentConfig:
         check_model_keeping(self)
         check_privacy(self.learning)
         check_secure_aggregation(self)
+        check_asynchronous(self.learning)
 
 
 def check_privacy(cfg: StrategyConfig) -> None:
@@ -478,6 +481,33 @@ def check_secure_aggregation(config: ExperimentConfig) -> None:
     if config.attackers:
         raise ValueError("--attackers (research) does not run with --secure-aggregation yet")
     extras.require(extras.SECAGG_EXTRA, extras.SHAMIR, "--secure-aggregation")
+
+
+def check_asynchronous(cfg: StrategyConfig) -> None:
+    """`--asynchronous`: the strategies and wire format it runs with, one sentence each."""
+    if not cfg.asynchronous:
+        return
+    if cfg.strategy not in ASYNCHRONOUS_STRATEGIES:
+        raise ValueError(
+            f"--asynchronous runs {', '.join(ASYNCHRONOUS_STRATEGIES)} only, not {cfg.strategy}"
+        )
+    if cfg.wire != "full":
+        raise ValueError(
+            f"--asynchronous sends whole models: --wire {cfg.wire} builds on models every "
+            "receiver holds in step; use --wire full"
+        )
+    if robust_rules.parse_rule(cfg.aggregation).robust:
+        raise ValueError(
+            f"--asynchronous weights models by staleness, which --aggregation "
+            f"{cfg.aggregation} does not take; use --aggregation mean"
+        )
+    if cfg.staleness_weight not in STALENESS_WEIGHTS:
+        raise ValueError(
+            f"--staleness-weight must be one of {', '.join(STALENESS_WEIGHTS)}, "
+            f"got {cfg.staleness_weight!r}"
+        )
+    if cfg.max_staleness < 0:
+        raise ValueError(f"--max-staleness must be >= 0, got {cfg.max_staleness}")
 
 
 def check_model_keeping(config: ExperimentConfig) -> None:

@@ -208,7 +208,10 @@ class AgentRound:
     def report_entry(self, networked: bool = False) -> dict[str, Any]:
         """The agent's entry in a report's round (with `networked`, stragglers and wait)."""
         names = REPORTED + NETWORKED if networked else REPORTED
-        return {name: getattr(self, name) for name in names}
+        entry = {name: getattr(self, name) for name in names}
+        if self.staleness is not None:  # an asynchronous round that aggregated models
+            entry["staleness"] = self.staleness
+        return entry
 
     def idle(self, round_: int) -> AgentRound:
         """This agent's record in a later round after it stopped: its figures stay, it spends

@@ -6,6 +6,8 @@ round's reuse order, so an agent's prior neighbours have already published this 
 when it runs, and everyone else's model is last round's. The rules of a round are
 `agent.learning.rounds`, which the networked agent calls too; traffic is the size of the real
 encoded messages an agent would send (`coordinator.traffic`, one model per wire format).
+Asynchronous decentralized rounds (`--asynchronous`) run in the order of a virtual clock
+instead (`coordinator.async_rounds`).
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ from agent.report import (
 )
 from agent.time_to_target import with_time_to_target
 from agent.workload import Workload, build_workload, nominal_budgets
+from coordinator.async_rounds import AsynchronousRun
 from coordinator.ray_backend import BACKENDS, RayTraining, require_ray
 from coordinator.secure_traffic import secure_round
 from coordinator.traffic import CentralTraffic, LocalWire, wire_traffic
@@ -99,6 +102,8 @@ log = logging.getLogger(__name__)
 
 ProgressCallback = Callable[[int, str], None]
 """Called with (round, agent) after each agent's round."""
+RoundsRunner = Callable[[ProgressCallback | None], list[dict[str, Any]]]
+"""A way of running a simulation's rounds, which reports progress to the callback."""
 
 
 def check_backend(workers: int, backend: str, ray_address: str | None) -> None:
@@ -171,7 +176,7 @@ class Simulation:
     def run(self, progress: ProgressCallback | None = None) -> dict[str, Any]:
         started = time.perf_counter()
         cfg = self.config.learning
-        run_rounds = self._centralized if self.centralized else self._decentralized
+        run_rounds = rounds_runner(self)
         with self._training() as self.training:
             self.states = self.training.keep(self.states)
             rounds = run_rounds(progress)
@@ -224,7 +229,7 @@ class Simulation:
         job = RoundJob(k, state, inbox, t, prune_now, self.budgets.get(k), self.costs)
         return self.training.local_round(job)
 
-    def _finish_round(
+    def finish_round(
         self, k: str, t: int, result: RoundResult, reduction: Reduction
     ) -> tuple[RoundResult, AgentRound]:
         """Keep agent k's round: its state, early stopping, figures; what it sends (poisoned
@@ -273,7 +278,7 @@ class Simulation:
                 if progress:
                     progress(t, k)
             self._vote(t, ran, wire)
-            rounds.append(self._round_record(t, topology.order, ran, wire.end(t)))
+            rounds.append(self.round_record(t, topology.order, ran, wire.end(t)))
             previous = current
             if len(self.stopped) == len(self.roster):
                 break
@@ -301,7 +306,7 @@ class Simulation:
         waits_for = {k: set(topology.prior_posterior(k)[0]) - current.keys() for k in order}
         slots, started = self.training.slots, self.training.started
         for k, (result, reduction) in when_ready(order, waits_for, start, slots, started):
-            yield k, *self._finish_round(k, topology.round, result, reduction)
+            yield k, *self.finish_round(k, topology.round, result, reduction)
 
     # -------------------------------------------------------------------- centralized rounds
 
@@ -384,11 +389,11 @@ class Simulation:
         for k, fit in fits.items():
             _, judged = judge(strategy, self.learner, fit, server, self.data[k])
             ran[k] = AgentRound.of_fit(jobs[k].turn, fit, judged, self.learner.traits.budgets)
-        rounds.append(self._round_record(t, self.roster, ran, traffic))
+        rounds.append(self.round_record(t, self.roster, ran, traffic))
 
     # ------------------------------------------------------------------------------- report
 
-    def _round_record(
+    def round_record(
         self, t: int, order: list[str], ran: dict[str, AgentRound], traffic: dict[str, Traffic]
     ) -> dict[str, Any]:
         """The report's round t: every agent's figures (one that stopped early repeats its
@@ -403,7 +408,7 @@ class Simulation:
                     bytes_sent=spent.sent,
                     bytes_received=spent.received,
                     nonzeros_sent=spent.nonzeros_sent,
-                    stopped=k in self.stopped,
+                    stopped=self.stopped.get(k, t + 1) <= t,
                     stop_reason=self.stop_reasons.get(k, ""),
                 ),
             )
@@ -482,6 +487,17 @@ class SecureInProcessInbox:
             )
         total = sum(weights[k] for k in summed.survivors)
         return {SUM: summed_upload(names, self.server, summed.mean, total)}
+
+
+def rounds_runner(run: Simulation) -> RoundsRunner:
+    """How `run` runs its rounds: centralized, decentralized in reuse order, or asynchronous
+    decentralized ones (`--asynchronous`) in the order of a virtual clock
+    (`coordinator.async_rounds`)."""
+    if run.centralized:
+        return run._centralized
+    if run.config.learning.asynchronous:
+        return AsynchronousRun(run).rounds
+    return run._decentralized
 
 
 def p_k_of(budgets: dict[str, Budget], k: str) -> float | None:

@@ -140,6 +140,8 @@ class RoundJob:
     """The agent's nominal budget (None: it trains whole)."""
     costs: CostTable | None = None
     """The measured costs `--reduce prefix|width|auto` chooses by (None: the FLOP rules)."""
+    weights: Mapping[str, float] | None = None
+    """The senders' staleness weights of an asynchronous round (None: synchronous)."""
 
 
 class Training(Protocol):
@@ -217,6 +219,7 @@ class InProcess(Local):
                 p_k,
                 job.costs,
                 job.budget.allowed_mb if job.budget else None,
+                job.weights,
             )
             done.set_result((settle_round(self.learner, result, data, p_k), reduction))
         return done

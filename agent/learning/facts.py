@@ -10,6 +10,7 @@ type-only one). This module imports torch alone when it runs, never the learner.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
@@ -67,5 +68,8 @@ class AggregationRule(Protocol[_Own, _Sent]):
     `--clip`), over the learner's own types of an agent's state (`_Own`) and of what its
     neighbours sent (`_Sent`), which this module cannot name without importing the learner."""
 
-    def aggregate(self, agent: _Own, inbox: dict[str, _Sent]) -> State:
-        """The agent's model aggregated with those of its `inbox`, by sender."""
+    def aggregate(
+        self, agent: _Own, inbox: dict[str, _Sent], weights: Mapping[str, float] | None = None
+    ) -> State:
+        """The agent's model aggregated with those of its `inbox`, by sender (`weights`: each
+        sender's staleness weight in an asynchronous round)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -106,15 +107,20 @@ def starting_point(
     round_: int,
     prune_now: bool,
     reduction: Reduction,
+    weights: Mapping[str, float] | None = None,
 ) -> tuple[AgentState, RoundStart]:
     """The round's start: the strategy's aggregate (`DecentralizedStrategy.aggregate`, the
-    run's rule `Learner.aggregate` unless a user's strategy says otherwise), with each
+    run's rule `Learner.aggregate` unless a user's strategy says otherwise; `weights`: the
+    senders' staleness weights of an asynchronous round, None in a synchronous one), with each
     reduction kind's step before training (`ReductionKind.started`: pruned by magnitude to a
     density cap, the neurons that train drawn for an active fraction, the rest frozen).
     Returns the agent (with its capped masks) and the round from there (its active masks
     None: everything trains)."""
     draw = functools.partial(learner.facts.generator, "active", agent.agent_id, round_)
-    aggregate = learner.decentral.aggregate(learner, agent, inbox)
+    if weights is None:
+        aggregate = learner.decentral.aggregate(learner, agent, inbox)
+    else:
+        aggregate = learner.decentral.aggregate(learner, agent, inbox, weights)
     begun = started(learner.facts, Start(aggregate, agent.masks), reduction, draw)
     if begun.masks is not agent.masks:
         agent = dataclasses.replace(agent, masks=begun.masks)
@@ -206,18 +212,23 @@ class Learner:
         groups = self.facts.layer_groups
         return _restricted(model, [name for layer in layers for name in groups[layer]])
 
-    def aggregate(self, agent: AgentState, inbox: dict[str, Published]) -> State:
+    def aggregate(
+        self,
+        agent: AgentState,
+        inbox: dict[str, Published],
+        weights: Mapping[str, float] | None = None,
+    ) -> State:
         """Mask-based aggregation for sparse strategies (eq. 7), plain mean for dense ones,
         or the robust rule of `--aggregation`; each received model first clipped to the
         `--clip` bound around the agent's own (`robust.clip`). The run's rule, which a
-        round takes through its strategy (`DecentralizedStrategy.aggregate`, the default)."""
+        round takes through its strategy (`DecentralizedStrategy.aggregate`, the default).
+        `weights`: each sender's staleness weight (asynchronous rounds; the agent's own
+        model counts 1), entering where sample weights would."""
         if not inbox:
             return agent.weights
-        return self.facts.own_statistics(self._combined(agent, inbox), agent.weights)
-
-    def _combined(self, agent: AgentState, inbox: dict[str, Published]) -> State:
         rule = robust_rules.parse_rule(self.config.aggregation)
-        return combine(agent, inbox, rule, self.config.clip)
+        combined = combine(agent, inbox, rule, self.config.clip, weights)
+        return self.facts.own_statistics(combined, agent.weights)
 
     @functools.cached_property
     def decentral(self) -> DecentralizedStrategy:
@@ -236,6 +247,7 @@ class Learner:
         round_: int,
         prune_now: bool,
         reduction: Reduction = NO_REDUCTION,
+        sender_weights: Mapping[str, float] | None = None,
     ) -> RoundResult:
         """One decentralized round of agent k, its strategy's steps (`decentral`) composed:
         aggregate, the reduction's start, train, the step after training (vote, prune,
@@ -249,9 +261,13 @@ class Learner:
         cap below the current density prunes the aggregated model to the cap by magnitude
         before training; an active fraction trains that fraction of the neurons and freezes
         the rest; a window or a width trains part of the layers or a narrower sub-model.
+        `sender_weights`: the senders' staleness weights of an asynchronous round (None:
+        synchronous).
         """
         strategy, before, facts = self.decentral, agent, self.facts
-        agent, start = starting_point(self, agent, inbox, data, round_, prune_now, reduction)
+        agent, start = starting_point(
+            self, agent, inbox, data, round_, prune_now, reduction, sender_weights
+        )
         trained = strategy.train(facts, start)
         step = strategy.after_training(facts, start, trained)
         flops = trained.flops + step.flops
@@ -330,10 +346,12 @@ def combine(
     inbox: dict[str, Published],
     rule: robust_rules.Rule,
     clip: str = robust_rules.CLIP_OFF,
+    weights: Mapping[str, float] | None = None,
 ) -> State:
     """`Learner.aggregate`: each received model clipped to the `clip` bound around the
     agent's own (`robust.clip`), then eq. 7 for sparse agents, the plain mean for dense
-    ones, or the robust `rule`.
+    ones, or the robust `rule`; with `weights` (a sender's staleness weight, the agent's
+    own 1) eq. 7 weighted or the weighted mean (`sparse.aggregate_weighted_masked`).
 
     A neighbour that sent only some layers (`--wire layers`, a trained window) counts for
     those alone: each set of tensors with the same senders is clipped and aggregated over
@@ -350,7 +368,8 @@ def combine(
             if not senders:
                 out |= part.weights
                 continue
-            out |= combine(part, {j: _restricted(inbox[j], names) for j in senders}, rule, clip)
+            parts = {j: _restricted(inbox[j], names) for j in senders}
+            out |= combine(part, parts, rule, clip, weights)
         return {name: out[name] for name in agent.weights}
     if clip != robust_rules.CLIP_OFF:
         clipped = robust.clip(
@@ -361,14 +380,17 @@ def combine(
         )
         inbox = {j: dataclasses.replace(p, weights=clipped[j]) for j, p in inbox.items()}
     if rule.robust:
+        if weights is not None:
+            raise ValueError("a robust --aggregation rule takes no staleness weights")
         return _robust_combine(agent, inbox, rule)
+    own = None if weights is None else {j: weights[j] for j in inbox} | {agent.agent_id: 1.0}
     if agent.masks is not None:
         models = {j: (p.weights, p.masks or {}) for j, p in inbox.items()}
         models[agent.agent_id] = (agent.weights, agent.masks)
-        return sparse.aggregate_masked(models, agent.masks)
+        return sparse.aggregate_masked(models, agent.masks, own)
     states = {j: p.weights for j, p in inbox.items()}
     states[agent.agent_id] = agent.weights
-    return sparse.aggregate_mean(states)
+    return sparse.aggregate_mean(states) if own is None else sparse.aggregate_weighted(states, own)
 
 
 def _robust_combine(

@@ -130,14 +130,18 @@ def train_round(
     p_k: float | None,
     costs: CostTable | None = None,
     memory_mb: float | None = None,
+    weights: Mapping[str, float] | None = None,
 ) -> tuple[RoundResult, Reduction]:
     """A decentralized agent's local round, cut to its budget p_k first (`--reduce`): the
     reduction (`local_reduction`, by counted FLOPs or by the measured `costs`, within
-    `memory_mb`) and then `Learner.local_round`."""
+    `memory_mb`) and then `Learner.local_round` (`weights`: the senders' staleness weights
+    of an asynchronous round)."""
     reduction = local_reduction(
         learner.facts, p_k, state.masks, costs=costs, round_=round_, memory_mb=memory_mb
     )
-    result = learner.local_round(state, data, inbox, round_, prune_now, reduction=reduction)
+    result = learner.local_round(
+        state, data, inbox, round_, prune_now, reduction=reduction, sender_weights=weights
+    )
     return result, reduction
 
 

@@ -203,6 +203,7 @@ def aggregate_mean(states: Mapping[str, Mapping[str, torch.Tensor]]) -> State:
 def aggregate_masked(
     models: Mapping[str, tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]],
     own_mask: Mapping[str, torch.Tensor],
+    weights: Mapping[str, float] | None = None,
 ) -> State:
     """Mask-based aggregation, eq. 7 (ALGORITHMS.md 1.4).
 
@@ -214,9 +215,15 @@ def aggregate_masked(
     plain mean over S. Integer and bool entries are copied from the first agent of S by id
     (``copied``), whether or not that is k. Agents are visited in sorted-id order and sums are
     taken in float64, so the result does not depend on arrival order.
+
+    With `weights` (asynchronous rounds: each sender's staleness weight), each sender's
+    masked entries and its count are scaled by its weight, sum_j a_j m_j w_j / sum_j a_j m_j,
+    and the dense tensors are the weighted mean (`aggregate_weighted_masked`); None: eq. 7.
     """
     if not models:
         raise ValueError("nothing to aggregate")
+    if weights is not None:
+        return aggregate_weighted_masked(models, own_mask, weights)
     ids = sorted(models)
     ordered = [models[i][0] for i in ids]
     names = _check_states(ordered)
@@ -253,6 +260,40 @@ def aggregate_masked(
             acc += flat(models[i][0], dense_names).to(torch.float64)
         out |= _split(acc / math.fsum(1.0 for _ in ids), ref, dense_names)
     return {name: out[name] if name in out else copied(ordered, name) for name in names}
+
+
+def aggregate_weighted_masked(
+    models: Mapping[str, tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]],
+    own_mask: Mapping[str, torch.Tensor],
+    weights: Mapping[str, float],
+) -> State:
+    """Eq. 7 with a weight a_j per sender where a FedAvg weight would enter: a prunable entry
+    is sum_j a_j m_j w_j / sum_j a_j m_j (0 where no weighted sender holds it), then cut to
+    the own mask; a dense floating tensor the weighted mean; integer and bool entries copied
+    (``copied``). All weights 1 give eq. 7's values. Sorted-id order, float64 sums."""
+    ids = sorted(models)
+    if any(weights[i] < 0 for i in ids) or math.fsum(weights[i] for i in ids) <= 0:
+        raise ValueError("weights must be non-negative with a positive total")
+    ordered = [models[i][0] for i in ids]
+    names = _check_states(ordered)
+    out: State = {}
+    for name in names:
+        if not averaged(ordered[0][name]):
+            out[name] = copied(ordered, name)
+            continue
+        if name not in own_mask:
+            out |= aggregate_weighted({i: {name: models[i][0][name]} for i in ids}, weights)
+            continue
+        num = torch.zeros_like(ordered[0][name], dtype=torch.float64)
+        cnt = torch.zeros_like(num)
+        for i in ids:
+            state, mask = models[i]
+            kept = mask[name].to(torch.float64) * weights[i]
+            num += torch.where(mask[name], state[name].to(torch.float64), 0.0) * kept
+            cnt += kept
+        agg = torch.where(cnt > 0, num / torch.where(cnt > 0, cnt, 1.0), 0.0)
+        out[name] = torch.where(own_mask[name], agg, 0.0).to(ordered[0][name].dtype)
+    return out
 
 
 def _split(flat: torch.Tensor, like: Mapping[str, torch.Tensor], names: list[str]) -> State:

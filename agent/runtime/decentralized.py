@@ -9,17 +9,25 @@ a straggler: the agent asks for the model again while it waits, then falls back 
 model it holds and records it. A neighbour whose presence says offline (after it took part
 in this run) is a straggler at once, without the wait, until its presence says online again.
 How models travel is the `--wire` object's (`wire_full`, `wire_delta`, `wire_layers`).
+Asynchronous rounds (`--asynchronous`, `--wire full`) never wait: a round takes the freshest
+model of each neighbour held, weighted by its staleness (`agent.runtime.asynchronous`).
 
 Pruning needs the fleet's votes (1.7-1.8). The first further pruning is at t_1 = 2 t* + b, so
 deciding whether round t prunes needs only the tallies of rounds <= t / 2: the agent waits
 for those (missing votes count 0 after the vote timeout), which keeps the fleet loosely
-coupled instead of adding a barrier every round.
+coupled instead of adding a barrier every round. Asynchronously the agent does not wait for
+them either: it settles a tally from the votes that came (a missing vote counts 0, as after
+the vote timeout). A member behind by more than t / 2 rounds thus counts as a no, which can
+only put the fleet's pruning time t* later, never earlier, and agents that settle a tally
+with different votes at hand may differ in t* (by the rounds their views differ); the
+half-round lag leaves a member that keeps up within t / 2 rounds time to vote.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from agent.device.calibration import ActivationMeter, working_set_mb
@@ -36,9 +44,11 @@ from agent.learning import (
     settle_votes,
     train_round,
 )
+from agent.learning.asynchronous import Freshest
 from agent.report import AgentRound, reported_p_k
 from agent.runtime import checkpoint
 from agent.runtime.asking import Asking
+from agent.runtime.asynchronous import freshest_held, stale_window
 from agent.runtime.codec import all_finite, values_sent
 from agent.runtime.inbox import held_models
 from agent.runtime.session import RoundClock, Session
@@ -113,8 +123,8 @@ class DecentralizedRounds:
 
     def subscribe_ahead(self, round_: int) -> None:
         """Subscribe to the models of the next few rounds before anyone publishes them (with
-        --wire delta to every peer's models: deltas build on each other)."""
-        wanted = self.wire.wanted(round_, self.ahead)
+        --wire delta to every peer's models: deltas build on each other; see `listened`)."""
+        wanted = self.wire.wanted(round_, listened(self))
         for topic in sorted(wanted - self.subscribed):
             self.session.transport.subscribe(topic, self.wire.on_announcement)
         for topic in self.subscribed - wanted:
@@ -202,7 +212,7 @@ class DecentralizedRounds:
             return False
         while self.settled_round < round_ // 2:
             r = self.settled_round + 1
-            votes = s.inbox.wait_votes(r, s.roster, s.timeouts.vote_s)
+            votes = s.inbox.wait_votes(r, s.roster, vote_wait_s(s))
             settle_votes(self.plan, r, votes, s.roster, s.inbox.stopped_agents(), s.cfg.delta_v)
             self.settled_round = r
         return self.plan.is_pruning_round(round_)
@@ -211,10 +221,7 @@ class DecentralizedRounds:
         s = self.session
         started = time.monotonic()
         self.subscribe_ahead(round_)
-        needs = self.needs(round_)
-        inbox, stragglers = self.wire.gather(
-            round_, needs, time.monotonic() + s.timeouts.round_s, self
-        )
+        inbox, stragglers, chosen = gathered(self, round_)
         waited = time.monotonic() - started
         prune_now = self.prune_now(round_)
         budget = s.budget()
@@ -233,6 +240,7 @@ class DecentralizedRounds:
                     p_k,
                     s.costs.table if s.costs else None,
                     budget.allowed_mb if budget else None,
+                    None if chosen is None else chosen.weights,
                 )
         if s.costs is not None:
             clock = s.after_reduced_compute(compute_started, reduction)
@@ -261,6 +269,7 @@ class DecentralizedRounds:
             peak_memory_mb=round(meter.megabytes + working_set_mb(s.learner.facts, reduction), 2),
             stragglers=stragglers,
             wait_s=round(waited, 3),
+            staleness=None if chosen is None else chosen.staleness,
             t_star=self.plan.t_star,
             stopped=stops,
         )
@@ -352,6 +361,38 @@ class DecentralizedRounds:
         self.plan._last_round = saved["settled_round"]
         self.settled_round = saved["settled_round"]
         self.wire.restore(saved)
+
+
+def gathered(
+    rounds: DecentralizedRounds, round_: int
+) -> tuple[dict[str, Published], list[str], Freshest | None]:
+    """Round `round_`'s inbox and stragglers: the wire format's, waiting up to the round
+    timeout; asynchronously, at once, what is held (`freshest_held`: its stragglers the
+    neighbours left out as too stale) and what was taken of whom."""
+    s, needs = rounds.session, rounds.needs(round_)
+    if not s.cfg.asynchronous:
+        deadline = time.monotonic() + s.timeouts.round_s
+        return *rounds.wire.gather(round_, needs, deadline, rounds), None
+    inbox, chosen = freshest_held(s, rounds.live(needs))
+    for sender in chosen.ignored:
+        log.info("round %d: nothing of %s within --max-staleness: left out", round_, sender)
+    return inbox, chosen.ignored, chosen
+
+
+def listened(rounds: DecentralizedRounds) -> Callable[[int], set[Need]]:
+    """The needs whose models an agent listens for from a round on: those of the next few
+    rounds (`DecentralizedRounds.ahead`); asynchronously with each need's `--max-staleness`
+    rounds before it too (`stale_window`), which a neighbour that is behind publishes late."""
+    if not rounds.session.cfg.asynchronous:
+        return rounds.ahead
+    stale = rounds.session.cfg.max_staleness
+    return lambda round_: stale_window(rounds.ahead(round_), stale)
+
+
+def vote_wait_s(session: Session) -> float:
+    """How long to wait for a round's votes before settling its tally: the vote timeout, or
+    asynchronously not at all (a missing vote counts 0)."""
+    return 0.0 if session.cfg.asynchronous else session.timeouts.vote_s
 
 
 def settled(session: Session, result: RoundResult, p_k: float | None) -> tuple[RoundResult, float]:

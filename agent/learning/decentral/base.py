@@ -15,6 +15,7 @@ the rest of the code asks of it (sparse, prunes further, trains alone), is the t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar
 
@@ -113,14 +114,23 @@ class DecentralizedStrategy:
         return None
 
     def aggregate(
-        self, learner: AggregationRule[_Own, _Sent], agent: _Own, inbox: dict[str, _Sent]
+        self,
+        learner: AggregationRule[_Own, _Sent],
+        agent: _Own,
+        inbox: dict[str, _Sent],
+        weights: Mapping[str, float] | None = None,
     ) -> State:
         """The model the agent's round starts from, before its budget cuts it: the run's
         rule over its own model and those its neighbours sent (`Learner.aggregate`: eq. 7
         over masks, or the mean, under `--aggregation` and `--clip`), which every shipped
         strategy keeps; the agent's own model when nobody sent one. Weights only: the
-        agent's masks stay its own, moved only after training."""
-        return learner.aggregate(agent, inbox)
+        agent's masks stay its own, moved only after training. `weights`: each sender's
+        staleness weight in an asynchronous round (`agent.learning.asynchronous`), where
+        sample weights would enter; a synchronous round passes none (a user's strategy that
+        does not take them is never run asynchronously with them)."""
+        if weights is None:
+            return learner.aggregate(agent, inbox)
+        return learner.aggregate(agent, inbox, weights)
 
     def train(self, learner: ModelFacts, start: RoundStart) -> Trained:
         """The round's local training from `start`: the budget's reduced training
