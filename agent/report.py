@@ -208,10 +208,7 @@ class AgentRound:
     def report_entry(self, networked: bool = False) -> dict[str, Any]:
         """The agent's entry in a report's round (with `networked`, stragglers and wait)."""
         names = REPORTED + NETWORKED if networked else REPORTED
-        entry = {name: getattr(self, name) for name in names}
-        if self.staleness is not None:  # an asynchronous round that aggregated models
-            entry["staleness"] = self.staleness
-        return entry
+        return {name: getattr(self, name) for name in names}
 
     def idle(self, round_: int) -> AgentRound:
         """This agent's record in a later round after it stopped: its figures stay, it spends
