@@ -86,6 +86,8 @@ from coordinator.training_pool import (
     training_on,
     when_ready,
 )
+from coordinator.virtual_clock import VirtualClock
+from coordinator.virtual_times import stamp_virtual_times
 from protocol import secagg
 from protocol.log_context import agent_scope
 
@@ -189,6 +191,9 @@ class Simulation:
                 **backdoor,
             },
         }
+        clock = VirtualClock.of(self.config, self.roster)
+        if clock.comes_and_goes:  # a run on the virtual clock: its rounds' times
+            stamp_virtual_times(report, self.config, self.stopped, clock, self.centralized)
         return named_for_task(report, self.learner.facts.task)
 
     def _training(self) -> contextlib.AbstractContextManager[Training]:

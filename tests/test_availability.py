@@ -270,3 +270,52 @@ def test_a_duty_cycled_agent_sleeps_in_an_emulated_fleet_that_finishes(
     last = report["rounds"][-1]
     assert last["round"] == 4 and set(last["agents"]) == set(roster)
     assert len(emulation.round_log(sleeper).read_text().splitlines()) == 4
+
+
+def fleet_config(strategy: str, availability: str) -> ExperimentConfig:
+    neighbours = {"neighbours": 2} if strategy == "dadpfl" else {}
+    return ExperimentConfig(
+        dataset="digits",
+        agents=6,
+        partition="iid",
+        seed=2,
+        profiles="mixed",
+        availability=availability,
+        learning=preset(strategy, rounds=3, epochs=1, **neighbours),
+    )
+
+
+def finishes(report: dict) -> dict[tuple[int, str], float]:
+    return {
+        (r["round"], agent): a["finished_at"]
+        for r in report["rounds"]
+        for agent, a in r["agents"].items()
+    }
+
+
+@pytest.mark.parametrize("strategy", ["dadpfl", "fedavg"])
+def test_simulate_places_a_synchronous_run_on_the_virtual_clock(strategy: str) -> None:
+    from agent.learning import RoundTopology
+    from coordinator.simulate import simulate
+
+    config = fleet_config(strategy, "0.5:0.25:20")
+    report = simulate(config)
+    plain = simulate(fleet_config(strategy, ""))
+    assert "finished_at" not in plain["rounds"][0]["agents"]["agent-000"]
+    for got, want in zip(report["rounds"], plain["rounds"], strict=True):
+        for agent, entry in got["agents"].items():
+            assert {k: v for k, v in entry.items() if k != "finished_at"} == want["agents"][agent]
+    ends, roster = finishes(report), report["config"]["roster"]
+    patterns = agent_availability(config, roster)
+    assert len(patterns) == 3
+    for (t, agent), end in ends.items():
+        if agent in patterns:  # work ends while its device is online
+            assert patterns[agent].online(end - 1e-6), (t, agent)
+        if strategy == "fedavg" and t > 1:  # a round starts when the last one ended
+            assert end > max(ends[t - 1, other] for other in roster)
+        if strategy == "dadpfl":  # once it has its models
+            needs = RoundTopology(config.seed, t, roster, config.learning).needs(agent)
+            assert all(end > ends[need] for need in needs if need[0] >= 1)
+    assert report["summary"]["virtual_s"] == max(ends.values())
+    # Sleeping devices hold the fleet up: the run takes longer than its work alone.
+    assert report["summary"]["virtual_s"] > 20
