@@ -348,6 +348,11 @@ class ExperimentConfig:
             profile_names(self.profiles)
         if self.availability:
             FleetAvailability.parse(self.availability)
+            if self.on_devices:
+                raise ValueError(
+                    "--availability emulates devices that come and go: real devices (dataset "
+                    "'device') come and go by themselves"
+                )
         check_robustness(self)
         check_model_keeping(self)
         check_privacy(self.learning)

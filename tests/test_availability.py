@@ -145,6 +145,14 @@ def test_a_bad_spec_is_refused_in_one_line(spec: str, says: str) -> None:
     assert says in text and "\n" not in text and text.startswith(f"--availability {spec!r}")
 
 
+def test_real_devices_are_not_told_to_sleep() -> None:
+    config = ExperimentConfig(
+        dataset="device", input_shape=(4,), classes=2, availability="0.3:0.33:60"
+    )
+    with pytest.raises(ValueError, match="real devices .* come and go by themselves"):
+        config.validate()
+
+
 def test_a_bad_spec_on_the_command_line_is_one_line(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-c", "from coordinator.cli import main; main(prog_name='coordinator')",
