@@ -86,8 +86,7 @@ from coordinator.training_pool import (
     training_on,
     when_ready,
 )
-from coordinator.virtual_clock import VirtualClock
-from coordinator.virtual_times import stamp_virtual_times
+from coordinator.virtual_times import on_virtual_clock
 from protocol import secagg
 from protocol.log_context import agent_scope
 
@@ -191,10 +190,7 @@ class Simulation:
                 **backdoor,
             },
         }
-        clock = VirtualClock.of(self.config, self.roster)
-        if clock.comes_and_goes:  # a run on the virtual clock: its rounds' times
-            stamp_virtual_times(report, self.config, self.stopped, clock, self.centralized)
-        return named_for_task(report, self.learner.facts.task)
+        return named_for_task(on_virtual_clock(report, self), self.learner.facts.task)
 
     def _training(self) -> contextlib.AbstractContextManager[Training]:
         """Where this run's agents train, for the run (see `backend`)."""

@@ -23,12 +23,34 @@ numbers (which the stragglers change) are emulate's only when no one straggles.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from agent.experiment import ExperimentConfig
 from agent.learning import RoundTopology, live, running
 from agent.learning.central.server import participants
 from coordinator.virtual_clock import VirtualClock
+
+
+class SynchronousRun(Protocol):
+    """What this reads of a simulated run (`coordinator.simulate.Simulation`)."""
+
+    config: ExperimentConfig
+
+    @property
+    def stopped(self) -> Mapping[str, int]:
+        """Agent -> the round after which it stopped."""
+
+    @property
+    def centralized(self) -> bool: ...
+
+
+def on_virtual_clock(report: dict[str, Any], run: SynchronousRun) -> dict[str, Any]:
+    """`report` of `run`, its rounds placed on the virtual clock when some device of the
+    run comes and goes (`stamp_virtual_times`); as it is otherwise."""
+    clock = VirtualClock.of(run.config, report["config"]["roster"])
+    if clock.comes_and_goes:
+        stamp_virtual_times(report, run.config, run.stopped, clock, run.centralized)
+    return report
 
 
 def stamp_virtual_times(
