@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from agent.data import PYTHON_SOURCE
+from agent.device.availability import SPEC_SYNTAX, FleetAvailability, Pattern
 from agent.learning import robust_rules
 from agent.learning.asynchronous import ASYNCHRONOUS_STRATEGIES
 from agent.learning.config import (
@@ -224,6 +225,13 @@ class ExperimentConfig:
         "Device profile of every agent, or 'mixed' for the bundled profiles in turn; sets each "
         "agent's budget p_k, which caps the density of its sparse model [default: none, p_k=1].",
     )
+    availability: str = param(
+        "",
+        f"Devices that come and go: {SPEC_SYNTAX}, the share of the fleet that sleeps (awake "
+        "ONLINE of every PERIOD seconds, its wake time moved by JITTER in [0, 1]) and whose "
+        "link drops for FOR seconds every EVERY seconds (with PROBABILITY); e.g. 0.3:0.33:60 "
+        "[default: none; each device as its profile's [availability] says, else always online].",
+    )
     round_time_s: float = param(60.0, "Seconds of local training a device may spend per round.")
     input_shape: tuple[int, ...] | None = run_param(
         None, "Input shape of one sample (channels first) under dataset 'device'."
@@ -340,6 +348,13 @@ class ExperimentConfig:
             raise ValueError(f"--wire must be one of {', '.join(WIRE_FORMATS)}, got {cfg.wire}")
         if self.profiles:
             profile_names(self.profiles)
+        if self.availability:
+            FleetAvailability.parse(self.availability)
+            if self.on_devices:
+                raise ValueError(
+                    "--availability emulates devices that come and go: real devices (dataset "
+                    "'device') come and go by themselves"
+                )
         check_robustness(self)
         check_model_keeping(self)
         check_privacy(self.learning)
@@ -580,6 +595,19 @@ def agent_profiles(config: ExperimentConfig, roster: list[str]) -> dict[str, Dev
         agent_id: load_profile(names[index % len(names)])
         for index, agent_id in enumerate(sorted(roster))
     }
+
+
+def agent_availability(config: ExperimentConfig, roster: list[str]) -> dict[str, Pattern]:
+    """Each agent's availability in this run, for those not always online: the run's
+    `availability` spec for the share it draws, else the `[availability]` of the agent's
+    profile; the same in simulate and emulate (drawn from the seed and the agent's id)."""
+    chosen = {}
+    if config.availability:
+        chosen = FleetAvailability.parse(config.availability).patterns(roster, config.seed)
+    for agent_id, profile in agent_profiles(config, roster).items():
+        if agent_id not in chosen and profile.availability is not None:
+            chosen[agent_id] = Pattern(profile.availability, config.seed, agent_id)
+    return {agent: pattern for agent, pattern in chosen.items() if not pattern.always_online}
 
 
 def check_networked(config: ExperimentConfig, *, aggregator: bool) -> None:

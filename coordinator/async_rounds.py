@@ -78,7 +78,7 @@ class AsynchronousRun:
     def __init__(self, sim: Fleet) -> None:
         self.sim = sim
         self.cfg = sim.config.learning
-        self.clock = VirtualClock(sim.profiles)
+        self.clock = VirtualClock.of(sim.config, sim.roster)
         self.history: dict[str, dict[int, Held]] = {
             k: {0: Held(0.0, sim.learner.published(s, len(sim.data[k].y_train)))}
             for k, s in sim.states.items()

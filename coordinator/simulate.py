@@ -90,6 +90,7 @@ from coordinator.training_pool import (
     training_on,
     when_ready,
 )
+from coordinator.virtual_times import on_virtual_clock
 from protocol import secagg
 from protocol.log_context import agent_scope
 
@@ -195,7 +196,8 @@ class Simulation:
                 **backdoor,
             },
         }
-        return with_time_to_target(named_for_task(report, self.learner.facts.task), None, 0.0)
+        report = named_for_task(on_virtual_clock(report, self), self.learner.facts.task)
+        return with_time_to_target(report, None, 0.0)
 
     def _training(self) -> contextlib.AbstractContextManager[Training]:
         """Where this run's agents train, for the run (see `backend`)."""

@@ -19,6 +19,8 @@ from agent.device.budget import DEFAULT_EFFICIENCY
 from agent.device.throttle import link_delay_s
 
 if TYPE_CHECKING:
+    from agent.device.availability import Pattern
+    from agent.experiment import ExperimentConfig
     from firmware_profiles import DeviceProfile
 
 DEFAULT_ROUND_S = 1.0
@@ -33,6 +35,21 @@ class VirtualClock:
     """Each agent's board (`agent.experiment.agent_profiles`); empty: none is a board."""
     efficiency: float = DEFAULT_EFFICIENCY
     """The share of a board's peak its training reaches, as the throttle assumes."""
+    patterns: Mapping[str, Pattern] = field(default_factory=dict)
+    """Each agent's availability (`agent.experiment.agent_availability`); one not named is
+    always online."""
+
+    @classmethod
+    def of(cls, config: ExperimentConfig, roster: list[str]) -> VirtualClock:
+        """The clock of a run: its agents' boards and availability patterns."""
+        from agent.experiment import agent_availability, agent_profiles
+
+        return cls(agent_profiles(config, roster), patterns=agent_availability(config, roster))
+
+    @property
+    def comes_and_goes(self) -> bool:
+        """Whether some agent of the run is ever offline."""
+        return bool(self.patterns)
 
     def seconds(self, agent: str, train_flops: float, num_bytes: int) -> float:
         """Modelled seconds of a round of `train_flops` that sends and receives `num_bytes`
@@ -44,6 +61,9 @@ class VirtualClock:
         return compute + link_delay_s(num_bytes, profile.link_bandwidth_mbps)
 
     def finish(self, agent: str, start: float, seconds: float) -> float:
-        """The virtual time at which `seconds` of `agent`'s work started at `start` ends
-        (always online here: the work runs at once)."""
-        return start + seconds
+        """The virtual time at which `seconds` of `agent`'s work started at `start` ends: it
+        progresses only while the agent is online (`Pattern.finish`)."""
+        pattern = self.patterns.get(agent)
+        if pattern is None:
+            return start + seconds
+        return pattern.finish(start, seconds)

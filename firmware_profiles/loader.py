@@ -18,6 +18,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, get_type_hints
 
+from agent.device.availability import Availability
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
@@ -52,6 +54,8 @@ class DeviceProfile:
     radio_power_w: float
     cpu_cores: int
     cpu_peak_fp32_gflops: float | None = None
+    availability: Availability | None = None
+    """When the board is online (its `[availability]` table): None, always."""
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -83,9 +87,10 @@ _OPTIONAL: dict[str, type] = {"cpu_peak_fp32_gflops": float}
 _REQUIRED: dict[str, type] = {
     name: kind
     for name, kind in get_type_hints(DeviceProfile).items()
-    if name != "sources" and name not in _OPTIONAL
+    if name not in ("sources", "availability") and name not in _OPTIONAL
 }
 _FIGURES = {name: kind for name, kind in (_REQUIRED | _OPTIONAL).items() if kind in (int, float)}
+_TABLES = ("sources", "availability")
 _ACCEPTED = {str: (str,), int: (int,), float: (int, float)}  # TOML writes 10 for 10.0
 
 
@@ -94,11 +99,11 @@ def _check(data: Mapping[str, Any], where: str) -> DeviceProfile:
         return ProfileError(f"{where}: field {key!r}: {problem}")
 
     for key in data:
-        if key not in _REQUIRED and key not in _OPTIONAL and key != "sources":
+        if key not in _REQUIRED and key not in _OPTIONAL and key not in _TABLES:
             raise fail(
                 key,
                 f"unknown field; expected {', '.join(_REQUIRED)}, optionally "
-                f"{', '.join(_OPTIONAL)}, and [sources]",
+                f"{', '.join(_OPTIONAL)}, [availability] and [sources]",
             )
     for key, kind in (_REQUIRED | _OPTIONAL).items():
         if key not in data:
@@ -135,9 +140,23 @@ def _check(data: Mapping[str, Any], where: str) -> DeviceProfile:
     return DeviceProfile(
         name=data["name"],
         description=data["description"],
+        availability=_availability(data, where),
         sources=MappingProxyType(dict(sources)),
         **figures,
     )
+
+
+def _availability(data: Mapping[str, Any], where: str) -> Availability | None:
+    """The profile's `[availability]` table read, or None without one."""
+    table = data.get("availability")
+    if table is None:
+        return None
+    if not isinstance(table, dict):
+        raise ProfileError(f"{where}: field 'availability': expected a table of figures")
+    try:
+        return Availability.of_table(table, where)
+    except ValueError as exc:
+        raise ProfileError(str(exc)) from None
 
 
 def _search_dirs() -> list[Path]:

@@ -137,6 +137,22 @@ class MemoryTransport:
             self.broker.detach(self)
         self._dispatcher.stop(timeout_s)
 
+    def drop_link(self, seconds: float) -> None:
+        """Receive nothing for `seconds`, then `reconnect`, as `MqttTransport.drop_link`
+        does over a broker (no will here; what this side publishes meanwhile still goes out)."""
+        if self._stopped:
+            return
+        with self.broker.lock:
+            self.connected = False
+            self.broker.detach(self)
+        timer = threading.Timer(seconds, self._reconnect_unless_stopped)
+        timer.daemon = True
+        timer.start()
+
+    def _reconnect_unless_stopped(self) -> None:
+        if not self._stopped:
+            self.reconnect()
+
     def __enter__(self) -> MemoryTransport:
         self.start()
         return self

@@ -600,7 +600,32 @@ def _why_lost(reason: Any) -> str:
     return "connection dropped" if text == "Unspecified error" else text
 
 
-class MqttTransport:
+class _LinkDrops:
+    """`MqttTransport.drop_link`: an emulated device's link that drops
+    (`agent.runtime.dozing`), a mixin that keeps the transport's class to its concerns."""
+
+    options: TransportOptions
+    _client: paho.Client
+    _stopped: bool
+
+    def drop_link(self, seconds: float) -> None:
+        """Lose the connection as a dropped link would (no DISCONNECT: the broker publishes
+        the will), and connect again after `seconds`: paho's backoff, set to that for this
+        loss alone, then set back once the reconnect is due."""
+        if self._stopped:
+            return
+        delay = max(1, math.ceil(seconds))  # paho sleeps its backoff in whole seconds
+        self._client.reconnect_delay_set(delay, delay)
+        sock = self._client.socket()
+        if isinstance(sock, socket.socket):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        restore = threading.Timer(delay + 0.5, _set_backoff, (self._client, self.options))
+        restore.daemon = True
+        restore.start()
+
+
+class MqttTransport(_LinkDrops):
     """One connection to one broker; see the module docstring for what it guarantees.
 
     `will` and `birth` are (topic, payload) pairs, both retained with QoS 1 and small (one
@@ -972,7 +997,7 @@ def _new_client(client_id: str, options: TransportOptions) -> paho.Client:
     )
     client.suppress_exceptions = True
     # paho annotates the delays as int, but takes (and we want) fractions of a second.
-    client.reconnect_delay_set(options.backoff_min_s, options.backoff_max_s)  # type: ignore[arg-type]
+    _set_backoff(client, options)
     if options.username is not None:
         client.username_pw_set(options.username, options.password)
     if options.tls is not None:
@@ -983,6 +1008,11 @@ def _new_client(client_id: str, options: TransportOptions) -> paho.Client:
         )
         client.tls_insecure_set(options.tls.insecure)
     return client
+
+
+def _set_backoff(client: paho.Client, options: TransportOptions) -> None:
+    """paho's reconnect backoff, from the transport's options."""
+    client.reconnect_delay_set(options.backoff_min_s, options.backoff_max_s)  # type: ignore[arg-type]
 
 
 def _cut(client: Any) -> None:

@@ -79,6 +79,11 @@ class Transport(Protocol):
         """Publish the birth and every kept retained message again."""
         ...
 
+    def drop_link(self, seconds: float) -> None:
+        """Lose the connection as a dropped link would, and connect again after `seconds`
+        (an emulated device's availability)."""
+        ...
+
     def subscribe(self, topic_filter: str, handler: Handler, qos: int = 1) -> None:
         """Call handler(topic, payload) for each whole message matching topic_filter."""
         ...

@@ -192,3 +192,18 @@ def test_a_reconnect_counts_and_publishes_the_kept_retained_messages_again(
     a.reconnect()
     assert a.connects == 2 and a.stats["reconnects"] == 1
     assert got.take(1) == [("fl/status/a", b"training")], "kept: published anew"
+
+
+def test_a_dropped_link_misses_what_is_sent_meanwhile_and_comes_back(
+    pair: tuple[MemoryTransport, MemoryTransport],
+) -> None:
+    a, b = pair
+    received = Received()
+    b.subscribe("t/#", received)
+    b.drop_link(60.0)  # long enough not to come back by itself during the test
+    assert not b.connected
+    a.publish("t/lost", b"while down")
+    b.reconnect()
+    a.publish("t/kept", b"after")
+    assert received.take(1) == [("t/kept", b"after")]
+    assert b.connects == 2

@@ -27,11 +27,12 @@ from agent.device import Budget, Throttle
 from agent.device.budget import RoundWork
 from agent.device.calibration import RoundCosts
 from agent.device.throttle import ENERGY_SOURCE
-from agent.experiment import ExperimentConfig
+from agent.experiment import ExperimentConfig, agent_availability
 from agent.learning import AgentState, EarlyStop, Learner, Masks, Published, State, privacy
 from agent.learning.reduction import Reduction
 from agent.report import AgentRound
 from agent.runtime.codec import expected_shapes
+from agent.runtime.dozing import Dozing
 from agent.runtime.inbox import Expected, Inbox
 from agent.runtime.run_files import persist, recent_records, restore, savings
 from agent.workload import Workload, compute_slot, round_work
@@ -350,6 +351,7 @@ class Session:
         """The rounds are over (set under `following`): nothing may subscribe for this run
         any more, since its subscriptions are about to be dropped (`scoped_subscriptions`)."""
         self.following = threading.Lock()
+        self.dozing = dozing(self)  # its availability (`--availability`, its profile's)
         self.checkpoint_path = state_dir / "checkpoint.pt"
         self.records_path = state_dir / "rounds.jsonl"
 
@@ -401,25 +403,26 @@ class Session:
         """Seconds slept to run at the emulated device's speed after a computation started
         at monotonic time `started`."""
         self._trained_s = time.monotonic() - started
-        if self.throttle is None:
-            return 0.0
-        return self.throttle.after_compute(self._trained_s, train_flops)
+        throttle = self.throttle
+        slept = throttle.after_compute(self._trained_s, train_flops) if throttle else 0.0
+        return slept + self.dozing.hold(started, time.monotonic() - started)
 
     def after_reduced_compute(self, started: float, reduction: Reduction) -> RoundClock:
         """`after_compute` for a round cut by `reduction` with measured costs: an emulated
         board sleeps out its time for the reduction's measured share of a dense round
         (`Throttle.board_seconds`), not its counted FLOPs; the round's clock and prediction
-        come back with what was slept."""
+        come back with what was slept, offline spans too (`Dozing.hold`)."""
         host_s = self._trained_s = time.monotonic() - started
         if self.costs is None:
-            return RoundClock(0.0, host_s, None)
+            return RoundClock(self.dozing.hold(started, host_s), host_s, None)
         predicted = self.costs.predicted_s(reduction)
         if self.throttle is None or not self.throttle.enabled or self.board_work is None:
-            return RoundClock(0.0, host_s, predicted)
+            return RoundClock(self.dozing.hold(started, host_s), host_s, predicted)
         share = 1.0 if reduction.predicted is None else reduction.predicted
         work = self.board_work
         board_s = self.throttle.board_seconds(work.fixed_flops, work.train_flops, share)
         slept = self.throttle.until(host_s, board_s)
+        slept += self.dozing.hold(started, host_s + slept)
         return RoundClock(slept, host_s + slept, board_s)
 
     def status(
@@ -427,6 +430,7 @@ class Session:
     ) -> None:
         """Publish the retained status: the vote history (a restarted agent's way to learn
         the votes it missed), and the staleness of the round record among its `metrics`."""
+        self.dozing.shown = (state, round_, metrics, votes)
         history = "".join("1" if votes.get(r) else "0" for r in range(1, round_ + 1))
         message = messages.Status(
             **self.header(round_),
@@ -477,6 +481,7 @@ class Session:
             self.start_together(driver)
         try:
             for round_ in range(done + 1, self.cfg.rounds + 1):
+                self.dozing.wait_online()
                 if self.stop.is_set() or self.stopped_round is not None:
                     break
                 self.finish_round(driver, driver.run_round(round_))
@@ -492,6 +497,7 @@ class Session:
         finally:
             with self.following:
                 self.over = True
+            self.dozing.close()
             driver.close()
 
     @property
@@ -564,6 +570,22 @@ class Session:
             rounds_left = self.cfg.rounds - self.stopped_round
             timeout += rounds_left * (self.timeouts.round_s + self.timeouts.vote_s)
         self.inbox.wait_finished(others, self.stop, timeout)
+
+
+def dozing(session: Session) -> Dozing:
+    """The session's device as its availability says: it sleeps (and says so in its
+    status), its link drops."""
+    pattern = agent_availability(session.config, session.roster).get(session.me)
+    return Dozing(pattern, session.transport, session.stop, lambda s: say_asleep(session, s))
+
+
+def say_asleep(session: Session, seconds: float) -> None:
+    """The last status again, with `asleep_s`: the device sleeps for `seconds`."""
+    shown = session.dozing.shown
+    if shown is not None:
+        state, round_, metrics, votes = shown
+        session.status(state, round_, {**metrics, "asleep_s": round(seconds, 1)}, votes)
+        session.dozing.shown = shown
 
 
 def follow_fleet(session: Session) -> None:
