@@ -36,7 +36,6 @@ if TYPE_CHECKING:
     from agent.learning.costs import CostTable
     from agent.learning.pruning import PruningPlan
     from coordinator.training_pool import StateStore, Training
-    from firmware_profiles import DeviceProfile
 
 
 class Fleet(Protocol):
@@ -51,7 +50,6 @@ class Fleet(Protocol):
     training: Training
     budgets: dict[str, Budget]
     costs: CostTable | None
-    profiles: dict[str, DeviceProfile]
     plan: PruningPlan
     stopped: dict[str, int]
 

@@ -309,10 +309,11 @@ def test_simulate_places_a_synchronous_run_on_the_virtual_clock(strategy: str) -
     config = fleet_config(strategy, "0.5:0.25:20")
     report = simulate(config)
     plain = simulate(fleet_config(strategy, ""))
-    assert "finished_at" not in plain["rounds"][0]["agents"]["agent-000"]
+    assert plain["rounds"][0]["agents"]["agent-000"]["finished_at"] is None
     for got, want in zip(report["rounds"], plain["rounds"], strict=True):
         for agent, entry in got["agents"].items():
-            assert {k: v for k, v in entry.items() if k != "finished_at"} == want["agents"][agent]
+            assert entry["finished_at"] is not None
+            assert {**entry, "finished_at": None} == want["agents"][agent]
     ends, roster = finishes(report), report["config"]["roster"]
     patterns = agent_availability(config, roster)
     assert len(patterns) == 3

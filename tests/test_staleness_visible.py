@@ -249,6 +249,7 @@ def test_the_session_publishes_its_latest_rounds_staleness() -> None:
         me="a",
         key=None,
         telemetry=False,
+        dozing=SimpleNamespace(shown=None),
     )
     for round_, staleness in ((3, 2.5), (4, None)):
         row = record("a", round_, 0.5, staleness=staleness).as_dict()
