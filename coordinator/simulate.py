@@ -73,6 +73,7 @@ from agent.report import (
     summarize,
 )
 from agent.workload import Workload, build_workload, nominal_budgets
+from coordinator.buffered_sim import BufferedLoop
 from coordinator.ray_backend import BACKENDS, RayTraining, require_ray
 from coordinator.secure_traffic import secure_round
 from coordinator.traffic import CentralTraffic, LocalWire, wire_traffic
@@ -327,6 +328,8 @@ class Simulation:
         (`report_round`)."""
         cfg = self.config.learning
         strategy = central_strategy(cfg.strategy)
+        if self.learner.traits.buffered:  # asynchronous: versions on a virtual clock
+            return BufferedLoop(self, strategy).rounds(progress)
         server = strategy.init_server(self.learner.facts)
         wire = CentralTraffic(self.roster, cfg.fp16)
         rounds: list[dict[str, Any]] = []
