@@ -55,7 +55,7 @@ def model_message_bytes(run: Simulation, kind: type[messages.Message]) -> int:
     """The size of an `Update` or `Global` carrying the whole model (what every FedBuff
     message is)."""
     body = encode_state(run.learner.facts.initial, None, fp16=run.config.learning.fp16)
-    header = {"fleet": _FLEET, "sender": "agent", "run_id": _RUN, "round": 1}
+    header: dict[str, Any] = {"fleet": _FLEET, "sender": "agent", "run_id": _RUN, "round": 1}
     if kind is messages.Global:
         message: messages.Message = messages.Global(**header, tensors=body)
     else:
