@@ -21,6 +21,7 @@ run (`error`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import threading
@@ -262,14 +263,8 @@ class Aggregator:
         if config.learning.secure_aggregation:
             self.secure_intake = SecureIntake(self.intake)
             self.intake.on_close.append(self.secure_intake.close_round)
-        self.buffered: BufferedServer | None = None
+        self.buffered = buffered_server(self)
         """FedBuff: its versions, taken as the updates come (`coordinator.buffered`)."""
-        if self.learner.traits.buffered:
-            run = Run(
-                fleet, run_id, self.roster, config, self.learner, self.strategy, transport, key,
-                self.stop, self.header,
-            )  # fmt: skip
-            self.buffered = BufferedServer(run, self.server)
         self._globals: dict[int, bytes] = {}
         self._missed: set[str] = set()
         """Who did not deliver in the last round."""
@@ -509,7 +504,7 @@ class Aggregator:
         logged and kept in `error`: the caller ends the run with it."""
         try:
             if self.buffered is not None:
-                self.buffered.run(self._applied)
+                self.buffered.run(functools.partial(applied, self))
                 return
             for round_ in range(self.first_round, self.config.learning.rounds + 1):
                 if self.stop.is_set() or not self.run_round(round_):
@@ -520,13 +515,26 @@ class Aggregator:
             log.exception("aggregation failed")
             self.error = exc
 
-    def _applied(
-        self, version: int, senders: list[str], traffic: Traffic, server: ServerState
-    ) -> None:
-        """FedBuff: a version is out (`BufferedServer`); its record, the server's state."""
-        with self._changed:
-            self.records.append(AggregatorRecord(version, senders, [], traffic))
-            self.server = server
+
+def buffered_server(agg: Aggregator) -> BufferedServer | None:
+    """FedBuff's server for the aggregator's run (`coordinator.buffered`); None for another
+    strategy."""
+    if not agg.learner.traits.buffered:
+        return None
+    run = Run(
+        agg.fleet, agg.run_id, agg.roster, agg.config, agg.learner, agg.strategy, agg.transport,
+        agg.key, agg.stop, agg.header,
+    )  # fmt: skip
+    return BufferedServer(run, agg.server)
+
+
+def applied(
+    agg: Aggregator, version: int, senders: list[str], traffic: Traffic, server: ServerState
+) -> None:
+    """FedBuff: a version is out (`BufferedServer`): its record, the server's new state."""
+    with agg._changed:
+        agg.records.append(AggregatorRecord(version, senders, [], traffic))
+        agg.server = server
 
 
 class _RoundInbox:

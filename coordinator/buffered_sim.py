@@ -22,19 +22,32 @@ import dataclasses
 import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from agent.learning import CentralStrategy, Fit, Upload, as_sent
+from agent.experiment import ExperimentConfig
+from agent.learning import CentralStrategy, Fit, Learner, LocalData, Upload, as_sent
 from agent.learning.central.fedbuff import Buffer
 from agent.learning.central.participant import Turn, judge
 from agent.report import COORDINATOR, AgentRound, Traffic
 from agent.runtime.codec import encode_state
-from coordinator.training_pool import FitJob
+from coordinator.training_pool import FitJob, StateStore, Training
 from coordinator.virtual_clock import VirtualClock
 from protocol import messages
 
 if TYPE_CHECKING:
-    from coordinator.simulate import Simulation
+    from firmware_profiles import DeviceProfile
+
+
+class Simulation(Protocol):
+    """What the loop needs of `coordinator.simulate.Simulation`."""
+
+    config: ExperimentConfig
+    roster: list[str]
+    learner: Learner
+    data: dict[str, LocalData]
+    states: StateStore
+    training: Training
+    profiles: dict[str, DeviceProfile]
 
 _FLEET, _RUN = "sim", "sim"
 

@@ -319,13 +319,11 @@ class Simulation:
 
     def _centralized(self, progress: ProgressCallback | None) -> list[dict[str, Any]]:
         """The rounds of `agent.learning.central`'s contract in one process: the server's
-        steps (`central.server`: participants, downloads, `gather` from the participants'
-        fits, `conclude`) as the aggregator takes them over MQTT, and the participants'
-        (`central.participant`: `Turn.of`, `Turn.train`, `judge`) as the networked agent
-        does, with what each message would cost on the wire counted (`CentralTraffic`). A
-        round's judging, which nothing in the next round depends on (early stopping asks its
-        own validation loss at once), is done while the next round's fits train
-        (`report_round`)."""
+        steps (`central.server`: participants, downloads, `gather` from the fits, `conclude`)
+        as the aggregator takes them over MQTT, the participants' (`central.participant`:
+        `Turn.of`, `Turn.train`, `judge`) as the networked agent does, each message's cost
+        counted (`CentralTraffic`). A round's judging, which the next round does not need, is
+        done while its fits train (`report_round`). FedBuff's versions: `BufferedLoop`."""
         cfg = self.config.learning
         strategy = central_strategy(cfg.strategy)
         if self.learner.traits.buffered:  # asynchronous: versions on a virtual clock
