@@ -361,11 +361,10 @@ def check_buffered(config: ExperimentConfig) -> None:
             "(masks that cancel over a buffer of updates arriving at different times) is "
             "future work (docs/asynchronous.md)"
         )
-    if cfg.dp == DP_CLIENT:
+    if cfg.max_epsilon is not None:
         raise ValueError(
-            f"--dp client with {name} is not built yet: a fast device may put two updates in "
-            "one buffer, which one release per version does not account for "
-            "(docs/asynchronous.md); use --dp sample, or fedavg"
+            f"--max-epsilon with {name} is not built yet: its devices would stop at different "
+            "versions than its server (docs/asynchronous.md)"
         )
     if cfg.aggregation not in (robust_rules.SCREENED, "mean") or cfg.clip not in (
         robust_rules.CLIP_AUTO,

@@ -10,7 +10,7 @@ import torch
 
 from agent.experiment import ExperimentConfig
 from agent.learning import Payload, ServerState, Upload, preset
-from agent.learning.central.fedbuff import Buffer, FedBuff, buffer_size
+from agent.learning.central.fedbuff import Buffer, ClientNoise, FedBuff, buffer_size
 from agent.learning.staleness import staleness_weight
 from coordinator.simulate import simulate
 
@@ -74,6 +74,34 @@ def test_the_synchronous_contract_is_the_unweighted_mean() -> None:
     assert torch.allclose(result.server.weights["w"], torch.full((2,), 3.0))
 
 
+class Facts:
+    """What `ClientNoise` reads of the model's facts: the generator of a draw."""
+
+    @staticmethod
+    def generator(purpose: str, agent: str, round_: int) -> torch.Generator:
+        return torch.Generator().manual_seed(len(purpose) * 1000 + len(agent) * 10 + round_)
+
+
+def test_client_dp_clips_noises_each_version_and_takes_one_update_a_device() -> None:
+    buffer = start(2)
+    buffer.dp = ClientNoise(noise=1.0, clip=1.0, facts=Facts())  # type: ignore[arg-type]
+    buffer.offer("a", upload(10.0), 0)  # its delta (norm 14.1) clipped to norm 1
+    assert buffer.offer("a", upload(2.0), 0).held  # a second one waits for the next version
+    offer = buffer.offer("b", upload(0.0), 0)
+    assert offer.version == 1 and buffer.applied[0] == [("a", 0), ("b", 0)]
+    drawn = Facts.generator("client-dp", "aggregator", 1)
+    noise = torch.normal(0.0, 1.0, (2,), generator=drawn)
+    expected = (1 / math.sqrt(2) + noise.double()) / 2
+    assert torch.allclose(buffer.server.weights["w"], expected.float(), atol=1e-6)
+    assert buffer.pending[0][0] == "a" and not buffer.held  # the held one, offered again
+
+
+def test_simulate_under_client_dp_counts_each_upload_as_a_release() -> None:
+    report = simulate(config(rounds=3, buffer_size=2, dp="client"))
+    epsilons = [a["epsilon"] for a in report["rounds"][-1]["agents"].values()]
+    assert all(e is not None and e > 0 for e in epsilons)
+
+
 @pytest.mark.parametrize(
     ("configured", "agents", "k"), [(0, 5, 2), (0, 100, 34), (0, 1, 1), (7, 5, 7)]
 )
@@ -131,7 +159,7 @@ def test_a_slow_board_does_not_hold_the_versions_back() -> None:
     ("learning", "message"),
     [
         ({"secure_aggregation": True}, "--secure-aggregation with fedbuff is not built yet"),
-        ({"dp": "client"}, "--dp client with fedbuff is not built yet"),
+        ({"dp": "client", "max_epsilon": 8.0}, "--max-epsilon with fedbuff is not built yet"),
         ({"early_stop": True}, "--early-stop does not apply to fedbuff"),
         ({"aggregation": "median"}, "leave --aggregation and --clip at their defaults"),
     ],

@@ -185,6 +185,7 @@ TABLE: tuple[Strategy, ...] = (
         "agent.learning.central.fedbuff:FedBuff",
         options=_SGD | {"buffer_size", "staleness_weight", "max_staleness"},
         buffered=True,
+        client_dp=True,
     ),
     Strategy("fedldf", CENTRAL, "agent.learning.central.fedldf:FedLDF", options=_SGD | {"ldf_n"}),
 )

@@ -24,11 +24,12 @@ them gives.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from agent.learning.central import client_dp
 from agent.learning.central.base import (
     Aggregate,
     CentralStrategy,
@@ -39,6 +40,7 @@ from agent.learning.central.base import (
     Upload,
 )
 from agent.learning.central.fedavg import full_model_fit
+from agent.learning.config import DP_CLIENT
 from agent.learning.model_facts import ModelFacts
 from agent.learning.sparse import State, averaged
 from agent.learning.staleness import fresh_enough, staleness_weight
@@ -66,18 +68,55 @@ def delta(uploaded: State, base: State) -> State:
     return {n: uploaded[n].double() - base[n].double() for n in base if averaged(base[n])}
 
 
-def apply_deltas(server: State, weighted: Sequence[tuple[State, float]], size: int) -> State:
-    """The server step: `server` plus the weighted sum of the deltas over `size` (K), in
-    float64 and the arrival order given, each tensor back in its dtype."""
-    out = dict(server)
+def apply_deltas(
+    server: State,
+    weighted: Sequence[tuple[State, float]],
+    size: int,
+    noised: Callable[[State], State] | None = None,
+) -> State:
+    """The server step: `server` plus the weighted sum of the deltas (`noised` first, under
+    `--dp client`) over `size` (K), in float64 and the arrival order given, each tensor back
+    in its dtype."""
+    sums = {}
     for name, tensor in server.items():
-        if not averaged(tensor):
-            continue
-        acc = torch.zeros_like(tensor, dtype=torch.float64)
-        for d, weight in weighted:
-            acc += d[name] * weight
-        out[name] = (tensor.double() + acc / size).to(tensor.dtype)
+        if averaged(tensor):
+            sums[name] = torch.zeros_like(tensor, dtype=torch.float64)
+            for d, weight in weighted:
+                sums[name] += d[name] * weight
+    if noised is not None:
+        sums = noised(sums)
+    out = dict(server)
+    for name, total in sums.items():
+        out[name] = (server[name].double() + total / size).to(server[name].dtype)
     return out
+
+
+@dataclass(frozen=True)
+class ClientNoise:
+    """`--dp client` on FedBuff (DP-FedAvg's fixed clipping, `client_dp`, per version): each
+    device clips its update around the version it trained from (`Turn.train`); the server
+    clips each delta to C (`--dp-clip`) again and adds N(0, sigma^2 C^2) (sigma: `--dp-noise`)
+    to each version's weighted sum before dividing by K. A staleness weight is at most 1 and
+    the buffer takes at most one update of a device a version (`Buffer.offer` holds a second
+    one for the next), so one device moves a version's sum by at most C: each version is one
+    Gaussian release, which each device's accountant counts once an upload."""
+
+    noise: float
+    clip: float
+    facts: ModelFacts
+
+    def clipped(self, d: State) -> State:
+        """`d` scaled down to L2 norm C where longer."""
+        norm = math.sqrt(sum(float(t.pow(2).sum()) for t in d.values()))
+        scale = min(1.0, self.clip / norm) if norm > 0 else 1.0
+        return {n: t * scale for n, t in d.items()}
+
+    def for_version(self, version: int) -> Callable[[State], State]:
+        """The noise of `version`'s release, drawn from (fleet seed, "client-dp",
+        "aggregator", version) as `client_dp`'s rounds are: simulate and the coordinator
+        draw the same."""
+        generator = self.facts.generator(client_dp.NOISE_PURPOSE, "aggregator", version)
+        return lambda sums: client_dp.noised_sum(sums, self.noise, self.clip, generator)
 
 
 @dataclass(frozen=True)
@@ -92,6 +131,9 @@ class Offer:
     version: int | None = None
     """The version this update's arrival made the server apply (the buffer was full), else
     None."""
+    held: bool = False
+    """`--dp client`: its sender has an update in the buffer already; this one waits for the
+    next version (its staleness then counts from there)."""
 
 
 @dataclass
@@ -111,6 +153,10 @@ class Buffer:
     """(sender, delta, staleness weight) of the updates in the buffer, in arrival order."""
     applied: list[list[tuple[str, int]]] = field(default_factory=list)
     """For each version applied, (sender, staleness) of the updates it took, in order."""
+    dp: ClientNoise | None = None
+    """`--dp client`: the clip and noise of each version."""
+    held: list[tuple[str, Upload, int]] = field(default_factory=list)
+    """`--dp client`: updates waiting for the next version (their sender's is in this one)."""
     _staleness: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -122,7 +168,8 @@ class Buffer:
         `--max-staleness`) for a fleet of `agents`."""
         cfg = facts.config
         size = buffer_size(cfg.buffer_size, agents)
-        return cls(server, size, cfg.staleness_weight, cfg.max_staleness)
+        dp = ClientNoise(cfg.dp_noise, cfg.dp_clip, facts) if cfg.dp == DP_CLIENT else None
+        return cls(server, size, cfg.staleness_weight, cfg.max_staleness, dp=dp)
 
     def offer(self, sender: str, upload: Upload, base: int) -> Offer:
         """Take `sender`'s update (`upload`, trained from version `base`); apply the buffer
@@ -130,8 +177,13 @@ class Buffer:
         staleness = self.version - base
         if base not in self.kept or not fresh_enough(staleness, self.max_staleness):
             return Offer(staleness, taken=False)
-        weight = staleness_weight(staleness, self.rule)
-        self.pending.append((sender, delta(upload.payload.weights, self.kept[base]), weight))
+        if self.dp is not None and any(k == sender for k, _, _ in self.pending):
+            self.held.append((sender, upload, base))
+            return Offer(staleness, taken=True, held=True)
+        d = delta(upload.payload.weights, self.kept[base])
+        if self.dp is not None:
+            d = self.dp.clipped(d)
+        self.pending.append((sender, d, staleness_weight(staleness, self.rule)))
         self._staleness.append(staleness)
         if len(self.pending) < self.size:
             return Offer(staleness, taken=True)
@@ -139,9 +191,11 @@ class Buffer:
         return Offer(staleness, taken=True, version=self.version)
 
     def _apply(self) -> None:
-        """The server step over the full buffer; the new version kept, the oldest forgotten."""
+        """The server step over the full buffer; the new version kept, the oldest forgotten;
+        the updates held for it offered again."""
         weighted = [(d, w) for _, d, w in self.pending]
-        weights = apply_deltas(self.server.weights, weighted, self.size)
+        noised = None if self.dp is None else self.dp.for_version(self.version + 1)
+        weights = apply_deltas(self.server.weights, weighted, self.size, noised)
         self.applied.append(
             [(k, s) for (k, _, _), s in zip(self.pending, self._staleness, strict=True)]
         )
@@ -151,6 +205,9 @@ class Buffer:
         self.kept[self.version] = weights
         for old in [v for v in self.kept if v < self.version - self.max_staleness]:
             del self.kept[old]
+        held, self.held = self.held, []
+        for sender, upload, base in held:
+            self.offer(sender, upload, base)
 
 
 class FedBuff(CentralStrategy):
