@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from agent.device.throttle import ENERGY_SOURCE, round_energy
 from agent.experiment import ExperimentConfig
 from agent.learning import CentralStrategy, Fit, Learner, LocalData, Upload, as_sent
 from agent.learning.central.fedbuff import Buffer
@@ -48,6 +49,7 @@ class Simulation(Protocol):
     states: StateStore
     training: Training
     profiles: dict[str, DeviceProfile]
+
 
 _FLEET, _RUN = "sim", "sim"
 
@@ -133,6 +135,11 @@ class BufferedLoop:
             staleness=offer.staleness,
             finished_at=round(at, 6),
         )
+        if k in run.profiles:  # its board's energy model, as `simulate.with_energy`
+            traffic = self.upload_bytes + flying.received
+            energy, radio = round_energy(run.profiles[k], fit.train_flops, traffic)
+            record.energy_j, record.radio_energy_j = energy, radio
+            record.energy_source = ENERGY_SOURCE
         self.latest[k] = self._entry(record)
         run.states[k] = state
         if self.buffer.version < run.config.learning.rounds:

@@ -19,6 +19,9 @@ from coordinator.emulate import Emulation, EmulationOptions
 pytestmark = pytest.mark.timeout(600)
 
 VERSIONS = 24
+EPOCHS = 20
+"""Long enough that an update is mostly training: stopped right after it logged an update,
+a device is caught in the middle of its next one, which it uploads late when it wakes."""
 APPLIED = re.compile(r"version (\d+) applied from (.*)")
 
 
@@ -41,7 +44,7 @@ def test_a_sleeping_device_blocks_nobody_and_its_late_update_counts_stale(
         agents=3,
         seed=3,
         learning=preset(
-            "fedbuff", rounds=VERSIONS, epochs=1, buffer_size=1, max_staleness=VERSIONS
+            "fedbuff", rounds=VERSIONS, epochs=EPOCHS, buffer_size=1, max_staleness=VERSIONS
         ),
     )
     emulation = Emulation(

@@ -29,6 +29,7 @@ from agent.learning import ServerState, central_strategy
 from agent.learning.central.participant import Turn, judge
 from agent.report import AgentRound, reported_p_k, reported_sparsity
 from agent.runtime import codec
+from agent.runtime.centralized import GLOBAL_PATIENCE_ROUNDS
 from agent.runtime.codec import encode_state, values_sent
 from agent.runtime.session import Session
 from agent.workload import compute_slot
@@ -59,6 +60,8 @@ class BufferedRounds:
         self._arrived: tuple[int, bytes] | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self._since: float | None = None
+        """When the newest version held came (monotonic; None before the first update)."""
 
     # ------------------------------------------------------------------ wiring
 
@@ -138,10 +141,24 @@ class BufferedRounds:
         return self._closed
 
     def run_round(self, round_: int) -> AgentRound:
-        """One update from the newest version held; the closing record once it is the last."""
-        if self.newest() >= self.session.cfg.rounds:
-            return self._closing()
+        """One update from the newest version held; the closing record once it is the last,
+        or once no new version came for `GLOBAL_PATIENCE_ROUNDS` round timeouts (the
+        coordinator is gone: the run cannot go on)."""
         s = self.session
+        before = self.version
+        if self.newest() > before or self._since is None:
+            self._since = time.monotonic()
+        if self.version >= s.cfg.rounds:
+            return self._closing()
+        patience = GLOBAL_PATIENCE_ROUNDS * s.timeouts.round_s
+        if time.monotonic() - self._since > patience:
+            log.warning(
+                "no new version from %s for %.0f s: ending with version %d",
+                self.aggregator,
+                patience,
+                self.version,
+            )
+            return self._closing()
         base, view = self.version, self.view
         self.updates += 1
         turn = Turn.of(s.me, self.updates, s.roster, None)
@@ -175,13 +192,13 @@ class BufferedRounds:
         return values_sent(weights, None)
 
     def _closing(self) -> AgentRound:
-        """The last version is out: this agent's closing record, that version on its data."""
+        """The run is over: this agent's closing record, the newest version on its data."""
         s = self.session
         self._closed = True
         rounds = s.cfg.rounds
         loss, accuracy = s.learner.facts.evaluate_on(self.view.weights, s.data)
         s.state = dataclasses.replace(s.state, round=rounds)
-        log.info("version %d is the run's last: done after %d updates", rounds, self.updates)
+        log.info("version %d is the newest: done after %d updates", self.version, self.updates)
         return AgentRound(
             round=rounds,
             agent=s.me,
