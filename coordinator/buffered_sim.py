@@ -63,7 +63,8 @@ class InFlight:
     base: int
     start: float
     received: int
-    """Bytes of the global model it downloaded before it trained (0: version 0)."""
+    """Bytes of the global version it trained from, if new to it (0: version 0, or the one
+    its last update trained from): the link time its clock counts."""
 
 
 def model_message_bytes(run: Simulation, kind: type[messages.Message]) -> int:
@@ -97,6 +98,8 @@ class BufferedLoop:
         """Each agent's latest update's report entry."""
         self.spent = {k: Traffic() for k in [*run.roster, COORDINATOR]}
         """Traffic since the last version."""
+        self.bases: dict[str, int] = {}
+        """The version each agent's latest update trained from."""
 
     def start(self, agents: list[str], now: float) -> None:
         """`agents` start their next update at `now`, from the server's newest version."""
@@ -107,8 +110,9 @@ class BufferedLoop:
             turn = Turn.of(k, self.updates[k], run.roster, None)
             samples = len(run.data[k].y_train)
             jobs.append(FitJob(turn, run.states.held(k), self.buffer.server, samples))
-        received = self.global_bytes if base > 0 else 0
         for job, (k, fit) in zip(jobs, run.training.fit(jobs, lambda: None), strict=True):
+            received = self.global_bytes if base > self.bases.get(k, 0) else 0
+            self.bases[k] = base
             work = fit.train_flops + fit.fallback_flops
             seconds = self.clock.seconds(k, work, self.upload_bytes + received)
             arrival = self.clock.finish(k, now, seconds)
@@ -125,7 +129,8 @@ class BufferedLoop:
         offer = self.buffer.offer(
             k, Upload(as_sent(fit.upload, fp16), fit.num_samples), flying.base
         )
-        self._count(k, flying.received)
+        self.spent[k].sent += self.upload_bytes
+        self.spent[COORDINATOR].received += self.upload_bytes
         state, judged = judge(self.strategy, run.learner, fit, self.buffer.server, run.data[k])
         record = AgentRound.of_fit(
             flying.turn,
@@ -145,13 +150,6 @@ class BufferedLoop:
         if self.buffer.version < run.config.learning.rounds:
             self.start([k], at)
         return offer.version
-
-    def _count(self, k: str, received: int) -> None:
-        """One update's messages: its download (if any) and its upload."""
-        self.spent[k].sent += self.upload_bytes
-        self.spent[k].received += received
-        self.spent[COORDINATOR].received += self.upload_bytes
-        self.spent[COORDINATOR].sent += received
 
     def _entry(self, record: AgentRound) -> dict[str, Any]:
         entry = record.report_entry()
@@ -176,7 +174,11 @@ class BufferedLoop:
 
     def version_record(self, version: int, at: float) -> dict[str, Any]:
         """The report's round for `version`: every agent's latest entry, with the traffic
-        since the last version."""
+        since the last version and the version's publication (the coordinator sends it
+        once, retained; every agent receives it, as over MQTT)."""
+        self.spent[COORDINATOR].sent += self.global_bytes
+        for k in self.run.roster:
+            self.spent[k].received += self.global_bytes
         agents = {}
         for k in self.run.roster:
             entry = dict(self.latest[k]) if k in self.latest else self._held(k)

@@ -125,7 +125,7 @@ class BufferedRounds:
                 log.warning("rejected global version %d: %s", arrived[0], exc)
                 return self.version
             self.view = self.strategy.receive(self.view, payload)
-            self.version = arrived[0]
+            self.version, self._since = arrived[0], time.monotonic()
         return self.version
 
     def round_numbers(self, done: int) -> Iterator[int]:
@@ -145,10 +145,9 @@ class BufferedRounds:
         or once no new version came for `GLOBAL_PATIENCE_ROUNDS` round timeouts (the
         coordinator is gone: the run cannot go on)."""
         s = self.session
-        before = self.version
-        if self.newest() > before or self._since is None:
+        if self._since is None:
             self._since = time.monotonic()
-        if self.version >= s.cfg.rounds:
+        if self.newest() >= s.cfg.rounds:
             return self._closing()
         patience = GLOBAL_PATIENCE_ROUNDS * s.timeouts.round_s
         if time.monotonic() - self._since > patience:
@@ -196,7 +195,11 @@ class BufferedRounds:
         s = self.session
         self._closed = True
         rounds = s.cfg.rounds
-        loss, accuracy = s.learner.facts.evaluate_on(self.view.weights, s.data)
+        facts = s.learner.facts  # judged as `judge` judges the global model: own statistics
+        weights = facts.fresh_statistics(
+            facts.own_statistics(self.view.weights, s.state.weights), s.data
+        )
+        loss, accuracy = facts.evaluate_on(weights, s.data)
         s.state = dataclasses.replace(s.state, round=rounds)
         log.info("version %d is the newest: done after %d updates", self.version, self.updates)
         return AgentRound(
