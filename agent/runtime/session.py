@@ -16,10 +16,10 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from typing_extensions import Required, TypedDict
 
@@ -208,6 +208,18 @@ class RoundDriver(Protocol):
 
     def close(self) -> None:
         """The run is over: stop serving and clean up what the broker holds for us."""
+
+
+@runtime_checkable
+class OpenEndedDriver(Protocol):
+    """A driver whose run ends when something else says so, not after `--rounds` rounds of
+    its own (FedBuff: when the server's last version is out, `agent.runtime.buffered`)."""
+
+    def round_numbers(self, done: int) -> Iterator[int]:
+        """The rounds to run after `done`, until the driver says the run is over."""
+
+    def final(self, record: AgentRound) -> bool:
+        """Whether `record` is the agent's last of the run."""
 
 
 @dataclass(frozen=True)
@@ -480,7 +492,10 @@ class Session:
         else:
             self.start_together(driver)
         try:
-            for round_ in range(done + 1, self.cfg.rounds + 1):
+            numbers: Iterable[int] = range(done + 1, self.cfg.rounds + 1)
+            if isinstance(driver, OpenEndedDriver):
+                numbers = driver.round_numbers(done)
+            for round_ in numbers:
                 self.dozing.wait_online()
                 if self.stop.is_set() or self.stopped_round is not None:
                     break
@@ -527,7 +542,10 @@ class Session:
         if record.stopped:
             self.stopped_round = record.round
             saved = savings(self, record.round)
-        final = record.stopped or record.round >= self.cfg.rounds
+        last = record.round >= self.cfg.rounds
+        if isinstance(driver, OpenEndedDriver):
+            last = driver.final(record)
+        final = record.stopped or last
         self.status(
             "stopped" if record.stopped else "done" if final else "training",
             record.round,
