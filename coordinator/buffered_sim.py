@@ -86,7 +86,7 @@ class BufferedLoop:
         self.run, self.strategy = run, strategy
         facts = run.learner.facts
         self.buffer = Buffer.of(facts, strategy.init_server(facts), len(run.roster))
-        self.clock = VirtualClock(run.profiles)
+        self.clock = VirtualClock.of(run.config, run.roster)
         self.upload_bytes = model_message_bytes(run, messages.Update)
         self.global_bytes = model_message_bytes(run, messages.Global)
         self.events: list[tuple[float, int, int]] = []

@@ -177,7 +177,6 @@ class Simulation:
 
     def run(self, progress: ProgressCallback | None = None) -> dict[str, Any]:
         started = time.perf_counter()
-        cfg = self.config.learning
         run_rounds = rounds_runner(self)
         with self._training() as self.training:
             self.states = self.training.keep(self.states)
@@ -192,7 +191,7 @@ class Simulation:
             "rounds": rounds,
             "summary": {
                 **summarize(rounds, self.plan.t_star, time.perf_counter() - started),
-                "stopped": stopped_summary(rounds, self.stopped, cfg.rounds),
+                "stopped": stopped_summary(rounds, self.stopped, self.config.learning.rounds),
                 **honest_summary(rounds, self.attackers),
                 **backdoor,
             },

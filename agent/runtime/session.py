@@ -283,6 +283,32 @@ def run_inbox(
     return Inbox(expected, limits=limits)
 
 
+def round_numbers(driver: RoundDriver, done: int, rounds: int) -> Iterable[int]:
+    """The rounds left after `done`: up to `rounds`, or an open-ended driver's own (FedBuff's
+    updates, until the last version)."""
+    if isinstance(driver, OpenEndedDriver):
+        return driver.round_numbers(done)
+    return range(done + 1, rounds + 1)
+
+
+def is_last(driver: RoundDriver, record: AgentRound, rounds: int) -> bool:
+    """Whether `record` is the agent's last round of the run."""
+    if isinstance(driver, OpenEndedDriver):
+        return driver.final(record)
+    return record.round >= rounds
+
+
+def status_figures(session: Session, row: dict[str, Any]) -> dict[str, Any]:
+    """The figures of a round's record its status carries, with the run's metric, strategy
+    and DP mode (under `--dp`)."""
+    cfg = session.cfg
+    return (
+        {k: row[k] for k in STATUS_FIGURES}
+        | {"metric": session.learner.facts.task.metric_name, "strategy": cfg.strategy}
+        | ({"dp": cfg.dp} if cfg.dp != "off" else {})
+    )
+
+
 class Session:
     """One agent in one run over an already started transport; `run(driver)` runs it."""
 
@@ -492,10 +518,7 @@ class Session:
         else:
             self.start_together(driver)
         try:
-            numbers: Iterable[int] = range(done + 1, self.cfg.rounds + 1)
-            if isinstance(driver, OpenEndedDriver):
-                numbers = driver.round_numbers(done)
-            for round_ in numbers:
+            for round_ in round_numbers(driver, done, self.cfg.rounds):
                 self.dozing.wait_online()
                 if self.stop.is_set() or self.stopped_round is not None:
                     break
@@ -542,16 +565,11 @@ class Session:
         if record.stopped:
             self.stopped_round = record.round
             saved = savings(self, record.round)
-        last = record.round >= self.cfg.rounds
-        if isinstance(driver, OpenEndedDriver):
-            last = driver.final(record)
-        final = record.stopped or last
+        final = record.stopped or is_last(driver, record, self.cfg.rounds)
         self.status(
             "stopped" if record.stopped else "done" if final else "training",
             record.round,
-            {k: row[k] for k in STATUS_FIGURES}
-            | {"metric": self.learner.facts.task.metric_name, "strategy": self.cfg.strategy}
-            | ({"dp": self.cfg.dp} if self.cfg.dp != "off" else {})
+            status_figures(self, row)
             | saved
             | {"record": row}
             | ({"records": recent_records(self)} if final else {}),
