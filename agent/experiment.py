@@ -535,7 +535,6 @@ def check_secure_aggregation(config: ExperimentConfig) -> None:
         )
     if config.attackers:
         raise ValueError("--attackers (research) does not run with --secure-aggregation yet")
-    extras.require(extras.SECAGG_EXTRA, extras.SHAMIR, "--secure-aggregation")
 
 
 def check_asynchronous(cfg: StrategyConfig) -> None:
