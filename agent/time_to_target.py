@@ -84,14 +84,20 @@ def time_to_target(
 
 
 def with_time_to_target(
-    report: dict[str, Any], target: float | None, started_at: float | None = None
+    report: dict[str, Any],
+    target: float | None,
+    started_at: float | None = None,
+    clock: str | None = None,
 ) -> dict[str, Any]:
     """`report` with its summary's `time_to_target` for `target` (None: the run's final
-    accuracy's), from `started_at` or else from the start a previous call recorded; the
-    direction is the report's metric's (`summary.metric`, accuracy's without one)."""
+    accuracy's), from `started_at` on `clock` ("wall", or "virtual": simulate's seconds on
+    its boards, `coordinator.virtual_clock`), each else the one a previous call recorded;
+    the direction is the report's metric's (`summary.metric`, accuracy's without one)."""
     summary = report["summary"]
+    before = summary.get("time_to_target") or {}
     if started_at is None:
-        started_at = (summary.get("time_to_target") or {}).get("started_at")
+        started_at = before.get("started_at")
+    clock = clock or before.get("clock", "wall")
     metric = summary.get("metric") or {}
     higher = bool(metric.get("higher_is_better", True))
     name = str(metric.get("name", "accuracy"))
@@ -100,4 +106,5 @@ def with_time_to_target(
         for r in report["rounds"]
     ]
     summary["time_to_target"] = time_to_target(rounds, started_at, target, higher)
+    summary["time_to_target"]["clock"] = clock
     return report

@@ -197,7 +197,7 @@ class Simulation:
             },
         }
         report = named_for_task(on_virtual_clock(report, self), self.learner.facts.task)
-        return with_time_to_target(report, None, 0.0)
+        return with_time_to_target(report, None, 0.0, clock="virtual")
 
     def _training(self) -> contextlib.AbstractContextManager[Training]:
         """Where this run's agents train, for the run (see `backend`)."""

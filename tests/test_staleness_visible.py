@@ -362,3 +362,19 @@ def test_the_agents_round_line_says_its_staleness_only_when_it_has_one() -> None
         row = record("a", 3, 0.5, staleness=staleness).as_dict()
         AgentService.report_round(agent, "accuracy", row)  # type: ignore[arg-type]
     assert said[0].endswith(", staleness 1.50") and "staleness" not in said[1], said
+
+
+def test_simulate_says_its_time_to_target_is_on_the_virtual_clock(tmp_path: Path) -> None:
+    """An asynchronous simulated run is placed on the virtual clock: its time to target is
+    in virtual seconds, and the summary table says so rather than passing them for wall
+    time."""
+    path = tmp_path / "report.json"
+    flags = ["--dataset", "digits", "--agents", "4", "--rounds", "2", "--strategy", "dfedavgm"]
+    result = CliRunner().invoke(
+        coordinator,
+        ["simulate", *flags, "--asynchronous", "--target-accuracy", "0", "--report", str(path)],
+    )
+    assert result.exit_code == 0, result.output
+    reach = json.loads(path.read_text())["summary"]["time_to_target"]
+    assert (reach["timed"], reach["clock"], reach["round"]) == (True, "virtual", 1)
+    assert "virtual s (round 1)" in result.output
