@@ -133,9 +133,17 @@ def test_records_without_time_stamps_have_no_time() -> None:
     unstamped = rounds_of({1: entry(0.9), 2: entry(0.9)}, {1: entry(0.9), 2: entry(0.9)})
     reach = time_to_target(unstamped, 0.0, 0.5)
     assert not reach["timed"] and reach["seconds"] is None
+
+
+def test_an_agent_that_finished_nothing_yet_counts_with_its_first_model_from_the_start() -> None:
+    """FedBuff's device that has delivered no update yet has an entry without a time stamp
+    (the model it started with): the fleet's figure counts it from the start, rather than
+    having no time at all."""
     partly = stamped()
-    partly[1]["agents"]["b"]["finished_at"] = None
-    assert time_to_target(partly, 1000.0, 0.5)["seconds"] is None
+    partly[0]["agents"]["b"] = {**partly[0]["agents"]["b"], "finished_at": None, "accuracy": 0.1}
+    reach = time_to_target(partly, 1000.0, 0.5)
+    # b's first model (0.1) from the start; a's rounds at 1, 2, 3 s: means 0.25, 0.45, 0.5
+    assert (reach["timed"], reach["seconds"], reach["round"]) == (True, 3.0, 3)
 
 
 def test_a_lower_is_better_metric_reaches_its_target_by_falling_to_it() -> None:
