@@ -319,10 +319,11 @@ def asynchronous_rows(summary: dict, metric: str, higher: bool) -> list[tuple[st
         which = "" if reach["given"] else ", the final one's"
         name = f"time to mean {metric} {sign} {reach['target']:.4f}{which}"
         seconds = reach["seconds"]
-        unit = "virtual s" if reach.get("clock") == "virtual" else "s"
+        virtual = reach.get("clock") == "virtual"  # a board's rounds: hundredths of a second
         shown = "not reached"
         if seconds is not None:
-            shown = f"{seconds:.1f} {unit} (round {reach['round']})"
+            when = f"{seconds:.3g} virtual s" if virtual else f"{seconds:.1f} s"
+            shown = f"{when} (round {reach['round']})"
         rows.append((name, shown))
     staleness = summary.get("staleness")
     if staleness:
