@@ -142,6 +142,8 @@ RANGES: dict[str, Range] = {
     "stop_delta": Range(0, 1, open_high=True),
     "ssm_fraction": FRACTION,
     "ldf_n": count(1, MAX_AGENTS),
+    "buffer_size": count(0, 100_000),
+    "max_staleness": count(0, MAX_ROUNDS),
     "delta_fraction": FRACTION,
     "dp_noise": Range(0, 1e6, open_low=True),
     "dp_clip": Range(0, 1e9, open_low=True),
@@ -357,9 +359,47 @@ class ExperimentConfig:
                 )
         check_robustness(self)
         check_model_keeping(self)
+        check_buffered(self)
         check_privacy(self.learning)
         check_secure_aggregation(self)
         check_asynchronous(self.learning)
+
+
+def check_buffered(config: ExperimentConfig) -> None:
+    """FedBuff (`agent.learning.central.fedbuff`): what its asynchronous versions do not take
+    yet, one clear sentence each (its server step is an unweighted, unscreened mean of
+    deltas, and a version is no round every device takes part in)."""
+    cfg = config.learning
+    if not strategy(cfg.strategy).buffered:
+        return
+    name = cfg.strategy
+    if cfg.secure_aggregation:
+        raise ValueError(
+            f"--secure-aggregation with {name} is not built yet: buffered secure aggregation "
+            "(masks that cancel over a buffer of updates arriving at different times) is "
+            "future work (docs/asynchronous.md)"
+        )
+    if cfg.max_epsilon is not None:
+        raise ValueError(
+            f"--max-epsilon with {name} is not built yet: its devices would stop at different "
+            "versions than its server (docs/asynchronous.md)"
+        )
+    if cfg.aggregation not in (robust_rules.SCREENED, "mean") or cfg.clip not in (
+        robust_rules.CLIP_AUTO,
+        robust_rules.CLIP_OFF,
+    ):
+        raise ValueError(
+            f"{name} applies the staleness-weighted mean of its buffered updates: leave "
+            f"--aggregation and --clip at their defaults (got --aggregation {cfg.aggregation} "
+            f"--clip {cfg.clip})"
+        )
+    if config.attackers:
+        raise ValueError(f"--attackers (research) does not run with {name} yet")
+    if cfg.early_stop:
+        raise ValueError(
+            f"--early-stop does not apply to {name}: its run ends when the server has applied "
+            "--rounds versions"
+        )
 
 
 def check_privacy(cfg: StrategyConfig) -> None:
@@ -495,7 +535,6 @@ def check_secure_aggregation(config: ExperimentConfig) -> None:
         )
     if config.attackers:
         raise ValueError("--attackers (research) does not run with --secure-aggregation yet")
-    extras.require(extras.SECAGG_EXTRA, extras.SHAMIR, "--secure-aggregation")
 
 
 def check_asynchronous(cfg: StrategyConfig) -> None:

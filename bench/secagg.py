@@ -14,12 +14,16 @@ broker and the agents' processes) over the difference of their rounds; bytes are
 agent sent a round (its transport's count: the upload and every other message), averaged
 over agents and rounds. The dropout case: a secure run in which 30% of the agents crash in
 round 2 once they sent their shares; that round's time (the last agent's end of round 2
-after round 1's) against the steady secure round.
+after round 1's) against the steady secure round. Each row records the machine's load
+average when it was measured. The first table is the cryptography alone, in one process: a
+device's and the coordinator's CPU a round, with the SecAgg+ graph's degree k and threshold
+t at each size (`protocol.secagg_graph`).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import statistics
 import tempfile
@@ -37,7 +41,7 @@ from agent.workload import build_workload
 from bench.fleet_overhead import cpu_seconds
 from bench.support import broker, environment, fleet_round_ends, seeds, steady_round_s, write_json
 from coordinator.emulate import Emulation, EmulationOptions, HostedProcess, auto_agents_per_process
-from protocol import MqttTransport, TransportOptions, secagg, topics
+from protocol import MqttTransport, TransportOptions, secagg, secagg_graph, topics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TIME_TARGET, BYTES_TARGET = 1.2, 1.5
@@ -108,7 +112,7 @@ def bytes_sent(report: dict[str, Any]) -> float:
 
 def measure(agents: int, seed: int, rounds: list[int], spec: str) -> dict[str, Any]:
     few, many = rounds
-    row: dict[str, Any] = {"agents": agents, "seed": seed}
+    row: dict[str, Any] = {"agents": agents, "seed": seed, "loadavg": list(os.getloadavg())}
     runs = {  # interleaved, so that a shared machine's load drifts onto both alike
         (mode, rounds): emulate(config(agents, seed, rounds, mode == "secure"), spec)
         for rounds in (few, many)
@@ -170,7 +174,14 @@ def crypto_costs(members: int, length: int) -> dict[str, Any]:
     started = clock()
     server.unmask(masked, reveals)
     coordinator += clock() - started
-    return {"members": members, "device_s": device / members, "coordinator_s": coordinator}
+    k, t = secagg_graph.degree_and_threshold(members)
+    return {
+        "members": members,
+        "degree": k,
+        "threshold": t,
+        "device_s": device / members,
+        "coordinator_s": coordinator,
+    }
 
 
 def spread(values: list[float]) -> str:
@@ -182,8 +193,9 @@ def spread(values: list[float]) -> str:
 def table(rows: list[dict[str, Any]]) -> Table:
     out = Table(title="Secure aggregation against the plain run (mean, min-max over seeds)")
     headers = ("agents", "plain round s", "secure round s", f"time x (<= {TIME_TARGET})",
-               "CPU x", "plain B/agent", f"bytes x (<= {BYTES_TARGET})",
-               "30% crash: round s", "its participants")  # fmt: skip
+               "plain CPU s", "secure CPU s", "CPU x", "plain B/agent",
+               f"bytes x (<= {BYTES_TARGET})", "30% crash: round s",
+               "its participants")  # fmt: skip
     for header in headers:
         out.add_column(header, justify="right")
     for agents in sorted({r["agents"] for r in rows}):
@@ -193,6 +205,8 @@ def table(rows: list[dict[str, Any]]) -> Table:
             spread([r["plain"]["round_s"] for r in at]),
             spread([r["secure"]["round_s"] for r in at]),
             spread([r["round_s_ratio"] for r in at]),
+            spread([r["plain"]["cpu_per_round_s"] for r in at]),
+            spread([r["secure"]["cpu_per_round_s"] for r in at]),
             spread([r["cpu_per_round_s_ratio"] for r in at]),
             spread([r["plain"]["bytes_sent"] for r in at]),
             spread([r["bytes_sent_ratio"] for r in at]),
@@ -217,10 +231,16 @@ def main() -> None:
     length = masked_length(config(2, 1, 1, True))
     crypto = [crypto_costs(n, length) for n in sizes]
     costs = Table(title=f"Cryptography's CPU a round (one process, {length} values, 30% dropped)")
-    for header in ("devices", "a device's s", "the coordinator's s"):
+    for header in ("devices", "degree k", "threshold t", "a device's s", "the coordinator's s"):
         costs.add_column(header, justify="right")
     for c in crypto:
-        costs.add_row(str(c["members"]), f"{c['device_s']:.3f}", f"{c['coordinator_s']:.3f}")
+        costs.add_row(
+            str(c["members"]),
+            str(c["degree"]),
+            str(c["threshold"]),
+            f"{c['device_s']:.4f}",
+            f"{c['coordinator_s']:.3f}",
+        )
     Console(width=160).print(costs)
     rows: list[dict[str, Any]] = []
     for agents in sizes:

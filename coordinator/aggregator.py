@@ -21,6 +21,7 @@ run (`error`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import threading
@@ -45,6 +46,7 @@ from agent.report import Traffic
 from agent.runtime import checkpoint, decode_upload, encode_state, expected_shapes, values_sent
 from agent.runtime.inbox import ROUNDS_AHEAD
 from agent.workload import build_workload
+from coordinator.buffered import BufferedServer, Run
 from coordinator.secure_sum import SecureIntake, SecureRound
 from protocol import ProtocolError, Transport, messages, topics
 from protocol.limits import DEFAULT_LIMITS, run_limits
@@ -261,6 +263,8 @@ class Aggregator:
         if config.learning.secure_aggregation:
             self.secure_intake = SecureIntake(self.intake)
             self.intake.on_close.append(self.secure_intake.close_round)
+        self.buffered = buffered_server(self)
+        """FedBuff: its versions, taken as the updates come (`coordinator.buffered`)."""
         self._globals: dict[int, bytes] = {}
         self._missed: set[str] = set()
         """Who did not deliver in the last round."""
@@ -317,6 +321,9 @@ class Aggregator:
         transport's limits follow the run's model, as an agent's do."""
         shapes = expected_shapes(self.learner.facts.initial)
         self.transport.set_limits(run_limits(shapes, len(self.roster)))
+        if self.buffered is not None:
+            self.buffered.subscribe(self.transport)
+            return
         self.intake.subscribe(self.transport)
         if self.secure_intake is not None:
             self.secure_intake.subscribe(self.transport)
@@ -496,6 +503,9 @@ class Aggregator:
         keep re-sending kept broadcasts on request while the transport is up). An error is
         logged and kept in `error`: the caller ends the run with it."""
         try:
+            if self.buffered is not None:
+                self.buffered.run(functools.partial(applied, self))
+                return
             for round_ in range(self.first_round, self.config.learning.rounds + 1):
                 if self.stop.is_set() or not self.run_round(round_):
                     break
@@ -504,6 +514,27 @@ class Aggregator:
         except Exception as exc:
             log.exception("aggregation failed")
             self.error = exc
+
+
+def buffered_server(agg: Aggregator) -> BufferedServer | None:
+    """FedBuff's server for the aggregator's run (`coordinator.buffered`); None for another
+    strategy."""
+    if not agg.learner.traits.buffered:
+        return None
+    run = Run(
+        agg.fleet, agg.run_id, agg.roster, agg.config, agg.learner, agg.strategy, agg.transport,
+        agg.key, agg.stop, agg.header,
+    )  # fmt: skip
+    return BufferedServer(run, agg.server)
+
+
+def applied(
+    agg: Aggregator, version: int, senders: list[str], traffic: Traffic, server: ServerState
+) -> None:
+    """FedBuff: a version is out (`BufferedServer`): its record, the server's new state."""
+    with agg._changed:
+        agg.records.append(AggregatorRecord(version, senders, [], traffic))
+        agg.server = server
 
 
 class _RoundInbox:

@@ -319,7 +319,10 @@ def asynchronous_rows(summary: dict, metric: str, higher: bool) -> list[tuple[st
         which = "" if reach["given"] else ", the final one's"
         name = f"time to mean {metric} {sign} {reach['target']:.4f}{which}"
         seconds = reach["seconds"]
-        shown = "not reached" if seconds is None else f"{seconds:.1f} s (round {reach['round']})"
+        unit = "virtual s" if reach.get("clock") == "virtual" else "s"
+        shown = "not reached"
+        if seconds is not None:
+            shown = f"{seconds:.1f} {unit} (round {reach['round']})"
         rows.append((name, shown))
     staleness = summary.get("staleness")
     if staleness:

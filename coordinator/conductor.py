@@ -421,6 +421,7 @@ def assemble_report(
         if r.get("stopped")
     }  # fmt: skip
     last: dict[str, AgentRound] = {}
+    buffered = strategy(config.learning.strategy).buffered
     for t in range(1, config.learning.rounds + 1):
         agents = {}
         for agent_id, records in sorted(logs.items()):
@@ -429,6 +430,8 @@ def assemble_report(
                 t_star = t_star or records[t].get("t_star")
             elif agent_id in last and not running(agent_id, t, stopped):
                 last[agent_id] = last[agent_id].idle(t)
+            elif agent_id in last and buffered and agent_id not in (failed or {}):
+                last[agent_id] = carried(last[agent_id], t)
             else:
                 continue
             agents[agent_id] = last[agent_id].report_entry(networked=True)
@@ -467,6 +470,14 @@ def assemble_report(
         },
     }
     return named_for_task(report, config.learning_task())
+
+
+def carried(record: AgentRound, version: int) -> AgentRound:
+    """FedBuff: an agent's figures at a version it sent no update trained from (it trained
+    from another, or was still training): its latest update's, spending nothing more."""
+    return dataclasses.replace(
+        record, round=version, bytes_sent=0, bytes_received=0, nonzeros_sent=0, train_flops=0
+    )
 
 
 def failures(

@@ -5,8 +5,9 @@ uploads from here instead of its `Update`s. Round t (the agents' side:
 `agent.runtime.secure_rounds`):
 
     keys       collect the participants' `Keys` (U1: who advertised); publish the `KeyList`
-    shares     collect each member's encrypted `Shares` (U2: who shared with all of U1);
-               relay to each member of U1 the shares addressed to it
+    shares     collect each member's encrypted `Shares` (U2: who shared with its whole
+               neighbourhood in the round's SecAgg+ graph, `protocol.secagg.round_graph`);
+               relay to each member of U1 the shares its neighbours addressed to it
     masked     collect the `Masked` vectors (U3: who uploaded); publish the `Survivors`
     unmask     collect the survivors' `Reveal`s; the sum of U3, unmasked, becomes the
                round's one upload (`agent.learning.central.secure`)

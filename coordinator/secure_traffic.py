@@ -2,7 +2,9 @@
 agents and the aggregator send it (`agent.runtime.secure_rounds`, `coordinator.secure_sum`),
 in place of the plain round's `Update`s: so that simulate's byte figures are emulate's, as
 `coordinator.traffic` keeps them for the plain rounds. Each message is built at its real size
-(keys, ciphertexts and shares of their fixed lengths) and encoded, as the plain uploads are.
+(keys, ciphertexts and shares of their fixed lengths) and encoded, as the plain uploads are;
+a member's shares, relays and reveals are among its neighbours in the round's SecAgg+ graph
+(`protocol.secagg.round_graph`; all of the round's members in a fleet under about 40).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any
 
 from agent.report import COORDINATOR, Traffic
 from coordinator.traffic import FLEET, RUN_ID
-from protocol import messages
+from protocol import messages, secagg
 
 KEY_BYTES = 32
 """A raw X25519 public key."""
@@ -34,8 +36,8 @@ def secure_round(
     traffic: dict[str, Traffic],
 ) -> None:
     """Add round `round_`'s secure-aggregation messages to `traffic`: every member's keys and
-    shares, the survivors' masked vectors (`length` values) and reveals, the aggregator's key
-    list, relays and survivors list."""
+    shares (to its neighbours), the survivors' masked vectors (`length` values) and reveals,
+    the aggregator's key list, relays and survivors list."""
     header: dict[str, Any] = {"fleet": FLEET, "run_id": RUN_ID, "round": round_}
     coordinator = traffic[COORDINATOR]
     keys = {
@@ -47,14 +49,16 @@ def secure_round(
     }  # fmt: skip
     listed = _size(messages.KeyList(**header, sender=COORDINATOR, keys=list(keys.values())))
     survived = _size(messages.Survivors(**header, sender=COORDINATOR, survivors=list(survivors)))
-    sealed = [b"\0" * SEALED_BYTES] * len(members)
+    graph = secagg.round_graph(secagg.Context(RUN_ID, round_), members)
     coordinator.sent += listed + survived
     for k in members:
+        neighbours = list(graph[k])
+        sealed = [b"\0" * SEALED_BYTES] * len(neighbours)
         shares = messages.Shares(
-            **header, sender=k, target=COORDINATOR, peers=list(members), sealed=sealed
+            **header, sender=k, target=COORDINATOR, peers=neighbours, sealed=sealed
         )
         relay = messages.Shares(
-            **header, sender=COORDINATOR, target=k, peers=list(members), sealed=sealed
+            **header, sender=COORDINATOR, target=k, peers=neighbours, sealed=sealed
         )
         up = len(keys[k]) + _size(shares)
         if k in survivors:
@@ -62,8 +66,8 @@ def secure_round(
             reveal = messages.Reveal(
                 **header,
                 sender=k,
-                owners=list(members),
-                shares=[b"\0" * SHARE_BYTES] * len(members),
+                owners=neighbours,
+                shares=[b"\0" * SHARE_BYTES] * len(neighbours),
             )
             up += _size(masked) + _size(reveal)
             traffic[k].nonzeros_sent += length

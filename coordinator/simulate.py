@@ -77,6 +77,7 @@ from agent.report import (
 from agent.time_to_target import with_time_to_target
 from agent.workload import Workload, build_workload, nominal_budgets
 from coordinator.async_rounds import AsynchronousRun
+from coordinator.buffered_sim import BufferedLoop
 from coordinator.ray_backend import BACKENDS, RayTraining, require_ray
 from coordinator.secure_traffic import secure_round
 from coordinator.traffic import CentralTraffic, LocalWire, wire_traffic
@@ -176,7 +177,6 @@ class Simulation:
 
     def run(self, progress: ProgressCallback | None = None) -> dict[str, Any]:
         started = time.perf_counter()
-        cfg = self.config.learning
         run_rounds = rounds_runner(self)
         with self._training() as self.training:
             self.states = self.training.keep(self.states)
@@ -191,13 +191,13 @@ class Simulation:
             "rounds": rounds,
             "summary": {
                 **summarize(rounds, self.plan.t_star, time.perf_counter() - started),
-                "stopped": stopped_summary(rounds, self.stopped, cfg.rounds),
+                "stopped": stopped_summary(rounds, self.stopped, self.config.learning.rounds),
                 **honest_summary(rounds, self.attackers),
                 **backdoor,
             },
         }
         report = named_for_task(on_virtual_clock(report, self), self.learner.facts.task)
-        return with_time_to_target(report, None, 0.0)
+        return with_time_to_target(report, None, 0.0, clock="virtual")
 
     def _training(self) -> contextlib.AbstractContextManager[Training]:
         """Where this run's agents train, for the run (see `backend`)."""
@@ -326,15 +326,15 @@ class Simulation:
 
     def _centralized(self, progress: ProgressCallback | None) -> list[dict[str, Any]]:
         """The rounds of `agent.learning.central`'s contract in one process: the server's
-        steps (`central.server`: participants, downloads, `gather` from the participants'
-        fits, `conclude`) as the aggregator takes them over MQTT, and the participants'
-        (`central.participant`: `Turn.of`, `Turn.train`, `judge`) as the networked agent
-        does, with what each message would cost on the wire counted (`CentralTraffic`). A
-        round's judging, which nothing in the next round depends on (early stopping asks its
-        own validation loss at once), is done while the next round's fits train
-        (`report_round`)."""
+        steps (`central.server`: participants, downloads, `gather` from the fits, `conclude`)
+        as the aggregator takes them over MQTT, the participants' (`central.participant`:
+        `Turn.of`, `Turn.train`, `judge`) as the networked agent does, each message's cost
+        counted (`CentralTraffic`). A round's judging, which the next round does not need, is
+        done while its fits train (`report_round`). FedBuff's versions: `BufferedLoop`."""
         cfg = self.config.learning
         strategy = central_strategy(cfg.strategy)
+        if self.learner.traits.buffered:  # asynchronous: versions on a virtual clock
+            return BufferedLoop(self, strategy).rounds(progress)
         server = strategy.init_server(self.learner.facts)
         wire = CentralTraffic(self.roster, cfg.fp16)
         rounds: list[dict[str, Any]] = []

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 from agent.experiment import ExperimentConfig
 from agent.learning import RoundTopology, live, running
 from agent.learning.central.server import participants
+from agent.learning.strategies import strategy
 from coordinator.virtual_clock import VirtualClock
 
 
@@ -47,9 +48,12 @@ class SynchronousRun(Protocol):
 def on_virtual_clock(report: dict[str, Any], run: SynchronousRun) -> dict[str, Any]:
     """`report` of `run`, its rounds placed on the virtual clock when some device of the
     synchronous run comes and goes (`stamp_virtual_times`); as it is otherwise (an
-    asynchronous run's rounds were placed on it as they ran, `coordinator.async_rounds`)."""
+    asynchronous run's rounds were placed on it as they ran: `coordinator.async_rounds`,
+    FedBuff's `coordinator.buffered_sim`)."""
     clock = VirtualClock.of(run.config, report["config"]["roster"])
-    if clock.comes_and_goes and not run.config.learning.asynchronous:
+    learning = run.config.learning
+    asynchronous = learning.asynchronous or strategy(learning.strategy).buffered
+    if clock.comes_and_goes and not asynchronous:
         stamp_virtual_times(report, run.config, run.stopped, clock, run.centralized)
     return report
 

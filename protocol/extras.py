@@ -19,11 +19,8 @@ LAB_EXTRA = "lab"
 """`coordinator simulate` and `emulate`: built-in datasets, plots, embedded broker."""
 PRIVACY_EXTRA = "privacy"
 """`--dp sample`: the privacy accountant (dp-accounting), on every device of such a run."""
-SECAGG_EXTRA = "secagg"
-"""`--secure-aggregation`: Shamir shares (pycryptodome), on every device of such a run."""
 
 DISTRIBUTIONS = {
-    "Crypto": "pycryptodome",
     "amqtt": "amqtt",
     "dp_accounting": "dp-accounting",
     "matplotlib": "matplotlib",
@@ -39,7 +36,6 @@ EMBEDDED_BROKER = ("amqtt",)
 DASHBOARD = ("starlette", "uvicorn", "prometheus_client")
 PLOTS = ("matplotlib",)
 ACCOUNTANT = ("dp_accounting",)
-SHAMIR = ("Crypto",)
 DATASETS = {"digits": ("sklearn",), "mnist1d": ("mnist1d",)}
 """The modules of each feature an extra provides; a built-in dataset by its name."""
 

@@ -205,6 +205,9 @@ class Update(Message):
     TYPE = MessageType.UPDATE
     tensors: bytes
     num_samples: int
+    base_version: int = -1
+    """FedBuff: the global version the update was trained from (its `round` is then the
+    sender's own count of updates); -1 in a synchronous round, trained from the last one."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

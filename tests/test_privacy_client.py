@@ -190,7 +190,10 @@ def test_epsilon_is_the_library_figure_for_the_rounds_run() -> None:
 @pytest.mark.parametrize(
     "flags, error",
     [
-        (["--strategy", "dadpfl"], "--dp client is for fedavg, fedavg-ft, fedspu, feddrop: dadpfl"),
+        (
+            ["--strategy", "dadpfl"],
+            "--dp client is for fedavg, fedavg-ft, fedspu, feddrop, fedbuff: dadpfl",
+        ),
         (["--strategy", "fedadam"], "fedadam uploads Adam's moments too"),
         (["--strategy", "fedldf"], "fedldf does not upload models trained from the server's"),
         (["--aggregation", "mean"], "--dp client averages the clipped updates unweighted"),

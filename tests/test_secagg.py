@@ -1,5 +1,7 @@
-"""Secure aggregation's cryptography (`protocol.secagg`): the masks cancel, the sum survives
-30% of the members dropping, one masked upload is noise, quantization keeps its bound."""
+"""Secure aggregation's cryptography (`protocol.secagg`, `protocol.secagg_graph`,
+`protocol.shamir`): the masks cancel, over the complete graph and SecAgg+'s sparse one, the sum
+survives 30% of the members dropping, one masked upload is noise, the coordinator gets
+t shares of at most one secret of a member, quantization keeps its bound."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import numpy as np
 import pytest
 
 import edgefl
-from protocol import secagg
+from protocol import secagg, secagg_graph, shamir
 from protocol.secagg import Client, Context, SecAggError, Server, sum_in_process
 
 CONTEXT = Context("run-1", 3)
@@ -81,11 +83,111 @@ def test_one_masked_upload_is_noise() -> None:
         assert np.abs(decoded).mean() > 100 * np.abs(values[k]).mean()
 
 
-def test_the_threshold_keeps_a_majority_and_tolerates_30_percent() -> None:
-    for n in range(2, 200):
-        t = secagg.threshold(n)
-        assert t > n / 2
-        assert n - t >= (3 * n) // 10
+def test_the_threshold_keeps_a_majority_of_each_neighbourhood() -> None:
+    for n in range(2, 400):
+        k, t = secagg_graph.degree_and_threshold(n)
+        assert 2 * t > k + 1  # t of the k + 1 holders: a majority
+        if k == n - 1:  # complete: any 30% may drop
+            assert n - t >= (3 * n) // 10
+        else:
+            assert k % 2 == 0 and k + 1 - t >= (3 * (k + 1)) // 10
+
+
+def test_the_graph_is_sparse_from_40_members_and_complete_below() -> None:
+    assert secagg_graph.degree_and_threshold(20) == (19, 14)
+    assert secagg_graph.degree_and_threshold(50) == (32, 17)
+    assert secagg_graph.degree_and_threshold(100) == (58, 30)
+    assert secagg_graph.degree_and_threshold(1000)[0] < 200  # O(log n), not n
+
+
+def connected(graph: dict[str, tuple[str, ...]], removed: set[str] = frozenset()) -> bool:
+    left = set(graph) - removed
+    start = min(left)
+    seen, todo = {start}, [start]
+    while todo:
+        for peer in graph[todo.pop()]:
+            if peer in left and peer not in seen:
+                seen.add(peer)
+                todo.append(peer)
+    return seen == left
+
+
+@pytest.mark.parametrize("n", [5, 41, 50, 100, 137])
+def test_the_graph_is_regular_symmetric_connected_and_the_same_from_the_same_seed(n: int) -> None:
+    members = [f"agent-{i:03d}" for i in range(n)]
+    k, _ = secagg_graph.degree_and_threshold(n)
+    graph = secagg.round_graph(CONTEXT, members)
+    assert graph == secagg.round_graph(CONTEXT, list(reversed(members)))
+    for member, around in graph.items():
+        assert member in around and len(around) == k + 1  # itself and k neighbours
+        assert all(member in graph[peer] for peer in around)
+    assert connected(graph)
+    gone = set(members[: (3 * n) // 10])  # 30% dropped: the rest still one piece
+    assert connected(graph, gone)
+    if k < n - 1:
+        assert graph != secagg.round_graph(Context("run-1", 4), members)  # reseeded a round
+
+
+@pytest.mark.parametrize("n", [8, 50])
+def test_over_the_graph_the_pairwise_masks_cancel_exactly(n: int) -> None:
+    clients = {f"a{i:02d}": Client(f"a{i:02d}", CONTEXT) for i in range(n)}
+    adverts = {k: c.advert(1) for k, c in clients.items()}
+    relayed = Server(CONTEXT, adverts).relay({k: c.shares(adverts) for k, c in clients.items()})
+    total = np.zeros(300, dtype=np.uint32)
+    for k, c in clients.items():
+        c.receive_shares(relayed[k])
+        assert set(c.held) == set(c.neighbours)
+        y, _ = c.masked(np.zeros(300))
+        total += y - secagg._self_mask(CONTEXT, c.self_seed, 300)
+    assert not total.any()
+
+
+def test_a_sum_over_the_graph_with_30_percent_dropped_is_recovered() -> None:
+    values = vectors(50, length=300, seed=5)
+    weights = {k: 3 + i for i, k in enumerate(sorted(values))}
+    before, after = sorted(values)[:8], sorted(values)[8:15]  # 15 of 50 drop
+    result = sum_in_process(
+        CONTEXT, values, weights, drop_after_shares=before, drop_after_upload=after
+    )
+    counted = sorted(set(values) - set(before))
+    assert result.survivors == counted
+    error = np.abs(result.mean - exact_mean(values, weights, counted)).max()
+    assert error <= secagg.quantization_bound(len(counted)) * len(values) / len(counted)
+
+
+def test_a_coordinator_lying_about_the_survivors_gets_too_few_shares_of_either_secret() -> None:
+    """Told by the coordinator that the victim uploaded, a neighbour reveals its share of the
+    victim's self-mask seed; told that it dropped, of its mask-key seed; each neighbour is asked
+    once (the refusal test below), so the two secrets' shares come from disjoint halves of
+    the victim's k + 1 holders, and t, a majority, is more than either half."""
+    n = 50
+    clients = {f"a{i:02d}": Client(f"a{i:02d}", CONTEXT) for i in range(n)}
+    adverts = {k: c.advert(1) for k, c in clients.items()}
+    server = Server(CONTEXT, adverts)
+    relayed = server.relay({k: c.shares(adverts) for k, c in clients.items()})
+    for k, c in clients.items():
+        c.receive_shares(relayed[k])
+    victim = "a07"
+    holders = [h for h in server.graph[victim] if h != victim]
+    everyone, without = sorted(clients), sorted(set(clients) - {victim})
+    of_self, of_key = [], []
+    for i, holder in enumerate(holders):
+        told = everyone if i % 2 else without
+        share = clients[holder].reveal(told)[victim]
+        (of_self if i % 2 else of_key).append(share)
+        assert share == clients[holder].held[victim][0 if i % 2 else 1]
+    assert max(len(of_self), len(of_key)) < server.threshold
+    assert len(holders) + 1 < 2 * server.threshold
+
+
+def test_shares_from_a_member_outside_the_neighbourhood_are_refused() -> None:
+    clients = {f"a{i:02d}": Client(f"a{i:02d}", CONTEXT) for i in range(50)}
+    adverts = {k: c.advert(1) for k, c in clients.items()}
+    sent = {k: c.shares(adverts) for k, c in clients.items()}
+    me = clients["a00"]
+    stranger = next(k for k in sorted(clients) if k not in me.neighbours)
+    with pytest.raises(SecAggError, match="not a neighbour"):
+        me.receive_shares({stranger: sent[stranger][next(iter(sent[stranger]))]})
 
 
 def test_quantization_error_within_the_stated_bound() -> None:
@@ -153,15 +255,22 @@ def test_a_run_file_asks_for_secure_aggregation(tmp_path: Path) -> None:
     assert edgefl.config(run_file).learning.secure_aggregation
 
 
-def test_reconstruction_with_shared_coefficients_is_pycryptodomes() -> None:
-    from Crypto.Protocol.SecretSharing import Shamir
+def test_any_t_shares_rebuild_the_secret_and_fewer_do_not() -> None:
+    rng = np.random.default_rng(7)
 
-    for n in (3, 10, 31):
-        t = secagg.threshold(n)
+    def random(size: int) -> bytes:
+        return bytes(rng.integers(0, 256, size, np.uint8))
+
+    for t, holders in ((2, 3), (17, 33), (30, 59)):
+        secret = shamir.secret_seed(random)
+        xs = sorted(rng.choice(np.arange(1, 200), holders, replace=False).tolist())
+        shares = shamir.split(secret, t, xs, random)
         for _ in range(3):
-            secret = bytes(np.random.default_rng(n).integers(0, 256, 16, dtype=np.uint8))
-            shares = Shamir.split(t, n, secret)[n - t :]
-            assert secagg.combine(shares) == Shamir.combine(shares) == secret
+            some = sorted(rng.choice(xs, t, replace=False).tolist())
+            assert shamir.combine([(x, shares[x]) for x in some]) == secret
+        assert shamir.combine([(x, shares[x]) for x in xs[: t - 1]]) != secret
+    with pytest.raises(shamir.ShamirError):
+        shamir.combine([(1, b"\xff" * 16)])  # above the field
 
 
 def test_the_broker_lets_each_member_send_only_its_own_secure_aggregation_steps() -> None:

@@ -133,9 +133,17 @@ def test_records_without_time_stamps_have_no_time() -> None:
     unstamped = rounds_of({1: entry(0.9), 2: entry(0.9)}, {1: entry(0.9), 2: entry(0.9)})
     reach = time_to_target(unstamped, 0.0, 0.5)
     assert not reach["timed"] and reach["seconds"] is None
+
+
+def test_an_agent_that_finished_nothing_yet_counts_with_its_first_model_from_the_start() -> None:
+    """FedBuff's device that has delivered no update yet has an entry without a time stamp
+    (the model it started with): the fleet's figure counts it from the start, rather than
+    having no time at all."""
     partly = stamped()
-    partly[1]["agents"]["b"]["finished_at"] = None
-    assert time_to_target(partly, 1000.0, 0.5)["seconds"] is None
+    partly[0]["agents"]["b"] = {**partly[0]["agents"]["b"], "finished_at": None, "accuracy": 0.1}
+    reach = time_to_target(partly, 1000.0, 0.5)
+    # b's first model (0.1) from the start; a's rounds at 1, 2, 3 s: means 0.25, 0.45, 0.5
+    assert (reach["timed"], reach["seconds"], reach["round"]) == (True, 3.0, 3)
 
 
 def test_a_lower_is_better_metric_reaches_its_target_by_falling_to_it() -> None:
@@ -362,3 +370,19 @@ def test_the_agents_round_line_says_its_staleness_only_when_it_has_one() -> None
         row = record("a", 3, 0.5, staleness=staleness).as_dict()
         AgentService.report_round(agent, "accuracy", row)  # type: ignore[arg-type]
     assert said[0].endswith(", staleness 1.50") and "staleness" not in said[1], said
+
+
+def test_simulate_says_its_time_to_target_is_on_the_virtual_clock(tmp_path: Path) -> None:
+    """An asynchronous simulated run is placed on the virtual clock: its time to target is
+    in virtual seconds, and the summary table says so rather than passing them for wall
+    time."""
+    path = tmp_path / "report.json"
+    flags = ["--dataset", "digits", "--agents", "4", "--rounds", "2", "--strategy", "dfedavgm"]
+    result = CliRunner().invoke(
+        coordinator,
+        ["simulate", *flags, "--asynchronous", "--target-accuracy", "0", "--report", str(path)],
+    )
+    assert result.exit_code == 0, result.output
+    reach = json.loads(path.read_text())["summary"]["time_to_target"]
+    assert (reach["timed"], reach["clock"], reach["round"]) == (True, "virtual", 1)
+    assert "virtual s (round 1)" in result.output

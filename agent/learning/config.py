@@ -343,6 +343,12 @@ class StrategyConfig:
         "ignored (bounded staleness).",
     )
 
+    buffer_size: int = param(
+        0,
+        "FedBuff: updates K the server buffers before it applies them as a new version "
+        "(0: a third of the fleet, at least 1: about three versions a pass of the fleet).",
+    )
+
     def __post_init__(self) -> None:
         # `--clip default` is resolved here, once, so that every reader sees off or auto;
         # under --dp client it is off: the device's clip to --dp-clip bounds every update

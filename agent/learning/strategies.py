@@ -65,6 +65,10 @@ class Strategy:
     """`--dp client` applies: it uploads models (or parts of them) trained from the server's,
     which each device clips around the server's and the aggregator averages unweighted, with
     noise (`agent.learning.central.client_dp`)."""
+    buffered: bool = False
+    """Asynchronous buffered aggregation (FedBuff): participants train whenever they can and
+    the server applies every `--buffer-size` updates as they arrive, each weighted by its
+    staleness (`agent.learning.central.fedbuff`); its runs go by versions, not rounds."""
     secure_sum: bool = False
     """`--secure-aggregation` applies: its round is a weighted mean of whole uploaded models,
     which the coordinator can take from their masked sum alone (`protocol.secagg`)."""
@@ -174,6 +178,14 @@ TABLE: tuple[Strategy, ...] = (
         defaults=_ADAM,
         options=frozenset({"ssm_fraction"}),
         adam=True,
+    ),
+    Strategy(
+        "fedbuff",
+        CENTRAL,
+        "agent.learning.central.fedbuff:FedBuff",
+        options=_SGD | {"buffer_size", "staleness_weight", "max_staleness"},
+        buffered=True,
+        client_dp=True,
     ),
     Strategy("fedldf", CENTRAL, "agent.learning.central.fedldf:FedLDF", options=_SGD | {"ldf_n"}),
 )
@@ -327,6 +339,7 @@ class Scope:
 SCOPES: tuple[Scope, ...] = (
     Scope("reduce", "the sparse strategies {names_and}"),
     Scope("ssm_fraction", "{names}"),
+    Scope("buffer_size", "{names}, the buffered asynchronous strategy"),
     Scope("ldf_n", "{names_and} and runs with --wire layers", lambda f: f.get("wire") == "layers"),
     Scope("wire", "the decentralized strategies"),
     Scope("optimizer", "the SGD strategies (the FedAdam presets keep their own Adam)"),

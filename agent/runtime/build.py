@@ -7,6 +7,7 @@ from typing_extensions import Unpack
 
 from agent.learning import StrategyConfig
 from agent.learning.strategies import strategy
+from agent.runtime.buffered import BufferedRounds
 from agent.runtime.centralized import CentralizedRounds
 from agent.runtime.decentralized import DecentralizedRounds
 from agent.runtime.session import RoundDriver, Session, SessionOptions
@@ -35,9 +36,11 @@ class AgentRuntime:
     def __init__(self, **options: Unpack[SessionOptions]) -> None:
         cfg = options["run"].config.learning
         self.driver: RoundDriver
-        if strategy(cfg.strategy).centralized:
+        record = strategy(cfg.strategy)
+        if record.centralized:
             self.session = Session(**options)
-            self.driver = CentralizedRounds(self.session)
+            rounds = BufferedRounds if record.buffered else CentralizedRounds
+            self.driver = rounds(self.session)
         else:
             wire = WIRES[wire_format(cfg)]
             expects = wire.expects(options["workload"].learner, options["agent_id"])

@@ -6,7 +6,8 @@ cryptography they move, and `agent.learning.central.secure`, which makes the vec
     advertise   at the round's start, before training: its keys and sample count on
                 round/t/keys/k
     share       (after training) the aggregator's key list U1 on round/t/keylist/<aggregator>,
-                each key checked as its sender signed it; its encrypted shares to the
+                each key checked as its sender signed it; its encrypted shares for its
+                neighbours in the round's graph (derived from the key list) to the
                 aggregator on round/t/shares/k/<aggregator>
     mask        the shares U2 sent it, relayed on round/t/shares/<aggregator>/k; its masked
                 change on round/t/masked/k

@@ -16,10 +16,10 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from typing_extensions import Required, TypedDict
 
@@ -210,6 +210,18 @@ class RoundDriver(Protocol):
         """The run is over: stop serving and clean up what the broker holds for us."""
 
 
+@runtime_checkable
+class OpenEndedDriver(Protocol):
+    """A driver whose run ends when something else says so, not after `--rounds` rounds of
+    its own (FedBuff: when the server's last version is out, `agent.runtime.buffered`)."""
+
+    def round_numbers(self, done: int) -> Iterator[int]:
+        """The rounds to run after `done`, until the driver says the run is over."""
+
+    def final(self, record: AgentRound) -> bool:
+        """Whether `record` is the agent's last of the run."""
+
+
 @dataclass(frozen=True)
 class RoundClock:
     """A round's computation by the device's clock: what an emulated board slept, the
@@ -269,6 +281,32 @@ def run_inbox(
         **expects,
     )
     return Inbox(expected, limits=limits)
+
+
+def round_numbers(driver: RoundDriver, done: int, rounds: int) -> Iterable[int]:
+    """The rounds left after `done`: up to `rounds`, or an open-ended driver's own (FedBuff's
+    updates, until the last version)."""
+    if isinstance(driver, OpenEndedDriver):
+        return driver.round_numbers(done)
+    return range(done + 1, rounds + 1)
+
+
+def is_last(driver: RoundDriver, record: AgentRound, rounds: int) -> bool:
+    """Whether `record` is the agent's last round of the run."""
+    if isinstance(driver, OpenEndedDriver):
+        return driver.final(record)
+    return record.round >= rounds
+
+
+def status_figures(session: Session, row: dict[str, Any]) -> dict[str, Any]:
+    """The figures of a round's record its status carries, with the run's metric, strategy
+    and DP mode (under `--dp`)."""
+    cfg = session.cfg
+    return (
+        {k: row[k] for k in STATUS_FIGURES}
+        | {"metric": session.learner.facts.task.metric_name, "strategy": cfg.strategy}
+        | ({"dp": cfg.dp} if cfg.dp != "off" else {})
+    )
 
 
 class Session:
@@ -480,7 +518,7 @@ class Session:
         else:
             self.start_together(driver)
         try:
-            for round_ in range(done + 1, self.cfg.rounds + 1):
+            for round_ in round_numbers(driver, done, self.cfg.rounds):
                 self.dozing.wait_online()
                 if self.stop.is_set() or self.stopped_round is not None:
                     break
@@ -527,13 +565,11 @@ class Session:
         if record.stopped:
             self.stopped_round = record.round
             saved = savings(self, record.round)
-        final = record.stopped or record.round >= self.cfg.rounds
+        final = record.stopped or is_last(driver, record, self.cfg.rounds)
         self.status(
             "stopped" if record.stopped else "done" if final else "training",
             record.round,
-            {k: row[k] for k in STATUS_FIGURES}
-            | {"metric": self.learner.facts.task.metric_name, "strategy": self.cfg.strategy}
-            | ({"dp": self.cfg.dp} if self.cfg.dp != "off" else {})
+            status_figures(self, row)
             | saved
             | {"record": row}
             | ({"records": recent_records(self)} if final else {}),

@@ -11,6 +11,8 @@ Strategy (`base.CentralStrategy` is the contract; a file per strategy family):
     fedadam      local Adam (ALGORITHMS.md 3), dense deltas of weights and both moments
     fedadam-top  the three deltas each top-k sparsified with its own mask
     fedadam-ssm  one shared top-k mask, from the weight delta, for all three
+    fedbuff      FedBuff, asynchronous: the server applies the staleness-weighted mean of every
+                 K updates as they arrive, each against the version it was trained from
     fedldf       FedLDF (ALGORITHMS.md 4): divergence vectors first, then each layer from its
                  n most divergent participants only
 """

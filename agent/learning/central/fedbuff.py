@@ -1,0 +1,230 @@
+"""FedBuff: buffered asynchronous aggregation (Nguyen et al., 2022, Algorithm 1).
+
+Participants train whenever they can, each from the newest global model it holds, and upload
+the model they trained to, tagged with the global version it was trained from. The server
+keeps a buffer: an update arriving while the server is at version v, trained from version b,
+is `s = v - b` versions stale; it enters the buffer as its delta (uploaded model minus version
+b's model) with the weight `staleness_weight(s)`, or is dropped when `s > --max-staleness`.
+Once K (`--buffer-size`) updates are in, the server applies their staleness-weighted sum over
+K (the paper's server step with a server learning rate of 1) and is at version v + 1:
+
+    x_{v+1} = x_v + (1 / K) sum_i w(s_i) (y_i - x_{b_i})
+
+The rule here is pure: `Buffer` takes updates in the order they arrived and says when a
+version came out. The simulator feeds it in virtual-time order (`coordinator.buffered_sim`),
+the coordinator in the order MQTT delivered them (`coordinator.buffered`); given the same
+arrival order both compute the same versions. A participant's round is FedAvg's: local SGD
+from the global model, the whole trained model uploaded (`fit`).
+
+Under the synchronous contract (`aggregate`: every upload trained from the server's current
+model, none stale) the rule is the unweighted mean of the uploads: what one buffer of all of
+them gives.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from agent.learning.central import client_dp
+from agent.learning.central.base import (
+    Aggregate,
+    CentralStrategy,
+    Fit,
+    FitContext,
+    Payload,
+    ServerState,
+    Upload,
+)
+from agent.learning.central.fedavg import full_model_fit
+from agent.learning.config import DP_CLIENT
+from agent.learning.model_facts import ModelFacts
+from agent.learning.sparse import State, averaged
+from agent.learning.staleness import fresh_enough, staleness_weight
+
+AUTO_BUFFER_FRACTION = 3
+"""`--buffer-size 0` (auto): K is a third of the fleet, at least 1."""
+
+
+def buffer_size(configured: int, agents: int) -> int:
+    """K for a fleet of `agents`: the configured size, or (0, auto) a third of the fleet.
+
+    A third keeps updates of devices of equal speed about 2-3 versions stale (each pass of
+    the fleet makes about three versions), well inside the default `--max-staleness` 5 and
+    where the polynomial weight is still 0.5-0.6, from 5 devices (K = 2) to 100 (K = 34); a
+    fixed K of the paper's 10 would make a 5-device fleet wait for two passes per version
+    and leave a 100-device fleet's updates ten versions stale, past the bound."""
+    if configured > 0:
+        return configured
+    return max(1, math.ceil(agents / AUTO_BUFFER_FRACTION))
+
+
+def delta(uploaded: State, base: State) -> State:
+    """An update's delta: its floating tensors minus those of the model it was trained from
+    (integer tensors, such as BatchNorm's counters, are not averaged: they carry none)."""
+    return {n: uploaded[n].double() - base[n].double() for n in base if averaged(base[n])}
+
+
+def apply_deltas(
+    server: State,
+    weighted: Sequence[tuple[State, float]],
+    size: int,
+    noised: Callable[[State], State] | None = None,
+) -> State:
+    """The server step: `server` plus the weighted sum of the deltas (`noised` first, under
+    `--dp client`) over `size` (K), in float64 and the arrival order given, each tensor back
+    in its dtype."""
+    sums = {}
+    for name, tensor in server.items():
+        if averaged(tensor):
+            sums[name] = torch.zeros_like(tensor, dtype=torch.float64)
+            for d, weight in weighted:
+                sums[name] += d[name] * weight
+    if noised is not None:
+        sums = noised(sums)
+    out = dict(server)
+    for name, total in sums.items():
+        out[name] = (server[name].double() + total / size).to(server[name].dtype)
+    return out
+
+
+@dataclass(frozen=True)
+class ClientNoise:
+    """`--dp client` on FedBuff (DP-FedAvg's fixed clipping, `client_dp`, per version): each
+    device clips its update around the version it trained from (`Turn.train`); the server
+    clips each delta to C (`--dp-clip`) again and adds N(0, sigma^2 C^2) (sigma: `--dp-noise`)
+    to each version's weighted sum before dividing by K. A staleness weight is at most 1 and
+    the buffer takes at most one update of a device a version (`Buffer.offer` holds a second
+    one for the next), so one device moves a version's sum by at most C: each version is one
+    Gaussian release, which each device's accountant counts once an upload."""
+
+    noise: float
+    clip: float
+    facts: ModelFacts
+
+    def clipped(self, d: State) -> State:
+        """`d` scaled down to L2 norm C where longer."""
+        norm = math.sqrt(sum(float(t.pow(2).sum()) for t in d.values()))
+        scale = min(1.0, self.clip / norm) if norm > 0 else 1.0
+        return {n: t * scale for n, t in d.items()}
+
+    def for_version(self, version: int) -> Callable[[State], State]:
+        """The noise of `version`'s release, drawn from (fleet seed, "client-dp",
+        "aggregator", version) as `client_dp`'s rounds are: simulate and the coordinator
+        draw the same."""
+        generator = self.facts.generator(client_dp.NOISE_PURPOSE, "aggregator", version)
+        return lambda sums: client_dp.noised_sum(sums, self.noise, self.clip, generator)
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What became of one update offered to the buffer."""
+
+    staleness: int
+    """Versions the server moved on since the update's base: its version minus the base."""
+    taken: bool
+    """Whether it entered the buffer (False: staler than `--max-staleness`, or its base is
+    no longer kept)."""
+    version: int | None = None
+    """The version this update's arrival made the server apply (the buffer was full), else
+    None."""
+    held: bool = False
+    """`--dp client`: its sender has an update in the buffer already; this one waits for the
+    next version (its staleness then counts from there)."""
+
+
+@dataclass
+class Buffer:
+    """The server's side of FedBuff: its model, version, the kept versions updates may be
+    trained from, and the buffer of updates waiting for the next version."""
+
+    server: ServerState
+    size: int
+    rule: str
+    max_staleness: int
+    version: int = 0
+    kept: dict[int, State] = field(default_factory=dict)
+    """The models of the versions an update may still be trained from (the last
+    `max_staleness` + 1): a delta is taken against its own base."""
+    pending: list[tuple[str, State, float]] = field(default_factory=list)
+    """(sender, delta, staleness weight) of the updates in the buffer, in arrival order."""
+    applied: list[list[tuple[str, int]]] = field(default_factory=list)
+    """For each version applied, (sender, staleness) of the updates it took, in order."""
+    dp: ClientNoise | None = None
+    """`--dp client`: the clip and noise of each version."""
+    held: list[tuple[str, Upload, int]] = field(default_factory=list)
+    """`--dp client`: updates waiting for the next version (their sender's is in this one)."""
+    _staleness: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.kept.setdefault(self.version, self.server.weights)
+
+    @classmethod
+    def of(cls, facts: ModelFacts, server: ServerState, agents: int) -> Buffer:
+        """The run's buffer from its config (`--buffer-size`, `--staleness-weight`,
+        `--max-staleness`) for a fleet of `agents`."""
+        cfg = facts.config
+        size = buffer_size(cfg.buffer_size, agents)
+        dp = ClientNoise(cfg.dp_noise, cfg.dp_clip, facts) if cfg.dp == DP_CLIENT else None
+        return cls(server, size, cfg.staleness_weight, cfg.max_staleness, dp=dp)
+
+    def offer(self, sender: str, upload: Upload, base: int) -> Offer:
+        """Take `sender`'s update (`upload`, trained from version `base`); apply the buffer
+        when it holds K."""
+        staleness = self.version - base
+        if base not in self.kept or not fresh_enough(staleness, self.max_staleness):
+            return Offer(staleness, taken=False)
+        if self.dp is not None and any(k == sender for k, _, _ in self.pending):
+            self.held.append((sender, upload, base))
+            return Offer(staleness, taken=True, held=True)
+        d = delta(upload.payload.weights, self.kept[base])
+        if self.dp is not None:
+            d = self.dp.clipped(d)
+        self.pending.append((sender, d, staleness_weight(staleness, self.rule)))
+        self._staleness.append(staleness)
+        if len(self.pending) < self.size:
+            return Offer(staleness, taken=True)
+        self._apply()
+        return Offer(staleness, taken=True, version=self.version)
+
+    def _apply(self) -> None:
+        """The server step over the full buffer; the new version kept, the oldest forgotten;
+        the updates held for it offered again."""
+        weighted = [(d, w) for _, d, w in self.pending]
+        noised = None if self.dp is None else self.dp.for_version(self.version + 1)
+        weights = apply_deltas(self.server.weights, weighted, self.size, noised)
+        self.applied.append(
+            [(k, s) for (k, _, _), s in zip(self.pending, self._staleness, strict=True)]
+        )
+        self.pending, self._staleness = [], []
+        self.server = ServerState(weights)
+        self.version += 1
+        self.kept[self.version] = weights
+        for old in [v for v in self.kept if v < self.version - self.max_staleness]:
+            del self.kept[old]
+        held, self.held = self.held, []
+        for sender, upload, base in held:
+            self.offer(sender, upload, base)
+
+
+class FedBuff(CentralStrategy):
+    """FedAvg's participant round; the server's rule is the buffer's (`Buffer`)."""
+
+    name = "fedbuff"
+
+    def fit(self, learner: ModelFacts, ctx: FitContext) -> Fit:
+        return full_model_fit(learner, ctx)
+
+    def aggregate(
+        self, learner: ModelFacts, server: ServerState, uploads: Mapping[str, Upload]
+    ) -> Aggregate:
+        """One buffer of every upload, all trained from `server` (none stale): the
+        unweighted mean, in sorted-id order."""
+        weighted = [
+            (delta(uploads[k].payload.weights, server.weights), 1.0) for k in sorted(uploads)
+        ]
+        weights = apply_deltas(server.weights, weighted, len(weighted))
+        return Aggregate(ServerState(weights), Payload(weights))

@@ -1,0 +1,145 @@
+"""FedBuff against FedAvg on a mixed-speed fleet, in simulate's virtual seconds.
+
+    python -m bench.fedbuff [--datasets digits,mnist1d] [--agents 12] [--rounds 10]
+        [--seeds 1,2,3] [--out bench/results/fedbuff.json]
+
+The fleet is every bundled board in turn (`--profiles mixed`: from a Raspberry Pi 4 to an x86
+laptop), always online. FedAvg runs `--rounds` synchronous rounds; a round lasts as long as
+its slowest participant's modelled seconds (`VirtualClock.seconds` of its FLOPs and bytes),
+so its run takes the sum of those. FedBuff (default K: a third of the fleet) runs as many
+versions as make twice FedAvg's updates (2 x rounds x agents / K) on the event-driven virtual
+clock (`coordinator.buffered_sim`). Measured per seed: FedAvg's final mean accuracy and
+virtual seconds; FedBuff's mean accuracy (each agent's latest update judged on its data: a
+measure that lags the newest version) at the first version out once FedAvg's run would have
+ended (or at its end, if it ended before), its virtual seconds until that accuracy first
+reaches FedAvg's final one, and its final accuracy. The table gives the mean and the spread
+(min-max) over seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from agent.experiment import ExperimentConfig, agent_profiles
+from agent.learning import preset
+from agent.learning.central.fedbuff import buffer_size
+from bench.support import environment, seeds, write_json
+from coordinator.simulate import simulate
+from coordinator.virtual_clock import VirtualClock
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def config(dataset: str, agents: int, seed: int, strategy: str, rounds: int) -> ExperimentConfig:
+    return ExperimentConfig(
+        dataset=dataset,
+        agents=agents,
+        seed=seed,
+        partition="dirichlet:0.5",
+        profiles="mixed",
+        learning=preset(strategy, rounds=rounds, epochs=1),
+    )
+
+
+def mean_accuracy(record: dict[str, Any]) -> float:
+    agents = record["agents"].values()
+    return statistics.fmean(a["accuracy"] for a in agents)
+
+
+def synchronous(dataset: str, agents: int, seed: int, rounds: int) -> dict[str, float]:
+    """FedAvg's final accuracy and its virtual seconds: each round its slowest board's."""
+    cfg = config(dataset, agents, seed, "fedavg", rounds)
+    report = simulate(cfg)
+    clock = VirtualClock(agent_profiles(cfg, report["config"]["roster"]))
+    seconds = sum(
+        max(
+            clock.seconds(k, a["train_flops"], a["bytes_sent"] + a["bytes_received"])
+            for k, a in record["agents"].items()
+        )
+        for record in report["rounds"]
+    )
+    return {"accuracy": mean_accuracy(report["rounds"][-1]), "seconds": seconds}
+
+
+def buffered(
+    dataset: str, agents: int, seed: int, rounds: int, target: float, seconds: float
+) -> dict[str, Any]:
+    """FedBuff with twice the updates: accuracy at FedAvg's `seconds`, seconds to `target`
+    (FedAvg's final accuracy), final accuracy."""
+    versions = 2 * rounds * agents // buffer_size(0, agents)
+    report = simulate(config(dataset, agents, seed, "fedbuff", versions))
+    records = report["rounds"]
+    reached = next((r["finished_at"] for r in records if mean_accuracy(r) >= target), None)
+    at_sync = next((r for r in records if r["finished_at"] >= seconds), records[-1])
+    stale = [e["staleness"] for r in records for e in r["applied"]]
+    return {
+        "versions": versions,
+        "accuracy": mean_accuracy(records[-1]),
+        "accuracy_at_fedavg_seconds": mean_accuracy(at_sync),
+        "seconds": records[-1]["finished_at"],
+        "seconds_to_target": reached,
+        "mean_staleness": statistics.fmean(stale),
+    }
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.fmean(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--datasets", default="digits,mnist1d")
+    parser.add_argument("--agents", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--seeds", default="1,2,3")
+    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench/results/fedbuff.json")
+    args = parser.parse_args()
+    rows = []
+    for dataset in args.datasets.split(","):
+        for seed in seeds(args.seeds):
+            sync = synchronous(dataset, args.agents, seed, args.rounds)
+            target, seconds = sync["accuracy"], sync["seconds"]
+            fedbuff = buffered(dataset, args.agents, seed, args.rounds, target, seconds)
+            rows.append({"dataset": dataset, "seed": seed, "fedavg": sync, "fedbuff": fedbuff})
+    table = Table(title=f"FedBuff vs FedAvg, {args.agents} mixed boards (mean, min-max)")
+    for column in (
+        "dataset",
+        "fedavg acc",
+        "fedavg s",
+        "fedbuff acc at fedavg s (or at its end)",
+        "fedbuff s (2x updates)",
+        "fedbuff s to fedavg acc / fedavg s",
+        "fedbuff final acc (2x updates)",
+        "staleness",
+    ):
+        table.add_column(column)
+    for dataset in args.datasets.split(","):
+        mine = [r for r in rows if r["dataset"] == dataset]
+        reached = [r for r in mine if r["fedbuff"]["seconds_to_target"] is not None]
+        ratios = [r["fedbuff"]["seconds_to_target"] / r["fedavg"]["seconds"] for r in reached]
+        table.add_row(
+            dataset,
+            spread([r["fedavg"]["accuracy"] for r in mine]),
+            spread([r["fedavg"]["seconds"] for r in mine]),
+            spread([r["fedbuff"]["accuracy_at_fedavg_seconds"] for r in mine]),
+            spread([r["fedbuff"]["seconds"] for r in mine]),
+            f"{spread(ratios)}, {len(reached)}/{len(mine)} reached" if ratios else "never",
+            spread([r["fedbuff"]["accuracy"] for r in mine]),
+            spread([r["fedbuff"]["mean_staleness"] for r in mine]),
+        )
+    Console(width=200).print(table)
+    write_json(
+        args.out,
+        {"environment": environment(), "args": vars(args) | {"out": str(args.out)}, "rows": rows},
+    )
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
