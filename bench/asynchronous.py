@@ -92,9 +92,11 @@ def asynchronous_rounds(pair: str, args: argparse.Namespace) -> int:
 
 
 def events(rounds: Sequence[Mapping[str, Any]]) -> list[tuple[float, str, float]]:
-    """(finished_at, agent, accuracy) of every record, in time order."""
+    """(finished_at, agent, accuracy) of every record, in time order; one without a time
+    (a FedBuff device that has delivered nothing yet) at the start, as `agent.time_to_target`
+    counts it."""
     return sorted(
-        (a.get("finished_at", r.get("finished_at")), agent, a["accuracy"])
+        (a.get("finished_at") or 0.0, agent, a["accuracy"])
         for r in rounds
         for agent, a in r["agents"].items()
     )
@@ -267,7 +269,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=20, help="the synchronous side's")
     parser.add_argument("--factor", type=int, default=3, help="async rounds / sync rounds")
     parser.add_argument("--seeds", type=seeds, default=[1, 2, 3])
-    parser.add_argument("--pairs", default="dadpfl")
+    parser.add_argument("--pairs", default="dadpfl,fedavg")
     parser.add_argument("--availability", default="0.3:0.33:0.1")
     parser.add_argument("--emulate-agents", type=int, default=4)
     parser.add_argument("--emulate-rounds", type=int, default=8)

@@ -42,7 +42,7 @@ def test_the_quick_bench_writes_both_sides_of_every_pair(
     result = json.loads(out.read_text())
     assert result["settings"]["quick"] and result["emulate"] == []
     rows = {row["pair"]: row for row in result["rows"]}
-    assert set(rows) == {"dadpfl"}
+    assert set(rows) == set(asynchronous.PAIRS)
     dadpfl = rows["dadpfl"]
     sync, asyn = dadpfl["synchronous"], dadpfl["asynchronous"]
     assert asyn["rounds"] == 2 * sync["rounds"]
