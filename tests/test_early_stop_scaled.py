@@ -5,6 +5,7 @@ still learning, and emulated agents stop where simulated ones do."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 
 from agent.experiment import ExperimentConfig
 from agent.learning import StopRule, StopWatch, preset
-from agent.learning.config import SCALED_DELTA
+from agent.learning.config import SCALED_DELTA, SCALED_PRUNE_NOISE
 from coordinator.emulate import Emulation
 from coordinator.simulate import Simulation
 from tests.test_emulate import assert_same_learning, options
@@ -43,6 +44,70 @@ def test_scaled_decides_as_progress_with_its_window() -> None:
     assert stops_after(scaled) == 9
     assert stops_after(StopRule("progress", 5, SCALED_DELTA)) == 9
     assert stops_after(StopRule("progress", 20, 0.1)) is None  # the default's window: never
+
+
+LEVELLING = [10.0, 6.0, 5.0, 4.8, 4.7, 4.65, 4.62, 4.6, 4.59, 4.58, 4.575, 4.57]
+"""L falls, then levels off: `scaled` with a window of 5 stops after round 9."""
+
+
+def stops_after(losses: list[float], rule: StopRule, pruned: int) -> int | None:
+    """The round after which an agent with these L values stops; round `pruned` pruned it."""
+    watch = StopWatch()
+    for round_, loss in enumerate(losses, start=1):
+        restart = round_ == pruned
+        watch, stops = watch.after(
+            loss, rule.patience, rule.name, rule.delta, restart, rule.prune_noise
+        )
+        if stops:
+            return round_
+    return None
+
+
+def test_a_prune_within_the_noise_of_l_does_not_restart_scaled_one_beyond_does() -> None:
+    scaled = StopRule.of(preset("dadpfl", early_stop=True, stop_rule="scaled", rounds=15))
+    assert (scaled.patience, scaled.prune_noise) == (5, SCALED_PRUNE_NOISE)
+    # Round 8 pruned the model and L rose 4.62 -> 4.67: within two standard deviations
+    # (0.41 each) of the window's round-to-round changes, the prune did not hurt, and the
+    # agent stops after round 9 as if it had not pruned (DA-DPFL's prunes on the grid).
+    small = [*LEVELLING[:7], 4.67, *LEVELLING[8:]]
+    assert stops_after(small, scaled, pruned=8) == stops_after(LEVELLING, scaled, pruned=0) == 9
+    # `progress` restarts on every prune: its window starts anew at round 8.
+    assert stops_after(small, StopRule("progress", 5, SCALED_DELTA), pruned=8) is None
+    # L jumped to 6.5: the prune hurt, the L before belongs to another model, the window
+    # restarts and the agent trains on while the pruned model recovers.
+    large = [*LEVELLING[:7], 6.5, *LEVELLING[8:]]
+    assert stops_after(large, scaled, pruned=8) is None
+    # Too few rounds to read L's noise from: a prune restarts as before.
+    assert StopWatch(losses=(10.0, 6.0)).jumped(5.0, SCALED_PRUNE_NOISE)
+
+
+def test_a_simulated_dadpfl_agent_stops_under_scaled_while_it_prunes() -> None:
+    """DA-DPFL on a task that levels off within 15 rounds, the plan pruning in every round
+    from round 2 on (`delta_pr` 100) in steps that leave L within its noise: under `scaled`
+    agents stop before the run's end; under `progress` with the same window and delta,
+    which restarts on every prune, none does."""
+
+    def stopped(rule: str) -> dict[str, int]:
+        learning = preset(
+            "dadpfl",
+            rounds=15,
+            neighbours=3,
+            epochs=1,
+            lr=0.1,
+            delta_pr=100.0,
+            early_stop=True,
+            stop_rule=rule,
+            stop_patience=5,
+            stop_delta=SCALED_DELTA,
+        )
+        simulation = Simulation(dataclasses.replace(shifted(0.1), agents=6, learning=learning))
+        simulation.run()
+        assert simulation.plan.times == list(range(2, 15)), "the case must prune every round"
+        return simulation.stopped
+
+    scaled = stopped("scaled")
+    assert scaled and min(scaled.values()) < 15, "agents whose prunes did not hurt stop"
+    assert stopped("progress") == {}
 
 
 def shifted(lr: float, rounds: int = 15) -> ExperimentConfig:
