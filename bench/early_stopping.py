@@ -9,20 +9,30 @@ same runs without early stopping.
                                                             # a --stop-rule, against them
     python -m bench.early_stopping table --label scaled     # that comparison again
 
-`record` runs each cell (task, strategy, seed) without early stopping and keeps, per agent
-and round, what a stop rule can read (training loss, validation loss and metric of the
-trained model, the validation set's size and the metric's per-sample spread) beside the
-metric of the model the agent keeps (its test figure, what the grid reports). `replay`
-applies each candidate rule (`agent.learning.early_stop.StopWatch`, the code the agents
-run) to those figures: an agent that stops after round s ends with its round-s metric. It
-ignores what a stopped agent does to the others (it leaves the aggregation or its
-neighbours' inboxes), so it screens rules; `measure` runs the chosen one for real.
+DA-DPFL's cells, on which `scaled` restarts its window only after a prune that raised L
+beyond its noise (PRUNING_CANDIDATES replays the alternatives):
+
+    python -m bench.early_stopping record --strategies dadpfl --base dadpfl --workers 2
+    python -m bench.early_stopping replay --strategies dadpfl --base dadpfl --rule "scaled restart"
+    python -m bench.early_stopping measure --rule scaled --strategies dadpfl --base dadpfl \
+        --label scaled-dadpfl --workers 2
+
+`record` runs each cell (task, strategy, seed) without early stopping and keeps, per agent and
+round, what a stop rule can read (training loss, validation loss and metric of the trained
+model, the validation set's size and the metric's per-sample spread, whether the round pruned
+the model and how many weights it kept) beside the metric of the model the agent keeps (its
+test figure, what the grid reports). `replay` applies each candidate rule
+(`agent.learning.early_stop.StopWatch`, the code the agents run) to those figures: an agent
+that stops after round s ends with its round-s metric. It ignores what a stopped agent does to
+the others (it leaves the aggregation or its neighbours' inboxes), so it screens rules;
+`measure` runs the chosen one for real.
 
 Per (task, strategy), over the seeds: cut (agent-rounds not trained over all) and change
 (fleet mean of the final metric against the run without, in the good direction; for an
 error metric in points of the error of predicting the mean, like the grid's tolerance),
 mean and spread over seeds. Writes bench/results/early_stopping[-LABEL].json (the recorded
-runs, about 5 MB with their per-round figures: not committed), early_stopping-replay.json
+runs, about 5 MB with their per-round figures: not committed; DA-DPFL's, 1 MB, is),
+early_stopping-replay.json
 and early_stopping-LABEL-against.json. The figures are in agent/learning/early_stop.py.
 """
 

@@ -16,7 +16,7 @@ from agent.learning import StopRule, StopWatch, preset
 from agent.learning.config import SCALED_DELTA, SCALED_PRUNE_NOISE
 from coordinator.emulate import Emulation
 from coordinator.simulate import Simulation
-from tests.test_emulate import assert_same_learning, options
+from tests.test_emulate import SHARED, assert_same_learning, options
 
 
 @pytest.mark.parametrize(("rounds", "window"), [(8, 5), (15, 5), (30, 10), (40, 13), (60, 20)])
@@ -82,25 +82,12 @@ def test_a_prune_within_the_noise_of_l_does_not_restart_scaled_one_beyond_does()
 
 
 def test_a_simulated_dadpfl_agent_stops_under_scaled_while_it_prunes() -> None:
-    """DA-DPFL on a task that levels off within 15 rounds, the plan pruning in every round
-    from round 2 on (`delta_pr` 100) in steps that leave L within its noise: under `scaled`
-    agents stop before the run's end; under `progress` with the same window and delta,
-    which restarts on every prune, none does."""
+    """Under `scaled` agents stop before the run's end while their models are pruned every
+    round (`pruning`); under `progress` with the same window and delta, which restarts on
+    every prune, none does."""
 
     def stopped(rule: str) -> dict[str, int]:
-        learning = preset(
-            "dadpfl",
-            rounds=15,
-            neighbours=3,
-            epochs=1,
-            lr=0.1,
-            delta_pr=100.0,
-            early_stop=True,
-            stop_rule=rule,
-            stop_patience=5,
-            stop_delta=SCALED_DELTA,
-        )
-        simulation = Simulation(dataclasses.replace(shifted(0.1), agents=6, learning=learning))
+        simulation = Simulation(pruning(rule))
         simulation.run()
         assert simulation.plan.times == list(range(2, 15)), "the case must prune every round"
         return simulation.stopped
@@ -123,6 +110,26 @@ def shifted(lr: float, rounds: int = 15) -> ExperimentConfig:
         round_time_s=0.01,
         learning=learning,
     )
+
+
+def pruning(rule: str) -> ExperimentConfig:
+    """Six DA-DPFL devices of the task of `shifted`, levelling off within 15 rounds, the plan
+    pruning in every round from round 2 on (`delta_pr` 100) in steps that leave L within
+    its noise; `rule` with a window of 5 and scaled's delta."""
+    learning = preset(
+        "dadpfl",
+        rounds=15,
+        neighbours=3,
+        epochs=1,
+        lr=0.1,
+        delta_pr=100.0,
+        max_wait=2,
+        early_stop=True,
+        stop_rule=rule,
+        stop_patience=5,
+        stop_delta=SCALED_DELTA,
+    )
+    return dataclasses.replace(shifted(0.1), agents=6, learning=learning)
 
 
 def fleet_losses(report: dict) -> list[float]:
@@ -154,4 +161,18 @@ def test_emulated_agents_stop_where_simulated_ones_do(amqtt_broker, tmp_path: Pa
     assert_same_learning(emulated, simulated)
     stopped = {a: s["round"] for a, s in simulated["summary"]["stopped"].items()}
     assert stopped, "the case must exercise early stopping"
+    assert {a: s["round"] for a, s in emulated["summary"]["stopped"].items()} == stopped
+
+
+@pytest.mark.timeout(600)
+def test_emulated_dadpfl_agents_stop_where_simulated_ones_do(amqtt_broker, tmp_path: Path) -> None:
+    """The networked agents run the same rule on the same pruning rounds (`pruning`)."""
+    cfg = pruning("scaled")
+    shared = options(tmp_path, agents_per_process=SHARED)
+    emulated = Emulation(cfg, amqtt_broker.address, shared).run()
+    assert emulated["summary"]["failed_agents"] == {}
+    simulated = Simulation(cfg).run()
+    assert_same_learning(emulated, simulated)
+    stopped = {a: s["round"] for a, s in simulated["summary"]["stopped"].items()}
+    assert stopped and min(stopped.values()) < 15, "the case must stop agents while pruning"
     assert {a: s["round"] for a, s in emulated["summary"]["stopped"].items()} == stopped

@@ -252,7 +252,8 @@ class StrategyConfig:
         "Early stopping rule: progress (stop once the last --stop-patience rounds improved the "
         "best L by at most --stop-delta of its improvement since round 1; measured best, "
         "studies/early_stopping.py), scaled (progress over the last third of the run's "
-        "rounds, at least 5, with delta 0.05: more cut on 30-60-round runs, "
+        "rounds, at least 5, with delta 0.05, where a pruning round restarts the window only "
+        "when L rose beyond its noise: more cut on 30-60-round runs, "
         "bench/early_stopping.py) or paper (stop after --stop-patience consecutive rises of "
         "L, the FedSPU paper's rule with patience 1).",
     )
