@@ -9,20 +9,30 @@ same runs without early stopping.
                                                             # a --stop-rule, against them
     python -m bench.early_stopping table --label scaled     # that comparison again
 
-`record` runs each cell (task, strategy, seed) without early stopping and keeps, per agent
-and round, what a stop rule can read (training loss, validation loss and metric of the
-trained model, the validation set's size and the metric's per-sample spread) beside the
-metric of the model the agent keeps (its test figure, what the grid reports). `replay`
-applies each candidate rule (`agent.learning.early_stop.StopWatch`, the code the agents
-run) to those figures: an agent that stops after round s ends with its round-s metric. It
-ignores what a stopped agent does to the others (it leaves the aggregation or its
-neighbours' inboxes), so it screens rules; `measure` runs the chosen one for real.
+DA-DPFL's cells, on which `scaled` restarts its window only after a prune that raised L
+beyond its noise (PRUNING_CANDIDATES replays the alternatives):
+
+    python -m bench.early_stopping record --strategies dadpfl --base dadpfl --workers 2
+    python -m bench.early_stopping replay --strategies dadpfl --base dadpfl --rule "scaled restart"
+    python -m bench.early_stopping measure --rule scaled --strategies dadpfl --base dadpfl \
+        --label scaled-dadpfl --workers 2
+
+`record` runs each cell (task, strategy, seed) without early stopping and keeps, per agent and
+round, what a stop rule can read (training loss, validation loss and metric of the trained
+model, the validation set's size and the metric's per-sample spread, whether the round pruned
+the model and how many weights it kept) beside the metric of the model the agent keeps (its
+test figure, what the grid reports). `replay` applies each candidate rule
+(`agent.learning.early_stop.StopWatch`, the code the agents run) to those figures: an agent
+that stops after round s ends with its round-s metric. It ignores what a stopped agent does to
+the others (it leaves the aggregation or its neighbours' inboxes), so it screens rules;
+`measure` runs the chosen one for real.
 
 Per (task, strategy), over the seeds: cut (agent-rounds not trained over all) and change
 (fleet mean of the final metric against the run without, in the good direction; for an
 error metric in points of the error of predicting the mean, like the grid's tolerance),
 mean and spread over seeds. Writes bench/results/early_stopping[-LABEL].json (the recorded
-runs, about 5 MB with their per-round figures: not committed), early_stopping-replay.json
+runs, about 5 MB with their per-round figures: not committed; DA-DPFL's, 1 MB, is),
+early_stopping-replay.json
 and early_stopping-LABEL-against.json. The figures are in agent/learning/early_stop.py.
 """
 
@@ -119,9 +129,16 @@ class _Tracer:
                 "val_std": spread,
                 "n_val": len(data.y_val),
                 "restart": float(restart),
+                "kept": float(_kept(weights)),
             }
         )
         return False
+
+
+def _kept(weights: Mapping[str, Any]) -> int:
+    """How many entries of the model's floating tensors are nonzero: what a pruning round
+    (DA-DPFL) lowers, so a replay can tell a small prune from a large one."""
+    return sum(int(t.count_nonzero()) for t in weights.values() if t.is_floating_point())
 
 
 def _scale(sim: Any) -> float:
@@ -236,7 +253,66 @@ def horizon_rule(window: int, delta: float) -> Any:
     return stop_round
 
 
+def _restarts(trace: list[dict[str, float]], when: str, level: float) -> list[bool]:
+    """Which pruning rounds of `trace` restart the window: every one (`always`, and `jump`,
+    whose watch reads the rise itself), none (`never`), or those that removed more than
+    `level` of the kept weights (`removed`; every one in a recording without `kept`)."""
+    out = []
+    for t, row in enumerate(trace):
+        if not row["restart"] or when in ("always", "jump", "never"):
+            out.append(bool(row["restart"]) and when != "never")
+        elif "kept" not in row or t == 0:
+            out.append(True)
+        else:
+            out.append(1 - row["kept"] / max(trace[t - 1]["kept"], 1.0) > level)
+    return out
+
+
+def pruning_rule(share: float, delta: float, when: str, level: float = 0.0, grace: int = 0) -> Any:
+    """Candidate: `scaled`'s window (`share` of the run, at least 5) and `delta`, with
+    pruning rounds restarting it as `_restarts` says `when` (`jump`: those whose L rose by
+    more than `level` standard deviations of the window's changes, `StopWatch.jumped`, the
+    code the agents run), and no stop within `grace` rounds after a pruning round."""
+    from agent.learning.config import STOP_LAMBDA
+    from agent.learning.early_stop import StopWatch
+
+    noise = level if when == "jump" else None
+
+    def stop_round(trace: list[dict[str, float]], rounds: int) -> int:
+        window = max(5, round(share * rounds))
+        watch, pruned = StopWatch(), -grace
+        restarts = _restarts(trace, when, level)
+        for t, (row, restart) in enumerate(zip(trace, restarts, strict=True), 1):
+            pruned = t if row["restart"] else pruned
+            loss = STOP_LAMBDA * row["train_loss"] + (1 - STOP_LAMBDA) * row["val_loss"]
+            watch, stops = watch.after(loss, window, "progress", delta, restart, noise)
+            if stops and t - pruned >= grace:
+                return t
+        return rounds
+
+    return stop_round
+
+
+PRUNING_CANDIDATES = {
+    "scaled restart always": pruning_rule(1 / 3, 0.05, "always"),
+    **{f"scaled restart never g{g}": pruning_rule(1 / 3, 0.05, "never", 0, g) for g in (0, 2, 4)},
+    **{
+        f"scaled restart removed>{s} g{g}": pruning_rule(1 / 3, 0.05, "removed", s, g)
+        for s in (0.05, 0.1, 0.2, 0.3)
+        for g in (0, 2)
+    },
+    **{
+        f"scaled restart jump>{z}sd g{g}": pruning_rule(1 / 3, 0.05, "jump", z, g)
+        for z in (1.0, 2.0, 3.0)
+        for g in (0, 2)
+    },
+}
+"""Candidates for DA-DPFL, whose pruning rounds restart `scaled`'s window: which prunes
+should (only `restart` rows differ from `scaled`, so the other strategies are unchanged)."""
+
+
 CANDIDATES = {
+    **PRUNING_CANDIDATES,
     **{
         f"share {f:.2f} d{d}": share_rule(f, d)
         for f in (0.25, 0.3, 1 / 3)

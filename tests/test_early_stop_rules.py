@@ -27,7 +27,10 @@ def stops_after(
     rounds in `pruned` pruned its model."""
     watch = watch or StopWatch()
     for round_, loss in enumerate(losses, start=1):
-        watch, stops = watch.after(loss, rule.patience, rule.name, rule.delta, round_ in pruned)
+        restart = round_ in pruned
+        watch, stops = watch.after(
+            loss, rule.patience, rule.name, rule.delta, restart, rule.prune_noise
+        )
         if stops:
             return round_
     return None
@@ -119,6 +122,7 @@ def test_bad_stop_settings_get_one_line(over: dict, message: str) -> None:
         (StopRule("paper", 2), [10.0, 6.0, 7.0, 5.0, 5.2, 5.3, 4.9, 4.85, 4.9, 4.84], ()),
         (StopRule("progress", 3, 0.1), [10.0, 6.0, 7.0, 5.0, 5.2, 5.3, 4.9, 4.85, 4.83], ()),
         (StopRule("progress", 3, 0.1), PRUNED_AT_6, (6,)),
+        (StopRule("scaled", 3, 0.1, 2.0), PRUNED_AT_6, (6, 10)),  # the rise's noise restored
     ],
 )
 def test_a_restored_watch_decides_as_one_that_never_restarted(
@@ -128,7 +132,9 @@ def test_a_restored_watch_decides_as_one_that_never_restarted(
         decisions = []
         for round_, loss in enumerate(losses, start=first_round):
             restart = round_ in pruned
-            watch, stops = watch.after(loss, rule.patience, rule.name, rule.delta, restart)
+            watch, stops = watch.after(
+                loss, rule.patience, rule.name, rule.delta, restart, rule.prune_noise
+            )
             decisions.append(stops)
         return watch, decisions
 

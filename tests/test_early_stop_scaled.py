@@ -5,6 +5,7 @@ still learning, and emulated agents stop where simulated ones do."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from pathlib import Path
 
@@ -12,10 +13,10 @@ import pytest
 
 from agent.experiment import ExperimentConfig
 from agent.learning import StopRule, StopWatch, preset
-from agent.learning.config import SCALED_DELTA
+from agent.learning.config import SCALED_DELTA, SCALED_PRUNE_NOISE
 from coordinator.emulate import Emulation
 from coordinator.simulate import Simulation
-from tests.test_emulate import assert_same_learning, options
+from tests.test_emulate import SHARED, assert_same_learning, options
 
 
 @pytest.mark.parametrize(("rounds", "window"), [(8, 5), (15, 5), (30, 10), (40, 13), (60, 20)])
@@ -45,6 +46,57 @@ def test_scaled_decides_as_progress_with_its_window() -> None:
     assert stops_after(StopRule("progress", 20, 0.1)) is None  # the default's window: never
 
 
+LEVELLING = [10.0, 6.0, 5.0, 4.8, 4.7, 4.65, 4.62, 4.6, 4.59, 4.58, 4.575, 4.57]
+"""L falls, then levels off: `scaled` with a window of 5 stops after round 9."""
+
+
+def stops_after(losses: list[float], rule: StopRule, pruned: int) -> int | None:
+    """The round after which an agent with these L values stops; round `pruned` pruned it."""
+    watch = StopWatch()
+    for round_, loss in enumerate(losses, start=1):
+        restart = round_ == pruned
+        watch, stops = watch.after(
+            loss, rule.patience, rule.name, rule.delta, restart, rule.prune_noise
+        )
+        if stops:
+            return round_
+    return None
+
+
+def test_a_prune_within_the_noise_of_l_does_not_restart_scaled_one_beyond_does() -> None:
+    scaled = StopRule.of(preset("dadpfl", early_stop=True, stop_rule="scaled", rounds=15))
+    assert (scaled.patience, scaled.prune_noise) == (5, SCALED_PRUNE_NOISE)
+    # Round 8 pruned the model and L rose 4.62 -> 4.67: within two standard deviations
+    # (0.41 each) of the window's round-to-round changes, the prune did not hurt, and the
+    # agent stops after round 9 as if it had not pruned (DA-DPFL's prunes on the grid).
+    small = [*LEVELLING[:7], 4.67, *LEVELLING[8:]]
+    assert stops_after(small, scaled, pruned=8) == stops_after(LEVELLING, scaled, pruned=0) == 9
+    # `progress` restarts on every prune: its window starts anew at round 8.
+    assert stops_after(small, StopRule("progress", 5, SCALED_DELTA), pruned=8) is None
+    # L jumped to 6.5: the prune hurt, the L before belongs to another model, the window
+    # restarts and the agent trains on while the pruned model recovers.
+    large = [*LEVELLING[:7], 6.5, *LEVELLING[8:]]
+    assert stops_after(large, scaled, pruned=8) is None
+    # Too few rounds to read L's noise from: a prune restarts as before.
+    assert StopWatch(losses=(10.0, 6.0)).jumped(5.0, SCALED_PRUNE_NOISE)
+
+
+def test_a_simulated_dadpfl_agent_stops_under_scaled_while_it_prunes() -> None:
+    """Under `scaled` agents stop before the run's end while their models are pruned every
+    round (`pruning`); under `progress` with the same window and delta, which restarts on
+    every prune, none does."""
+
+    def stopped(rule: str) -> dict[str, int]:
+        simulation = Simulation(pruning(rule))
+        simulation.run()
+        assert simulation.plan.times == list(range(2, 15)), "the case must prune every round"
+        return simulation.stopped
+
+    scaled = stopped("scaled")
+    assert scaled and min(scaled.values()) < 15, "agents whose prunes did not hurt stop"
+    assert stopped("progress") == {}
+
+
 def shifted(lr: float, rounds: int = 15) -> ExperimentConfig:
     """Four devices of FedProx's synthetic task with their own feature shift under FedAvg:
     at lr 0.1 the fleet levels off within ten rounds; at 0.003 it still learns at 15."""
@@ -58,6 +110,26 @@ def shifted(lr: float, rounds: int = 15) -> ExperimentConfig:
         round_time_s=0.01,
         learning=learning,
     )
+
+
+def pruning(rule: str) -> ExperimentConfig:
+    """Six DA-DPFL devices of the task of `shifted`, levelling off within 15 rounds, the plan
+    pruning in every round from round 2 on (`delta_pr` 100) in steps that leave L within
+    its noise; `rule` with a window of 5 and scaled's delta."""
+    learning = preset(
+        "dadpfl",
+        rounds=15,
+        neighbours=3,
+        epochs=1,
+        lr=0.1,
+        delta_pr=100.0,
+        max_wait=2,
+        early_stop=True,
+        stop_rule=rule,
+        stop_patience=5,
+        stop_delta=SCALED_DELTA,
+    )
+    return dataclasses.replace(shifted(0.1), agents=6, learning=learning)
 
 
 def fleet_losses(report: dict) -> list[float]:
@@ -89,4 +161,18 @@ def test_emulated_agents_stop_where_simulated_ones_do(amqtt_broker, tmp_path: Pa
     assert_same_learning(emulated, simulated)
     stopped = {a: s["round"] for a, s in simulated["summary"]["stopped"].items()}
     assert stopped, "the case must exercise early stopping"
+    assert {a: s["round"] for a, s in emulated["summary"]["stopped"].items()} == stopped
+
+
+@pytest.mark.timeout(600)
+def test_emulated_dadpfl_agents_stop_where_simulated_ones_do(amqtt_broker, tmp_path: Path) -> None:
+    """The networked agents run the same rule on the same pruning rounds (`pruning`)."""
+    cfg = pruning("scaled")
+    shared = options(tmp_path, agents_per_process=SHARED)
+    emulated = Emulation(cfg, amqtt_broker.address, shared).run()
+    assert emulated["summary"]["failed_agents"] == {}
+    simulated = Simulation(cfg).run()
+    assert_same_learning(emulated, simulated)
+    stopped = {a: s["round"] for a, s in simulated["summary"]["stopped"].items()}
+    assert stopped and min(stopped.values()) < 15, "the case must stop agents while pruning"
     assert {a: s["round"] for a, s in emulated["summary"]["stopped"].items()} == stopped

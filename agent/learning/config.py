@@ -25,9 +25,11 @@ STOP_LAMBDA = 0.7
 STOP_RULES = {"progress": 20, "paper": 1, "scaled": 0}
 """Each early-stopping rule (`agent.learning.early_stop`) and its patience when
 `--stop-patience` is 0 (`scaled`: 0, a share of the run's rounds, `SCALED_SHARE`)."""
-SCALED_SHARE, SCALED_LEAST, SCALED_DELTA = 1 / 3, 5, 0.05
+SCALED_SHARE, SCALED_LEAST, SCALED_DELTA, SCALED_PRUNE_NOISE = 1 / 3, 5, 0.05, 2.0
 """The `scaled` rule: `progress` over a window of a third of the run's rounds (at least 5)
-with delta 0.05, the best trade-off measured on 30-40-round runs (bench/early_stopping.py)."""
+with delta 0.05, the best trade-off measured on 30-40-round runs (bench/early_stopping.py);
+a pruning round (DA-DPFL) restarts its window only when L rose in it by more than 2 standard
+deviations of L's round-to-round changes over the window (`StopWatch.jumped`)."""
 DEFAULT_STOP_RULE = "progress"
 """The rule of `--early-stop` without `--stop-rule`: the one measured best."""
 
@@ -250,7 +252,8 @@ class StrategyConfig:
         "Early stopping rule: progress (stop once the last --stop-patience rounds improved the "
         "best L by at most --stop-delta of its improvement since round 1; measured best, "
         "studies/early_stopping.py), scaled (progress over the last third of the run's "
-        "rounds, at least 5, with delta 0.05: more cut on 30-60-round runs, "
+        "rounds, at least 5, with delta 0.05, where a pruning round restarts the window only "
+        "when L rose beyond its noise: more cut on 30-60-round runs, "
         "bench/early_stopping.py) or paper (stop after --stop-patience consecutive rises of "
         "L, the FedSPU paper's rule with patience 1).",
     )
