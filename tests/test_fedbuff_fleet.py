@@ -140,6 +140,7 @@ def test_fedbuff_ssm_device_that_slept_catches_up_on_the_newest_whole_version(
         v - 1 - s for v, took in versions if v > woke_at for k, s in took if k == "agent-002"
     ]
     assert any(b >= woke_at for b in sleeper_bases), versions
+    assert emulation.rounds_logged() == 3 * SSM_VERSIONS  # the progress bar's full count
     report = result["report"]
     assert report["summary"].get("failed_agents") in (None, {})
     last = report["rounds"][-1]
