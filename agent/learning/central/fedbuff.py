@@ -16,6 +16,10 @@ the coordinator in the order MQTT delivered them (`coordinator.buffered`); given
 arrival order both compute the same versions. A participant's round is FedAvg's: local SGD
 from the global model, the whole trained model uploaded (`fit`).
 
+The buffer sums what the strategy's `update_delta` makes of an upload: FedBuff's is the
+weights' delta; FedBuff-SSM's (`fedbuff_ssm`) the deltas of the weights and both Adam
+moments, which `server_step` applies alike.
+
 Under the synchronous contract (`aggregate`: every upload trained from the server's current
 model, none stale) the rule is the unweighted mean of the uploads: what one buffer of all of
 them gives.
