@@ -211,15 +211,17 @@ class BufferedLoop:
         return record
 
     def rounds(self, progress: Callable[[int, str], None] | None) -> list[dict[str, Any]]:
-        """Every version of the run, in order."""
+        """Every version of the run, in order. `progress` is told of each version once per
+        agent (every agent receives it), as a synchronous round tells of each agent's: a
+        run's count is `--rounds` x agents whatever the updates per version."""
         self.start(list(self.run.roster), 0.0)
         records = []
         while self.buffer.version < self.run.config.learning.rounds and self.events:
             at, index, _ = heapq.heappop(self.events)
-            k = self.run.roster[index]
-            version = self.arrive(k, at)
-            if progress:
-                progress(self.buffer.version + 1, k)
+            version = self.arrive(self.run.roster[index], at)
             if version is not None:
                 records.append(self.version_record(version, at))
+                for k in self.run.roster:
+                    if progress:
+                        progress(version, k)
         return records
