@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -206,6 +206,25 @@ class Buffer:
         size = buffer_size(cfg.buffer_size, agents)
         dp = ClientNoise(cfg.dp_noise, cfg.dp_clip, facts) if cfg.dp == DP_CLIENT else None
         return cls(server, size, cfg.staleness_weight, cfg.max_staleness, dp=dp, deltas=deltas)
+
+    def saved(self) -> dict[str, Any]:
+        """What a restarted coordinator needs to go on from this version (`restore`), as
+        tensors and plain data: kept after each version, when the buffer is empty. Updates
+        taken since, or held for the next version (`--dp client`), are lost on a restart as
+        those in flight are (their devices counted them: a DP count errs on the safe side)."""
+        return {
+            "version": self.version,
+            "kept": {str(v): w for v, w in self.kept.items()},
+            "applied": [[[k, s] for k, s in took] for took in self.applied],
+        }
+
+    def restore(self, saved: Mapping[str, Any], server: ServerState) -> None:
+        """Go on from `saved` (`saved`), the server at `server` (the coordinator's kept one),
+        the buffer empty."""
+        self.server, self.version = server, int(saved["version"])
+        self.kept = {int(v): w for v, w in saved["kept"].items()}
+        self.applied = [[(k, int(s)) for k, s in took] for took in saved["applied"]]
+        self.pending, self._staleness, self.held = [], [], []
 
     def offer(self, sender: str, upload: Upload, base: int) -> Offer:
         """Take `sender`'s update (`upload`, trained from version `base`); apply the buffer
