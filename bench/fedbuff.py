@@ -1,7 +1,11 @@
 """FedBuff against FedAvg on a mixed-speed fleet, in simulate's virtual seconds.
 
     python -m bench.fedbuff [--datasets digits,mnist1d] [--agents 12] [--rounds 10]
-        [--seeds 1,2,3] [--out bench/results/fedbuff.json]
+        [--seeds 1,2,3] [--pair fedavg,fedbuff] [--epochs 1] [--out bench/results/fedbuff.json]
+
+`--pair fedadam-ssm,fedbuff-ssm` measures FedBuff-SSM against synchronous FedAdam-SSM the
+same way (give the FedAdam family its ~30 local steps: 12 devices on digits hold about one
+batch each, so `--epochs 30`).
 
 The fleet is every bundled board in turn (`--profiles mixed`: from a Raspberry Pi 4 to an x86
 laptop), always online. FedAvg runs `--rounds` synchronous rounds; a round lasts as long as
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 import statistics
+from dataclasses import dataclass
 from typing import Any
 
 from rich.console import Console
@@ -36,14 +41,16 @@ from coordinator.virtual_clock import VirtualClock
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def config(dataset: str, agents: int, seed: int, strategy: str, rounds: int) -> ExperimentConfig:
+def config(
+    dataset: str, agents: int, seed: int, strategy: str, rounds: int, epochs: int
+) -> ExperimentConfig:
     return ExperimentConfig(
         dataset=dataset,
         agents=agents,
         seed=seed,
         partition="dirichlet:0.5",
         profiles="mixed",
-        learning=preset(strategy, rounds=rounds, epochs=1),
+        learning=preset(strategy, rounds=rounds, epochs=epochs),
     )
 
 
@@ -52,9 +59,10 @@ def mean_accuracy(record: dict[str, Any]) -> float:
     return statistics.fmean(a["accuracy"] for a in agents)
 
 
-def synchronous(dataset: str, agents: int, seed: int, rounds: int) -> dict[str, float]:
-    """FedAvg's final accuracy and its virtual seconds: each round its slowest board's."""
-    cfg = config(dataset, agents, seed, "fedavg", rounds)
+def synchronous(run: Run, seed: int) -> dict[str, float]:
+    """The synchronous strategy's (FedAvg's) final accuracy and its virtual seconds: each
+    round its slowest board's."""
+    cfg = config(run.dataset, run.agents, seed, run.sync, run.rounds, run.epochs)
     report = simulate(cfg)
     clock = VirtualClock(agent_profiles(cfg, report["config"]["roster"]))
     seconds = sum(
@@ -67,13 +75,12 @@ def synchronous(dataset: str, agents: int, seed: int, rounds: int) -> dict[str, 
     return {"accuracy": mean_accuracy(report["rounds"][-1]), "seconds": seconds}
 
 
-def buffered(
-    dataset: str, agents: int, seed: int, rounds: int, target: float, seconds: float
-) -> dict[str, Any]:
-    """FedBuff with twice the updates: accuracy at FedAvg's `seconds`, seconds to `target`
-    (FedAvg's final accuracy), final accuracy."""
-    versions = 2 * rounds * agents // buffer_size(0, agents)
-    report = simulate(config(dataset, agents, seed, "fedbuff", versions))
+def buffered(run: Run, seed: int, target: float, seconds: float) -> dict[str, Any]:
+    """The buffered strategy (FedBuff) with twice the updates: accuracy at the synchronous
+    run's `seconds`, seconds to `target` (its final accuracy), final accuracy."""
+    versions = 2 * run.rounds * run.agents // buffer_size(0, run.agents)
+    cfg = config(run.dataset, run.agents, seed, run.buffered, versions, run.epochs)
+    report = simulate(cfg)
     records = report["rounds"]
     reached = next((r["finished_at"] for r in records if mean_accuracy(r) >= target), None)
     at_sync = next((r for r in records if r["finished_at"] >= seconds), records[-1])
@@ -88,8 +95,51 @@ def buffered(
     }
 
 
+@dataclass(frozen=True)
+class Run:
+    """One dataset's comparison: the synchronous and buffered strategies and their sizes."""
+
+    dataset: str
+    agents: int
+    rounds: int
+    epochs: int
+    sync: str
+    buffered: str
+
+
 def spread(values: list[float]) -> str:
     return f"{statistics.fmean(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+
+
+def table(rows: list[dict[str, Any]], args: argparse.Namespace, sync: str, buf: str) -> Table:
+    """The comparison per dataset: mean and min-max over seeds."""
+    out = Table(title=f"{buf} vs {sync}, {args.agents} mixed boards (mean, min-max)")
+    for column in (
+        "dataset",
+        f"{sync} acc",
+        f"{sync} s",
+        f"{buf} acc at {sync} s (or at its end)",
+        f"{buf} s (2x updates)",
+        f"{buf} s to {sync} acc / {sync} s",
+        f"{buf} final acc (2x updates)",
+        "staleness",
+    ):
+        out.add_column(column)
+    for dataset in args.datasets.split(","):
+        mine = [r for r in rows if r["dataset"] == dataset]
+        reached = [r for r in mine if r[buf]["seconds_to_target"] is not None]
+        ratios = [r[buf]["seconds_to_target"] / r[sync]["seconds"] for r in reached]
+        out.add_row(
+            dataset,
+            spread([r[sync]["accuracy"] for r in mine]),
+            spread([r[sync]["seconds"] for r in mine]),
+            spread([r[buf]["accuracy_at_fedavg_seconds"] for r in mine]),
+            spread([r[buf]["seconds"] for r in mine]),
+            f"{spread(ratios)}, {len(reached)}/{len(mine)} reached" if ratios else "never",
+            spread([r[buf]["accuracy"] for r in mine]),
+            spread([r[buf]["mean_staleness"] for r in mine]),
+        )
+    return out
 
 
 def main() -> None:
@@ -98,42 +148,21 @@ def main() -> None:
     parser.add_argument("--agents", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--seeds", default="1,2,3")
+    parser.add_argument("--pair", default="fedavg,fedbuff", help="SYNCHRONOUS,BUFFERED")
+    parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench/results/fedbuff.json")
     args = parser.parse_args()
+    sync_name, buffered_name = args.pair.split(",")
     rows = []
     for dataset in args.datasets.split(","):
+        run = Run(dataset, args.agents, args.rounds, args.epochs, sync_name, buffered_name)
         for seed in seeds(args.seeds):
-            sync = synchronous(dataset, args.agents, seed, args.rounds)
-            target, seconds = sync["accuracy"], sync["seconds"]
-            fedbuff = buffered(dataset, args.agents, seed, args.rounds, target, seconds)
-            rows.append({"dataset": dataset, "seed": seed, "fedavg": sync, "fedbuff": fedbuff})
-    table = Table(title=f"FedBuff vs FedAvg, {args.agents} mixed boards (mean, min-max)")
-    for column in (
-        "dataset",
-        "fedavg acc",
-        "fedavg s",
-        "fedbuff acc at fedavg s (or at its end)",
-        "fedbuff s (2x updates)",
-        "fedbuff s to fedavg acc / fedavg s",
-        "fedbuff final acc (2x updates)",
-        "staleness",
-    ):
-        table.add_column(column)
-    for dataset in args.datasets.split(","):
-        mine = [r for r in rows if r["dataset"] == dataset]
-        reached = [r for r in mine if r["fedbuff"]["seconds_to_target"] is not None]
-        ratios = [r["fedbuff"]["seconds_to_target"] / r["fedavg"]["seconds"] for r in reached]
-        table.add_row(
-            dataset,
-            spread([r["fedavg"]["accuracy"] for r in mine]),
-            spread([r["fedavg"]["seconds"] for r in mine]),
-            spread([r["fedbuff"]["accuracy_at_fedavg_seconds"] for r in mine]),
-            spread([r["fedbuff"]["seconds"] for r in mine]),
-            f"{spread(ratios)}, {len(reached)}/{len(mine)} reached" if ratios else "never",
-            spread([r["fedbuff"]["accuracy"] for r in mine]),
-            spread([r["fedbuff"]["mean_staleness"] for r in mine]),
-        )
-    Console(width=200).print(table)
+            sync = synchronous(run, seed)
+            measured = buffered(run, seed, sync["accuracy"], sync["seconds"])
+            rows.append(
+                {"dataset": dataset, "seed": seed, sync_name: sync, buffered_name: measured}
+            )
+    Console(width=200).print(table(rows, args, sync_name, buffered_name))
     write_json(
         args.out,
         {"environment": environment(), "args": vars(args) | {"out": str(args.out)}, "rows": rows},

@@ -293,6 +293,7 @@ class Aggregator:
                 "globals": dict(self._globals),
                 "missed": sorted(self._missed),
                 "stopped": dict(self.intake.stopped),
+                "buffer": None if self.buffered is None else self.buffered.buffer.saved(),
             }
         checkpoint.save(self.state_path, kept)
 
@@ -314,6 +315,7 @@ class Aggregator:
         self.intake.stopped.update(kept["stopped"])
         self.first_round = self.resumed_round = kept["round"] + 1
         self.intake.current_round = self.first_round
+        restore_buffer(self, kept.get("buffer"))
         log.info("resuming aggregation after round %d from %s", kept["round"], path)
 
     def start(self) -> None:
@@ -528,13 +530,21 @@ def buffered_server(agg: Aggregator) -> BufferedServer | None:
     return BufferedServer(run, agg.server)
 
 
+def restore_buffer(agg: Aggregator, saved: dict[str, Any] | None) -> None:
+    """FedBuff: its version, and the versions it keeps, as `_save` kept them."""
+    if agg.buffered is not None and saved:
+        agg.buffered.buffer.restore(saved, agg.server)
+
+
 def applied(
     agg: Aggregator, version: int, senders: list[str], traffic: Traffic, server: ServerState
 ) -> None:
-    """FedBuff: a version is out (`BufferedServer`): its record, the server's new state."""
+    """FedBuff: a version is out (`BufferedServer`): its record, the server's new state,
+    kept at `state_path` with the buffer (a restarted coordinator goes on from it)."""
     with agg._changed:
         agg.records.append(AggregatorRecord(version, senders, [], traffic))
         agg.server = server
+    agg._save(version)
 
 
 class _RoundInbox:

@@ -21,7 +21,7 @@ from typing import Any
 
 from agent.experiment import ExperimentConfig
 from agent.learning import CentralStrategy, Learner, ServerState, Upload
-from agent.learning.central.fedbuff import Buffer, Offer
+from agent.learning.central.fedbuff import Buffer, Offer, as_buffered
 from agent.report import Traffic
 from agent.runtime import decode_upload, encode_state, values_sent
 from agent.runtime.buffered import LATEST
@@ -58,7 +58,10 @@ class BufferedServer:
 
     def __init__(self, run: Run, server: ServerState) -> None:
         self.aggregator = run
-        self.buffer = Buffer.of(run.learner.facts, server, len(run.roster))
+        self.strategy = as_buffered(run.strategy)
+        self.buffer = Buffer.of(
+            run.learner.facts, server, len(run.roster), self.strategy.update_delta
+        )
         self.arrived: deque[messages.Update] = deque()
         self.seen: set[tuple[str, int, int]] = set()
         """(sender, round, base) of every update taken off the wire: MQTT may deliver one
@@ -134,7 +137,7 @@ class BufferedServer:
     def publish(self, version: int, applied: Applied) -> None:
         """Publish `version` retained; tell `applied` who it took (and log how stale)."""
         agg = self.aggregator
-        weights = self.buffer.server.weights
+        weights = self.strategy.version_payload(self.buffer.server).weights
         took = self.buffer.applied[-1]
         body = encode_state(weights, None, fp16=agg.config.learning.fp16)
         message = messages.Global(

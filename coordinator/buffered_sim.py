@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from agent.device.throttle import ENERGY_SOURCE, round_energy
 from agent.experiment import ExperimentConfig
-from agent.learning import CentralStrategy, Fit, Learner, LocalData, Upload, as_sent
-from agent.learning.central.fedbuff import Buffer
+from agent.learning import CentralStrategy, Fit, Learner, LocalData, Payload, Upload, as_sent
+from agent.learning.central.fedbuff import Buffer, as_buffered
 from agent.learning.central.participant import Turn, judge
 from agent.report import COORDINATOR, AgentRound, Traffic
 from agent.runtime.codec import encode_state
@@ -65,12 +65,18 @@ class InFlight:
     received: int
     """Bytes of the global version it trained from, if new to it (0: version 0, or the one
     its last update trained from): the link time its clock counts."""
+    sent: int
+    """Bytes of its upload."""
 
 
-def model_message_bytes(run: Simulation, kind: type[messages.Message]) -> int:
-    """The size of an `Update` or `Global` carrying the whole model (what every FedBuff
-    message is)."""
-    body = encode_state(run.learner.facts.initial, None, fp16=run.config.learning.fp16)
+def model_message_bytes(
+    run: Simulation, kind: type[messages.Message], payload: Payload | None = None
+) -> int:
+    """The size of an `Update` or `Global` carrying `payload`, by default the whole model
+    (what every FedBuff message is)."""
+    if payload is None:
+        payload = Payload(run.learner.facts.initial)
+    body = encode_state(payload.weights, payload.masks, fp16=run.config.learning.fp16)
     header: dict[str, Any] = {"fleet": _FLEET, "sender": "agent", "run_id": _RUN, "round": 1}
     if kind is messages.Global:
         message: messages.Message = messages.Global(**header, tensors=body)
@@ -85,10 +91,16 @@ class BufferedLoop:
     def __init__(self, run: Simulation, strategy: CentralStrategy) -> None:
         self.run, self.strategy = run, strategy
         facts = run.learner.facts
-        self.buffer = Buffer.of(facts, strategy.init_server(facts), len(run.roster))
+        buffered = as_buffered(strategy)
+        server = strategy.init_server(facts)
+        self.buffer = Buffer.of(facts, server, len(run.roster), buffered.update_delta)
         self.clock = VirtualClock.of(run.config, run.roster)
-        self.upload_bytes = model_message_bytes(run, messages.Update)
-        self.global_bytes = model_message_bytes(run, messages.Global)
+        self.upload_bytes: int | None = model_message_bytes(run, messages.Update)
+        """An upload's size; None where its masks size each one (FedBuff-SSM's)."""
+        if strategy.upload_layout(facts) is None:
+            self.upload_bytes = None
+        version = buffered.version_payload(server)
+        self.global_bytes = model_message_bytes(run, messages.Global, version)
         self.events: list[tuple[float, int, int]] = []
         """(arrival time, roster index, update number) of every update in flight."""
         self.flying: dict[str, InFlight] = {}
@@ -113,10 +125,11 @@ class BufferedLoop:
         for job, (k, fit) in zip(jobs, run.training.fit(jobs, lambda: None), strict=True):
             received = self.global_bytes if base > self.bases.get(k, 0) else 0
             self.bases[k] = base
+            sent = self.upload_bytes or model_message_bytes(run, messages.Update, fit.upload)
             work = fit.train_flops + fit.fallback_flops
-            seconds = self.clock.seconds(k, work, self.upload_bytes + received)
+            seconds = self.clock.seconds(k, work, sent + received)
             arrival = self.clock.finish(k, now, seconds)
-            self.flying[k] = InFlight(job.turn, fit, base, now, received)
+            self.flying[k] = InFlight(job.turn, fit, base, now, received, sent)
             heapq.heappush(self.events, (arrival, run.roster.index(k), self.updates[k]))
 
     def arrive(self, k: str, at: float) -> int | None:
@@ -129,8 +142,8 @@ class BufferedLoop:
         offer = self.buffer.offer(
             k, Upload(as_sent(fit.upload, fp16), fit.num_samples), flying.base
         )
-        self.spent[k].sent += self.upload_bytes
-        self.spent[COORDINATOR].received += self.upload_bytes
+        self.spent[k].sent += flying.sent
+        self.spent[COORDINATOR].received += flying.sent
         state, judged = judge(self.strategy, run.learner, fit, self.buffer.server, run.data[k])
         record = AgentRound.of_fit(
             flying.turn,
@@ -141,7 +154,7 @@ class BufferedLoop:
             finished_at=round(at, 6),
         )
         if k in run.profiles:  # its board's energy model, as `simulate.with_energy`
-            traffic = self.upload_bytes + flying.received
+            traffic = flying.sent + flying.received
             energy, radio = round_energy(run.profiles[k], fit.train_flops, traffic)
             record.energy_j, record.radio_energy_j = energy, radio
             record.energy_source = ENERGY_SOURCE
@@ -198,15 +211,17 @@ class BufferedLoop:
         return record
 
     def rounds(self, progress: Callable[[int, str], None] | None) -> list[dict[str, Any]]:
-        """Every version of the run, in order."""
+        """Every version of the run, in order. `progress` is told of each version once per
+        agent (every agent receives it), as a synchronous round tells of each agent's: a
+        run's count is `--rounds` x agents whatever the updates per version."""
         self.start(list(self.run.roster), 0.0)
         records = []
         while self.buffer.version < self.run.config.learning.rounds and self.events:
             at, index, _ = heapq.heappop(self.events)
-            k = self.run.roster[index]
-            version = self.arrive(k, at)
-            if progress:
-                progress(self.buffer.version + 1, k)
+            version = self.arrive(self.run.roster[index], at)
             if version is not None:
                 records.append(self.version_record(version, at))
+                for k in self.run.roster:
+                    if progress:
+                        progress(version, k)
         return records

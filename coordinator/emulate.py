@@ -388,10 +388,13 @@ class Emulation:
 
     def rounds_logged(self) -> int:
         """Agent-rounds the agents logged (an agent that stopped early counts as done), as
-        the progress bar counts them."""
+        the progress bar counts them: each agent's latest round, as the conductor's live
+        count (`Conductor.rounds_done`) takes it from the statuses. Not the number of its
+        records: a buffered strategy's (FedBuff's) round is the version an update went into,
+        which several updates may share and another may skip."""
         rounds = self.config.learning.rounds
         return sum(
-            rounds if any(r.get("stopped") for r in records.values()) else len(records)
+            rounds if any(r.get("stopped") for r in records.values()) else max(records, default=0)
             for records in self.logs().values()
         )
 

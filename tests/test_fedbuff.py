@@ -170,3 +170,12 @@ def test_what_fedbuff_refuses_in_one_line(learning: dict, message: str) -> None:
             dataset="digits", agents=3, learning=preset("fedbuff", **learning)
         ).validate()
     assert "\n" not in str(refused.value)
+
+
+def test_simulate_counts_progress_as_versions_times_agents() -> None:
+    """The progress bar's total is `--rounds` x agents: each version counts once per agent,
+    whatever the updates per version (K = 2 of 4 agents here)."""
+    told: list[tuple[int, str]] = []
+    simulate(config(rounds=3, buffer_size=2), lambda t, k: told.append((t, k)))
+    roster = [f"agent-{i:03d}" for i in range(4)]
+    assert told == [(t, k) for t in (1, 2, 3) for k in roster]

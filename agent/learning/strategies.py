@@ -187,6 +187,15 @@ TABLE: tuple[Strategy, ...] = (
         buffered=True,
         client_dp=True,
     ),
+    Strategy(
+        "fedbuff-ssm",
+        CENTRAL,
+        "agent.learning.central.fedbuff_ssm:FedBuffSSM",
+        defaults=_ADAM,
+        options=frozenset({"ssm_fraction", "buffer_size", "staleness_weight", "max_staleness"}),
+        adam=True,
+        buffered=True,
+    ),
     Strategy("fedldf", CENTRAL, "agent.learning.central.fedldf:FedLDF", options=_SGD | {"ldf_n"}),
 )
 """The strategies, in the order help texts and `PRESETS` list them."""
@@ -339,7 +348,7 @@ class Scope:
 SCOPES: tuple[Scope, ...] = (
     Scope("reduce", "the sparse strategies {names_and}"),
     Scope("ssm_fraction", "{names}"),
-    Scope("buffer_size", "{names}, the buffered asynchronous strategy"),
+    Scope("buffer_size", "{names}, the buffered asynchronous strategies"),
     Scope("ldf_n", "{names_and} and runs with --wire layers", lambda f: f.get("wire") == "layers"),
     Scope("wire", "the decentralized strategies"),
     Scope("optimizer", "the SGD strategies (the FedAdam presets keep their own Adam)"),

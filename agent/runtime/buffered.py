@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from agent.learning import ServerState, central_strategy
+from agent.learning import Payload, ServerState, central_strategy
 from agent.learning.central.participant import Turn, judge
 from agent.report import AgentRound, reported_p_k, reported_sparsity
 from agent.runtime import codec
@@ -165,7 +165,7 @@ class BufferedRounds:
             started = time.monotonic()
             fit = turn.train(self.strategy, s.learner, s.state, s.data, view)
         throttled = s.after_compute(started, fit.train_flops + fit.fallback_flops)
-        sent = self._send(base, fit.upload.weights, fit.num_samples)
+        sent = self._send(base, fit.upload, fit.num_samples)
         newest = self.newest()
         state, judged = judge(self.strategy, s.learner, fit, self.view, s.data)
         s.state = dataclasses.replace(state, round=base + 1)
@@ -180,15 +180,16 @@ class BufferedRounds:
         )
         return dataclasses.replace(record, round=base + 1)
 
-    def _send(self, base: int, weights: dict[str, Any], num_samples: int) -> int:
-        """Upload the trained model tagged with its base version; the values it carried."""
+    def _send(self, base: int, upload: Payload, num_samples: int) -> int:
+        """Upload the trained model (FedBuff-SSM: its sparse deltas) tagged with its base
+        version; the values it carried."""
         s = self.session
-        body = encode_state(weights, None, fp16=s.cfg.fp16)
+        body = encode_state(upload.weights, upload.masks, fp16=s.cfg.fp16)
         update = messages.Update(
             **s.header(base + 1), tensors=body, num_samples=num_samples, base_version=base
         )
         s.send(s.topic(base + 1, "update", s.me), messages.encode(update, key=s.key))
-        return values_sent(weights, None)
+        return values_sent(upload.weights, upload.masks)
 
     def _closing(self) -> AgentRound:
         """The run is over: this agent's closing record, the newest version on its data."""

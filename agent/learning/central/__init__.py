@@ -13,6 +13,8 @@ Strategy (`base.CentralStrategy` is the contract; a file per strategy family):
     fedadam-ssm  one shared top-k mask, from the weight delta, for all three
     fedbuff      FedBuff, asynchronous: the server applies the staleness-weighted mean of every
                  K updates as they arrive, each against the version it was trained from
+    fedbuff-ssm  FedAdam-SSM's local round and sparse upload into FedBuff's buffer; each
+                 version is the whole state (weights and both moments)
     fedldf       FedLDF (ALGORITHMS.md 4): divergence vectors first, then each layer from its
                  n most divergent participants only
 """

@@ -48,7 +48,7 @@ class FedAdam(CentralStrategy):
     def init_server(self, learner: ModelFacts) -> ServerState:
         """The initial model, and zero moments for its parameters (buffers, such as
         BatchNorm's running statistics, have none: they stay on each device)."""
-        params = _parameters(learner.initial, learner)
+        params = model_parameters(learner.initial, learner)
         zeros = adam.zeros_like_state
         return ServerState(dict(learner.initial), zeros(params), zeros(params))
 
@@ -72,7 +72,9 @@ class FedAdam(CentralStrategy):
             learner.task,
         )
         (dw, w_mask), (dm, m_mask), (dv, v_mask) = adam.compress(
-            adam.deltas(_parameters(result.weights, learner), _parameters(server.weights, learner)),
+            adam.deltas(
+                model_parameters(result.weights, learner), model_parameters(server.weights, learner)
+            ),
             adam.deltas(result.m, server.m),
             adam.deltas(result.v, server.v),
             cfg.ssm_fraction,
@@ -92,7 +94,7 @@ class FedAdam(CentralStrategy):
     ) -> Aggregate:
         assert server.m is not None and server.v is not None
         weights = sample_weights(learner, uploads)
-        deltas = {k: _moment_deltas(u.payload) for k, u in uploads.items()}
+        deltas = {k: moment_deltas(u.payload) for k, u in uploads.items()}
         dw, dm, dv = (
             self._combine(learner, server, {k: d[i] for k, d in deltas.items()}, weights)
             for i in range(3)
@@ -116,7 +118,7 @@ class FedAdam(CentralStrategy):
         """One of the three deltas aggregated: clipped around zero (`--clip`), then the
         weighted mean, or the `--aggregation` rule over the participants that selected each
         coordinate (a sparsified delta's zeros are not selections, the mean's count them)."""
-        zero = adam.zeros_like_state(_parameters(server.weights, learner))
+        zero = adam.zeros_like_state(model_parameters(server.weights, learner))
         held = None
         if self.mode != adam.MODE_DENSE:
             held = {k: {n: t != 0 for n, t in d.items()} for k, d in deltas.items()}
@@ -128,30 +130,32 @@ class FedAdam(CentralStrategy):
     def receive(self, view: ServerState, broadcast: Payload) -> ServerState:
         """Apply the broadcast deltas to W, M and V, as the aggregator did."""
         assert view.m is not None and view.v is not None
-        dw, dm, dv = _moment_deltas(broadcast)
+        dw, dm, dv = moment_deltas(broadcast)
         return ServerState(
             adam.apply(view.weights, dw), adam.apply(view.m, dm), adam.apply(view.v, dv)
         )
 
     def upload_layout(self, learner: ModelFacts, layers: list[str] | None = None) -> Layout | None:
-        return _moment_layout(learner) if self.mode != adam.MODE_SSM else None
+        return moment_layout(learner) if self.mode != adam.MODE_SSM else None
 
     def broadcast_layout(self, learner: ModelFacts) -> Layout | None:
-        return _moment_layout(learner) if self.broadcast_mode == adam.MODE_DENSE else None
+        return moment_layout(learner) if self.broadcast_mode == adam.MODE_DENSE else None
 
     def payload_order(self, learner: ModelFacts) -> list[str]:
-        return list(_moment_layout(learner))
+        return list(moment_layout(learner))
 
     def check_payload(self, learner: ModelFacts, payload: Payload) -> None:
         """An SSM-layout payload: w:<name> in the model's shapes with a mask, m:/v:<name>
         value vectors as long as that mask's count."""
         masks = payload.masks or {}
-        want = {f"{p}:{n}" for p in "wmv" for n in _parameters(learner.initial, learner)}
+        want = {f"{p}:{n}" for p in "wmv" for n in model_parameters(learner.initial, learner)}
         if set(payload.weights) != want:
             raise ValueError("a moment payload must hold w:, m: and v: of every tensor")
         if not all(torch.is_floating_point(t) for t in payload.weights.values()):
             raise ValueError("a moment payload holds floating values only")
-        for name, (shape, _dtype) in model_layout(_parameters(learner.initial, learner)).items():
+        for name, (shape, _dtype) in model_layout(
+            model_parameters(learner.initial, learner)
+        ).items():
             w = payload.weights[f"w:{name}"]
             mask = masks.get(f"w:{name}")
             if tuple(w.shape) != shape or mask is None:
@@ -172,19 +176,19 @@ class FedAdamSSM(FedAdam):
     mode = adam.MODE_SSM
 
 
-def _parameters(state: State, learner: ModelFacts) -> State:
+def model_parameters(state: State, learner: ModelFacts) -> State:
     """The model's parameters of `state`: what Adam's moments, the deltas and the payloads
     cover (a model's buffers, such as BatchNorm's running statistics, stay local)."""
     names = {name for name, _ in learner.model.named_parameters()}
     return {name: t for name, t in state.items() if name in names}
 
 
-def _moment_layout(learner: ModelFacts) -> Layout:
-    layout = model_layout(_parameters(learner.initial, learner))
+def moment_layout(learner: ModelFacts) -> Layout:
+    layout = model_layout(model_parameters(learner.initial, learner))
     return {f"{p}:{n}": shape for p in "wmv" for n, shape in layout.items()}
 
 
-def _moment_deltas(payload: Payload) -> tuple[State, State, State]:
+def moment_deltas(payload: Payload) -> tuple[State, State, State]:
     """The zero-filled deltas of weights, first and second moment a `_moment_payload` carries
     (in the shared-mask layout the moments' values are scattered back under w's mask)."""
     masks = payload.masks or {}

@@ -16,6 +16,10 @@ the coordinator in the order MQTT delivered them (`coordinator.buffered`); given
 arrival order both compute the same versions. A participant's round is FedAvg's: local SGD
 from the global model, the whole trained model uploaded (`fit`).
 
+The buffer sums what the strategy's `update_delta` makes of an upload: FedBuff's is the
+weights' delta; FedBuff-SSM's (`fedbuff_ssm`) the deltas of the weights and both Adam
+moments, which `server_step` applies alike.
+
 Under the synchronous contract (`aggregate`: every upload trained from the server's current
 model, none stale) the rule is the unweighted mean of the uploads: what one buffer of all of
 them gives.
@@ -26,6 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -68,6 +73,16 @@ def delta(uploaded: State, base: State) -> State:
     return {n: uploaded[n].double() - base[n].double() for n in base if averaged(base[n])}
 
 
+def weights_delta(upload: Upload, base: State) -> ServerState:
+    """FedBuff's update delta: the uploaded model minus the model it was trained from."""
+    return ServerState(delta(upload.payload.weights, base))
+
+
+UpdateDelta = Callable[[Upload, State], ServerState]
+"""An update as the buffer sums it, from the upload and its base version's weights: the delta
+of the weights, and (FedBuff-SSM) of both Adam moments."""
+
+
 def apply_deltas(
     server: State,
     weighted: Sequence[tuple[State, float]],
@@ -76,10 +91,12 @@ def apply_deltas(
 ) -> State:
     """The server step: `server` plus the weighted sum of the deltas (`noised` first, under
     `--dp client`) over `size` (K), in float64 and the arrival order given, each tensor back
-    in its dtype."""
+    in its dtype. Tensors the deltas do not name (FedBuff-SSM's buffers) are left as they
+    are."""
     sums = {}
+    named = weighted[0][0] if weighted else {}
     for name, tensor in server.items():
-        if averaged(tensor):
+        if averaged(tensor) and name in named:
             sums[name] = torch.zeros_like(tensor, dtype=torch.float64)
             for d, weight in weighted:
                 sums[name] += d[name] * weight
@@ -89,6 +106,23 @@ def apply_deltas(
     for name, total in sums.items():
         out[name] = (server[name].double() + total / size).to(server[name].dtype)
     return out
+
+
+def server_step(
+    server: ServerState,
+    weighted: Sequence[tuple[ServerState, float]],
+    size: int,
+    noised: Callable[[State], State] | None = None,
+) -> ServerState:
+    """`apply_deltas` on the weights and, where the server holds Adam's moments (FedBuff-SSM),
+    on each moment. The second moment is clamped at 0: a stale update's delta is taken
+    against its own base's V, which may exceed today's, and Adam divides by sqrt(V)."""
+    weights = apply_deltas(server.weights, [(d.weights, w) for d, w in weighted], size, noised)
+    if server.m is None or server.v is None:
+        return ServerState(weights)
+    m = apply_deltas(server.m, [(d.m or {}, w) for d, w in weighted], size)
+    v = apply_deltas(server.v, [(d.v or {}, w) for d, w in weighted], size)
+    return ServerState(weights, m, {n: t.clamp(min=0) for n, t in v.items()})
 
 
 @dataclass(frozen=True)
@@ -149,7 +183,7 @@ class Buffer:
     kept: dict[int, State] = field(default_factory=dict)
     """The models of the versions an update may still be trained from (the last
     `max_staleness` + 1): a delta is taken against its own base."""
-    pending: list[tuple[str, State, float]] = field(default_factory=list)
+    pending: list[tuple[str, ServerState, float]] = field(default_factory=list)
     """(sender, delta, staleness weight) of the updates in the buffer, in arrival order."""
     applied: list[list[tuple[str, int]]] = field(default_factory=list)
     """For each version applied, (sender, staleness) of the updates it took, in order."""
@@ -157,19 +191,40 @@ class Buffer:
     """`--dp client`: the clip and noise of each version."""
     held: list[tuple[str, Upload, int]] = field(default_factory=list)
     """`--dp client`: updates waiting for the next version (their sender's is in this one)."""
+    deltas: UpdateDelta = weights_delta
+    """How an upload becomes the delta the buffer sums (the strategy's `update_delta`)."""
     _staleness: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.kept.setdefault(self.version, self.server.weights)
 
     @classmethod
-    def of(cls, facts: ModelFacts, server: ServerState, agents: int) -> Buffer:
+    def of(cls, facts: ModelFacts, server: ServerState, agents: int, deltas: UpdateDelta) -> Buffer:
         """The run's buffer from its config (`--buffer-size`, `--staleness-weight`,
-        `--max-staleness`) for a fleet of `agents`."""
+        `--max-staleness`) for a fleet of `agents`; `deltas`: the strategy's `update_delta`."""
         cfg = facts.config
         size = buffer_size(cfg.buffer_size, agents)
         dp = ClientNoise(cfg.dp_noise, cfg.dp_clip, facts) if cfg.dp == DP_CLIENT else None
-        return cls(server, size, cfg.staleness_weight, cfg.max_staleness, dp=dp)
+        return cls(server, size, cfg.staleness_weight, cfg.max_staleness, dp=dp, deltas=deltas)
+
+    def saved(self) -> dict[str, Any]:
+        """What a restarted coordinator needs to go on from this version (`restore`), as
+        tensors and plain data: kept after each version, when the buffer is empty. Updates
+        taken since, or held for the next version (`--dp client`), are lost on a restart as
+        those in flight are (their devices counted them: a DP count errs on the safe side)."""
+        return {
+            "version": self.version,
+            "kept": {str(v): w for v, w in self.kept.items()},
+            "applied": [[[k, s] for k, s in took] for took in self.applied],
+        }
+
+    def restore(self, saved: Mapping[str, Any], server: ServerState) -> None:
+        """Go on from `saved` (`saved`), the server at `server` (the coordinator's kept one),
+        the buffer empty."""
+        self.server, self.version = server, int(saved["version"])
+        self.kept = {int(v): w for v, w in saved["kept"].items()}
+        self.applied = [[(k, int(s)) for k, s in took] for took in saved["applied"]]
+        self.pending, self._staleness, self.held = [], [], []
 
     def offer(self, sender: str, upload: Upload, base: int) -> Offer:
         """Take `sender`'s update (`upload`, trained from version `base`); apply the buffer
@@ -180,9 +235,9 @@ class Buffer:
         if self.dp is not None and any(k == sender for k, _, _ in self.pending):
             self.held.append((sender, upload, base))
             return Offer(staleness, taken=True, held=True)
-        d = delta(upload.payload.weights, self.kept[base])
+        d = self.deltas(upload, self.kept[base])
         if self.dp is not None:
-            d = self.dp.clipped(d)
+            d = ServerState(self.dp.clipped(d.weights))
         self.pending.append((sender, d, staleness_weight(staleness, self.rule)))
         self._staleness.append(staleness)
         if len(self.pending) < self.size:
@@ -195,14 +250,13 @@ class Buffer:
         the updates held for it offered again."""
         weighted = [(d, w) for _, d, w in self.pending]
         noised = None if self.dp is None else self.dp.for_version(self.version + 1)
-        weights = apply_deltas(self.server.weights, weighted, self.size, noised)
+        self.server = server_step(self.server, weighted, self.size, noised)
         self.applied.append(
             [(k, s) for (k, _, _), s in zip(self.pending, self._staleness, strict=True)]
         )
         self.pending, self._staleness = [], []
-        self.server = ServerState(weights)
         self.version += 1
-        self.kept[self.version] = weights
+        self.kept[self.version] = self.server.weights
         for old in [v for v in self.kept if v < self.version - self.max_staleness]:
             del self.kept[old]
         held, self.held = self.held, []
@@ -218,13 +272,42 @@ class FedBuff(CentralStrategy):
     def fit(self, learner: ModelFacts, ctx: FitContext) -> Fit:
         return full_model_fit(learner, ctx)
 
+    def update_delta(self, upload: Upload, base: State) -> ServerState:
+        """The delta the buffer sums: the uploaded model minus its base version's."""
+        return weights_delta(upload, base)
+
+    def version_payload(self, server: ServerState) -> Payload:
+        """What a version's retained message carries: the whole model."""
+        return Payload(server.weights)
+
     def aggregate(
         self, learner: ModelFacts, server: ServerState, uploads: Mapping[str, Upload]
     ) -> Aggregate:
         """One buffer of every upload, all trained from `server` (none stale): the
         unweighted mean, in sorted-id order."""
-        weighted = [
-            (delta(uploads[k].payload.weights, server.weights), 1.0) for k in sorted(uploads)
-        ]
-        weights = apply_deltas(server.weights, weighted, len(weighted))
-        return Aggregate(ServerState(weights), Payload(weights))
+        return one_buffer(self, server, uploads)
+
+
+@runtime_checkable
+class Buffered(Protocol):
+    """What the buffer and its runtimes need of a buffered strategy besides the contract."""
+
+    def update_delta(self, upload: Upload, base: State) -> ServerState: ...
+
+    def version_payload(self, server: ServerState) -> Payload: ...
+
+
+def as_buffered(strategy: CentralStrategy) -> Buffered:
+    """`strategy` as a buffered one (its table row says `buffered`)."""
+    if not isinstance(strategy, Buffered):
+        raise TypeError(f"{strategy.name} is not a buffered strategy")
+    return strategy
+
+
+def one_buffer(strategy: Buffered, server: ServerState, uploads: Mapping[str, Upload]) -> Aggregate:
+    """The synchronous contract of a buffered strategy: one buffer of every upload, all
+    trained from `server` (none stale), unweighted, in sorted-id order; the broadcast is
+    the version's whole payload."""
+    weighted = [(strategy.update_delta(uploads[k], server.weights), 1.0) for k in sorted(uploads)]
+    new = server_step(server, weighted, len(weighted))
+    return Aggregate(new, strategy.version_payload(new))
