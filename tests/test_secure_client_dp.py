@@ -22,6 +22,7 @@ from agent.learning.central import client_dp, secure_dp
 from agent.learning.central.base import Payload
 from agent.learning.central.secure import flat_change, summed_names
 from agent.learning.models import build_model, prunable_names
+from agent.runtime.secure_rounds import SecureSteps
 from coordinator.cli import main as coordinator
 from coordinator.secure_sum import noised_sum_check
 from coordinator.simulate import simulate
@@ -180,3 +181,12 @@ def test_what_still_cannot_run_gets_one_line(flags: list[str], error: str) -> No
     assert error in result.output
     assert "Traceback" not in result.output
     assert len([line for line in result.output.splitlines() if "Error" in line]) == 1
+
+
+def test_a_device_reveals_nothing_for_fewer_survivors_than_its_noise_is_sized_for() -> None:
+    client = secagg.Client("agent-000", CONTEXT)
+    members = [f"agent-{i:03d}" for i in range(10)]
+    client.adverts = {k: secagg.Client(k, CONTEXT).advert(1) for k in members}
+    steps = SecureSteps(None, "coordinator", 1.0)  # type: ignore[arg-type]  # unused here
+    assert steps._noised_enough(1, members[:7], client)
+    assert not steps._noised_enough(1, members[:6], client)
