@@ -432,11 +432,6 @@ def check_client_dp(cfg: StrategyConfig) -> None:
     trained from the server's, averaged unweighted and unscreened (a sample-count weight or a
     robust rule would unbound one device's sway over the aggregate, which the noise is sized
     to), sent at full precision (fp16 rounding would move a clipped update past its bound)."""
-    if cfg.secure_aggregation:
-        raise ValueError(
-            "--dp client with --secure-aggregation is not built yet: use one of them "
-            "(docs/privacy.md, 'Secure aggregation with client-level DP')"
-        )
     record = strategy(cfg.strategy)
     if not record.client_dp:
         kind = "other"
@@ -448,13 +443,31 @@ def check_client_dp(cfg: StrategyConfig) -> None:
         raise ValueError(
             f"--dp client is for {supported}: {cfg.strategy} {CLIENT_DP_REFUSALS[kind]}"
         )
-    if cfg.aggregation != robust_rules.SCREENED or cfg.clip != robust_rules.CLIP_OFF:
+    # under --secure-aggregation the default is the plain mean, of weight 1 each (`secure_dp`)
+    unweighted = "mean" if cfg.secure_aggregation else robust_rules.SCREENED
+    if cfg.aggregation != unweighted or cfg.clip != robust_rules.CLIP_OFF:
         raise ValueError(
             "--dp client averages the clipped updates unweighted: leave --aggregation and "
             f"--clip at their defaults (got --aggregation {cfg.aggregation} --clip {cfg.clip})"
         )
     if cfg.fp16:
         raise ValueError("--dp client sends updates at full precision: drop --fp16")
+    if cfg.secure_aggregation:
+        check_noise_range(cfg)
+
+
+def check_noise_range(cfg: StrategyConfig) -> None:
+    """`--dp client --secure-aggregation`: a device's clipped change plus its noise share,
+    over |U1| >= 2 members, must fit the secure sum's fixed-point range (`protocol.secagg`)
+    up to 6 standard deviations of the noise, or quantization would clip it."""
+    from protocol.secagg import CLIP_RANGE  # cryptography: only for secure runs
+
+    reach = cfg.dp_clip * (1 + 6 * cfg.dp_noise)
+    if reach > 2 * CLIP_RANGE:
+        raise ValueError(
+            f"--dp-clip {cfg.dp_clip:g} with --dp-noise {cfg.dp_noise:g} reaches {reach:.3g} "
+            f"per entry, past the secure sum's range of {2 * CLIP_RANGE:g}: lower --dp-clip"
+        )
 
 
 def check_mask_unit(cfg: StrategyConfig) -> None:

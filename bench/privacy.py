@@ -1,10 +1,13 @@
 """DP: accuracy against epsilon (sample-level and client-level), DP-SGD's training-time factor.
 
-    python -m bench.privacy [--seeds 1-3] [--epsilons 1,4,8] [--quick] [--client]
+    python -m bench.privacy [--seeds 1-3] [--epsilons 1,4,8] [--quick] [--client [--secure]]
 
 `--client`: client-level DP (`--dp client`) alone, FedAvg on digits with 50 agents (`CLIENT`),
 sigma calibrated by dp-accounting for one Gaussian release a round at sampling rate 1,
-against the same runs without DP; writes bench/results/privacy_client.json.
+against the same runs without DP; writes bench/results/privacy_client.json. `--client
+--secure`: the same runs under `--dp client --secure-aggregation` too (the devices add the
+noise, `agent.learning.central.secure_dp`) beside plain client DP at the same epsilon;
+writes bench/results/privacy_client_secure.json.
 
 Accuracy: `coordinator simulate` on digits, 4 agents (Dirichlet 0.3, about 200 training
 samples each), 12 rounds of 1 epoch (batches Poisson-sampled under DP), `--fallback off` (the
@@ -49,6 +52,14 @@ Client-level (`--client`, FedAvg, 50 agents, 24 rounds, clip 0.1; seeds 1-3):
           1  19.82  0.199 +- 0.036  -68.6 [-74.1, -58.4]
           4   5.67  0.544 +- 0.076  -34.2 [-38.1, -29.3]
           8   3.13  0.674 +- 0.031  -21.1 [-27.0, -11.8]
+
+Client-level under secure aggregation (`--client --secure`, the same runs; seeds 1-6 over
+privacy_client_secure.json and privacy_client_secure-seeds-4-6.json; docs/privacy.md):
+
+    epsilon  sigma  client DP       client DP, secure
+          1  19.82  0.179 +- 0.040  0.122 +- 0.039
+          4   5.67  0.501 +- 0.068  0.386 +- 0.094
+          8   3.13  0.675 +- 0.048  0.553 +- 0.108
 """
 
 from __future__ import annotations
@@ -277,6 +288,7 @@ def print_tables(table: list[dict[str, Any]], times: list[dict[str, Any]]) -> No
 # ------------------------------------------------------------------ client-level DP
 
 CLIENT_RESULTS = pathlib.Path(__file__).parent / "results" / "privacy_client.json"
+CLIENT_SECURE_RESULTS = CLIENT_RESULTS.with_name("privacy_client_secure.json")
 CLIENT = {"agents": 50, "rounds": 24, "batch_size": 16, "lr": 0.1, "dp_clip": 0.1}
 """FedAvg under `--dp client`: 50 agents (digits, Dirichlet 0.3, 7 to 40 training samples
 each, median 21), every one in every round, batch 16, lr 0.1; the rounds and the clip norm of
@@ -295,9 +307,10 @@ def client_config(seed: int, **dp: Any) -> Any:
     )
 
 
-def client_run(seed: int, epsilon: float | None) -> dict[str, Any]:
+def client_run(seed: int, epsilon: float | None, secure: bool = False) -> dict[str, Any]:
     """One FedAvg run under `--dp client` with the noise that spends `epsilon` over its
-    rounds (one Gaussian release a round, every agent in each: sampling rate 1), or plain."""
+    rounds (one Gaussian release a round, every agent in each: sampling rate 1), or plain;
+    `secure`: under `--secure-aggregation` too."""
     from agent.learning import privacy
     from coordinator.simulate import simulate
 
@@ -305,10 +318,12 @@ def client_run(seed: int, epsilon: float | None) -> dict[str, Any]:
     if epsilon is not None:
         noise = privacy.noise_for(epsilon, 1.0, int(CLIENT["rounds"]), DELTA)
         dp = {"dp": "client", "dp_noise": noise, "dp_delta": DELTA}
+        if secure:
+            dp["secure_aggregation"] = True
     started = time.perf_counter()
     summary = simulate(client_config(seed, **dp))["summary"]
     return {
-        "strategy": "fedavg-client",
+        "strategy": "fedavg-client-secure" if secure else "fedavg-client",
         "seed": seed,
         "target_epsilon": epsilon,
         "noise": dp.get("dp_noise"),
@@ -318,21 +333,28 @@ def client_run(seed: int, epsilon: float | None) -> dict[str, Any]:
     }
 
 
-def client_main(chosen: list[int], targets: list[float | None]) -> None:
-    """`--client`: FedAvg's accuracy against client-level epsilon, to privacy_client.json."""
+def client_main(chosen: list[int], targets: list[float | None], secure: bool) -> None:
+    """`--client`: FedAvg's accuracy against client-level epsilon, to privacy_client.json;
+    `secure`: and under secure aggregation, against the same plain runs, to
+    privacy_client_secure.json."""
     runs = []
     for seed in chosen:
         for target in targets:
             runs.append(client_run(seed, target))
             print(runs[-1], flush=True)
+            if secure:  # its plain run is the same run
+                again = client_run(seed, target, secure=True) if target is not None else None
+                runs.append(again or {**runs[-1], "strategy": "fedavg-client-secure"})
+                print(runs[-1], flush=True)
     table = curves(runs)
     print_curves(table)
     setup = dataclasses.asdict(client_config(1, dp="client").learning)
+    results = CLIENT_SECURE_RESULTS if secure else CLIENT_RESULTS
     write_json(
-        CLIENT_RESULTS,
+        results,
         {"environment": environment(), "setup": setup, "curves": table, "runs": runs},
     )
-    print(f"written to {CLIENT_RESULTS}")
+    print(f"written to {results}")
 
 
 def main() -> None:
@@ -341,11 +363,14 @@ def main() -> None:
     parser.add_argument("--epsilons", default="1,4,8")
     parser.add_argument("--quick", action="store_true", help="seed 1 alone")
     parser.add_argument("--client", action="store_true", help="client-level DP (FedAvg) alone")
+    parser.add_argument(
+        "--secure", action="store_true", help="with --client: under secure aggregation too"
+    )
     args = parser.parse_args()
     chosen = [1] if args.quick else args.seeds
     targets: list[float | None] = [None, *(float(e) for e in args.epsilons.split(","))]
     if args.client:
-        client_main(chosen, targets)
+        client_main(chosen, targets, args.secure)
         return
     runs = []
     for strategy in STRATEGIES:

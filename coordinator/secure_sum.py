@@ -30,7 +30,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from agent.learning import CentralStrategy, Learner, ServerState, Upload
+from agent.learning.central import secure_dp
 from agent.learning.central.secure import SUM, summed_names, summed_upload, vector_length
+from agent.learning.config import StrategyConfig
 from protocol import Transport, messages, secagg, topics
 from protocol.limits import DEFAULT_LIMITS
 from protocol.signing import Signer
@@ -81,6 +83,21 @@ class Aggregator(Protocol):
     def publish(self, round_: int, topic: str, data: bytes, nonzeros: int = 0) -> None: ...
 
     def expected(self, round_: int, candidates: list[str]) -> list[str]: ...
+
+
+def noised_sum_check(config: StrategyConfig, round_: int, members: int, survivors: int) -> None:
+    """Under `--dp client`: SecAggError (no unmasking) when the survivors' noise shares fall
+    short of what the accountant counts (`secure_dp.survivors_floor`), else the noise
+    multiplier the sum holds, in the log."""
+    if not secure_dp.distributed(config):
+        return
+    floor = secure_dp.survivors_floor(members)
+    if survivors < floor:
+        raise secagg.SecAggError(
+            f"{survivors} of {members} uploaded; the noise is sized for at least {floor}"
+        )
+    sigma = secure_dp.effective_noise(config.dp_noise, members, survivors)
+    log.info("round %d: the secure sum holds noise multiplier %.3g", round_, sigma)
 
 
 class SecureIntake:
@@ -168,6 +185,7 @@ class SecureRound:
         length = vector_length(agg.strategy, agg.learner.facts)
         uploaded = self._collect("masked", server.sharers, asked=True)
         masked = {k: v for k in uploaded if (v := self._vector(k, length)) is not None}
+        noised_sum_check(agg.learner.facts.config, round_, len(advertised), len(masked))
         self._publish(
             "survivors", messages.Survivors(**agg.header(round_), survivors=sorted(masked))
         )

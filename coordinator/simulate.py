@@ -22,6 +22,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from agent.device import Budget
 from agent.device.calibration import measure_costs
 from agent.device.throttle import ENERGY_SOURCE, round_energy
@@ -52,6 +54,7 @@ from agent.learning import (
     settle_votes,
     sparse,
 )
+from agent.learning.central import secure_dp
 from agent.learning.central.participant import Turn, judge
 from agent.learning.central.secure import (
     SUM,
@@ -478,6 +481,8 @@ class SecureInProcessInbox:
         names = summed_names(self.strategy, self.run.learner.facts)
         vectors = {k: flat_change(names, f.upload, self.server) for k, f in self.fits.items()}
         weights = {k: f.num_samples for k, f in self.fits.items()}
+        if secure_dp.distributed(self.run.config.learning):  # noised, weight 1 each
+            vectors, weights = self._noised(names), dict.fromkeys(self.fits, 1)
         try:
             summed = secagg.sum_in_process(secagg.Context("simulate", self.round), vectors, weights)
         except secagg.SecAggError as exc:
@@ -489,6 +494,16 @@ class SecureInProcessInbox:
             )
         total = sum(weights[k] for k in summed.survivors)
         return {SUM: summed_upload(names, self.server, summed.mean, total)}
+
+    def _noised(self, names: list[str]) -> dict[str, np.ndarray]:
+        """Under `--dp client`: each change with its noise share, as the devices mask it."""
+        facts = self.run.learner.facts
+        return {
+            k: secure_dp.private_change(
+                facts, names, f.upload, self.server, k, self.round, len(self.fits)
+            )
+            for k, f in self.fits.items()
+        }
 
 
 def rounds_runner(run: Simulation) -> RoundsRunner:

@@ -201,7 +201,6 @@ def test_epsilon_is_the_library_figure_for_the_rounds_run() -> None:
         (["--fp16"], "--dp client sends updates at full precision: drop --fp16"),
         (["--max-epsilon", "0.5"], "--max-epsilon 0.5 is below one round's epsilon"),
         (["--dp-clip", "-1"], "--dp-clip must be in (0, 1e+09], got -1.0"),
-        (["--secure-aggregation"], "--dp client with --secure-aggregation is not built yet"),
     ],
 )
 def test_bad_client_dp_flags_get_one_line(flags: list[str], error: str) -> None:

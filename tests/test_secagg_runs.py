@@ -4,6 +4,7 @@ decodes to a device's model, and a round survives 30% of its devices dropping mi
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 from pathlib import Path
 
@@ -135,3 +136,21 @@ def test_a_round_survives_30_percent_of_its_devices_dropping_mid_round(
     # Round 2's aggregate is a model, not masks left over: one round's step from round 1's.
     step = max(np.abs(globals_[2][n] - globals_[1][n]).max() for n in globals_[1])
     assert 0 < step < 1.0
+
+
+def test_client_dp_under_secure_aggregation_emulates_as_it_simulates(
+    amqtt_broker, tmp_path: Path
+) -> None:
+    """`--dp client --secure-aggregation`: the devices' seeded noise shares are the same in
+    both, so the emulated run is the simulated one within quantization, epsilon included."""
+    base = config()
+    learning = dataclasses.replace(base.learning, dp="client", dp_noise=1.1, dp_clip=0.5)
+    cfg = dataclasses.replace(base, learning=learning)
+    assert cfg.learning.aggregation == "mean" and cfg.learning.clip == "off"
+    emulated = Emulation(cfg, amqtt_broker.address, options(tmp_path)).run()
+    simulated = simulate(cfg)
+    assert emulated["summary"]["failed_agents"] == {}
+    assert emulated["summary"]["stragglers"] == []
+    for what in ("loss", "strategy_accuracy", "epsilon"):
+        assert figures(emulated, what) == pytest.approx(figures(simulated, what), abs=1e-6), what
+    assert emulated["summary"]["max_epsilon"] == pytest.approx(simulated["summary"]["max_epsilon"])

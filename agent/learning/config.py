@@ -363,7 +363,7 @@ class StrategyConfig:
         if (
             self.secure_aggregation
             and self.aggregation == robust_rules.SCREENED
-            and clip == robust_rules.CLIP_DEFAULT
+            and self.clip == robust_rules.CLIP_DEFAULT
         ):
             object.__setattr__(self, "aggregation", "mean")
         object.__setattr__(self, "clip", robust_rules.default_clip(self.aggregation, clip))

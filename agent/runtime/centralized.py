@@ -27,6 +27,7 @@ agent skips the round's training, and without a broadcast any agent keeps the vi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from typing import Any
@@ -34,6 +35,7 @@ from typing import Any
 from agent.device import Budget
 from agent.experiment import attackers
 from agent.learning import Fit, Payload, ServerState, Upload, attacked_upload, central_strategy
+from agent.learning.central import secure_dp
 from agent.learning.central.participant import Turn, judge
 from agent.learning.central.secure import flat_change, summed_names
 from agent.report import AgentRound, reported_p_k, reported_sparsity
@@ -221,8 +223,9 @@ class CentralizedRounds:
             part = self._receive(round_, True, turn.p_k)
             if part is None:
                 return self._missed_round(turn, budget)
-        if self.secure is not None:
-            self.secure.advertise(round_, len(s.data.y_train))
+        if self.secure is not None:  # under --dp client, weight 1 each: the unweighted mean
+            weight = 1 if secure_dp.distributed(s.cfg) else len(s.data.y_train)
+            self.secure.advertise(round_, weight)
         waited = time.monotonic() - started
         with compute_slot():
             compute_started = time.monotonic()
@@ -251,7 +254,18 @@ class CentralizedRounds:
         if self.secure is not None:
             names = summed_names(self.strategy, s.learner.facts)
             change = flat_change(names, fit.upload, self.view)
-            self.values_sent += self.secure.upload(round_, change)
+            noised = None
+            if secure_dp.distributed(s.cfg):
+                noised = functools.partial(
+                    secure_dp.private_change,
+                    s.learner.facts,
+                    names,
+                    fit.upload,
+                    self.view,
+                    s.me,
+                    round_,
+                )
+            self.values_sent += self.secure.upload(round_, change, noised)
         elif fit.upload.weights:
             self._send(round_, Upload(fit.upload, fit.num_samples))
         if fit.divergence is not None:

@@ -24,10 +24,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from agent.learning.central import secure_dp
 from protocol import ProtocolError, messages, secagg, topics
 from protocol.logs import claimed_sender
 
@@ -35,6 +37,9 @@ if TYPE_CHECKING:
     from agent.runtime.session import Session
 
 log = logging.getLogger(__name__)
+
+Noised = Callable[[int], np.ndarray]
+"""Under `--dp client`: the change to mask, noised for a round of that many members (U1)."""
 
 
 class SecureSteps:
@@ -121,8 +126,10 @@ class SecureSteps:
         )
         self._publish(round_, "keys", keys)
 
-    def upload(self, round_: int, change: np.ndarray) -> int:
-        """Share, upload the masked `change`, reveal: the values sent (0: left out)."""
+    def upload(self, round_: int, change: np.ndarray, noised: Noised | None = None) -> int:
+        """Share, upload the masked `change`, reveal: the values sent (0: left out). Under
+        `--dp client` (`noised`) the change is the noised one for the key list's |U1|, and
+        no reveal goes out for a sum of fewer survivors than its noise is sized for."""
         client = self.clients.get(round_)
         try:
             if client is None or not self._share(round_, client):
@@ -132,6 +139,8 @@ class SecureSteps:
                 return 0
             client.receive_shares(dict(zip(relayed.peers, relayed.sealed, strict=True)))
             log.debug("round %d: shares of %d members in", round_, len(relayed.peers))
+            if noised is not None:
+                change = noised(len(client.adverts))
             masked, clipped = client.masked(change)
             if clipped:
                 log.warning(
@@ -144,6 +153,8 @@ class SecureSteps:
             survivors = self._wait(round_, "survivors")
             if survivors is None or s.me not in survivors.survivors:
                 return masked.size
+            if noised is not None and not self._noised_enough(round_, survivors.survivors, client):
+                return masked.size
             shares = client.reveal(survivors.survivors)
             reveal = messages.Reveal(
                 **s.header(round_), owners=list(shares), shares=list(shares.values())
@@ -153,6 +164,20 @@ class SecureSteps:
         except secagg.SecAggError as exc:
             log.warning("round %d: secure aggregation without this agent: %s", round_, exc)
             return 0
+
+    def _noised_enough(self, round_: int, survivors: list[str], client: secagg.Client) -> bool:
+        """Whether a sum of `survivors` holds the noise the accountant counts
+        (`secure_dp.survivors_floor`); said in the log when not."""
+        floor = secure_dp.survivors_floor(len(client.adverts))
+        if len(survivors) >= floor:
+            return True
+        log.warning(
+            "round %d: %d survivors, fewer than the %d the noise is sized for; no reveal",
+            round_,
+            len(survivors),
+            floor,
+        )
+        return False
 
     def _share(self, round_: int, client: secagg.Client) -> bool:
         """The key list checked, and this agent's shares sent; False if it never came."""

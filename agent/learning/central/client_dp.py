@@ -11,7 +11,7 @@ run's `--aggregation` must be the default `screened` (one weight each) with `--c
 (checked in `agent.experiment`). Clipping on the device is what lets the noise move to the
 devices under secure aggregation, where the aggregator never sees an update: each adds its
 share `noise_share`, N(0, sigma^2 C^2 / n) for n expected participants, and the shares sum
-to the same noise.
+to the same noise (`agent.learning.central.secure_dp`).
 
 The accountant (`agent.learning.privacy.Accountant`, dp-accounting's RDP accountant) counts
 one Gaussian event per round a device uploaded in (its `dp_steps`); every running agent takes
@@ -176,10 +176,10 @@ def aggregate(
     """The aggregator's round: the strategy's `aggregate`, and under `--dp client` of the
     uploads clipped again around the server's model (an honest device's update is within
     the clip already; one that skipped it moves the mean no more than the others), noised
-    (`noised_aggregate`). With secure aggregation the aggregator would see no single update
-    to clip and the devices would add the noise (`noise_share`); that combination is refused
-    for now (`agent.experiment.check_client_dp`)."""
-    if facts.config.dp != DP_CLIENT:
+    (`noised_aggregate`). With secure aggregation the aggregator sees no single update to
+    clip: the devices clipped and noised theirs (`secure_dp`), and the one upload, the secure
+    sum's mean, is taken as it is."""
+    if facts.config.dp != DP_CLIENT or facts.config.secure_aggregation:
         return strategy.aggregate(facts, server, uploads)
     clip = facts.config.dp_clip
     bounded = {
