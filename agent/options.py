@@ -218,6 +218,11 @@ FLAG_SCOPES: tuple[tuple[str, Callable[[str, dict[str, Any]], bool], str], ...] 
             )
             for option in ("staleness_weight", "max_staleness")
         ),
+        Scope(
+            "dp_seeded_noise",
+            "runs with --dp client --secure-aggregation",
+            lambda given: given.get("dp") == DP_CLIENT and bool(given.get("secure_aggregation")),
+        ),
         Scope("stop_rule", "runs with --early-stop", lambda given: bool(given.get("early_stop"))),
         Scope(
             "stop_patience", "runs with --early-stop", lambda given: bool(given.get("early_stop"))

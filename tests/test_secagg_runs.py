@@ -141,10 +141,13 @@ def test_a_round_survives_30_percent_of_its_devices_dropping_mid_round(
 def test_client_dp_under_secure_aggregation_emulates_as_it_simulates(
     amqtt_broker, tmp_path: Path
 ) -> None:
-    """`--dp client --secure-aggregation`: the devices' seeded noise shares are the same in
-    both, so the emulated run is the simulated one within quantization, epsilon included."""
+    """`--dp client --secure-aggregation --dp-seeded-noise` (the lab's reproducible noise):
+    the devices' seeded noise shares are the same in both, so the emulated run is the
+    simulated one within quantization, epsilon included."""
     base = config()
-    learning = dataclasses.replace(base.learning, dp="client", dp_noise=1.1, dp_clip=0.5)
+    learning = dataclasses.replace(
+        base.learning, dp="client", dp_noise=1.1, dp_clip=0.5, dp_seeded_noise=True
+    )
     cfg = dataclasses.replace(base, learning=learning)
     assert cfg.learning.aggregation == "mean" and cfg.learning.clip == "off"
     emulated = Emulation(cfg, amqtt_broker.address, options(tmp_path)).run()

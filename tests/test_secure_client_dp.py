@@ -117,6 +117,29 @@ def test_the_noise_shares_are_seeded_by_agent_and_round() -> None:
     assert not np.array_equal(share("agent-000", 1), share("agent-000", 2))
 
 
+def test_a_devices_noise_share_is_secret_unless_the_lab_asks_for_seeded_noise() -> None:
+    """On a networked device the share comes from the OS's randomness (the fleet seed is the
+    coordinator's, which could otherwise draw the share again and subtract it); only
+    `--dp-seeded-noise` draws it from the run's seed."""
+    from agent.runtime import centralized
+
+    learner = _learner(dp_clip=0.5, dp_noise=1.0)
+    strategy = central_strategy("fedavg")
+    server = strategy.init_server(learner.facts)
+    names = summed_names(strategy, learner.facts)
+    upload = Payload(server.weights)
+    seeded = secure_dp.private_change(learner.facts, names, upload, server, "agent-000", 1, 4)
+    secret = [
+        secure_dp.private_change(
+            learner.facts, names, upload, server, "agent-000", 1, 4,
+            generator=centralized.secret_generator(),
+        )
+        for _ in range(2)
+    ]  # fmt: skip
+    assert not np.array_equal(secret[0], seeded) and not np.array_equal(*secret)
+    assert preset("fedavg", dp="client", secure_aggregation=True).dp_seeded_noise is False
+
+
 def library_epsilon(noise: float, rounds: int, delta: float) -> float:
     accountant = rdp.RdpAccountant(orders=list(privacy.ORDERS))
     accountant.compose(dp_accounting.GaussianDpEvent(noise), rounds)

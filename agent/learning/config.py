@@ -322,6 +322,13 @@ class StrategyConfig:
         "(--dp client).",
     )
     dp_delta: float = param(1e-5, "DP delta the reported epsilon is at (with --dp).")
+    dp_seeded_noise: bool = param(
+        False,
+        "(research) --dp client --secure-aggregation: each device draws its noise share from "
+        "the run's seed (fleet seed, agent, round), so an emulated run reproduces a simulated "
+        "one; a coordinator that knows the seed could then subtract the noise, so for the lab "
+        "only. Off: each device draws it from the operating system's randomness.",
+    )
     max_epsilon: float | None = param(
         None,
         "With --dp: a device whose next round would take its epsilon past this stops "

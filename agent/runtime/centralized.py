@@ -29,8 +29,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import secrets
 import time
 from typing import Any
+
+import torch
 
 from agent.device import Budget
 from agent.experiment import attackers
@@ -50,6 +53,13 @@ log = logging.getLogger(__name__)
 
 GLOBAL_PATIENCE_ROUNDS = 3.0
 """How many round timeouts to wait for a round's global model before going on without it."""
+
+
+def secret_generator() -> torch.Generator:
+    """A generator seeded from the operating system's randomness: a device's noise share
+    under `--dp client --secure-aggregation`, which nobody else can draw again (the fleet
+    seed is the coordinator's)."""
+    return torch.Generator().manual_seed(secrets.randbits(63))
 
 
 class CentralizedRounds:
@@ -264,6 +274,7 @@ class CentralizedRounds:
                     self.view,
                     s.me,
                     round_,
+                    generator=None if s.cfg.dp_seeded_noise else secret_generator(),
                 )
             self.values_sent += self.secure.upload(round_, change, noised)
         elif fit.upload.weights:

@@ -17,9 +17,11 @@ members carries at least the N(0, sigma^2 C^2) the accountant counts
 fewer (`secure_rounds`), which the coordinator refuses too (`coordinator.secure_sum`). The
 price: with nobody dropping the noise's std is sqrt(1 / 0.7) = 1.2 times the plain run's.
 
-The shares are drawn from the run's seeded generator (fleet seed, agent, round), so a
-simulated run equals an emulated one; a deployment whose coordinator knows the fleet seed
-could draw them again (docs/privacy.md says so).
+A networked device draws its share from the operating system's randomness (the generator
+its round driver passes in), so nobody, the coordinator included, can draw it again and
+subtract it: the fleet seed is the coordinator's. Simulate, and a lab run given
+`--dp-seeded-noise`, draw it from the run's seeded generator (fleet seed, agent, round)
+instead, so an emulated run reproduces a simulated one.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import torch
 
 from agent.learning.central.base import Payload, ServerState
 from agent.learning.central.client_dp import noise_share
@@ -65,13 +68,15 @@ def private_change(
     agent: str,
     round_: int,
     members: int,
+    generator: torch.Generator | None = None,
 ) -> np.ndarray:
     """A device's clipped change (`secure.flat_change`) plus its noise share for a round of
     `members`, N(0, sigma^2 C^2 / survivors_floor(members)) per entry, drawn from
-    (fleet seed, agent, round)."""
+    `generator` (a device's secret one), else from (fleet seed, agent, round)."""
     config = facts.config
     like = {n: upload.weights[n] for n in names}
-    generator = facts.generator(SHARE_PURPOSE, agent, round_)
+    if generator is None:
+        generator = facts.generator(SHARE_PURPOSE, agent, round_)
     share = noise_share(like, config.dp_noise, config.dp_clip, survivors_floor(members), generator)
     parts = [share[n].double().flatten().numpy() for n in names]
     noise: np.ndarray = np.concatenate(parts) if parts else np.zeros(0)
