@@ -38,6 +38,7 @@ VOLATILE = (
     "wall_s",
     "wall_seconds",
     "finished_at",
+    "seconds",
     "started_at",
     "wait_s",
     "throttled_s",
