@@ -524,10 +524,7 @@ def check_secure_aggregation(config: ExperimentConfig) -> None:
             "receives its model (docs/privacy.md)"
         )
     if not record.secure_sum:
-        raise ValueError(
-            f"--secure-aggregation is built for {built}, whose devices upload whole models; "
-            f"{cfg.strategy}'s uploads (parts of the model, or Adam's moments) are not yet"
-        )
+        raise ValueError(f"--secure-aggregation is built for {built}; {_unsummed(cfg.strategy)}")
     if cfg.aggregation != "mean" or cfg.clip != robust_rules.CLIP_OFF:
         raise ValueError(
             "--secure-aggregation needs --aggregation mean and no --clip: the coordinator "
@@ -535,6 +532,16 @@ def check_secure_aggregation(config: ExperimentConfig) -> None:
         )
     if config.attackers:
         raise ValueError("--attackers (research) does not run with --secure-aggregation yet")
+
+
+def _unsummed(name: str) -> str:
+    """Why strategy `name`'s round cannot be taken from a masked sum, in a few words."""
+    record = strategy(name)
+    if record.adam:
+        return f"{name}'s devices upload Adam's moments, whose round is not a weighted mean"
+    if name == "fedldf":
+        return "fedldf's divergence vectors choose each device's layers in the clear"
+    return f"{name}'s round is not a weighted mean of uploaded models"
 
 
 def check_asynchronous(cfg: StrategyConfig) -> None:
