@@ -516,7 +516,7 @@ def check_secure_aggregation(config: ExperimentConfig) -> None:
     if not cfg.secure_aggregation:
         return
     record = strategy(cfg.strategy)
-    built = " and ".join(s.name for s in TABLE if s.secure_sum)
+    built = ", ".join(s.name for s in TABLE if s.secure_sum)
     if not record.centralized:
         raise ValueError(
             f"--secure-aggregation is for the centralized strategies ({built}): a "
