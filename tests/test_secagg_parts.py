@@ -16,7 +16,7 @@ from agent.learning import central_strategy, preset
 from agent.learning.central.base import CentralStrategy, Payload, ServerState, Upload
 from agent.learning.central.secure import SUM, flat_change, part_mean, summed_names, summed_upload
 from agent.learning.model_facts import ModelFacts
-from coordinator.simulate import Simulation
+from coordinator.simulate import Simulation, simulate
 from protocol import secagg
 
 SAMPLES = {"a": 40, "b": 75, "c": 120, "d": 60, "e": 90}
@@ -158,3 +158,27 @@ def test_a_masked_part_is_noise_over_the_whole_model() -> None:
     masked = secagg.dequantize(summed.uploads["a"])
     assert masked.size == vectors["a"].size
     assert (masked == 0).mean() < 1e-3 and abs(masked).mean() > 1.0  # ...and hidden
+
+
+def test_simulate_runs_secure_federated_dropout_as_the_plain_run() -> None:
+    """`coordinator simulate` takes each round from the in-process secure sum of the parts it
+    sent: the figures of every agent and round are the plain run's."""
+
+    def run(secure: bool) -> dict[tuple[int, str], float]:
+        cfg = ExperimentConfig(
+            dataset="mnist1d",
+            agents=4,
+            partition="dirichlet:0.5",
+            seed=3,
+            learning=preset(
+                "feddrop", rounds=2, epochs=1, aggregation="mean", secure_aggregation=secure
+            ),
+        )
+        report = simulate(cfg)
+        return {
+            (r["round"], k): a["loss"] for r in report["rounds"] for k, a in r["agents"].items()
+        }
+
+    secure, plain = run(True), run(False)
+    assert len(secure) == 8
+    assert secure == pytest.approx(plain, abs=1e-5)
