@@ -453,6 +453,12 @@ def check_client_dp(cfg: StrategyConfig) -> None:
     if cfg.fp16:
         raise ValueError("--dp client sends updates at full precision: drop --fp16")
     if cfg.secure_aggregation:
+        if strategy(cfg.strategy).budgets:
+            raise ValueError(
+                f"--dp client with --secure-aggregation is built for fedavg and fedavg-ft: "
+                f"{cfg.strategy}'s devices train parts of the model, whose entries the "
+                "devices' noise shares would not cover evenly"
+            )
         check_noise_range(cfg)
 
 
@@ -524,12 +530,12 @@ def check_robustness(config: ExperimentConfig) -> None:
 
 def check_secure_aggregation(config: ExperimentConfig) -> None:
     """`--secure-aggregation`: where the coordinator can take a round from the masked sum
-    alone (one clear sentence for where it cannot), and its extra installed."""
+    alone (one clear sentence for where it cannot)."""
     cfg = config.learning
     if not cfg.secure_aggregation:
         return
     record = strategy(cfg.strategy)
-    built = " and ".join(s.name for s in TABLE if s.secure_sum)
+    built = ", ".join(s.name for s in TABLE if s.secure_sum)
     if not record.centralized:
         raise ValueError(
             f"--secure-aggregation is for the centralized strategies ({built}): a "
@@ -537,10 +543,7 @@ def check_secure_aggregation(config: ExperimentConfig) -> None:
             "receives its model (docs/privacy.md)"
         )
     if not record.secure_sum:
-        raise ValueError(
-            f"--secure-aggregation is built for {built}, whose devices upload whole models; "
-            f"{cfg.strategy}'s uploads (parts of the model, or Adam's moments) are not yet"
-        )
+        raise ValueError(f"--secure-aggregation is built for {built}; {_unsummed(cfg.strategy)}")
     if cfg.aggregation != "mean" or cfg.clip != robust_rules.CLIP_OFF:
         raise ValueError(
             "--secure-aggregation needs --aggregation mean and no --clip: the coordinator "
@@ -548,6 +551,16 @@ def check_secure_aggregation(config: ExperimentConfig) -> None:
         )
     if config.attackers:
         raise ValueError("--attackers (research) does not run with --secure-aggregation yet")
+
+
+def _unsummed(name: str) -> str:
+    """Why strategy `name`'s round cannot be taken from a masked sum, in a few words."""
+    record = strategy(name)
+    if record.adam:
+        return f"{name}'s devices upload Adam's moments, whose round is not a weighted mean"
+    if name == "fedldf":
+        return "fedldf's divergence vectors choose each device's layers in the clear"
+    return f"{name}'s round is not a weighted mean of uploaded models"
 
 
 def check_asynchronous(cfg: StrategyConfig) -> None:

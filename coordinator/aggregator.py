@@ -361,7 +361,7 @@ class Aggregator:
         message = messages.Global(**self.header(round_), tensors=body, participants=to)
         return messages.encode(message, key=self.key)
 
-    def _answer_downloads(self, round_: int) -> None:
+    def answer_downloads(self, round_: int) -> None:
         """Send each participant that asked (again) its part of this round's global model."""
         for agent, fraction in sorted(self.intake.due_downloads(round_).items()):
             part = self.strategy.download(self.learner.facts, self.server, agent, round_, fraction)
@@ -405,7 +405,7 @@ class Aggregator:
         deadline = time.monotonic() + self.round_timeout_s if timed else math.inf
         while True:
             if self.strategy.downloads:
-                self._answer_downloads(round_)
+                self.answer_downloads(round_)
             with self._changed:
                 got = [k for k in candidates if (round_, k) in store]
                 if got and deadline == math.inf:

@@ -31,7 +31,14 @@ import numpy as np
 
 from agent.learning import CentralStrategy, Learner, ServerState, Upload
 from agent.learning.central import secure_dp
-from agent.learning.central.secure import SUM, summed_names, summed_upload, vector_length
+from agent.learning.central.base import Payload
+from agent.learning.central.secure import (
+    SUM,
+    part_mean,
+    summed_names,
+    summed_upload,
+    vector_length,
+)
 from agent.learning.config import StrategyConfig
 from protocol import Transport, messages, secagg, topics
 from protocol.limits import DEFAULT_LIMITS
@@ -55,6 +62,7 @@ class Intake(Protocol):
     me: str
     changed: threading.Condition
     offline: set[str]
+    asks: dict[tuple[int, str], tuple[int, float]]
 
     def decode(self, topic: str, payload: bytes, kind: str) -> Any: ...
 
@@ -83,6 +91,8 @@ class Aggregator(Protocol):
     def publish(self, round_: int, topic: str, data: bytes, nonzeros: int = 0) -> None: ...
 
     def expected(self, round_: int, candidates: list[str]) -> list[str]: ...
+
+    def answer_downloads(self, round_: int) -> None: ...
 
 
 def noised_sum_check(config: StrategyConfig, round_: int, members: int, survivors: int) -> None:
@@ -196,8 +206,27 @@ class SecureRound:
         log.debug("round %d: the sum of %d unmasked", round_, len(u3))
         mean = secagg.survivor_mean(total, adverts, u3)
         names = summed_names(agg.strategy, agg.learner.facts)
+        if agg.strategy.downloads:
+            weights = {k: adverts[k].weight for k in u3}
+            mean = part_mean(mean, names, self._parts(u3), weights)
         weight = sum(adverts[k].weight for k in u3)
         return u3, {SUM: summed_upload(names, agg.server, mean, weight)}
+
+    def _parts(self, u3: list[str]) -> dict[str, Payload]:
+        """(FedSPU family) The part of the model the aggregator sent each survivor this round,
+        drawn again from the fraction it asked for (`CentralStrategy.download`)."""
+        agg = self.aggregator
+        with agg.intake.changed:
+            asked = {k: agg.intake.asks.get((self.round, k)) for k in u3}
+        unknown = sorted(k for k, ask in asked.items() if ask is None)
+        if unknown:
+            raise secagg.SecAggError(f"no part was sent to {', '.join(unknown)} this round")
+        facts = agg.learner.facts
+        return {
+            k: agg.strategy.download(facts, agg.server, k, self.round, ask[1])
+            for k, ask in asked.items()
+            if ask is not None
+        }
 
     def _shares_of(self, agent: str) -> dict[str, bytes]:
         message = self.stores["shares"][(self.round, agent)]
@@ -227,8 +256,10 @@ class SecureRound:
         agg, store = self.aggregator, self.stores[kind]
         intake = agg.intake
         deadline = time.monotonic() + agg.round_timeout_s if asked else math.inf
-        with intake.changed:
-            while True:
+        while True:
+            if agg.strategy.downloads:  # parts asked for (again) before the keys
+                agg.answer_downloads(self.round)
+            with intake.changed:
                 got = [k for k in cohort if (self.round, k) in store]
                 if got and deadline == math.inf:
                     deadline = time.monotonic() + agg.round_timeout_s

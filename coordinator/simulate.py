@@ -59,6 +59,7 @@ from agent.learning.central.participant import Turn, judge
 from agent.learning.central.secure import (
     SUM,
     flat_change,
+    part_mean,
     summed_names,
     summed_upload,
     vector_length,
@@ -355,7 +356,7 @@ class Simulation:
                 if progress:
                     progress(t, k)
             inbox: RoundInbox = (
-                SecureInProcessInbox(self, strategy, fits, t, server)
+                SecureInProcessInbox(self, strategy, fits, t, server, downloads)
                 if cfg.secure_aggregation
                 else InProcessInbox(self, strategy, fits, t, server.weights)
             )
@@ -466,20 +467,22 @@ class SecureInProcessInbox:
     """A simulated round under `--secure-aggregation` as the server's inbox: the
     participants' changes masked, summed and unmasked by `protocol.secagg`'s steps in one
     process (`sum_in_process`, the steps the agents and the aggregator take over MQTT), the
-    round's one upload their weighted mean (`central.secure`)."""
+    round's one upload their weighted mean (`central.secure`; per entry over the parts it
+    sent, `downloads`, for a strategy that sends parts)."""
 
     run: Simulation
     strategy: CentralStrategy
     fits: dict[str, Fit]
     round: int
     server: ServerState
+    downloads: Mapping[str, Payload]
 
     def divergences(self) -> dict[str, dict[str, float]]:
         return {}
 
     def uploads(self, requests: Mapping[str, list[str]] | None) -> dict[str, Upload]:
         names = summed_names(self.strategy, self.run.learner.facts)
-        vectors = {k: flat_change(names, f.upload, self.server) for k, f in self.fits.items()}
+        vectors = {k: flat_change(names, f.upload, self._view(k)) for k, f in self.fits.items()}
         weights = {k: f.num_samples for k, f in self.fits.items()}
         if secure_dp.distributed(self.run.config.learning):  # noised, weight 1 each
             vectors, weights = self._noised(names), dict.fromkeys(self.fits, 1)
@@ -493,7 +496,17 @@ class SecureInProcessInbox:
                 "round %d: %d changes clipped to the secure sum's range", self.round, summed.clipped
             )
         total = sum(weights[k] for k in summed.survivors)
-        return {SUM: summed_upload(names, self.server, summed.mean, total)}
+        mean = summed.mean
+        if self.strategy.downloads:
+            parts = {k: self.downloads[k] for k in summed.survivors}
+            mean = part_mean(mean, names, parts, {k: weights[k] for k in parts})
+        return {SUM: summed_upload(names, self.server, mean, total)}
+
+    def _view(self, agent: str) -> ServerState:
+        """What `agent` trained from: its part as it arrived, else the server's model."""
+        if agent not in self.downloads:
+            return self.server
+        return ServerState(as_sent(self.downloads[agent], self.run.config.learning.fp16).weights)
 
     def _noised(self, names: list[str]) -> dict[str, np.ndarray]:
         """Under `--dp client`: each change with its noise share, as the devices mask it."""

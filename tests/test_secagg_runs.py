@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from agent.experiment import ExperimentConfig
-from agent.learning import preset
+from agent.learning import central_strategy, preset
+from agent.learning.central.secure import vector_length
+from agent.workload import build_workload
 from coordinator.emulate import Emulation, EmulationOptions, HostedProcess
 from coordinator.simulate import simulate
 from protocol import MqttTransport, TransportOptions, messages, secagg, topics
@@ -22,7 +24,9 @@ pytestmark = pytest.mark.timeout(600)
 AGENTS = 4
 
 
-def config(secure: bool = True, rounds: int = 2, agents: int = AGENTS) -> ExperimentConfig:
+def config(
+    secure: bool = True, rounds: int = 2, agents: int = AGENTS, strategy: str = "fedavg"
+) -> ExperimentConfig:
     return ExperimentConfig(
         dataset="mnist1d",
         agents=agents,
@@ -30,7 +34,7 @@ def config(secure: bool = True, rounds: int = 2, agents: int = AGENTS) -> Experi
         seed=3,
         round_time_s=0.01,
         learning=preset(
-            "fedavg", rounds=rounds, epochs=1, aggregation="mean", secure_aggregation=secure
+            strategy, rounds=rounds, epochs=1, aggregation="mean", secure_aggregation=secure
         ),
     )
 
@@ -87,6 +91,49 @@ def test_a_secure_run_gives_the_plain_numbers_and_the_coordinator_no_model(
         assert isinstance(message, messages.Masked), topic
         decoded = secagg.dequantize(np.frombuffer(message.values, dtype="<u4"))
         assert np.abs(decoded).mean() > 1.0  # a change of a model is ~1e-2; this is ~4
+
+
+def test_a_secure_fedspu_run_aggregates_each_entry_over_the_devices_that_trained_it(
+    amqtt_broker, tmp_path: Path
+) -> None:
+    """FedSPU's parts (tiers 0.2 to 0.8 here): each device masks its change over the whole
+    model, 0 outside its part; the coordinator divides each entry by the weight of the
+    devices it sent that entry to. The emulated fleet's numbers are the one-process secure
+    run's and the plain run's within quantization; every upload is noise of the model's
+    length."""
+    cfg = config(strategy="fedspu")
+    uploads: list[bytes] = []
+    emulation = Emulation(cfg, amqtt_broker.address, options(tmp_path))
+    spy = MqttTransport(amqtt_broker.address, TransportOptions(client_id="spy"))
+    spy.subscribe(
+        topics.round_topic(emulation.fleet, "+", "masked"), lambda t, p: uploads.append(p)
+    )
+    spy.start()
+    try:
+        assert spy.wait_subscribed(20.0)
+        emulated = emulation.run()
+    finally:
+        spy.stop()
+    assert emulated["summary"]["failed_agents"] == {}
+    assert emulated["summary"]["stragglers"] == []
+    secure, plain = simulate(cfg), simulate(config(secure=False, strategy="fedspu"))
+    assert figures(emulated, "loss") == pytest.approx(figures(secure, "loss"), abs=1e-6)
+    for what in ("loss", "strategy_accuracy"):
+        assert figures(emulated, what) == pytest.approx(figures(plain, what), abs=1e-4)
+    length = secure_length(cfg)
+    assert len(uploads) == AGENTS * cfg.learning.rounds
+    for payload in uploads:
+        message = messages.decode(payload)
+        assert isinstance(message, messages.Masked)
+        decoded = secagg.dequantize(np.frombuffer(message.values, dtype="<u4"))
+        assert decoded.size == length
+        assert np.abs(decoded).mean() > 1.0 and (decoded == 0).mean() < 1e-3
+
+
+def secure_length(cfg: ExperimentConfig) -> int:
+    """How many values a device of `cfg` masks: every floating entry of the model."""
+    learner = build_workload(cfg, [str(k) for k in range(cfg.agents)], agents=[]).learner
+    return vector_length(central_strategy(cfg.learning.strategy), learner.facts)
 
 
 def test_a_round_survives_30_percent_of_its_devices_dropping_mid_round(

@@ -213,3 +213,18 @@ def test_a_device_reveals_nothing_for_fewer_survivors_than_its_noise_is_sized_fo
     steps = SecureSteps(None, "coordinator", 1.0)  # type: ignore[arg-type]  # unused here
     assert steps._noised_enough(1, members[:7], client)
     assert not steps._noised_enough(1, members[:6], client)
+
+
+@pytest.mark.parametrize("name", ["fedspu", "feddrop"])
+def test_client_dp_under_secure_aggregation_is_refused_for_partial_uploads(name: str) -> None:
+    """FedSPU's and FedDrop's secure rounds average each entry over the devices that trained
+    it; the devices' noise shares, sized for the whole round, would not cover those entries
+    evenly: refused in one line rather than run with noise the accountant does not count."""
+    result = CliRunner().invoke(
+        coordinator,
+        ["simulate", "--strategy", name, "--dp", "client", "--secure-aggregation",
+         "--dataset", "digits", "--agents", "3", "--rounds", "1"],
+    )  # fmt: skip
+    assert result.exit_code == 2, result.output
+    line = result.output.strip().splitlines()[-1]
+    assert "built for fedavg and fedavg-ft" in line and name in line

@@ -301,9 +301,10 @@ class StrategyConfig:
     )
     secure_aggregation: bool = param(
         False,
-        "Secure aggregation (fedavg, fedavg-ft; the default --aggregation becomes the plain "
-        "mean, as the coordinator sees no single model to screen): each device uploads "
-        "its update masked so that the coordinator learns only the fleet's weighted sum, "
+        "Secure aggregation (fedavg, fedavg-ft, fedspu, feddrop; the default --aggregation "
+        "becomes the plain mean, as the coordinator sees no single model to screen): each "
+        "device uploads its update masked (fedspu, feddrop: over the whole model, 0 outside "
+        "its part) so that the coordinator learns only the fleet's weighted sum, "
         "and the round survives 30% of the devices dropping (docs/privacy.md).",
     )
 

@@ -70,8 +70,11 @@ class Strategy:
     the server applies every `--buffer-size` updates as they arrive, each weighted by its
     staleness (`agent.learning.central.fedbuff`); its runs go by versions, not rounds."""
     secure_sum: bool = False
-    """`--secure-aggregation` applies: its round is a weighted mean of whole uploaded models,
-    which the coordinator can take from their masked sum alone (`protocol.secagg`)."""
+    """`--secure-aggregation` applies: its round is a weighted mean of uploaded models, which
+    the coordinator can take from their masked sum alone (`protocol.secagg`): of whole models,
+    or (FedSPU, federated dropout) per entry over the parts it chose and sent each device
+    (`central.secure.part_mean`). Not FedLDF, whose divergence vectors choose each device's
+    layers in the clear, nor the Adam family, whose devices upload moments, not models."""
 
     @property
     def centralized(self) -> bool:
@@ -151,6 +154,7 @@ TABLE: tuple[Strategy, ...] = (
         options=_SGD,
         budgets=True,
         client_dp=True,
+        secure_sum=True,
     ),
     Strategy(
         "feddrop",
@@ -159,6 +163,7 @@ TABLE: tuple[Strategy, ...] = (
         options=_SGD,
         budgets=True,
         client_dp=True,
+        secure_sum=True,
     ),
     Strategy(
         "fedadam", CENTRAL, "agent.learning.central.fedadam:FedAdam", defaults=_ADAM, adam=True

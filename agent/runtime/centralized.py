@@ -239,9 +239,10 @@ class CentralizedRounds:
         waited = time.monotonic() - started
         with compute_slot():
             compute_started = time.monotonic()
-            fit = turn.train(self.strategy, s.learner, s.state, s.data, turn.view(self.view, part))
+            view = turn.view(self.view, part)
+            fit = turn.train(self.strategy, s.learner, s.state, s.data, view)
         throttled = s.after_compute(compute_started, fit.train_flops + fit.fallback_flops)
-        stragglers = self._exchange(round_, turn.p_k, fit)
+        stragglers = self._exchange(round_, turn.p_k, fit, view)
         s.state, judged = judge(self.strategy, s.learner, fit, self.view, s.data)
         return AgentRound.of_fit(
             turn,
@@ -256,14 +257,15 @@ class CentralizedRounds:
             stopped=s.stops_after(fit.state.weights, fit.train_loss),
         )
 
-    def _exchange(self, round_: int, p_k: float, fit: Fit) -> list[str]:
-        """Upload the fit (FedLDF: its divergence vector, then the layers asked for) and
-        apply the round's broadcast to the view; returns the stragglers (the aggregator, if
-        its broadcast never came)."""
+    def _exchange(self, round_: int, p_k: float, fit: Fit, trained_from: ServerState) -> list[str]:
+        """Upload the fit (FedLDF: its divergence vector, then the layers asked for; under
+        secure aggregation its masked change from the view it `trained_from`) and apply the
+        round's broadcast to the view; returns the stragglers (the aggregator, if its
+        broadcast never came)."""
         s = self.session
         if self.secure is not None:
             names = summed_names(self.strategy, s.learner.facts)
-            change = flat_change(names, fit.upload, self.view)
+            change = flat_change(names, fit.upload, trained_from)
             noised = None
             if secure_dp.distributed(s.cfg):
                 noised = functools.partial(
@@ -271,7 +273,7 @@ class CentralizedRounds:
                     s.learner.facts,
                     names,
                     fit.upload,
-                    self.view,
+                    trained_from,
                     s.me,
                     round_,
                     generator=None if s.cfg.dp_seeded_noise else secret_generator(),

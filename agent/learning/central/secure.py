@@ -12,9 +12,19 @@ model (the same view, as its participants hold it) and hands the strategy that o
 the round's only upload: for a weighted mean of whole models (`Strategy.secure_sum`) the
 mean of one upload is itself. Integer entries (BatchNorm's batch counters) are not summed:
 the server keeps its own, where the plain round copies the first participant's.
+
+Partial uploads (FedSPU, federated dropout: a strategy that `downloads` each participant's
+part) are summed over the whole vector too, each participant's change 0 outside its part
+(`flat_change` with the upload's masks). The coordinator chose every part (it sent them), so
+it divides each entry by the weight of the survivors that trained it (`part_mean`) from the
+parts and the advertised sample counts it already holds: one masked vector a participant,
+none of weights, and nothing the coordinator did not know. An entry nobody trained keeps the
+server's value, as the plain round's `freezing.aggregate_active` does.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -38,9 +48,45 @@ def vector_length(strategy: CentralStrategy, facts: ModelFacts) -> int:
 
 
 def flat_change(names: list[str], upload: Payload, view: ServerState) -> np.ndarray:
-    """A participant's upload as the vector it masks: each tensor's change from `view`."""
-    parts = [(upload.weights[n].double() - view.weights[n].double()).flatten() for n in names]
+    """A participant's upload as the vector it masks: each tensor's change from `view`, 0
+    outside the upload's part (its masks) where it carries one."""
+    masks = upload.masks or {}
+    parts = []
+    for n in names:
+        change = upload.weights[n].double() - view.weights[n].double()
+        if n in masks:
+            change = torch.where(masks[n], change, torch.zeros_like(change))
+        parts.append(change.flatten())
     return torch.cat(parts).numpy() if parts else np.zeros(0)
+
+
+def part_mean(
+    mean: np.ndarray,
+    names: list[str],
+    parts: Mapping[str, Payload],
+    weights: Mapping[str, int],
+) -> np.ndarray:
+    """The per-entry weighted mean change of partial uploads from `mean`, the secure sum's
+    weighted mean over all its survivors (`protocol.secagg.survivor_mean`, which counts a
+    survivor's 0 outside its part): each entry rescaled to the weight of the survivors that
+    trained it (`parts`: the part the coordinator sent each survivor; `weights`: their sample
+    counts); 0 where none did."""
+    trained = np.zeros(mean.size)
+    for agent, part in parts.items():
+        masks = part.masks or {}
+        flags = [
+            (masks[n] if n in masks else torch.ones_like(part.weights[n], dtype=torch.bool))
+            .flatten()
+            .numpy()
+            for n in names
+        ]
+        active = np.concatenate(flags) if flags else np.zeros(0, dtype=bool)
+        if active.size != mean.size:
+            raise ValueError(f"the part of {agent} has {active.size} values; the sum {mean.size}")
+        trained += weights[agent] * active
+    out = np.zeros_like(mean)
+    np.divide(mean * sum(weights[k] for k in parts), trained, out=out, where=trained > 0)
+    return out
 
 
 def summed_upload(
