@@ -77,7 +77,7 @@ RULES = [
     ),
     pytest.param(
         ["--dataset", "digits", "--strategy", "fedadam", "--ssm-fraction", "0.5"],
-        "--ssm-fraction has no effect here: it applies to fedadam-top, fedadam-ssm",
+        "--ssm-fraction has no effect here: it applies to fedadam-top, fedadam-ssm, fedbuff-ssm",
         id="strategy-option",
     ),
 ]

@@ -176,9 +176,10 @@ def test_a_roster_smaller_than_explicit_neighbours_is_an_error(tmp_path: Path) -
 def test_known_keys_cover_every_simulate_flag_and_the_run_keys() -> None:
     from coordinator.lab_cli import simulate
 
-    # where the report goes, how many processes (or which Ray) train and the run file itself
-    # (simulate's own)
+    # where the report goes and the target its summary times, how many processes (or which
+    # Ray) train and the run file itself (simulate's own)
     own = {"report_path", "force", "plot_dir", "workers", "backend", "ray_address", "run_file"}
+    own.add("target_accuracy")
     flags = {p.name for p in simulate.params if p.expose_value} - own  # not --help-all
     assert flags <= set(KNOWN_KEYS)
     run_only = {"agent_ids", "input_shape", "classes", "min_samples", "round_timeout"}
