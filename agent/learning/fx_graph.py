@@ -2,7 +2,8 @@
 (`agent.learning.neuron_groups`) and width reduction's channel classes (`agent.learning.width`)
 both walk, so a layer's output units are followed through a user's model by the same rules.
 
-`traced` gives the graph, with shapes when an input shape is known; `shape_of`,
+`traced` gives the graph, with shapes when an input shape is known (its tracer, `_OwnTracer`,
+leaves the process's other threads alone); `shape_of`,
 `is_metadata`, `sole_user` and `reads_only` say what a node is and how a value is used; and
 `Units` says where a layer's output units are in one value, which `module_step` and
 `call_step` carry through the operations that keep each unit apart (activations, pooling,
@@ -13,13 +14,15 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar, cast
 
 import torch
 from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
+from torch.fx.proxy import Proxy
 from torch.nn import functional as F
 
 # Operations that map each element to one element at the same place, so a unit's values stay
@@ -135,7 +138,7 @@ def traced(model: nn.Module, input_shape: Sequence[int] | None) -> fx.Graph:
     cannot trace the model or it does not run on a batch of `input_shape`.
     """
     try:
-        graph_module = fx.symbolic_trace(model)
+        graph_module = fx.GraphModule(model, _OwnTracer().trace(model), type(model).__name__)
     except Exception as err:  # whatever stops the tracer (control flow on values, ...)
         raise ValueError(f"torch.fx cannot trace it: {_one_line(err)}") from err
     if input_shape is None:
@@ -160,6 +163,49 @@ def traced(model: nn.Module, input_shape: Sequence[int] | None) -> fx.Graph:
         for module, mode in modes.items():
             module.training = mode
     return graph_module.graph
+
+
+_TRACING: ContextVar[fx.Tracer | None] = ContextVar("edgefl_fx_tracing", default=None)
+"""The tracer tracing in this thread (each thread has a context of its own), if any."""
+
+
+class _OwnTracer(fx.Tracer):
+    """``torch.fx``'s tracer, recording the calls of the thread that traces and no other.
+
+    While it traces, torch.fx routes every module call and module attribute read of the whole
+    process through the tracer: it patches ``torch.nn.Module.__call__`` and ``__getattr__``.
+    Another thread's forward pass meanwhile (agents hosted in one process, agent/host.py: one
+    judging its round while another traces for FedSPU's neuron groups) was taken for part of
+    the traced model and died with ``NameError: module is not installed as a submodule``.
+    Here a call or read from any other thread runs as it would with no trace on. Two traces
+    must still not overlap (each one restores the methods it patched when it ends): the
+    runtime traces in its compute slots (`agent.workload.compute_slot`), one at a time.
+    """
+
+    def trace(
+        self, root: nn.Module | Callable[..., Any], concrete_args: dict[str, Any] | None = None
+    ) -> fx.Graph:
+        token = _TRACING.set(self)
+        try:
+            return super().trace(root, concrete_args)
+        finally:
+            _TRACING.reset(token)
+
+    def call_module(
+        self,
+        m: nn.Module,
+        forward: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        if _TRACING.get() is not self:  # another thread's forward pass: not this trace's
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Proxy]) -> Any:
+        if _TRACING.get() is not self:
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
 
 
 def _one_line(err: BaseException) -> str:
