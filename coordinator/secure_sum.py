@@ -10,8 +10,8 @@ uploads from here instead of its `Update`s. Round t (the agents' side:
                relay to each member of U1 the shares its neighbours addressed to it
     masked     collect the `Masked` vectors (U3: who uploaded); publish the `Survivors`
     check      collect the survivors' signatures on U3 (`Consent`); publish those collected
-               in one `Consent` (each survivor reveals only if t of its neighbours signed
-               the U3 it was sent, `protocol.secagg.Client.reveal`)
+               in one `Consent` (each survivor reveals only if t of its neighbours and 70%
+               of U1 signed the U3 it was sent, `protocol.secagg.Client.reveal`)
     unmask     collect the signers' `Reveal`s; the sum of U3, unmasked, becomes the
                round's one upload (`agent.learning.central.secure`)
 
@@ -206,7 +206,8 @@ class SecureRound:
             "survivors", messages.Survivors(**agg.header(round_), survivors=sorted(masked))
         )
         log.debug("round %d: %d masked changes in, survivors sent", round_, len(masked))
-        revealed = self._collect("reveal", self._check(sorted(masked)), asked=True)
+        signers = self._check(sorted(masked), len(advertised))
+        revealed = self._collect("reveal", signers, asked=True)
         reveals = {k: self._reveal_of(k) for k in revealed}
         total, u3 = server.unmask(masked, reveals)
         log.debug("round %d: the sum of %d unmasked", round_, len(u3))
@@ -218,12 +219,18 @@ class SecureRound:
         weight = sum(adverts[k].weight for k in u3)
         return u3, {SUM: summed_upload(names, agg.server, mean, weight)}
 
-    def _check(self, survivors: list[str]) -> list[str]:
+    def _check(self, survivors: list[str], members: int) -> list[str]:
         """The consistency check: the survivors' signatures on their list collected and
-        forwarded to all of them; who signed (they alone may reveal)."""
+        forwarded to all of them; who signed (they alone may reveal). SecAggError, with no
+        wait for reveals that will not come, when fewer than the quorum of the round's
+        `members` signed (`protocol.secagg.quorum`)."""
         signed = self._collect("consent", survivors, asked=True)
         consents = {k: self.stores["consent"][(self.round, k)] for k in signed}
         own = {k: m.signatures[0] for k, m in consents.items() if m.signers == [k]}
+        if len(own) < secagg.quorum(members):
+            raise secagg.SecAggError(
+                f"{len(own)} members signed the survivors; revealing needs {secagg.quorum(members)}"
+            )
         agg = self.aggregator
         forward = messages.Consent(
             **agg.header(self.round), signers=list(own), signatures=list(own.values())

@@ -218,6 +218,17 @@ def threshold(members: int) -> int:
     return secagg_graph.degree_and_threshold(members)[1]
 
 
+def quorum(members: int) -> int:
+    """Signatures on one survivor list a member needs from the whole round to reveal: all-to-
+    all's threshold, 70% of U1 (what any 30% dropping leaves). Honest members sign one list
+    each, so two lists that both reach it need 2 quorum - n members signing both: 40% of the
+    round. t of a member's neighbourhood alone is not enough: a coordinator that knows the
+    graph's ring tells the half-ring on one side of a victim that it uploaded and the other
+    half that it dropped, and every member then sees k/2 + 1 >= t signatures on its list
+    among its neighbours (`tests/test_secagg.py`)."""
+    return secagg_graph.complete_threshold(members)
+
+
 @dataclass
 class Client:
     """One member's side of a round. Its secrets never leave it but as encrypted shares."""
@@ -334,8 +345,9 @@ class Client:
         survived, of the mask-key seed for each that shared and did not upload; once a
         round, so never both secrets of one member. Only for the U3 this member signed
         (`consent`), and only if every one of the forwarded `signatures` (signer: signature)
-        is a member of U3's on it, at least t of them from this member's neighbourhood: so
-        a coordinator that sent other survivor lists to some neighbours gets no reveal."""
+        is a member of U3's on it, at least t of them from this member's neighbourhood and
+        a quorum of the round's in all (`quorum`): so a coordinator that sent other survivor
+        lists to some members gets no reveal from them."""
         if self.revealed or self.signed is None or tuple(sorted(set(survivors))) != self.signed:
             raise SecAggError("the survivor list is not the one this member signed")
         statement = survivors_statement(self.context, self.signed)
@@ -348,6 +360,11 @@ class Client:
         t = threshold(len(self.adverts))
         if vouched < t:
             raise SecAggError(f"{vouched} neighbours signed the survivor list; revealing needs {t}")
+        if len(signatures) < quorum(len(self.adverts)):
+            raise SecAggError(
+                f"{len(signatures)} members signed the survivor list; "
+                f"revealing needs {quorum(len(self.adverts))}"
+            )
         self.revealed = True
         u3 = set(self.signed)
         return {k: self.held[k][0 if k in u3 else 1] for k in sorted(self.held)}

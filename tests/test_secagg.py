@@ -172,7 +172,8 @@ def test_a_coordinator_sending_two_survivor_lists_gets_no_share_of_the_victims_k
     consistency check, a member reveals only if every forwarded signature is on the list it
     was sent and t of its neighbours signed it: forwarded whole, the signatures on the other
     list stop everyone; forwarded per list, those told the victim dropped (fewer than t) are
-    too few to vouch for their list, and no share of the victim's mask key comes out."""
+    too few to vouch for their list among each one's neighbours, and the others fall short
+    of the round's quorum: nobody reveals."""
     clients, server = _shared_round(50)
     victim = "a07"
     holders = [h for h in server.graph[victim] if h != victim]
@@ -183,16 +184,32 @@ def test_a_coordinator_sending_two_survivor_lists_gets_no_share_of_the_victims_k
     for k, c in clients.items():
         with pytest.raises(SecAggError, match="did not sign this survivor list"):
             c.reveal(told[k], signatures)
-    of_victim = []
     for k, c in clients.items():
         same = {s: sig for s, sig in signatures.items() if told[s] == told[k]}
-        if k in lied_to:
-            with pytest.raises(SecAggError, match="neighbours signed the survivor list"):
-                c.reveal(told[k], same)
-        elif victim in c.held:
-            of_victim.append(c.reveal(told[k], same)[victim] == c.held[victim][0])
+        few = "neighbours signed" if k in lied_to else "members signed"
+        with pytest.raises(SecAggError, match=few):
+            c.reveal(told[k], same)
     assert len(lied_to) < server.threshold
-    assert of_victim and all(of_victim)  # only the self-mask seed's shares came out
+
+
+def test_a_coordinator_splitting_the_ring_at_the_victim_gets_no_reveal() -> None:
+    """The lie a coordinator that knows the graph tells: the half-ring on one side of the
+    victim that it uploaded, the other half that it dropped. Every member then holds t
+    signatures on its list from its own neighbourhood (so that rule alone lets the coordinator
+    rebuild one secret and all but one share of the other), but neither list has the
+    round's quorum: nobody reveals."""
+    clients, server = _shared_round(50)
+    ring = secagg_graph._order(CONTEXT.info("graph"), sorted(clients))
+    victim = ring[0]
+    lied_to = set(ring[len(ring) // 2 + 1 :])
+    everyone, without = sorted(clients), sorted(set(clients) - {victim})
+    told = {k: without if k in lied_to else everyone for k in clients}
+    signatures = {k: c.consent(told[k]) for k, c in clients.items()}
+    for k, c in clients.items():
+        same = {s: sig for s, sig in signatures.items() if told[s] == told[k]}
+        assert len(set(same) & set(c.neighbours)) >= server.threshold
+        with pytest.raises(SecAggError, match="members signed the survivor list"):
+            c.reveal(told[k], same)
 
 
 def test_a_member_reveals_only_for_the_list_it_signed_and_with_t_signatures() -> None:

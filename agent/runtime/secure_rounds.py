@@ -14,7 +14,8 @@ cryptography they move, and `agent.learning.central.secure`, which makes the vec
     check       the survivors U3 on round/t/survivors/<aggregator>; its signature on U3 on
                 round/t/consent/k
     unmask      the survivors' signatures, forwarded on round/t/consent/<aggregator>; its
-                reveal on round/t/reveal/k if t of its neighbours signed the same U3
+                reveal on round/t/reveal/k if t of its neighbours and 70% of U1 signed
+                the same U3 (`protocol.secagg.Client.reveal`)
 
 Nothing is sent twice: a step that does not come within the broadcast's patience leaves
 this agent out of the round's sum (the others' sum survives it), and it still waits for
