@@ -191,7 +191,8 @@ def crypto_costs(members: int, length: int) -> dict[str, Any]:
         c.receive_shares(relayed[k])
         if k in survivors:
             masked[k] = c.masked(rng.normal(0, 0.01, length))[0]
-    reveals = {k: clients[k].reveal(survivors) for k in survivors}
+    signatures = {k: clients[k].consent(survivors) for k in survivors}
+    reveals = {k: clients[k].reveal(survivors, signatures) for k in survivors}
     device += clock() - started
     started = clock()
     server.unmask(masked, reveals)

@@ -9,13 +9,17 @@ uploads from here instead of its `Update`s. Round t (the agents' side:
                neighbourhood in the round's SecAgg+ graph, `protocol.secagg.round_graph`);
                relay to each member of U1 the shares its neighbours addressed to it
     masked     collect the `Masked` vectors (U3: who uploaded); publish the `Survivors`
-    unmask     collect the survivors' `Reveal`s; the sum of U3, unmasked, becomes the
+    check      collect the survivors' signatures on U3 (`Consent`); publish those collected
+               in one `Consent` (each survivor reveals only if t of its neighbours and 70%
+               of U1 signed the U3 it was sent, `protocol.secagg.Client.reveal`)
+    unmask     collect the signers' `Reveal`s; the sum of U3, unmasked, becomes the
                round's one upload (`agent.learning.central.secure`)
 
 Each wait ends when every member still expected delivered (one whose presence says it is
 offline, or that stopped early, is not waited for), or a round timeout after the first
-delivery (keys, shares) or after the step began (masked, reveal). A round whose cohort shrank
-below the threshold, or whose unmasking failed, has no upload: the server keeps its model.
+delivery (keys, shares) or after the step began (masked, consent, reveal). A round whose
+cohort shrank below the threshold, or whose unmasking failed, has no upload: the server
+keeps its model.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ KINDS = {
     "keys": messages.Keys,
     "shares": messages.Shares,
     "masked": messages.Masked,
+    "consent": messages.Consent,
     "reveal": messages.Reveal,
 }
 """What a participant sends, by topic kind."""
@@ -174,7 +179,8 @@ class SecureRound:
         advertised = self._collect("keys", self.candidates, asked=False)
         keys = {k: self.stores["keys"][(round_, k)] for k in advertised}
         adverts = {
-            k: secagg.Advert(m.cipher_key, m.mask_key, m.num_samples) for k, m in keys.items()
+            k: secagg.Advert(m.cipher_key, m.mask_key, m.num_samples, m.sign_key)
+            for k, m in keys.items()
         }
         server = secagg.Server(self.context, adverts)
         signed = [self.intake.signed_keys[(round_, k)] for k in advertised]
@@ -200,7 +206,8 @@ class SecureRound:
             "survivors", messages.Survivors(**agg.header(round_), survivors=sorted(masked))
         )
         log.debug("round %d: %d masked changes in, survivors sent", round_, len(masked))
-        revealed = self._collect("reveal", sorted(masked), asked=True)
+        signers = self._check(sorted(masked), len(advertised))
+        revealed = self._collect("reveal", signers, asked=True)
         reveals = {k: self._reveal_of(k) for k in revealed}
         total, u3 = server.unmask(masked, reveals)
         log.debug("round %d: the sum of %d unmasked", round_, len(u3))
@@ -211,6 +218,26 @@ class SecureRound:
             mean = part_mean(mean, names, self._parts(u3), weights)
         weight = sum(adverts[k].weight for k in u3)
         return u3, {SUM: summed_upload(names, agg.server, mean, weight)}
+
+    def _check(self, survivors: list[str], members: int) -> list[str]:
+        """The consistency check: the survivors' signatures on their list collected and
+        forwarded to all of them; who signed (they alone may reveal). SecAggError, with no
+        wait for reveals that will not come, when fewer than the quorum of the round's
+        `members` signed (`protocol.secagg.quorum`)."""
+        signed = self._collect("consent", survivors, asked=True)
+        consents = {k: self.stores["consent"][(self.round, k)] for k in signed}
+        own = {k: m.signatures[0] for k, m in consents.items() if m.signers == [k]}
+        if len(own) < secagg.quorum(members):
+            raise secagg.SecAggError(
+                f"{len(own)} members signed the survivors; revealing needs {secagg.quorum(members)}"
+            )
+        agg = self.aggregator
+        forward = messages.Consent(
+            **agg.header(self.round), signers=list(own), signatures=list(own.values())
+        )
+        self._publish("consent", forward)
+        log.debug("round %d: %d signatures on the survivors forwarded", self.round, len(own))
+        return list(own)
 
     def _parts(self, u3: list[str]) -> dict[str, Payload]:
         """(FedSPU family) The part of the model the aggregator sent each survivor this round,

@@ -22,6 +22,8 @@ SEALED_BYTES = 12 + 48 + 16
 """A pair of shares for one holder: AES-GCM's nonce, the holder's index and two shares, tag."""
 SHARE_BYTES = 16
 """One revealed Shamir share."""
+SIGNATURE_BYTES = 64
+"""An Ed25519 signature on the survivor list (the consistency check)."""
 
 
 def _size(message: messages.Message) -> int:
@@ -36,21 +38,32 @@ def secure_round(
     traffic: dict[str, Traffic],
 ) -> None:
     """Add round `round_`'s secure-aggregation messages to `traffic`: every member's keys and
-    shares (to its neighbours), the survivors' masked vectors (`length` values) and reveals,
-    the aggregator's key list, relays and survivors list."""
+    shares (to its neighbours), the survivors' masked vectors (`length` values), signatures
+    on the survivor list and reveals, the aggregator's key list, relays, survivors list and
+    forwarded signatures."""
     header: dict[str, Any] = {"fleet": FLEET, "run_id": RUN_ID, "round": round_}
     coordinator = traffic[COORDINATOR]
     keys = {
         k: messages.encode(
             messages.Keys(**header, sender=k, cipher_key=b"\0" * KEY_BYTES,
-                          mask_key=b"\0" * KEY_BYTES, num_samples=1)
+                          mask_key=b"\0" * KEY_BYTES, num_samples=1,
+                          sign_key=b"\0" * KEY_BYTES)
         )
         for k in members
     }  # fmt: skip
     listed = _size(messages.KeyList(**header, sender=COORDINATOR, keys=list(keys.values())))
     survived = _size(messages.Survivors(**header, sender=COORDINATOR, survivors=list(survivors)))
+    signature = [b"\0" * SIGNATURE_BYTES]
+    forward = _size(
+        messages.Consent(
+            **header,
+            sender=COORDINATOR,
+            signers=list(survivors),
+            signatures=signature * len(survivors),
+        )
+    )
     graph = secagg.round_graph(secagg.Context(RUN_ID, round_), members)
-    coordinator.sent += listed + survived
+    coordinator.sent += listed + survived + forward
     for k in members:
         neighbours = list(graph[k])
         sealed = [b"\0" * SEALED_BYTES] * len(neighbours)
@@ -69,9 +82,10 @@ def secure_round(
                 owners=neighbours,
                 shares=[b"\0" * SHARE_BYTES] * len(neighbours),
             )
-            up += _size(masked) + _size(reveal)
+            consent = messages.Consent(**header, sender=k, signers=[k], signatures=signature)
+            up += _size(masked) + _size(consent) + _size(reveal)
             traffic[k].nonzeros_sent += length
         traffic[k].sent += up
-        traffic[k].received += listed + _size(relay) + survived
+        traffic[k].received += listed + _size(relay) + survived + forward
         coordinator.received += up
         coordinator.sent += _size(relay)

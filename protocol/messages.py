@@ -58,6 +58,7 @@ class MessageType(str, Enum):
     MASKED = "masked"
     SURVIVORS = "survivors"
     REVEAL = "reveal"
+    CONSENT = "consent"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -222,13 +223,15 @@ class Global(Message):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Keys(Message):
     """Secure aggregation (`protocol.secagg`), a participant's first step of a round: its
-    two X25519 public keys (raw, 32 bytes: one to encrypt shares, one to agree on masks) and
-    its sample count, the weight of its vector in the sum."""
+    two X25519 public keys (raw, 32 bytes: one to encrypt shares, one to agree on masks),
+    its sample count, the weight of its vector in the sum, and the Ed25519 public key (raw)
+    of its signature on the round's survivor list (`Consent`)."""
 
     TYPE = MessageType.KEYS
     cipher_key: bytes
     mask_key: bytes
     num_samples: int
+    sign_key: bytes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -275,6 +278,17 @@ class Reveal(Message):
     TYPE = MessageType.REVEAL
     owners: list[str]
     shares: list[bytes]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Consent(Message):
+    """The consistency check on the survivor list (U3): a survivor's Ed25519 signature on it
+    (`signers`: the sender alone), or the aggregator's forward of those it collected, which
+    each survivor checks before it reveals (`protocol.secagg.Client.reveal`)."""
+
+    TYPE = MessageType.CONSENT
+    signers: list[str]
+    signatures: list[bytes]
 
 
 def _default(field: dataclasses.Field) -> Any:
@@ -358,6 +372,7 @@ MESSAGE_CLASSES: dict[str, type[Message]] = {
         Masked,
         Survivors,
         Reveal,
+        Consent,
     )
 }
 
@@ -551,6 +566,8 @@ def _check_fields(message: Message) -> None:
         raise ProtocolError("shares has a different number of peers and shares")
     if isinstance(message, Reveal) and len(message.owners) != len(message.shares):
         raise ProtocolError("reveal has a different number of owners and shares")
+    if isinstance(message, Consent) and len(message.signers) != len(message.signatures):
+        raise ProtocolError("consent has a different number of signers and signatures")
     if message.round < 0:
         raise ProtocolError(f"round must be >= 0, got {message.round}")
 

@@ -22,11 +22,16 @@ step's cohort):
                - sum_{v in U2 n N(u), v < u} PRG(s_uv) (mod 2^32): the pairwise masks cancel
                in the sum, the self mask hides y_u even from whoever learns s_uv of a dropped
                peer. U3: who uploaded y.
-    unmask     each survivor reveals, for each neighbour in U3, its share of b, and for each
-               neighbour in U2 - U3, its share of the mask-key seed (never both for one
-               member: `Client.reveal` refuses), so the coordinator rebuilds each secret from
-               t of its owner's neighbours, removes the self masks of U3 and the dropped
-               members' pairwise masks, and is left with sum_{U3} q(a_u x_u).
+    check      each survivor signs U3 and the round (Ed25519, under a key it advertised with
+               the other two: the consistency check of Bonawitz et al. 2017, as SecAgg+
+               keeps it); the coordinator forwards the signatures it collected (U4: who
+               signed); a member goes on only if every forwarded signature is valid on the
+               U3 it was sent and at least t of them come from its own neighbourhood.
+    unmask     each survivor that checked reveals, for each neighbour in U3, its share of
+               b, and for each neighbour in U2 - U3, its share of the mask-key seed (never
+               both for one member: `Client.reveal` refuses), so the coordinator rebuilds
+               each secret from t of its owner's neighbours, removes the self masks of U3
+               and the dropped members' pairwise masks, and is left with sum_{U3} q(a_u x_u).
 
 The PRG is ChaCha20's keystream (`cryptography`) under a key derived by HKDF: a
 cryptographic stream cipher, unlike numpy's PCG64/Philox, whose outputs predict the rest of
@@ -47,8 +52,12 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import numpy as np
-from cryptography.exceptions import InvalidTag
+from cryptography.exceptions import InvalidSignature, InvalidTag
 from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import (
+    Ed25519PrivateKey,
+    Ed25519PublicKey,
+)
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -117,17 +126,22 @@ def _mask_key(seed: bytes) -> X25519PrivateKey:
 
 @dataclass(frozen=True)
 class Advert:
-    """What a member advertises: its two public keys (raw X25519) and its weight."""
+    """What a member advertises: its two public keys (raw X25519), its weight, and the
+    public key (raw Ed25519) of its signature on the survivor list: one key pair a round, in
+    the same `Keys` message as the others, so a fleet's signature on that message binds it
+    to the device as it binds the other two."""
 
     cipher_key: bytes
     mask_key: bytes
     weight: int
+    sign_key: bytes
 
 
 def check_adverts(adverts: Mapping[str, Advert]) -> None:
     """SecAggError unless every advert holds two 32-byte keys and a positive weight."""
     for agent, advert in adverts.items():
-        if len(advert.cipher_key) != 32 or len(advert.mask_key) != 32 or advert.weight <= 0:
+        keys = (advert.cipher_key, advert.mask_key, advert.sign_key)
+        if any(len(key) != 32 for key in keys) or advert.weight <= 0:
             raise SecAggError(f"the secure-aggregation keys of {agent} are malformed")
 
 
@@ -146,6 +160,21 @@ class Context:
 
     def info(self, what: str) -> bytes:
         return f"edgefl secagg {what} {self.run_id} {self.round}".encode()
+
+
+def survivors_statement(context: Context, survivors: Iterable[str]) -> bytes:
+    """What a member signs in the consistency check: the round and U3 (names hold no
+    newline, `protocol.topics.check_name`)."""
+    return context.info("survivors") + b"\0" + "\n".join(sorted(set(survivors))).encode()
+
+
+def signed_by(advert: Advert, signature: bytes, statement: bytes) -> bool:
+    """Whether `signature` is the advertiser's on `statement`."""
+    try:
+        Ed25519PublicKey.from_public_bytes(advert.sign_key).verify(signature, statement)
+    except (InvalidSignature, ValueError):
+        return False
+    return True
 
 
 def _pairwise(context: Context, key: X25519PrivateKey, peer: bytes, length: int) -> np.ndarray:
@@ -189,6 +218,17 @@ def threshold(members: int) -> int:
     return secagg_graph.degree_and_threshold(members)[1]
 
 
+def quorum(members: int) -> int:
+    """Signatures on one survivor list a member needs from the whole round to reveal: all-to-
+    all's threshold, 70% of U1 (what any 30% dropping leaves). Honest members sign one list
+    each, so two lists that both reach it need 2 quorum - n members signing both: 40% of the
+    round. t of a member's neighbourhood alone is not enough: a coordinator that knows the
+    graph's ring tells the half-ring on one side of a victim that it uploaded and the other
+    half that it dropped, and every member then sees k/2 + 1 >= t signatures on its list
+    among its neighbours (`tests/test_secagg.py`)."""
+    return secagg_graph.complete_threshold(members)
+
+
 @dataclass
 class Client:
     """One member's side of a round. Its secrets never leave it but as encrypted shares."""
@@ -202,17 +242,23 @@ class Client:
     """This member's closed neighbourhood in the round's graph: whom it shares and masks with."""
     held: dict[str, tuple[bytes, bytes]] = field(default_factory=dict)
     """U2 among the neighbours: each sharer's shares held here (of b, of its mask-key seed)."""
+    signed: tuple[str, ...] | None = None
+    """The survivor list U3 this member signed (`consent`): the only one it reveals for."""
     revealed: bool = False
 
     def __post_init__(self) -> None:
         self.cipher = X25519PrivateKey.generate()
+        self.signing = Ed25519PrivateKey.generate()
         self.self_seed = shamir.secret_seed(self.random)
         self.mask_seed = shamir.secret_seed(self.random)
         self.mask = _mask_key(self.mask_seed)
         self._boxes: dict[str, AESGCM] = {}
 
     def advert(self, weight: int) -> Advert:
-        return Advert(_raw(self.cipher.public_key()), _raw(self.mask.public_key()), weight)
+        signing = self.signing.public_key().public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw
+        )
+        return Advert(_raw(self.cipher.public_key()), _raw(self.mask.public_key()), weight, signing)
 
     def _box(self, peer: str) -> AESGCM:
         """The AES-GCM key shared with `peer`, agreed once for sending and receiving shares."""
@@ -225,11 +271,7 @@ class Client:
         check_adverts(adverts)
         if self.me not in adverts:
             raise SecAggError(f"the key list leaves out {self.me}")
-        mine = self.advert(adverts[self.me].weight)
-        if (mine.cipher_key, mine.mask_key) != (
-            adverts[self.me].cipher_key,
-            adverts[self.me].mask_key,
-        ):
+        if self.advert(adverts[self.me].weight) != adverts[self.me]:
             raise SecAggError("the key list holds other keys of this member (it restarted?)")
         self.adverts = dict(adverts)
         self.neighbours = round_graph(self.context, adverts)[self.me]
@@ -282,13 +324,12 @@ class Client:
                 y -= mask
         return y, clipped
 
-    def reveal(self, survivors: Sequence[str]) -> dict[str, bytes]:
-        """The shares that unmask the sum of `survivors` (U3): of b for each neighbour that
-        survived, of the mask-key seed for each that shared and did not upload; once a
-        round, so never both secrets of one member."""
+    def consent(self, survivors: Sequence[str]) -> bytes:
+        """This member's signature on the survivor list U3, once a round: the consistency
+        check's first half (`reveal` goes on only for this U3)."""
         u3 = set(survivors)
         if (
-            self.revealed
+            self.signed is not None
             or self.me not in u3
             or not u3 <= set(self.adverts)
             or not u3 & set(self.neighbours) <= set(self.held)
@@ -296,7 +337,36 @@ class Client:
             raise SecAggError("the survivor list is not a subset of who shared, with this member")
         if len(u3) < threshold(len(self.adverts)):
             raise SecAggError("too few members uploaded to unmask the sum")
+        self.signed = tuple(sorted(u3))
+        return self.signing.sign(survivors_statement(self.context, u3))
+
+    def reveal(self, survivors: Sequence[str], signatures: Mapping[str, bytes]) -> dict[str, bytes]:
+        """The shares that unmask the sum of `survivors` (U3): of b for each neighbour that
+        survived, of the mask-key seed for each that shared and did not upload; once a
+        round, so never both secrets of one member. Only for the U3 this member signed
+        (`consent`), and only if every one of the forwarded `signatures` (signer: signature)
+        is a member of U3's on it, at least t of them from this member's neighbourhood and
+        a quorum of the round's in all (`quorum`): so a coordinator that sent other survivor
+        lists to some members gets no reveal from them."""
+        if self.revealed or self.signed is None or tuple(sorted(set(survivors))) != self.signed:
+            raise SecAggError("the survivor list is not the one this member signed")
+        statement = survivors_statement(self.context, self.signed)
+        for signer, signature in signatures.items():
+            if signer not in self.signed or not signed_by(
+                self.adverts[signer], signature, statement
+            ):
+                raise SecAggError(f"{signer} did not sign this survivor list: lists differ")
+        vouched = len(set(signatures) & set(self.neighbours))
+        t = threshold(len(self.adverts))
+        if vouched < t:
+            raise SecAggError(f"{vouched} neighbours signed the survivor list; revealing needs {t}")
+        if len(signatures) < quorum(len(self.adverts)):
+            raise SecAggError(
+                f"{len(signatures)} members signed the survivor list; "
+                f"revealing needs {quorum(len(self.adverts))}"
+            )
         self.revealed = True
+        u3 = set(self.signed)
         return {k: self.held[k][0 if k in u3 else 1] for k in sorted(self.held)}
 
 
@@ -398,7 +468,8 @@ def sum_in_process(
 ) -> InProcessSum:
     """A whole round in one process, in the order the messages take over MQTT: the
     simulator's secure aggregation, and the tests' (members may drop after sharing their
-    keys, or after uploading). The mean is sum_{U3} w_u x_u / sum_{U3} w_u."""
+    keys, or after uploading: then before the consistency check). The mean is
+    sum_{U3} w_u x_u / sum_{U3} w_u."""
     clients = {k: Client(k, context) for k in sorted(vectors)}
     adverts = {k: c.advert(weights[k]) for k, c in clients.items()}
     server = Server(context, adverts)
@@ -411,11 +482,9 @@ def sum_in_process(
             uploads[k], n = c.masked(vectors[k])
             clipped += n
     survivors = sorted(uploads)
-    reveals = {
-        k: c.reveal(survivors)
-        for k, c in clients.items()
-        if k in uploads and k not in drop_after_upload
-    }
+    staying = [k for k in survivors if k not in drop_after_upload]
+    signatures = {k: clients[k].consent(survivors) for k in staying}
+    reveals = {k: clients[k].reveal(survivors, signatures) for k in staying}
     total, u3 = server.unmask(uploads, reveals)
     return InProcessSum(survivor_mean(total, adverts, u3), u3, clipped, uploads)
 

@@ -68,7 +68,7 @@ EXAMPLES: list[m.Message] = [
     ),
     m.Keys(
         fleet="lab", sender="pi-1", run_id="r1", round=2, cipher_key=b"c" * 32,
-        mask_key=b"m" * 32, num_samples=120,
+        mask_key=b"m" * 32, num_samples=120, sign_key=b"g" * 32,
     ),
     m.KeyList(fleet="lab", sender="coordinator", run_id="r1", round=2, keys=[b"k1", b"k2"]),
     m.Shares(
@@ -79,6 +79,10 @@ EXAMPLES: list[m.Message] = [
     m.Survivors(fleet="lab", sender="coordinator", run_id="r1", round=2, survivors=["pi-1"]),
     m.Reveal(
         fleet="lab", sender="pi-1", run_id="r1", round=2, owners=["pi-1"], shares=[b"r" * 16]
+    ),
+    m.Consent(
+        fleet="lab", sender="pi-1", run_id="r1", round=2, signers=["pi-1"],
+        signatures=[b"g" * 64],
     ),
 ]  # fmt: skip
 

@@ -155,29 +155,82 @@ def test_a_sum_over_the_graph_with_30_percent_dropped_is_recovered() -> None:
     assert error <= secagg.quantization_bound(len(counted)) * len(values) / len(counted)
 
 
-def test_a_coordinator_lying_about_the_survivors_gets_too_few_shares_of_either_secret() -> None:
-    """Told by the coordinator that the victim uploaded, a neighbour reveals its share of the
-    victim's self-mask seed; told that it dropped, of its mask-key seed; each neighbour is asked
-    once (the refusal test below), so the two secrets' shares come from disjoint halves of
-    the victim's k + 1 holders, and t, a majority, is more than either half."""
-    n = 50
+def _shared_round(n: int) -> tuple[dict[str, Client], Server]:
+    """A round of `n` members up to the masked uploads: keys advertised, shares relayed."""
     clients = {f"a{i:02d}": Client(f"a{i:02d}", CONTEXT) for i in range(n)}
     adverts = {k: c.advert(1) for k, c in clients.items()}
     server = Server(CONTEXT, adverts)
     relayed = server.relay({k: c.shares(adverts) for k, c in clients.items()})
     for k, c in clients.items():
         c.receive_shares(relayed[k])
+    return clients, server
+
+
+def test_a_coordinator_sending_two_survivor_lists_gets_no_share_of_the_victims_key() -> None:
+    """The lie that unmasks a victim: some of its neighbours told it uploaded (they reveal its
+    self-mask seed's share), others that it dropped (its mask-key seed's). With the
+    consistency check, a member reveals only if every forwarded signature is on the list it
+    was sent and t of its neighbours signed it: forwarded whole, the signatures on the other
+    list stop everyone; forwarded per list, those told the victim dropped (fewer than t) are
+    too few to vouch for their list among each one's neighbours, and the others fall short
+    of the round's quorum: nobody reveals."""
+    clients, server = _shared_round(50)
     victim = "a07"
     holders = [h for h in server.graph[victim] if h != victim]
+    lied_to = set(holders[::2])
     everyone, without = sorted(clients), sorted(set(clients) - {victim})
-    of_self, of_key = [], []
-    for i, holder in enumerate(holders):
-        told = everyone if i % 2 else without
-        share = clients[holder].reveal(told)[victim]
-        (of_self if i % 2 else of_key).append(share)
-        assert share == clients[holder].held[victim][0 if i % 2 else 1]
-    assert max(len(of_self), len(of_key)) < server.threshold
-    assert len(holders) + 1 < 2 * server.threshold
+    told = {k: without if k in lied_to else everyone for k in clients}
+    signatures = {k: c.consent(told[k]) for k, c in clients.items()}
+    for k, c in clients.items():
+        with pytest.raises(SecAggError, match="did not sign this survivor list"):
+            c.reveal(told[k], signatures)
+    for k, c in clients.items():
+        same = {s: sig for s, sig in signatures.items() if told[s] == told[k]}
+        few = "neighbours signed" if k in lied_to else "members signed"
+        with pytest.raises(SecAggError, match=few):
+            c.reveal(told[k], same)
+    assert len(lied_to) < server.threshold
+
+
+def test_a_coordinator_splitting_the_ring_at_the_victim_gets_no_reveal() -> None:
+    """The lie a coordinator that knows the graph tells: the half-ring on one side of the
+    victim that it uploaded, the other half that it dropped. Every member then holds t
+    signatures on its list from its own neighbourhood (so that rule alone lets the coordinator
+    rebuild one secret and all but one share of the other), but neither list has the
+    round's quorum: nobody reveals."""
+    clients, server = _shared_round(50)
+    ring = secagg_graph._order(CONTEXT.info("graph"), sorted(clients))
+    victim = ring[0]
+    lied_to = set(ring[len(ring) // 2 + 1 :])
+    everyone, without = sorted(clients), sorted(set(clients) - {victim})
+    told = {k: without if k in lied_to else everyone for k in clients}
+    signatures = {k: c.consent(told[k]) for k, c in clients.items()}
+    for k, c in clients.items():
+        same = {s: sig for s, sig in signatures.items() if told[s] == told[k]}
+        assert len(set(same) & set(c.neighbours)) >= server.threshold
+        with pytest.raises(SecAggError, match="members signed the survivor list"):
+            c.reveal(told[k], same)
+
+
+def test_a_member_reveals_only_for_the_list_it_signed_and_with_t_signatures() -> None:
+    clients, server = _shared_round(10)
+    survivors = sorted(clients)[:8]
+    signatures = {k: clients[k].consent(survivors) for k in survivors}
+    me = clients["a00"]
+    with pytest.raises(SecAggError, match="not the one this member signed"):
+        me.reveal(sorted(clients), signatures)
+    few = dict(list(signatures.items())[: server.threshold - 1])
+    with pytest.raises(SecAggError, match="revealing needs"):
+        me.reveal(survivors, few)
+    forged = {**signatures, "a01": signatures["a02"]}
+    with pytest.raises(SecAggError, match="a01 did not sign"):
+        me.reveal(survivors, forged)
+    outsider = {**signatures, "a09": clients["a09"].signing.sign(b"x")}
+    with pytest.raises(SecAggError, match="a09 did not sign"):
+        me.reveal(survivors, outsider)
+    with pytest.raises(SecAggError, match="not a subset"):
+        me.consent(sorted(clients))  # signs once a round
+    assert len(me.reveal(survivors, signatures)) == len(me.held)
 
 
 def test_shares_from_a_member_outside_the_neighbourhood_are_refused() -> None:
@@ -210,16 +263,15 @@ def test_shares_relayed_to_the_wrong_member_do_not_decrypt() -> None:
 
 
 def test_a_member_reveals_once_and_never_both_secrets_of_one_member() -> None:
-    values = vectors(4, length=10)
-    clients = {k: Client(k, CONTEXT) for k in values}
-    adverts = {k: c.advert(1) for k, c in clients.items()}
-    relayed = Server(CONTEXT, adverts).relay({k: c.shares(adverts) for k, c in clients.items()})
-    for k, c in clients.items():
-        c.receive_shares(relayed[k])
-    first = clients["a00"].reveal(sorted(values)[:3])
+    clients, _ = _shared_round(4)
+    told = sorted(clients)[:3]
+    signatures = {k: clients[k].consent(told) for k in told}
+    first = clients["a00"].reveal(told, signatures)
     assert len(first["a03"]) == 16  # a03 dropped: its mask-key seed's share
     with pytest.raises(SecAggError):
-        clients["a00"].reveal(sorted(values))  # now claiming a03 survived: refused
+        clients["a00"].reveal(told, signatures)  # once a round
+    with pytest.raises(SecAggError):
+        clients["a00"].reveal(sorted(clients), signatures)  # now claiming a03 survived
 
 
 @pytest.mark.parametrize(
@@ -280,11 +332,11 @@ def test_the_broker_lets_each_member_send_only_its_own_secure_aggregation_steps(
 
     grants = {g.user: g for g in acl.fleet_grants("lab", ["pi-1", "pi-2"], "coordinator")}
     agent, coordinator = grants["pi-1"], grants["coordinator"]
-    for kind in ("keys", "masked", "reveal"):
+    for kind in ("keys", "masked", "consent", "reveal"):
         assert agent.may_publish(topics.round_topic("lab", 3, kind, "pi-1"))
         assert not agent.may_publish(topics.round_topic("lab", 3, kind, "pi-2"))
     assert agent.may_publish(topics.round_topic("lab", 3, "shares", "pi-1", to="coordinator"))
-    assert not agent.may_publish(topics.round_topic("lab", 3, "keylist", "coordinator"))
-    for kind in ("keylist", "survivors"):
+    for kind in ("keylist", "survivors", "consent"):
+        assert not agent.may_publish(topics.round_topic("lab", 3, kind, "coordinator"))
         assert coordinator.may_publish(topics.round_topic("lab", 3, kind, "coordinator"))
     assert coordinator.may_publish(topics.round_topic("lab", 3, "shares", "coordinator", to="pi-1"))

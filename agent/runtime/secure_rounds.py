@@ -11,8 +11,11 @@ cryptography they move, and `agent.learning.central.secure`, which makes the vec
                 aggregator on round/t/shares/k/<aggregator>
     mask        the shares U2 sent it, relayed on round/t/shares/<aggregator>/k; its masked
                 change on round/t/masked/k
-    unmask      the survivors U3 on round/t/survivors/<aggregator>; its reveal on
-                round/t/reveal/k
+    check       the survivors U3 on round/t/survivors/<aggregator>; its signature on U3 on
+                round/t/consent/k
+    unmask      the survivors' signatures, forwarded on round/t/consent/<aggregator>; its
+                reveal on round/t/reveal/k if t of its neighbours and 70% of U1 signed
+                the same U3 (`protocol.secagg.Client.reveal`)
 
 Nothing is sent twice: a step that does not come within the broadcast's patience leaves
 this agent out of the round's sum (the others' sum survives it), and it still waits for
@@ -51,7 +54,8 @@ class SecureSteps:
         self.patience_s = patience_s
         self.changed = threading.Condition()
         self.received: dict[tuple[int, str], messages.Message] = {}
-        """(round, kind) -> the aggregator's key list, relayed shares or survivors."""
+        """(round, kind) -> the aggregator's key list, relayed shares, survivors or the
+        signatures it forwards."""
         self.clients: dict[int, secagg.Client] = {}
 
     def subscribe(self) -> None:
@@ -60,7 +64,8 @@ class SecureSteps:
         s.transport.subscribe(
             topics.round_topic(s.fleet, "+", "shares", agg, to=me), self._on_message
         )
-        s.transport.subscribe(topics.round_topic(s.fleet, "+", "survivors", agg), self._on_message)
+        for kind in ("survivors", "consent"):
+            s.transport.subscribe(topics.round_topic(s.fleet, "+", kind, agg), self._on_message)
 
     def _on_message(self, topic: str, payload: bytes) -> None:
         s = self.session
@@ -123,6 +128,7 @@ class SecureSteps:
             cipher_key=advert.cipher_key,
             mask_key=advert.mask_key,
             num_samples=num_samples,
+            sign_key=advert.sign_key,
         )
         self._publish(round_, "keys", keys)
 
@@ -155,15 +161,28 @@ class SecureSteps:
                 return masked.size
             if noised is not None and not self._noised_enough(round_, survivors.survivors, client):
                 return masked.size
-            shares = client.reveal(survivors.survivors)
-            reveal = messages.Reveal(
-                **s.header(round_), owners=list(shares), shares=list(shares.values())
-            )
-            self._publish(round_, "reveal", reveal)
+            self._reveal(round_, client, survivors.survivors)
             return masked.size
         except secagg.SecAggError as exc:
             log.warning("round %d: secure aggregation without this agent: %s", round_, exc)
             return 0
+
+    def _reveal(self, round_: int, client: secagg.Client, survivors: list[str]) -> None:
+        """The consistency check, then the reveal: this agent's signature on `survivors`
+        out, the aggregator's forward of the survivors' signatures in, checked."""
+        s = self.session
+        signature = client.consent(survivors)
+        consent = messages.Consent(**s.header(round_), signers=[s.me], signatures=[signature])
+        self._publish(round_, "consent", consent)
+        forwarded = self._wait(round_, "consent")
+        if forwarded is None:
+            return
+        signatures = dict(zip(forwarded.signers, forwarded.signatures, strict=True))
+        shares = client.reveal(survivors, signatures)
+        reveal = messages.Reveal(
+            **s.header(round_), owners=list(shares), shares=list(shares.values())
+        )
+        self._publish(round_, "reveal", reveal)
 
     def _noised_enough(self, round_: int, survivors: list[str], client: secagg.Client) -> bool:
         """Whether a sum of `survivors` holds the noise the accountant counts
@@ -198,7 +217,9 @@ class SecureSteps:
                 or keys.sender not in s.roster
             ):
                 raise secagg.SecAggError("the key list holds a key of another round or member")
-            adverts[keys.sender] = secagg.Advert(keys.cipher_key, keys.mask_key, keys.num_samples)
+            adverts[keys.sender] = secagg.Advert(
+                keys.cipher_key, keys.mask_key, keys.num_samples, keys.sign_key
+            )
         sealed = client.shares(adverts)
         out = messages.Shares(
             **s.header(round_),
