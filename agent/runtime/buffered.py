@@ -29,7 +29,7 @@ from agent.learning import Payload, ServerState, central_strategy
 from agent.learning.central.participant import Turn, judge
 from agent.report import AgentRound, reported_p_k, reported_sparsity
 from agent.runtime import codec
-from agent.runtime.centralized import GLOBAL_PATIENCE_ROUNDS
+from agent.runtime.centralized import GLOBAL_PATIENCE_ROUNDS, run_aggregator
 from agent.runtime.codec import encode_state, values_sent
 from agent.runtime.session import Session
 from agent.workload import compute_slot
@@ -48,9 +48,7 @@ class BufferedRounds:
         self.session = session
         self.votes: dict[int, bool] = {}
         """Always empty: FedBuff does not vote."""
-        if session.run_info.aggregator is None:
-            raise ValueError(f"{session.cfg.strategy} is centralized: the run needs an aggregator")
-        self.aggregator = session.run_info.aggregator
+        self.aggregator = run_aggregator(session)
         self.strategy = central_strategy(session.cfg.strategy)
         self.version = 0
         self.view = self.strategy.init_server(session.learner.facts)

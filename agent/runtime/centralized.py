@@ -55,6 +55,13 @@ GLOBAL_PATIENCE_ROUNDS = 3.0
 """How many round timeouts to wait for a round's global model before going on without it."""
 
 
+def run_aggregator(session: Session) -> str:
+    """The aggregator a centralized run names; ValueError if the run names none."""
+    if session.run_info.aggregator is None:
+        raise ValueError(f"{session.cfg.strategy} is centralized: the run needs an aggregator")
+    return session.run_info.aggregator
+
+
 def secret_generator() -> torch.Generator:
     """A generator seeded from the operating system's randomness: a device's noise share
     under `--dp client --secure-aggregation`, which nobody else can draw again (the fleet
@@ -72,9 +79,7 @@ class CentralizedRounds:
         self.session = session
         self.votes: dict[int, bool] = {}
         """Always empty: a centralized strategy does not vote."""
-        if session.run_info.aggregator is None:
-            raise ValueError(f"{session.cfg.strategy} is centralized: the run needs an aggregator")
-        self.aggregator = session.run_info.aggregator
+        self.aggregator = run_aggregator(session)
         self.strategy = central_strategy(session.cfg.strategy)
         self.view = self.strategy.init_server(session.learner.facts)
         """This agent's copy of the server state: the last broadcast applied."""
