@@ -3,11 +3,15 @@ FedAvg fleet with `--secure-aggregation` against the plain run, and a round in w
 the devices crash mid-round. Targets at 50 agents: at most 1.2x round time, 1.5x bytes.
 
     python -m bench.secagg [--agents 10,50,100] [--seeds 1,2] [--rounds 2,3]
-        [--broker embedded|mosquitto|HOST:PORT] [--strategy fedavg|fedavg-ft|fedspu|feddrop]
-        [--out bench/results/secagg.json]
+        [--broker embedded|mosquitto|HOST:PORT] [--strategy NAME] [--out FILE.json]
 
-`--strategy fedspu` (or feddrop) measures partial uploads: the plain device sends its part,
-the secure one a masked vector over the whole model (`agent.learning.central.secure`).
+`--strategy` takes every strategy that runs under `--secure-aggregation` (fedavg, fedavg-ft,
+fedspu, feddrop, fedadam, fedadam-top, fedadam-ssm, fedldf). fedspu (or feddrop) measures
+partial uploads: the plain device sends its part, the secure one a masked vector over the
+whole model (`agent.learning.central.secure`); fedldf likewise its asked layers against the
+whole model; fedadam-top and -ssm their top-k deltas against a masked vector over the union
+of the round's top-k masks, which grows with the fleet. The cryptography's table masks the
+whole vector (for the top-k strategies: more than they mask).
 
 Per fleet size and seed, plain and secure each run twice, interleaved (mnist1d, Dirichlet
 0.5, FedAvg under `--aggregation mean`, agents sharing processes as `coordinator emulate`
@@ -219,8 +223,8 @@ def table(rows: list[dict[str, Any]], strategy: str) -> Table:
     )
     headers = ("agents", "plain round s", "secure round s", f"time x (<= {TIME_TARGET})",
                "plain CPU s", "secure CPU s", "CPU x", "plain B/agent",
-               f"bytes x (<= {BYTES_TARGET})", "30% crash: round s",
-               "its participants")  # fmt: skip
+               f"bytes x (<= {BYTES_TARGET})", "accuracy plain", "accuracy secure",
+               "30% crash: round s", "its participants")  # fmt: skip
     for header in headers:
         out.add_column(header, justify="right")
     for agents in sorted({r["agents"] for r in rows}):
@@ -235,6 +239,8 @@ def table(rows: list[dict[str, Any]], strategy: str) -> Table:
             spread([r["cpu_per_round_s_ratio"] for r in at]),
             spread([r["plain"]["bytes_sent"] for r in at]),
             spread([r["bytes_sent_ratio"] for r in at]),
+            "/".join(f"{r['plain']['mean_accuracy']:.4f}" for r in at),
+            "/".join(f"{r['secure']['mean_accuracy']:.4f}" for r in at),
             spread([r["dropout"]["round_2_s"] for r in at]),
             "/".join(str(r["dropout"]["round_2_participants"]) for r in at),
         )
@@ -251,7 +257,8 @@ def main() -> None:
         "--strategy",
         default="fedavg",
         choices=[s.name for s in TABLE if s.secure_sum],
-        help="fedspu/feddrop: partial uploads, masked over the whole model",
+        help="fedspu/feddrop/fedldf: partial uploads, masked over the whole model; "
+        "fedadam-top/-ssm: masked over the union of the top-k masks",
     )
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench/results/secagg.json")
     args = parser.parse_args()

@@ -8,6 +8,10 @@ uploads from here instead of its `Update`s. Round t (the agents' side:
     shares     collect each member's encrypted `Shares` (U2: who shared with its whole
                neighbourhood in the round's SecAgg+ graph, `protocol.secagg.round_graph`);
                relay to each member of U1 the shares its neighbours addressed to it
+    agree      the round's index set, before anyone masks (`agent.learning.central.secure`):
+               FedLDF collects the sharers' divergence vectors and asks each sharer for its
+               layers (an empty ask included); FedAdam-Top and -SSM collect the sharers'
+               `Support`s and publish their union, the entries every vector covers
     masked     collect the `Masked` vectors (U3: who uploaded); publish the `Survivors`
     check      collect the survivors' signatures on U3 (`Consent`); publish those collected
                in one `Consent` (each survivor reveals only if t of its neighbours and 70%
@@ -29,6 +33,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -38,14 +43,17 @@ from agent.learning.central import secure_dp
 from agent.learning.central.base import Payload
 from agent.learning.central.secure import (
     SUM,
-    part_mean,
-    summed_names,
-    summed_upload,
+    chooses_entries,
+    from_support,
+    layer_parts,
+    round_upload,
+    union,
     vector_length,
 )
 from agent.learning.config import StrategyConfig
-from protocol import Transport, messages, secagg, topics
+from protocol import ProtocolError, Transport, messages, secagg, topics
 from protocol.limits import DEFAULT_LIMITS
+from protocol.masks import pack_mask, unpack_mask
 from protocol.signing import Signer
 
 log = logging.getLogger(__name__)
@@ -53,6 +61,7 @@ log = logging.getLogger(__name__)
 KINDS = {
     "keys": messages.Keys,
     "shares": messages.Shares,
+    "support": messages.Support,
     "masked": messages.Masked,
     "consent": messages.Consent,
     "reveal": messages.Reveal,
@@ -68,6 +77,7 @@ class Intake(Protocol):
     changed: threading.Condition
     offline: set[str]
     asks: dict[tuple[int, str], tuple[int, float]]
+    divergences: dict[tuple[int, str], dict[str, float]]
 
     def decode(self, topic: str, payload: bytes, kind: str) -> Any: ...
 
@@ -98,6 +108,8 @@ class Aggregator(Protocol):
     def expected(self, round_: int, candidates: list[str]) -> list[str]: ...
 
     def answer_downloads(self, round_: int) -> None: ...
+
+    def ask_layers(self, round_: int, requests: Mapping[str, list[str]]) -> None: ...
 
 
 def noised_sum_check(config: StrategyConfig, round_: int, members: int, survivors: int) -> None:
@@ -198,7 +210,10 @@ class SecureRound:
             )
             self._publish("shares", relay, to=member)
         log.debug("round %d: shares of %d relayed", round_, len(server.sharers))
+        asked, support = self._agree(server.sharers)
         length = vector_length(agg.strategy, agg.learner.facts)
+        if support is not None:
+            length = int(support.sum())
         uploaded = self._collect("masked", server.sharers, asked=True)
         masked = {k: v for k in uploaded if (v := self._vector(k, length)) is not None}
         noised_sum_check(agg.learner.facts.config, round_, len(advertised), len(masked))
@@ -211,13 +226,53 @@ class SecureRound:
         reveals = {k: self._reveal_of(k) for k in revealed}
         total, u3 = server.unmask(masked, reveals)
         log.debug("round %d: the sum of %d unmasked", round_, len(u3))
-        mean = secagg.survivor_mean(total, adverts, u3)
-        names = summed_names(agg.strategy, agg.learner.facts)
-        if agg.strategy.downloads:
-            weights = {k: adverts[k].weight for k in u3}
-            mean = part_mean(mean, names, self._parts(u3), weights)
-        weight = sum(adverts[k].weight for k in u3)
-        return u3, {SUM: summed_upload(names, agg.server, mean, weight)}
+        mean = from_support(secagg.survivor_mean(total, adverts, u3), support)
+        weights = {k: adverts[k].weight for k in u3}
+        parts = self._parts(u3, asked)
+        upload = round_upload(agg.strategy, agg.learner.facts, agg.server, mean, weights, parts)
+        return u3, {SUM: upload}
+
+    def _agree(self, sharers: list[str]) -> tuple[dict[str, list[str]] | None, np.ndarray | None]:
+        """The round's index set, agreed before masking: (FedLDF) the layers asked of each
+        sharer, (FedAdam-Top, -SSM) the union of the sharers' supports; None where the
+        strategy has none."""
+        agg = self.aggregator
+        if agg.strategy.asks_layers:
+            return self._ask_layers(sharers), None
+        if chooses_entries(agg.strategy):
+            return None, self._union(sharers)
+        return None, None
+
+    def _ask_layers(self, sharers: list[str]) -> dict[str, list[str]]:
+        """(FedLDF) The sharers' divergence vectors in; each sharer asked for the layers it
+        is among the most divergent of (`CentralStrategy.select`), for none where it is not."""
+        agg = self.aggregator
+        store = agg.intake.divergences
+        sent = self._collect("divergence", sharers, asked=True, store=store)
+        divergences = {k: store[(self.round, k)] for k in sent}
+        selected = agg.strategy.select(agg.learner.facts, divergences) if divergences else {}
+        asked = {k: selected.get(k, []) for k in sharers}
+        agg.ask_layers(self.round, asked)
+        log.debug("round %d: %d sharers asked for layers", self.round, len(asked))
+        return asked
+
+    def _union(self, sharers: list[str]) -> np.ndarray:
+        """(FedAdam-Top, -SSM) The sharers' supports in; their union published. SecAggError
+        when none came."""
+        agg = self.aggregator
+        length = vector_length(agg.strategy, agg.learner.facts)
+        supports = {}
+        for k in self._collect("support", sharers, asked=True):
+            try:
+                supports[k] = unpack_mask(self.stores["support"][(self.round, k)].mask, length)
+            except ProtocolError as exc:
+                agg.intake.reject("support", k, "", exc)
+        if not supports:
+            raise secagg.SecAggError("no sharer said which entries it uploads")
+        agreed = union(supports, length)
+        self._publish("support", messages.Support(**agg.header(self.round), mask=pack_mask(agreed)))
+        log.debug("round %d: union of %d supports sent", self.round, len(supports))
+        return agreed
 
     def _check(self, survivors: list[str], members: int) -> list[str]:
         """The consistency check: the survivors' signatures on their list collected and
@@ -239,19 +294,26 @@ class SecureRound:
         log.debug("round %d: %d signatures on the survivors forwarded", self.round, len(own))
         return list(own)
 
-    def _parts(self, u3: list[str]) -> dict[str, Payload]:
-        """(FedSPU family) The part of the model the aggregator sent each survivor this round,
-        drawn again from the fraction it asked for (`CentralStrategy.download`)."""
+    def _parts(
+        self, u3: list[str], asked: Mapping[str, list[str]] | None
+    ) -> dict[str, Payload] | None:
+        """What each survivor was sent (FedSPU family: drawn again from the fraction it asked
+        for, `CentralStrategy.download`) or asked for (FedLDF: `layer_parts`); None where
+        every survivor covers every entry."""
         agg = self.aggregator
+        facts = agg.learner.facts
+        if asked is not None:
+            return layer_parts(facts, agg.server, {k: asked[k] for k in u3})
+        if not agg.strategy.downloads:
+            return None
         with agg.intake.changed:
-            asked = {k: agg.intake.asks.get((self.round, k)) for k in u3}
-        unknown = sorted(k for k, ask in asked.items() if ask is None)
+            fractions = {k: agg.intake.asks.get((self.round, k)) for k in u3}
+        unknown = sorted(k for k, ask in fractions.items() if ask is None)
         if unknown:
             raise secagg.SecAggError(f"no part was sent to {', '.join(unknown)} this round")
-        facts = agg.learner.facts
         return {
             k: agg.strategy.download(facts, agg.server, k, self.round, ask[1])
-            for k, ask in asked.items()
+            for k, ask in fractions.items()
             if ask is not None
         }
 
@@ -277,10 +339,19 @@ class SecureRound:
         topic = topics.round_topic(agg.fleet, self.round, kind, agg.me, to=to)
         agg.publish(self.round, topic, messages.encode(message, key=agg.key))
 
-    def _collect(self, kind: str, cohort: list[str], *, asked: bool) -> list[str]:
-        """Wait for `kind` from every member of `cohort` still expected (not offline, not
-        stopped); the timeout runs from the first delivery, or from now when `asked`."""
-        agg, store = self.aggregator, self.stores[kind]
+    def _collect(
+        self,
+        kind: str,
+        cohort: list[str],
+        *,
+        asked: bool,
+        store: Mapping[tuple[int, str], Any] | None = None,
+    ) -> list[str]:
+        """Wait for `kind` (in `store`, else the secure stores) from every member of `cohort`
+        still expected (not offline, not stopped); the timeout runs from the first delivery,
+        or from now when `asked`."""
+        agg = self.aggregator
+        store = self.stores[kind] if store is None else store
         intake = agg.intake
         deadline = time.monotonic() + agg.round_timeout_s if asked else math.inf
         while True:

@@ -9,12 +9,15 @@ a member's shares, relays and reveals are among its neighbours in the round's Se
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from agent.report import COORDINATOR, Traffic
 from coordinator.traffic import FLEET, RUN_ID
 from protocol import messages, secagg
+from protocol.masks import pack_mask
 
 KEY_BYTES = 32
 """A raw X25519 public key."""
@@ -36,11 +39,14 @@ def secure_round(
     survivors: Sequence[str],
     length: int,
     traffic: dict[str, Traffic],
+    supports: Mapping[str, np.ndarray] | None = None,
+    union: np.ndarray | None = None,
 ) -> None:
     """Add round `round_`'s secure-aggregation messages to `traffic`: every member's keys and
     shares (to its neighbours), the survivors' masked vectors (`length` values), signatures
     on the survivor list and reveals, the aggregator's key list, relays, survivors list and
-    forwarded signatures."""
+    forwarded signatures; with `supports` (FedAdam-Top, -SSM) each member's `Support` and
+    the aggregator's `union` to every member."""
     header: dict[str, Any] = {"fleet": FLEET, "run_id": RUN_ID, "round": round_}
     coordinator = traffic[COORDINATOR]
     keys = {
@@ -64,6 +70,8 @@ def secure_round(
     )
     graph = secagg.round_graph(secagg.Context(RUN_ID, round_), members)
     coordinator.sent += listed + survived + forward
+    if supports and union is not None:
+        _supports(header, members, supports, union, traffic)
     for k in members:
         neighbours = list(graph[k])
         sealed = [b"\0" * SEALED_BYTES] * len(neighbours)
@@ -89,3 +97,21 @@ def secure_round(
         traffic[k].received += listed + _size(relay) + survived + forward
         coordinator.received += up
         coordinator.sent += _size(relay)
+
+
+def _supports(
+    header: dict[str, Any],
+    members: Sequence[str],
+    supports: Mapping[str, np.ndarray],
+    union: np.ndarray,
+    traffic: dict[str, Traffic],
+) -> None:
+    """Each member's `Support` to the aggregator, and the union it publishes to them all."""
+    agreed = _size(messages.Support(**header, sender=COORDINATOR, mask=pack_mask(union)))
+    coordinator = traffic[COORDINATOR]
+    coordinator.sent += agreed
+    for k in members:
+        size = _size(messages.Support(**header, sender=k, mask=pack_mask(supports[k])))
+        traffic[k].sent += size
+        traffic[k].received += agreed
+        coordinator.received += size

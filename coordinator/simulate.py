@@ -22,8 +22,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from agent.device import Budget
 from agent.device.calibration import measure_costs
 from agent.device.throttle import ENERGY_SOURCE, round_energy
@@ -54,16 +52,7 @@ from agent.learning import (
     settle_votes,
     sparse,
 )
-from agent.learning.central import secure_dp
 from agent.learning.central.participant import Turn, judge
-from agent.learning.central.secure import (
-    SUM,
-    flat_change,
-    part_mean,
-    summed_names,
-    summed_upload,
-    vector_length,
-)
 from agent.learning.central.server import RoundInbox, conclude, gather, participants
 from agent.learning.costs import CostTable
 from agent.learning.reduction import measured_kinds
@@ -83,7 +72,7 @@ from agent.workload import Workload, build_workload, nominal_budgets
 from coordinator.async_rounds import AsynchronousRun
 from coordinator.buffered_sim import BufferedLoop
 from coordinator.ray_backend import BACKENDS, RayTraining, require_ray
-from coordinator.secure_traffic import secure_round
+from coordinator.secure_sim import SecureInProcessInbox, count_traffic
 from coordinator.traffic import CentralTraffic, LocalWire, wire_traffic
 from coordinator.training_pool import (
     FitJob,
@@ -96,7 +85,6 @@ from coordinator.training_pool import (
     when_ready,
 )
 from coordinator.virtual_times import on_virtual_clock
-from protocol import secagg
 from protocol.log_context import agent_scope
 
 if TYPE_CHECKING:
@@ -362,13 +350,12 @@ class Simulation:
             )
             requests, uploads = gather(strategy, self.learner, inbox)
             aggregate, server = conclude(strategy, self.learner, server, uploads, t, cfg.fp16)
-            if cfg.secure_aggregation:  # its messages instead of the uploads (`secure_round`)
+            if isinstance(inbox, SecureInProcessInbox):  # its messages instead of the uploads
                 uploads = {k: Upload(Payload({}), f.num_samples) for k, f in fits.items()}
+                requests = inbox.asked or requests  # FedLDF asks everyone, for nothing too
             traffic = wire.round(t, fits, uploads, downloads, requests, aggregate)
-            if cfg.secure_aggregation:
-                summed = sorted(fits) if aggregate.broadcast.weights else []
-                length = vector_length(strategy, self.learner.facts)
-                secure_round(t, sorted(fits), summed, length, traffic)
+            if isinstance(inbox, SecureInProcessInbox):
+                count_traffic(inbox, traffic)
             for k, fit in fits.items():
                 self._early_stop(k, t, fit.state, fit.train_loss)
             report_round = functools.partial(
@@ -460,63 +447,6 @@ class InProcessInbox:
             )
         fp16 = run.config.learning.fp16
         return {k: Upload(as_sent(u.payload, fp16), u.num_samples) for k, u in sent.items()}
-
-
-@dataclass(frozen=True)
-class SecureInProcessInbox:
-    """A simulated round under `--secure-aggregation` as the server's inbox: the
-    participants' changes masked, summed and unmasked by `protocol.secagg`'s steps in one
-    process (`sum_in_process`, the steps the agents and the aggregator take over MQTT), the
-    round's one upload their weighted mean (`central.secure`; per entry over the parts it
-    sent, `downloads`, for a strategy that sends parts)."""
-
-    run: Simulation
-    strategy: CentralStrategy
-    fits: dict[str, Fit]
-    round: int
-    server: ServerState
-    downloads: Mapping[str, Payload]
-
-    def divergences(self) -> dict[str, dict[str, float]]:
-        return {}
-
-    def uploads(self, requests: Mapping[str, list[str]] | None) -> dict[str, Upload]:
-        names = summed_names(self.strategy, self.run.learner.facts)
-        vectors = {k: flat_change(names, f.upload, self._view(k)) for k, f in self.fits.items()}
-        weights = {k: f.num_samples for k, f in self.fits.items()}
-        if secure_dp.distributed(self.run.config.learning):  # noised, weight 1 each
-            vectors, weights = self._noised(names), dict.fromkeys(self.fits, 1)
-        try:
-            summed = secagg.sum_in_process(secagg.Context("simulate", self.round), vectors, weights)
-        except secagg.SecAggError as exc:
-            log.warning("round %d: no secure sum: %s", self.round, exc)
-            return {}
-        if summed.clipped:
-            log.warning(
-                "round %d: %d changes clipped to the secure sum's range", self.round, summed.clipped
-            )
-        total = sum(weights[k] for k in summed.survivors)
-        mean = summed.mean
-        if self.strategy.downloads:
-            parts = {k: self.downloads[k] for k in summed.survivors}
-            mean = part_mean(mean, names, parts, {k: weights[k] for k in parts})
-        return {SUM: summed_upload(names, self.server, mean, total)}
-
-    def _view(self, agent: str) -> ServerState:
-        """What `agent` trained from: its part as it arrived, else the server's model."""
-        if agent not in self.downloads:
-            return self.server
-        return ServerState(as_sent(self.downloads[agent], self.run.config.learning.fp16).weights)
-
-    def _noised(self, names: list[str]) -> dict[str, np.ndarray]:
-        """Under `--dp client`: each change with its noise share, as the devices mask it."""
-        facts = self.run.learner.facts
-        return {
-            k: secure_dp.private_change(
-                facts, names, f.upload, self.server, k, self.round, len(self.fits)
-            )
-            for k, f in self.fits.items()
-        }
 
 
 def rounds_runner(run: Simulation) -> RoundsRunner:

@@ -245,3 +245,23 @@ def _ef_decode(count: int, size: int, low_blob: object, high_blob: object) -> np
     if positions[-1] >= size or not (positions[1:] > positions[:-1]).all():
         raise ProtocolError("Elias-Fano positions are not strictly increasing below the size")
     return positions
+
+
+def pack_mask(mask: np.ndarray) -> bytes:
+    """A flat bool mask as one msgpack value (`encode_mask`'s smallest encoding), for a
+    message field of its own (`protocol.messages.Support`)."""
+    parts = encode_mask(np.ascontiguousarray(mask, dtype=bool)).parts
+    return b"".join(bytes(p) if isinstance(p, bytes) else p.tobytes() for p in parts)
+
+
+def unpack_mask(data: bytes, size: int) -> np.ndarray:
+    """A `pack_mask` value back to a flat bool mask of `size` entries; ProtocolError if it
+    is not one (checked before the mask is allocated)."""
+    try:
+        obj = msgpack.unpackb(
+            data, raw=False, use_list=True, max_str_len=0, max_bin_len=len(data),
+            max_array_len=4, max_map_len=0, max_ext_len=0,
+        )  # fmt: skip
+    except Exception as exc:  # msgpack raises many types; all mean the same to a receiver
+        raise ProtocolError(f"invalid mask: {type(exc).__name__}: {exc}") from None
+    return decode_mask(obj, size).expand()

@@ -54,6 +54,7 @@ class MessageType(str, Enum):
     LOG = "log"
     KEYS = "keys"
     KEY_LIST = "keylist"
+    SUPPORT = "support"
     SHARES = "shares"
     MASKED = "masked"
     SURVIVORS = "survivors"
@@ -255,6 +256,17 @@ class Shares(Message):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Support(Message):
+    """Secure aggregation over entries agreed before masking (FedAdam-Top and -SSM): the
+    entries of the round's vector a participant's upload covers (its top-k masks), or the
+    aggregator's union of those it collected, over which every participant then masks;
+    a mask in `protocol.masks`' smallest encoding (`protocol.masks.pack_mask`)."""
+
+    TYPE = MessageType.SUPPORT
+    mask: bytes
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Masked(Message):
     """A participant's masked vector: little-endian uint32 ring elements."""
 
@@ -369,6 +381,7 @@ MESSAGE_CLASSES: dict[str, type[Message]] = {
         Keys,
         KeyList,
         Shares,
+        Support,
         Masked,
         Survivors,
         Reveal,

@@ -14,8 +14,9 @@ fl/v1/<fleet>/announce/<agent>            the coordinator asks a live agent to p
                                           presence and status again (`coordinator forget`)
 fl/v1/<fleet>/round/<t>/<kind>/<agent>    model, vote, divergence, update, tally (the
                                           keeper's, retained)
-fl/v1/<fleet>/round/<t>/<kind>/<agent>    secure aggregation: keys, keylist, masked,
-                                          survivors, consent, reveal (`protocol.secagg`)
+fl/v1/<fleet>/round/<t>/<kind>/<agent>    secure aggregation: keys, keylist, support,
+                                          masked, survivors, consent, reveal
+                                          (`protocol.secagg`)
 fl/v1/<fleet>/round/<t>/request/<agent>/<to>  a request, addressed to its target alone
 fl/v1/<fleet>/round/<t>/shares/<agent>/<to>   encrypted secret shares, to the aggregator
                                               or relayed by it to their holder
@@ -36,10 +37,11 @@ from protocol.errors import ProtocolError
 
 PREFIX = "fl/v1"
 ROUND_KINDS = ("model", "vote", "divergence", "request", "update", "tally")
-SECAGG_KINDS = ("keys", "keylist", "masked", "survivors", "consent", "reveal")
-"""Secure aggregation's round messages (`protocol.secagg`): a participant's keys, masked
-vector, signature on the survivors (consent) and reveal; the aggregator's key list,
-survivors and the signatures it forwards (consent) (`shares` are addressed)."""
+SECAGG_KINDS = ("keys", "keylist", "support", "masked", "survivors", "consent", "reveal")
+"""Secure aggregation's round messages (`protocol.secagg`): a participant's keys, the
+entries its vector covers (support: FedAdam-Top and -SSM), masked vector, signature on the
+survivors (consent) and reveal; the aggregator's key list, union of the supports, survivors
+and the signatures it forwards (consent) (`shares` are addressed)."""
 ADDRESSED_KINDS = ("request", "resend", "shares")
 """Round messages addressed to one agent (`round_topic`'s `to`): only their target needs them."""
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")

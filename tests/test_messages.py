@@ -75,6 +75,7 @@ EXAMPLES: list[m.Message] = [
         fleet="lab", sender="pi-1", run_id="r1", round=2, target="coordinator",
         peers=["pi-1", "pi-2"], sealed=[b"s" * 76, b"t" * 76],
     ),
+    m.Support(fleet="lab", sender="pi-1", run_id="r1", round=2, mask=b"\x92\x03\xc4\x01\x05"),
     m.Masked(fleet="lab", sender="pi-1", run_id="r1", round=2, values=b"\x01\x00\x00\x00"),
     m.Survivors(fleet="lab", sender="coordinator", run_id="r1", round=2, survivors=["pi-1"]),
     m.Reveal(

@@ -25,7 +25,11 @@ AGENTS = 4
 
 
 def config(
-    secure: bool = True, rounds: int = 2, agents: int = AGENTS, strategy: str = "fedavg"
+    secure: bool = True,
+    rounds: int = 2,
+    agents: int = AGENTS,
+    strategy: str = "fedavg",
+    **extra: object,
 ) -> ExperimentConfig:
     return ExperimentConfig(
         dataset="mnist1d",
@@ -34,7 +38,12 @@ def config(
         seed=3,
         round_time_s=0.01,
         learning=preset(
-            strategy, rounds=rounds, epochs=1, aggregation="mean", secure_aggregation=secure
+            strategy,
+            rounds=rounds,
+            epochs=1,
+            aggregation="mean",
+            secure_aggregation=secure,
+            **extra,
         ),
     )
 
@@ -128,6 +137,59 @@ def test_a_secure_fedspu_run_aggregates_each_entry_over_the_devices_that_trained
         decoded = secagg.dequantize(np.frombuffer(message.values, dtype="<u4"))
         assert decoded.size == length
         assert np.abs(decoded).mean() > 1.0 and (decoded == 0).mean() < 1e-3
+
+
+@pytest.mark.parametrize(
+    ("strategy", "extra"), [("fedldf", {"ldf_n": 2}), ("fedadam-top", {})], ids=["fedldf", "top"]
+)
+def test_a_secure_run_over_an_agreed_index_set_gives_the_plain_numbers(
+    amqtt_broker, tmp_path: Path, strategy: str, extra: dict
+) -> None:
+    """FedLDF (each device masks its change on the layers it was asked for, after its
+    divergence vector) and FedAdam-Top (each masks its three deltas over the union of the
+    devices' top-k masks, sent before masking): the emulated fleet's numbers are the
+    one-process secure run's and the plain run's within quantization; every upload is noise,
+    of the model's length (FedLDF) or of the round's union, shorter than the model (Top)."""
+    cfg = config(strategy=strategy, **extra)
+    uploads: list[tuple[int, bytes]] = []
+    emulation = Emulation(cfg, amqtt_broker.address, options(tmp_path))
+    spy = MqttTransport(amqtt_broker.address, TransportOptions(client_id="spy"))
+    spy.subscribe(
+        topics.round_topic(emulation.fleet, "+", "masked"),
+        lambda t, p: uploads.append((int(topics.parse(t)[2]["round"]), p)),
+    )
+    spy.start()
+    try:
+        assert spy.wait_subscribed(20.0)
+        emulated = emulation.run()
+    finally:
+        spy.stop()
+    assert emulated["summary"]["failed_agents"] == {}
+    assert emulated["summary"]["stragglers"] == []
+    secure, plain = simulate(cfg), simulate(config(secure=False, strategy=strategy, **extra))
+    assert figures(emulated, "loss") == pytest.approx(figures(secure, "loss"), abs=1e-6)
+    assert figures(emulated, "nonzeros_sent") == figures(secure, "nonzeros_sent")
+    # Simulate counts the index set's messages too (the asks, empty ones included; each
+    # device's support and the union), as the agents send and receive them.
+    for agent in secure["rounds"][0]["agents"]:
+        for key, slack in (("bytes_sent", 1_500), ("bytes_received", 1_000)):
+            got, want = run_bytes(emulated, agent, key), run_bytes(secure, agent, key)
+            assert want <= got <= want + slack * cfg.learning.rounds, (agent, key, got, want)
+    for what in ("loss", "strategy_accuracy"):
+        assert figures(emulated, what) == pytest.approx(figures(plain, what), abs=1e-4)
+    length = secure_length(cfg)
+    assert len(uploads) == AGENTS * cfg.learning.rounds
+    sizes: dict[int, set[int]] = {}
+    for round_, payload in uploads:
+        message = messages.decode(payload)
+        assert isinstance(message, messages.Masked)
+        decoded = secagg.dequantize(np.frombuffer(message.values, dtype="<u4"))
+        sizes.setdefault(round_, set()).add(decoded.size)
+        assert np.abs(decoded).mean() > 1.0 and (decoded == 0).mean() < 1e-3
+    for round_, sized in sizes.items():
+        assert len(sized) == 1, round_  # one index set a round, the same for every device
+        (size,) = sized
+        assert size == length if strategy == "fedldf" else size < length
 
 
 def secure_length(cfg: ExperimentConfig) -> int:

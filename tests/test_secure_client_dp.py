@@ -121,7 +121,7 @@ def test_a_devices_noise_share_is_secret_unless_the_lab_asks_for_seeded_noise() 
     """On a networked device the share comes from the OS's randomness (the fleet seed is the
     coordinator's, which could otherwise draw the share again and subtract it); only
     `--dp-seeded-noise` draws it from the run's seed."""
-    from agent.runtime import centralized
+    from agent.runtime import secure_vector
 
     learner = _learner(dp_clip=0.5, dp_noise=1.0)
     strategy = central_strategy("fedavg")
@@ -132,7 +132,7 @@ def test_a_devices_noise_share_is_secret_unless_the_lab_asks_for_seeded_noise() 
     secret = [
         secure_dp.private_change(
             learner.facts, names, upload, server, "agent-000", 1, 4,
-            generator=centralized.secret_generator(),
+            generator=secure_vector.secret_generator(),
         )
         for _ in range(2)
     ]  # fmt: skip

@@ -301,11 +301,14 @@ class StrategyConfig:
     )
     secure_aggregation: bool = param(
         False,
-        "Secure aggregation (fedavg, fedavg-ft, fedspu, feddrop; the default --aggregation "
-        "becomes the plain mean, as the coordinator sees no single model to screen): each "
-        "device uploads its update masked (fedspu, feddrop: over the whole model, 0 outside "
-        "its part) so that the coordinator learns only the fleet's weighted sum, "
-        "and the round survives 30% of the devices dropping (docs/privacy.md).",
+        "Secure aggregation (the centralized strategies but fedbuff's; the default "
+        "--aggregation becomes the plain mean, as the coordinator sees no single model to "
+        "screen): each device uploads its update masked over an index set agreed before "
+        "masking (fedspu, feddrop: the whole model, 0 outside its part; fedldf: 0 outside the "
+        "layers asked of it; fedadam-top, -ssm: the union of the devices' top-k masks, which "
+        "each sends first) so that the coordinator learns only the fleet's weighted sum and "
+        "that index set, and the round survives 30% of the devices dropping "
+        "(docs/privacy.md).",
     )
 
     dp: str = param(

@@ -70,11 +70,14 @@ class Strategy:
     the server applies every `--buffer-size` updates as they arrive, each weighted by its
     staleness (`agent.learning.central.fedbuff`); its runs go by versions, not rounds."""
     secure_sum: bool = False
-    """`--secure-aggregation` applies: its round is a weighted mean of uploaded models, which
-    the coordinator can take from their masked sum alone (`protocol.secagg`): of whole models,
-    or (FedSPU, federated dropout) per entry over the parts it chose and sent each device
-    (`central.secure.part_mean`). Not FedLDF, whose divergence vectors choose each device's
-    layers in the clear, nor the Adam family, whose devices upload moments, not models."""
+    """`--secure-aggregation` applies: its round is a weighted mean over an index set agreed
+    before masking, which the coordinator can take from the masked sum alone
+    (`protocol.secagg`, `central.secure`): of whole models; per entry over the parts it chose
+    and sent each device (FedSPU, federated dropout) or the layers it asked each for (FedLDF,
+    from divergence vectors sent in the clear); of Adam's three deltas, over the union of the
+    devices' top-k masks, sent before masking, for FedAdam-Top and -SSM. Not FedBuff's
+    buffered versions (its masks would have to cancel over updates arriving at different
+    times: `agent.experiment.check_buffered`)."""
 
     @property
     def centralized(self) -> bool:
@@ -166,7 +169,12 @@ TABLE: tuple[Strategy, ...] = (
         secure_sum=True,
     ),
     Strategy(
-        "fedadam", CENTRAL, "agent.learning.central.fedadam:FedAdam", defaults=_ADAM, adam=True
+        "fedadam",
+        CENTRAL,
+        "agent.learning.central.fedadam:FedAdam",
+        defaults=_ADAM,
+        adam=True,
+        secure_sum=True,
     ),
     Strategy(
         "fedadam-top",
@@ -175,6 +183,7 @@ TABLE: tuple[Strategy, ...] = (
         defaults=_ADAM,
         options=frozenset({"ssm_fraction"}),
         adam=True,
+        secure_sum=True,
     ),
     Strategy(
         "fedadam-ssm",
@@ -183,6 +192,7 @@ TABLE: tuple[Strategy, ...] = (
         defaults=_ADAM,
         options=frozenset({"ssm_fraction"}),
         adam=True,
+        secure_sum=True,
     ),
     Strategy(
         "fedbuff",
@@ -201,7 +211,13 @@ TABLE: tuple[Strategy, ...] = (
         adam=True,
         buffered=True,
     ),
-    Strategy("fedldf", CENTRAL, "agent.learning.central.fedldf:FedLDF", options=_SGD | {"ldf_n"}),
+    Strategy(
+        "fedldf",
+        CENTRAL,
+        "agent.learning.central.fedldf:FedLDF",
+        options=_SGD | {"ldf_n"},
+        secure_sum=True,
+    ),
 )
 """The strategies, in the order help texts and `PRESETS` list them."""
 

@@ -7,12 +7,14 @@ module only moves their payloads. Round t of agent k:
 
     FedSPU family   ask the aggregator for its part (`Request` with fraction = p_k), wait
                     for it on round/t/global/k
-    all             fit; publish the `Update` (FedLDF: only the `Divergence` vector)
+    all             fit; publish the `Update` (FedLDF: only the `Divergence` vector, which
+                    goes first under secure aggregation too)
     FedLDF          answer the aggregator's `Request` for layers with an `Update` of them
     broadcasting    wait for round/t/global, apply it to the view of the server state
     secure          (`--secure-aggregation`) its keys at the round's start, and in place of the
-                    `Update` its masked change and the steps around it
-                    (`agent.runtime.secure_rounds`)
+                    `Update` its masked vector over the round's index set and the steps
+                    around it (`agent.runtime.secure_rounds`, `agent.runtime.secure_vector`;
+                    FedLDF's layers go in it, not in an answer to the request)
 
 A message that does not come is asked for again every `request_every_s`; when the
 aggregator was born again since this round's uploads went out (`coordinator run` restarted
@@ -27,24 +29,20 @@ agent skips the round's training, and without a broadcast any agent keeps the vi
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
-import secrets
 import time
 from typing import Any
-
-import torch
 
 from agent.device import Budget
 from agent.experiment import attackers
 from agent.learning import Fit, Payload, ServerState, Upload, attacked_upload, central_strategy
 from agent.learning.central import secure_dp
 from agent.learning.central.participant import Turn, judge
-from agent.learning.central.secure import flat_change, summed_names
 from agent.report import AgentRound, reported_p_k, reported_sparsity
 from agent.runtime import codec
 from agent.runtime.codec import divergence_message, encode_state, values_sent
 from agent.runtime.secure_rounds import SecureSteps
+from agent.runtime.secure_vector import SecureVector
 from agent.runtime.session import Session
 from agent.workload import compute_slot
 from protocol import ProtocolError, messages, topics
@@ -60,13 +58,6 @@ def run_aggregator(session: Session) -> str:
     if session.run_info.aggregator is None:
         raise ValueError(f"{session.cfg.strategy} is centralized: the run needs an aggregator")
     return session.run_info.aggregator
-
-
-def secret_generator() -> torch.Generator:
-    """A generator seeded from the operating system's randomness: a device's noise share
-    under `--dp client --secure-aggregation`, which nobody else can draw again (the fleet
-    seed is the coordinator's)."""
-    return torch.Generator().manual_seed(secrets.randbits(63))
 
 
 class CentralizedRounds:
@@ -268,24 +259,6 @@ class CentralizedRounds:
         round's broadcast to the view; returns the stragglers (the aggregator, if its
         broadcast never came)."""
         s = self.session
-        if self.secure is not None:
-            names = summed_names(self.strategy, s.learner.facts)
-            change = flat_change(names, fit.upload, trained_from)
-            noised = None
-            if secure_dp.distributed(s.cfg):
-                noised = functools.partial(
-                    secure_dp.private_change,
-                    s.learner.facts,
-                    names,
-                    fit.upload,
-                    trained_from,
-                    s.me,
-                    round_,
-                    generator=None if s.cfg.dp_seeded_noise else secret_generator(),
-                )
-            self.values_sent += self.secure.upload(round_, change, noised)
-        elif fit.upload.weights:
-            self._send(round_, Upload(fit.upload, fit.num_samples))
         if fit.divergence is not None:
             self._upload(
                 round_,
@@ -293,9 +266,17 @@ class CentralizedRounds:
                 divergence_message(**s.header_fields(round_), divergence=fit.divergence, key=s.key),
                 throttled=False,
             )
+        if self.secure is not None:
+            vector = SecureVector(s, self.secure, self.strategy, fit, trained_from, round_)
+            vector.announce()
+            noised = secure_dp.distributed(s.cfg)
+            self.values_sent += self.secure.upload(round_, vector, noised)
+        elif fit.upload.weights:
+            self._send(round_, Upload(fit.upload, fit.num_samples))
         if not self.strategy.broadcasts:
             return []
-        broadcast = self._receive(round_, False, p_k, fit if self.strategy.asks_layers else None)
+        answers = self.strategy.asks_layers and self.secure is None  # else in its masked vector
+        broadcast = self._receive(round_, False, p_k, fit if answers else None)
         if broadcast is None:
             return [self.aggregator]
         self.view = self.strategy.receive(self.view, broadcast)

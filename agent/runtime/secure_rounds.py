@@ -5,12 +5,18 @@ cryptography they move, and `agent.learning.central.secure`, which makes the vec
 
     advertise   at the round's start, before training: its keys and sample count on
                 round/t/keys/k
-    share       (after training) the aggregator's key list U1 on round/t/keylist/<aggregator>,
-                each key checked as its sender signed it; its encrypted shares for its
-                neighbours in the round's graph (derived from the key list) to the
-                aggregator on round/t/shares/k/<aggregator>
+    announce    (FedAdam-Top, -SSM; after training) the entries its upload covers, its
+                top-k masks, on round/t/support/k (FedLDF's divergence vector goes in the
+                clear as in the plain round)
+    share       the aggregator's key list U1 on round/t/keylist/<aggregator>, each key
+                checked as its sender signed it; its encrypted shares for its neighbours in
+                the round's graph (derived from the key list) to the aggregator on
+                round/t/shares/k/<aggregator>
+    agree       the round's index set, where it has one (`agent.runtime.secure_vector`):
+                FedLDF's request for layers (an empty one: none), or the union of the
+                supports on round/t/support/<aggregator>
     mask        the shares U2 sent it, relayed on round/t/shares/<aggregator>/k; its masked
-                change on round/t/masked/k
+                vector over the index set on round/t/masked/k
     check       the survivors U3 on round/t/survivors/<aggregator>; its signature on U3 on
                 round/t/consent/k
     unmask      the survivors' signatures, forwarded on round/t/consent/<aggregator>; its
@@ -33,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from agent.learning.central import secure_dp
-from protocol import ProtocolError, messages, secagg, topics
+from protocol import ProtocolError, masks, messages, secagg, topics
 from protocol.logs import claimed_sender
 
 if TYPE_CHECKING:
@@ -41,8 +47,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Noised = Callable[[int], np.ndarray]
-"""Under `--dp client`: the change to mask, noised for a round of that many members (U1)."""
+Vector = Callable[[int], np.ndarray | None]
+"""The vector to mask, for a round of that many members (U1: under `--dp client` the noise
+share is sized by it), once the round's index set is agreed; None: it has none to mask
+(its index set never came, or leaves out entries it covers)."""
 
 
 class SecureSteps:
@@ -64,7 +72,7 @@ class SecureSteps:
         s.transport.subscribe(
             topics.round_topic(s.fleet, "+", "shares", agg, to=me), self._on_message
         )
-        for kind in ("survivors", "consent"):
+        for kind in ("support", "survivors", "consent"):
             s.transport.subscribe(topics.round_topic(s.fleet, "+", kind, agg), self._on_message)
 
     def _on_message(self, topic: str, payload: bytes) -> None:
@@ -132,10 +140,10 @@ class SecureSteps:
         )
         self._publish(round_, "keys", keys)
 
-    def upload(self, round_: int, change: np.ndarray, noised: Noised | None = None) -> int:
-        """Share, upload the masked `change`, reveal: the values sent (0: left out). Under
-        `--dp client` (`noised`) the change is the noised one for the key list's |U1|, and
-        no reveal goes out for a sum of fewer survivors than its noise is sized for."""
+    def upload(self, round_: int, vector: Vector, noised: bool = False) -> int:
+        """Share, upload the masked `vector`, reveal: the values sent (0: left out). Under
+        `--dp client` (`noised`) no reveal goes out for a sum of fewer survivors than its
+        noise is sized for."""
         client = self.clients.get(round_)
         try:
             if client is None or not self._share(round_, client):
@@ -145,8 +153,9 @@ class SecureSteps:
                 return 0
             client.receive_shares(dict(zip(relayed.peers, relayed.sealed, strict=True)))
             log.debug("round %d: shares of %d members in", round_, len(relayed.peers))
-            if noised is not None:
-                change = noised(len(client.adverts))
+            change = vector(len(client.adverts))
+            if change is None:
+                return 0
             masked, clipped = client.masked(change)
             if clipped:
                 log.warning(
@@ -159,13 +168,30 @@ class SecureSteps:
             survivors = self._wait(round_, "survivors")
             if survivors is None or s.me not in survivors.survivors:
                 return masked.size
-            if noised is not None and not self._noised_enough(round_, survivors.survivors, client):
+            if noised and not self._noised_enough(round_, survivors.survivors, client):
                 return masked.size
             self._reveal(round_, client, survivors.survivors)
             return masked.size
         except secagg.SecAggError as exc:
             log.warning("round %d: secure aggregation without this agent: %s", round_, exc)
             return 0
+
+    def announce(self, round_: int, support: np.ndarray) -> None:
+        """(FedAdam-Top, -SSM) The entries this agent's upload covers, before it masks."""
+        body = messages.Support(**self.session.header(round_), mask=masks.pack_mask(support))
+        self._publish(round_, "support", body)
+
+    def agreed(self, round_: int, length: int) -> np.ndarray | None:
+        """(FedAdam-Top, -SSM) The union of the supports the aggregator sent, over a vector
+        of `length`; None if it never came or is not one."""
+        message = self._wait(round_, "support")
+        if message is None:
+            return None
+        try:
+            return masks.unpack_mask(message.mask, length)
+        except ProtocolError as exc:
+            log.warning("round %d: the aggregator's union of supports: %s", round_, exc)
+            return None
 
     def _reveal(self, round_: int, client: secagg.Client, survivors: list[str]) -> None:
         """The consistency check, then the reveal: this agent's signature on `survivors`

@@ -80,7 +80,7 @@ class FedAdam(CentralStrategy):
             cfg.ssm_fraction,
             self.mode,
         )
-        upload = _moment_payload((dw, w_mask), (dm, m_mask), (dv, v_mask), self.mode)
+        upload = moment_payload((dw, w_mask), (dm, m_mask), (dv, v_mask), self.mode)
         flops = learner.train_flops(None, result.samples)
         return ctx.fitted(result.weights, upload, result.mean_loss, flops, result.dp_steps)
 
@@ -103,9 +103,7 @@ class FedAdam(CentralStrategy):
             adam.apply(server.weights, dw), adam.apply(server.m, dm), adam.apply(server.v, dv)
         )
         support = {n: (dw[n] != 0) | (dm[n] != 0) | (dv[n] != 0) for n in dw}
-        broadcast = _moment_payload(
-            (dw, support), (dm, support), (dv, support), self.broadcast_mode
-        )
+        broadcast = moment_payload((dw, support), (dm, support), (dv, support), self.broadcast_mode)
         return Aggregate(new, broadcast)
 
     def _combine(
@@ -189,7 +187,7 @@ def moment_layout(learner: ModelFacts) -> Layout:
 
 
 def moment_deltas(payload: Payload) -> tuple[State, State, State]:
-    """The zero-filled deltas of weights, first and second moment a `_moment_payload` carries
+    """The zero-filled deltas of weights, first and second moment a `moment_payload` carries
     (in the shared-mask layout the moments' values are scattered back under w's mask)."""
     masks = payload.masks or {}
     names = [n.removeprefix("w:") for n in payload.weights if n.startswith("w:")]
@@ -208,7 +206,7 @@ def moment_deltas(payload: Payload) -> tuple[State, State, State]:
     return out[0], out[1], out[2]
 
 
-def _moment_payload(
+def moment_payload(
     w: tuple[State, Masks], m: tuple[State, Masks], v: tuple[State, Masks], mode: str
 ) -> Payload:
     """The deltas of weights and both moments as one message body. With one shared mask
