@@ -199,7 +199,9 @@ class SecureRound:
             self._publish("shares", relay, to=member)
         log.debug("round %d: shares of %d relayed", round_, len(server.sharers))
         length = vector_length(agg.strategy, agg.learner.facts)
-        uploaded = self._collect("masked", server.sharers, asked=True)
+        # the shares come while the devices train: the masked changes' timeout runs from the
+        # first of them, as a plain round's uploads' does
+        uploaded = self._collect("masked", server.sharers, asked=False)
         masked = {k: v for k in uploaded if (v := self._vector(k, length)) is not None}
         noised_sum_check(agg.learner.facts.config, round_, len(advertised), len(masked))
         self._publish(
