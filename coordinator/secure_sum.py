@@ -214,7 +214,10 @@ class SecureRound:
         length = vector_length(agg.strategy, agg.learner.facts)
         if support is not None:
             length = int(support.sum())
-        uploaded = self._collect("masked", server.sharers, asked=True)
+        # the shares come while the devices train: the first message after training has its
+        # timeout run from the first delivery, as a plain round's uploads do
+        after_agreeing = asked is not None or support is not None
+        uploaded = self._collect("masked", server.sharers, asked=after_agreeing)
         masked = {k: v for k in uploaded if (v := self._vector(k, length)) is not None}
         noised_sum_check(agg.learner.facts.config, round_, len(advertised), len(masked))
         self._publish(
@@ -248,7 +251,7 @@ class SecureRound:
         is among the most divergent of (`CentralStrategy.select`), for none where it is not."""
         agg = self.aggregator
         store = agg.intake.divergences
-        sent = self._collect("divergence", sharers, asked=True, store=store)
+        sent = self._collect("divergence", sharers, asked=False, store=store)
         divergences = {k: store[(self.round, k)] for k in sent}
         selected = agg.strategy.select(agg.learner.facts, divergences) if divergences else {}
         asked = {k: selected.get(k, []) for k in sharers}
@@ -262,7 +265,7 @@ class SecureRound:
         agg = self.aggregator
         length = vector_length(agg.strategy, agg.learner.facts)
         supports = {}
-        for k in self._collect("support", sharers, asked=True):
+        for k in self._collect("support", sharers, asked=False):
             try:
                 supports[k] = unpack_mask(self.stores["support"][(self.round, k)].mask, length)
             except ProtocolError as exc:

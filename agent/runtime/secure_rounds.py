@@ -5,27 +5,30 @@ cryptography they move, and `agent.learning.central.secure`, which makes the vec
 
     advertise   at the round's start, before training: its keys and sample count on
                 round/t/keys/k
+    share       while it trains (a thread started by `advertise`): the aggregator's key list
+                U1 on round/t/keylist/<aggregator>, each key checked as its sender signed
+                it; its encrypted shares for its neighbours in the round's graph (derived
+                from the key list) to the aggregator on round/t/shares/k/<aggregator>
     announce    (FedAdam-Top, -SSM; after training) the entries its upload covers, its
                 top-k masks, on round/t/support/k (FedLDF's divergence vector goes in the
                 clear as in the plain round)
-    share       the aggregator's key list U1 on round/t/keylist/<aggregator>, each key
-                checked as its sender signed it; its encrypted shares for its neighbours in
-                the round's graph (derived from the key list) to the aggregator on
-                round/t/shares/k/<aggregator>
     agree       the round's index set, where it has one (`agent.runtime.secure_vector`):
                 FedLDF's request for layers (an empty one: none), or the union of the
                 supports on round/t/support/<aggregator>
-    mask        the shares U2 sent it, relayed on round/t/shares/<aggregator>/k; its masked
-                vector over the index set on round/t/masked/k
+    mask        the shares U2 sent it, relayed on round/t/shares/<aggregator>/k (mostly in
+                before training ends); its masked vector over the index set on
+                round/t/masked/k
     check       the survivors U3 on round/t/survivors/<aggregator>; its signature on U3 on
                 round/t/consent/k
     unmask      the survivors' signatures, forwarded on round/t/consent/<aggregator>; its
                 reveal on round/t/reveal/k if t of its neighbours and 70% of U1 signed
                 the same U3 (`protocol.secagg.Client.reveal`)
 
-Nothing is sent twice: a step that does not come within the broadcast's patience leaves
-this agent out of the round's sum (the others' sum survives it), and it still waits for
-the broadcast. Handlers only validate and store.
+Sharing while training takes the key list's and the shares' round trips off the end of the
+round: after training come the masked upload, the check and the reveal. Nothing is sent
+twice: a step that does not come within the broadcast's patience leaves this agent out of
+the round's sum (the others' sum survives it), and it still waits for the broadcast.
+Handlers only validate and store.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -65,6 +69,8 @@ class SecureSteps:
         """(round, kind) -> the aggregator's key list, relayed shares, survivors or the
         signatures it forwards."""
         self.clients: dict[int, secagg.Client] = {}
+        self.shared: dict[int, Future[bool]] = {}
+        """round -> whether this agent's shares went out (`_share`, run while it trains)."""
 
     def subscribe(self) -> None:
         s, me, agg = self.session, self.session.me, self.aggregator
@@ -124,10 +130,12 @@ class SecureSteps:
         (s.send if throttled else s.transport.publish)(topic, data)
 
     def advertise(self, round_: int, num_samples: int) -> None:
-        """The round's keys, before training, so the key list is ready when training ends."""
+        """The round's keys, before training; the key list's wait and this agent's shares then
+        go on while it trains, so the relayed shares are in when training ends."""
         s = self.session
         client = secagg.Client(s.me, secagg.Context(s.run_info.run_id, round_))
         self.clients = {round_: client}
+        self.shared = {}
         with self.changed:
             self.received = {k: v for k, v in self.received.items() if k[0] >= round_}
         advert = client.advert(num_samples)
@@ -139,14 +147,30 @@ class SecureSteps:
             sign_key=advert.sign_key,
         )
         self._publish(round_, "keys", keys)
+        self.shared[round_] = self._in_background(round_, client)
+
+    def _in_background(self, round_: int, client: secagg.Client) -> Future[bool]:
+        """`_share` on a thread of its own (a round whose key list never comes must not hold
+        up the next round's), its outcome in the future returned."""
+        shared: Future[bool] = Future()
+
+        def share() -> None:
+            try:
+                shared.set_result(self._share(round_, client))
+            except Exception as exc:  # SecAggError and the like: `upload` raises it
+                shared.set_exception(exc)
+
+        name = f"{self.session.me}-share-{round_}"
+        threading.Thread(target=share, name=name, daemon=True).start()
+        return shared
 
     def upload(self, round_: int, vector: Vector, noised: bool = False) -> int:
-        """Share, upload the masked `vector`, reveal: the values sent (0: left out). Under
-        `--dp client` (`noised`) no reveal goes out for a sum of fewer survivors than its
-        noise is sized for."""
-        client = self.clients.get(round_)
+        """Once the shares are out (sent while training), upload the masked `vector` and
+        reveal: the values sent (0: left out). Under `--dp client` (`noised`) no reveal goes
+        out for a sum of fewer survivors than its noise is sized for."""
+        client, shared = self.clients.get(round_), self.shared.get(round_)
         try:
-            if client is None or not self._share(round_, client):
+            if client is None or shared is None or not shared.result():
                 return 0
             relayed = self._wait(round_, "shares")
             if relayed is None:
