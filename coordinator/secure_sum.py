@@ -175,6 +175,20 @@ class SecureRound:
             return [], {}
 
     def _steps(self) -> tuple[list[str], dict[str, Upload]]:
+        agg = self.aggregator
+        u3, adverts, mean = self.unmasked()
+        names = summed_names(agg.strategy, agg.learner.facts)
+        if agg.strategy.downloads:
+            weights = {k: adverts[k].weight for k in u3}
+            mean = part_mean(mean, names, self._parts(u3), weights)
+        weight = sum(adverts[k].weight for k in u3)
+        return u3, {SUM: summed_upload(names, agg.server, mean, weight)}
+
+    def unmasked(self) -> tuple[list[str], dict[str, secagg.Advert], np.ndarray]:
+        """The round's steps up to the unmasked sum: the survivors U3, the adverts of U1 and
+        the survivors' weighted mean vector (`protocol.secagg.survivor_mean`); SecAggError
+        when the round cannot complete. FedBuff's cohorts (`coordinator.buffered_secure`)
+        take their version from it."""
         agg, round_ = self.aggregator, self.round
         advertised = self._collect("keys", self.candidates, asked=False)
         keys = {k: self.stores["keys"][(round_, k)] for k in advertised}
@@ -211,13 +225,7 @@ class SecureRound:
         reveals = {k: self._reveal_of(k) for k in revealed}
         total, u3 = server.unmask(masked, reveals)
         log.debug("round %d: the sum of %d unmasked", round_, len(u3))
-        mean = secagg.survivor_mean(total, adverts, u3)
-        names = summed_names(agg.strategy, agg.learner.facts)
-        if agg.strategy.downloads:
-            weights = {k: adverts[k].weight for k in u3}
-            mean = part_mean(mean, names, self._parts(u3), weights)
-        weight = sum(adverts[k].weight for k in u3)
-        return u3, {SUM: summed_upload(names, agg.server, mean, weight)}
+        return u3, adverts, secagg.survivor_mean(total, adverts, u3)
 
     def _check(self, survivors: list[str], members: int) -> list[str]:
         """The consistency check: the survivors' signatures on their list collected and

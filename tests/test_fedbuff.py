@@ -158,7 +158,6 @@ def test_a_slow_board_does_not_hold_the_versions_back() -> None:
 @pytest.mark.parametrize(
     ("learning", "message"),
     [
-        ({"secure_aggregation": True}, "--secure-aggregation with fedbuff is not built yet"),
         ({"dp": "client", "max_epsilon": 8.0}, "--max-epsilon with fedbuff is not built yet"),
         ({"early_stop": True}, "--early-stop does not apply to fedbuff"),
         ({"aggregation": "median"}, "leave --aggregation and --clip at their defaults"),

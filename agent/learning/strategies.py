@@ -73,7 +73,8 @@ class Strategy:
     """`--secure-aggregation` applies: its round is a weighted mean of uploaded models, which
     the coordinator can take from their masked sum alone (`protocol.secagg`): of whole models,
     or (FedSPU, federated dropout) per entry over the parts it chose and sent each device
-    (`central.secure.part_mean`). Not FedLDF, whose divergence vectors choose each device's
+    (`central.secure.part_mean`), or (FedBuff) of a cohort's staleness-weighted deltas
+    (`central.secure_buffer`). Not FedLDF, whose divergence vectors choose each device's
     layers in the clear, nor the Adam family, whose devices upload moments, not models."""
 
     @property
@@ -191,6 +192,7 @@ TABLE: tuple[Strategy, ...] = (
         options=_SGD | {"buffer_size", "staleness_weight", "max_staleness"},
         buffered=True,
         client_dp=True,
+        secure_sum=True,
     ),
     Strategy(
         "fedbuff-ssm",
