@@ -12,8 +12,9 @@ devices' side). Cohorts run one at a time; cohort c makes version c:
              (`coordinator.secure_sum.SecureRound`, up to the unmasked mean: survivors of up
              to 30% dropping mid-cohort included)
     apply    the survivors' sum over their number (`fedbuff.Buffer.apply_summed`); a cohort
-             whose sum failed makes a version with the last one's model, as a synchronous
-             secure round that fails keeps its model
+             whose sum failed, or left fewer than `MIN_COHORT` survivors, makes a version
+             with the last one's model, as a synchronous secure round that fails keeps its
+             model
     publish  the version, retained on round/latest/global (`coordinator.buffered`)
 
 A device left out of a closed cohort sees its key list without it (or the version out) and
@@ -139,5 +140,8 @@ class CohortServer:
         except secagg.SecAggError as exc:
             log.warning("cohort %d: no secure sum (%s): the version keeps the model", cohort, exc)
             return [], None
-        took = [(k, cohort - 1 - bases[k]) for k in u3]
-        return took, cohort_sum(self.names, self.buffer.server.weights, mean, len(u3))
+        summed = cohort_sum(self.names, self.buffer.server.weights, mean, len(u3))
+        if summed is None:
+            log.warning("cohort %d: %d survivors: the version keeps the model", cohort, len(u3))
+            return [], None
+        return [(k, cohort - 1 - bases[k]) for k in u3], summed

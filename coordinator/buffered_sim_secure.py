@@ -76,7 +76,7 @@ class SecureLoop(BufferedLoop):
             )
         except secagg.SecAggError as exc:
             log.warning("cohort %d: no secure sum: %s", cohort, exc)
-            survivors, total = [], None
+            uploaded, survivors, total = [], [], None
         else:
             if summed.clipped:
                 log.warning(
@@ -84,11 +84,12 @@ class SecureLoop(BufferedLoop):
                     cohort,
                     summed.clipped,
                 )
-            survivors = summed.survivors
             like = self.buffer.server.weights
-            total = cohort_sum(self.names, like, summed.mean, len(survivors))
+            total = cohort_sum(self.names, like, summed.mean, len(summed.survivors))
+            uploaded = summed.survivors
+            survivors = uploaded if total is not None else []
         version = self.buffer.apply_summed([(k, stale[k]) for k in survivors], total)
-        secure_round(cohort, sorted(stale), survivors, self.length, self.spent)
+        secure_round(cohort, sorted(stale), uploaded, self.length, self.spent)
         for k, flying, s in members:
             self.settle(k, flying, at, s)
         self.go_on([k for k, _, _ in members], at)

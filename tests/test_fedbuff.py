@@ -10,7 +10,8 @@ import torch
 
 from agent.experiment import ExperimentConfig
 from agent.learning import Payload, ServerState, Upload, preset
-from agent.learning.central.fedbuff import Buffer, ClientNoise, FedBuff, buffer_size
+from agent.learning.buffering import buffer_size
+from agent.learning.central.fedbuff import Buffer, ClientNoise, FedBuff
 from agent.learning.staleness import staleness_weight
 from coordinator.simulate import simulate
 

@@ -57,7 +57,8 @@ def secure_version(
     weights = dict.fromkeys(vectors, MEMBER_WEIGHT)
     summed = secagg.sum_in_process(context, vectors, weights, drop_after_shares=dropped)
     total = cohort_sum(NAMES, buffer.server.weights, summed.mean, len(summed.survivors))
-    buffer.apply_summed([(k, stale[k]) for k in summed.survivors], total)
+    took = [(k, stale[k]) for k in summed.survivors] if total is not None else []
+    buffer.apply_summed(took, total)
     return summed.survivors
 
 
@@ -96,6 +97,17 @@ def test_a_cohort_that_lost_a_member_applies_the_survivors_mean() -> None:
         plain.offer(k, updates[k][0], 0)
     assert plain.version == secure.version == 1
     assert_within_quantization(plain, secure, 3)
+
+
+def test_a_cohort_left_with_two_survivors_keeps_the_model() -> None:
+    """Two survivors would each learn the other's update from the version (they know their
+    own): the version is the last one's model, as when a cohort's sum fails."""
+    _, secure = buffers(3)
+    before = secure.server
+    updates = {k: (trained(secure, 0, i), 0) for i, k in enumerate("abc")}
+    assert secure_version(secure, updates, dropped=("c",)) == ["a", "b"]
+    assert secure.version == 1 and secure.applied == [[]]
+    assert secure.server is before
 
 
 def test_under_secure_aggregation_the_automatic_k_is_at_least_three() -> None:

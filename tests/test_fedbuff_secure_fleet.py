@@ -30,7 +30,7 @@ EPOCHS = 20
 a device is caught in the middle of its next one, which it uploads late when it wakes."""
 
 
-def config(agents: int, versions: int, epochs: int = 1) -> ExperimentConfig:
+def config(agents: int, versions: int, epochs: int = 1, buffer_size: int = 3) -> ExperimentConfig:
     return ExperimentConfig(
         dataset="digits",
         agents=agents,
@@ -39,7 +39,7 @@ def config(agents: int, versions: int, epochs: int = 1) -> ExperimentConfig:
             "fedbuff",
             rounds=versions,
             epochs=epochs,
-            buffer_size=3,
+            buffer_size=buffer_size,
             max_staleness=versions,
             secure_aggregation=True,
         ),
@@ -110,11 +110,12 @@ def cfg_roster(report: dict) -> list[str]:
 def test_a_device_killed_mid_cohort_does_not_stop_its_version(
     amqtt_broker, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Of four devices (K = 3), the first member of cohort 2 to send its shares is killed
-    then: its masks are removed with its key, rebuilt from the others' shares, and version 2
-    is the other two members' mean; the three left make the rest."""
+    """Of five devices (K = 4: three survivors, the fewest a version takes), the first
+    member of cohort 2 to send its shares is killed then: its masks are removed with its
+    key, rebuilt from the others' shares, and version 2 is the other three members' mean;
+    the four left make the rest."""
     caplog.set_level(logging.INFO, logger="coordinator.buffered")
-    cfg = config(agents=4, versions=4)
+    cfg = config(agents=5, versions=4, buffer_size=4)
     emulation = Emulation(cfg, amqtt_broker.address, options(tmp_path))
     killed: list[str] = []
 
@@ -138,8 +139,8 @@ def test_a_device_killed_mid_cohort_does_not_stop_its_version(
     versions = applied(caplog)
     assert [v for v, _ in versions] == [1, 2, 3, 4]
     second = [k for k, _ in versions[1][1]]
-    assert len(second) == 2 and killed[0] not in second
-    assert all(len(took) == 3 and killed[0] not in dict(took) for _, took in versions[2:])
+    assert len(second) == 3 and killed[0] not in second
+    assert all(len(took) == 4 and killed[0] not in dict(took) for _, took in versions[2:])
 
 
 def test_a_sleeping_devices_late_update_is_taken_with_its_staleness(

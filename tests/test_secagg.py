@@ -278,7 +278,7 @@ def test_a_member_reveals_once_and_never_both_secrets_of_one_member() -> None:
     ("options", "refusal"),
     [
         ({"strategy": "dispfl"}, "is for the centralized strategies .* each neighbour receives"),
-        ({"strategy": "fedldf"}, "built for .*feddrop; fedldf's divergence vectors choose"),
+        ({"strategy": "fedldf"}, "built for .*fedbuff; fedldf's divergence vectors choose"),
         ({"strategy": "fedadam"}, "built for .*; fedadam's devices upload Adam's moments"),
         ({"strategy": "fedadam-ssm"}, "fedadam-ssm's devices upload Adam's moments"),
         ({"strategy": "fedavg", "aggregation": "median"}, "needs --aggregation mean and no"),

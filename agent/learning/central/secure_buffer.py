@@ -20,14 +20,18 @@ their number (the plain rule's K, over those whose update the sum holds:
     x_c = x_{c-1} + (1 / |U3|) sum_{U3} w(s_i) (y_i - x_{b_i})
 
 which is the plain buffer's version from the same updates, within the ring's quantization
-(`protocol.secagg.quantization_bound`). Each member advertises weight 1 (FedBuff's mean is
-unweighted): the ring scales its vector by 1/|U1| and the survivor mean undoes it.
+(`protocol.secagg.quantization_bound`). A cohort needs `MIN_COHORT` (3) members, and as many
+survivors for its sum to count: a member learns the sum of the others' updates from the
+version its cohort makes (it knows its own), which for two is the other's update. Each
+member advertises weight 1 (FedBuff's mean is unweighted): the ring scales its vector by
+1/|U1| and the survivor mean undoes it.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from agent.learning.buffering import MIN_COHORT
 from agent.learning.central.base import Payload, ServerState
 from agent.learning.central.secure import flat_change, unflattened
 from agent.learning.sparse import State
@@ -48,8 +52,12 @@ def member_change(
 
 def cohort_sum(
     names: list[str], like: State, survivor_mean: np.ndarray, survivors: int
-) -> ServerState:
+) -> ServerState | None:
     """The sum of what the `survivors` masked, as the buffer applies it
     (`fedbuff.Buffer.apply_summed`), from the ring's mean over them
-    (`protocol.secagg.survivor_mean`, each of weight `MEMBER_WEIGHT`), shaped as `like`."""
+    (`protocol.secagg.survivor_mean`, each of weight `MEMBER_WEIGHT`), shaped as `like`.
+    None below `MIN_COHORT` survivors: each would learn the other's update from the version
+    (it knows its own), so the version keeps the model, as a cohort whose sum failed."""
+    if survivors < MIN_COHORT:
+        return None
     return ServerState(unflattened(names, like, survivor_mean * survivors))
