@@ -15,8 +15,9 @@ the secure run's virtual seconds to the plain run's final accuracy against the p
 bytes a device sent per update the versions took (keys, shares, masked vector, signature and
 reveal against one upload) and the mean staleness. `--emulate N` adds, for the first seed,
 one emulated run of each with N versions over an embedded broker (`--broker`): seconds per
-version after the first (the round logs), bytes per update, final accuracy, and the load
-average while it ran.
+version after the first (the round logs), the wall seconds after version 1 until the fleet
+first reached the plain run's final accuracy, bytes per update, final accuracy, and the
+load average once it ended.
 
 The fleet is every bundled board in turn (`--profiles mixed`: from a Raspberry Pi 4 to an x86
 laptop), always online. FedAvg runs `--rounds` synchronous rounds; a round lasts as long as

@@ -101,10 +101,20 @@ def emulated(args: argparse.Namespace, dataset: str, seed: int, secure: bool) ->
         "wall_s": wall,
         "seconds_per_version": steady_round_s(ends),
         "accuracy": mean_accuracy(report["rounds"][-1]),
+        "curve": [
+            (ends[r["round"]] - ends[min(ends)], mean_accuracy(r))
+            for r in report["rounds"]
+            if r["round"] in ends
+        ],
         "bytes_per_update": per_update_bytes(report, size, secure),
         "failed": report["summary"]["failed_agents"],
         "load_average": os.getloadavg(),
     }
+
+
+def seconds_to(curve: list[tuple[float, float]], target: float) -> float | None:
+    """The seconds (after the first version) at which `curve` first reaches `target`."""
+    return next((at for at, accuracy in curve if accuracy >= target), None)
 
 
 def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> Table:
@@ -142,16 +152,21 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> Table:
 
 
 def emulated_table(runs: list[dict[str, Any]]) -> Table:
-    out = Table(title="one emulated run each (embedded broker, this machine)")
-    for column in ("kind", "versions", "s/version", "wall s", "acc", "B/update", "load avg"):
+    out = Table(
+        title="one emulated run each (embedded broker, this machine; seconds after version 1)"
+    )
+    columns = ("kind", "versions", "s/version", "wall s", "s to plain acc", "acc", "B/update")
+    for column in (*columns, "load avg"):
         out.add_column(column)
+    target = runs[0]["accuracy"]
     for run in runs:
-        per_version = run["seconds_per_version"]
+        per_version, reached = run["seconds_per_version"], seconds_to(run["curve"], target)
         out.add_row(
             run["kind"],
             str(run["versions"]),
             "-" if per_version is None else f"{per_version:.2f}",
             f"{run['wall_s']:.0f}",
+            "never" if reached is None else f"{reached:.1f}",
             f"{run['accuracy']:.3f}",
             f"{run['bytes_per_update']:.0f}",
             " ".join(f"{x:.1f}" for x in run["load_average"]),

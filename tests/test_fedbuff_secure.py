@@ -87,9 +87,10 @@ def test_a_secure_cohort_makes_the_plain_buffers_version_within_quantization() -
 
 
 def test_a_cohort_that_lost_a_member_applies_the_survivors_mean() -> None:
-    """One of four members gone after sharing its keys: the version is the plain rule over
-    the three whose update the sum holds (FedBuff's 1/K over the survivors)."""
+    """One of four members (K = 4) gone after sharing its keys: the version is the plain
+    rule over the three whose update the sum holds (FedBuff's 1/K over the survivors)."""
     plain, secure = buffers(3)
+    secure.size = 4
     updates = {k: (trained(plain, 0, i), 0) for i, k in enumerate("abcd")}
     survivors = secure_version(secure, updates, dropped=("c",))
     assert survivors == ["a", "b", "d"]
