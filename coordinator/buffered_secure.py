@@ -125,7 +125,7 @@ class CohortServer:
                 left = deadline - time.monotonic()
                 if len(joined) >= size or (len(joined) >= MIN_COHORT and left <= 0):
                     return joined[:size]
-                agg.intake.changed.wait(min(max(left, 0.0), 0.2))
+                agg.intake.changed.wait(min(left, 0.2) if left > 0 else 0.2)
         return None
 
     def _sum(

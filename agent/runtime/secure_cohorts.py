@@ -108,7 +108,8 @@ class SecureCohorts:
                 self._wait_for(cohort)
                 return Joined(cohort, staleness, sent)
             cohort = max(cohort, self.held()) + 1
-        return Joined(cohort, cohort - 1 - base)
+        last = min(cohort, cfg.rounds)  # the run is over: no cohort is left to try
+        return Joined(last, last - 1 - base)
 
     def _wait_for(self, version: int) -> None:
         """Until `version` (its cohort's) is held, or the patience passed."""
