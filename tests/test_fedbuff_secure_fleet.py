@@ -192,3 +192,33 @@ def test_a_sleeping_devices_late_update_is_taken_with_its_staleness(
     assert all(len({k for k, _ in took}) == 3 for _, took in versions)
     report = result["report"]
     assert report["summary"]["failed_agents"] == {}
+
+
+def test_a_fleet_left_with_fewer_than_k_devices_still_makes_versions(
+    amqtt_broker, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Of four devices (K = 4), one killed once version 1 is out: no cohort can fill, so
+    each closes a round timeout after its first member with the three left."""
+    caplog.set_level(logging.INFO, logger="coordinator.buffered")
+    cfg = config(agents=4, versions=3, buffer_size=4)
+    emulation = Emulation(cfg, amqtt_broker.address, options(tmp_path, round_timeout_s=5))
+    thread, result = run_in_background(emulation)
+    try:
+        deadline = time.monotonic() + 120
+        while not applied(caplog):
+            assert time.monotonic() < deadline, "no first version"
+            time.sleep(0.05)
+        emulation.processes["agent-003"].send_signal(signal.SIGKILL)
+        thread.join(240)
+        assert not thread.is_alive() and "error" not in result, result.get("error")
+    finally:
+        for process in emulation.processes.values():
+            if process.poll() is None:
+                process.kill()
+        thread.join(60)
+    versions = applied(caplog)
+    assert [v for v, _ in versions] == [1, 2, 3]
+    assert len(versions[0][1]) == 4
+    assert [sorted(k for k, _ in took) for _, took in versions[1:]] == [
+        ["agent-000", "agent-001", "agent-002"]
+    ] * 2
