@@ -15,6 +15,7 @@ from agent.data import PYTHON_SOURCE
 from agent.device.availability import SPEC_SYNTAX, FleetAvailability, Pattern
 from agent.learning import robust_rules
 from agent.learning.asynchronous import ASYNCHRONOUS_STRATEGIES
+from agent.learning.buffering import MIN_COHORT, buffer_size
 from agent.learning.config import (
     BATCHNORM_MODES,
     DECENTRALIZED,
@@ -374,11 +375,7 @@ def check_buffered(config: ExperimentConfig) -> None:
         return
     name = cfg.strategy
     if cfg.secure_aggregation:
-        raise ValueError(
-            f"--secure-aggregation with {name} is not built yet: buffered secure aggregation "
-            "(masks that cancel over a buffer of updates arriving at different times) is "
-            "future work (docs/asynchronous.md)"
-        )
+        check_secure_cohorts(config)
     if cfg.max_epsilon is not None:
         raise ValueError(
             f"--max-epsilon with {name} is not built yet: its devices would stop at different "
@@ -399,6 +396,36 @@ def check_buffered(config: ExperimentConfig) -> None:
         raise ValueError(
             f"--early-stop does not apply to {name}: its run ends when the server has applied "
             "--rounds versions"
+        )
+
+
+def check_secure_cohorts(config: ExperimentConfig) -> None:
+    """FedBuff under `--secure-aggregation` (`agent.learning.central.secure_buffer`): a cohort
+    of K distinct devices a version, K at least `MIN_COHORT`; one clear sentence for what it
+    does not take."""
+    cfg = config.learning
+    name = cfg.strategy
+    if strategy(name).adam:
+        raise ValueError(
+            f"--secure-aggregation with {name} is not built: its devices upload Adam's "
+            "moments beside the weights, and its versions are whole states, not a mean of "
+            "models (fedbuff takes it)"
+        )
+    if cfg.dp == DP_CLIENT:
+        raise ValueError(
+            f"--dp client with --secure-aggregation is not built for {name}: its noise would "
+            "have to be shared among each cohort's members (fedavg takes both)"
+        )
+    size = buffer_size(cfg.buffer_size, config.agents, secure=True)
+    if size < MIN_COHORT:
+        raise ValueError(
+            f"--buffer-size {size} with --secure-aggregation: a member of a cohort of K learns "
+            f"the sum of the other K - 1 updates, so K must be at least {MIN_COHORT}"
+        )
+    if size > config.agents:
+        raise ValueError(
+            f"--secure-aggregation with {name} runs cohorts of K = {size} distinct devices "
+            f"(--buffer-size, at least {MIN_COHORT}); the fleet has {config.agents}"
         )
 
 
@@ -555,7 +582,7 @@ def check_secure_aggregation(config: ExperimentConfig) -> None:
 
 def _unsummed(name: str) -> str:
     """Why strategy `name`'s round cannot be taken from a masked sum, in a few words: the
-    built strategies left out are FedBuff's (`check_buffered` says why first), so this is a
+    built strategy left out is FedBuff-SSM (`check_buffered` says why first), so this is a
     user's strategy, whose round the coordinator cannot know to be a weighted mean."""
     return f"{name}'s round is not known to be a weighted mean of what its devices upload"
 

@@ -86,7 +86,7 @@ def asynchronous_rounds(pair: str, args: argparse.Namespace) -> int:
     (FedBuff: versions of K updates each)."""
     if pair != "fedavg":
         return args.factor * args.rounds
-    from agent.learning.central.fedbuff import buffer_size
+    from agent.learning.buffering import buffer_size
 
     return args.factor * args.rounds * args.agents // buffer_size(0, args.agents)
 

@@ -2,10 +2,22 @@
 
     python -m bench.fedbuff [--datasets digits,mnist1d] [--agents 12] [--rounds 10]
         [--seeds 1,2,3] [--pair fedavg,fedbuff] [--epochs 1] [--out bench/results/fedbuff.json]
+    python -m bench.fedbuff --secure [--emulate VERSIONS] [--broker embedded] ...
 
 `--pair fedadam-ssm,fedbuff-ssm` measures FedBuff-SSM against synchronous FedAdam-SSM the
 same way (give the FedAdam family its ~30 local steps: 12 devices on digits hold about one
 batch each, so `--epochs 30`).
+
+`--secure` measures FedBuff under secure aggregation (cohorts of K devices, each version one
+secure sum: `agent.learning.central.secure_buffer`) against plain FedBuff instead, both with
+the versions that make twice FedAvg's updates, on the same fleet: each one's final accuracy,
+the secure run's virtual seconds to the plain run's final accuracy against the plain run's,
+bytes a device sent per update the versions took (keys, shares, masked vector, signature and
+reveal against one upload) and the mean staleness. `--emulate N` adds, for the first seed,
+one emulated run of each with N versions over an embedded broker (`--broker`): seconds per
+version after the first (the round logs), the wall seconds after version 1 until the fleet
+first reached the plain run's final accuracy, bytes per update, final accuracy, and the
+load average once it ended.
 
 The fleet is every bundled board in turn (`--profiles mixed`: from a Raspberry Pi 4 to an x86
 laptop), always online. FedAvg runs `--rounds` synchronous rounds; a round lasts as long as
@@ -33,7 +45,7 @@ from rich.table import Table
 
 from agent.experiment import ExperimentConfig, agent_profiles
 from agent.learning import preset
-from agent.learning.central.fedbuff import buffer_size
+from agent.learning.buffering import buffer_size
 from bench.support import environment, seeds, write_json
 from coordinator.simulate import simulate
 from coordinator.virtual_clock import VirtualClock
@@ -42,7 +54,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def config(
-    dataset: str, agents: int, seed: int, strategy: str, rounds: int, epochs: int
+    dataset: str,
+    agents: int,
+    seed: int,
+    strategy: str,
+    rounds: int,
+    epochs: int,
+    secure: bool = False,
 ) -> ExperimentConfig:
     return ExperimentConfig(
         dataset=dataset,
@@ -50,7 +68,7 @@ def config(
         seed=seed,
         partition="dirichlet:0.5",
         profiles="mixed",
-        learning=preset(strategy, rounds=rounds, epochs=epochs),
+        learning=preset(strategy, rounds=rounds, epochs=epochs, secure_aggregation=secure),
     )
 
 
@@ -150,8 +168,18 @@ def main() -> None:
     parser.add_argument("--seeds", default="1,2,3")
     parser.add_argument("--pair", default="fedavg,fedbuff", help="SYNCHRONOUS,BUFFERED")
     parser.add_argument("--epochs", type=int, default=1)
-    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench/results/fedbuff.json")
+    parser.add_argument("--out", type=pathlib.Path, default=None)
+    parser.add_argument("--secure", action="store_true", help="secure against plain fedbuff")
+    parser.add_argument("--emulate", type=int, default=0, help="--secure: VERSIONS emulated")
+    parser.add_argument("--broker", default="embedded", help="embedded, mosquitto or HOST:PORT")
     args = parser.parse_args()
+    name = "fedbuff-secure.json" if args.secure else "fedbuff.json"
+    args.out = args.out or ROOT / "bench/results" / name
+    if args.secure:
+        from bench.fedbuff_secure import compare  # it imports this module
+
+        compare(args)
+        return
     sync_name, buffered_name = args.pair.split(",")
     rows = []
     for dataset in args.datasets.split(","):

@@ -47,6 +47,7 @@ from agent.runtime import checkpoint, decode_upload, encode_state, expected_shap
 from agent.runtime.inbox import ROUNDS_AHEAD
 from agent.workload import build_workload
 from coordinator.buffered import BufferedServer, Run
+from coordinator.buffered_secure import CohortServer
 from coordinator.secure_sum import SecureIntake, SecureRound
 from protocol import ProtocolError, Transport, messages, topics
 from protocol.limits import DEFAULT_LIMITS, run_limits
@@ -518,8 +519,9 @@ class Aggregator:
             self.error = exc
 
 
-def buffered_server(agg: Aggregator) -> BufferedServer | None:
-    """FedBuff's server for the aggregator's run (`coordinator.buffered`); None for another
+def buffered_server(agg: Aggregator) -> BufferedServer | CohortServer | None:
+    """FedBuff's server for the aggregator's run (`coordinator.buffered`; under
+    `--secure-aggregation` its cohorts, `coordinator.buffered_secure`); None for another
     strategy."""
     if not agg.learner.traits.buffered:
         return None
@@ -527,7 +529,18 @@ def buffered_server(agg: Aggregator) -> BufferedServer | None:
         agg.fleet, agg.run_id, agg.roster, agg.config, agg.learner, agg.strategy, agg.transport,
         agg.key, agg.stop, agg.header,
     )  # fmt: skip
-    return BufferedServer(run, agg.server)
+    plain = BufferedServer(run, agg.server)
+    if agg.secure_intake is None:
+        return plain
+    return CohortServer(agg, plain, functools.partial(open_record, agg))
+
+
+def open_record(agg: Aggregator, round_: int) -> None:
+    """A record for `round_` (a secure cohort's) from its start, so that its messages'
+    traffic counts in it (`Aggregator.publish`)."""
+    with agg._changed:
+        if agg._record(round_) is None:
+            agg.records.append(AggregatorRecord(round_, [], []))
 
 
 def restore_buffer(agg: Aggregator, saved: dict[str, Any] | None) -> None:
@@ -542,7 +555,14 @@ def applied(
     """FedBuff: a version is out (`BufferedServer`): its record, the server's new state,
     kept at `state_path` with the buffer (a restarted coordinator goes on from it)."""
     with agg._changed:
-        agg.records.append(AggregatorRecord(version, senders, [], traffic))
+        record = agg._record(version)
+        if record is None:  # a plain buffer's version: no record opened before it
+            record = AggregatorRecord(version, [], [])
+            agg.records.append(record)
+        record.participants = senders
+        record.traffic.sent += traffic.sent
+        record.traffic.received += traffic.received
+        record.traffic.nonzeros_sent += traffic.nonzeros_sent
         agg.server = server
     agg._save(version)
 

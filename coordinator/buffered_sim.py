@@ -137,20 +137,34 @@ class BufferedLoop:
         update started (unless the run is over); the version it made the server apply."""
         run, flying = self.run, self.flying.pop(k)
         fit = flying.fit
-        run.states[k] = fit.state
         fp16 = run.config.learning.fp16
         offer = self.buffer.offer(
             k, Upload(as_sent(fit.upload, fp16), fit.num_samples), flying.base
         )
         self.spent[k].sent += flying.sent
         self.spent[COORDINATOR].received += flying.sent
+        self.settle(k, flying, at, offer.staleness)
+        self.go_on([k], at)
+        return offer.version
+
+    def go_on(self, agents: list[str], at: float) -> None:
+        """`agents` start their next update at `at`, unless the run is over."""
+        if self.buffer.version < self.run.config.learning.rounds:
+            self.start(agents, at)
+
+    def settle(self, k: str, flying: InFlight, at: float, staleness: int) -> None:
+        """Agent k's update, taken `staleness` versions stale (or dropped), is its latest
+        record, judged on its data against the server's model now; its state, the model it
+        keeps."""
+        run, fit = self.run, flying.fit
+        run.states[k] = fit.state
         state, judged = judge(self.strategy, run.learner, fit, self.buffer.server, run.data[k])
         record = AgentRound.of_fit(
             flying.turn,
             fit,
             judged,
             run.learner.traits.budgets,
-            staleness=offer.staleness,
+            staleness=staleness,
             finished_at=round(at, 6),
         )
         if k in run.profiles:  # its board's energy model, as `simulate.with_energy`
@@ -160,9 +174,6 @@ class BufferedLoop:
             record.energy_source = ENERGY_SOURCE
         self.latest[k] = self._entry(record)
         run.states[k] = state
-        if self.buffer.version < run.config.learning.rounds:
-            self.start([k], at)
-        return offer.version
 
     def _entry(self, record: AgentRound) -> dict[str, Any]:
         entry = record.report_entry()

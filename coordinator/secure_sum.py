@@ -176,6 +176,8 @@ class SecureRound:
         self.intake = aggregator.secure_intake
         self.stores = self.intake.stores
         self.context = secagg.Context(aggregator.run_id, round_)
+        self.asked: dict[str, list[str]] | None = None
+        """(FedLDF) The layers asked of each sharer, once agreed (`_agree`)."""
 
     def gather(self) -> tuple[list[str], dict[str, Upload]]:
         """The survivors whose vectors the sum holds, and the round's one upload (none if the
@@ -187,6 +189,19 @@ class SecureRound:
             return [], {}
 
     def _steps(self) -> tuple[list[str], dict[str, Upload]]:
+        agg = self.aggregator
+        u3, adverts, mean = self.unmasked()
+        weights = {k: adverts[k].weight for k in u3}
+        parts = self._parts(u3, self.asked)
+        upload = round_upload(agg.strategy, agg.learner.facts, agg.server, mean, weights, parts)
+        return u3, {SUM: upload}
+
+    def unmasked(self) -> tuple[list[str], dict[str, secagg.Advert], np.ndarray]:
+        """The round's steps up to the unmasked sum: the survivors U3, the adverts of U1 and
+        the survivors' weighted mean vector over the whole model (`protocol.secagg.
+        survivor_mean`, spread from the agreed support where there is one); SecAggError
+        when the round cannot complete. FedBuff's cohorts (`coordinator.buffered_secure`)
+        take their version from it."""
         agg, round_ = self.aggregator, self.round
         advertised = self._collect("keys", self.candidates, asked=False)
         keys = {k: self.stores["keys"][(round_, k)] for k in advertised}
@@ -211,6 +226,7 @@ class SecureRound:
             self._publish("shares", relay, to=member)
         log.debug("round %d: shares of %d relayed", round_, len(server.sharers))
         asked, support = self._agree(server.sharers)
+        self.asked = asked
         length = vector_length(agg.strategy, agg.learner.facts)
         if support is not None:
             length = int(support.sum())
@@ -230,10 +246,7 @@ class SecureRound:
         total, u3 = server.unmask(masked, reveals)
         log.debug("round %d: the sum of %d unmasked", round_, len(u3))
         mean = from_support(secagg.survivor_mean(total, adverts, u3), support)
-        weights = {k: adverts[k].weight for k in u3}
-        parts = self._parts(u3, asked)
-        upload = round_upload(agg.strategy, agg.learner.facts, agg.server, mean, weights, parts)
-        return u3, {SUM: upload}
+        return u3, adverts, mean
 
     def _agree(self, sharers: list[str]) -> tuple[dict[str, list[str]] | None, np.ndarray | None]:
         """The round's index set, agreed before masking: (FedLDF) the layers asked of each

@@ -70,7 +70,7 @@ from agent.report import (
 from agent.time_to_target import with_time_to_target
 from agent.workload import Workload, build_workload, nominal_budgets
 from coordinator.async_rounds import AsynchronousRun
-from coordinator.buffered_sim import BufferedLoop
+from coordinator.buffered_sim_secure import buffered_loop
 from coordinator.ray_backend import BACKENDS, RayTraining, require_ray
 from coordinator.secure_sim import SecureInProcessInbox, count_traffic
 from coordinator.traffic import CentralTraffic, LocalWire, wire_traffic
@@ -322,11 +322,11 @@ class Simulation:
         as the aggregator takes them over MQTT, the participants' (`central.participant`:
         `Turn.of`, `Turn.train`, `judge`) as the networked agent does, each message's cost
         counted (`CentralTraffic`). A round's judging, which the next round does not need, is
-        done while its fits train (`report_round`). FedBuff's versions: `BufferedLoop`."""
+        done while its fits train (`report_round`). FedBuff's versions: `buffered_loop`."""
         cfg = self.config.learning
         strategy = central_strategy(cfg.strategy)
         if self.learner.traits.buffered:  # asynchronous: versions on a virtual clock
-            return BufferedLoop(self, strategy).rounds(progress)
+            return buffered_loop(self, strategy).rounds(progress)
         server = strategy.init_server(self.learner.facts)
         wire = CentralTraffic(self.roster, cfg.fp16)
         rounds: list[dict[str, Any]] = []

@@ -233,6 +233,10 @@ class Keys(Message):
     mask_key: bytes
     num_samples: int
     sign_key: bytes
+    base_version: int = -1
+    """FedBuff: the global version the member's update was trained from (its `round` is the
+    cohort, the version the update goes into), so that the aggregator knows its staleness;
+    -1 in a synchronous round."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

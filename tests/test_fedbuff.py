@@ -10,7 +10,8 @@ import torch
 
 from agent.experiment import ExperimentConfig
 from agent.learning import Payload, ServerState, Upload, preset
-from agent.learning.central.fedbuff import Buffer, ClientNoise, FedBuff, buffer_size
+from agent.learning.buffering import buffer_size
+from agent.learning.central.fedbuff import Buffer, ClientNoise, FedBuff
 from agent.learning.staleness import staleness_weight
 from coordinator.simulate import simulate
 
@@ -158,7 +159,6 @@ def test_a_slow_board_does_not_hold_the_versions_back() -> None:
 @pytest.mark.parametrize(
     ("learning", "message"),
     [
-        ({"secure_aggregation": True}, "--secure-aggregation with fedbuff is not built yet"),
         ({"dp": "client", "max_epsilon": 8.0}, "--max-epsilon with fedbuff is not built yet"),
         ({"early_stop": True}, "--early-stop does not apply to fedbuff"),
         ({"aggregation": "median"}, "leave --aggregation and --clip at their defaults"),

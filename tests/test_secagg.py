@@ -278,7 +278,7 @@ def test_a_member_reveals_once_and_never_both_secrets_of_one_member() -> None:
     ("options", "refusal"),
     [
         ({"strategy": "dispfl"}, "is for the centralized strategies .* each neighbour receives"),
-        ({"strategy": "fedbuff"}, "with fedbuff is not built yet: buffered secure"),
+        ({"strategy": "fedbuff-ssm"}, "with fedbuff-ssm is not built: its devices upload Adam's"),
         ({"strategy": "fedldf", "dp": "client"}, "--dp client is for .*: fedldf does not"),
         ({"strategy": "fedadam-top", "dp": "client"}, "fedadam-top uploads Adam's moments"),
         ({"strategy": "fedavg", "aggregation": "median"}, "needs --aggregation mean and no"),

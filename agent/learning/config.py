@@ -301,14 +301,16 @@ class StrategyConfig:
     )
     secure_aggregation: bool = param(
         False,
-        "Secure aggregation (the centralized strategies but fedbuff's; the default "
+        "Secure aggregation (the centralized strategies but fedbuff-ssm; the default "
         "--aggregation becomes the plain mean, as the coordinator sees no single model to "
         "screen): each device uploads its update masked over an index set agreed before "
         "masking (fedspu, feddrop: the whole model, 0 outside its part; fedldf: 0 outside the "
         "layers asked of it; fedadam-top, -ssm: the union of the devices' top-k masks, which "
         "each sends first) so that the coordinator learns only the fleet's weighted sum and "
         "that index set, and the round survives 30% of the devices dropping "
-        "(docs/privacy.md).",
+        "(docs/privacy.md). fedbuff: each version is one secure sum over a cohort of K = "
+        "--buffer-size devices (at least 3), each masking its staleness-weighted delta "
+        "(docs/asynchronous.md).",
     )
 
     dp: str = param(
@@ -360,7 +362,8 @@ class StrategyConfig:
     buffer_size: int = param(
         0,
         "FedBuff: updates K the server buffers before it applies them as a new version "
-        "(0: a third of the fleet, at least 1: about three versions a pass of the fleet).",
+        "(0: a third of the fleet, at least 1: about three versions a pass of the fleet; "
+        "with --secure-aggregation, K distinct devices a cohort, at least 3).",
     )
 
     def __post_init__(self) -> None:

@@ -75,9 +75,9 @@ class Strategy:
     (`protocol.secagg`, `central.secure`): of whole models; per entry over the parts it chose
     and sent each device (FedSPU, federated dropout) or the layers it asked each for (FedLDF,
     from divergence vectors sent in the clear); of Adam's three deltas, over the union of the
-    devices' top-k masks, sent before masking, for FedAdam-Top and -SSM. Not FedBuff's
-    buffered versions (its masks would have to cancel over updates arriving at different
-    times: `agent.experiment.check_buffered`)."""
+    devices' top-k masks, sent before masking, for FedAdam-Top and -SSM; (FedBuff) of a
+    cohort's staleness-weighted deltas (`central.secure_buffer`). Not FedBuff-SSM, whose
+    buffered versions carry Adam's moments."""
 
     @property
     def centralized(self) -> bool:
@@ -201,6 +201,7 @@ TABLE: tuple[Strategy, ...] = (
         options=_SGD | {"buffer_size", "staleness_weight", "max_staleness"},
         buffered=True,
         client_dp=True,
+        secure_sum=True,
     ),
     Strategy(
         "fedbuff-ssm",

@@ -14,6 +14,10 @@ update with, unless a version came out between the upload and its arrival). The 
 when the newest version is the last (`--rounds`): the agent judges that one on its data as
 its closing record (round `--rounds`, "done") and stops; an update still in training then
 is dropped. Each update's number seeds its local training, as in `simulate`.
+
+Under `--secure-aggregation` an update goes masked into a cohort instead
+(`agent.runtime.secure_cohorts`): its record's round is the cohort's version, its
+`staleness` what the cohort weighted it with, and the next update trains from that version.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from agent.report import AgentRound, reported_p_k, reported_sparsity
 from agent.runtime import codec
 from agent.runtime.centralized import GLOBAL_PATIENCE_ROUNDS, run_aggregator
 from agent.runtime.codec import encode_state, values_sent
+from agent.runtime.secure_cohorts import SecureCohorts
 from agent.runtime.session import Session
 from agent.workload import compute_slot
 from protocol import ProtocolError, messages, topics
@@ -57,15 +62,26 @@ class BufferedRounds:
         """Updates this agent trained (each one's number seeds its training)."""
         self._arrived: tuple[int, bytes] | None = None
         self._lock = threading.Lock()
+        self._came = threading.Condition()
+        """Notified when a newer version than any held comes."""
         self._closed = False
         self._since: float | None = None
         """When the newest version held came (monotonic; None before the first update)."""
+        self.cohorts: SecureCohorts | None = None
+        """`--secure-aggregation`: this agent's masked updates, each in a cohort."""
+        if session.cfg.secure_aggregation:
+            patience = GLOBAL_PATIENCE_ROUNDS * session.timeouts.round_s
+            self.cohorts = SecureCohorts(
+                session, self.aggregator, patience, self.newest, self._came
+            )
 
     # ------------------------------------------------------------------ wiring
 
     def subscribe(self) -> None:
         s = self.session
         s.transport.subscribe(topics.global_model(s.fleet, LATEST), self.on_global)
+        if self.cohorts is not None:
+            self.cohorts.subscribe()
 
     def on_global(self, topic: str, payload: bytes) -> None:
         """Keep a version newer than any held (decoded when an update starts)."""
@@ -86,6 +102,8 @@ class BufferedRounds:
             held = self._arrived[0] if self._arrived else self.version
             if message.round > held:
                 self._arrived = (message.round, message.tensors)
+        with self._came:
+            self._came.notify_all()
 
     def prepare_start(self) -> None:
         """Nothing: the subscription covers every version."""
@@ -163,10 +181,14 @@ class BufferedRounds:
             started = time.monotonic()
             fit = turn.train(self.strategy, s.learner, s.state, s.data, view)
         throttled = s.after_compute(started, fit.train_flops + fit.fallback_flops)
-        sent = self._send(base, fit.upload, fit.num_samples)
-        newest = self.newest()
+        if self.cohorts is not None:
+            joined = self.cohorts.upload(self.strategy, base, view, fit.upload)
+            sent, into, staleness = joined.sent, joined.cohort, joined.staleness
+        else:
+            sent = self._send(base, fit.upload, fit.num_samples)
+            into, staleness = base + 1, self.newest() - base
         state, judged = judge(self.strategy, s.learner, fit, self.view, s.data)
-        s.state = dataclasses.replace(state, round=base + 1)
+        s.state = dataclasses.replace(state, round=into)
         record = AgentRound.of_fit(
             turn,
             fit,
@@ -174,9 +196,9 @@ class BufferedRounds:
             s.learner.traits.budgets,
             nonzeros_sent=sent,
             throttled_s=round(throttled, 3),
-            staleness=newest - base,
+            staleness=staleness,
         )
-        return dataclasses.replace(record, round=base + 1)
+        return dataclasses.replace(record, round=into)
 
     def _send(self, base: int, upload: Payload, num_samples: int) -> int:
         """Upload the trained model (FedBuff-SSM: its sparse deltas) tagged with its base

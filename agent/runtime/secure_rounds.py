@@ -29,6 +29,12 @@ round: after training come the masked upload, the check and the reveal. Nothing 
 twice: a step that does not come within the broadcast's patience leaves this agent out of
 the round's sum (the others' sum survives it), and it still waits for the broadcast.
 Handlers only validate and store.
+
+FedBuff's cohorts (`agent.runtime.secure_cohorts`) take the same steps, a cohort's number
+as the round's, the update already trained: `advertise` without sharing in the background,
+`join` waits for the key list and says whether the cohort took this agent, `upload_joined`
+takes the steps after it; a round is over (`closed`) once its version is out rather than
+its broadcast.
 """
 
 from __future__ import annotations
@@ -60,10 +66,19 @@ share is sized by it), once the round's index set is agreed; None: it has none t
 class SecureSteps:
     """One participant's secure-aggregation messages, for every round of its run."""
 
-    def __init__(self, session: Session, aggregator: str, patience_s: float) -> None:
+    def __init__(
+        self,
+        session: Session,
+        aggregator: str,
+        patience_s: float,
+        closed: Callable[[int], bool] | None = None,
+    ) -> None:
+        """`closed`: whether a round is over, so that nothing more of it is worth waiting
+        for (by default: its broadcast is in)."""
         self.session = session
         self.aggregator = aggregator
         self.patience_s = patience_s
+        self.closed = closed or self._broadcast_in
         self.changed = threading.Condition()
         self.received: dict[tuple[int, str], messages.Message] = {}
         """(round, kind) -> the aggregator's key list, relayed shares, survivors or the
@@ -95,15 +110,18 @@ class SecureSteps:
             self.received.setdefault((message.round, kind), message)
             self.changed.notify_all()
 
+    def _broadcast_in(self, round_: int) -> bool:
+        """Whether `round_`'s broadcast is in (the aggregator is done with its secure sum)."""
+        return self.session.inbox.wait_global(round_, False, 0.0) is not None
+
     def _wait(self, round_: int, kind: str) -> Any:
-        """The aggregator's `kind` of `round_`; None after the patience, or once the round's
-        broadcast is out (the aggregator gave up on the secure sum)."""
+        """The aggregator's `kind` of `round_`; None after the patience, or once the round is
+        over (`closed`: the aggregator gave up on the secure sum)."""
         deadline = time.monotonic() + self.patience_s
-        inbox = self.session.inbox
         with self.changed:
             while (round_, kind) not in self.received and not self.session.stop.is_set():
                 left = deadline - time.monotonic()
-                if inbox.wait_global(round_, False, 0.0) is not None:
+                if self.closed(round_):
                     return None
                 if left <= 0:
                     log.warning(
@@ -129,9 +147,13 @@ class SecureSteps:
         topic = s.topic(round_, kind, s.me, to=to)
         (s.send if throttled else s.transport.publish)(topic, data)
 
-    def advertise(self, round_: int, num_samples: int) -> None:
-        """The round's keys, before training; the key list's wait and this agent's shares then
-        go on while it trains, so the relayed shares are in when training ends."""
+    def advertise(
+        self, round_: int, num_samples: int, base_version: int = -1, *, share: bool = True
+    ) -> None:
+        """The round's keys, before training; with `share`, the key list's wait and this
+        agent's shares then go on while it trains, so the relayed shares are in when training
+        ends (FedBuff's cohorts: once the update is trained, with the version it was trained
+        from, and no sharing: `join` shares)."""
         s = self.session
         client = secagg.Client(s.me, secagg.Context(s.run_info.run_id, round_))
         self.clients = {round_: client}
@@ -145,9 +167,11 @@ class SecureSteps:
             mask_key=advert.mask_key,
             num_samples=num_samples,
             sign_key=advert.sign_key,
+            base_version=base_version,
         )
         self._publish(round_, "keys", keys)
-        self.shared[round_] = self._in_background(round_, client)
+        if share:
+            self.shared[round_] = self._in_background(round_, client)
 
     def _in_background(self, round_: int, client: secagg.Client) -> Future[bool]:
         """`_share` on a thread of its own (a round whose key list never comes must not hold
@@ -172,6 +196,38 @@ class SecureSteps:
         try:
             if client is None or shared is None or not shared.result():
                 return 0
+        except secagg.SecAggError as exc:
+            log.warning("round %d: secure aggregation without this agent: %s", round_, exc)
+            return 0
+        return self.upload_joined(round_, vector, noised)
+
+    def join(self, round_: int) -> bool | None:
+        """(FedBuff's cohorts) Wait for `round_`'s key list and send this agent's shares if
+        it lists this agent: True; False when the round went on without it (the list leaves
+        it out, or the round is over); None when nothing came within the patience."""
+        client = self.clients.get(round_)
+        if client is None:
+            return False
+        listed = self._wait(round_, "keylist")
+        if listed is None:
+            return False if self.closed(round_) else None
+        try:
+            adverts = self._adverts(round_, listed)
+            if self.session.me not in adverts:
+                return False
+            self._send_shares(round_, client, adverts)
+        except secagg.SecAggError as exc:
+            log.warning("round %d: secure aggregation without this agent: %s", round_, exc)
+            return False
+        return True
+
+    def upload_joined(self, round_: int, vector: Vector, noised: bool = False) -> int:
+        """The steps after the shares (`upload`): the masked `vector` out, the reveal; the
+        values sent."""
+        client = self.clients.get(round_)
+        if client is None:
+            return 0
+        try:
             relayed = self._wait(round_, "shares")
             if relayed is None:
                 return 0
@@ -253,6 +309,11 @@ class SecureSteps:
         listed = self._wait(round_, "keylist")
         if listed is None:
             return False
+        self._send_shares(round_, client, self._adverts(round_, listed))
+        return True
+
+    def _adverts(self, round_: int, listed: messages.KeyList) -> dict[str, secagg.Advert]:
+        """The key list's adverts, each key checked as its sender signed it."""
         s = self.session
         adverts = {}
         for data in listed.keys:
@@ -270,6 +331,14 @@ class SecureSteps:
             adverts[keys.sender] = secagg.Advert(
                 keys.cipher_key, keys.mask_key, keys.num_samples, keys.sign_key
             )
+        return adverts
+
+    def _send_shares(
+        self, round_: int, client: secagg.Client, adverts: dict[str, secagg.Advert]
+    ) -> None:
+        """This agent's encrypted shares for its neighbours among `adverts`, to the
+        aggregator."""
+        s = self.session
         sealed = client.shares(adverts)
         out = messages.Shares(
             **s.header(round_),
@@ -279,4 +348,3 @@ class SecureSteps:
         )
         self._publish(round_, "shares", out, to=self.aggregator)
         log.debug("round %d: key list of %d members in, shares sent", round_, len(adverts))
-        return True

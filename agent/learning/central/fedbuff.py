@@ -34,6 +34,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from agent.learning.buffering import buffer_size
 from agent.learning.central import client_dp
 from agent.learning.central.base import (
     Aggregate,
@@ -49,22 +50,6 @@ from agent.learning.config import DP_CLIENT
 from agent.learning.model_facts import ModelFacts
 from agent.learning.sparse import State, averaged
 from agent.learning.staleness import fresh_enough, staleness_weight
-
-AUTO_BUFFER_FRACTION = 3
-"""`--buffer-size 0` (auto): K is a third of the fleet, at least 1."""
-
-
-def buffer_size(configured: int, agents: int) -> int:
-    """K for a fleet of `agents`: the configured size, or (0, auto) a third of the fleet.
-
-    A third keeps updates of devices of equal speed about 2-3 versions stale (each pass of
-    the fleet makes about three versions), well inside the default `--max-staleness` 5 and
-    where the polynomial weight is still 0.5-0.6, from 5 devices (K = 2) to 100 (K = 34); a
-    fixed K of the paper's 10 would make a 5-device fleet wait for two passes per version
-    and leave a 100-device fleet's updates ten versions stale, past the bound."""
-    if configured > 0:
-        return configured
-    return max(1, math.ceil(agents / AUTO_BUFFER_FRACTION))
 
 
 def delta(uploaded: State, base: State) -> State:
@@ -203,7 +188,7 @@ class Buffer:
         """The run's buffer from its config (`--buffer-size`, `--staleness-weight`,
         `--max-staleness`) for a fleet of `agents`; `deltas`: the strategy's `update_delta`."""
         cfg = facts.config
-        size = buffer_size(cfg.buffer_size, agents)
+        size = buffer_size(cfg.buffer_size, agents, cfg.secure_aggregation)
         dp = ClientNoise(cfg.dp_noise, cfg.dp_clip, facts) if cfg.dp == DP_CLIENT else None
         return cls(server, size, cfg.staleness_weight, cfg.max_staleness, dp=dp, deltas=deltas)
 
@@ -251,17 +236,34 @@ class Buffer:
         weighted = [(d, w) for _, d, w in self.pending]
         noised = None if self.dp is None else self.dp.for_version(self.version + 1)
         self.server = server_step(self.server, weighted, self.size, noised)
-        self.applied.append(
+        self._next_version(
             [(k, s) for (k, _, _), s in zip(self.pending, self._staleness, strict=True)]
         )
         self.pending, self._staleness = [], []
+        held, self.held = self.held, []
+        for sender, upload, base in held:
+            self.offer(sender, upload, base)
+
+    def apply_summed(self, took: Sequence[tuple[str, int]], summed: ServerState | None) -> int:
+        """Under `--secure-aggregation` (`secure_buffer`): a cohort's version from the
+        unmasked sum of what its survivors masked, sum_i w(s_i) (y_i - x_{b_i}) (`summed`),
+        over their number (`took`: each survivor and its staleness): `_apply`'s server step,
+        the weighted sum taken by the members and the ring instead of here. `summed` None
+        (the cohort's sum failed): the version is the last one's model again. Returns the
+        new version."""
+        if summed is not None and took:
+            self.server = server_step(self.server, [(summed, 1.0)], len(took))
+        self._next_version(list(took))
+        return self.version
+
+    def _next_version(self, took: list[tuple[str, int]]) -> None:
+        """The server's model is the next version, which took `took` (sender, staleness):
+        kept, and the versions no update may be trained from any more forgotten."""
+        self.applied.append(took)
         self.version += 1
         self.kept[self.version] = self.server.weights
         for old in [v for v in self.kept if v < self.version - self.max_staleness]:
             del self.kept[old]
-        held, self.held = self.held, []
-        for sender, upload, base in held:
-            self.offer(sender, upload, base)
 
 
 class FedBuff(CentralStrategy):

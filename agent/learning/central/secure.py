@@ -46,6 +46,7 @@ from agent.learning.central import secure_moments
 from agent.learning.central.base import CentralStrategy, Payload, ServerState, Upload
 from agent.learning.central.fedadam import FedAdam, moment_layout
 from agent.learning.model_facts import ModelFacts
+from agent.learning.sparse import State
 
 SUM = "secure-sum"
 """The key of the round's one upload, the unmasked mean, in what the strategy aggregates."""
@@ -190,20 +191,27 @@ def part_mean(
     return out
 
 
+def unflattened(names: list[str], like: State, vector: np.ndarray) -> State:
+    """`vector` (the secure sum's, in `names`' order) as float64 tensors shaped as `like`'s;
+    ValueError when its length is not theirs."""
+    out, at = {}, 0
+    for n in names:
+        shape = like[n].shape
+        out[n] = torch.from_numpy(vector[at : at + like[n].numel()]).view(shape)
+        at += like[n].numel()
+    if at != vector.size:
+        raise ValueError(f"the secure sum has {vector.size} values; the model {at}")
+    return out
+
+
 def summed_upload(
     names: list[str], server: ServerState, mean_change: np.ndarray, weight: int
 ) -> Upload:
     """The round's one upload from the weighted mean change of the survivors' models, with
     their total sample count."""
     weights = dict(server.weights)
-    at = 0
-    for n in names:
-        base = server.weights[n]
-        change = torch.from_numpy(mean_change[at : at + base.numel()]).view(base.shape)
-        weights[n] = (base.double() + change).to(base.dtype)
-        at += base.numel()
-    if at != mean_change.size:
-        raise ValueError(f"the secure sum has {mean_change.size} values; the model {at}")
+    for n, change in unflattened(names, server.weights, mean_change).items():
+        weights[n] = (server.weights[n].double() + change).to(server.weights[n].dtype)
     return Upload(Payload(weights), weight)
 
 
