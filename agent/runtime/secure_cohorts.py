@@ -42,13 +42,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
 def _fixed(change: np.ndarray) -> Vector:
     """A member's vector to mask: its staleness-weighted change whatever the cohort's size
     (a member's weight is 1: the coordinator divides the sum by the survivors)."""
     return lambda _members: change
 
 
+@dataclass(frozen=True)
 class Joined:
     """What became of one update under secure aggregation."""
 
