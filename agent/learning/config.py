@@ -258,9 +258,11 @@ class StrategyConfig:
         "Early stopping rule: progress (stop once the last --stop-patience rounds improved the "
         "best L by at most --stop-delta of its improvement since round 1; measured best, "
         "studies/early_stopping.py), scaled (progress over the last third of the run's "
-        "rounds, at least 5, with delta 0.05, where a pruning round restarts the window only "
-        "when L rose beyond its noise: more cut on 30-60-round runs, "
-        "bench/early_stopping.py) or paper (stop after --stop-patience consecutive rises of "
+        "rounds, at least 5, with delta 0.05, or over the last fifth at that pace where L's "
+        "round-to-round changes there stay within 1% of its fall since round 1, a smooth "
+        "plateau; a pruning round restarts the window only when L rose beyond its noise: more "
+        "cut on 30-60-round runs, bench/early_stopping.py) or paper (stop after "
+        "--stop-patience consecutive rises of "
         "L, the FedSPU paper's rule with patience 1).",
     )
     stop_patience: int = param(
