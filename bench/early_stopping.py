@@ -27,11 +27,23 @@ that stops after round s ends with its round-s metric. It ignores what a stopped
 the others (it leaves the aggregation or its neighbours' inboxes), so it screens rules;
 `measure` runs the chosen one for real.
 
+`scaled`'s short window for smooth plateaus (`StopWatch.smooth`, SMOOTH_CANDIDATES) was
+screened this way and measured with
+
+    python -m bench.early_stopping measure --rule scaled --tasks digits-dir0.5,mnist1d-dir0.5,\
+        synthetic-shift --strategies local,fedavg,fedspu --label smooth --workers 2
+    python -m bench.early_stopping measure --rule scaled --tasks digits-dir0.5,mnist1d-dir0.5,\
+        synthetic-shift --strategies dadpfl --base dadpfl --label smooth-dadpfl --workers 2
+
+(keyword spotting's cells left out: no agent stops there in the replay, so the runs equal
+those without early stopping round for round).
+
 Per (task, strategy), over the seeds: cut (agent-rounds not trained over all) and change
 (fleet mean of the final metric against the run without, in the good direction; for an
 error metric in points of the error of predicting the mean, like the grid's tolerance),
 mean and spread over seeds. Writes bench/results/early_stopping[-LABEL].json (the recorded
-runs, about 5 MB with their per-round figures: not committed; DA-DPFL's, 1 MB, is),
+runs with their per-round figures: the 36 cells of local, fedavg and fedspu, 4.8 MB, and
+DA-DPFL's 12, 1 MB, are committed; the 60-round recording, 6 MB, is not),
 early_stopping-replay.json
 and early_stopping-LABEL-against.json. The figures are in agent/learning/early_stop.py.
 """
@@ -293,6 +305,55 @@ def pruning_rule(share: float, delta: float, when: str, level: float = 0.0, grac
     return stop_round
 
 
+def scaled_rule(
+    delta: float = 0.05, smooth_share: float = 0.0, smooth_noise: float = 0.0, share: float = 1 / 3
+) -> Any:
+    """`scaled` as the agents run it (`StopRule` and `StopWatch`, pruning rounds restarting
+    the window only beyond L's noise), with its long window a `share` of the run (at least 5),
+    its `delta`, and its short window for smooth plateaus a `smooth_share` of the run (at
+    least 5; `StopWatch.smooth`; 0: none) with its `smooth_noise`."""
+    from agent.learning.config import SCALED_LEAST, SCALED_PRUNE_NOISE, STOP_LAMBDA
+    from agent.learning.early_stop import StopRule, StopWatch
+
+    def stop_round(trace: list[dict[str, float]], rounds: int) -> int:
+        window = max(SCALED_LEAST, round(share * rounds))
+        smooth = max(SCALED_LEAST, round(smooth_share * rounds)) if smooth_share else 0
+        rule = StopRule("scaled", window, delta, SCALED_PRUNE_NOISE, smooth, smooth_noise)
+        watch = StopWatch()
+        for t, row in enumerate(trace, 1):
+            loss = STOP_LAMBDA * row["train_loss"] + (1 - STOP_LAMBDA) * row["val_loss"]
+            watch, stops = watch.after(
+                loss,
+                rule.patience,
+                rule.name,
+                rule.delta,
+                bool(row["restart"]),
+                rule.prune_noise,
+                rule.smooth_window,
+                rule.smooth_noise,
+            )
+            if stops:
+                return t
+        return rounds
+
+    return stop_round
+
+
+SMOOTH_CANDIDATES = {
+    "scaled without smooth": scaled_rule(),
+    **{
+        f"scaled smooth {f} k{k} d{d}": scaled_rule(d, f, k)
+        for f in (0.15, 0.2, 0.25)
+        for k in (0.005, 0.01, 0.02)
+        for d in (0.03, 0.05)
+    },
+}
+"""`scaled` with and without its short window for smooth plateaus (`StopWatch.smooth`): an
+agent stops once its best L also fell over the last share f of the run's rounds at no more
+than the long window's pace (d over a third of the run), with its round-to-round changes
+(standard deviation) within k of its fall since round 1 (the rule: f 0.2, k 0.01, d 0.05)."""
+
+
 PRUNING_CANDIDATES = {
     "scaled restart always": pruning_rule(1 / 3, 0.05, "always"),
     **{f"scaled restart never g{g}": pruning_rule(1 / 3, 0.05, "never", 0, g) for g in (0, 2, 4)},
@@ -312,6 +373,7 @@ should (only `restart` rows differ from `scaled`, so the other strategies are un
 
 
 CANDIDATES = {
+    **SMOOTH_CANDIDATES,
     **PRUNING_CANDIDATES,
     **{
         f"share {f:.2f} d{d}": share_rule(f, d)

@@ -56,7 +56,14 @@ def stops_after(losses: list[float], rule: StopRule, pruned: int) -> int | None:
     for round_, loss in enumerate(losses, start=1):
         restart = round_ == pruned
         watch, stops = watch.after(
-            loss, rule.patience, rule.name, rule.delta, restart, rule.prune_noise
+            loss,
+            rule.patience,
+            rule.name,
+            rule.delta,
+            restart,
+            rule.prune_noise,
+            rule.smooth_window,
+            rule.smooth_noise,
         )
         if stops:
             return round_
@@ -79,6 +86,55 @@ def test_a_prune_within_the_noise_of_l_does_not_restart_scaled_one_beyond_does()
     assert stops_after(large, scaled, pruned=8) is None
     # Too few rounds to read L's noise from: a prune restarts as before.
     assert StopWatch(losses=(10.0, 6.0)).jumped(5.0, SCALED_PRUNE_NOISE)
+
+
+RISING = [10.0, 6.0, 4.0, 3.0, 2.5, 2.2]
+"""The first six rounds of the cases below: L falls fast."""
+SMOOTH = [*RISING, *(2.1 - 0.002 * i for i in range(24))]
+"""Then L creeps down 0.002 a round: a plateau that no noise explains."""
+NOISY = [*RISING, *(2.1 - 0.002 * i + (0.15 if i % 2 else -0.15) for i in range(24))]
+"""The same plateau under noise of +-0.15 a round (an edge agent's small validation split)."""
+FALLING = [*RISING, *(2.1 - 0.07 * i for i in range(24))]
+"""L still falls, 0.07 a round, without noise: learning at the long window's pace or more."""
+
+
+def thirty_rounds() -> tuple[StopRule, StopRule]:
+    """`scaled` on a 30-round run, and the same without its short window."""
+    rule = StopRule.of(preset("fedavg", early_stop=True, stop_rule="scaled", rounds=30))
+    assert (rule.patience, rule.smooth_window) == (10, 6)
+    return rule, dataclasses.replace(rule, smooth_window=0)
+
+
+def test_scaled_stops_a_smooth_plateau_after_its_short_window() -> None:
+    rule, long_only = thirty_rounds()
+    # After round 12 the best fell 2.2 -> 2.09 in six rounds, within the long window's pace
+    # (0.05 x 6/10 of the fall 10 -> 2.09: 0.24), and L's changes there (sd 0.04) stay
+    # within 1% of that fall (0.079): the agent stops four rounds before the long window
+    # (after round 16, 2.2 -> 2.082 in ten rounds, within 0.05 x 7.9) would stop it.
+    assert stops_after(SMOOTH, rule, pruned=0) == 12
+    assert stops_after(SMOOTH, long_only, pruned=0) == 16
+
+
+def test_the_short_window_waits_out_noise_and_a_steady_fall() -> None:
+    rule, long_only = thirty_rounds()
+    # Under noise the short window proves nothing: only the long one stops the agent.
+    assert stops_after(NOISY, rule, pruned=0) == stops_after(NOISY, long_only, pruned=0) == 16
+    # A smooth fall at more than the long window's pace is learning, not a plateau.
+    assert stops_after(FALLING, rule, pruned=0) is None
+
+
+def test_a_thirty_round_fleet_stops_sooner_with_the_short_window(monkeypatch) -> None:
+    """The simulator's agents read the rule's short window (`EarlyStop.of`): with it a fleet
+    that levels off smoothly (FedAvg at lr 0.03, the devices stop after rounds 17-21) stops
+    sooner than with the long window alone (after rounds 21-26)."""
+    with_short = Simulation(shifted(0.03, rounds=30))
+    with_short.run()
+    monkeypatch.setattr("agent.learning.early_stop.SCALED_SMOOTH_NOISE", 0.0)
+    long_only = Simulation(shifted(0.03, rounds=30))
+    long_only.run()
+    assert set(with_short.stopped) == set(long_only.stopped) == set(long_only.roster)
+    assert all(with_short.stopped[a] <= long_only.stopped[a] for a in long_only.roster)
+    assert sum(with_short.stopped.values()) < sum(long_only.stopped.values())
 
 
 def test_a_simulated_dadpfl_agent_stops_under_scaled_while_it_prunes() -> None:
