@@ -98,6 +98,13 @@ FALLING = [*RISING, *(2.1 - 0.07 * i for i in range(24))]
 """L still falls, 0.07 a round, without noise: learning at the long window's pace or more."""
 
 
+@pytest.mark.parametrize(("rounds", "short"), [(15, 5), (30, 6), (40, 8), (41, 0), (60, 0)])
+def test_the_short_window_runs_on_runs_of_at_most_40_rounds(rounds: int, short: int) -> None:
+    """Measured on the grid: at 60 rounds the short window cost more than it cut."""
+    rule = StopRule.of(preset("fedavg", early_stop=True, stop_rule="scaled", rounds=rounds))
+    assert rule.smooth_window == short
+
+
 def thirty_rounds() -> tuple[StopRule, StopRule]:
     """`scaled` on a 30-round run, and the same without its short window."""
     rule = StopRule.of(preset("fedavg", early_stop=True, stop_rule="scaled", rounds=30))
