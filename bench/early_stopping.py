@@ -322,16 +322,7 @@ def scaled_rule(
         watch = StopWatch()
         for t, row in enumerate(trace, 1):
             loss = STOP_LAMBDA * row["train_loss"] + (1 - STOP_LAMBDA) * row["val_loss"]
-            watch, stops = watch.after(
-                loss,
-                rule.patience,
-                rule.name,
-                rule.delta,
-                bool(row["restart"]),
-                rule.prune_noise,
-                rule.smooth_window,
-                rule.smooth_noise,
-            )
+            watch, stops = watch.under(loss, rule, bool(row["restart"]))
             if stops:
                 return t
         return rounds

@@ -55,16 +55,7 @@ def stops_after(losses: list[float], rule: StopRule, pruned: int) -> int | None:
     watch = StopWatch()
     for round_, loss in enumerate(losses, start=1):
         restart = round_ == pruned
-        watch, stops = watch.after(
-            loss,
-            rule.patience,
-            rule.name,
-            rule.delta,
-            restart,
-            rule.prune_noise,
-            rule.smooth_window,
-            rule.smooth_noise,
-        )
+        watch, stops = watch.under(loss, rule, restart)
         if stops:
             return round_
     return None

@@ -243,6 +243,19 @@ class StopWatch:
         levelled = watch.levelled(patience, delta)
         return watch, levelled or watch.smooth(smooth_window, patience, delta, smooth_noise)
 
+    def under(self, loss: float, rule: StopRule, restart: bool = False) -> tuple[StopWatch, bool]:
+        """`after`, with the window, delta and noise figures `rule` carries."""
+        return self.after(
+            loss,
+            rule.patience,
+            rule.name,
+            rule.delta,
+            restart,
+            rule.prune_noise,
+            rule.smooth_window,
+            rule.smooth_noise,
+        )
+
     def levelled(self, window: int, delta: float) -> bool:
         """Whether the last `window` rounds lowered the best L by at most `delta` of all it
         fell since the first L (`progress`: "the curve has levelled off")."""
@@ -309,15 +322,5 @@ class EarlyStop:
         if not self.enabled:
             return False
         loss = learner.stopping_loss(weights, train_loss, data)
-        rule = self.rule
-        self.watch, stops = self.watch.after(
-            loss,
-            rule.patience,
-            rule.name,
-            rule.delta,
-            restart,
-            rule.prune_noise,
-            rule.smooth_window,
-            rule.smooth_noise,
-        )
+        self.watch, stops = self.watch.under(loss, self.rule, restart)
         return stops
