@@ -265,7 +265,8 @@ class Learner:
         before training; an active fraction trains that fraction of the neurons and freezes
         the rest; a window or a width trains part of the layers or a narrower sub-model.
         `sender_weights`: the senders' staleness weights of an asynchronous round (None:
-        synchronous).
+        synchronous). The result says which received models the aggregate's defence
+        (`--clip`) screened out or clipped (`agent.learning.screening`).
         """
         strategy, before, facts = self.decentral, agent, self.facts
         with screening.tallied() as tally:

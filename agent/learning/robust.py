@@ -47,6 +47,8 @@ and `aggregate` alike:
   model's norm of it (at most 0.28 on digits, 0.24 on mnist1d, over every round of the
   tuning setting), a negated one about 2 times, a scaled or noisy one 10^2 times and more.
   With one received model the cap is the only bound.
+  `clip` says which senders it screened out and which it clipped (`Clipped`): the round's
+  record and log take them from there (`agent.learning.screening`).
 * `poison` is what an attacker (`--attackers N`: the first N agents of the sorted roster,
   `robust_rules.attackers`) sends instead of its model: in the same shapes and masks, but
   scaled by SCALE_FACTOR, drowned in Gaussian noise of standard deviation NOISE_STD,

@@ -25,7 +25,7 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from agent.learning import robust
 from agent.learning.config import DP_CLIENT, DP_SAMPLE, StrategyConfig
@@ -73,7 +73,7 @@ NOTHING = Screening()
 class Tally:
     """The verdicts of the `robust.clip` calls of one round so far."""
 
-    screening: Screening = field(default=NOTHING)
+    screening: Screening = NOTHING
 
 
 _OPEN: ContextVar[Tally | None] = ContextVar("edgefl_screening", default=None)
