@@ -5,16 +5,19 @@ upload was screened every round and nothing said so)."""
 
 from __future__ import annotations
 
+import io
 import logging
 from typing import Any
 
 import pytest
 import torch
+from rich.console import Console
 
 from agent.experiment import ExperimentConfig
 from agent.learning import preset, robust
 from agent.learning.screening import Screening, ScreeningLog, noted, tallied
 from coordinator.aggregator import AggregatorRecord
+from coordinator.cli_shared import summary_table
 from coordinator.simulate import simulate
 
 pytestmark = pytest.mark.timeout(300)
@@ -23,8 +26,9 @@ SCREENING_LOG = "agent.learning.screening"
 
 
 def dp_fleet(**learning: Any) -> ExperimentConfig:
-    """Session 35's fleet: FedAvg on digits, 4 agents, `--dp sample` at the noise of epsilon
-    4 (bench/privacy.py's calibration: 2.75), the strategy's own models kept."""
+    """Session 35's fleet: FedAvg on digits, 4 agents, `--dp sample` at sigma 2.75
+    (bench/privacy.py's calibration for epsilon 4 in its setting), the strategy's own
+    models kept."""
     settings = {"rounds": 2, "dp": "sample", "dp_noise": 2.75, "fallback": "off", **learning}
     return ExperimentConfig(dataset="digits", agents=4, learning=preset("fedavg", **settings))
 
@@ -48,6 +52,10 @@ def test_a_dp_fleet_at_a_high_lr_records_every_upload_screened_and_warns_once(
         assert record["clipped"] == []
         assert all(a["screened"] == [] for a in record["agents"].values())
     assert report["summary"]["defence"]["screened"] == 2 * len(roster)
+    shown = io.StringIO()
+    Console(file=shown, width=200).print(summary_table(report))
+    row = [line for line in shown.getvalue().splitlines() if "screened out / clipped" in line]
+    assert len(row) == 1 and "(--clip auto)" in row[0] and "8 / 0" in row[0]
     said = warnings(caplog)
     assert len(said) == 1, "said once per run, not every round"
     assert said[0].startswith("round 1: the defence (--clip auto) screened out all 4 uploads")

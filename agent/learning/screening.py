@@ -152,8 +152,8 @@ class ScreeningLog:
         """What a user whose uploads are honest can do about it."""
         if self.config.dp == DP_SAMPLE:
             return (
-                "under --dp sample every DP-SGD step moves a model by up to --lr x --dp-clip, "
-                "so lower --lr, or pass --clip off"
+                "under --dp sample each noised step moves an upload, so its distance grows "
+                "with --lr and the round's steps: lower --lr, or pass --clip off"
             )
         if self.config.dp == DP_CLIENT:
             return "under --dp client, if the uploads are honest, pass --clip off"
