@@ -45,6 +45,8 @@ REPORTED = (
     "stop_reason",
     "staleness",
     "finished_at",
+    "screened",
+    "clipped",
 )
 """The per-agent figures of a report's round, simulate's and emulate's alike (`finished_at`:
 emulate's Unix seconds, None in simulate until its virtual clock stamps it)."""
@@ -114,6 +116,12 @@ class AgentRound:
     quarantined: list[str] = field(default_factory=list)
     """Senders this agent stopped listening to for the run after their invalid models
     (agent/runtime/quarantine.py)."""
+    screened: list[str] = field(default_factory=list)
+    """Senders whose models this agent's defence (`--clip`) screened out this round: a
+    stand-in took their place in its aggregate (`agent.learning.screening`). A centralized
+    round's uploads the aggregator screened are the round's own `screened`."""
+    clipped: list[str] = field(default_factory=list)
+    """Senders whose models it clipped (pulled in to its bound) this round."""
     wait_s: float = 0.0
     staleness: float | None = None
     """Asynchronous rounds: how many rounds stale what this round took in was, on average
@@ -199,6 +207,8 @@ class AgentRound:
             score=result.score,
             pruned=result.pruned,
             epsilon=result.epsilon,
+            screened=list(result.screening.screened),
+            clipped=list(result.screening.clipped),
             reduction=reduction.label,
             reduction_why=reduction.why,
             **reduction.figures(),
@@ -226,6 +236,8 @@ class AgentRound:
             pruned=False,
             stragglers=[],
             quarantined=[],
+            screened=[],
+            clipped=[],
             wait_s=0.0,
             throttled_s=0.0,
             stopped=True,
@@ -355,6 +367,37 @@ def summarize(rounds: list[dict[str, Any]], t_star: int | None, wall: float) -> 
         **energy_summary(rounds),
         **privacy_summary(rounds),
         **staleness_summary(rounds),
+        **defence_summary(rounds),
+    }
+
+
+def screened_uploads(screened: Iterable[str], clipped: Iterable[str]) -> dict[str, list[str]]:
+    """A centralized round's own figures of the aggregator's defence (`--clip`): the uploads
+    it screened out and those it clipped, simulate's and emulate's alike."""
+    return {"screened": sorted(screened), "clipped": sorted(clipped)}
+
+
+def defence_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """How many received models the defence (`--clip`) screened out and clipped over the run
+    (a centralized round's uploads, the models each agent received in a decentralized one),
+    in all and per sender; nothing when it touched none, so such a run's summary is
+    unchanged."""
+    verdicts = [r for r in rounds if "screened" in r]
+    verdicts += [a for r in rounds for a in r["agents"].values()]
+    by_sender: dict[str, dict[str, int]] = {}
+    for verdict in verdicts:
+        for kind in ("screened", "clipped"):
+            for sender in verdict.get(kind, []):
+                counts = by_sender.setdefault(sender, {"screened": 0, "clipped": 0})
+                counts[kind] += 1
+    if not by_sender:
+        return {}
+    return {
+        "defence": {
+            "screened": sum(c["screened"] for c in by_sender.values()),
+            "clipped": sum(c["clipped"] for c in by_sender.values()),
+            "by_sender": dict(sorted(by_sender.items())),
+        }
     }
 
 

@@ -42,6 +42,7 @@ from agent.learning import (
     running,
 )
 from agent.learning.central.server import conclude, gather, participants
+from agent.learning.screening import Screening, ScreeningLog
 from agent.report import Traffic
 from agent.runtime import checkpoint, decode_upload, encode_state, expected_shapes, values_sent
 from agent.runtime.inbox import ROUNDS_AHEAD
@@ -66,6 +67,15 @@ class AggregatorRecord:
     participants: list[str]
     stragglers: list[str]
     traffic: Traffic = field(default_factory=Traffic)
+    screened: list[str] = field(default_factory=list)
+    """The uploads the defence (`--clip`) screened out (`agent.learning.screening`)."""
+    clipped: list[str] = field(default_factory=list)
+    """The uploads it clipped."""
+
+    @classmethod
+    def restored(cls, kept: Mapping[str, Any]) -> AggregatorRecord:
+        """A record as the aggregator's kept state holds it (`Aggregator._save`)."""
+        return cls(**{**kept, "traffic": Traffic(**kept["traffic"])})
 
 
 class Intake:
@@ -249,6 +259,7 @@ class Aggregator:
         self.strategy = central_strategy(config.learning.strategy)
         self.server = self.strategy.init_server(self.learner.facts)
         self.records: list[AggregatorRecord] = []
+        self.screening_log = ScreeningLog(config.learning, centralized=True)
         self.intake = Intake(
             fleet=fleet,
             run_id=run_id,
@@ -305,12 +316,7 @@ class Aggregator:
         if kept["run_id"] != self.run_id:
             raise ValueError(f"{path} holds the server state of run {kept['run_id']}")
         self.server = ServerState(**kept["server"])
-        self.records = [
-            AggregatorRecord(
-                r["round"], r["participants"], r["stragglers"], Traffic(**r["traffic"])
-            )
-            for r in kept["records"]
-        ]
+        self.records = [AggregatorRecord.restored(r) for r in kept["records"]]
         self._globals = dict(kept["globals"])
         self._missed = set(kept["missed"])
         self.intake.stopped.update(kept["stopped"])
@@ -441,15 +447,16 @@ class Aggregator:
         requests, uploads = gather(self.strategy, self.learner, inbox)
         return inbox.senders, uploads, set(requests) - set(uploads)
 
-    def _conclude(self, round_: int, uploads: dict[str, Upload], senders: list[str]) -> None:
+    def _conclude(self, round_: int, uploads: dict[str, Upload], senders: list[str]) -> Screening:
         """Aggregate what arrived (`conclude`) and, for a broadcast strategy, publish (and
-        keep) the broadcast, naming who it is from (`senders`): empty when nothing arrived."""
-        fp16 = self.config.learning.fp16
-        aggregate, self.server = conclude(
-            self.strategy, self.learner, self.server, uploads, round_, fp16
+        keep) the broadcast, naming who it is from (`senders`): empty when nothing arrived.
+        Returns which uploads the defence screened out or clipped."""
+        fp16, said = self.config.learning.fp16, self.screening_log
+        aggregate, self.server, screening = conclude(
+            self.strategy, self.learner, self.server, uploads, round_, fp16, said
         )
         if not self.strategy.broadcasts:
-            return
+            return screening
         broadcast = aggregate.broadcast
         data = self._global_message(round_, broadcast, sorted(senders) if uploads else [])
         with self._changed:
@@ -462,13 +469,14 @@ class Aggregator:
             data,
             values_sent(broadcast.weights, broadcast.masks),
         )
+        return screening
 
     def run_round(self, round_: int) -> bool:
         """One round; False when nobody is left to take part (everyone stopped early)."""
         stopped = self.intake.stopped
         with self._changed:
             candidates = participants(self.roster, round_, stopped)
-        if not candidates or self._budget_spent(round_):
+        if not candidates or budget_spent(self.config, round_):
             return False
         record = AggregatorRecord(round_, [], [])
         self.records.append(record)
@@ -479,19 +487,12 @@ class Aggregator:
         record.participants = sorted(senders)
         record.stragglers = sorted((set(candidates) - set(senders) - stopped_now) | missing)
         self._missed = set(record.stragglers)
-        self._conclude(round_, uploads, senders)
+        screening = self._conclude(round_, uploads, senders)
         received = self.intake.close_round(round_)
         with self._changed:
             record.traffic.received += received
+            record.screened, record.clipped = list(screening.screened), list(screening.clipped)
         return True
-
-    def _budget_spent(self, round_: int) -> bool:
-        """Under `--dp client` with `--max-epsilon`: whether round `round_`'s release would
-        take the run's epsilon past it (`privacy.release_spent`), said in the log."""
-        spent = privacy.release_spent(self.config.learning, round_)
-        if spent is not None:
-            log.warning("round %d not released: %s", round_, spent)
-        return spent is not None
 
     def _log_round(self, round_: int) -> None:
         """The round's line in the log, with the run's privacy loss under `--dp client`."""
@@ -517,6 +518,15 @@ class Aggregator:
         except Exception as exc:
             log.exception("aggregation failed")
             self.error = exc
+
+
+def budget_spent(config: ExperimentConfig, round_: int) -> bool:
+    """Under `--dp client` with `--max-epsilon`: whether round `round_`'s release would take
+    the run's epsilon past it (`privacy.release_spent`), said in the log."""
+    spent = privacy.release_spent(config.learning, round_)
+    if spent is not None:
+        log.warning("round %d not released: %s", round_, spent)
+    return spent is not None
 
 
 def buffered_server(agg: Aggregator) -> BufferedServer | CohortServer | None:

@@ -381,8 +381,13 @@ def kept_rows(summary: dict, metric: str) -> list[tuple[str, str]]:
 def attack_rows(summary: dict, config: dict, metric: str) -> list[tuple[str, str]]:
     """Under `--attackers` (research): who attacked, the honest agents' mean (an attacker's
     own model says nothing of what the fleet learned) and, under a trigger attack, how often
-    the trigger works on the honest agents' models; nothing for a run without attackers."""
+    the trigger works on the honest agents' models; nothing for a run without attackers.
+    Whenever the defence (`--clip`) screened out or clipped any model, how many."""
     rows = []
+    defence = summary.get("defence")
+    if defence:
+        name = f"models screened out / clipped (--clip {config['learning']['clip']})"
+        rows.append((name, f"{defence['screened']} / {defence['clipped']}"))
     attackers = summary.get("attackers") or []
     if attackers:
         rows.append(("attackers", f"{len(attackers)} ({config['attack']})"))

@@ -27,6 +27,7 @@ from agent.report import (
     AgentRound,
     honest_summary,
     named_for_task,
+    screened_uploads,
     stopped_summary,
     summarize,
 )
@@ -446,8 +447,11 @@ def assemble_report(
         if strategy(config.learning.strategy).centralized:
             record["order"] = roster
             if t <= len(aggregated):
-                record["coordinator"] = dataclasses.asdict(aggregated[t - 1].traffic)
-                record["participants"] = aggregated[t - 1].participants
+                server = aggregated[t - 1]
+                record["coordinator"] = dataclasses.asdict(server.traffic)
+                record["participants"] = server.participants
+                if not buffered:  # FedBuff's buffer screens nothing
+                    record |= screened_uploads(server.screened, server.clipped)
         rounds.append(record)
     report = {
         "rounds": rounds,

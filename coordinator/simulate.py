@@ -57,6 +57,7 @@ from agent.learning.central.server import RoundInbox, conclude, gather, particip
 from agent.learning.costs import CostTable
 from agent.learning.reduction import measured_kinds
 from agent.learning.reductions import MEASURED_MODES
+from agent.learning.screening import Screening, ScreeningLog
 from agent.report import (
     COORDINATOR,
     AgentRound,
@@ -64,6 +65,7 @@ from agent.report import (
     honest_summary,
     named_for_task,
     reported_p_k,
+    screened_uploads,
     stopped_summary,
     summarize,
 )
@@ -161,6 +163,7 @@ class Simulation:
         strategy = central_strategy(cfg.strategy) if self.centralized else None
         self.training: Training = InProcess(self.learner, self.data, strategy)
         """Where the agents train: here, or (while a run with workers runs) a pool."""
+        self.screening_log = ScreeningLog(cfg, self.centralized)
 
     @property
     def centralized(self) -> bool:
@@ -170,7 +173,7 @@ class Simulation:
     def run(self, progress: ProgressCallback | None = None) -> dict[str, Any]:
         started = time.perf_counter()
         run_rounds = rounds_runner(self)
-        with self._training() as self.training:
+        with training_for(self) as self.training:
             self.states = self.training.keep(self.states)
             rounds = run_rounds(progress)
             backdoor = backdoor_summary(self)
@@ -190,12 +193,6 @@ class Simulation:
         }
         report = named_for_task(on_virtual_clock(report, self), self.learner.facts.task)
         return with_time_to_target(report, None, 0.0, clock="virtual")
-
-    def _training(self) -> contextlib.AbstractContextManager[Training]:
-        """Where this run's agents train, for the run (see `backend`)."""
-        if self.backend == "ray":
-            return RayTraining(self.config, self.roster, self.workers, self.ray_address)
-        return training_on(self.workers, self.training, self.config, self.roster)
 
     # ------------------------------------------------------------------ decentralized rounds
 
@@ -230,9 +227,10 @@ class Simulation:
         if it is an attacker)."""
         before = self.states[k].weights if k in self.attackers else {}
         self.states[k] = result.state
-        if result.recovered:
-            with agent_scope(k):
+        with agent_scope(k):
+            if result.recovered:
                 log.warning("round %d: model not finite; kept its model from before", t)
+            self.screening_log.say(t, result.screening)
         self._early_stop(k, t, result.state, result.train_loss, result.pruned)
         p_k = reported_p_k(p_k_of(self.budgets, k), self.learner.traits.budgets)
         record = AgentRound.of_result(t, k, result, reduction, p_k)
@@ -349,7 +347,9 @@ class Simulation:
                 else InProcessInbox(self, strategy, fits, t, server.weights)
             )
             requests, uploads = gather(strategy, self.learner, inbox)
-            aggregate, server = conclude(strategy, self.learner, server, uploads, t, cfg.fp16)
+            aggregate, server, screening = conclude(
+                strategy, self.learner, server, uploads, t, cfg.fp16, self.screening_log
+            )
             if isinstance(inbox, SecureInProcessInbox):  # its messages instead of the uploads
                 uploads = {k: Upload(Payload({}), f.num_samples) for k, f in fits.items()}
                 requests = inbox.asked or requests  # FedLDF asks everyone, for nothing too
@@ -359,7 +359,7 @@ class Simulation:
             for k, fit in fits.items():
                 self._early_stop(k, t, fit.state, fit.train_loss)
             report_round = functools.partial(
-                self._report_round, rounds, t, strategy, server, jobs, fits, traffic
+                self._report_round, rounds, t, strategy, server, jobs, fits, traffic, screening
             )
             if len(self.stopped) == len(self.roster):
                 break
@@ -375,14 +375,17 @@ class Simulation:
         jobs: dict[str, FitJob],
         fits: dict[str, Fit],
         traffic: dict[str, Traffic],
+        screening: Screening,
     ) -> None:
         """Judge round t's participants (the model each keeps, against the server's state
-        after the round: `judge`) and add the round to `rounds`."""
+        after the round: `judge`) and add the round to `rounds`, with the uploads the
+        aggregator's defence screened out or clipped (`screening`)."""
         ran = {}
         for k, fit in fits.items():
             _, judged = judge(strategy, self.learner, fit, server, self.data[k])
             ran[k] = AgentRound.of_fit(jobs[k].turn, fit, judged, self.learner.traits.budgets)
-        rounds.append(self.round_record(t, self.roster, ran, traffic))
+        record = self.round_record(t, self.roster, ran, traffic)
+        rounds.append(record | screened_uploads(screening.screened, screening.clipped))
 
     # ------------------------------------------------------------------------------- report
 
@@ -447,6 +450,13 @@ class InProcessInbox:
             )
         fp16 = run.config.learning.fp16
         return {k: Upload(as_sent(u.payload, fp16), u.num_samples) for k, u in sent.items()}
+
+
+def training_for(run: Simulation) -> contextlib.AbstractContextManager[Training]:
+    """Where a run's agents train, for the run (see `Simulation.backend`)."""
+    if run.backend == "ray":
+        return RayTraining(run.config, run.roster, run.workers, run.ray_address)
+    return training_on(run.workers, run.training, run.config, run.roster)
 
 
 def rounds_runner(run: Simulation) -> RoundsRunner:

@@ -307,10 +307,10 @@ def _verdicts() -> Iterator[list[tuple[str, bool]]]:
     seen: list[tuple[str, bool]] = []
     original = robust.clip
 
-    def clip(reference: Any, models: Any, spec: str, held: Any = None) -> dict[str, Any]:
+    def clip(reference: Any, models: Any, spec: str, held: Any = None) -> robust.Clipped:
         out = original(reference, models, spec, held)
-        for j, model in models.items():
-            seen.append((j, all(out[j][name] is tensor for name, tensor in model.items())))
+        changed = set(out.screened) | set(out.clipped)
+        seen.extend((j, j not in changed) for j in models)
         return out
 
     robust.clip = clip  # type: ignore[assignment]

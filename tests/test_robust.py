@@ -66,24 +66,30 @@ def test_clipping_bounds_each_received_models_distance_to_the_own() -> None:
         "b": {"w": torch.tensor([0.0, 2.0, 0.0, 0.0])},
         "c": {"w": torch.tensor([0.0, 0.0, 300.0, 400.0])},
     }
-    fixed = robust.clip(own, models, "1.5")
+    bounded = robust.clip(own, models, "1.5")
+    fixed = bounded.models
     assert torch.equal(fixed["a"]["w"], models["a"]["w"])
     assert robust.distance(own, fixed["b"]) == pytest.approx(1.5)
     assert robust.distance(own, fixed["c"]) == pytest.approx(1.5)
+    assert (bounded.screened, bounded.clipped) == ((), ("b", "c"))
     models["d"] = {"w": torch.tensor([0.0, 0.0, 3.0, 4.0])}  # 5: within the screen, 3 x 2
-    auto = robust.clip(own, models, "auto")  # the lower median distance, 2
+    screened = robust.clip(own, models, "auto")  # the lower median distance, 2
+    auto = screened.models
     assert robust.distance(own, auto["d"]) == pytest.approx(4.0), "clipped to 2 x 2"
     assert torch.equal(auto["b"]["w"], models["b"]["w"])
     # c is screened out: the mean of the own model, a, b and the clipped d stands in for it
     assert auto["c"]["w"].tolist() == pytest.approx([0.25, 0.5, 0.6, 0.8])
-    assert robust.clip(own, models, "off")["c"]["w"].tolist() == [0.0, 0.0, 300.0, 400.0]
+    assert (screened.screened, screened.clipped) == (("c",), ("d",))
+    off = robust.clip(own, models, "off")
+    assert off.models["c"]["w"].tolist() == [0.0, 0.0, 300.0, 400.0]
+    assert (off.screened, off.clipped) == ((), ())
     # a sparse sender: the distance and the pull only over the entries it holds
     masked = robust.clip(
         {"w": torch.ones(2)},
         {"s": {"w": torch.tensor([5.0, -9.0])}},
         "2",
         {"s": {"w": torch.tensor([True, False])}},
-    )
+    ).models
     assert masked["s"]["w"].tolist() == [3.0, -9.0]
 
 
@@ -95,7 +101,7 @@ def test_auto_screens_out_far_models_and_keeps_honest_ones() -> None:
     }
     poisoned = {n: t * robust_rules.SCALE_FACTOR for n, t in honest["h3"].items()}
     flipped = {n: -t for n, t in honest["h2"].items()}
-    out = robust.clip(own, {**honest, "p": poisoned, "q": flipped}, "auto")
+    out = robust.clip(own, {**honest, "p": poisoned, "q": flipped}, "auto").models
     for j in honest:  # within 2 x the median (0.3): as sent
         assert all(torch.equal(out[j][n], honest[j][n]) for n in own), j
     for j in ("p", "q"):  # beyond 3 x: the mean of the own model and the kept ones
@@ -108,12 +114,14 @@ def test_auto_with_one_or_two_received_models() -> None:
     own = {"w": torch.zeros(3)}
     far = {"w": torch.tensor([0.0, 300.0, 400.0])}
     near = {"w": torch.tensor([0.0, 0.3, 0.4])}
-    alone = robust.clip(own, {"p": far}, "auto")  # nothing to compare with: kept as it is
+    # one received model: nothing to compare with, kept as it is
+    alone = robust.clip(own, {"p": far}, "auto").models
     assert alone["p"]["w"].tolist() == far["w"].tolist()
-    two = robust.clip(own, {"h": near, "p": far}, "auto")  # the nearer sets the bounds
+    two = robust.clip(own, {"h": near, "p": far}, "auto").models  # the nearer sets the bounds
     assert two["h"]["w"].tolist() == near["w"].tolist()
     assert two["p"]["w"].tolist() == pytest.approx([0.0, 0.15, 0.2]), "mean of own and h"
-    both = robust.clip(own, {"p": far, "q": {"w": far["w"] * 2}}, "auto")  # no honest one
+    # no honest one
+    both = robust.clip(own, {"p": far, "q": {"w": far["w"] * 2}}, "auto").models
     assert robust.distance(own, both["q"]) == pytest.approx(1000.0), "nothing to tell by"
     # a sparse sender is screened on the entries it holds; the rest stay its own zeros
     sparse = robust.clip(
@@ -121,7 +129,7 @@ def test_auto_with_one_or_two_received_models() -> None:
         {"h": {"w": torch.tensor([1.5, 1.0, 1.0])}, "s": {"w": torch.tensor([90.0, 0.0, 0.0])}},
         "auto",
         {"s": {"w": torch.tensor([True, False, False])}},
-    )
+    ).models
     assert sparse["s"]["w"].tolist() == [1.25, 0.0, 0.0]
 
 

@@ -153,9 +153,9 @@ def test_auto_screens_what_no_honest_majority_of_received_models_would() -> None
     honest = {"w": torch.tensor([1.1, 0.9, 1.0, 1.0])}
     flipped = {"w": -own["w"]}
     scaled = {"w": own["w"] * robust_rules.SCALE_FACTOR}
-    alone = robust.clip(own, {"p": flipped}, "auto")
+    alone = robust.clip(own, {"p": flipped}, "auto").models
     assert alone["p"]["w"].tolist() == own["w"].tolist(), "the own model stands in"
-    most = robust.clip(own, {"h": honest, "p": flipped, "q": scaled}, "auto")
+    most = robust.clip(own, {"h": honest, "p": flipped, "q": scaled}, "auto").models
     assert most["h"]["w"].tolist() == honest["w"].tolist()
     for j in ("p", "q"):
         assert most[j]["w"].tolist() == pytest.approx([1.05, 0.95, 1.0, 1.0]), j

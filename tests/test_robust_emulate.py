@@ -56,6 +56,25 @@ def test_emulate_equals_simulate_under_attack(
     assert got.keys() == want.keys()
     for key, figures in want.items():
         assert got[key] == pytest.approx(figures, abs=1e-6), key
+    # what the defence screened out and clipped, each agent's and the aggregator's
+    assert verdicts(emulated) == verdicts(simulated)
+    assert ("defence" in simulated["summary"]) == (learning.get("clip") == "auto")
+
+
+def verdicts(report: dict) -> dict[tuple[int, str], tuple[list[str], list[str]]]:
+    """Each round's screened and clipped senders: each agent's, and (centralized) the
+    round's own, the aggregator's."""
+    found = {
+        (r["round"], k): (a["screened"], a["clipped"])
+        for r in report["rounds"]
+        for k, a in r["agents"].items()
+    }
+    found |= {
+        (r["round"], "aggregator"): (r["screened"], r["clipped"])
+        for r in report["rounds"]
+        if "screened" in r
+    }
+    return found
 
 
 def test_emulated_agents_whose_models_turn_non_finite_keep_their_models_and_go_on(

@@ -71,7 +71,7 @@ def test_a_part_counts_for_its_layers_and_is_screened_among_its_peers() -> None:
     # the whole-model screen this replaces: the whole models lost
     flat = robust.clip(
         own.weights, {j: p.weights for j, p in inbox.items()}, robust_rules.CLIP_AUTO
-    )
+    ).models
     assert not torch.equal(flat["a"][names[0]], inbox["a"].weights[names[0]])
 
 

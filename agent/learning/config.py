@@ -309,7 +309,9 @@ class StrategyConfig:
         "Screening and norm clipping of each received model's difference to the receiver's "
         "own model: off, auto (non-finite models and those beyond 3x the median distance of "
         "the received models, or beyond the own model's norm, are screened out, the rest "
-        "clipped to 2x it), a norm bound, or default (auto, but off with --aggregation mean).",
+        "clipped to 2x it), a norm bound, or default (auto, but off with --aggregation mean). "
+        "Each round's record lists the models it screened out and clipped; a round that "
+        "screens out every one is a warning in the log.",
     )
     secure_aggregation: bool = param(
         False,

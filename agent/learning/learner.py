@@ -28,7 +28,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from agent.learning import channels, robust, robust_rules, sparse, strategies
+from agent.learning import channels, robust, robust_rules, screening, sparse, strategies
 from agent.learning.config import StrategyConfig
 from agent.learning.decentral.base import DecentralizedStrategy, RoundStart
 from agent.learning.facts import LocalData as LocalData  # re-exported: imported from here too
@@ -37,6 +37,7 @@ from agent.learning.model_facts import ModelFacts
 from agent.learning.privacy import Accountant
 from agent.learning.reduction import NO_REDUCTION, Reduction, sends_parts
 from agent.learning.reductions.base import Start, started
+from agent.learning.screening import NOTHING, Screening
 from agent.learning.sparse import Masks, State
 from agent.learning.tasks import Task
 from agent.learning.training import CLASSIFICATION
@@ -94,6 +95,8 @@ class RoundResult:
     """What the agent kept after the round and why, and the strategy's model's figures."""
     epsilon: float | None = None
     """Its epsilon after the round under `--dp sample` (`privacy.Accountant`), else None."""
+    screening: Screening = NOTHING
+    """Which received models its aggregate's defence (`--clip`) screened out or clipped."""
 
 
 _Model = TypeVar("_Model", AgentState, Published)
@@ -262,19 +265,22 @@ class Learner:
         before training; an active fraction trains that fraction of the neurons and freezes
         the rest; a window or a width trains part of the layers or a narrower sub-model.
         `sender_weights`: the senders' staleness weights of an asynchronous round (None:
-        synchronous).
+        synchronous). The result says which received models the aggregate's defence
+        (`--clip`) screened out or clipped (`agent.learning.screening`).
         """
         strategy, before, facts = self.decentral, agent, self.facts
-        agent, start = starting_point(
-            self, agent, inbox, data, round_, prune_now, reduction, sender_weights
-        )
+        with screening.tallied() as tally:
+            agent, start = starting_point(
+                self, agent, inbox, data, round_, prune_now, reduction, sender_weights
+            )
         trained = strategy.train(facts, start)
         step = strategy.after_training(facts, start, trained)
         flops = trained.flops + step.flops
         spent = before.dp_steps + trained.dp_steps + step.dp_steps
         before = dataclasses.replace(before, dp_steps=spent)
         if not robust.finite(step.weights):
-            return _recovered(self, before, start, flops, trained.train_loss)
+            recovered = _recovered(self, before, start, flops, trained.train_loss)
+            return dataclasses.replace(recovered, screening=tally.screening)
         weights = facts.fresh_statistics(step.weights, data)
         divergence = None
         if self.config.wire == "layers" and self.decentralized:
@@ -302,6 +308,7 @@ class Learner:
             pruned=step.pruned,
             divergence=divergence,
             epsilon=self.epsilon(kept, len(data.y_train)),
+            screening=tally.screening,
         )
 
     def epsilon(self, agent: AgentState, samples: int) -> float | None:
@@ -372,11 +379,13 @@ def combine(
             out |= combine(part, parts, rule, clip, weights)
         return {name: out[name] for name in agent.weights}
     if clip != robust_rules.CLIP_OFF:
-        clipped = robust.clip(
-            agent.weights,
-            {j: p.weights for j, p in inbox.items()},
-            clip,
-            {j: p.masks for j, p in inbox.items()},
+        clipped = screening.noted(
+            robust.clip(
+                agent.weights,
+                {j: p.weights for j, p in inbox.items()},
+                clip,
+                {j: p.masks for j, p in inbox.items()},
+            )
         )
         inbox = {j: dataclasses.replace(p, weights=clipped[j]) for j, p in inbox.items()}
     if rule.robust:

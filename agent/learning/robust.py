@@ -47,6 +47,8 @@ and `aggregate` alike:
   model's norm of it (at most 0.28 on digits, 0.24 on mnist1d, over every round of the
   tuning setting), a negated one about 2 times, a scaled or noisy one 10^2 times and more.
   With one received model the cap is the only bound.
+  `clip` says which senders it screened out and which it clipped (`Clipped`): the round's
+  record and log take them from there (`agent.learning.screening`).
 * `poison` is what an attacker (`--attackers N`: the first N agents of the sorted roster,
   `robust_rules.attackers`) sends instead of its model: in the same shapes and masks, but
   scaled by SCALE_FACTOR, drowned in Gaussian noise of standard deviation NOISE_STD,
@@ -273,27 +275,39 @@ def sane(
     return [i for i, n in norms.items() if n <= limit]
 
 
+@dataclass(frozen=True)
+class Clipped:
+    """What `clip` made of the received models: each one as the aggregation takes it, and
+    the senders (sorted) whose models it screened out (replaced by a stand-in) or clipped
+    (pulled in to the bound), for the round's record and log (`agent.learning.screening`)."""
+
+    models: dict[str, State]
+    screened: tuple[str, ...] = ()
+    clipped: tuple[str, ...] = ()
+
+
 def clip(
     reference: Mapping[str, torch.Tensor],
     models: Mapping[str, Mapping[str, torch.Tensor]],
     spec: str,
     held: Mapping[str, Mapping[str, torch.Tensor] | None] | None = None,
-) -> dict[str, State]:
+) -> Clipped:
     """Each model with its difference to `reference` scaled down to the `--clip` bound
     (`parse_clip`); models within it, and entries a sender does not hold, unchanged. A
     non-finite model, and with `auto` (`bounds`) one beyond the screen, is replaced by
     `_stand_in` on the entries it holds: the mean of `reference` and the models kept
-    (clipped), visited in sorted order."""
+    (clipped), visited in sorted order. Says which it screened out and which it clipped."""
     bound = parse_clip(spec)
     masks = held or {}
     if bound is None or not models:
-        return {j: dict(m) for j, m in models.items()}
+        return Clipped({j: dict(m) for j, m in models.items()})
     distances = {j: distance(reference, m, masks.get(j)) for j, m in models.items()}
     screen = math.inf
     if bound == 0.0:
         own = norm(reference)
         bound, screen = bounds([distances[j] for j in sorted(distances)], own)
     out: dict[str, State] = {}
+    pulled = []
     for j, model in models.items():
         if not math.isfinite(distances[j]) or distances[j] > screen:
             continue
@@ -301,11 +315,12 @@ def clip(
             out[j] = dict(model)
         else:
             out[j] = _pulled(reference, model, bound / distances[j], masks.get(j) or {})
+            pulled.append(j)
     kept = [(dict(reference), None), *((out[j], masks.get(j)) for j in sorted(out))]
-    for j, model in models.items():
-        if j not in out:
-            out[j] = _stand_in(kept, model, masks.get(j) or {})
-    return {j: out[j] for j in models}
+    screened = sorted(j for j in models if j not in out)
+    for j in screened:
+        out[j] = _stand_in(kept, models[j], masks.get(j) or {})
+    return Clipped({j: out[j] for j in models}, tuple(screened), tuple(sorted(pulled)))
 
 
 def bounds(distances: list[float], own: float = 0.0) -> tuple[float, float]:

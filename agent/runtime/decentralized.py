@@ -45,6 +45,7 @@ from agent.learning import (
     train_round,
 )
 from agent.learning.asynchronous import Freshest
+from agent.learning.screening import ScreeningLog
 from agent.report import AgentRound, reported_p_k
 from agent.runtime import checkpoint
 from agent.runtime.asking import Asking
@@ -80,6 +81,7 @@ class DecentralizedRounds:
         self._needs: dict[int, set[Need]] = {}
         self.resumed_after: int | None = None
         """The round this agent resumed after, when it restarted from its checkpoint."""
+        self.screening_log = ScreeningLog(cfg, centralized=False)
 
     # ------------------------------------------------------------------ needs
 
@@ -103,11 +105,8 @@ class DecentralizedRounds:
 
     def ahead(self, round_: int) -> set[Need]:
         """The announced needs of round `round_` and the few after it."""
-        last = min(round_ + LOOKAHEAD_ROUNDS, self.session.cfg.rounds)
-        wanted: set[Need] = set()
-        for upcoming in range(round_, last + 1):
-            wanted |= {need for need in self.live(self.needs(upcoming)) if need[0] >= 1}
-        return wanted
+        upcoming = range(round_, min(round_ + LOOKAHEAD_ROUNDS, self.session.cfg.rounds) + 1)
+        return {need for r in upcoming for need in self.live(self.needs(r)) if need[0] >= 1}
 
     # ------------------------------------------------------------------ wiring
 
@@ -251,6 +250,7 @@ class DecentralizedRounds:
         before, s.state = s.state.weights, result.state
         if result.recovered:
             log.warning("round %d: model not finite; kept the model from before it", round_)
+        self.screening_log.say(round_, result.screening)
         stops = s.stops_after(result.state.weights, result.train_loss, result.pruned)
         attacker = s.me in attackers(s.config, s.roster)  # research: it sends poisoned models
         sent = attacked(s.learner, result, s.config.attack, round_, before) if attacker else result

@@ -28,7 +28,7 @@ from typing import ClassVar
 
 import torch
 
-from agent.learning import robust, robust_rules
+from agent.learning import robust, robust_rules, screening
 from agent.learning.learner import AgentState, LocalData
 from agent.learning.model_facts import ModelFacts
 from agent.learning.sparse import Masks, State
@@ -235,10 +235,12 @@ def clipped_uploads(
     states: Mapping[str, State],
     held: Mapping[str, Masks | None] | None = None,
 ) -> tuple[dict[str, State], robust_rules.Rule]:
-    """The uploads' tensors clipped (`--clip`) around the aggregator's `reference`, and the
+    """The uploads' tensors clipped (`--clip`) around the aggregator's `reference` (which
+    it screened out and clipped added to the round's tally, `screening.noted`), and the
     `--aggregation` rule to combine them with."""
     cfg = learner.config
-    return robust.clip(reference, states, cfg.clip, held), robust_rules.parse_rule(cfg.aggregation)
+    clipped = screening.noted(robust.clip(reference, states, cfg.clip, held))
+    return clipped, robust_rules.parse_rule(cfg.aggregation)
 
 
 def voted(

@@ -13,7 +13,9 @@ Round t:
                     transport): FedLDF's divergence vectors first, the layers asked of each
                     (`layer_requests`), then those layers; the others' uploads at once
     conclude        the uploads aggregated and screened (`checked_aggregate`), the server advanced
-                    to what its participants hold once they apply the broadcast
+                    to what its participants hold once they apply the broadcast; what the
+                    defence (`--clip`) screened out or clipped is said (`ScreeningLog`) and
+                    returned for the round's record
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from agent.learning.central.base import (
 )
 from agent.learning.learner import Learner
 from agent.learning.rounds import checked_aggregate, running
+from agent.learning.screening import NOTHING, Screening, ScreeningLog, tallied
 
 log = logging.getLogger(__name__)
 
@@ -85,19 +88,22 @@ def conclude(
     uploads: Mapping[str, Upload],
     round_: int,
     fp16: bool,
-) -> tuple[Aggregate, ServerState]:
-    """The round's aggregate of what arrived, and the server state after it. A non-finite
+    screening_log: ScreeningLog,
+) -> tuple[Aggregate, ServerState, Screening]:
+    """The round's aggregate of what arrived, the server state after it, and which uploads
+    the defence screened out or clipped (said in the log by the run's `screening_log`). A non-finite
     aggregate is undone (`checked_aggregate`: the server keeps its model and broadcasts what
     changes nothing). With no upload nothing changes and the broadcast is empty. Under
     `--dp client` the aggregate is noised (`client_dp.aggregate`)."""
     if not uploads:
-        return Aggregate(server, Payload({})), server
-    aggregate, undone = checked_aggregate(
-        strategy, server, client_dp.aggregate(strategy, learner.facts, server, uploads, round_)
-    )
+        return Aggregate(server, Payload({})), server, NOTHING
+    with tallied() as tally:
+        combined = client_dp.aggregate(strategy, learner.facts, server, uploads, round_)
+    screening_log.say(round_, tally.screening)
+    aggregate, undone = checked_aggregate(strategy, server, combined)
     if undone:
         log.warning("round %d: aggregate not finite; the server kept its model", round_)
-    return aggregate, advance_server(strategy, server, aggregate, fp16)
+    return aggregate, advance_server(strategy, server, aggregate, fp16), tally.screening
 
 
 def advance_server(
