@@ -233,6 +233,34 @@ def test_a_member_reveals_only_for_the_list_it_signed_and_with_t_signatures() ->
     assert len(me.reveal(survivors, signatures)) == len(me.held)
 
 
+def test_a_member_checks_only_the_signatures_revealing_counts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An Ed25519 verification is a device's largest cost of the round: with every one of 50
+    signatures forwarded, a member checks the quorum's worth (t of its neighbours' among
+    them) and reveals; a bad one among those it checks still stops it."""
+    clients, server = _shared_round(50)
+    survivors = sorted(clients)
+    signatures = {k: c.consent(survivors) for k, c in clients.items()}
+    checked: list[str] = []
+    real = secagg.signed_by
+
+    def counting(advert: secagg.Advert, signature: bytes, statement: bytes) -> bool:
+        checked.append(next(k for k, c in clients.items() if c.advert(1) == advert))
+        return real(advert, signature, statement)
+
+    monkeypatch.setattr(secagg, "signed_by", counting)
+    me = clients["a00"]
+    assert len(me.reveal(survivors, signatures)) == len(me.held)
+    assert len(checked) == secagg.quorum(50) < len(signatures)
+    assert len(set(checked) & set(me.neighbours)) >= server.threshold
+    other = clients["a01"]
+    first = min(other.neighbours)  # the first it checks
+    forged = {**signatures, first: signatures[max(other.neighbours)]}
+    with pytest.raises(SecAggError, match=f"{first} did not sign"):
+        other.reveal(survivors, forged)
+
+
 def test_shares_from_a_member_outside_the_neighbourhood_are_refused() -> None:
     clients = {f"a{i:02d}": Client(f"a{i:02d}", CONTEXT) for i in range(50)}
     adverts = {k: c.advert(1) for k, c in clients.items()}
