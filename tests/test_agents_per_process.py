@@ -36,11 +36,12 @@ def config(strategy: str = "dadpfl", agents: int = 6, rounds: int = 3) -> Experi
     )
 
 
-@pytest.mark.parametrize("strategy", ["dadpfl", "fedavg"])
 def test_agents_sharing_processes_give_the_numbers_of_simulate(
-    amqtt_broker, tmp_path: Path, strategy: str
+    amqtt_broker, tmp_path: Path
 ) -> None:
-    cfg = config(strategy)
+    """A centralized fleet here; tests/test_emulate.py runs its decentralized comparisons
+    with agents sharing processes too."""
+    cfg = config("fedavg")
     workdir = tmp_path / "fleet"
     options = EmulationOptions(workdir=workdir, linger_s=20.0, agents_per_process=3)
     emulation = Emulation(cfg, amqtt_broker.address, options)

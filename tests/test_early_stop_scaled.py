@@ -209,7 +209,8 @@ def test_scaled_stops_a_levelled_fleet_and_not_one_still_learning() -> None:
 @pytest.mark.timeout(600)
 def test_emulated_agents_stop_where_simulated_ones_do(amqtt_broker, tmp_path: Path) -> None:
     cfg = shifted(0.1, rounds=12)  # window 5: the devices stop after rounds 10-11
-    emulated = Emulation(cfg, amqtt_broker.address, options(tmp_path)).run()
+    shared = options(tmp_path, agents_per_process=SHARED)
+    emulated = Emulation(cfg, amqtt_broker.address, shared).run()
     assert emulated["summary"]["failed_agents"] == {}
     simulated = Simulation(cfg).run()
     assert_same_learning(emulated, simulated)
