@@ -4,15 +4,20 @@ and spends privacy exactly as without it; the same in simulate and on real proce
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 
-from agent.learning import fallback
+from agent.experiment import ExperimentConfig
+from agent.learning import fallback, preset
 from agent.learning.kept import PERSONAL
+from agent.runtime import Run
+from agent.runtime.run_files import persist, restore
 from coordinator.emulate import Emulation, EmulationOptions
 from coordinator.simulate import simulate
+from tests.test_faults_disk import runtime_of
 from tests.test_privacy import ROSTER, _setup, accuracies, config, epsilons
 
 pytestmark = pytest.mark.timeout(600)
@@ -70,3 +75,21 @@ def test_emulate_keeps_the_average_simulate_keeps(
     assert emulated["summary"]["failed_agents"] == {}
     assert accuracies(emulated) == pytest.approx(accuracies(simulated), abs=1e-6)
     assert accuracies(simulated) != accuracies(simulate(config(strategy, rounds=3, fallback="off")))
+
+
+def test_a_restarted_device_goes_on_from_its_kept_average(tmp_path: Path) -> None:
+    learning = preset("dadpfl", rounds=4, neighbours=1, dp="sample", dp_average=0.5)
+    run = Run(
+        "run-average",
+        ("a", "b"),
+        ExperimentConfig(dataset="mnist1d", agents=2, seed=3, learning=learning),
+    )
+    agent = runtime_of(tmp_path, run)
+    average = {n: torch.full_like(w, 0.25) for n, w in agent.session.state.weights.items()}
+    agent.session.state = dataclasses.replace(agent.session.state, averaged=average)
+    persist(agent.session, agent.driver, 1, {"round": 1})
+    resumed = runtime_of(tmp_path, run)
+    assert restore(resumed.session, resumed.driver) == 1
+    restored = resumed.session.state.averaged
+    assert restored is not None and restored.keys() == average.keys()
+    assert all(torch.equal(restored[n], average[n]) for n in average)
