@@ -149,6 +149,7 @@ RANGES: dict[str, Range] = {
     "dp_noise": Range(0, 1e6, open_low=True),
     "dp_clip": Range(0, 1e9, open_low=True),
     "dp_delta": Range(0, 1, open_low=True, open_high=True),
+    "dp_average": Range(0, 1, open_high=True),
     "max_epsilon": Range(0, 1e9, open_low=True),
 }
 """The range of every numeric option of ExperimentConfig and StrategyConfig (a test checks

@@ -218,6 +218,7 @@ FLAG_SCOPES: tuple[tuple[str, Callable[[str, dict[str, Any]], bool], str], ...] 
             )
             for option in ("staleness_weight", "max_staleness")
         ),
+        Scope("dp_average", "runs with --dp sample", lambda given: given.get("dp") == DP_SAMPLE),
         Scope(
             "dp_seeded_noise",
             "runs with --dp client --secure-aggregation",

@@ -157,8 +157,8 @@ class BufferedLoop:
         record, judged on its data against the server's model now; its state, the model it
         keeps."""
         run, fit = self.run, flying.fit
-        run.states[k] = fit.state
         state, judged = judge(self.strategy, run.learner, fit, self.buffer.server, run.data[k])
+        run.states[k] = dataclasses.replace(fit.state, averaged=state.averaged)
         record = AgentRound.of_fit(
             flying.turn,
             fit,

@@ -31,6 +31,8 @@ from agent.learning import (
     CentralStrategy,
     EarlyStop,
     Fit,
+    Learner,
+    LocalData,
     Payload,
     Published,
     Reduction,
@@ -55,6 +57,7 @@ from agent.learning import (
 from agent.learning.central.participant import Turn, judge
 from agent.learning.central.server import RoundInbox, conclude, gather, participants
 from agent.learning.costs import CostTable
+from agent.learning.kept import Judged
 from agent.learning.reduction import measured_kinds
 from agent.learning.reductions import MEASURED_MODES
 from agent.learning.screening import Screening, ScreeningLog
@@ -114,6 +117,32 @@ def check_backend(workers: int, backend: str, ray_address: str | None) -> None:
         require_ray()
 
 
+class LateJudge:
+    """Judges a centralized participant's round (`judge`) a round late, as the simulator does
+    while the next round trains, when the participant's state no longer carries the kept
+    average of `--dp-average` (`AgentState.averaged`): this holds each participant's from one
+    judgement to the next, as the networked participant's own state does."""
+
+    def __init__(self) -> None:
+        self.averages: dict[str, sparse.State | None] = {}
+
+    def __call__(
+        self,
+        strategy: CentralStrategy,
+        learner: Learner,
+        fit: Fit,
+        server: ServerState,
+        k: str,
+        data: LocalData,
+    ) -> Judged:
+        carried = dataclasses.replace(fit.state, averaged=self.averages.get(k))
+        state, judged = judge(
+            strategy, learner, dataclasses.replace(fit, state=carried), server, data
+        )
+        self.averages[k] = state.averaged
+        return judged
+
+
 class Simulation:
     """One run: builds the fleet, runs the rounds, and collects the report."""
 
@@ -148,6 +177,7 @@ class Simulation:
         """Agent -> the round after which it stopped (early stopping, its privacy budget)."""
         self.stop_reasons: dict[str, str] = {}
         """Agent -> why it stopped, when its privacy budget was spent (`--max-epsilon`)."""
+        self.late_judge = LateJudge()
         samples = {k: len(self.data[k].y_train) for k in self.roster}
         privacy.check_run(cfg, self.learner.facts.model, samples)
         self.last: dict[str, AgentRound] = {}
@@ -382,7 +412,7 @@ class Simulation:
         aggregator's defence screened out or clipped (`screening`)."""
         ran = {}
         for k, fit in fits.items():
-            _, judged = judge(strategy, self.learner, fit, server, self.data[k])
+            judged = self.late_judge(strategy, self.learner, fit, server, k, self.data[k])
             ran[k] = AgentRound.of_fit(jobs[k].turn, fit, judged, self.learner.traits.budgets)
         record = self.round_record(t, self.roster, ran, traffic)
         rounds.append(record | screened_uploads(screening.screened, screening.clipped))

@@ -342,6 +342,13 @@ class StrategyConfig:
         "(--dp client).",
     )
     dp_delta: float = param(1e-5, "DP delta the reported epsilon is at (with --dp).")
+    dp_average: float = param(
+        0.0,
+        "--dp sample: the model a device keeps, serves and reports is a moving average of "
+        "its strategy's models over the rounds, this share of the previous average and the "
+        "rest of the round's model (0: the round's model alone); it trains and sends the "
+        "strategy's own. Post-processing: no privacy cost (docs/privacy.md).",
+    )
     dp_seeded_noise: bool = param(
         False,
         "(research) --dp client --secure-aggregation: each device draws its noise share from "

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from agent.learning import averaging
 from agent.learning.config import SGDConfig, StrategyConfig
 from agent.learning.kept import LOCAL, PERSONAL, Judged, Kept, Shadow
 from agent.learning.sparse import Masks, State
@@ -184,16 +185,23 @@ def judge(
     """What the device keeps of the models it `held` (the strategy's first) and its
     local-only model (`choose`, on its validation split; `--fallback off`: the strategy's),
     with the test figures of the kept model and of the strategy's (`tested` when known: its
-    test loss and metric)."""
+    test loss and metric). Under `--dp sample` with `--dp-average` the strategy's model is
+    first averaged with its previous ones (`averaging`): that average is what the device
+    judges, keeps and reports, and what its state carries to the next round; the strategy's
+    figures stay those of the round's model, which it trains on from and sends."""
     first = next(iter(held))
+    strategy_loss, strategy_metric = tested or learner.facts.evaluate_on(held[first][0], data)
+    share = averaging.kept_share(learner.config)
+    if share > 0:
+        held = {**held, first: averaging.averaged_candidate(agent.averaged, held[first], share)}
+        agent = dataclasses.replace(agent, averaged=held[first][0])
     mode = learner.config.fallback
     candidates = dict(held) if mode != "off" else {first: held[first]}
     if agent.shadow is not None and mode == "local":
         candidates[LOCAL] = (agent.shadow.weights, None)
     kept = choose(learner, candidates, data)
-    strategy_loss, strategy_metric = tested or learner.facts.evaluate_on(held[first][0], data)
     loss, metric = strategy_loss, strategy_metric
-    if kept.name != first:
+    if kept.name != first or share > 0:
         loss, metric = learner.facts.evaluate_on(kept.weights, data)
     judged = Judged(kept, loss, metric, strategy_loss, strategy_metric, fallback_flops)
     return dataclasses.replace(agent, kept=kept), judged

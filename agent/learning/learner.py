@@ -69,6 +69,9 @@ class AgentState:
     """The device's local-only model (`--fallback local`), trained beside the strategy's."""
     kept: Kept | None = None
     """The model the device keeps and serves after its latest round (`fallback.choose`)."""
+    averaged: State | None = None
+    """Under `--dp sample` with `--dp-average`: the moving average of its strategy's models,
+    which it keeps in their stead (`agent.learning.averaging`)."""
 
 
 @dataclass(frozen=True)

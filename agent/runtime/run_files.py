@@ -98,6 +98,7 @@ def persist(session: AgentRun, driver: Checkpointed, round_: int, record: dict[s
             "dp_steps": session.state.dp_steps,
             "local_model": session.state.shadow.saved() if session.state.shadow else None,
             "kept_model": session.state.kept.saved() if session.state.kept else None,
+            "averaged_model": session.state.averaged,
             "stop_watch": dataclasses.asdict(session.early.watch),
             "record": record,
             **driver.checkpoint(round_),
@@ -127,6 +128,7 @@ def restore(session: AgentRun, driver: Checkpointed) -> int:
         round=saved["round"],
         shadow=restored_shadow(saved.get("local_model")),
         kept=restored_kept(saved.get("kept_model")),
+        averaged=saved.get("averaged_model"),
     )
     session.early.watch = StopWatch(**saved.get("stop_watch", {}))
     if saved["record"].get("stopped"):
