@@ -407,9 +407,8 @@ class Simulation:
         traffic: dict[str, Traffic],
         screening: Screening,
     ) -> None:
-        """Judge round t's participants (the model each keeps, against the server's state
-        after the round: `judge`) and add the round to `rounds`, with the uploads the
-        aggregator's defence screened out or clipped (`screening`)."""
+        """Judge round t's participants (`judge`: the model each keeps, against the server
+        after the round) and add the round to `rounds` with what the defence screened."""
         ran = {}
         for k, fit in fits.items():
             judged = self.late_judge(strategy, self.learner, fit, server, k, self.data[k])
