@@ -137,7 +137,9 @@ def test_a_fleet_over_three_bridged_brokers_learns_as_simulate_does(
 ) -> None:
     cfg = config(**learning)
     brokers = tuple(b.address for b in sites)
-    options = EmulationOptions(workdir=tmp_path / "fleet", linger_s=20.0, agent_brokers=brokers)
+    options = EmulationOptions(
+        workdir=tmp_path / "fleet", linger_s=20.0, agent_brokers=brokers, agents_per_process=2
+    )
     emulation = Emulation(cfg, brokers[0], options)
     home = {agent: emulation.broker_of(k) for k, agent in enumerate(emulation.roster)}
     assert set(home.values()) == set(brokers), "every broker has agents of its own"

@@ -49,7 +49,11 @@ def config(
 
 
 def options(tmp_path: Path, **overrides: object) -> EmulationOptions:
-    return EmulationOptions(workdir=tmp_path / "fleet", linger_s=20.0, **overrides)
+    """Two agents to a process: a process each costs an interpreter and torch per agent,
+    and sharing one changes no number (tests/test_agents_per_process.py)."""
+    return EmulationOptions(
+        workdir=tmp_path / "fleet", linger_s=20.0, **{"agents_per_process": 2, **overrides}
+    )
 
 
 def figures(report: dict, what: str) -> dict[tuple[int, str], float]:
