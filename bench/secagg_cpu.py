@@ -126,11 +126,12 @@ class MessageCount:
         self.sizes[key] += len(payload)
 
 
-def emulate(
-    agents: int, seed: int, rounds: int, secure: bool, spec: str, spy: pathlib.Path | None = None
-) -> dict[str, Any]:
-    """One run, watched: (counting=False) each kind's CPU a steady round; (counting) each
-    kind's messages a steady round."""
+@contextlib.contextmanager
+def fleet(
+    agents: int, seed: int, rounds: int, secure: bool, spec: str
+) -> Iterator[tuple[Emulation, Any, pathlib.Path]]:
+    """A run's emulation, not started yet, on a broker of its own, with the broker's address
+    and the agents' folder (removed on leaving)."""
     cfg = config(agents, seed, rounds, secure)
     with tempfile.TemporaryDirectory(prefix="secagg-cpu-") as folder:
         workdir = pathlib.Path(folder)
@@ -138,18 +139,25 @@ def emulate(
             options = EmulationOptions(
                 workdir=workdir / "fleet", agents_per_process=auto_agents_per_process(agents)
             )
-            emulation = Emulation(cfg, address, options)
-            watch = CpuWatch(emulation)
-            spies = PySpy(emulation, spy) if spy is not None else None
-            watch.start()
-            try:
-                emulation.run()
-            finally:
-                watch.done.set()
-                watch.join()
-                if spies is not None:
-                    spies.stop()
-            ends = fleet_round_ends(workdir / "fleet", emulation.roster)
+            yield Emulation(cfg, address, options), address, workdir / "fleet"
+
+
+def emulate(
+    agents: int, seed: int, rounds: int, secure: bool, spec: str, spy: pathlib.Path | None = None
+) -> dict[str, Any]:
+    """One run, watched: each kind's CPU a steady round (rounds 3 to the last)."""
+    with fleet(agents, seed, rounds, secure, spec) as (emulation, _, agents_folder):
+        watch = CpuWatch(emulation)
+        spies = PySpy(emulation, spy) if spy is not None else None
+        watch.start()
+        try:
+            emulation.run()
+        finally:
+            watch.done.set()
+            watch.join()
+            if spies is not None:
+                spies.stop()
+        ends = fleet_round_ends(agents_folder, emulation.roster)
     first, last = watch.at(ends[2]), watch.at(ends[rounds])
     per_round = {k: (last[k] - first[k]) / (rounds - 2) for k in KINDS}
     return {
@@ -160,19 +168,12 @@ def emulate(
 
 def count(agents: int, seed: int, rounds: int, secure: bool, spec: str) -> dict[str, Any]:
     """One run's messages a steady round (rounds 3 to the last), by kind and sender."""
-    cfg = config(agents, seed, rounds, secure)
-    with tempfile.TemporaryDirectory(prefix="secagg-cpu-") as folder:
-        workdir = pathlib.Path(folder)
-        with broker(spec, workdir) as address:
-            options = EmulationOptions(
-                workdir=workdir / "fleet", agents_per_process=auto_agents_per_process(agents)
-            )
-            emulation = Emulation(cfg, address, options)
-            counter = MessageCount(emulation, address)
-            try:
-                emulation.run()
-            finally:
-                counter.spy.stop()
+    with fleet(agents, seed, rounds, secure, spec) as (emulation, address, _):
+        counter = MessageCount(emulation, address)
+        try:
+            emulation.run()
+        finally:
+            counter.spy.stop()
     steady = range(3, rounds + 1)
     out: dict[str, dict[str, float]] = {}
     for (round_, kind, who), n in counter.counts.items():
