@@ -125,7 +125,7 @@ def run_cell(task: str, strategy: str, seed: int, settings: Mapping[str, Any]) -
     settings = applying(strategy, settings)
     spec = dict(TASKS[task])
     run_file = spec.pop("run_file", None)
-    config = edgefl.config(run_file, **spec, strategy=strategy, seed=seed, **settings)
+    config = edgefl.config(run_file, **{**spec, **settings}, strategy=strategy, seed=seed)
     started = time.perf_counter()
     sim = Simulation(config)
     report = edgefl.Report.of(sim.run())
@@ -634,7 +634,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="an option for every run (a run file's key or a simulate flag)",
+        help="an option for every run (a run file's key or a simulate flag; it overrides "
+        "the task's own, e.g. rounds=120)",
     )
     parser.add_argument("--label", default="", help="result file suffix for a variant")
     parser.add_argument("--fresh", action="store_true", help="measure every cell again")
