@@ -77,9 +77,7 @@ class Child:
         # seeds its own (Python's `random` is reseeded after a fork by itself).
         sys.modules["numpy"].random.seed()
         stdin, stdout, stderr = (_text_stream(fd) for fd in (0, 1, 2))
-        sys.stdin = sys.__stdin__ = stdin
-        sys.stdout = sys.__stdout__ = stdout
-        sys.stderr = sys.__stderr__ = stderr
+        sys.stdin, sys.stdout, sys.stderr = stdin, stdout, stderr
         sys.argv = [self.module, *self.args]
         runpy.run_module(self.module, run_name="__main__", alter_sys=True)
 
@@ -93,7 +91,7 @@ def _text_stream(fd: int) -> io.TextIOWrapper:
     if fd == 0:
         return io.TextIOWrapper(open(fd, "rb", closefd=False), encoding, errors)  # noqa: SIM115
     raw = open(fd, "wb", buffering=0, closefd=False)  # noqa: SIM115
-    return io.TextIOWrapper(raw, encoding, errors, write_through=True)  # type: ignore[arg-type]
+    return io.TextIOWrapper(raw, encoding, errors, write_through=True)
 
 
 def _reply(channel: socket.socket, **fields: Any) -> None:
@@ -114,7 +112,6 @@ class Server:
     def serve(self) -> Child | None:
         """Serve until the requester closes its end (None), or, in a forked child, return
         what that child is to become."""
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the agents, not us
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.set_wakeup_fd(self._wake_w)
         with selectors.DefaultSelector() as selector:
@@ -126,9 +123,7 @@ class Server:
                         os.read(self._wake_r, 4096)
                         self.reap()
                         continue
-                    message, fds, _flags, _address = socket.recv_fds(
-                        self.channel, MESSAGE_BYTES, 3
-                    )
+                    message, fds, _flags, _address = socket.recv_fds(self.channel, MESSAGE_BYTES, 3)
                     if not message:
                         return None
                     child = self.fork(json.loads(message), fds)
@@ -160,6 +155,7 @@ class Server:
         """In a new child: the received descriptors as fds 0-2, nothing of the server's."""
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
@@ -198,6 +194,10 @@ def main(argv: list[str]) -> Child | None:
         print("usage: python -m agent.zygote FD (a SOCK_SEQPACKET socket)", file=sys.stderr)
         raise SystemExit(2)
     channel = socket.socket(fileno=int(argv[0]))
+    # Ctrl-C and a SIGTERM to the process group are for the agents, which end as they
+    # choose; the server lives on to report their ends, until the emulation closes it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     preload()
     return Server(channel).serve()
 

@@ -148,13 +148,13 @@ class ForkServer:
         request = {"module": command[0], "args": command[1:], "env": env, "cwd": os.getcwd()}
         with self._start_lock, open(os.devnull, "rb") as devnull:
             request_id = next(self._ids)
-            fds = [devnull.fileno() if stdio.stdin is None else stdio.stdin, stdio.stdout]
+            stdin = devnull.fileno() if stdio.stdin is None else stdio.stdin
+            message = json.dumps({"id": request_id, **request}).encode()
             try:
-                message = json.dumps({"id": request_id, **request}).encode()
-                socket.send_fds(self.channel, [message], [*fds, stdio.stderr])
+                socket.send_fds(self.channel, [message], [stdin, stdio.stdout, stdio.stderr])
                 reply = self._replies.get(timeout=START_TIMEOUT_S)
             except (OSError, queue.Empty) as error:
-                raise RuntimeError(f"the agents' fork server failed ({self.log}): {error}") from None
+                reply = {"error": str(error) or "no answer"}
         if "started" not in reply:
             raise RuntimeError(f"the agents' fork server failed ({self.log}): {reply['error']}")
         return ForkedProcess(self, request_id, reply["pid"])

@@ -207,6 +207,7 @@ class Emulation:
         self, config: ExperimentConfig, broker: BrokerAddress, options: EmulationOptions
     ) -> None:
         check_networked(config, aggregator=True)
+        self.start_method = start_method()
         self.roster = [f"agent-{k:03d}" for k in range(config.agents)]
         # The whole run is checked here, before any agent starts, by the code simulate builds
         # its fleet with (`build_workload`: the dataset, its partition over the roster, the
@@ -224,7 +225,6 @@ class Emulation:
         """The process each agent shares with others (agents_per_process > 1)."""
         self.conductor: Conductor
         self.key, self.signing_args = self.signing()
-        self.start_method = start_method()
         self.agent_starter: Starter | None = None
         """What starts the agents' processes (coordinator/agent_starts.py): from the first
         start to the end of `run`."""

@@ -21,8 +21,8 @@ from coordinator.agent_starts import (
     START_ENV,
     ForkServer,
     FreshStarter,
-    Starter,
     StartedProcess,
+    Starter,
     Stdio,
     start_method,
 )
@@ -66,7 +66,9 @@ def start_probe(
 ) -> tuple[StartedProcess, dict]:
     """Start the probe with `args`; what it saw of itself, once it has said it."""
     with open(out, "ab") as log:
-        process = starter.start(["zygote_probe", *args], env, Stdio(None, log.fileno(), log.fileno()))
+        process = starter.start(
+            ["zygote_probe", *args], env, Stdio(None, log.fileno(), log.fileno())
+        )
     deadline = time.monotonic() + 120
     while not out.read_text().strip():
         assert time.monotonic() < deadline and process.poll() in (None, 0, 3), out.read_text()
@@ -91,17 +93,22 @@ def test_a_started_process_is_python_dash_m_with_its_own_arguments_environment_a
         assert seen["ppid"] == os.getpid() and not seen["torch"]
 
 
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT, signal.SIGTERM])
 @pytest.mark.parametrize("forked", [True, False], ids=["fork", "fresh"])
-def test_a_killed_process_reports_minus_nine_as_popen_does(
-    server: ForkServer, probe_env: dict[str, str], tmp_path: Path, forked: bool
+def test_a_signalled_process_ends_as_a_fresh_interpreter_would(
+    server: ForkServer, probe_env: dict[str, str], tmp_path: Path, forked: bool, sig: int
 ) -> None:
+    """Killed: -9, as Popen reports it. Interrupted or terminated: Python's own handling
+    (KeyboardInterrupt, which ends the interpreter by SIGINT; SIGTERM's default), though
+    the server ignores both."""
     starter = server if forked else FreshStarter()
     process, _ = start_probe(starter, ["sleep"], probe_env, tmp_path / "out.log")
     assert process.poll() is None
-    process.send_signal(signal.SIGSTOP)
-    process.send_signal(signal.SIGKILL)
-    assert process.wait(60) == -signal.SIGKILL and process.poll() == -signal.SIGKILL
+    process.send_signal(sig)
+    assert process.wait(60) == -sig and process.poll() == -sig
     process.kill()  # once it has ended: nothing happens, as with Popen
+    if sig == signal.SIGINT:
+        assert "KeyboardInterrupt" in (tmp_path / "out.log").read_text()
 
 
 def test_the_agent_command_line_fails_the_same_forked_or_fresh(
@@ -120,6 +127,15 @@ def test_the_agent_command_line_fails_the_same_forked_or_fresh(
     assert outputs["fork"] == outputs["fresh"]
 
 
+def process_state(pid: int) -> str:
+    """The process's state letter (R, S, T, Z...), "gone" if there is no such process."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return "gone"
+    return next(line for line in status.splitlines() if line.startswith("State:")).split()[1]
+
+
 def test_children_of_a_server_that_died_are_ended_and_reported_killed(
     probe_env: dict[str, str], tmp_path: Path
 ) -> None:
@@ -127,6 +143,10 @@ def test_children_of_a_server_that_died_are_ended_and_reported_killed(
     process, _ = start_probe(server, ["sleep"], probe_env, tmp_path / "out.log")
     server.process.kill()
     assert process.wait(60) == -signal.SIGKILL
+    deadline = time.monotonic() + 30
+    while process_state(process.pid) not in ("gone", "Z"):  # a zombie until init reaps it
+        assert time.monotonic() < deadline, "the child of the dead server still runs"
+        time.sleep(0.05)
     server.close()
     assert server.process.returncode == -signal.SIGKILL
 
