@@ -9,6 +9,15 @@ and stderr, and ends as that interpreter would (its exit code, or the signal tha
 it). No torch operation runs here before a fork: the intra-op thread pools they start do
 not survive one; importing starts no thread (`serve` checks).
 
+What an interpreter reads from its environment only as it starts is the server's: it is
+started with the agents' environment (coordinator/emulate.py `agent_env`), so sys.path
+(PYTHONSAFEPATH, PYTHONPATH), the thread settings torch and OpenBLAS read as they load
+(OMP_NUM_THREADS...) and the str hash seed (one for all the agents, where each fresh one
+drew its own: no result depends on it) are what the agents would have had. The rest is
+applied in the child: the request's environment, TMPDIR (tempfile reads it afresh),
+PYTHONUNBUFFERED (the standard streams are made unbuffered), MALLOC_ARENA_MAX (which
+glibc reads at a process's start: set with mallopt instead, before any agent thread runs).
+
 Requests, one JSON object a message, with three descriptors:
 `{"id": N, "module": M, "args": [...], "env": {...}, "cwd": PATH}`.
 Replies: `{"started": N, "pid": PID}` once child N is forked (`{"failed": N, "error": E}`

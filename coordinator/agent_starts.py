@@ -197,7 +197,8 @@ class ForkServer:
             return self._codes[child.request_id]
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """End the server (its children are the caller's to end first) and reap it."""
+        """End the server (its children are the caller's to end first) and reap it; its log
+        is kept if it wrote anything (an emulation's folder holds the agents' logs)."""
         with contextlib.suppress(OSError):
             self.channel.shutdown(socket.SHUT_RDWR)
         try:
@@ -207,6 +208,9 @@ class ForkServer:
             self.process.wait(timeout_s)
         self._reader.join(timeout_s)
         self.channel.close()
+        with contextlib.suppress(OSError):
+            if self.log.stat().st_size == 0:
+                self.log.unlink()
 
 
 def starter(method: str, env: dict[str, str], log: Path) -> Starter:

@@ -5,7 +5,9 @@ follows their statuses for progress, and when they are done assembles the same r
 as `simulate` from each agent's own round log. Each agent is an `edge-agent` process of its
 own, or, with `agents_per_process` above 1, one of several `edge-agent` commands that a
 `python -m agent.host` process runs in threads (agent/host.py): same code, same connection
-per agent, one interpreter and torch import per process. Traffic in this report is what each
+per agent, one interpreter per process. Each process is forked from a server that imported
+torch and the agent once (coordinator/agent_starts.py, agent/zygote.py), or, with
+EDGEFL_AGENT_START=fresh, started as a fresh interpreter. Traffic in this report is what each
 agent's MQTT connection actually carried (frames, including statuses and re-sent models), so
 it is a little above the simulator's message sizes.
 """
@@ -75,8 +77,9 @@ class EmulationOptions:
 def auto_agents_per_process(agents: int, cores: int | None = None) -> int:
     """How many agents share a process by default: the fleet spread evenly over 2 x cores
     processes, one agent each when it has no more agents than that. A process costs about
-    175 MB and 2-3 s of CPU to start (its interpreter and torch), one more agent in a shared
-    one about 4 MB (bench/agents_per_process.py). Two processes a core keep every core busy
+    175 MB and, started afresh, 2-3 s of CPU (its interpreter and torch; forked, as it is
+    now, far less: bench/agent_starts.py), one more agent in a shared one about 4 MB
+    (bench/agents_per_process.py). Two processes a core keep every core busy
     in the agents' Python work, which one process runs on one core at a time; more add no
     speed and cost start-up: on 2 cores, 8 agents (dadpfl, 5 rounds) ran in 6.7 s as 4
     processes, 5.0 s as 2 and 14.6 s as 8 (the minimum of 8 processes before session 15)."""

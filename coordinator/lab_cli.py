@@ -242,8 +242,8 @@ def emulate(
 ) -> None:
     """Run a fleet of real edge-agent processes over MQTT and write the same report as
     simulate. Ctrl-C ends the agents and writes the report of the rounds they did. The
-    agents' processes are forked from one that imported torch once (its output goes to
-    WORKDIR/fork-server.log); EDGEFL_AGENT_START=fresh starts each as a fresh interpreter."""
+    agents' processes are forked from one that imported torch once (what it prints is
+    kept in WORKDIR/fork-server.log); EDGEFL_AGENT_START=fresh starts each afresh."""
     stop = stop_on_signal()  # first: a Ctrl-C while starting is honoured once started
     require_extra(
         LAB_EXTRA, "coordinator emulate", embedded_broker=not brokers, http=http, plot_dir=plot_dir

@@ -157,7 +157,7 @@ def test_a_closed_server_ends_cleanly(probe_env: dict[str, str], tmp_path: Path)
     assert process.wait(60) == 0
     server.close()
     assert server.process.returncode == 0
-    assert (tmp_path / "fork-server.log").read_text() == ""
+    assert not (tmp_path / "fork-server.log").exists(), "an empty log is not kept"
 
 
 def test_the_start_method_is_fork_unless_asked_otherwise() -> None:
