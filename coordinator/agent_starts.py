@@ -30,9 +30,14 @@ START_TIMEOUT_S = 120.0
 """How long a start may wait for the server (its imports take seconds on a loaded machine)."""
 
 
-def start_method(environ: dict[str, str] | os._Environ[str] = os.environ) -> str:
-    """The way agents start: EDGEFL_AGENT_START, `fork` (the default) or `fresh`."""
-    method = environ.get(START_ENV, "").strip() or "fork"
+def start_method(
+    environ: dict[str, str] | os._Environ[str] = os.environ, platform: str = sys.platform
+) -> str:
+    """The way agents start: EDGEFL_AGENT_START, `fork` or `fresh`; by default `fork` on
+    Linux, where the server is built and tested (a fork after torch's import is unsafe on
+    macOS, whose system libraries do not survive one), `fresh` elsewhere."""
+    default = "fork" if platform.startswith("linux") else "fresh"
+    method = environ.get(START_ENV, "").strip() or default
     if method not in START_METHODS:
         raise ValueError(f"{START_ENV} must be 'fork' or 'fresh', not {method!r}")
     return method

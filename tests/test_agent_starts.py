@@ -160,8 +160,10 @@ def test_a_closed_server_ends_cleanly(probe_env: dict[str, str], tmp_path: Path)
     assert not (tmp_path / "fork-server.log").exists(), "an empty log is not kept"
 
 
-def test_the_start_method_is_fork_unless_asked_otherwise() -> None:
-    assert start_method({}) == "fork"
+def test_the_start_method_is_fork_on_linux_unless_asked_otherwise() -> None:
+    assert start_method({}, platform="linux") == "fork"
+    assert start_method({}, platform="darwin") == "fresh"
+    assert start_method({START_ENV: "fork"}, platform="darwin") == "fork"
     assert start_method({START_ENV: "fresh"}) == "fresh"
     with pytest.raises(ValueError, match="EDGEFL_AGENT_START must be 'fork' or 'fresh'"):
         start_method({START_ENV: "spawn"})
