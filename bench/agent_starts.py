@@ -15,7 +15,9 @@ Session 37 (bench/results/agent_starts.json; 2 cores shared with other benchmark
 average 2.2-6.8 over the runs), 10 rounds, two runs of each: 8 agents 4 to a process,
 forked 16.2 and 16.2 CPU-s (wall 15.3 and 17.6 s), fresh 18.9 and 17.6 CPU-s (20.6 and
 18.6 s); 8 agents a process each, forked 24.2 and 25.4 CPU-s (24.9 and 25.9 s), fresh 37.4
-and 33.3 CPU-s (37.5 and 33.7 s). Every run's mean accuracy 0.68435.
+and 33.3 CPU-s (37.5 and 33.7 s). Again at load 2.8-6.5 (agent_starts-2.json): 8x4 forked
+16.7 and 15.9, fresh 17.5 and 17.1 CPU-s; 8x1 forked 22.1 and 21.9, fresh 32.8 and 32.9.
+Every run's mean accuracy 0.68435.
 """
 
 from __future__ import annotations
