@@ -103,9 +103,9 @@ class LimitedEmulation(Emulation):
     """An emulation whose agents run through `agent_main` (for the default-limits run)."""
 
     def agent_command(self, index: int) -> list[str]:
-        command = super().agent_command(index)
-        assert command[1:3] == ["-m", "agent"], command
-        return [command[0], "-m", "bench.flood", "agent", *command[3:]]
+        module, *args = super().agent_command(index)
+        assert module == "agent", module
+        return ["bench.flood", "agent", *args]
 
 
 # ------------------------------------------------------------------------ hostile payloads

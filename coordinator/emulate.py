@@ -5,20 +5,22 @@ follows their statuses for progress, and when they are done assembles the same r
 as `simulate` from each agent's own round log. Each agent is an `edge-agent` process of its
 own, or, with `agents_per_process` above 1, one of several `edge-agent` commands that a
 `python -m agent.host` process runs in threads (agent/host.py): same code, same connection
-per agent, one interpreter and torch import per process. Traffic in this report is what each
+per agent, one interpreter per process. Each process is forked from a server that imported
+torch and the agent once (coordinator/agent_starts.py, agent/zygote.py), or, with
+EDGEFL_AGENT_START=fresh, started as a fresh interpreter. Traffic in this report is what each
 agent's MQTT connection actually carried (frames, including statuses and re-sent models), so
 it is a little above the simulator's message sizes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +33,7 @@ from agent.runtime import checkpoint, new_run_id
 from agent.runtime.heap import settled_heap
 from agent.time_to_target import with_time_to_target
 from agent.workload import build_workload
+from coordinator.agent_starts import StartedProcess, Starter, Stdio, start_method, starter
 from coordinator.broker_config import COORDINATOR
 from coordinator.conductor import Conductor, assemble_report
 from protocol import BrokerAddress, Identity, connect, leave
@@ -74,8 +77,9 @@ class EmulationOptions:
 def auto_agents_per_process(agents: int, cores: int | None = None) -> int:
     """How many agents share a process by default: the fleet spread evenly over 2 x cores
     processes, one agent each when it has no more agents than that. A process costs about
-    175 MB and 2-3 s of CPU to start (its interpreter and torch), one more agent in a shared
-    one about 4 MB (bench/agents_per_process.py). Two processes a core keep every core busy
+    175 MB and, started afresh, 2-3 s of CPU (its interpreter and torch; forked, as it is
+    now, far less: bench/agent_starts.py), one more agent in a shared one about 4 MB
+    (bench/agents_per_process.py). Two processes a core keep every core busy
     in the agents' Python work, which one process runs on one core at a time; more add no
     speed and cost start-up: on 2 cores, 8 agents (dadpfl, 5 rounds) ran in 6.7 s as 4
     processes, 5.0 s as 2 and 14.6 s as 8 (the minimum of 8 processes before session 15)."""
@@ -84,8 +88,8 @@ def auto_agents_per_process(agents: int, cores: int | None = None) -> int:
 
 
 class AgentProcess(Protocol):
-    """What the emulation needs of a running agent: a `subprocess.Popen`, or a
-    `HostedProcess` for an agent that shares its process."""
+    """What the emulation needs of a running agent: a `StartedProcess` (a forked child or a
+    `subprocess.Popen`), or a `HostedProcess` for an agent that shares its process."""
 
     @property
     def returncode(self) -> int | None: ...
@@ -99,22 +103,41 @@ class AgentProcess(Protocol):
 
     def wait(self, timeout: float | None = None) -> int: ...
 
+    def send_signal(self, sig: int) -> None: ...
+
 
 class SharedProcess:
-    """A `python -m agent.host` process and the exit codes its agents reported (its stdout
-    carries `exit ID CODE` lines; its stdin takes `kill ID`)."""
+    """A `python -m agent.host` process and the exit codes its agents reported (its stdout,
+    `events` here, carries `exit ID CODE` lines; its stdin, `commands`, takes `kill ID`)."""
 
-    def __init__(self, command: list[str], log: IO[bytes], env: dict[str, str]) -> None:
-        self.process = subprocess.Popen(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env
-        )
+    def __init__(self, process: StartedProcess, commands: IO[bytes], events: IO[bytes]) -> None:
+        self.process = process
+        self.commands = commands
+        self.events = events
         self.codes: dict[str, int] = {}
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
+    @classmethod
+    def start(
+        cls, starter: Starter, command: list[str], log: IO[bytes], env: dict[str, str]
+    ) -> SharedProcess:
+        """Start `python -m *command` with pipes for its commands and events."""
+        commands_r, commands_w = os.pipe()
+        events_r, events_w = os.pipe()
+        try:
+            process = starter.start(command, env, Stdio(commands_r, events_w, log.fileno()))
+        except BaseException:
+            os.close(commands_w)
+            os.close(events_r)
+            raise
+        finally:
+            os.close(commands_r)
+            os.close(events_w)
+        return cls(process, open(commands_w, "wb"), open(events_r, "rb"))
+
     def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
+        for line in self.events:
             match line.decode(errors="replace").split():
                 case ["exit", agent_id, code]:
                     self.codes[agent_id] = int(code)
@@ -131,9 +154,8 @@ class SharedProcess:
 
     def kill_agent(self, agent_id: str) -> None:
         """Kill one agent alone, as a crash would (agent/host.py)."""
-        assert self.process.stdin is not None
-        self.process.stdin.write(f"kill {agent_id}\n".encode())
-        self.process.stdin.flush()
+        self.commands.write(f"kill {agent_id}\n".encode())
+        self.commands.flush()
 
     def end(self, timeout_s: float) -> None:
         """Wait for the process itself to end, killing it after `timeout_s`: its agents'
@@ -144,6 +166,10 @@ class SharedProcess:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait(timeout_s)
+        with contextlib.suppress(OSError):  # the process is gone: nothing more to tell it
+            self.commands.close()
+        self._reader.join(timeout_s)
+        self.events.close()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +194,10 @@ class HostedProcess:
     def kill(self) -> None:
         self.host.process.kill()
 
+    def send_signal(self, sig: int) -> None:
+        """Signal the process, with every agent it runs."""
+        self.host.process.send_signal(sig)
+
     def wait(self, timeout: float | None = None) -> int:
         self.host.process.wait(timeout)
         code = self.host.code_of(self.agent_id)
@@ -180,6 +210,7 @@ class Emulation:
         self, config: ExperimentConfig, broker: BrokerAddress, options: EmulationOptions
     ) -> None:
         check_networked(config, aggregator=True)
+        self.start_method = start_method()
         self.roster = [f"agent-{k:03d}" for k in range(config.agents)]
         # The whole run is checked here, before any agent starts, by the code simulate builds
         # its fleet with (`build_workload`: the dataset, its partition over the roster, the
@@ -197,6 +228,9 @@ class Emulation:
         """The process each agent shares with others (agents_per_process > 1)."""
         self.conductor: Conductor
         self.key, self.signing_args = self.signing()
+        self.agent_starter: Starter | None = None
+        """What starts the agents' processes (coordinator/agent_starts.py): from the first
+        start to the end of `run`."""
 
     def signing(self) -> tuple[Signer | None, list[str]]:
         """How this fleet signs: the coordinator's signer and the agents' flags for it.
@@ -231,7 +265,8 @@ class Emulation:
         return brokers[index % len(brokers)]
 
     def agent_command(self, index: int) -> list[str]:
-        return [sys.executable, "-m", "agent", *self.agent_args(index)]
+        """What this agent's process runs: `python -m` and this (a module, its arguments)."""
+        return ["agent", *self.agent_args(index)]
 
     def agent_args(self, index: int) -> list[str]:
         """The `edge-agent` arguments of this agent (a process of its own or a thread)."""
@@ -260,17 +295,28 @@ class Emulation:
         """Where an agent's output goes (appended to by each process started for it)."""
         return self.options.workdir / f"{agent_id}.log"
 
-    def start_agent(self, index: int) -> subprocess.Popen[bytes]:
+    def starter(self) -> Starter:
+        """`agent_starter`, started if need be."""
+        if self.agent_starter is None:
+            workdir = self.options.workdir
+            workdir.mkdir(parents=True, exist_ok=True)
+            log = workdir / "fork-server.log"
+            self.agent_starter = starter(self.start_method, agent_env(workdir), log)
+        return self.agent_starter
+
+    def close_starter(self) -> None:
+        if self.agent_starter is not None:
+            self.agent_starter.close()
+            self.agent_starter = None
+
+    def start_agent(self, index: int) -> StartedProcess:
         agent_id = self.roster[index]
         log_path = self.log_path(agent_id)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
-            process = subprocess.Popen(
-                self.agent_command(index),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=agent_env(self.options.workdir),
-            )
+            stdio = Stdio(None, log.fileno(), log.fileno())
+            env = agent_env(self.options.workdir)
+            process = self.starter().start(self.agent_command(index), env, stdio)
         self.processes[agent_id] = process
         return process
 
@@ -286,7 +332,7 @@ class Emulation:
             for a, i in agents.items()
         ]
         (workdir / f"{name}.json").write_text(json.dumps(spec, indent=1))
-        command = [sys.executable, "-m", "agent.host", str(workdir / f"{name}.json")]
+        command = ["agent.host", str(workdir / f"{name}.json")]
         with open(workdir / f"{name}.log", "ab") as log:
             # Many agent threads: glibc's per-thread malloc arenas would each keep what
             # their thread freed; two arenas hold the process to what it uses.
@@ -294,7 +340,7 @@ class Emulation:
                 **agent_env(workdir),
                 "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", "2"),
             }
-            host = SharedProcess(command, log, env)
+            host = SharedProcess.start(self.starter(), command, log, env)
         for agent_id in agents:
             self.processes[agent_id] = HostedProcess(host, agent_id)
             self.shared[agent_id] = host
@@ -343,6 +389,7 @@ class Emulation:
             log_folder=self.options.workdir / "runs" / self.run_id,
         )
         try:
+            self.starter()  # a fork server imports while the conductor starts
             self.conductor.start()
             if not (stop is not None and stop.is_set()):
                 self.start_agents()
@@ -355,6 +402,7 @@ class Emulation:
                     process.wait(10)
             for host in set(self.shared.values()):
                 host.end(10)
+            self.close_starter()
             self.conductor.close()
             leave(transport, identity)
         interrupted = stop is not None and stop.is_set()

@@ -217,9 +217,8 @@ def emulation_broker(
     default=None,
     help="Run this many agents as threads of one process (each still with its own "
     "connection, state and log); 1: a process per agent. [default: the agents spread over "
-    "2 x cores processes, one each up to that many: a process costs about 175 MB and 2-3 s "
-    "of CPU to start, one more agent in a shared one about 4 MB, and more processes than "
-    "that add no speed]",
+    "2 x cores processes, one each up to that many: a process costs about 175 MB, one more "
+    "agent in a shared one about 4 MB, and more processes than that add no speed]",
 )
 @http_options
 @report_options
@@ -242,7 +241,9 @@ def emulate(
     **values: object,
 ) -> None:
     """Run a fleet of real edge-agent processes over MQTT and write the same report as
-    simulate. Ctrl-C ends the agents and writes the report of the rounds they did."""
+    simulate. Ctrl-C ends the agents and writes the report of the rounds they did. The
+    agents' processes are forked from one that imported torch once (what it prints is
+    kept in WORKDIR/fork-server.log); EDGEFL_AGENT_START=fresh starts each afresh."""
     stop = stop_on_signal()  # first: a Ctrl-C while starting is honoured once started
     require_extra(
         LAB_EXTRA, "coordinator emulate", embedded_broker=not brokers, http=http, plot_dir=plot_dir
