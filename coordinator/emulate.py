@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Any
 
 from agent.experiment import ExperimentConfig, check_networked, profile_names
 from agent.model_store import run_folder
@@ -85,25 +85,6 @@ def auto_agents_per_process(agents: int, cores: int | None = None) -> int:
     processes, 5.0 s as 2 and 14.6 s as 8 (the minimum of 8 processes before session 15)."""
     processes = 2 * (cores or os.cpu_count() or 1)
     return math.ceil(agents / processes)
-
-
-class AgentProcess(Protocol):
-    """What the emulation needs of a running agent: a `StartedProcess` (a forked child or a
-    `subprocess.Popen`), or a `HostedProcess` for an agent that shares its process."""
-
-    @property
-    def returncode(self) -> int | None: ...
-
-    @property
-    def pid(self) -> int: ...
-
-    def poll(self) -> int | None: ...
-
-    def kill(self) -> None: ...
-
-    def wait(self, timeout: float | None = None) -> int: ...
-
-    def send_signal(self, sig: int) -> None: ...
 
 
 class SharedProcess:
@@ -223,7 +204,9 @@ class Emulation:
         self.options = options
         self.run_id = new_run_id()
         self.fleet = f"emu-{self.run_id[4:12]}"
-        self.processes: dict[str, AgentProcess] = {}
+        self.processes: dict[str, StartedProcess] = {}
+        """Each agent's process: its own (a forked child or a `subprocess.Popen`), or a
+        `HostedProcess` for an agent that shares one."""
         self.shared: dict[str, SharedProcess] = {}
         """The process each agent shares with others (agents_per_process > 1)."""
         self.conductor: Conductor
