@@ -227,6 +227,17 @@ def run_in_threads(runs: list[Callable[[], None]], timeout_s: float = 60) -> Non
     assert not any(thread.is_alive() for thread in threads), "the run did not finish"
 
 
+def wait_until_logged(emulation: Any, thread: threading.Thread, agent: str, round_: int) -> None:
+    """Wait until `agent` of `emulation` (a `coordinator.emulate.Emulation` whose run goes on
+    in `thread`) has logged round `round_`."""
+    from agent.runtime import checkpoint
+
+    path = emulation.round_log(agent)
+    while round_ not in checkpoint.read_records(path):
+        assert thread.is_alive(), f"the run ended before {agent} logged round {round_}"
+        thread.join(0.05)
+
+
 @pytest.fixture
 def amqtt_broker(tmp_path: Path) -> Iterator[BrokerProcess]:
     yield from _running(_amqtt(tmp_path))

@@ -13,10 +13,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import wait_until_logged
 
 from agent.experiment import ExperimentConfig
 from agent.learning import preset
-from agent.runtime import checkpoint
 from coordinator.agent_starts import (
     START_ENV,
     ForkServer,
@@ -191,10 +191,7 @@ def test_an_emulated_agent_is_started_as_asked_and_a_killed_one_fails_with_sigki
     result: dict = {}
     thread = threading.Thread(target=lambda: result.update(report=emulation.run()), daemon=True)
     thread.start()
-    path = emulation.round_log("agent-002")
-    while 1 not in checkpoint.read_records(path):
-        assert thread.is_alive(), "the run ended before agent-002 logged round 1"
-        thread.join(0.05)
+    wait_until_logged(emulation, thread, "agent-002", 1)
     server = emulation.agent_starter
     parents = {parent_pid(p.pid) for p in emulation.processes.values()}
     if method == "fork":

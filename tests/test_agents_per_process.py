@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from conftest import wait_until_logged
 
 from agent.experiment import ExperimentConfig
 from agent.learning import preset
@@ -84,10 +85,7 @@ def test_one_agent_killed_in_a_shared_process_fails_alone(amqtt_broker, tmp_path
     result: dict[str, Any] = {}
     thread = threading.Thread(target=lambda: result.update(report=emulation.run()), daemon=True)
     thread.start()
-    path = emulation.round_log("agent-001")
-    while 2 not in checkpoint.read_records(path):
-        assert thread.is_alive(), "the run ended before agent-001 logged round 2"
-        thread.join(0.05)
+    wait_until_logged(emulation, thread, "agent-001", 2)
     emulation.kill_agent("agent-001")
     thread.join(400)
     watcher.stop()
@@ -97,7 +95,8 @@ def test_one_agent_killed_in_a_shared_process_fails_alone(amqtt_broker, tmp_path
     assert summary["failures"].keys() == {"agent-001"}
     failure = summary["failures"]["agent-001"]
     assert failure["reason"] == "exit code -9 (SIGKILL)"
-    assert failure["from_round"] == max(checkpoint.read_records(path)) + 1 >= 3
+    logged = checkpoint.read_records(emulation.round_log("agent-001"))
+    assert failure["from_round"] == max(logged) + 1 >= 3
     assert summary["failed_agents"] == {"agent-001": -9}
     assert summary["rounds"] == 6 and summary["agents_reported"] == 3
     mate = checkpoint.read_records(emulation.round_log("agent-000"))

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from conftest import wait_until_logged
 
 from agent.experiment import ExperimentConfig
 from agent.learning import preset
@@ -129,17 +130,15 @@ def test_an_agent_killed_mid_run_is_named_with_its_round_and_signal(
         target=lambda: result.update(report=emulation.run(done.append)), daemon=True
     )
     thread.start()
-    path = emulation.round_log("agent-001")
-    while 2 not in checkpoint.read_records(path):
-        assert thread.is_alive(), "the run ended before agent-001 logged round 2"
-        thread.join(0.05)
+    wait_until_logged(emulation, thread, "agent-001", 2)
     emulation.processes["agent-001"].send_signal(signal.SIGKILL)
     thread.join(150)
     summary = result["report"]["summary"]
     failure = summary["failures"]["agent-001"]
     assert summary["failures"].keys() == {"agent-001"}
     assert failure["reason"] == "exit code -9 (SIGKILL)"
-    assert failure["from_round"] == max(checkpoint.read_records(path)) + 1 >= 3
+    logged = checkpoint.read_records(emulation.round_log("agent-001"))
+    assert failure["from_round"] == max(logged) + 1 >= 3
     assert summary["rounds"] == 6 and summary["agents_reported"] == 2
     assert done[-1] < 6 * 3, "the progress bar is not filled for the dead agent's rounds"
 

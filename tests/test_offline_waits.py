@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import wait_until_logged
 
 from agent.experiment import ExperimentConfig
 from agent.learning import preset
@@ -92,11 +93,8 @@ def test_peers_of_a_killed_agent_finish_without_waiting_a_round_timeout(
     result: dict[str, Any] = {}
     thread = threading.Thread(target=lambda: result.update(report=emulation.run()), daemon=True)
     thread.start()
-    path = emulation.round_log("agent-001")
     try:
-        while 1 not in checkpoint.read_records(path):
-            assert thread.is_alive(), "the run ended before agent-001 logged round 1"
-            thread.join(0.05)
+        wait_until_logged(emulation, thread, "agent-001", 1)
         emulation.processes["agent-001"].send_signal(signal.SIGKILL)
         killed = time.monotonic()
         thread.join(LONG_S + 30)
